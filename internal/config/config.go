@@ -1,0 +1,464 @@
+// Package config loads and validates the administrator's driver configuration
+// (TOML). Decoding is strict: an unknown key is an error, so a typo never
+// silently falls back to a default.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sort"
+	"strings"
+	"time"
+
+	"github.com/pelletier/go-toml/v2"
+)
+
+// DefaultPath is where the executables look when neither the --config flag
+// nor the LIBVIRT_EXECUTOR_CONFIG environment variable names a file.
+const DefaultPath = "/etc/libvirt-executor/config.toml"
+
+// EnvPath names the environment variable that overrides DefaultPath.
+const EnvPath = "LIBVIRT_EXECUTOR_CONFIG"
+
+// Domain types.
+const (
+	DomainKVM  = "kvm"
+	DomainQEMU = "qemu"
+	DomainAuto = "auto"
+)
+
+// Key injection methods.
+const (
+	InjectSMBIOS    = "smbios"
+	InjectCloudInit = "cloud-init"
+)
+
+// Boot modes.
+const (
+	BootDisk   = "disk"
+	BootKernel = "kernel"
+)
+
+// Host key policies.
+const (
+	HostKeyPinned = "pinned"
+	// HostKeyInsecureIgnore skips host key verification. Loudly named on
+	// purpose: it lets anyone who answers on the guest's address receive the
+	// job's script.
+	HostKeyInsecureIgnore = "insecure-ignore-host-key"
+)
+
+// Config is the whole driver configuration.
+type Config struct {
+	// LibvirtURI is the libvirt connection URI. Default "qemu:///system".
+	LibvirtURI string `toml:"libvirt_uri"`
+	// DomainType is "kvm", "qemu" (software emulation, TCG) or "auto": kvm
+	// when libvirt reports it available for the host architecture, else qemu.
+	DomainType string `toml:"domain_type"`
+	// StoragePool is the libvirt storage pool that receives each job's
+	// overlay disk and seed volume. Default "default".
+	StoragePool string `toml:"storage_pool"`
+	// Network is the libvirt network the job VMs attach to; its DHCP leases
+	// give the guest address. Default "default".
+	Network string `toml:"network"`
+	// NamePrefix starts the name of everything the driver creates: domains,
+	// volumes, state directories. Lower-case letters, digits and '-', 1-16
+	// characters, starting with a letter. Default "lve". Give each runner
+	// entry that shares a host with another GitLab instance its own prefix.
+	NamePrefix string `toml:"name_prefix"`
+	// StateDir holds per-job state (address, pinned host key, client key) in
+	// 0700 directories, and the controller identity. Default
+	// "/var/lib/libvirt-executor".
+	StateDir string `toml:"state_dir"`
+	// DefaultImage is the image used when a job does not ask for one. Must be
+	// a key of Images.
+	DefaultImage string `toml:"default_image"`
+	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
+	// "insecure-ignore-host-key" (no verification; for debugging images only).
+	HostKeyPolicy string `toml:"host_key_policy"`
+
+	Defaults Defaults `toml:"defaults"`
+	Timeouts Timeouts `toml:"timeouts"`
+	SSH      SSH      `toml:"ssh"`
+	// Images maps an image name (what a job's `image:` selects) to its
+	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
+	// characters, starting with a letter or digit.
+	Images map[string]*Image `toml:"images"`
+
+	// Path is the file the configuration was read from (not a TOML key).
+	Path string `toml:"-"`
+}
+
+// Defaults are the resources a job VM gets.
+type Defaults struct {
+	// VCPUs per job VM. Default 2, allowed 1-64.
+	VCPUs int `toml:"vcpus"`
+	// MemoryMiB per job VM. Default 2048, allowed 128-262144.
+	MemoryMiB int `toml:"memory_mib"`
+	// DiskGiB is the job disk's virtual size; 0 keeps the base image's size.
+	// A value smaller than the base image is raised to the base size.
+	// Allowed 0-4096.
+	DiskGiB int `toml:"disk_gib"`
+}
+
+// Timeouts bound the waits.
+type Timeouts struct {
+	// Boot bounds the time from domain start until SSH is ready. Default "5m".
+	Boot Duration `toml:"boot"`
+	// Cleanup bounds cleanup, and the undo of a failed prepare, which run on
+	// a fresh deadline even after a cancel. Default "2m".
+	Cleanup Duration `toml:"cleanup"`
+	// JobSlack is added to the job's timeout to form the deadline recorded
+	// in each VM's ownership metadata, after which a sweep may remove it.
+	// Default "30m".
+	JobSlack Duration `toml:"job_slack"`
+}
+
+// SSH settings for the connection to the guest.
+type SSH struct {
+	// KeepaliveInterval is how often a keepalive is sent. Default "5s".
+	KeepaliveInterval Duration `toml:"keepalive_interval"`
+	// KeepaliveCount is how many intervals may pass without a reply before
+	// the guest is declared dead (a system failure). Default 3.
+	KeepaliveCount int `toml:"keepalive_count"`
+	// ConnectTimeout bounds one TCP connect + handshake attempt. Default "5s".
+	ConnectTimeout Duration `toml:"connect_timeout"`
+}
+
+// Image is one base image jobs may use.
+type Image struct {
+	// Base is the absolute path of the base disk image (readable by libvirt).
+	// The job disk is a linked clone: a qcow2 overlay with Base as backing file.
+	Base string `toml:"base"`
+	// Format of Base: "qcow2" (default) or "raw".
+	Format string `toml:"format"`
+	// User is the guest account that runs jobs. Default "root". Images using
+	// key_injection "smbios" must use "root".
+	User string `toml:"user"`
+	// Shell runs the job scripts; GitLab's scripts need "bash" (default).
+	Shell string `toml:"shell"`
+	// BuildsDir is the guest directory for builds. Default "/builds".
+	BuildsDir string `toml:"builds_dir"`
+	// CacheDir is the guest directory for caches. Default "/cache".
+	CacheDir string `toml:"cache_dir"`
+	// KeyInjection is how the per-job keys reach the guest: "smbios"
+	// (systemd >= 252 credentials, or the image's own init reading them) or
+	// "cloud-init" (a NoCloud seed volume labelled cidata). Default "smbios".
+	KeyInjection string `toml:"key_injection"`
+	// Boot is "disk" (firmware boots the disk; default) or "kernel" (direct
+	// kernel boot with Kernel, Initrd and Cmdline).
+	Boot string `toml:"boot"`
+	// Kernel is the absolute path of the kernel for boot = "kernel".
+	Kernel string `toml:"kernel"`
+	// Initrd is the absolute path of the initrd for boot = "kernel" (optional).
+	Initrd string `toml:"initrd"`
+	// Cmdline is the kernel command line for boot = "kernel".
+	Cmdline string `toml:"cmdline"`
+	// Machine is the QEMU machine type. Default "pc".
+	Machine string `toml:"machine"`
+	// VCPUs and MemoryMiB override Defaults for this image (0 = use defaults).
+	VCPUs     int `toml:"vcpus"`
+	MemoryMiB int `toml:"memory_mib"`
+	// DiskGiB overrides Defaults.DiskGiB for this image (0 = use defaults).
+	DiskGiB int `toml:"disk_gib"`
+
+	// Name is the image's key in [images] (not a TOML key).
+	Name string `toml:"-"`
+}
+
+// Duration is a time.Duration written as a Go duration string ("90s", "5m").
+type Duration time.Duration
+
+// UnmarshalText implements encoding.TextUnmarshaler.
+func (d *Duration) UnmarshalText(b []byte) error {
+	v, err := time.ParseDuration(string(b))
+	if err != nil {
+		return fmt.Errorf("%q is not a duration (examples: \"90s\", \"5m\")", string(b))
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// MarshalText implements encoding.TextMarshaler.
+func (d Duration) MarshalText() ([]byte, error) { return []byte(time.Duration(d).String()), nil }
+
+// D returns the value as a time.Duration.
+func (d Duration) D() time.Duration { return time.Duration(d) }
+
+// Resolve picks the configuration path: the flag value if set, else the
+// environment variable, else DefaultPath.
+func Resolve(flagValue string, getenv func(string) string) string {
+	if flagValue != "" {
+		return flagValue
+	}
+	if v := getenv(EnvPath); v != "" {
+		return v
+	}
+	return DefaultPath
+}
+
+// Load reads, decodes and validates the file at path.
+func Load(path string) (*Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w (set --config or %s to choose another file)", path, err, EnvPath)
+	}
+	c, err := Parse(data)
+	if err != nil {
+		return nil, fmt.Errorf("config %s: %w", path, err)
+	}
+	c.Path = path
+	return c, nil
+}
+
+// Parse decodes and validates TOML text.
+func Parse(data []byte) (*Config, error) {
+	var c Config
+	dec := toml.NewDecoder(bytes.NewReader(data)).DisallowUnknownFields()
+	if err := dec.Decode(&c); err != nil {
+		return nil, describeDecodeError(err)
+	}
+	c.applyDefaults()
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+func describeDecodeError(err error) error {
+	var strict *toml.StrictMissingError
+	if errors.As(err, &strict) {
+		var msgs []string
+		for _, e := range strict.Errors {
+			row, col := e.Position()
+			msgs = append(msgs, fmt.Sprintf("line %d column %d: unknown key %q", row, col, strings.Join(e.Key(), ".")))
+		}
+		return fmt.Errorf("%s (see docs/configuration.md for the allowed keys)", strings.Join(msgs, "; "))
+	}
+	var de *toml.DecodeError
+	if errors.As(err, &de) {
+		row, col := de.Position()
+		key := strings.Join(de.Key(), ".")
+		if key != "" {
+			return fmt.Errorf("line %d column %d: key %q: %s", row, col, key, de.Error())
+		}
+		return fmt.Errorf("line %d column %d: %s", row, col, de.Error())
+	}
+	return err
+}
+
+func (c *Config) applyDefaults() {
+	def := func(s *string, v string) {
+		if *s == "" {
+			*s = v
+		}
+	}
+	def(&c.LibvirtURI, "qemu:///system")
+	def(&c.DomainType, DomainAuto)
+	def(&c.StoragePool, "default")
+	def(&c.Network, "default")
+	def(&c.NamePrefix, "lve")
+	def(&c.StateDir, "/var/lib/libvirt-executor")
+	def(&c.HostKeyPolicy, HostKeyPinned)
+	if c.Defaults.VCPUs == 0 {
+		c.Defaults.VCPUs = 2
+	}
+	if c.Defaults.MemoryMiB == 0 {
+		c.Defaults.MemoryMiB = 2048
+	}
+	if c.Timeouts.Boot == 0 {
+		c.Timeouts.Boot = Duration(5 * time.Minute)
+	}
+	if c.Timeouts.Cleanup == 0 {
+		c.Timeouts.Cleanup = Duration(2 * time.Minute)
+	}
+	if c.Timeouts.JobSlack == 0 {
+		c.Timeouts.JobSlack = Duration(30 * time.Minute)
+	}
+	if c.SSH.KeepaliveInterval == 0 {
+		c.SSH.KeepaliveInterval = Duration(5 * time.Second)
+	}
+	if c.SSH.KeepaliveCount == 0 {
+		c.SSH.KeepaliveCount = 3
+	}
+	if c.SSH.ConnectTimeout == 0 {
+		c.SSH.ConnectTimeout = Duration(5 * time.Second)
+	}
+	for name, img := range c.Images {
+		if img == nil {
+			continue
+		}
+		img.Name = name
+		def(&img.Format, "qcow2")
+		def(&img.User, "root")
+		def(&img.Shell, "bash")
+		def(&img.BuildsDir, "/builds")
+		def(&img.CacheDir, "/cache")
+		def(&img.KeyInjection, InjectSMBIOS)
+		def(&img.Boot, BootDisk)
+		def(&img.Machine, "pc")
+	}
+}
+
+var (
+	prefixRE    = regexp.MustCompile(`^[a-z][a-z0-9-]{0,15}$`)
+	imageNameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9._-]{0,62}$`)
+	// libvirt object names chosen by the admin: conservative, no path parts.
+	libvirtNameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$`)
+	userRE        = regexp.MustCompile(`^[a-z_][a-z0-9_-]{0,31}$`)
+	shellRE       = regexp.MustCompile(`^(bash|sh|/[A-Za-z0-9/._-]+)$`)
+	guestPathRE   = regexp.MustCompile(`^/[A-Za-z0-9/._-]*$`)
+)
+
+// ValidImageName reports whether s has the shape of an image name. Job input
+// is matched against configured names; this only rejects nonsense early.
+func ValidImageName(s string) bool { return imageNameRE.MatchString(s) }
+
+// Validate checks every value and reports all problems at once, each naming
+// the key and what is allowed.
+func (c *Config) Validate() error {
+	var errs []string
+	bad := func(key, format string, args ...any) {
+		errs = append(errs, fmt.Sprintf("%s: %s", key, fmt.Sprintf(format, args...)))
+	}
+	oneOf := func(key, v string, allowed ...string) {
+		for _, a := range allowed {
+			if v == a {
+				return
+			}
+		}
+		bad(key, "%q is not allowed; use one of %s", v, quoteList(allowed))
+	}
+	if !strings.Contains(c.LibvirtURI, ":") {
+		bad("libvirt_uri", "%q is not a libvirt URI (example: \"qemu:///system\")", c.LibvirtURI)
+	}
+	oneOf("domain_type", c.DomainType, DomainAuto, DomainKVM, DomainQEMU)
+	oneOf("host_key_policy", c.HostKeyPolicy, HostKeyPinned, HostKeyInsecureIgnore)
+	if !libvirtNameRE.MatchString(c.StoragePool) {
+		bad("storage_pool", "%q is not a valid pool name (letters, digits, '.', '_', '-')", c.StoragePool)
+	}
+	if !libvirtNameRE.MatchString(c.Network) {
+		bad("network", "%q is not a valid network name (letters, digits, '.', '_', '-')", c.Network)
+	}
+	if !prefixRE.MatchString(c.NamePrefix) {
+		bad("name_prefix", "%q is not allowed: 1-16 lower-case letters, digits or '-', starting with a letter", c.NamePrefix)
+	}
+	if !filepath.IsAbs(c.StateDir) || filepath.Clean(c.StateDir) == "/" {
+		bad("state_dir", "%q must be an absolute path other than /", c.StateDir)
+	}
+	rangeCheck := func(key string, v, lo, hi int) {
+		if v < lo || v > hi {
+			bad(key, "%d is out of range %d-%d", v, lo, hi)
+		}
+	}
+	rangeCheck("defaults.vcpus", c.Defaults.VCPUs, 1, 64)
+	rangeCheck("defaults.memory_mib", c.Defaults.MemoryMiB, 128, 262144)
+	rangeCheck("defaults.disk_gib", c.Defaults.DiskGiB, 0, 4096)
+	positive := func(key string, d Duration) {
+		if d <= 0 {
+			bad(key, "must be a positive duration")
+		}
+	}
+	positive("timeouts.boot", c.Timeouts.Boot)
+	positive("timeouts.cleanup", c.Timeouts.Cleanup)
+	positive("timeouts.job_slack", c.Timeouts.JobSlack)
+	positive("ssh.keepalive_interval", c.SSH.KeepaliveInterval)
+	positive("ssh.connect_timeout", c.SSH.ConnectTimeout)
+	rangeCheck("ssh.keepalive_count", c.SSH.KeepaliveCount, 1, 100)
+
+	if len(c.Images) == 0 {
+		bad("images", "at least one [images.NAME] table is required")
+	}
+	for _, name := range c.ImageNames() {
+		img := c.Images[name]
+		key := "images." + name
+		if !imageNameRE.MatchString(name) {
+			bad(key, "image name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit", name)
+		}
+		if img == nil {
+			continue
+		}
+		if !filepath.IsAbs(img.Base) {
+			bad(key+".base", "%q must be an absolute path to the base disk image", img.Base)
+		}
+		oneOf(key+".format", img.Format, "qcow2", "raw")
+		if !userRE.MatchString(img.User) {
+			bad(key+".user", "%q is not a valid user name", img.User)
+		}
+		if !shellRE.MatchString(img.Shell) {
+			bad(key+".shell", "%q is not allowed: \"bash\", \"sh\" or an absolute path", img.Shell)
+		}
+		for k, v := range map[string]string{"builds_dir": img.BuildsDir, "cache_dir": img.CacheDir} {
+			if !guestPathRE.MatchString(v) || filepath.Clean(v) == "/" {
+				bad(key+"."+k, "%q must be an absolute guest path other than / (letters, digits, '/', '.', '_', '-')", v)
+			}
+		}
+		oneOf(key+".key_injection", img.KeyInjection, InjectSMBIOS, InjectCloudInit)
+		if img.KeyInjection == InjectSMBIOS && img.User != "root" {
+			bad(key+".user", "%q: key_injection \"smbios\" provisions root's key only; use user = \"root\" or key_injection = \"cloud-init\"", img.User)
+		}
+		oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
+		if img.Boot == BootKernel {
+			if !filepath.IsAbs(img.Kernel) {
+				bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)
+			}
+			if img.Initrd != "" && !filepath.IsAbs(img.Initrd) {
+				bad(key+".initrd", "%q must be an absolute path", img.Initrd)
+			}
+		} else if img.Kernel != "" || img.Initrd != "" || img.Cmdline != "" {
+			bad(key+".boot", "kernel, initrd and cmdline need boot = \"kernel\"")
+		}
+		if !libvirtNameRE.MatchString(img.Machine) {
+			bad(key+".machine", "%q is not a valid machine type", img.Machine)
+		}
+		if img.VCPUs != 0 {
+			rangeCheck(key+".vcpus", img.VCPUs, 1, 64)
+		}
+		if img.MemoryMiB != 0 {
+			rangeCheck(key+".memory_mib", img.MemoryMiB, 128, 262144)
+		}
+		rangeCheck(key+".disk_gib", img.DiskGiB, 0, 4096)
+	}
+	if c.DefaultImage == "" {
+		if len(c.Images) == 1 {
+			c.DefaultImage = c.ImageNames()[0]
+		} else {
+			bad("default_image", "must name one of the configured images: %s", quoteList(c.ImageNames()))
+		}
+	} else if _, ok := c.Images[c.DefaultImage]; !ok {
+		bad("default_image", "%q is not configured; use one of %s", c.DefaultImage, quoteList(c.ImageNames()))
+	}
+	if len(errs) > 0 {
+		return errors.New(strings.Join(errs, "; "))
+	}
+	return nil
+}
+
+// ImageNames returns the configured image names, sorted.
+func (c *Config) ImageNames() []string {
+	names := make([]string, 0, len(c.Images))
+	for n := range c.Images {
+		names = append(names, n)
+	}
+	sort.Strings(names)
+	return names
+}
+
+// Image looks an image up by name. The name is only ever compared with the
+// configured keys; it is never used as a path.
+func (c *Config) Image(name string) (*Image, bool) {
+	img, ok := c.Images[name]
+	return img, ok && img != nil
+}
+
+func quoteList(items []string) string {
+	q := make([]string, len(items))
+	for i, s := range items {
+		q[i] = fmt.Sprintf("%q", s)
+	}
+	return strings.Join(q, ", ")
+}

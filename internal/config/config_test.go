@@ -1,0 +1,101 @@
+package config
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestLoadValid(t *testing.T) {
+	c, err := Load("testdata/valid.toml")
+	require.NoError(t, err)
+	require.Equal(t, "testdata/valid.toml", c.Path)
+	require.Equal(t, DomainQEMU, c.DomainType)
+	require.Equal(t, "lve", c.NamePrefix, "default prefix")
+	require.Equal(t, 90*time.Second, c.Timeouts.Boot.D())
+	require.Equal(t, 2*time.Minute, c.Timeouts.Cleanup.D(), "default cleanup timeout")
+	require.Equal(t, 4, c.SSH.KeepaliveCount)
+	require.Equal(t, []string{"cloud", "debian-12", "tiny"}, c.ImageNames())
+
+	img, ok := c.Image("debian-12")
+	require.True(t, ok)
+	require.Equal(t, "debian-12", img.Name)
+	require.Equal(t, "root", img.User)
+	require.Equal(t, "bash", img.Shell)
+	require.Equal(t, InjectSMBIOS, img.KeyInjection)
+	require.Equal(t, BootDisk, img.Boot)
+	require.Equal(t, "pc", img.Machine)
+
+	_, ok = c.Image("../etc/passwd")
+	require.False(t, ok)
+}
+
+func TestLoadErrors(t *testing.T) {
+	_, err := Load("testdata/unknown-key.toml")
+	require.ErrorContains(t, err, "testdata/unknown-key.toml")
+	require.ErrorContains(t, err, `line 2 column 1: unknown key "storage_pol"`)
+
+	_, err = Load("testdata/bad-syntax.toml")
+	require.ErrorContains(t, err, "testdata/bad-syntax.toml")
+	require.ErrorContains(t, err, "line 3")
+
+	_, err = Load(filepath.Join(t.TempDir(), "missing.toml"))
+	require.ErrorContains(t, err, "no such file")
+	require.ErrorContains(t, err, EnvPath)
+}
+
+func TestValidateMessages(t *testing.T) {
+	base := "[images.a]\nbase = \"/a.qcow2\"\n"
+	tests := []struct {
+		name, toml, want string
+	}{
+		{"domain type", "domain_type = \"xen\"\n" + base, `domain_type: "xen" is not allowed; use one of "auto", "kvm", "qemu"`},
+		{"prefix", "name_prefix = \"Bad_Prefix\"\n" + base, `name_prefix: "Bad_Prefix" is not allowed`},
+		{"relative state dir", "state_dir = \"state\"\n" + base, `state_dir: "state" must be an absolute path`},
+		{"vcpus", "[defaults]\nvcpus = 1000\n" + base, "defaults.vcpus: 1000 is out of range 1-64"},
+		{"duration", "[timeouts]\nboot = \"soon\"\n" + base, `"soon" is not a duration`},
+		{"no images", "", "images: at least one [images.NAME] table is required"},
+		{"image name", "[images.\"../x\"]\nbase = \"/a\"\n", `image name "../x" is not allowed`},
+		{"relative base", "[images.a]\nbase = \"a.qcow2\"\n", `images.a.base: "a.qcow2" must be an absolute path`},
+		{"kernel missing", "[images.a]\nbase = \"/a\"\nboot = \"kernel\"\n", `images.a.kernel: boot = "kernel" needs an absolute kernel path`},
+		{"smbios non-root", "[images.a]\nbase = \"/a\"\nuser = \"debian\"\n", `key_injection "smbios" provisions root's key only`},
+		{"shell", "[images.a]\nbase = \"/a\"\nshell = \"bash -c\"\n", `images.a.shell: "bash -c" is not allowed`},
+		{"default image", "default_image = \"nope\"\n" + base, `default_image: "nope" is not configured; use one of "a"`},
+		{"two images no default", base + "[images.b]\nbase = \"/b\"\n", `default_image: must name one of the configured images: "a", "b"`},
+		{"host key policy", "host_key_policy = \"tofu\"\n" + base, `host_key_policy: "tofu" is not allowed`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Parse([]byte(tc.toml))
+			require.Error(t, err)
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+}
+
+func TestSingleImageIsDefault(t *testing.T) {
+	c, err := Parse([]byte("[images.only]\nbase = \"/only.qcow2\"\n"))
+	require.NoError(t, err)
+	require.Equal(t, "only", c.DefaultImage)
+}
+
+func TestResolve(t *testing.T) {
+	env := map[string]string{}
+	getenv := func(k string) string { return env[k] }
+	require.Equal(t, DefaultPath, Resolve("", getenv))
+	env[EnvPath] = "/from/env.toml"
+	require.Equal(t, "/from/env.toml", Resolve("", getenv))
+	require.Equal(t, "/from/flag.toml", Resolve("/from/flag.toml", getenv))
+}
+
+func TestDeployExampleIsValid(t *testing.T) {
+	path := filepath.Join("..", "..", "deploy", "config.example.toml")
+	if _, err := os.Stat(path); err != nil {
+		t.Fatalf("the documented example %s must exist: %v", path, err)
+	}
+	_, err := Load(path)
+	require.NoError(t, err)
+}

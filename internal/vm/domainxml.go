@@ -1,0 +1,84 @@
+package vm
+
+import (
+	"fmt"
+
+	"libvirt.org/go/libvirtxml"
+)
+
+// DomainXML builds the domain definition from typed structs; no value is ever
+// pasted into XML text. diskPath and seedPath are the volumes' paths.
+func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
+	if err := CheckName(s.Name); err != nil {
+		return "", err
+	}
+	if s.DomainType != "kvm" && s.DomainType != "qemu" {
+		return "", fmt.Errorf("domain type %q: want \"kvm\" or \"qemu\"", s.DomainType)
+	}
+	owner, err := MarshalOwner(s.Owner)
+	if err != nil {
+		return "", err
+	}
+	os := &libvirtxml.DomainOS{
+		Type: &libvirtxml.DomainOSType{Arch: "x86_64", Machine: s.Machine, Type: "hvm"},
+	}
+	if s.Kernel != "" {
+		os.Kernel, os.Initrd, os.Cmdline = s.Kernel, s.Initrd, s.Cmdline
+	} else {
+		os.BootDevices = []libvirtxml.DomainBootDevice{{Dev: "hd"}}
+	}
+	d := &libvirtxml.Domain{
+		Type:        s.DomainType,
+		Name:        s.Name,
+		Metadata:    &libvirtxml.DomainMetadata{XML: owner},
+		Memory:      &libvirtxml.DomainMemory{Value: uint(s.MemoryMiB), Unit: "MiB"},
+		VCPU:        &libvirtxml.DomainVCPU{Value: uint(s.VCPUs)},
+		OS:          os,
+		OnPoweroff:  "destroy",
+		OnCrash:     "destroy",
+		OnReboot:    "restart",
+		Features:    &libvirtxml.DomainFeatureList{ACPI: &libvirtxml.DomainFeature{}, APIC: &libvirtxml.DomainFeatureAPIC{}},
+		Devices:     &libvirtxml.DomainDeviceList{},
+	}
+	if s.DomainType == "kvm" {
+		d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}
+	}
+	if len(s.OEMStrings) > 0 {
+		os.SMBios = &libvirtxml.DomainSMBios{Mode: "sysinfo"}
+		d.SysInfo = []libvirtxml.DomainSysInfo{{SMBIOS: &libvirtxml.DomainSysInfoSMBIOS{
+			OEMStrings: &libvirtxml.DomainSysInfoOEMStrings{Entry: s.OEMStrings},
+		}}}
+	}
+	dev := d.Devices
+	dev.Disks = append(dev.Disks, libvirtxml.DomainDisk{
+		Device: "disk",
+		Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "qcow2", Discard: "unmap"},
+		Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: diskPath}},
+		Target: &libvirtxml.DomainDiskTarget{Dev: "vda", Bus: "virtio"},
+	})
+	if seedPath != "" {
+		dev.Disks = append(dev.Disks, libvirtxml.DomainDisk{
+			Device:   "disk",
+			Driver:   &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
+			Source:   &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: seedPath}},
+			Target:   &libvirtxml.DomainDiskTarget{Dev: "vdb", Bus: "virtio"},
+			ReadOnly: &libvirtxml.DomainDiskReadOnly{},
+		})
+	}
+	dev.Interfaces = []libvirtxml.DomainInterface{{
+		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
+		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
+		Model:  &libvirtxml.DomainInterfaceModel{Type: "virtio"},
+	}}
+	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
+	if s.ConsoleLog != "" {
+		serial.Log = &libvirtxml.DomainChardevLog{File: s.ConsoleLog, Append: "off"}
+	}
+	dev.Serials = []libvirtxml.DomainSerial{serial}
+	dev.RNGs = []libvirtxml.DomainRNG{{
+		Model:   "virtio",
+		Backend: &libvirtxml.DomainRNGBackend{Random: &libvirtxml.DomainRNGBackendRandom{Device: "/dev/urandom"}},
+	}}
+	dev.MemBalloon = &libvirtxml.DomainMemBalloon{Model: "none"}
+	return d.Marshal()
+}

@@ -1,0 +1,277 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"slices"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/steps"
+	"libvirt.org/go/libvirtxml"
+)
+
+// Engine creates and removes machines through a Hypervisor.
+type Engine struct {
+	HV Hypervisor
+	// Controller is this installation's identity; Remove and Sweep touch only
+	// domains whose ownership record carries it.
+	Controller string
+	// Progress, if set, receives human-readable progress lines.
+	Progress func(format string, args ...any)
+	// UndoTimeout bounds the undo of a failed Create.
+	UndoTimeout time.Duration
+	// PollInterval is how often WaitAddress asks for leases (default 100ms).
+	PollInterval time.Duration
+}
+
+func (e *Engine) progress(format string, args ...any) {
+	if e.Progress != nil {
+		e.Progress(format, args...)
+	}
+}
+
+// ResolveDomainType turns "auto" into "kvm" or "qemu".
+func (e *Engine) ResolveDomainType(want string) (string, error) {
+	if want != "auto" {
+		return want, nil
+	}
+	kvm, err := e.HV.KVMAvailable()
+	if err != nil {
+		return "", fmt.Errorf("read host capabilities: %w", err)
+	}
+	if kvm {
+		return "kvm", nil
+	}
+	return "qemu", nil
+}
+
+// Create makes the overlay disk (and seed volume), defines and starts the
+// domain. If anything fails, or ctx is cancelled, what was made is removed
+// again before Create returns.
+func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
+	if err := CheckName(s.Name); err != nil {
+		return nil, err
+	}
+	if s.Owner.Controller == "" || s.Owner.Controller != e.Controller {
+		return nil, fmt.Errorf("spec owner controller %q does not match engine controller %q", s.Owner.Controller, e.Controller)
+	}
+	m := &Machine{Name: s.Name, MAC: s.MAC, Created: time.Now()}
+	disk := DiskVolume(s.Name)
+	seed := ""
+	if s.Seed != nil {
+		seed = SeedVolume(s.Name)
+	}
+	s.Owner.Volumes = []string{disk}
+	if seed != "" {
+		s.Owner.Volumes = append(s.Owner.Volumes, seed)
+	}
+	var seedPath string
+	deleteVolume := func(name string) func(context.Context) error {
+		return func(context.Context) error { return ignoreNotFound(e.HV.DeleteVolume(s.Pool, name)) }
+	}
+	list := []steps.Step{
+		{
+			Name: "clone disk",
+			Do: func(ctx context.Context) error {
+				baseSize, err := e.HV.VolumeCapacity(s.Base)
+				if err != nil {
+					return fmt.Errorf("base image %s: %w", s.Base, err)
+				}
+				capacity := max(s.DiskBytes, baseSize)
+				vol := &libvirtxml.StorageVolume{
+					Name:     disk,
+					Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: capacity},
+					Target: &libvirtxml.StorageVolumeTarget{
+						Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "qcow2"},
+						Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
+					},
+					BackingStore: &libvirtxml.StorageVolumeBackingStore{
+						Path:   s.Base,
+						Format: &libvirtxml.StorageVolumeTargetFormat{Type: s.BaseFormat},
+					},
+				}
+				m.DiskPath, err = e.HV.CreateVolume(s.Pool, vol)
+				return err
+			},
+			Undo: deleteVolume(disk),
+		},
+	}
+	if seed != "" {
+		list = append(list, steps.Step{
+			Name: "create seed volume",
+			Do: func(ctx context.Context) error {
+				vol := &libvirtxml.StorageVolume{
+					Name:     seed,
+					Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64(len(s.Seed))},
+					Target: &libvirtxml.StorageVolumeTarget{
+						Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "raw"},
+						Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
+					},
+				}
+				var err error
+				seedPath, err = e.HV.CreateVolume(s.Pool, vol)
+				return err
+			},
+			Undo: deleteVolume(seed),
+		}, steps.Step{
+			Name: "upload seed",
+			Do:   func(ctx context.Context) error { return e.HV.UploadVolume(s.Pool, seed, s.Seed) },
+		})
+	}
+	list = append(list,
+		steps.Step{
+			Name: "define",
+			Do: func(ctx context.Context) error {
+				x, err := DomainXML(s, m.DiskPath, seedPath)
+				if err != nil {
+					return err
+				}
+				return e.HV.Define(x)
+			},
+			Undo: func(context.Context) error { return ignoreNotFound(e.HV.Undefine(s.Name)) },
+		},
+		steps.Step{
+			Name: "start",
+			Do:   func(ctx context.Context) error { return e.HV.Start(s.Name) },
+			Undo: func(context.Context) error { return ignoreNotFound(e.HV.Destroy(s.Name)) },
+		},
+	)
+	r := steps.Runner{
+		UndoTimeout: e.UndoTimeout,
+		OnDone: func(name string, took time.Duration) {
+			e.progress("%s done in %s", name, Round(took))
+		},
+		OnUndo: func(name string, err error) {
+			if err != nil {
+				e.progress("undo %s failed: %v", name, err)
+			}
+		},
+	}
+	if err := r.Run(ctx, list); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
+// FreshMAC returns a MAC that holds no lease on network right now.
+func (e *Engine) FreshMAC(network string) (string, error) {
+	taken, err := e.HV.NetworkLeaseMACs(network)
+	if err != nil {
+		return "", err
+	}
+	for range 16 {
+		mac, err := NewMAC()
+		if err != nil {
+			return "", err
+		}
+		if !slices.Contains(taken, mac) {
+			return mac, nil
+		}
+	}
+	return "", errors.New("could not find a MAC without a lease on the network")
+}
+
+// WaitAddress polls the domain's DHCP leases until one for mac appears, the
+// domain stops, or ctx ends. Only a lease for this machine's own MAC counts.
+func (e *Engine) WaitAddress(ctx context.Context, name, mac string) (string, error) {
+	interval := e.PollInterval
+	if interval <= 0 {
+		interval = 100 * time.Millisecond
+	}
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	mac = strings.ToLower(mac)
+	for {
+		leases, err := e.HV.Leases(name)
+		if err != nil {
+			if errors.Is(err, ErrNotFound) {
+				return "", fmt.Errorf("domain %s disappeared while waiting for its address", name)
+			}
+			return "", fmt.Errorf("read leases of %s: %w", name, err)
+		}
+		for _, l := range leases {
+			if l.MAC == mac && l.IP.To4() != nil {
+				return l.IP.String(), nil
+			}
+		}
+		if active, err := e.HV.IsActive(name); err == nil && !active {
+			return "", fmt.Errorf("domain %s stopped before it got an address", name)
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("no DHCP lease for %s (MAC %s): %w", name, mac, context.Cause(ctx))
+		case <-t.C:
+		}
+	}
+}
+
+// ErrNotOurs is returned by Remove for a domain that exists but is not owned
+// by this controller. Nothing of it is touched.
+var ErrNotOurs = errors.New("domain is not owned by this controller")
+
+// Remove destroys and undefines the named machine and deletes its volumes.
+// Missing pieces count as success; a domain without this controller's
+// ownership record is left alone and reported with ErrNotOurs.
+func (e *Engine) Remove(ctx context.Context, name, pool string) error {
+	if err := CheckName(name); err != nil {
+		return err
+	}
+	volumes := []string{DiskVolume(name), SeedVolume(name)}
+	ownerXML, err := e.HV.Owner(name)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		// No domain (a crash before define, or already removed): volumes of
+		// the deterministic names may still be there.
+	case errors.Is(err, ErrNoOwner):
+		return fmt.Errorf("%s: %w (no ownership metadata)", name, ErrNotOurs)
+	case err != nil:
+		return fmt.Errorf("read ownership of %s: %w", name, err)
+	default:
+		o, err := ParseOwner(ownerXML)
+		if err != nil {
+			return fmt.Errorf("%s: %w: %v", name, ErrNotOurs, err)
+		}
+		if o.Controller != e.Controller {
+			return fmt.Errorf("%s: %w (owned by controller %s)", name, ErrNotOurs, o.Controller)
+		}
+		for _, v := range o.Volumes {
+			if !slices.Contains(volumes, v) {
+				volumes = append(volumes, v)
+			}
+		}
+		if err := ignoreNotFound(e.HV.Destroy(name)); err != nil {
+			return fmt.Errorf("destroy %s: %w", name, err)
+		}
+		if err := ignoreNotFound(e.HV.Undefine(name)); err != nil {
+			return fmt.Errorf("undefine %s: %w", name, err)
+		}
+	}
+	var errs []error
+	for _, v := range volumes {
+		if !strings.HasPrefix(v, name) {
+			continue // never delete a volume outside this machine's names
+		}
+		if err := ignoreNotFound(e.HV.DeleteVolume(pool, v)); err != nil {
+			errs = append(errs, fmt.Errorf("delete volume %s: %w", v, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func ignoreNotFound(err error) error {
+	if errors.Is(err, ErrNotFound) {
+		return nil
+	}
+	return err
+}
+
+// Round shortens a duration for humans: milliseconds below a second, else a
+// tenth of a second.
+func Round(d time.Duration) time.Duration {
+	if d < time.Second {
+		return d.Round(time.Millisecond)
+	}
+	return d.Round(100 * time.Millisecond)
+}

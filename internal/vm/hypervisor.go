@@ -1,0 +1,55 @@
+package vm
+
+import (
+	"errors"
+
+	"libvirt.org/go/libvirtxml"
+)
+
+// ErrNotFound is returned by Hypervisor methods for a domain or volume that
+// does not exist.
+var ErrNotFound = errors.New("not found")
+
+// ErrNoOwner is returned by Hypervisor.Owner for a domain that carries no
+// ownership record of ours.
+var ErrNoOwner = errors.New("domain has no libvirt-executor ownership metadata")
+
+// Hypervisor holds only the libvirt operations the engine uses, so that the
+// engine's logic is testable with a fake.
+type Hypervisor interface {
+	// KVMAvailable reports whether the host offers the kvm domain type.
+	KVMAvailable() (bool, error)
+	// CreateVolume creates a volume in pool and returns its path.
+	CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error)
+	// UploadVolume writes data at the start of an existing volume.
+	UploadVolume(pool, name string, data []byte) error
+	// DeleteVolume removes a volume (ErrNotFound if absent).
+	DeleteVolume(pool, name string) error
+	// VolumeNames lists the volumes in pool.
+	VolumeNames(pool string) ([]string, error)
+	// VolumeCapacity returns the virtual size of the volume at path.
+	VolumeCapacity(path string) (uint64, error)
+	// Define defines a persistent domain from XML.
+	Define(xml string) error
+	// Start starts a defined domain.
+	Start(name string) error
+	// Destroy stops a domain at once (nil if it is not running, ErrNotFound
+	// if it does not exist).
+	Destroy(name string) error
+	// Undefine removes a domain's definition with its nvram, managed save
+	// and snapshot metadata (ErrNotFound if absent).
+	Undefine(name string) error
+	// Owner returns the domain's ownership metadata XML (ErrNotFound,
+	// ErrNoOwner).
+	Owner(name string) (string, error)
+	// DomainNames lists all domains, running or not.
+	DomainNames() ([]string, error)
+	// IsActive reports whether the domain runs.
+	IsActive(name string) (bool, error)
+	// Leases returns the DHCP-lease addresses of the domain's interfaces.
+	Leases(name string) ([]Lease, error)
+	// NetworkLeaseMACs returns the MACs holding leases on a network.
+	NetworkLeaseMACs(network string) ([]string, error)
+	// Close releases the connection.
+	Close() error
+}

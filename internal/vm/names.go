@@ -1,0 +1,28 @@
+// Package vm is the VM engine: it turns a Spec into a running libvirt domain
+// backed by a linked-clone disk, finds its address, and removes everything it
+// made. It knows nothing of GitLab; front ends pass a Spec and an Owner.
+package vm
+
+import (
+	"fmt"
+	"regexp"
+)
+
+// nameRE is the shape of every name the engine creates. It is safe as a
+// libvirt object name, a file name and inside XML without escaping.
+var nameRE = regexp.MustCompile(`^[a-z][a-z0-9-]{0,62}$`)
+
+// CheckName refuses any name that is not of the engine's safe shape. It runs
+// before any XML or libvirt object exists.
+func CheckName(name string) error {
+	if !nameRE.MatchString(name) {
+		return fmt.Errorf("machine name %q refused: want 1-63 characters of a-z, 0-9 and '-', starting with a letter", name)
+	}
+	return nil
+}
+
+// DiskVolume is the name of the machine's overlay disk volume.
+func DiskVolume(name string) string { return name + ".qcow2" }
+
+// SeedVolume is the name of the machine's seed (cloud-init NoCloud) volume.
+func SeedVolume(name string) string { return name + "-seed.img" }

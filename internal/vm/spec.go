@@ -1,0 +1,66 @@
+package vm
+
+import (
+	"crypto/rand"
+	"fmt"
+	"net"
+	"time"
+)
+
+// Spec is everything needed to create one machine.
+type Spec struct {
+	// Name of the domain; see CheckName.
+	Name string
+	// DomainType is "kvm" or "qemu".
+	DomainType string
+	VCPUs      int
+	MemoryMiB  int
+	// DiskBytes is the overlay's virtual size; 0 or less than the base keeps
+	// the base size.
+	DiskBytes uint64
+	// Base and BaseFormat describe the backing image of the linked clone.
+	Base       string
+	BaseFormat string
+	// Machine is the QEMU machine type ("pc", "q35").
+	Machine string
+	// Kernel, Initrd and Cmdline select direct kernel boot when Kernel is set.
+	Kernel, Initrd, Cmdline string
+	// Pool is the storage pool for the overlay and seed volumes.
+	Pool string
+	// Network is the libvirt network to attach to.
+	Network string
+	// MAC is the interface's address; see NewMAC.
+	MAC string
+	// OEMStrings are SMBIOS type 11 strings (systemd credentials).
+	OEMStrings []string
+	// Seed, when not nil, is attached read-only as a second disk.
+	Seed []byte
+	// ConsoleLog, when set, receives the serial console output.
+	ConsoleLog string
+	// Owner is stored in the domain's metadata.
+	Owner Owner
+}
+
+// NewMAC returns a random locally administered unicast MAC in QEMU's
+// 52:54:00 range.
+func NewMAC() (string, error) {
+	b := make([]byte, 3)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return fmt.Sprintf("52:54:00:%02x:%02x:%02x", b[0], b[1], b[2]), nil
+}
+
+// Machine is a created machine.
+type Machine struct {
+	Name     string
+	MAC      string
+	DiskPath string
+	Created  time.Time
+}
+
+// Lease is one address reported for a domain interface.
+type Lease struct {
+	MAC string
+	IP  net.IP
+}

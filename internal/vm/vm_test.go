@@ -1,0 +1,229 @@
+package vm
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+var update = flag.Bool("update", false, "rewrite golden files")
+
+func testSpec() Spec {
+	created := time.Date(2026, 11, 21, 15, 0, 0, 0, time.UTC)
+	return Spec{
+		Name: "lve-0123abcd-1000", DomainType: "qemu", VCPUs: 1, MemoryMiB: 512,
+		Base: "/images/tiny.qcow2", BaseFormat: "qcow2", Machine: "pc",
+		Kernel: "/images/vmlinuz", Initrd: "/images/initrd.img", Cmdline: "console=ttyS0 root=/dev/vda",
+		Pool: "jobs", Network: "ci", MAC: "52:54:00:aa:bb:cc",
+		OEMStrings: []string{"io.systemd.credential:ssh.authorized_keys.root=ssh-ed25519 AAAA <x>&\"y\""},
+		ConsoleLog: "/state/lve-0123abcd-1000/console.log",
+		Owner: Owner{Controller: "0123abcd-0000-4000-8000-000000000000", Frontend: "gitlab", Job: "1000",
+			Created: created, Deadline: created.Add(90 * time.Minute)},
+	}
+}
+
+func TestDomainXMLGolden(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		mutate func(*Spec)
+		seed   string
+	}{
+		{"kernel-smbios", func(*Spec) {}, ""},
+		{"disk-seed-kvm", func(s *Spec) {
+			s.Kernel, s.Initrd, s.Cmdline, s.OEMStrings, s.DomainType = "", "", "", nil, "kvm"
+		}, "/pool/lve-0123abcd-1000-seed.img"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := testSpec()
+			tc.mutate(&s)
+			got, err := DomainXML(s, "/pool/lve-0123abcd-1000.qcow2", tc.seed)
+			require.NoError(t, err)
+			path := "testdata/" + tc.name + ".golden.xml"
+			if *update {
+				require.NoError(t, os.WriteFile(path, []byte(got), 0o644))
+			}
+			want, err := os.ReadFile(path)
+			require.NoError(t, err)
+			require.Equal(t, string(want), got)
+		})
+	}
+}
+
+func TestDomainXMLEscapesValues(t *testing.T) {
+	got, err := DomainXML(testSpec(), "/pool/d.qcow2", "")
+	require.NoError(t, err)
+	require.Contains(t, got, "&lt;x&gt;&amp;&#34;y&#34;")
+	require.NotContains(t, got, `<x>&"y"`)
+}
+
+func TestHostileNamesRefusedBeforeXML(t *testing.T) {
+	for _, name := range []string{
+		"", "UPPER", "../etc/passwd", "a/b", "lve-1</name><devices>", "lve 1", "lve-1\x00", "lve-\n1",
+		"-lve", "1lve", strings.Repeat("a", 64), "lve-ä",
+	} {
+		s := testSpec()
+		s.Name = name
+		_, err := DomainXML(s, "/d", "")
+		require.Error(t, err, "name %q", name)
+		require.ErrorContains(t, err, "refused")
+
+		f := newFake()
+		e := &Engine{HV: f, Controller: s.Owner.Controller}
+		_, err = e.Create(context.Background(), s)
+		require.Error(t, err)
+		require.Empty(t, f.calls, "no hypervisor call for name %q", name)
+	}
+}
+
+func TestOwnerRoundTrip(t *testing.T) {
+	o := testSpec().Owner
+	o.Volumes = []string{"a.qcow2"}
+	s, err := MarshalOwner(o)
+	require.NoError(t, err)
+	// libvirt hands the element back with its own prefix.
+	prefixed := strings.Replace(strings.Replace(s, "<owner xmlns=", "<lve:owner xmlns:lve=", 1), "</owner>", "</lve:owner>", 1)
+	prefixed = strings.NewReplacer("<controller>", "<lve:controller>", "</controller>", "</lve:controller>").Replace(prefixed)
+	for _, in := range []string{s, prefixed} {
+		got, err := ParseOwner(in)
+		require.NoError(t, err)
+		require.Equal(t, o.Controller, got.Controller)
+		require.Equal(t, o.Job, got.Job)
+		require.True(t, o.Deadline.Equal(got.Deadline))
+		require.Equal(t, o.Volumes, got.Volumes)
+	}
+	_, err = ParseOwner(`<owner><job>1</job></owner>`)
+	require.ErrorContains(t, err, "no controller id")
+	_, err = ParseOwner(`<owner><controller>x</contr`)
+	require.Error(t, err)
+}
+
+func TestCreateAndRemove(t *testing.T) {
+	f := newFake()
+	s := testSpec()
+	s.Seed = []byte("seed")
+	var lines []string
+	e := &Engine{HV: f, Controller: s.Owner.Controller, Progress: func(format string, a ...any) { lines = append(lines, format) }}
+	m, err := e.Create(context.Background(), s)
+	require.NoError(t, err)
+	require.Equal(t, "/pool/jobs/lve-0123abcd-1000.qcow2", m.DiskPath)
+	require.True(t, f.domains[s.Name].active)
+	require.Equal(t, []byte("seed"), f.volumes["jobs/lve-0123abcd-1000-seed.img"])
+	require.Len(t, lines, 5)
+
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+	require.Empty(t, f.domains)
+	require.Empty(t, f.volumes)
+	// Idempotent.
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+}
+
+func TestCreateFailureUndoesEverything(t *testing.T) {
+	for _, failing := range []string{"CreateVolume", "UploadVolume", "Define", "Start"} {
+		t.Run(failing, func(t *testing.T) {
+			f := newFake()
+			f.failOn[failing] = errors.New("injected")
+			s := testSpec()
+			s.Seed = []byte("seed")
+			e := &Engine{HV: f, Controller: s.Owner.Controller}
+			_, err := e.Create(context.Background(), s)
+			require.ErrorContains(t, err, "injected")
+			require.Empty(t, f.domains, "no domain left")
+			require.Empty(t, f.volumes, "no volume left")
+		})
+	}
+}
+
+func TestRemoveRefusesForeignDomains(t *testing.T) {
+	f := newFake()
+	s := testSpec()
+	e := &Engine{HV: f, Controller: s.Owner.Controller}
+	// A look-alike without metadata, with a volume of our naming scheme.
+	f.domains[s.Name] = &fakeDomain{active: true}
+	f.volumes["jobs/"+DiskVolume(s.Name)] = nil
+	err := e.Remove(context.Background(), s.Name, "jobs")
+	require.ErrorIs(t, err, ErrNotOurs)
+	require.True(t, f.domains[s.Name].active, "look-alike untouched")
+	require.Contains(t, f.volumes, "jobs/"+DiskVolume(s.Name), "its volume untouched")
+
+	// One owned by another controller.
+	other := s.Owner
+	other.Controller = "ffffffff-0000-4000-8000-000000000000"
+	x, err := MarshalOwner(other)
+	require.NoError(t, err)
+	f.domains[s.Name] = &fakeDomain{active: true, owner: x}
+	err = e.Remove(context.Background(), s.Name, "jobs")
+	require.ErrorIs(t, err, ErrNotOurs)
+	require.ErrorContains(t, err, "ffffffff")
+	require.True(t, f.domains[s.Name].active)
+}
+
+func TestRemoveLeftoverVolumesWithoutDomain(t *testing.T) {
+	f := newFake()
+	s := testSpec()
+	e := &Engine{HV: f, Controller: s.Owner.Controller}
+	f.volumes["jobs/"+DiskVolume(s.Name)] = nil
+	f.volumes["jobs/"+SeedVolume(s.Name)] = nil
+	f.volumes["jobs/unrelated.qcow2"] = nil
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+	require.Equal(t, []string{"jobs/unrelated.qcow2"}, mustNames(t, f))
+}
+
+func mustNames(t *testing.T, f *fakeHV) []string {
+	n, err := f.VolumeNames("jobs")
+	require.NoError(t, err)
+	return n
+}
+
+func TestWaitAddressOnlyOwnMAC(t *testing.T) {
+	f := newFake()
+	f.domains["lve-x-1"] = &fakeDomain{active: true}
+	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
+	f.setLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: ip("10.0.0.9")})
+	go func() {
+		time.Sleep(30 * time.Millisecond)
+		f.setLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: ip("10.0.0.9")}, Lease{MAC: "52:54:00:aa:bb:cc", IP: ip("10.0.0.5")})
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	addr, err := e.WaitAddress(ctx, "lve-x-1", "52:54:00:AA:BB:CC")
+	require.NoError(t, err)
+	require.Equal(t, "10.0.0.5", addr)
+}
+
+func TestWaitAddressStops(t *testing.T) {
+	f := newFake()
+	f.domains["lve-x-1"] = &fakeDomain{active: false}
+	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
+	_, err := e.WaitAddress(context.Background(), "lve-x-1", "52:54:00:aa:bb:cc")
+	require.ErrorContains(t, err, "stopped before it got an address")
+
+	f.domains["lve-x-1"].active = true
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	_, err = e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc")
+	require.ErrorContains(t, err, "no DHCP lease")
+}
+
+func TestFreshMACAvoidsLeased(t *testing.T) {
+	f := newFake()
+	e := &Engine{HV: f}
+	mac, err := e.FreshMAC("ci")
+	require.NoError(t, err)
+	require.Regexp(t, `^52:54:00:[0-9a-f]{2}:[0-9a-f]{2}:[0-9a-f]{2}$`, mac)
+}
+
+func TestResolveDomainType(t *testing.T) {
+	e := &Engine{HV: newFake()}
+	got, err := e.ResolveDomainType("auto")
+	require.NoError(t, err)
+	require.Equal(t, "qemu", got, "fake reports no kvm")
+	got, err = e.ResolveDomainType("kvm")
+	require.NoError(t, err)
+	require.Equal(t, "kvm", got)
+}
