@@ -1,0 +1,180 @@
+package sshexec
+
+import (
+	"bytes"
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"io"
+	"net"
+	"os/exec"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+)
+
+// testServer is a real SSH server on 127.0.0.1:0 that runs exec requests with
+// the local bash in a new session (as sshd does), sends real exit statuses
+// and signals, and can misbehave on demand.
+type testServer struct {
+	addr       string
+	hostSigner ssh.Signer
+	client     ssh.Signer
+	// freeze makes the server stop answering keepalives (a frozen guest).
+	freeze atomic.Bool
+	// dropOn, when set, closes the TCP connection as soon as this text
+	// appears in a command's stdout (a guest that vanishes mid-stream).
+	dropOn atomic.Value
+	mu     sync.Mutex
+	conns  []net.Conn
+	cmds   []string
+}
+
+func newSigner(t *testing.T) ssh.Signer {
+	t.Helper()
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	require.NoError(t, err)
+	s, err := ssh.NewSignerFromKey(priv)
+	require.NoError(t, err)
+	return s
+}
+
+func startServer(t *testing.T) *testServer {
+	t.Helper()
+	ts := &testServer{hostSigner: newSigner(t), client: newSigner(t)}
+	ts.dropOn.Store("")
+	cfg := &ssh.ServerConfig{
+		PublicKeyCallback: func(_ ssh.ConnMetadata, key ssh.PublicKey) (*ssh.Permissions, error) {
+			if bytes.Equal(key.Marshal(), ts.client.PublicKey().Marshal()) {
+				return nil, nil
+			}
+			return nil, errors.New("unknown key")
+		},
+	}
+	cfg.AddHostKey(ts.hostSigner)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ts.addr = ln.Addr().String()
+	t.Cleanup(func() {
+		_ = ln.Close()
+		ts.mu.Lock()
+		for _, c := range ts.conns {
+			_ = c.Close()
+		}
+		ts.mu.Unlock()
+	})
+	go func() {
+		for {
+			nc, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			ts.mu.Lock()
+			ts.conns = append(ts.conns, nc)
+			ts.mu.Unlock()
+			go ts.serve(nc, cfg)
+		}
+	}()
+	return ts
+}
+
+func (ts *testServer) serve(nc net.Conn, cfg *ssh.ServerConfig) {
+	_, chans, reqs, err := ssh.NewServerConn(nc, cfg)
+	if err != nil {
+		_ = nc.Close()
+		return
+	}
+	go func() {
+		for r := range reqs {
+			if ts.freeze.Load() {
+				continue // never reply: the client must notice by itself
+			}
+			if r.WantReply {
+				_ = r.Reply(false, nil) // like dropbear: unknown request, but a reply
+			}
+		}
+	}()
+	for nch := range chans {
+		if nch.ChannelType() != "session" {
+			_ = nch.Reject(ssh.UnknownChannelType, "no")
+			continue
+		}
+		ch, creqs, err := nch.Accept()
+		if err != nil {
+			continue
+		}
+		go ts.session(nc, ch, creqs)
+	}
+}
+
+type dropWriter struct {
+	w  io.Writer
+	ts *testServer
+	nc net.Conn
+}
+
+func (d dropWriter) Write(p []byte) (int, error) {
+	if s := d.ts.dropOn.Load().(string); s != "" && bytes.Contains(p, []byte(s)) {
+		_ = d.nc.Close()
+		return 0, errors.New("dropped")
+	}
+	return d.w.Write(p)
+}
+
+func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Request) {
+	defer ch.Close()
+	for r := range reqs {
+		if r.Type != "exec" {
+			if r.WantReply {
+				_ = r.Reply(false, nil)
+			}
+			continue
+		}
+		var payload struct{ Cmd string }
+		if err := ssh.Unmarshal(r.Payload, &payload); err != nil {
+			_ = r.Reply(false, nil)
+			return
+		}
+		ts.mu.Lock()
+		ts.cmds = append(ts.cmds, payload.Cmd)
+		ts.mu.Unlock()
+		_ = r.Reply(true, nil)
+		cmd := exec.Command("bash", "-c", payload.Cmd)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		cmd.Stdin = ch
+		cmd.Stdout = dropWriter{ch, ts, nc}
+		cmd.Stderr = ch.Stderr()
+		err := cmd.Run()
+		var status uint32
+		var ee *exec.ExitError
+		if errors.As(err, &ee) {
+			if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+				sig := map[syscall.Signal]string{syscall.SIGTERM: "TERM", syscall.SIGKILL: "KILL", syscall.SIGSEGV: "SEGV"}[ws.Signal()]
+				_, _ = ch.SendRequest("exit-signal", false, ssh.Marshal(struct {
+					Signal     string
+					CoreDumped bool
+					Msg, Lang  string
+				}{Signal: sig}))
+				return
+			}
+			status = uint32(ee.ExitCode())
+		} else if err != nil {
+			status = 255
+		}
+		b := make([]byte, 4)
+		binary.BigEndian.PutUint32(b, status)
+		_, _ = ch.SendRequest("exit-status", false, b)
+		return
+	}
+}
+
+func (ts *testServer) commands() []string {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	return append([]string(nil), ts.cmds...)
+}

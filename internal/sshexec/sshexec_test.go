@@ -1,0 +1,239 @@
+package sshexec
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+)
+
+func target(ts *testServer) Target {
+	return Target{Addr: ts.addr, User: "root", Signer: ts.client, HostKey: ts.hostSigner.PublicKey(),
+		KeepaliveInterval: 100 * time.Millisecond, KeepaliveCount: 3}
+}
+
+func dial(t *testing.T, tg Target) *Client {
+	t.Helper()
+	c, err := Dial(context.Background(), tg)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// syncBuffer is a bytes.Buffer safe for the concurrent writes of a session.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+func run(t *testing.T, c *Client, ctx context.Context, script string) (string, string, error) {
+	var out, errb syncBuffer
+	err := c.Run(ctx, []byte(script), RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
+	return out.String(), errb.String(), err
+}
+
+func TestRunExitCodes(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	for _, code := range []int{0, 1, 2, 3, 42, 255} {
+		out, _, err := run(t, c, context.Background(), fmt.Sprintf("#!/usr/bin/env bash\necho hello\nexit %d\n", code))
+		require.Equal(t, "hello\n", out)
+		if code == 0 {
+			require.NoError(t, err)
+			continue
+		}
+		require.Equal(t, exitcodes.BuildClass, exitcodes.Classify(err), "code %d: %v", code, err)
+		got, ok := exitcodes.ScriptCode(err)
+		require.True(t, ok)
+		require.Equal(t, code, got)
+	}
+}
+
+func TestRunStreamsStderrAndClosesStdin(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	out, errOut, err := run(t, c, context.Background(), "echo to-err >&2\nif read -r line; then echo got-stdin; else echo stdin-closed; fi\n")
+	require.NoError(t, err)
+	require.Equal(t, "to-err\n", errOut)
+	require.Equal(t, "stdin-closed\n", out)
+}
+
+func TestScriptNeverOnCommandLineAndNotLeftBehind(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	secret := "canary-" + t.Name()
+	_, _, err := run(t, c, context.Background(), "X="+secret+"\necho ok\n")
+	require.NoError(t, err)
+	for _, cmd := range ts.commands() {
+		require.NotContains(t, cmd, secret)
+	}
+	left, _ := filepath.Glob("/tmp/lve-run-*")
+	for _, f := range left {
+		b, _ := os.ReadFile(f)
+		require.NotContains(t, string(b), secret, "script left at %s", f)
+	}
+}
+
+func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	_, _, err := run(t, c, context.Background(), "kill -SEGV $$\n")
+	code, ok := exitcodes.ScriptCode(err)
+	require.True(t, ok, "%v", err)
+	require.Equal(t, 128+11, code)
+}
+
+func TestCancelKillsRemoteProcessGroup(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	marker := filepath.Join(t.TempDir(), "child.pid")
+	ctx, cancel := context.WithCancel(context.Background())
+	script := fmt.Sprintf("#!/usr/bin/env bash\ntrap exit 1 TERM\nsleep 300 &\necho $! > %s\necho started\nwait\n", marker)
+	go func() {
+		for {
+			if b, err := os.ReadFile(marker); err == nil && len(b) > 0 {
+				cancel()
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	start := time.Now()
+	_, _, err := run(t, c, ctx, script)
+	require.Error(t, err)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
+	require.Less(t, time.Since(start), 10*time.Second)
+	b, err := os.ReadFile(marker)
+	require.NoError(t, err)
+	pid := strings.TrimSpace(string(b))
+	require.Eventually(t, func() bool {
+		_, err := os.Stat("/proc/" + pid)
+		return os.IsNotExist(err)
+	}, 5*time.Second, 50*time.Millisecond, "background child %s of the script must be gone", pid)
+}
+
+func TestCancelEscalatesToKill(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, _, err := run(t, c, ctx, "trap '' TERM\nwhile true; do sleep 0.1; done\n")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.Less(t, time.Since(start), 8*time.Second, "SIGKILL after the grace period")
+}
+
+func TestConnectionDroppedMidStreamIsSystemFailure(t *testing.T) {
+	ts := startServer(t)
+	ts.dropOn.Store("DROP-NOW")
+	c := dial(t, target(ts))
+	out, _, err := run(t, c, context.Background(), "echo before\nsleep 0.2\necho DROP-NOW\nsleep 5\nexit 1\n")
+	require.Contains(t, out, "before")
+	require.Error(t, err)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "connection to guest lost")
+}
+
+func TestFrozenGuestDetectedByKeepalive(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	ts.freeze.Store(true)
+	// The guest stops answering keepalives while a long script "runs".
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, _, err := run(t, c, ctx, "sleep 15\n")
+	took := time.Since(start)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorIs(t, err, ErrDeadGuest)
+	require.Less(t, took, 5*time.Second, "noticed within the keepalive bound, not at the job timeout")
+}
+
+func TestHostKeyMismatchSendsNothing(t *testing.T) {
+	ts := startServer(t)
+	tg := target(ts)
+	tg.HostKey = newSigner(t).PublicKey()
+	_, err := Dial(context.Background(), tg)
+	require.ErrorIs(t, err, ErrHostKeyMismatch)
+
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_, _, err = WaitReady(ctx, tg, 20*time.Millisecond, 100*time.Millisecond)
+	require.ErrorIs(t, err, ErrHostKeyMismatch)
+	require.ErrorContains(t, err, "refusing to send anything")
+	require.Empty(t, ts.commands(), "no command reached the impostor")
+}
+
+func TestNoPinnedKeyIsRefused(t *testing.T) {
+	ts := startServer(t)
+	tg := target(ts)
+	tg.HostKey = nil
+	_, err := Dial(context.Background(), tg)
+	require.ErrorContains(t, err, "no pinned host key")
+	tg.InsecureIgnoreHostKey = true
+	c, err := Dial(context.Background(), tg)
+	require.NoError(t, err)
+	_ = c.Close()
+}
+
+func TestAuthFailureAndWaitReadyTimeout(t *testing.T) {
+	ts := startServer(t)
+	tg := target(ts)
+	tg.Signer = newSigner(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, attempts, err := WaitReady(ctx, tg, 20*time.Millisecond, time.Second)
+	require.Error(t, err)
+	require.ErrorContains(t, err, "unable to authenticate")
+	require.Greater(t, attempts, 2, "retried at a short interval")
+}
+
+func TestWaitReadyRetriesUntilServerUp(t *testing.T) {
+	ts := startServer(t)
+	tg := target(ts)
+	// Point at a port with nothing listening, then at the server: the
+	// retry loop must keep going on "connection refused".
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	c, attempts, err := WaitReady(ctx, tg, 20*time.Millisecond, time.Second)
+	require.NoError(t, err)
+	require.Equal(t, 1, attempts)
+	_ = c.Close()
+
+	tg.Addr = "127.0.0.1:1"
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel2()
+	_, attempts, err = WaitReady(ctx2, tg, 20*time.Millisecond, time.Second)
+	require.ErrorContains(t, err, "connection refused")
+	require.Greater(t, attempts, 2)
+}
+
+func TestOutput(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	out, err := c.Output(context.Background(), "echo hi")
+	require.NoError(t, err)
+	require.Equal(t, "hi\n", string(out))
+	_, err = c.Output(context.Background(), "echo nope >&2; exit 4")
+	require.ErrorContains(t, err, "exit status 4: nope")
+}
