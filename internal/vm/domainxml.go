@@ -28,17 +28,17 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		os.BootDevices = []libvirtxml.DomainBootDevice{{Dev: "hd"}}
 	}
 	d := &libvirtxml.Domain{
-		Type:        s.DomainType,
-		Name:        s.Name,
-		Metadata:    &libvirtxml.DomainMetadata{XML: owner},
-		Memory:      &libvirtxml.DomainMemory{Value: uint(s.MemoryMiB), Unit: "MiB"},
-		VCPU:        &libvirtxml.DomainVCPU{Value: uint(s.VCPUs)},
-		OS:          os,
-		OnPoweroff:  "destroy",
-		OnCrash:     "destroy",
-		OnReboot:    "restart",
-		Features:    &libvirtxml.DomainFeatureList{ACPI: &libvirtxml.DomainFeature{}, APIC: &libvirtxml.DomainFeatureAPIC{}},
-		Devices:     &libvirtxml.DomainDeviceList{},
+		Type:       s.DomainType,
+		Name:       s.Name,
+		Metadata:   &libvirtxml.DomainMetadata{XML: owner},
+		Memory:     &libvirtxml.DomainMemory{Value: uint(s.MemoryMiB), Unit: "MiB"},
+		VCPU:       &libvirtxml.DomainVCPU{Value: uint(s.VCPUs)},
+		OS:         os,
+		OnPoweroff: "destroy",
+		OnCrash:    "destroy",
+		OnReboot:   "restart",
+		Features:   &libvirtxml.DomainFeatureList{ACPI: &libvirtxml.DomainFeature{}, APIC: &libvirtxml.DomainFeatureAPIC{}},
+		Devices:    &libvirtxml.DomainDeviceList{},
 	}
 	if s.DomainType == "kvm" {
 		d.CPU = &libvirtxml.DomainCPU{Mode: "host-passthrough"}

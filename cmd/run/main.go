@@ -1,0 +1,18 @@
+// Command libvirt-executor-run is GitLab Runner's run_exec: it runs one stage
+// script in the job's VM over SSH.
+package main
+
+import (
+	"context"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
+)
+
+func main() {
+	stagecli.Main("libvirt-executor-run", "run a stage script in the job's VM", "<script-path> <stage-name>", 2,
+		func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error {
+			return gitlab.Run(ctx, env, cfg, args[0], args[1])
+		})
+}

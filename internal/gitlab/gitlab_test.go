@@ -1,0 +1,179 @@
+package gitlab
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
+
+func TestReadJobFromPayload(t *testing.T) {
+	env := map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json", "CUSTOM_ENV_CI_JOB_ID": "999", "CUSTOM_ENV_CI_JOB_IMAGE": "forged"}
+	var warned []string
+	j, err := ReadJob(envOf(env), func(s string) { warned = append(warned, s) })
+	require.NoError(t, err)
+	require.Equal(t, int64(1000), j.ID, "a forged CUSTOM_ENV_CI_JOB_ID is ignored")
+	require.Equal(t, 30*time.Minute, j.Timeout)
+	require.Equal(t, "tiny", j.Image)
+	require.True(t, j.FromPayload)
+	require.Empty(t, warned)
+}
+
+func TestReadJobFallbackAndErrors(t *testing.T) {
+	var warned []string
+	j, err := ReadJob(envOf(map[string]string{"CUSTOM_ENV_CI_JOB_ID": "77"}), func(s string) { warned = append(warned, s) })
+	require.NoError(t, err)
+	require.Equal(t, int64(77), j.ID)
+	require.False(t, j.FromPayload)
+	require.Len(t, warned, 1)
+
+	for _, bad := range []string{"", "-1", "0", "1e3", "77; rm -rf /", "../1"} {
+		_, err := ReadJob(envOf(map[string]string{"CUSTOM_ENV_CI_JOB_ID": bad}), func(string) {})
+		require.Error(t, err, "%q", bad)
+	}
+
+	dir := t.TempDir()
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": filepath.Join(dir, "missing.json")}), func(string) {})
+	require.ErrorContains(t, err, "JOB_RESPONSE_FILE")
+
+	corrupt := filepath.Join(dir, "corrupt.json")
+	require.NoError(t, os.WriteFile(corrupt, []byte(`{"id":5,"token":"secret-token-xyz",`), 0o600))
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": corrupt}), func(string) {})
+	require.Error(t, err)
+	require.NotContains(t, err.Error(), "secret-token-xyz")
+
+	noID := filepath.Join(dir, "noid.json")
+	require.NoError(t, os.WriteFile(noID, []byte(`{"token":"t"}`), 0o600))
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": noID}), func(string) {})
+	require.ErrorContains(t, err, "no positive job id")
+
+	wrongType := filepath.Join(dir, "wrongtype.json")
+	require.NoError(t, os.WriteFile(wrongType, []byte(`{"id":"1000"}`), 0o600))
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": wrongType}), func(string) {})
+	require.Error(t, err)
+}
+
+func TestMachineName(t *testing.T) {
+	n := MachineName("lve", "0123abcd-0000-4000-8000-000000000000", 1000)
+	require.Equal(t, "lve-0123abcd-1000", n)
+	require.NoError(t, vm.CheckName(n))
+}
+
+func testConfig(t *testing.T) *config.Config {
+	t.Helper()
+	cfg, err := config.Parse([]byte(`
+state_dir = "` + t.TempDir() + `"
+default_image = "tiny"
+[images.tiny]
+base = "/img/tiny.qcow2"
+builds_dir = "/builds"
+[images.debian-12]
+base = "/img/debian.qcow2"
+builds_dir = "/srv/builds"
+cache_dir = "/srv/cache"
+`))
+	require.NoError(t, err)
+	return cfg
+}
+
+func TestChooseImage(t *testing.T) {
+	cfg := testConfig(t)
+	img, err := ChooseImage(cfg, "")
+	require.NoError(t, err)
+	require.Equal(t, "tiny", img.Name)
+	img, err = ChooseImage(cfg, "debian-12")
+	require.NoError(t, err)
+	require.Equal(t, "debian-12", img.Name)
+	for _, hostile := range []string{
+		"../../etc/passwd", "/img/tiny.qcow2", "tiny\x00", "tiny\n", "<tiny/>", "tiny'; reboot", "TINY",
+		"docker.io/library/alpine:latest", strings.Repeat("x", 5000),
+	} {
+		_, err := ChooseImage(cfg, hostile)
+		require.Error(t, err, "%q", hostile)
+		require.Equal(t, exitcodes.BuildClass, exitcodes.Classify(err), "a user mistake, not retried")
+		require.ErrorContains(t, err, `allowed images: ["debian-12","tiny"]`)
+		require.Less(t, len(err.Error()), 400, "message stays readable")
+	}
+}
+
+type recorder struct{ connected int }
+
+func (r *recorder) env(t *testing.T, vars map[string]string, stdout *bytes.Buffer) Env {
+	return Env{
+		Getenv: envOf(vars), Stdout: stdout, Stderr: &bytes.Buffer{},
+		Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
+		Connect: func(uri string) (vm.Hypervisor, error) {
+			r.connected++
+			return vm.Connect("test:///default")
+		},
+	}
+}
+
+func TestConfigStageOutput(t *testing.T) {
+	cfg := testConfig(t)
+	var out bytes.Buffer
+	r := &recorder{}
+	payload := filepath.Join(t.TempDir(), "response.json")
+	require.NoError(t, os.WriteFile(payload, []byte(`{"id":42,"image":{"name":"debian-12"}}`), 0o600))
+	require.NoError(t, Config(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg))
+	var got map[string]any
+	require.NoError(t, json.Unmarshal(out.Bytes(), &got))
+	require.Equal(t, "/srv/builds", got["builds_dir"])
+	require.Equal(t, "/srv/cache", got["cache_dir"])
+	require.Equal(t, false, got["builds_dir_is_shared"])
+	require.Equal(t, "bash", got["shell"])
+	require.Regexp(t, `^lve-[0-9a-f]{8}-42$`, got["hostname"])
+	require.Equal(t, DriverName, got["driver"].(map[string]any)["name"])
+	require.Zero(t, r.connected, "config needs no libvirt")
+}
+
+func TestPrepareRefusesUnknownImageBeforeLibvirt(t *testing.T) {
+	cfg := testConfig(t)
+	payload := filepath.Join(t.TempDir(), "response.json")
+	require.NoError(t, os.WriteFile(payload, []byte(`{"id":42,"image":{"name":"../../etc/shadow"}}`), 0o600))
+	r := &recorder{}
+	var out bytes.Buffer
+	err := Prepare(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg)
+	require.Equal(t, exitcodes.BuildClass, exitcodes.Classify(err))
+	require.Zero(t, r.connected, "nothing touched")
+	names, err := os.ReadDir(filepath.Join(cfg.StateDir, "machines"))
+	require.True(t, err != nil || len(names) == 0, "no state created")
+}
+
+func TestRunWithoutPreparedMachineIsSystemFailure(t *testing.T) {
+	cfg := testConfig(t)
+	script := filepath.Join(t.TempDir(), "script.")
+	require.NoError(t, os.WriteFile(script, []byte("exit 0\n"), 0o600))
+	r := &recorder{}
+	var out bytes.Buffer
+	err := Run(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out), cfg, script, "build_script")
+	require.Error(t, err)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.True(t, errors.Is(err, state.ErrNoMachine), "%v", err)
+}
+
+func TestCleanupWithNothingLeftSucceeds(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.StoragePool = "default-pool"
+	r := &recorder{}
+	var out bytes.Buffer
+	env := r.env(t, map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out)
+	require.NoError(t, Cleanup(context.Background(), env, cfg))
+	require.NoError(t, Cleanup(context.Background(), env, cfg), "idempotent")
+	require.Equal(t, 2, r.connected)
+}

@@ -1,0 +1,228 @@
+package gitlab
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// DriverName is reported to the runner.
+const DriverName = "libvirt-executor"
+
+// Version is set at build time.
+var Version = "dev"
+
+// Env is what a stage gets from its process.
+type Env struct {
+	Getenv func(string) string
+	Stdout io.Writer
+	Stderr io.Writer
+	Log    *slog.Logger
+	// Connect opens the hypervisor; tests substitute a fake.
+	Connect func(uri string) (vm.Hypervisor, error)
+}
+
+func (e Env) connect(uri string) (vm.Hypervisor, error) {
+	if e.Connect != nil {
+		return e.Connect(uri)
+	}
+	return vm.Connect(uri)
+}
+
+// job is the shared start of every stage: configuration, identity, names.
+type job struct {
+	cfg        *config.Config
+	job        *Job
+	store      state.Store
+	controller string
+	name       string
+	log        *slog.Logger
+}
+
+func (e Env) load(cfg *config.Config) (*job, error) {
+	j, err := ReadJob(e.Getenv, func(msg string) { e.Log.Warn(msg) })
+	if err != nil {
+		return nil, err
+	}
+	store := state.Store{Dir: cfg.StateDir}
+	ctrl, err := store.ControllerID()
+	if err != nil {
+		return nil, err
+	}
+	name := MachineName(cfg.NamePrefix, ctrl, j.ID)
+	return &job{cfg: cfg, job: j, store: store, controller: ctrl, name: name,
+		log: e.Log.With("job", j.ID, "domain", name)}, nil
+}
+
+// ConfigOutput is the JSON the runner reads from config_exec.
+type ConfigOutput struct {
+	BuildsDir         string            `json:"builds_dir"`
+	CacheDir          string            `json:"cache_dir"`
+	BuildsDirIsShared bool              `json:"builds_dir_is_shared"`
+	Hostname          string            `json:"hostname"`
+	Driver            ConfigDriver      `json:"driver"`
+	Shell             string            `json:"shell"`
+	JobEnv            map[string]string `json:"job_env,omitempty"`
+}
+
+// ConfigDriver names the driver.
+type ConfigDriver struct {
+	Name    string `json:"name"`
+	Version string `json:"version"`
+}
+
+// Config is the config stage: it prints the runner's JSON on stdout.
+func Config(ctx context.Context, e Env, cfg *config.Config) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	img, err := ChooseImage(cfg, j.job.Image)
+	if err != nil {
+		return err
+	}
+	out := ConfigOutput{
+		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Hostname: j.name,
+		Driver: ConfigDriver{Name: DriverName, Version: Version}, Shell: "bash",
+	}
+	return json.NewEncoder(e.Stdout).Encode(out)
+}
+
+// Prepare is the prepare stage: a fresh machine for the job, ready for SSH.
+func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	img, err := ChooseImage(cfg, j.job.Image)
+	if err != nil {
+		return err
+	}
+	say := func(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
+	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+Version)
+	if !j.job.FromPayload {
+		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set")
+	}
+	hv, err := e.connect(cfg.LibvirtURI)
+	if err != nil {
+		return err
+	}
+	defer hv.Close()
+	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
+	req := lifecycle.Request{
+		Name: j.name, Image: img, VCPUs: pick(img.VCPUs, cfg.Defaults.VCPUs), MemoryMiB: pick(img.MemoryMiB, cfg.Defaults.MemoryMiB),
+		DiskGiB: pick(img.DiskGiB, cfg.Defaults.DiskGiB), Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
+		Lifetime: j.job.Timeout,
+	}
+	ready, err := m.Provision(ctx, req)
+	if err != nil {
+		j.log.Error("prepare failed", "err", err)
+		return exitcodes.System(err)
+	}
+	defer ready.Client.Close()
+	checkGuestTools(ctx, ready.Client, say)
+	return nil
+}
+
+func pick(override, def int) int {
+	if override != 0 {
+		return override
+	}
+	return def
+}
+
+// checkGuestTools tells the job log which of the tools GitLab's stages use are
+// missing in the guest. It does not fail: a job may not need them.
+func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ...any)) {
+	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := c.Output(ctx, `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done`)
+	if err != nil {
+		say("Could not check the guest's tools: %v", err)
+		return
+	}
+	missing := strings.Fields(string(out))
+	for _, t := range missing {
+		switch t {
+		case "git":
+			say("Warning: git is not installed in the guest: get_sources will fail unless GIT_STRATEGY is none")
+		case "git-lfs":
+			say("Note: git-lfs is not installed in the guest (needed only for LFS repositories)")
+		case "gitlab-runner":
+			say("Note: gitlab-runner is not on the guest's PATH: caches and artifacts will not work (see docs/images.md)")
+		case "bash":
+			say("Warning: bash is not installed in the guest: GitLab's job scripts need it")
+		}
+	}
+}
+
+// Run is the run stage: it executes the runner's script for one stage in the
+// job's machine.
+func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage string) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	script, err := os.ReadFile(scriptPath)
+	if err != nil {
+		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
+	}
+	m := &lifecycle.Manager{Cfg: cfg, Store: j.store, Controller: j.controller}
+	mach, client, err := m.Connect(ctx, j.name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	defer client.Close()
+	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
+	err = client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr})
+	if code, ok := exitcodes.ScriptCode(err); ok {
+		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
+			if werr := os.WriteFile(path, []byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
+				return exitcodes.System(errors.Join(err, fmt.Errorf("write BUILD_EXIT_CODE_FILE: %w", werr)))
+			}
+		}
+		return err
+	}
+	if err != nil {
+		j.log.Error("stage failed", "stage", stage, "err", err)
+	}
+	return err
+}
+
+// Cleanup is the cleanup stage: it removes everything of the job's machine.
+// It runs on its own deadline, also after a cancel.
+func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+	defer cancel()
+	hv, err := e.connect(cfg.LibvirtURI)
+	if err != nil {
+		return err
+	}
+	defer hv.Close()
+	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller}
+	t0 := time.Now()
+	if err := m.Teardown(ctx, j.name); err != nil {
+		j.log.Error("cleanup incomplete", "err", err)
+		return exitcodes.System(err)
+	}
+	j.log.Info("cleaned up", "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
+	return nil
+}

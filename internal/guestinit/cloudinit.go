@@ -1,0 +1,113 @@
+package guestinit
+
+import (
+	"encoding/json"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	diskfs "github.com/diskfs/go-diskfs"
+	"github.com/diskfs/go-diskfs/disk"
+	"github.com/diskfs/go-diskfs/filesystem"
+	"github.com/diskfs/go-diskfs/filesystem/iso9660"
+)
+
+// CloudInit describes a NoCloud seed.
+type CloudInit struct {
+	// InstanceID changes per job so cloud-init runs its per-instance modules.
+	InstanceID string
+	// Hostname of the guest.
+	Hostname string
+	// User receives the authorized key.
+	User string
+}
+
+// UserData renders #cloud-config. JSON is valid YAML, so every value is
+// encoded by encoding/json: nothing is pasted into YAML text.
+func (c CloudInit) UserData(k *Keys, comment string) ([]byte, error) {
+	type user struct {
+		Name              string   `json:"name"`
+		Sudo              string   `json:"sudo,omitempty"`
+		Shell             string   `json:"shell"`
+		SSHAuthorizedKeys []string `json:"ssh_authorized_keys"`
+		LockPasswd        bool     `json:"lock_passwd"`
+	}
+	u := user{Name: c.User, Shell: "/bin/bash", SSHAuthorizedKeys: []string{k.AuthorizedKey(comment)}, LockPasswd: true}
+	if c.User != "root" {
+		u.Sudo = "ALL=(ALL) NOPASSWD:ALL"
+	}
+	doc := map[string]any{
+		"users":           []any{u},
+		"disable_root":    c.User != "root",
+		"ssh_pwauth":      false,
+		"ssh_deletekeys":  true,
+		"ssh_genkeytypes": []string{},
+		"ssh_keys": map[string]string{
+			"ed25519_private": string(k.HostPEM),
+			"ed25519_public":  k.HostPublicLine(),
+		},
+	}
+	b, err := json.MarshalIndent(doc, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	return append([]byte("#cloud-config\n"), b...), nil
+}
+
+// MetaData renders meta-data.
+func (c CloudInit) MetaData() ([]byte, error) {
+	return json.Marshal(map[string]string{"instance-id": c.InstanceID, "local-hostname": c.Hostname})
+}
+
+// SeedISO builds the NoCloud seed: an ISO 9660 image with Rock Ridge names,
+// volume label "cidata", holding user-data and meta-data. workDir must be a
+// private directory; the staging files are removed before returning.
+func (c CloudInit) SeedISO(k *Keys, comment, workDir string) ([]byte, error) {
+	ud, err := c.UserData(k, comment)
+	if err != nil {
+		return nil, err
+	}
+	md, err := c.MetaData()
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp(workDir, "seed-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	img := filepath.Join(tmp, "seed.iso")
+	d, err := diskfs.Create(img, 1<<20, diskfs.SectorSizeDefault)
+	if err != nil {
+		return nil, fmt.Errorf("seed image: %w", err)
+	}
+	d.LogicalBlocksize = 2048
+	stage := filepath.Join(tmp, "stage")
+	if err := os.Mkdir(stage, 0o700); err != nil {
+		return nil, err
+	}
+	fs, err := d.CreateFilesystem(disk.FilesystemSpec{Partition: 0, FSType: filesystem.TypeISO9660, VolumeLabel: "cidata", WorkDir: stage})
+	if err != nil {
+		return nil, fmt.Errorf("seed filesystem: %w", err)
+	}
+	for name, data := range map[string][]byte{"/user-data": ud, "/meta-data": md} {
+		f, err := fs.OpenFile(name, os.O_CREATE|os.O_RDWR)
+		if err != nil {
+			return nil, err
+		}
+		if _, err := f.Write(data); err != nil {
+			return nil, err
+		}
+		if err := f.Close(); err != nil {
+			return nil, err
+		}
+	}
+	iso, ok := fs.(*iso9660.FileSystem)
+	if !ok {
+		return nil, fmt.Errorf("seed filesystem is %T, not ISO 9660", fs)
+	}
+	if err := iso.Finalize(iso9660.FinalizeOptions{RockRidge: true, VolumeIdentifier: "cidata"}); err != nil {
+		return nil, fmt.Errorf("seed finalize: %w", err)
+	}
+	return os.ReadFile(img)
+}

@@ -1,0 +1,118 @@
+package guestinit
+
+import (
+	"encoding/base64"
+	"encoding/json"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	diskfs "github.com/diskfs/go-diskfs"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+)
+
+func TestKeysAreFreshAndConsistent(t *testing.T) {
+	a, err := NewKeys("lve-x-1")
+	require.NoError(t, err)
+	b, err := NewKeys("lve-x-1")
+	require.NoError(t, err)
+	require.NotEqual(t, a.ClientPEM, b.ClientPEM, "fresh per job")
+	require.NotEqual(t, a.HostPEM, b.HostPEM)
+	require.NotEqual(t, a.ClientPEM, a.HostPEM, "client and host keys differ")
+
+	// The PEMs parse back to the same keys.
+	cs, err := ssh.ParsePrivateKey(a.ClientPEM)
+	require.NoError(t, err)
+	require.Equal(t, a.Client.PublicKey().Marshal(), cs.PublicKey().Marshal())
+	hs, err := ssh.ParsePrivateKey(a.HostPEM)
+	require.NoError(t, err)
+	require.Equal(t, a.Host.Marshal(), hs.PublicKey().Marshal())
+	require.Equal(t, ssh.KeyAlgoED25519, a.Host.Type())
+}
+
+func TestOEMStrings(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	s := k.OEMStrings("lve-x-1")
+	require.Len(t, s, 2)
+	require.True(t, strings.HasPrefix(s[0], "io.systemd.credential:ssh.authorized_keys.root=ssh-ed25519 "))
+	pub, _, _, _, err := ssh.ParseAuthorizedKey([]byte(strings.TrimPrefix(s[0], "io.systemd.credential:ssh.authorized_keys.root=")))
+	require.NoError(t, err)
+	require.Equal(t, k.Client.PublicKey().Marshal(), pub.Marshal())
+
+	prefix := "io.systemd.credential.binary:" + HostKeyCredential + "="
+	require.True(t, strings.HasPrefix(s[1], prefix))
+	pemBytes, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(s[1], prefix))
+	require.NoError(t, err)
+	hs, err := ssh.ParsePrivateKey(pemBytes)
+	require.NoError(t, err)
+	require.Equal(t, k.Host.Marshal(), hs.PublicKey().Marshal())
+	for _, x := range s {
+		require.NotContains(t, x, "\n", "an SMBIOS string is one line")
+	}
+}
+
+func TestUserDataIsStructured(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	ci := CloudInit{InstanceID: "lve-x-1", Hostname: "lve-x-1", User: "debian"}
+	ud, err := ci.UserData(k, "lve-x-1")
+	require.NoError(t, err)
+	require.True(t, strings.HasPrefix(string(ud), "#cloud-config\n"))
+	var doc struct {
+		Users []struct {
+			Name string   `json:"name"`
+			Keys []string `json:"ssh_authorized_keys"`
+		} `json:"users"`
+		SSHKeys map[string]string `json:"ssh_keys"`
+		Gen     []string          `json:"ssh_genkeytypes"`
+	}
+	require.NoError(t, json.Unmarshal(ud[len("#cloud-config\n"):], &doc))
+	require.Equal(t, "debian", doc.Users[0].Name)
+	require.Equal(t, k.AuthorizedKey("lve-x-1"), doc.Users[0].Keys[0])
+	require.Equal(t, string(k.HostPEM), doc.SSHKeys["ed25519_private"])
+	require.Empty(t, doc.Gen, "the guest must not generate its own host keys")
+}
+
+func TestSeedISO(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	dir := t.TempDir()
+	ci := CloudInit{InstanceID: "lve-x-1", Hostname: "lve-x-1", User: "root"}
+	iso, err := ci.SeedISO(k, "lve-x-1", dir)
+	require.NoError(t, err)
+	entries, err := os.ReadDir(dir)
+	require.NoError(t, err)
+	require.Empty(t, entries, "staging files removed (they hold the host key)")
+
+	path := filepath.Join(t.TempDir(), "seed.iso")
+	require.NoError(t, os.WriteFile(path, iso, 0o600))
+	d, err := diskfs.Open(path, diskfs.WithOpenMode(diskfs.ReadOnly))
+	require.NoError(t, err)
+	fs, err := d.GetFilesystem(0)
+	require.NoError(t, err)
+	require.Equal(t, "cidata", strings.Trim(fs.Label(), " \x00"))
+	want, err := ci.UserData(k, "lve-x-1")
+	require.NoError(t, err)
+	f, err := fs.OpenFile("/user-data", os.O_RDONLY)
+	require.NoError(t, err)
+	got, err := io.ReadAll(f)
+	require.NoError(t, err)
+	require.Equal(t, want, got)
+	md, err := fs.OpenFile("/meta-data", os.O_RDONLY)
+	require.NoError(t, err)
+	gotMD, err := io.ReadAll(md)
+	require.NoError(t, err)
+	require.Contains(t, string(gotMD), `"instance-id":"lve-x-1"`)
+
+	// blkid (util-linux, as the guest's udev uses) must see the label too.
+	if _, err := exec.LookPath("blkid"); err == nil {
+		out, err := exec.Command("blkid", "-p", "-o", "value", "-s", "LABEL", path).Output()
+		require.NoError(t, err)
+		require.Equal(t, "cidata", strings.TrimSpace(string(out)))
+	}
+}

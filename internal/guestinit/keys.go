@@ -1,0 +1,86 @@
+// Package guestinit makes a guest's per-job identity: a fresh client key the
+// driver logs in with and a fresh host key the guest's SSH server presents,
+// and the boot-time media that deliver them (SMBIOS systemd credentials or a
+// cloud-init NoCloud seed). Nothing here is baked into an image.
+package guestinit
+
+import (
+	"crypto/ed25519"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/pem"
+	"fmt"
+	"strings"
+
+	"golang.org/x/crypto/ssh"
+)
+
+// HostKeyCredential is the systemd credential that carries the guest's SSH
+// host key (base64 of an OpenSSH private key). Image recipes install it; see
+// docs/images.md.
+const HostKeyCredential = "libvirt-executor.ssh_host_ed25519_key"
+
+// Keys is one job's key material.
+type Keys struct {
+	// Client logs in to the guest.
+	Client ssh.Signer
+	// ClientPEM is Client in OpenSSH private key format.
+	ClientPEM []byte
+	// Host is the guest's host key; HostPEM its OpenSSH private key.
+	Host    ssh.PublicKey
+	HostPEM []byte
+}
+
+// NewKeys generates fresh ed25519 client and host keys.
+func NewKeys(comment string) (*Keys, error) {
+	cpriv, cpem, err := newKey(comment)
+	if err != nil {
+		return nil, err
+	}
+	hpriv, hpem, err := newKey(comment)
+	if err != nil {
+		return nil, err
+	}
+	cs, err := ssh.NewSignerFromKey(cpriv)
+	if err != nil {
+		return nil, err
+	}
+	hpub, err := ssh.NewPublicKey(hpriv.Public())
+	if err != nil {
+		return nil, err
+	}
+	return &Keys{Client: cs, ClientPEM: cpem, Host: hpub, HostPEM: hpem}, nil
+}
+
+func newKey(comment string) (ed25519.PrivateKey, []byte, error) {
+	_, priv, err := ed25519.GenerateKey(rand.Reader)
+	if err != nil {
+		return nil, nil, err
+	}
+	block, err := ssh.MarshalPrivateKey(priv, comment)
+	if err != nil {
+		return nil, nil, fmt.Errorf("encode key: %w", err)
+	}
+	return priv, pem.EncodeToMemory(block), nil
+}
+
+// AuthorizedKey is the client's public key as an authorized_keys line.
+func (k *Keys) AuthorizedKey(comment string) string {
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k.Client.PublicKey()))) + " " + comment
+}
+
+// HostPublicLine is the host key as an authorized_keys-style line.
+func (k *Keys) HostPublicLine() string {
+	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k.Host)))
+}
+
+// OEMStrings are the SMBIOS type 11 strings that hand the keys to a systemd
+// (>= 252) guest: root's authorized key through systemd's stock
+// ssh.authorized_keys.root credential, the host key through
+// HostKeyCredential.
+func (k *Keys) OEMStrings(comment string) []string {
+	return []string{
+		"io.systemd.credential:ssh.authorized_keys.root=" + k.AuthorizedKey(comment),
+		"io.systemd.credential.binary:" + HostKeyCredential + "=" + base64.StdEncoding.EncodeToString(k.HostPEM),
+	}
+}

@@ -1,0 +1,302 @@
+// Package lifecycle provisions and tears down one job machine end to end:
+// keys, linked clone, boot, address, SSH readiness, recorded state. It is the
+// engine's front-end-neutral entry point; GitLab's stages (and later other
+// front ends) call it with a name and an owner.
+package lifecycle
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/steps"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Manager ties configuration, hypervisor and state together.
+type Manager struct {
+	Cfg        *config.Config
+	HV         vm.Hypervisor
+	Store      state.Store
+	Controller string
+	// Say receives progress lines meant for the person watching the job.
+	Say func(format string, args ...any)
+	// SSHPollInterval is the pause between SSH readiness attempts (default
+	// 100ms); AddressPollInterval likewise for DHCP leases.
+	SSHPollInterval     time.Duration
+	AddressPollInterval time.Duration
+}
+
+func (m *Manager) say(format string, args ...any) {
+	if m.Say != nil {
+		m.Say(format, args...)
+	}
+}
+
+func (m *Manager) engine() *vm.Engine {
+	return &vm.Engine{HV: m.HV, Controller: m.Controller, UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
+		PollInterval: m.AddressPollInterval}
+}
+
+// Request asks for one machine.
+type Request struct {
+	Name      string
+	Image     *config.Image
+	VCPUs     int
+	MemoryMiB int
+	DiskGiB   int
+	Frontend  string
+	Job       string
+	// Lifetime is how long the job may run; the ownership deadline is
+	// now + Lifetime + the configured slack.
+	Lifetime time.Duration
+}
+
+// Ready is a provisioned machine with an open SSH connection.
+type Ready struct {
+	Machine *state.Machine
+	Client  *sshexec.Client
+}
+
+// Provision removes leftovers of an earlier attempt under the same name, then
+// creates, boots and connects to a fresh machine. On failure or cancellation
+// everything made by this call is removed before it returns.
+func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
+	start := time.Now()
+	if err := vm.CheckName(req.Name); err != nil {
+		return nil, err
+	}
+	if err := m.Teardown(ctx, req.Name); err != nil {
+		return nil, fmt.Errorf("remove leftovers of %s: %w", req.Name, err)
+	}
+	eng := m.engine()
+	domainType, err := eng.ResolveDomainType(m.Cfg.DomainType)
+	if err != nil {
+		return nil, err
+	}
+	img := req.Image
+	var (
+		keys    *guestinit.Keys
+		dir     string
+		mac     string
+		seed    []byte
+		addr    string
+		client  *sshexec.Client
+		created time.Time
+	)
+	comment := req.Name
+	bootDeadline := m.Cfg.Timeouts.Boot.D()
+	var bootCtx context.Context
+	var cancelBoot context.CancelFunc = func() {}
+	defer func() { cancelBoot() }()
+
+	list := []steps.Step{
+		{
+			Name: "keys",
+			Do: func(context.Context) error {
+				var err error
+				if dir, err = m.Store.Create(req.Name); err != nil {
+					return err
+				}
+				if keys, err = guestinit.NewKeys(comment); err != nil {
+					return err
+				}
+				if err := m.Store.SaveKey(req.Name, keys.ClientPEM); err != nil {
+					return err
+				}
+				if img.KeyInjection == config.InjectCloudInit {
+					ci := guestinit.CloudInit{InstanceID: req.Name, Hostname: req.Name, User: img.User}
+					if seed, err = ci.SeedISO(keys, comment, dir); err != nil {
+						return err
+					}
+				}
+				mac, err = eng.FreshMAC(m.Cfg.Network)
+				return err
+			},
+			Undo: func(context.Context) error { return m.Store.Remove(req.Name) },
+		},
+		{
+			Name: "create",
+			Do: func(ctx context.Context) error {
+				created = time.Now().UTC()
+				spec := vm.Spec{
+					Name: req.Name, DomainType: domainType,
+					VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(req.DiskGiB) << 30,
+					Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
+					Pool: m.Cfg.StoragePool, Network: m.Cfg.Network, MAC: mac,
+					Seed:       seed,
+					ConsoleLog: filepath.Join(dir, "console.log"),
+					Owner: vm.Owner{
+						Controller: m.Controller, Frontend: req.Frontend, Job: req.Job,
+						Created: created, Deadline: created.Add(req.Lifetime + m.Cfg.Timeouts.JobSlack.D()),
+					},
+				}
+				if img.Boot == config.BootKernel {
+					spec.Kernel, spec.Initrd, spec.Cmdline = img.Kernel, img.Initrd, img.Cmdline
+				}
+				if img.KeyInjection == config.InjectSMBIOS {
+					spec.OEMStrings = keys.OEMStrings(comment)
+				}
+				eng.Progress = func(format string, args ...any) { m.say("  "+format, args...) }
+				t0 := time.Now()
+				if _, err := eng.Create(ctx, spec); err != nil {
+					return err
+				}
+				m.say("Created %s from image %s (%s, %d vCPU, %d MiB) in %s", req.Name, img.Name, domainType, req.VCPUs, req.MemoryMiB, vm.Round(time.Since(t0)))
+				bootCtx, cancelBoot = context.WithTimeoutCause(ctx, bootDeadline,
+					fmt.Errorf("boot timeout %s (timeouts.boot) reached", bootDeadline))
+				return nil
+			},
+			Undo: func(ctx context.Context) error { return m.engine().Remove(ctx, req.Name, m.Cfg.StoragePool) },
+		},
+		{
+			Name: "address",
+			Do: func(context.Context) error {
+				t0 := time.Now()
+				var err error
+				if addr, err = eng.WaitAddress(bootCtx, req.Name, mac); err != nil {
+					return err
+				}
+				m.say("Booted, address %s (MAC %s) in %s", addr, mac, vm.Round(time.Since(t0)))
+				return nil
+			},
+		},
+		{
+			Name: "ssh",
+			Do: func(context.Context) error {
+				t0 := time.Now()
+				target := m.target(addr, img.User, keys.Client, keys.Host)
+				var attempts int
+				var err error
+				client, attempts, err = sshexec.WaitReady(bootCtx, target, m.SSHPollInterval, 20*time.Second)
+				if err != nil {
+					return err
+				}
+				m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, addr, shortFP(keys), vm.Round(time.Since(t0)), attempts)
+				return nil
+			},
+			Undo: func(context.Context) error {
+				if client != nil {
+					_ = client.Close()
+				}
+				return nil
+			},
+		},
+		{
+			Name: "record",
+			Do: func(context.Context) error {
+				return m.Store.Save(state.Machine{
+					Name: req.Name, Image: img.Name, Address: addr, Port: 22, User: img.User, Shell: img.Shell,
+					HostKey: keys.HostPublicLine(), MAC: mac, Created: created,
+					BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
+				})
+			},
+		},
+	}
+	r := steps.Runner{
+		UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
+		OnUndo: func(name string, err error) {
+			if err != nil {
+				m.say("Undo %s failed: %v", name, err)
+			}
+		},
+	}
+	var consoleTail []byte
+	err = r.Run(ctx, withConsoleCapture(list, func() { consoleTail = tail(filepath.Join(m.Store.MachineDir(req.Name), "console.log"), 25) }))
+	if err != nil {
+		if len(consoleTail) > 0 {
+			m.say("Last lines of the guest console:\n%s", consoleTail)
+		}
+		return nil, err
+	}
+	m.say("Machine ready in %s", vm.Round(time.Since(start)))
+	mach, _, _, err := m.Store.Load(req.Name)
+	if err != nil {
+		_ = client.Close()
+		return nil, errors.Join(err, m.Teardown(context.WithoutCancel(ctx), req.Name))
+	}
+	return &Ready{Machine: mach, Client: client}, nil
+}
+
+// withConsoleCapture wraps the boot-wait steps so that, when one fails, the
+// guest's console is read before the undo removes it.
+func withConsoleCapture(list []steps.Step, capture func()) []steps.Step {
+	out := make([]steps.Step, len(list))
+	for i, s := range list {
+		do := s.Do
+		if s.Name == "address" || s.Name == "ssh" {
+			s.Do = func(ctx context.Context) error {
+				err := do(ctx)
+				if err != nil {
+					capture()
+				}
+				return err
+			}
+		}
+		out[i] = s
+	}
+	return out
+}
+
+func tail(path string, lines int) []byte {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil
+	}
+	b = bytes.TrimRight(b, "\r\n\x00")
+	parts := bytes.Split(b, []byte("\n"))
+	if len(parts) > lines {
+		parts = parts[len(parts)-lines:]
+	}
+	return bytes.Join(parts, []byte("\n"))
+}
+
+func shortFP(k *guestinit.Keys) string { return ssh.FingerprintSHA256(k.Host) }
+
+func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.PublicKey) sshexec.Target {
+	return sshexec.Target{
+		Addr: net.JoinHostPort(addr, "22"), User: user, Signer: signer, HostKey: hostKey,
+		InsecureIgnoreHostKey: m.Cfg.HostKeyPolicy == config.HostKeyInsecureIgnore,
+		ConnectTimeout:        m.Cfg.SSH.ConnectTimeout.D(),
+		KeepaliveInterval:     m.Cfg.SSH.KeepaliveInterval.D(),
+		KeepaliveCount:        m.Cfg.SSH.KeepaliveCount,
+	}
+}
+
+// Connect opens an SSH connection to a provisioned machine using the recorded
+// address and pinned host key.
+func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *sshexec.Client, error) {
+	mach, signer, hostKey, err := m.Store.Load(name)
+	if err != nil {
+		return nil, nil, err
+	}
+	t := m.target(mach.Address, mach.User, signer, hostKey)
+	t.Addr = net.JoinHostPort(mach.Address, strconv.Itoa(mach.Port))
+	c, err := sshexec.Dial(ctx, t)
+	if err != nil {
+		return nil, nil, fmt.Errorf("connect to %s at %s: %w", name, t.Addr, err)
+	}
+	return mach, c, nil
+}
+
+// Teardown removes the machine, its volumes and its state. Missing pieces
+// count as success; a domain of that name that is not ours is left alone and
+// reported.
+func (m *Manager) Teardown(ctx context.Context, name string) error {
+	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool); err != nil {
+		return err
+	}
+	return m.Store.Remove(name)
+}

@@ -1,0 +1,74 @@
+// Package stagecli is the common shell of the four stage executables: flags,
+// signals, logging, configuration, and the one call that turns the stage's
+// error into the exit code.
+package stagecli
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/signal"
+	"syscall"
+
+	"github.com/urfave/cli/v2"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+)
+
+// Stage is one stage's body.
+type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error
+
+// Main runs a stage executable and exits with the code exitcodes decides.
+func Main(name, usage string, argsUsage string, nargs int, stage Stage) {
+	os.Exit(Run(os.Args, os.Getenv, os.Stdout, os.Stderr, name, usage, argsUsage, nargs, stage))
+}
+
+// Run is Main without os.Exit, for tests.
+func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, name, usage, argsUsage string, nargs int, stage Stage) int {
+	codes := exitcodes.FromEnv(getenv)
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	var stageErr error
+	app := &cli.App{
+		Name:      name,
+		Usage:     usage,
+		ArgsUsage: argsUsage,
+		Version:   gitlab.Version,
+		Writer:    stderr,
+		ErrWriter: stderr,
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
+			&cli.StringFlag{Name: "log-level", Value: "info", Usage: "debug, info, warn or error"},
+		},
+		HideHelpCommand: true,
+		Action: func(c *cli.Context) error {
+			var level slog.Level
+			if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
+				return fmt.Errorf("--log-level %q: use debug, info, warn or error", c.String("log-level"))
+			}
+			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("stage", name)
+			if c.NArg() != nargs {
+				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, nargs, argsUsage, c.NArg())
+			}
+			cfg, err := config.Load(config.Resolve(c.String("config"), getenv))
+			if err != nil {
+				return err
+			}
+			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger}
+			stageErr = stage(c.Context, env, cfg, c.Args().Slice())
+			if stageErr != nil {
+				fmt.Fprintf(stderr, "%s: %v\n", name, stageErr)
+			}
+			return nil
+		},
+	}
+	if err := app.RunContext(ctx, argv); err != nil {
+		fmt.Fprintf(stderr, "%s: %v\n", name, err)
+		return codes.System
+	}
+	return codes.Resolve(stageErr)
+}

@@ -1,0 +1,212 @@
+// Package state keeps the driver's files on the host: the installation's
+// controller identity and, per machine, a 0700 directory with the pinned host
+// key, the address and the 0600 client key that later stages need. A
+// machine's directory is removed at cleanup.
+package state
+
+import (
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+)
+
+// Store is rooted at the configured state_dir.
+type Store struct {
+	Dir string
+}
+
+// Machine is what prepare learned and run needs.
+type Machine struct {
+	Name      string    `json:"name"`
+	Image     string    `json:"image"`
+	Address   string    `json:"address"`
+	Port      int       `json:"port"`
+	User      string    `json:"user"`
+	Shell     string    `json:"shell"`
+	HostKey   string    `json:"host_key"`
+	MAC       string    `json:"mac"`
+	Created   time.Time `json:"created"`
+	BuildsDir string    `json:"builds_dir"`
+	CacheDir  string    `json:"cache_dir"`
+}
+
+const (
+	machineFile = "machine.json"
+	keyFile     = "id_ed25519"
+	ctrlFile    = "controller-id"
+)
+
+var uuidRE = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
+
+// ControllerID returns this installation's identity, creating it on first
+// use. Concurrent first calls agree on one value.
+func (s Store) ControllerID() (string, error) {
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return "", fmt.Errorf("state dir: %w", err)
+	}
+	path := filepath.Join(s.Dir, ctrlFile)
+	if id, err := readID(path); err == nil {
+		return id, nil
+	} else if !errors.Is(err, os.ErrNotExist) {
+		return "", err
+	}
+	id, err := newUUID()
+	if err != nil {
+		return "", err
+	}
+	tmp, err := os.CreateTemp(s.Dir, ".controller-id-*")
+	if err != nil {
+		return "", err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.WriteString(id + "\n"); err != nil {
+		return "", err
+	}
+	if err := tmp.Close(); err != nil {
+		return "", err
+	}
+	// Link fails if another process won the race; then use its value.
+	if err := os.Link(tmp.Name(), path); err != nil && !errors.Is(err, os.ErrExist) {
+		return "", err
+	}
+	return readID(path)
+}
+
+func readID(path string) (string, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return "", err
+	}
+	id := strings.TrimSpace(string(b))
+	if !uuidRE.MatchString(id) {
+		return "", fmt.Errorf("%s holds %q, not a controller id; remove it only if no VMs of this installation exist", path, id)
+	}
+	return id, nil
+}
+
+func newUUID() (string, error) {
+	b := make([]byte, 16)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16]), nil
+}
+
+// MachineDir is the private directory of one machine.
+func (s Store) MachineDir(name string) string { return filepath.Join(s.Dir, "machines", name) }
+
+// Create makes the machine's private directory (0700), failing if it exists.
+func (s Store) Create(name string) (string, error) {
+	parent := filepath.Join(s.Dir, "machines")
+	if err := os.MkdirAll(parent, 0o700); err != nil {
+		return "", err
+	}
+	dir := s.MachineDir(name)
+	if err := os.Mkdir(dir, 0o700); err != nil {
+		return "", fmt.Errorf("machine state: %w", err)
+	}
+	return dir, nil
+}
+
+// SaveKey writes the client key (0600).
+func (s Store) SaveKey(name string, pem []byte) error {
+	return writeFileAtomic(filepath.Join(s.MachineDir(name), keyFile), pem)
+}
+
+// Save writes the machine record (0600).
+func (s Store) Save(m Machine) error {
+	b, err := json.MarshalIndent(m, "", "  ")
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(s.MachineDir(m.Name), machineFile), b)
+}
+
+// ErrNoMachine means no prepared machine is recorded under that name.
+var ErrNoMachine = errors.New("no prepared machine recorded")
+
+// Load reads the machine record, the client key and the pinned host key.
+func (s Store) Load(name string) (*Machine, ssh.Signer, ssh.PublicKey, error) {
+	dir := s.MachineDir(name)
+	b, err := os.ReadFile(filepath.Join(dir, machineFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil, nil, fmt.Errorf("%w for %s in %s", ErrNoMachine, name, dir)
+	}
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	var m Machine
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, nil, nil, fmt.Errorf("%s: %w", filepath.Join(dir, machineFile), err)
+	}
+	pem, err := os.ReadFile(filepath.Join(dir, keyFile))
+	if err != nil {
+		return nil, nil, nil, err
+	}
+	signer, err := ssh.ParsePrivateKey(pem)
+	if err != nil {
+		return nil, nil, nil, fmt.Errorf("client key: %w", err)
+	}
+	var hostKey ssh.PublicKey
+	if m.HostKey != "" {
+		if hostKey, _, _, _, err = ssh.ParseAuthorizedKey([]byte(m.HostKey)); err != nil {
+			return nil, nil, nil, fmt.Errorf("pinned host key: %w", err)
+		}
+	}
+	return &m, signer, hostKey, nil
+}
+
+// Remove deletes the machine's directory; a missing one is success.
+func (s Store) Remove(name string) error {
+	if name == "" || strings.ContainsAny(name, "/\x00") || name == "." || name == ".." {
+		return fmt.Errorf("refusing to remove state for %q", name)
+	}
+	return os.RemoveAll(s.MachineDir(name))
+}
+
+// Names lists the machines that have state directories.
+func (s Store) Names() ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(s.Dir, "machines"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var names []string
+	for _, e := range entries {
+		if e.IsDir() {
+			names = append(names, e.Name())
+		}
+	}
+	return names, nil
+}
+
+func writeFileAtomic(path string, data []byte) error {
+	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+"-*")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if err := tmp.Chmod(0o600); err != nil {
+		return err
+	}
+	if _, err := tmp.Write(data); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}

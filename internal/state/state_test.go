@@ -1,0 +1,78 @@
+package state
+
+import (
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+)
+
+func TestControllerIDStableAndRaceFree(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	ids := make([]string, 8)
+	var wg sync.WaitGroup
+	for i := range ids {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			id, err := s.ControllerID()
+			require.NoError(t, err)
+			ids[i] = id
+		}()
+	}
+	wg.Wait()
+	for _, id := range ids {
+		require.Equal(t, ids[0], id)
+	}
+	require.Regexp(t, uuidRE, ids[0])
+	again, err := s.ControllerID()
+	require.NoError(t, err)
+	require.Equal(t, ids[0], again)
+
+	require.NoError(t, os.WriteFile(filepath.Join(s.Dir, ctrlFile), []byte("garbage"), 0o600))
+	_, err = s.ControllerID()
+	require.ErrorContains(t, err, "not a controller id")
+}
+
+func TestMachineRoundTripAndPermissions(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	k, err := guestinit.NewKeys("x")
+	require.NoError(t, err)
+	dir, err := s.Create("lve-a-1")
+	require.NoError(t, err)
+	_, err = s.Create("lve-a-1")
+	require.Error(t, err, "no silent reuse")
+	require.NoError(t, s.SaveKey("lve-a-1", k.ClientPEM))
+	m := Machine{Name: "lve-a-1", Address: "10.0.0.2", Port: 22, User: "root", Shell: "bash", HostKey: k.HostPublicLine(), Created: time.Now().UTC()}
+	require.NoError(t, s.Save(m))
+
+	for _, p := range []string{dir, filepath.Join(dir, keyFile), filepath.Join(dir, machineFile)} {
+		st, err := os.Stat(p)
+		require.NoError(t, err)
+		if st.IsDir() {
+			require.Equal(t, os.FileMode(0o700), st.Mode().Perm(), p)
+		} else {
+			require.Equal(t, os.FileMode(0o600), st.Mode().Perm(), p)
+		}
+	}
+	got, signer, hostKey, err := s.Load("lve-a-1")
+	require.NoError(t, err)
+	require.Equal(t, m.Address, got.Address)
+	require.Equal(t, k.Client.PublicKey().Marshal(), signer.PublicKey().Marshal())
+	require.Equal(t, k.Host.Marshal(), hostKey.Marshal())
+
+	names, err := s.Names()
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-a-1"}, names)
+
+	require.NoError(t, s.Remove("lve-a-1"))
+	require.NoDirExists(t, dir)
+	require.NoError(t, s.Remove("lve-a-1"), "idempotent")
+	_, _, _, err = s.Load("lve-a-1")
+	require.ErrorIs(t, err, ErrNoMachine)
+	require.Error(t, s.Remove("../x"))
+}
