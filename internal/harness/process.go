@@ -1,0 +1,113 @@
+package harness
+
+import (
+	"context"
+	"errors"
+	"io"
+	"os/exec"
+	"syscall"
+	"time"
+)
+
+// Why the harness stops a stage; read back with context.Cause.
+var (
+	errCanceled           = errors.New("canceled")
+	errJobTimeout         = errors.New("job_timeout")
+	errScriptTimeout      = errors.New("script_timeout")
+	errStageTimeout       = errors.New("stage_timeout")
+	errAfterScriptTimeout = errors.New("after_script_timeout")
+)
+
+// procSpec is one executable invocation.
+type procSpec struct {
+	argv   []string
+	env    []string
+	dir    string
+	stdout io.Writer // required
+	stderr io.Writer // nil: same as stdout (one pipe, ordering kept)
+}
+
+// procTimes are the runner's kill timeouts.
+type procTimes struct {
+	graceful, force time.Duration
+}
+
+// runProc starts spec in its own process group and waits for it. When ctx is
+// done it does what the runner's process killer does: SIGTERM to the group,
+// SIGKILL to the group after graceful, give up after force. onStart is called
+// with the pid once the process runs. res.Stopped is context.Cause(ctx) as a
+// string when the harness signalled the group.
+func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid int)) (res StageResult) {
+	res.ExitCode = -1
+	start := time.Now()
+	defer func() { res.Duration = time.Since(start) }()
+
+	out := &gate{w: spec.stdout}
+	var errOut io.Writer = out
+	if spec.stderr != nil {
+		errOut = &gate{w: spec.stderr}
+	}
+	defer out.close()
+	if g, ok := errOut.(*gate); ok && g != out {
+		defer g.close()
+	}
+
+	cmd := exec.Command(spec.argv[0], spec.argv[1:]...)
+	cmd.Dir = spec.dir
+	cmd.Env = spec.env
+	cmd.Stdout = out
+	cmd.Stderr = errOut
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	// After the process exits, wait at most this long for its stdout/stderr
+	// to close (a child it left behind may hold them).
+	cmd.WaitDelay = t.force
+	if err := cmd.Start(); err != nil {
+		res.StartError = err.Error()
+		return res
+	}
+	pid := cmd.Process.Pid
+	if onStart != nil {
+		onStart(pid)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+
+	finish := func(err error) StageResult {
+		if errors.Is(err, exec.ErrWaitDelay) {
+			res.OutputLeftOpen = true
+		}
+		if st := cmd.ProcessState; st != nil {
+			res.ExitCode = st.ExitCode()
+			if ws, ok := st.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
+				res.Signaled = true
+			}
+		}
+		return res
+	}
+
+	select {
+	case err := <-done:
+		return finish(err)
+	case <-ctx.Done():
+	}
+	res.Stopped = context.Cause(ctx).Error()
+	_ = syscall.Kill(-pid, syscall.SIGTERM)
+	graceful := time.NewTimer(t.graceful)
+	defer graceful.Stop()
+	select {
+	case err := <-done:
+		return finish(err)
+	case <-graceful.C:
+	}
+	res.SIGKILLed = true
+	_ = syscall.Kill(-pid, syscall.SIGKILL)
+	force := time.NewTimer(t.force)
+	defer force.Stop()
+	select {
+	case err := <-done:
+		return finish(err)
+	case <-force.C:
+	}
+	res.Abandoned = true
+	return res
+}
