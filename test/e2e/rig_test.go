@@ -1,0 +1,190 @@
+//go:build e2e
+
+// Package e2e runs GitLab-shaped jobs through the four real executables, driven
+// by the runner-faithful harness, against real libvirtd + QEMU guests in the
+// private rig (deploy/rig). Run with `make test-e2e` (root).
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirt"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+)
+
+type rig struct {
+	cfg     *config.Config
+	cfgPath string
+	bin     string
+	conn    *libvirt.Connect
+}
+
+// setup finds the rig. Without it the tests skip, saying what is missing,
+// unless LVE_E2E_REQUIRED is set (make test-e2e, CI), where that is a failure.
+func setup(t *testing.T) *rig {
+	t.Helper()
+	missing := func(what string) {
+		if os.Getenv("LVE_E2E_REQUIRED") != "" {
+			t.Fatalf("end-to-end prerequisites missing: %s", what)
+		}
+		t.Skipf("skipping end-to-end test: %s (run `make test-e2e` as root)", what)
+	}
+	cfgPath, bin := os.Getenv("LVE_E2E_CONFIG"), os.Getenv("LVE_E2E_BIN")
+	if cfgPath == "" || bin == "" {
+		missing("LVE_E2E_CONFIG and LVE_E2E_BIN are not set")
+	}
+	cfg, err := config.Load(cfgPath)
+	if err != nil {
+		missing(err.Error())
+	}
+	conn, err := libvirt.NewConnect(cfg.LibvirtURI)
+	if err != nil {
+		missing("libvirt: " + err.Error())
+	}
+	t.Cleanup(func() { _, _ = conn.Close() })
+	r := &rig{cfg: cfg, cfgPath: cfgPath, bin: bin, conn: conn}
+	r.requireNoLeftovers(t, "before the test")
+	t.Cleanup(func() { r.requireNoLeftovers(t, "after the test") })
+	return r
+}
+
+func (r *rig) exe(stage string) string { return filepath.Join(r.bin, "libvirt-executor-"+stage) }
+
+func (r *rig) executables() harness.Executables {
+	args := []string{"--config", r.cfgPath}
+	return harness.Executables{
+		Config: r.exe("config"), Prepare: r.exe("prepare"), Run: r.exe("run"), Cleanup: r.exe("cleanup"),
+		ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+	}
+}
+
+// logWriter sends the job log to the test log line by line, and keeps it.
+type logWriter struct {
+	t   *testing.T
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (w *logWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	return len(p), nil
+}
+
+func (r *rig) options(t *testing.T) (harness.Options, *logWriter) {
+	lw := &logWriter{t: t}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("job log:\n%s", lw.buf.String())
+		}
+	})
+	return harness.Options{
+		Exec:              r.executables(),
+		BuildExitCodeFile: true,
+		GracefulKill:      30 * time.Second,
+		ForceKill:         5 * time.Second,
+		RetryPause:        time.Second,
+		StageTimeouts:     harness.StageTimeouts{Prepare: 5 * time.Minute, Cleanup: 2 * time.Minute},
+		Log:               lw,
+		DebugLog:          io.Discard,
+	}, lw
+}
+
+// requireNoLeftovers asserts that nothing with the project prefix remains:
+// no domain, no volume, no state directory or key file.
+func (r *rig) requireNoLeftovers(t *testing.T, when string) {
+	t.Helper()
+	prefix := r.cfg.NamePrefix + "-"
+	doms, err := r.conn.ListAllDomains(0)
+	require.NoError(t, err)
+	for _, d := range doms {
+		name, _ := d.GetName()
+		_ = d.Free()
+		require.False(t, strings.HasPrefix(name, prefix), "%s: domain %s left", when, name)
+	}
+	pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	require.NoError(t, err)
+	defer pool.Free()
+	require.NoError(t, pool.Refresh(0))
+	vols, err := pool.ListStorageVolumes()
+	require.NoError(t, err)
+	for _, v := range vols {
+		require.False(t, strings.HasPrefix(v, prefix), "%s: volume %s left", when, v)
+	}
+	entries, err := os.ReadDir(filepath.Join(r.cfg.StateDir, "machines"))
+	if err == nil {
+		for _, e := range entries {
+			require.Fail(t, "state left", "%s: %s", when, e.Name())
+		}
+	}
+}
+
+// gateway is the host side of the rig network, where the guest reaches the
+// test's git server.
+func (r *rig) gateway(t *testing.T) string {
+	t.Helper()
+	n, err := r.conn.LookupNetworkByName(r.cfg.Network)
+	require.NoError(t, err)
+	defer n.Free()
+	x, err := n.GetXMLDesc(0)
+	require.NoError(t, err)
+	var nx libvirtxml.Network
+	require.NoError(t, nx.Unmarshal(x))
+	require.NotEmpty(t, nx.IPs)
+	return nx.IPs[0].Address
+}
+
+// repo serves a fresh demo repository to the guests.
+func (r *rig) repo(t *testing.T) (url, sha string) {
+	t.Helper()
+	bare, sha, err := harness.MakeDemoRepo(t.TempDir())
+	require.NoError(t, err)
+	ctx, cancel := context.WithCancel(context.Background())
+	url, stop, err := harness.ServeGit(ctx, bare, r.gateway(t)+":0")
+	require.NoError(t, err)
+	t.Cleanup(func() { stop(); cancel() })
+	return url, sha
+}
+
+// destroyJobDomain pulls the plug on the one job VM of the test.
+func (r *rig) destroyJobDomain() error {
+	doms, err := r.conn.ListAllDomains(libvirt.CONNECT_LIST_DOMAINS_ACTIVE)
+	if err != nil {
+		return err
+	}
+	var found []string
+	for _, d := range doms {
+		name, _ := d.GetName()
+		if strings.HasPrefix(name, r.cfg.NamePrefix+"-") {
+			found = append(found, name)
+			if err := d.Destroy(); err != nil {
+				return err
+			}
+		}
+		_ = d.Free()
+	}
+	if len(found) != 1 {
+		return fmt.Errorf("expected one running job domain, found %v", found)
+	}
+	return nil
+}
+
+func stageExit(t *testing.T, res *harness.Result, name string) harness.StageResult {
+	t.Helper()
+	st := res.Stage(name)
+	require.NotEmpty(t, st, "stage %s ran; stages: %v", name, res.StageNames())
+	return st[len(st)-1]
+}

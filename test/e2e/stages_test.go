@@ -1,0 +1,77 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func nextJobID() int64 { return 100000 + rand.Int64N(800000) }
+
+// stageRunner invokes the executables one by one with the runner's
+// environment, for tests that must act between stages.
+type stageRunner struct {
+	r      *rig
+	dir    string
+	env    []string
+	config map[string]any
+}
+
+type stageResult struct {
+	code           int
+	stdout, stderr string
+}
+
+func newStageRunner(t *testing.T, r *rig) *stageRunner {
+	dir := t.TempDir()
+	id := nextJobID()
+	payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":3600},"image":{"name":""}}`, id)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "response.json"), []byte(payload), 0o600))
+	env := append(os.Environ(),
+		"BUILD_FAILURE_EXIT_CODE=1", "SYSTEM_FAILURE_EXIT_CODE=2", "TMPDIR="+dir,
+		"JOB_RESPONSE_FILE="+filepath.Join(dir, "response.json"),
+		fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id), "CUSTOM_ENV_CI_JOB_STATUS=running")
+	return &stageRunner{r: r, dir: dir, env: env}
+}
+
+func (s *stageRunner) run(t *testing.T, stage string, args ...string) stageResult {
+	t.Helper()
+	cmd := exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
+	cmd.Dir, cmd.Env = s.dir, s.env
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	res := stageResult{code: cmd.ProcessState.ExitCode(), stdout: out.String(), stderr: errb.String()}
+	if err != nil && res.code < 0 {
+		t.Fatalf("%s: %v", stage, err)
+	}
+	if stage == "config" && res.code == 0 {
+		require.NoError(t, json.Unmarshal(out.Bytes(), &s.config))
+	}
+	t.Logf("%s exit %d\nstdout: %s\nstderr: %s", stage, res.code, strings.TrimSpace(res.stdout), strings.TrimSpace(res.stderr))
+	return res
+}
+
+func (s *stageRunner) runScript(t *testing.T, stage, script string) stageResult {
+	t.Helper()
+	path := filepath.Join(s.dir, "script.")
+	require.NoError(t, os.WriteFile(path, []byte(script), 0o700))
+	return s.run(t, "run", path, stage)
+}
+
+func (s *stageRunner) name(t *testing.T) string {
+	t.Helper()
+	name, _ := s.config["hostname"].(string)
+	require.NotEmpty(t, name)
+	return name
+}
