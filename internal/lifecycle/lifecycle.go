@@ -37,6 +37,15 @@ type Manager struct {
 	// 100ms); AddressPollInterval likewise for DHCP leases.
 	SSHPollInterval     time.Duration
 	AddressPollInterval time.Duration
+	// SSHPort is the guest's SSH port (default 22).
+	SSHPort int
+}
+
+func (m *Manager) sshPort() int {
+	if m.SSHPort != 0 {
+		return m.SSHPort
+	}
+	return 22
 }
 
 func (m *Manager) say(format string, args ...any) {
@@ -198,7 +207,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 			Name: "record",
 			Do: func(context.Context) error {
 				return m.Store.Save(state.Machine{
-					Name: req.Name, Image: img.Name, Address: addr, Port: 22, User: img.User, Shell: img.Shell,
+					Name: req.Name, Image: img.Name, Address: addr, Port: m.sshPort(), User: img.User, Shell: img.Shell,
 					HostKey: keys.HostPublicLine(), MAC: mac, Created: created,
 					BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
 				})
@@ -267,7 +276,7 @@ func shortFP(k *guestinit.Keys) string { return ssh.FingerprintSHA256(k.Host) }
 
 func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.PublicKey) sshexec.Target {
 	return sshexec.Target{
-		Addr: net.JoinHostPort(addr, "22"), User: user, Signer: signer, HostKey: hostKey,
+		Addr: net.JoinHostPort(addr, strconv.Itoa(m.sshPort())), User: user, Signer: signer, HostKey: hostKey,
 		InsecureIgnoreHostKey: m.Cfg.HostKeyPolicy == config.HostKeyInsecureIgnore,
 		ConnectTimeout:        m.Cfg.SSH.ConnectTimeout.D(),
 		KeepaliveInterval:     m.Cfg.SSH.KeepaliveInterval.D(),

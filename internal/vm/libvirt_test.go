@@ -1,4 +1,4 @@
-package vm
+package vm_test
 
 import (
 	"context"
@@ -7,6 +7,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
+
+	. "gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // These tests run the Libvirt implementation against libvirt's in-process

@@ -1,15 +1,19 @@
-package vm
+package vm_test
 
 import (
 	"context"
 	"errors"
 	"flag"
+	"net"
 	"os"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	. "gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
 var update = flag.Bool("update", false, "rewrite golden files")
@@ -73,11 +77,11 @@ func TestHostileNamesRefusedBeforeXML(t *testing.T) {
 		require.Error(t, err, "name %q", name)
 		require.ErrorContains(t, err, "refused")
 
-		f := newFake()
+		f := vmtest.New()
 		e := &Engine{HV: f, Controller: s.Owner.Controller}
 		_, err = e.Create(context.Background(), s)
 		require.Error(t, err)
-		require.Empty(t, f.calls, "no hypervisor call for name %q", name)
+		require.Empty(t, f.Calls, "no hypervisor call for name %q", name)
 	}
 }
 
@@ -104,7 +108,7 @@ func TestOwnerRoundTrip(t *testing.T) {
 }
 
 func TestCreateAndRemove(t *testing.T) {
-	f := newFake()
+	f := vmtest.New()
 	s := testSpec()
 	s.Seed = []byte("seed")
 	var lines []string
@@ -112,13 +116,13 @@ func TestCreateAndRemove(t *testing.T) {
 	m, err := e.Create(context.Background(), s)
 	require.NoError(t, err)
 	require.Equal(t, "/pool/jobs/lve-0123abcd-1000.qcow2", m.DiskPath)
-	require.True(t, f.domains[s.Name].active)
-	require.Equal(t, []byte("seed"), f.volumes["jobs/lve-0123abcd-1000-seed.img"])
+	require.True(t, f.Domains[s.Name].Active)
+	require.Equal(t, []byte("seed"), f.Volumes["jobs/lve-0123abcd-1000-seed.img"])
 	require.Len(t, lines, 5)
 
 	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
-	require.Empty(t, f.domains)
-	require.Empty(t, f.volumes)
+	require.Empty(t, f.Domains)
+	require.Empty(t, f.Volumes)
 	// Idempotent.
 	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
 }
@@ -126,68 +130,68 @@ func TestCreateAndRemove(t *testing.T) {
 func TestCreateFailureUndoesEverything(t *testing.T) {
 	for _, failing := range []string{"CreateVolume", "UploadVolume", "Define", "Start"} {
 		t.Run(failing, func(t *testing.T) {
-			f := newFake()
-			f.failOn[failing] = errors.New("injected")
+			f := vmtest.New()
+			f.FailOn[failing] = errors.New("injected")
 			s := testSpec()
 			s.Seed = []byte("seed")
 			e := &Engine{HV: f, Controller: s.Owner.Controller}
 			_, err := e.Create(context.Background(), s)
 			require.ErrorContains(t, err, "injected")
-			require.Empty(t, f.domains, "no domain left")
-			require.Empty(t, f.volumes, "no volume left")
+			require.Empty(t, f.Domains, "no domain left")
+			require.Empty(t, f.Volumes, "no volume left")
 		})
 	}
 }
 
 func TestRemoveRefusesForeignDomains(t *testing.T) {
-	f := newFake()
+	f := vmtest.New()
 	s := testSpec()
 	e := &Engine{HV: f, Controller: s.Owner.Controller}
 	// A look-alike without metadata, with a volume of our naming scheme.
-	f.domains[s.Name] = &fakeDomain{active: true}
-	f.volumes["jobs/"+DiskVolume(s.Name)] = nil
+	f.Domains[s.Name] = &vmtest.Domain{Active: true}
+	f.Volumes["jobs/"+DiskVolume(s.Name)] = nil
 	err := e.Remove(context.Background(), s.Name, "jobs")
 	require.ErrorIs(t, err, ErrNotOurs)
-	require.True(t, f.domains[s.Name].active, "look-alike untouched")
-	require.Contains(t, f.volumes, "jobs/"+DiskVolume(s.Name), "its volume untouched")
+	require.True(t, f.Domains[s.Name].Active, "look-alike untouched")
+	require.Contains(t, f.Volumes, "jobs/"+DiskVolume(s.Name), "its volume untouched")
 
 	// One owned by another controller.
 	other := s.Owner
 	other.Controller = "ffffffff-0000-4000-8000-000000000000"
 	x, err := MarshalOwner(other)
 	require.NoError(t, err)
-	f.domains[s.Name] = &fakeDomain{active: true, owner: x}
+	f.Domains[s.Name] = &vmtest.Domain{Active: true, OwnerXML: x}
 	err = e.Remove(context.Background(), s.Name, "jobs")
 	require.ErrorIs(t, err, ErrNotOurs)
 	require.ErrorContains(t, err, "ffffffff")
-	require.True(t, f.domains[s.Name].active)
+	require.True(t, f.Domains[s.Name].Active)
 }
 
 func TestRemoveLeftoverVolumesWithoutDomain(t *testing.T) {
-	f := newFake()
+	f := vmtest.New()
 	s := testSpec()
 	e := &Engine{HV: f, Controller: s.Owner.Controller}
-	f.volumes["jobs/"+DiskVolume(s.Name)] = nil
-	f.volumes["jobs/"+SeedVolume(s.Name)] = nil
-	f.volumes["jobs/unrelated.qcow2"] = nil
+	f.Volumes["jobs/"+DiskVolume(s.Name)] = nil
+	f.Volumes["jobs/"+SeedVolume(s.Name)] = nil
+	f.Volumes["jobs/unrelated.qcow2"] = nil
 	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
 	require.Equal(t, []string{"jobs/unrelated.qcow2"}, mustNames(t, f))
 }
 
-func mustNames(t *testing.T, f *fakeHV) []string {
+func mustNames(t *testing.T, f *vmtest.Fake) []string {
 	n, err := f.VolumeNames("jobs")
 	require.NoError(t, err)
 	return n
 }
 
 func TestWaitAddressOnlyOwnMAC(t *testing.T) {
-	f := newFake()
-	f.domains["lve-x-1"] = &fakeDomain{active: true}
+	f := vmtest.New()
+	f.Domains["lve-x-1"] = &vmtest.Domain{Active: true}
 	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
-	f.setLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: ip("10.0.0.9")})
+	f.SetLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: net.ParseIP("10.0.0.9")})
 	go func() {
 		time.Sleep(30 * time.Millisecond)
-		f.setLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: ip("10.0.0.9")}, Lease{MAC: "52:54:00:aa:bb:cc", IP: ip("10.0.0.5")})
+		f.SetLeases("lve-x-1", Lease{MAC: "52:54:00:00:00:99", IP: net.ParseIP("10.0.0.9")}, Lease{MAC: "52:54:00:aa:bb:cc", IP: net.ParseIP("10.0.0.5")})
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
@@ -197,13 +201,13 @@ func TestWaitAddressOnlyOwnMAC(t *testing.T) {
 }
 
 func TestWaitAddressStops(t *testing.T) {
-	f := newFake()
-	f.domains["lve-x-1"] = &fakeDomain{active: false}
+	f := vmtest.New()
+	f.Domains["lve-x-1"] = &vmtest.Domain{Active: false}
 	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
 	_, err := e.WaitAddress(context.Background(), "lve-x-1", "52:54:00:aa:bb:cc")
 	require.ErrorContains(t, err, "stopped before it got an address")
 
-	f.domains["lve-x-1"].active = true
+	f.Domains["lve-x-1"].Active = true
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
 	_, err = e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc")
@@ -211,7 +215,7 @@ func TestWaitAddressStops(t *testing.T) {
 }
 
 func TestFreshMACAvoidsLeased(t *testing.T) {
-	f := newFake()
+	f := vmtest.New()
 	e := &Engine{HV: f}
 	mac, err := e.FreshMAC("ci")
 	require.NoError(t, err)
@@ -219,7 +223,7 @@ func TestFreshMACAvoidsLeased(t *testing.T) {
 }
 
 func TestResolveDomainType(t *testing.T) {
-	e := &Engine{HV: newFake()}
+	e := &Engine{HV: vmtest.New()}
 	got, err := e.ResolveDomainType("auto")
 	require.NoError(t, err)
 	require.Equal(t, "qemu", got, "fake reports no kvm")

@@ -1,0 +1,241 @@
+package lifecycle
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"errors"
+	"net"
+	"os"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+const controller = "0123abcd-0000-4000-8000-000000000000"
+
+// fakeGuest "boots" when the fake hypervisor starts a domain: it reads the
+// SMBIOS credentials from the domain XML, as a systemd guest would, and
+// serves SSH on 127.0.0.1 with the delivered host key and authorized key.
+type fakeGuest struct {
+	ln net.Listener
+	hv *vmtest.Fake
+	// ownHostKey makes the guest ignore the delivered host key (an image
+	// without the host key unit).
+	ownHostKey bool
+	// noLease makes the guest never get an address.
+	noLease bool
+	mu      sync.Mutex
+	logins  int
+}
+
+func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	g := &fakeGuest{ln: ln, hv: hv}
+	hv.OnStart = func(name string, d *libvirtxml.Domain) { g.boot(t, name, d) }
+	return g
+}
+
+func (g *fakeGuest) port() int { return g.ln.Addr().(*net.TCPAddr).Port }
+
+func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
+	var authorized, hostPEM []byte
+	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
+		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
+			authorized = []byte(v)
+		}
+		if v, ok := strings.CutPrefix(e, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
+			var err error
+			hostPEM, err = base64.StdEncoding.DecodeString(v)
+			require.NoError(t, err)
+		}
+	}
+	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
+	require.NoError(t, err)
+	hostKey, err := ssh.ParsePrivateKey(hostPEM)
+	require.NoError(t, err)
+	if g.ownHostKey {
+		other, err := guestinit.NewKeys("baked")
+		require.NoError(t, err)
+		hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
+		require.NoError(t, err)
+	}
+	cfg := &ssh.ServerConfig{PublicKeyCallback: func(_ ssh.ConnMetadata, k ssh.PublicKey) (*ssh.Permissions, error) {
+		if bytes.Equal(k.Marshal(), allowed.Marshal()) {
+			g.mu.Lock()
+			g.logins++
+			g.mu.Unlock()
+			return nil, nil
+		}
+		return nil, errors.New("denied")
+	}}
+	cfg.AddHostKey(hostKey)
+	go func() {
+		for {
+			c, err := g.ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				_, chans, reqs, err := ssh.NewServerConn(c, cfg)
+				if err != nil {
+					_ = c.Close()
+					return
+				}
+				go ssh.DiscardRequests(reqs)
+				for ch := range chans {
+					_ = ch.Reject(ssh.Prohibited, "test guest")
+				}
+			}()
+		}
+	}()
+	if !g.noLease {
+		// The address appears a little after boot, as DHCP does.
+		go func() {
+			time.Sleep(50 * time.Millisecond)
+			g.hv.SetLeases(name, vm.Lease{MAC: d.Devices.Interfaces[0].MAC.Address, IP: net.ParseIP("127.0.0.1")})
+		}()
+	}
+}
+
+func manager(t *testing.T, hv *vmtest.Fake, g *fakeGuest) (*Manager, *config.Image) {
+	cfg, err := config.Parse([]byte(`
+domain_type = "qemu"
+state_dir = "` + t.TempDir() + `"
+storage_pool = "jobs"
+[timeouts]
+boot = "3s"
+[images.tiny]
+base = "/img/tiny.qcow2"
+`))
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	var lines []string
+	var mu sync.Mutex
+	m := &Manager{Cfg: cfg, HV: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
+		SSHPort: g.port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,
+		Say: func(f string, a ...any) { mu.Lock(); lines = append(lines, f); mu.Unlock() }}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("progress: %q", lines)
+		}
+	})
+	return m, img
+}
+
+func request(img *config.Image) Request {
+	return Request{Name: "lve-0123abcd-7", Image: img, VCPUs: 1, MemoryMiB: 256, Frontend: "test", Job: "7", Lifetime: time.Hour}
+}
+
+func requireNothingLeft(t *testing.T, hv *vmtest.Fake, m *Manager) {
+	t.Helper()
+	hv.Lock()
+	defer hv.Unlock()
+	require.Empty(t, hv.Domains, "domains left")
+	require.Empty(t, hv.Volumes, "volumes left")
+	_, err := os.Stat(m.Store.MachineDir("lve-0123abcd-7"))
+	require.True(t, os.IsNotExist(err), "state dir left")
+}
+
+func TestProvisionAndTeardown(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err)
+	defer ready.Client.Close()
+	require.Equal(t, "127.0.0.1", ready.Machine.Address)
+	require.Equal(t, 1, g.logins)
+
+	// The domain carries our ownership record with a deadline.
+	o, err := vm.ParseOwner(hv.Domains["lve-0123abcd-7"].OwnerXML)
+	require.NoError(t, err)
+	require.Equal(t, controller, o.Controller)
+	require.WithinDuration(t, time.Now().Add(time.Hour+30*time.Minute), o.Deadline, time.Minute)
+
+	// run's view: connect again from the recorded state, pinned key.
+	_, c, err := m.Connect(context.Background(), "lve-0123abcd-7")
+	require.NoError(t, err)
+	_ = c.Close()
+
+	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	requireNothingLeft(t, hv, m)
+}
+
+func TestProvisionRefusesImpostorHostKeyAndUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	g.ownHostKey = true
+	m, img := manager(t, hv, g)
+	_, err := m.Provision(context.Background(), request(img))
+	require.Error(t, err)
+	require.ErrorContains(t, err, "host key mismatch")
+	require.Zero(t, g.logins, "never authenticated to the impostor")
+	requireNothingLeft(t, hv, m)
+}
+
+func TestProvisionBootTimeoutUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	g.noLease = true
+	m, img := manager(t, hv, g)
+	start := time.Now()
+	_, err := m.Provision(context.Background(), request(img))
+	require.ErrorContains(t, err, "boot timeout 3s (timeouts.boot) reached")
+	require.Less(t, time.Since(start), 10*time.Second)
+	requireNothingLeft(t, hv, m)
+}
+
+func TestProvisionCancelUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	g.noLease = true
+	m, img := manager(t, hv, g)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, err := m.Provision(ctx, request(img))
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	requireNothingLeft(t, hv, m)
+}
+
+func TestProvisionRemovesLeftoversOfEarlierAttempt(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	// An earlier attempt was killed after define: domain, disk and state remain.
+	owner, err := vm.MarshalOwner(vm.Owner{Controller: controller, Job: "7"})
+	require.NoError(t, err)
+	hv.Domains["lve-0123abcd-7"] = &vmtest.Domain{OwnerXML: owner, XML: "<domain/>"}
+	hv.Volumes["jobs/lve-0123abcd-7.qcow2"] = nil
+	_, err = m.Store.Create("lve-0123abcd-7")
+	require.NoError(t, err)
+
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err, "no 'already exists'")
+	_ = ready.Client.Close()
+	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	requireNothingLeft(t, hv, m)
+}
+
+func TestProvisionStopsAtForeignDomain(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	hv.Domains["lve-0123abcd-7"] = &vmtest.Domain{XML: "<domain/>", Active: true}
+	_, err := m.Provision(context.Background(), request(img))
+	require.ErrorIs(t, err, vm.ErrNotOurs)
+	require.True(t, hv.Domains["lve-0123abcd-7"].Active, "foreign domain untouched")
+}

@@ -1,0 +1,218 @@
+// Package vmtest provides an in-memory vm.Hypervisor for tests of the logic
+// above the libvirt seam.
+package vmtest
+
+import (
+	"errors"
+	"fmt"
+	"sort"
+	"sync"
+
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Fake is an in-memory Hypervisor for the engine's logic.
+type Fake struct {
+	mu sync.Mutex
+	// Volumes maps "pool/name" to the uploaded data.
+	Volumes map[string][]byte
+	// Domains maps names to defined domains.
+	Domains map[string]*Domain
+	// LeaseMap maps a domain to its reported leases.
+	LeaseMap map[string][]vm.Lease
+	// NetMACs are the MACs holding leases on the network.
+	NetMACs []string
+	// FailOn makes the named method fail with the error.
+	FailOn map[string]error
+	// Calls records method names in order.
+	Calls []string
+	// OnStart, if set, runs when a domain starts (a fake boot).
+	OnStart func(name string, d *libvirtxml.Domain)
+}
+
+// Domain is a defined domain.
+type Domain struct {
+	XML      string
+	OwnerXML string
+	Active   bool
+}
+
+// New returns an empty Fake.
+func New() *Fake {
+	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}}
+}
+
+var _ vm.Hypervisor = (*Fake)(nil)
+
+func (f *Fake) call(name string) error {
+	f.Calls = append(f.Calls, name)
+	return f.FailOn[name]
+}
+
+// Lock and Unlock guard the exported maps for tests that read them while the
+// code under test runs.
+func (f *Fake) Lock()   { f.mu.Lock() }
+func (f *Fake) Unlock() { f.mu.Unlock() }
+
+func (f *Fake) KVMAvailable() (bool, error) { return false, f.call("KVMAvailable") }
+func (f *Fake) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("CreateVolume"); err != nil {
+		return "", err
+	}
+	key := pool + "/" + vol.Name
+	if _, ok := f.Volumes[key]; ok {
+		return "", fmt.Errorf("volume %s already exists", key)
+	}
+	f.Volumes[key] = nil
+	return "/pool/" + key, nil
+}
+func (f *Fake) UploadVolume(pool, name string, data []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("UploadVolume"); err != nil {
+		return err
+	}
+	f.Volumes[pool+"/"+name] = data
+	return nil
+}
+func (f *Fake) DeleteVolume(pool, name string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("DeleteVolume"); err != nil {
+		return err
+	}
+	if _, ok := f.Volumes[pool+"/"+name]; !ok {
+		return vm.ErrNotFound
+	}
+	delete(f.Volumes, pool+"/"+name)
+	return nil
+}
+func (f *Fake) VolumeNames(pool string) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for k := range f.Volumes {
+		out = append(out, k)
+	}
+	sort.Strings(out)
+	return out, nil
+}
+func (f *Fake) VolumeCapacity(path string) (uint64, error) {
+	return 1 << 30, f.call("VolumeCapacity")
+}
+func (f *Fake) Define(x string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("Define"); err != nil {
+		return err
+	}
+	var d libvirtxml.Domain
+	if err := d.Unmarshal(x); err != nil {
+		return err
+	}
+	if _, ok := f.Domains[d.Name]; ok {
+		return errors.New("domain already exists")
+	}
+	f.Domains[d.Name] = &Domain{XML: x, OwnerXML: d.Metadata.XML}
+	return nil
+}
+func (f *Fake) Start(name string) error {
+	f.mu.Lock()
+	if err := f.call("Start"); err != nil {
+		f.mu.Unlock()
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		f.mu.Unlock()
+		return vm.ErrNotFound
+	}
+	d.Active = true
+	x := d.XML
+	f.mu.Unlock()
+	if f.OnStart != nil {
+		var dx libvirtxml.Domain
+		if err := dx.Unmarshal(x); err != nil {
+			return err
+		}
+		f.OnStart(name, &dx)
+	}
+	return nil
+}
+func (f *Fake) Destroy(name string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("Destroy"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	d.Active = false
+	return nil
+}
+func (f *Fake) Undefine(name string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("Undefine"); err != nil {
+		return err
+	}
+	if _, ok := f.Domains[name]; !ok {
+		return vm.ErrNotFound
+	}
+	delete(f.Domains, name)
+	return nil
+}
+func (f *Fake) Owner(name string) (string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d, ok := f.Domains[name]
+	if !ok {
+		return "", vm.ErrNotFound
+	}
+	if d.OwnerXML == "" {
+		return "", vm.ErrNoOwner
+	}
+	return d.OwnerXML, nil
+}
+func (f *Fake) DomainNames() ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	var out []string
+	for k := range f.Domains {
+		out = append(out, k)
+	}
+	return out, nil
+}
+func (f *Fake) IsActive(name string) (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	d, ok := f.Domains[name]
+	if !ok {
+		return false, vm.ErrNotFound
+	}
+	return d.Active, nil
+}
+func (f *Fake) Leases(name string) ([]vm.Lease, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if _, ok := f.Domains[name]; !ok {
+		return nil, vm.ErrNotFound
+	}
+	return f.LeaseMap[name], nil
+}
+func (f *Fake) NetworkLeaseMACs(string) ([]string, error) { return f.NetMACs, nil }
+func (f *Fake) Close() error                              { return nil }
+
+// SetLeases replaces the leases reported for a domain.
+func (f *Fake) SetLeases(name string, l ...vm.Lease) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.LeaseMap[name] = l
+}
+
