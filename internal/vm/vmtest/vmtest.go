@@ -215,4 +215,3 @@ func (f *Fake) SetLeases(name string, l ...vm.Lease) {
 	defer f.mu.Unlock()
 	f.LeaseMap[name] = l
 }
-
