@@ -289,17 +289,16 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 		return c.lost(err)
 	}
 	// 2. Run it. The session's shell is a session and process group leader
-	// (the SSH server calls setsid), so $$ is the group to signal. The file
-	// is opened and unlinked first: the script, which holds the job's
-	// variables, does not stay on the guest's disk.
+	// (the SSH server calls setsid), so $$ is the group to signal. The script
+	// holds the job's variables: it is removed as soon as it ends.
 	s, err := c.c.NewSession()
 	if err != nil {
 		return c.lost(err)
 	}
 	defer s.Close()
 	s.Stdout, s.Stderr = o.Stdout, o.Stderr
-	cmd := fmt.Sprintf("exec 3< %s && rm -f %s && echo $$ > %s && exec %s /dev/fd/3 < /dev/null",
-		path, path, pidfile, shellQuote(o.Shell))
+	cmd := fmt.Sprintf("echo $$ > %s; %s %s < /dev/null; rc=$?; rm -f %s %s; exit $rc",
+		pidfile, shellQuote(o.Shell), path, path, pidfile)
 	if err := s.Start(cmd); err != nil {
 		return c.lost(err)
 	}
@@ -307,7 +306,6 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	go func() { waited <- s.Wait() }()
 	select {
 	case err := <-waited:
-		c.cleanupPidfile(pidfile)
 		return c.classify(err)
 	case <-ctx.Done():
 		killErr := c.killGroup(pidfile, o.KillGrace, waited)
@@ -359,14 +357,10 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, waited <-chan er
 			return err
 		}
 	}
-	c.cleanupPidfile(pidfile)
-	return nil
-}
-
-func (c *Client) cleanupPidfile(pidfile string) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _ = c.Output(ctx, "rm -f "+pidfile)
+	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+strings.TrimSuffix(pidfile, ".pid")+".sh")
+	return nil
 }
 
 func randomHex(n int) (string, error) {

@@ -92,6 +92,14 @@ func TestScriptNeverOnCommandLineAndNotLeftBehind(t *testing.T) {
 		b, _ := os.ReadFile(f)
 		require.NotContains(t, string(b), secret, "script left at %s", f)
 	}
+	// A failing script is removed too.
+	_, _, err = run(t, c, context.Background(), "Y="+secret+"-2\nexit 5\n")
+	require.Error(t, err)
+	left, _ = filepath.Glob("/tmp/lve-run-*")
+	for _, f := range left {
+		b, _ := os.ReadFile(f)
+		require.NotContains(t, string(b), secret+"-2", "script left at %s", f)
+	}
 }
 
 func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {
