@@ -50,7 +50,7 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
 				return fmt.Errorf("--log-level %q: use debug, info, warn or error", c.String("log-level"))
 			}
-			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("stage", name)
+			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("exe", name)
 			if c.NArg() != nargs {
 				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, nargs, argsUsage, c.NArg())
 			}

@@ -98,8 +98,8 @@ func TestCancelStopsRemoteProcessAndLeavesNothing(t *testing.T) {
 	require.False(t, build.SIGKILLed, "run exited promptly after SIGTERM")
 	log := lw.buf.String()
 	require.Contains(t, log, "long-job-started")
-	require.Contains(t, log, "SLEEPER-GONE", "the script's background process is gone in the guest")
-	require.NotContains(t, log, "SLEEPER-ALIVE")
+	require.Regexp(t, `(?m)^SLEEPER-GONE\r?$`, log, "the script's background process is gone in the guest")
+	require.NotRegexp(t, `(?m)^SLEEPER-ALIVE\r?$`, log)
 }
 
 func TestVMDestroyedDuringBuildIsSystemFailure(t *testing.T) {
