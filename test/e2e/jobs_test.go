@@ -162,3 +162,42 @@ func TestHostKeyMismatchSendsNoScript(t *testing.T) {
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "NEVER-SENT")
 }
+
+// TestImages runs a short job on every image the rig configured besides the
+// default one (the Debian systemd guest takes keys through systemd's own SMBIOS
+// credential import; a cloud-init guest through the NoCloud seed).
+func TestImages(t *testing.T) {
+	r := setup(t)
+	var others []string
+	for _, name := range r.cfg.ImageNames() {
+		if name != r.cfg.DefaultImage {
+			others = append(others, name)
+		}
+	}
+	if want := os.Getenv("LVE_E2E_IMAGES"); want != "" {
+		for _, img := range strings.Split(want, ",") {
+			require.Contains(t, r.cfg.ImageNames(), img, "LVE_E2E_IMAGES names an image the rig did not configure")
+		}
+	}
+	if len(others) == 0 {
+		t.Skip("the rig configured only the default image")
+	}
+	for _, name := range others {
+		t.Run(name, func(t *testing.T) {
+			img, _ := r.cfg.Image(name)
+			opts, lw := r.options(t)
+			res, err := harness.RunJob(context.Background(), opts, harness.Job{
+				Image: name,
+				Script: []string{
+					"head -n1 /etc/os-release",
+					"git --version",
+					"echo key-injection-" + img.KeyInjection + "-ok",
+				},
+			})
+			require.NoError(t, err)
+			require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
+			require.Contains(t, lw.buf.String(), "key-injection-"+img.KeyInjection+"-ok")
+			require.Contains(t, lw.buf.String(), "SSH ready as "+img.User+"@")
+		})
+	}
+}
