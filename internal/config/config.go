@@ -158,6 +158,11 @@ type Image struct {
 	Initrd string `toml:"initrd"`
 	// Cmdline is the kernel command line for boot = "kernel".
 	Cmdline string `toml:"cmdline"`
+	// AddressSource is where the guest's address comes from: "lease" (the
+	// libvirt network's DHCP lease for the VM's MAC; default) or "agent"
+	// (qemu-guest-agent in the guest, for networks whose DHCP server is not
+	// libvirt's; the domain then gets the agent channel).
+	AddressSource string `toml:"address_source"`
 	// Machine is the QEMU machine type. Default "pc".
 	Machine string `toml:"machine"`
 	// VCPUs and MemoryMiB override Defaults for this image (0 = use defaults).
@@ -301,6 +306,7 @@ func (c *Config) applyDefaults() {
 		def(&img.KeyInjection, InjectSMBIOS)
 		def(&img.Boot, BootDisk)
 		def(&img.Machine, "pc")
+		def(&img.AddressSource, "lease")
 	}
 }
 
@@ -402,6 +408,7 @@ func (c *Config) Validate() error {
 			bad(key+".user", "%q: key_injection \"smbios\" provisions root's key only; use user = \"root\" or key_injection = \"cloud-init\"", img.User)
 		}
 		oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
+		oneOf(key+".address_source", img.AddressSource, "lease", "agent")
 		if img.Boot == BootKernel {
 			if !filepath.IsAbs(img.Kernel) {
 				bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)

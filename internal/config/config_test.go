@@ -65,6 +65,7 @@ func TestValidateMessages(t *testing.T) {
 		{"shell", "[images.a]\nbase = \"/a\"\nshell = \"bash -c\"\n", `images.a.shell: "bash -c" is not allowed`},
 		{"default image", "default_image = \"nope\"\n" + base, `default_image: "nope" is not configured; use one of "a"`},
 		{"two images no default", base + "[images.b]\nbase = \"/b\"\n", `default_image: must name one of the configured images: "a", "b"`},
+		{"address source", "[images.a]\nbase = \"/a\"\naddress_source = \"arp\"\n", `images.a.address_source: "arp" is not allowed; use one of "lease", "agent"`},
 		{"host key policy", "host_key_policy = \"tofu\"\n" + base, `host_key_policy: "tofu" is not allowed`},
 	}
 	for _, tc := range tests {

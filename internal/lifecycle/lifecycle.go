@@ -146,6 +146,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
 					Pool: m.Cfg.StoragePool, Network: m.Cfg.Network, MAC: mac,
 					Seed:       seed,
+					GuestAgent: img.AddressSource == "agent",
 					ConsoleLog: filepath.Join(dir, "console.log"),
 					Owner: vm.Owner{
 						Controller: m.Controller, Frontend: req.Frontend, Job: req.Job,
@@ -175,10 +176,10 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 			Do: func(context.Context) error {
 				t0 := time.Now()
 				var err error
-				if addr, err = eng.WaitAddress(bootCtx, req.Name, mac); err != nil {
+				if addr, err = eng.WaitAddress(bootCtx, req.Name, mac, vm.AddressSource(img.AddressSource)); err != nil {
 					return err
 				}
-				m.say("Booted, address %s (MAC %s) in %s", addr, mac, vm.Round(time.Since(t0)))
+				m.say("Booted, address %s (MAC %s, from %s) in %s", addr, mac, img.AddressSource, vm.Round(time.Since(t0)))
 				return nil
 			},
 		},

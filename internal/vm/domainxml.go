@@ -80,5 +80,11 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		Backend: &libvirtxml.DomainRNGBackend{Random: &libvirtxml.DomainRNGBackendRandom{Device: "/dev/urandom"}},
 	}}
 	dev.MemBalloon = &libvirtxml.DomainMemBalloon{Model: "none"}
+	if s.GuestAgent {
+		dev.Channels = []libvirtxml.DomainChannel{{
+			Source: &libvirtxml.DomainChardevSource{UNIX: &libvirtxml.DomainChardevSourceUNIX{Mode: "bind"}},
+			Target: &libvirtxml.DomainChannelTarget{VirtIO: &libvirtxml.DomainChannelTargetVirtIO{Name: "org.qemu.guest_agent.0"}},
+		}}
+	}
 	return d.Marshal()
 }

@@ -173,9 +173,10 @@ func (e *Engine) FreshMAC(network string) (string, error) {
 	return "", errors.New("could not find a MAC without a lease on the network")
 }
 
-// WaitAddress polls the domain's DHCP leases until one for mac appears, the
-// domain stops, or ctx ends. Only a lease for this machine's own MAC counts.
-func (e *Engine) WaitAddress(ctx context.Context, name, mac string) (string, error) {
+// WaitAddress polls the domain's addresses (DHCP leases or the guest agent)
+// until one for mac appears, the domain stops, or ctx ends. Only an address
+// on this machine's own MAC counts.
+func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source AddressSource) (string, error) {
 	interval := e.PollInterval
 	if interval <= 0 {
 		interval = 100 * time.Millisecond
@@ -184,12 +185,14 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string) (string, err
 	defer t.Stop()
 	mac = strings.ToLower(mac)
 	for {
-		leases, err := e.HV.Leases(name)
-		if err != nil {
-			if errors.Is(err, ErrNotFound) {
-				return "", fmt.Errorf("domain %s disappeared while waiting for its address", name)
-			}
-			return "", fmt.Errorf("read leases of %s: %w", name, err)
+		leases, err := e.HV.Addresses(name, source)
+		switch {
+		case errors.Is(err, ErrNotFound):
+			return "", fmt.Errorf("domain %s disappeared while waiting for its address", name)
+		case errors.Is(err, ErrAgentNotReady):
+			leases = nil // the agent starts late in the boot: keep polling
+		case err != nil:
+			return "", fmt.Errorf("read addresses of %s (%s): %w", name, source, err)
 		}
 		for _, l := range leases {
 			if l.MAC == mac && l.IP.To4() != nil {
@@ -201,7 +204,7 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string) (string, err
 		}
 		select {
 		case <-ctx.Done():
-			return "", fmt.Errorf("no DHCP lease for %s (MAC %s): %w", name, mac, context.Cause(ctx))
+			return "", fmt.Errorf("no address for %s (MAC %s, source %s): %w", name, mac, source, context.Cause(ctx))
 		case <-t.C:
 		}
 	}

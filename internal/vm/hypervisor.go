@@ -46,8 +46,9 @@ type Hypervisor interface {
 	DomainNames() ([]string, error)
 	// IsActive reports whether the domain runs.
 	IsActive(name string) (bool, error)
-	// Leases returns the DHCP-lease addresses of the domain's interfaces.
-	Leases(name string) ([]Lease, error)
+	// Addresses returns the addresses of the domain's interfaces from the
+	// network's DHCP leases (SourceLease) or the guest agent (SourceAgent).
+	Addresses(name string, source AddressSource) ([]Lease, error)
 	// NetworkLeaseMACs returns the MACs holding leases on a network.
 	NetworkLeaseMACs(network string) ([]string, error)
 	// Close releases the connection.

@@ -297,16 +297,26 @@ func (l *Libvirt) IsActive(name string) (bool, error) {
 	return d.IsActive()
 }
 
-// Leases implements Hypervisor. libvirt matches the network's active,
-// unexpired leases against this domain's own MACs.
-func (l *Libvirt) Leases(name string) ([]Lease, error) {
+// ErrAgentNotReady means the guest agent does not answer yet.
+var ErrAgentNotReady = errors.New("guest agent not answering yet")
+
+// Addresses implements Hypervisor. With SourceLease libvirt matches the
+// network's active, unexpired leases against this domain's own MACs.
+func (l *Libvirt) Addresses(name string, source AddressSource) ([]Lease, error) {
 	d, err := l.domain(name)
 	if err != nil {
 		return nil, err
 	}
 	defer d.Free()
-	ifaces, err := d.ListAllInterfaceAddresses(libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE)
+	src := libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
+	if source == SourceAgent {
+		src = libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT
+	}
+	ifaces, err := d.ListAllInterfaceAddresses(src)
 	if err != nil {
+		if c := code(err); source == SourceAgent && (c == libvirt.ERR_AGENT_UNRESPONSIVE || c == libvirt.ERR_AGENT_UNSYNCED) {
+			return nil, fmt.Errorf("%w: %v", ErrAgentNotReady, err)
+		}
 		return nil, err
 	}
 	var out []Lease

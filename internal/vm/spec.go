@@ -35,6 +35,8 @@ type Spec struct {
 	OEMStrings []string
 	// Seed, when not nil, is attached read-only as a second disk.
 	Seed []byte
+	// GuestAgent adds the qemu-guest-agent channel.
+	GuestAgent bool
 	// ConsoleLog, when set, receives the serial console output.
 	ConsoleLog string
 	// Owner is stored in the domain's metadata.
@@ -58,6 +60,17 @@ type Machine struct {
 	DiskPath string
 	Created  time.Time
 }
+
+// AddressSource is where a machine's address is learned.
+type AddressSource string
+
+const (
+	// SourceLease reads the libvirt network's active DHCP leases.
+	SourceLease AddressSource = "lease"
+	// SourceAgent asks qemu-guest-agent in the guest (for networks whose DHCP
+	// server is not libvirt's, such as a host bridge).
+	SourceAgent AddressSource = "agent"
+)
 
 // Lease is one address reported for a domain interface.
 type Lease struct {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"flag"
+	"fmt"
 	"net"
 	"os"
 	"strings"
@@ -39,8 +40,9 @@ func TestDomainXMLGolden(t *testing.T) {
 		seed   string
 	}{
 		{"kernel-smbios", func(*Spec) {}, ""},
-		{"disk-seed-kvm", func(s *Spec) {
+		{"disk-seed-kvm-agent", func(s *Spec) {
 			s.Kernel, s.Initrd, s.Cmdline, s.OEMStrings, s.DomainType = "", "", "", nil, "kvm"
+			s.GuestAgent = true
 		}, "/pool/lve-0123abcd-1000-seed.img"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -195,7 +197,7 @@ func TestWaitAddressOnlyOwnMAC(t *testing.T) {
 	}()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	addr, err := e.WaitAddress(ctx, "lve-x-1", "52:54:00:AA:BB:CC")
+	addr, err := e.WaitAddress(ctx, "lve-x-1", "52:54:00:AA:BB:CC", SourceLease)
 	require.NoError(t, err)
 	require.Equal(t, "10.0.0.5", addr)
 }
@@ -204,14 +206,37 @@ func TestWaitAddressStops(t *testing.T) {
 	f := vmtest.New()
 	f.Domains["lve-x-1"] = &vmtest.Domain{Active: false}
 	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
-	_, err := e.WaitAddress(context.Background(), "lve-x-1", "52:54:00:aa:bb:cc")
+	_, err := e.WaitAddress(context.Background(), "lve-x-1", "52:54:00:aa:bb:cc", SourceLease)
 	require.ErrorContains(t, err, "stopped before it got an address")
 
 	f.Domains["lve-x-1"].Active = true
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	_, err = e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc")
-	require.ErrorContains(t, err, "no DHCP lease")
+	_, err = e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc", SourceLease)
+	require.ErrorContains(t, err, "no address for lve-x-1")
+}
+
+func TestWaitAddressAgentNotReadyYet(t *testing.T) {
+	f := vmtest.New()
+	f.Domains["lve-x-1"] = &vmtest.Domain{Active: true}
+	f.FailOn["Addresses"] = fmt.Errorf("%w: agent starting", ErrAgentNotReady)
+	e := &Engine{HV: f, PollInterval: 5 * time.Millisecond}
+	go func() {
+		time.Sleep(30 * time.Millisecond)
+		f.Lock()
+		delete(f.FailOn, "Addresses")
+		f.Unlock()
+		f.SetLeases("lve-x-1", Lease{MAC: "52:54:00:aa:bb:cc", IP: net.ParseIP("192.0.2.7")})
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	addr, err := e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc", SourceAgent)
+	require.NoError(t, err)
+	require.Equal(t, "192.0.2.7", addr)
+
+	f.FailOn["Addresses"] = errors.New("permission denied")
+	_, err = e.WaitAddress(ctx, "lve-x-1", "52:54:00:aa:bb:cc", SourceAgent)
+	require.ErrorContains(t, err, "permission denied", "other errors end the wait")
 }
 
 func TestFreshMACAvoidsLeased(t *testing.T) {

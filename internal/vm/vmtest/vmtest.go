@@ -198,11 +198,16 @@ func (f *Fake) IsActive(name string) (bool, error) {
 	}
 	return d.Active, nil
 }
-func (f *Fake) Leases(name string) ([]vm.Lease, error) {
+
+// Addresses implements vm.Hypervisor; FailOn["Addresses"] injects an error.
+func (f *Fake) Addresses(name string, source vm.AddressSource) ([]vm.Lease, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if _, ok := f.Domains[name]; !ok {
 		return nil, vm.ErrNotFound
+	}
+	if err := f.FailOn["Addresses"]; err != nil {
+		return nil, err
 	}
 	return f.LeaseMap[name], nil
 }
