@@ -38,22 +38,31 @@ func TestOEMStrings(t *testing.T) {
 	k, err := NewKeys("c")
 	require.NoError(t, err)
 	s := k.OEMStrings("lve-x-1")
-	require.Len(t, s, 2)
+	require.Len(t, s, 1, "only the public key travels in SMBIOS")
 	require.True(t, strings.HasPrefix(s[0], "io.systemd.credential:ssh.authorized_keys.root=ssh-ed25519 "))
 	pub, _, _, _, err := ssh.ParseAuthorizedKey([]byte(strings.TrimPrefix(s[0], "io.systemd.credential:ssh.authorized_keys.root=")))
 	require.NoError(t, err)
 	require.Equal(t, k.Client.PublicKey().Marshal(), pub.Marshal())
 
+	require.NotContains(t, s[0], "\n", "an SMBIOS string is one line")
+	require.NotContains(t, s[0], base64.StdEncoding.EncodeToString(k.HostPEM)[:40])
+}
+
+func TestCredentialDisk(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	disk := k.CredentialDisk()
+	require.Zero(t, len(disk)%512, "whole sectors")
+	text := strings.TrimRight(string(disk), "\x00")
+	require.True(t, strings.HasSuffix(text, "\n"))
 	prefix := "io.systemd.credential.binary:" + HostKeyCredential + "="
-	require.True(t, strings.HasPrefix(s[1], prefix))
-	pemBytes, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(s[1], prefix))
+	line := strings.TrimSuffix(text, "\n")
+	require.True(t, strings.HasPrefix(line, prefix), line)
+	pemBytes, err := base64.StdEncoding.DecodeString(strings.TrimPrefix(line, prefix))
 	require.NoError(t, err)
 	hs, err := ssh.ParsePrivateKey(pemBytes)
 	require.NoError(t, err)
 	require.Equal(t, k.Host.Marshal(), hs.PublicKey().Marshal())
-	for _, x := range s {
-		require.NotContains(t, x, "\n", "an SMBIOS string is one line")
-	}
 }
 
 func TestUserDataIsStructured(t *testing.T) {

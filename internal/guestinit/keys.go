@@ -74,13 +74,27 @@ func (k *Keys) HostPublicLine() string {
 	return strings.TrimSpace(string(ssh.MarshalAuthorizedKey(k.Host)))
 }
 
-// OEMStrings are the SMBIOS type 11 strings that hand the keys to a systemd
-// (>= 252) guest: root's authorized key through systemd's stock
-// ssh.authorized_keys.root credential, the host key through
-// HostKeyCredential.
+// CredentialDiskSerial is the serial of the credentials disk; the guest finds
+// it as /dev/disk/by-id/virtio-lve-credentials (or by /sys/block/*/serial).
+const CredentialDiskSerial = "lve-credentials"
+
+// OEMStrings are the SMBIOS type 11 strings for a systemd (>= 252) guest:
+// root's authorized key through systemd's stock ssh.authorized_keys.root
+// credential. Only public material goes here: SMBIOS strings end up in the
+// domain XML and on QEMU's command line, which every local user can read.
 func (k *Keys) OEMStrings(comment string) []string {
-	return []string{
-		"io.systemd.credential:ssh.authorized_keys.root=" + k.AuthorizedKey(comment),
-		"io.systemd.credential.binary:" + HostKeyCredential + "=" + base64.StdEncoding.EncodeToString(k.HostPEM),
-	}
+	return []string{"io.systemd.credential:ssh.authorized_keys.root=" + k.AuthorizedKey(comment)}
+}
+
+// CredentialDisk is the content of the read-only credentials disk that
+// carries the private host key: lines in the SMBIOS credential syntax
+// ("io.systemd.credential.binary:NAME=BASE64"), padded with NULs to a whole
+// number of 512-byte sectors. It travels as a storage volume, never as text
+// in XML or on a command line.
+func (k *Keys) CredentialDisk() []byte {
+	line := "io.systemd.credential.binary:" + HostKeyCredential + "=" + base64.StdEncoding.EncodeToString(k.HostPEM) + "\n"
+	size := (len(line) + 511) / 512 * 512
+	b := make([]byte, size)
+	copy(b, line)
+	return b
 }

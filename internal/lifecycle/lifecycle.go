@@ -97,13 +97,14 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	}
 	img := req.Image
 	var (
-		keys    *guestinit.Keys
-		dir     string
-		mac     string
-		seed    []byte
-		addr    string
-		client  *sshexec.Client
-		created time.Time
+		keys       *guestinit.Keys
+		dir        string
+		mac        string
+		seed       []byte
+		seedSerial string
+		addr       string
+		client     *sshexec.Client
+		created    time.Time
 	)
 	comment := req.Name
 	bootDeadline := m.Cfg.Timeouts.Boot.D()
@@ -125,11 +126,14 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				if err := m.Store.SaveKey(req.Name, keys.ClientPEM); err != nil {
 					return err
 				}
-				if img.KeyInjection == config.InjectCloudInit {
+				switch img.KeyInjection {
+				case config.InjectCloudInit:
 					ci := guestinit.CloudInit{InstanceID: req.Name, Hostname: req.Name, User: img.User}
 					if seed, err = ci.SeedISO(keys, comment, dir); err != nil {
 						return err
 					}
+				case config.InjectSMBIOS:
+					seed, seedSerial = keys.CredentialDisk(), guestinit.CredentialDiskSerial
 				}
 				mac, err = eng.FreshMAC(m.Cfg.Network)
 				return err
@@ -146,6 +150,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
 					Pool: m.Cfg.StoragePool, Network: m.Cfg.Network, MAC: mac,
 					Seed:       seed,
+					SeedSerial: seedSerial,
 					GuestAgent: img.AddressSource == "agent",
 					ConsoleLog: filepath.Join(dir, "console.log"),
 					Owner: vm.Owner{

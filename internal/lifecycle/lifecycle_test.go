@@ -52,13 +52,25 @@ func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest {
 func (g *fakeGuest) port() int { return g.ln.Addr().(*net.TCPAddr).Port }
 
 func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
+	x, err := d.Marshal()
+	require.NoError(t, err)
+	require.NotContains(t, x, "credential.binary", "no private key material in the domain XML")
 	var authorized, hostPEM []byte
 	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
 		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
 			authorized = []byte(v)
 		}
-		if v, ok := strings.CutPrefix(e, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
-			var err error
+	}
+	// The host key comes from the read-only credentials disk, as a guest
+	// reads /dev/disk/by-id/virtio-lve-credentials.
+	require.Len(t, d.Devices.Disks, 2)
+	require.Equal(t, guestinit.CredentialDiskSerial, d.Devices.Disks[1].Serial)
+	require.NotNil(t, d.Devices.Disks[1].ReadOnly)
+	g.hv.Lock()
+	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
+	g.hv.Unlock()
+	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
+		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
 			hostPEM, err = base64.StdEncoding.DecodeString(v)
 			require.NoError(t, err)
 		}

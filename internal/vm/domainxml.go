@@ -63,6 +63,7 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 			Source:   &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: seedPath}},
 			Target:   &libvirtxml.DomainDiskTarget{Dev: "vdb", Bus: "virtio"},
 			ReadOnly: &libvirtxml.DomainDiskReadOnly{},
+			Serial:   s.SeedSerial,
 		})
 	}
 	dev.Interfaces = []libvirtxml.DomainInterface{{

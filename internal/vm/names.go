@@ -24,5 +24,6 @@ func CheckName(name string) error {
 // DiskVolume is the name of the machine's overlay disk volume.
 func DiskVolume(name string) string { return name + ".qcow2" }
 
-// SeedVolume is the name of the machine's seed (cloud-init NoCloud) volume.
+// SeedVolume is the name of the machine's seed volume (cloud-init NoCloud
+// image or credentials disk).
 func SeedVolume(name string) string { return name + "-seed.img" }

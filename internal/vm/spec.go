@@ -33,8 +33,14 @@ type Spec struct {
 	MAC string
 	// OEMStrings are SMBIOS type 11 strings (systemd credentials).
 	OEMStrings []string
-	// Seed, when not nil, is attached read-only as a second disk.
+	// Seed, when not nil, is attached read-only as a second disk: a
+	// cloud-init NoCloud image, or a credentials disk. It is a volume in the
+	// pool, so its content never appears in the domain XML or on QEMU's
+	// command line.
 	Seed []byte
+	// SeedSerial is the seed disk's serial number (the guest finds it as
+	// /dev/disk/by-id/virtio-SERIAL); empty for none.
+	SeedSerial string
 	// GuestAgent adds the qemu-guest-agent channel.
 	GuestAgent bool
 	// ConsoleLog, when set, receives the serial console output.

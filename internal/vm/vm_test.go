@@ -43,6 +43,7 @@ func TestDomainXMLGolden(t *testing.T) {
 		{"disk-seed-kvm-agent", func(s *Spec) {
 			s.Kernel, s.Initrd, s.Cmdline, s.OEMStrings, s.DomainType = "", "", "", nil, "kvm"
 			s.GuestAgent = true
+			s.SeedSerial = "lve-credentials"
 		}, "/pool/lve-0123abcd-1000-seed.img"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
