@@ -122,6 +122,11 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	defer hv.Close()
+	unlock, err := j.store.Lock(ctx, j.name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	defer unlock()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
 	req := lifecycle.Request{
 		Name: j.name, Image: img, VCPUs: pick(img.VCPUs, cfg.Defaults.VCPUs), MemoryMiB: pick(img.MemoryMiB, cfg.Defaults.MemoryMiB),
@@ -218,11 +223,38 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer hv.Close()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller}
+	unlock, err := j.store.Lock(ctx, j.name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
 	t0 := time.Now()
-	if err := m.Teardown(ctx, j.name); err != nil {
+	err = m.Teardown(ctx, j.name)
+	if err == nil {
+		j.store.RemoveLock(j.name)
+	}
+	unlock()
+	if err != nil {
 		j.log.Error("cleanup incomplete", "err", err)
 		return exitcodes.System(err)
 	}
 	j.log.Info("cleaned up", "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
+	opportunisticSweep(ctx, m, j.log)
 	return nil
+}
+
+// sweepEvery limits the opportunistic sweeps that cleanup runs after the
+// job's own teardown (the job is over: nobody waits for it).
+const sweepEvery = 5 * time.Minute
+
+func opportunisticSweep(ctx context.Context, m *lifecycle.Manager, log *slog.Logger) {
+	if !m.Store.Due("last-sweep", sweepEvery) {
+		return
+	}
+	rep, err := m.Sweep(ctx, time.Now(), false)
+	if rep != nil && len(rep.Removed) > 0 {
+		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
+	}
+	if err != nil {
+		log.Warn("sweep incomplete", "err", err)
+	}
 }

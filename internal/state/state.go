@@ -210,3 +210,23 @@ func writeFileAtomic(path string, data []byte) error {
 	}
 	return os.Rename(tmp.Name(), path)
 }
+
+// Due reports whether at least every has passed since the last time Due
+// returned true for key, and records now if so. Concurrent callers race
+// harmlessly: at worst two of them both do the work.
+func (s Store) Due(key string, every time.Duration) bool {
+	path := filepath.Join(s.Dir, key)
+	if st, err := os.Stat(path); err == nil && time.Since(st.ModTime()) < every {
+		return false
+	}
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return false
+	}
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o600)
+	if err != nil {
+		return false
+	}
+	f.Close()
+	now := time.Now()
+	return os.Chtimes(path, now, now) == nil
+}

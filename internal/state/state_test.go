@@ -1,6 +1,7 @@
 package state
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"sync"
@@ -75,4 +76,31 @@ func TestMachineRoundTripAndPermissions(t *testing.T) {
 	_, _, _, err = s.Load("lve-a-1")
 	require.ErrorIs(t, err, ErrNoMachine)
 	require.Error(t, s.Remove("../x"))
+}
+
+func TestLock(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	unlock, err := s.TryLock("lve-a-1")
+	require.NoError(t, err)
+	_, err = s.TryLock("lve-a-1")
+	require.ErrorIs(t, err, ErrBusy, "flock is per open file: a second holder is refused")
+	other, err := s.TryLock("lve-a-2")
+	require.NoError(t, err, "locks are per machine")
+	other()
+
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	_, err = s.Lock(ctx, "lve-a-1")
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+
+	go func() { time.Sleep(50 * time.Millisecond); unlock() }()
+	unlock2, err := s.Lock(context.Background(), "lve-a-1")
+	require.NoError(t, err, "acquired once released")
+	names, err := s.LockNames()
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"lve-a-1", "lve-a-2"}, names)
+	s.RemoveLock("lve-a-1")
+	unlock2()
+	names, _ = s.LockNames()
+	require.Equal(t, []string{"lve-a-2"}, names)
 }

@@ -178,7 +178,7 @@ func TestRemoveLeftoverVolumesWithoutDomain(t *testing.T) {
 	f.Volumes["jobs/"+SeedVolume(s.Name)] = nil
 	f.Volumes["jobs/unrelated.qcow2"] = nil
 	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
-	require.Equal(t, []string{"jobs/unrelated.qcow2"}, mustNames(t, f))
+	require.Equal(t, []string{"unrelated.qcow2"}, mustNames(t, f))
 }
 
 func mustNames(t *testing.T, f *vmtest.Fake) []string {

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 
 	"libvirt.org/go/libvirtxml"
@@ -96,7 +97,9 @@ func (f *Fake) VolumeNames(pool string) ([]string, error) {
 	defer f.mu.Unlock()
 	var out []string
 	for k := range f.Volumes {
-		out = append(out, k)
+		if name, ok := strings.CutPrefix(k, pool+"/"); ok {
+			out = append(out, name)
+		}
 	}
 	sort.Strings(out)
 	return out, nil

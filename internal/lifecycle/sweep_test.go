@@ -1,0 +1,92 @@
+package lifecycle
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+func owned(t *testing.T, ctrl string, deadline time.Time) string {
+	x, err := vm.MarshalOwner(vm.Owner{Controller: ctrl, Job: "1", Deadline: deadline})
+	require.NoError(t, err)
+	return x
+}
+
+func TestSweep(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, _ := manager(t, hv, g)
+	now := time.Now()
+	p := MachinePrefix("lve", controller)
+	require.Equal(t, "lve-0123abcd-", p)
+	// Ours, expired: domain + volume + state.
+	hv.Domains[p+"1"] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(-time.Minute)), Active: true}
+	hv.Volumes["jobs/"+p+"1.qcow2"] = nil
+	_, err := m.Store.Create(p + "1")
+	require.NoError(t, err)
+	// Ours, running within its deadline.
+	hv.Domains[p+"2"] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Volumes["jobs/"+p+"2.qcow2"] = nil
+	// Look-alike without metadata, and one owned by another controller.
+	hv.Domains[p+"3"] = &vmtest.Domain{Active: true}
+	hv.Volumes["jobs/"+p+"3.qcow2"] = nil
+	hv.Domains[p+"4"] = &vmtest.Domain{OwnerXML: owned(t, "ffffffff-0000-4000-8000-000000000000", now.Add(-time.Hour)), Active: true}
+	// Orphans: a volume and a seed without a domain (prepare SIGKILLed).
+	hv.Volumes["jobs/"+p+"5.qcow2"] = nil
+	hv.Volumes["jobs/"+p+"5-seed.img"] = nil
+	// An orphan whose prepare is still running (holds the lock).
+	hv.Volumes["jobs/"+p+"6.qcow2"] = nil
+	unlock6, err := m.Store.TryLock(p + "6")
+	require.NoError(t, err)
+	defer unlock6()
+	// Other installations' and unrelated names are not even listed.
+	hv.Domains["lve-ffffffff-7"] = &vmtest.Domain{Active: true}
+	hv.Volumes["jobs/base.qcow2"] = nil
+
+	verdicts := func(items []Item) map[string]string {
+		out := map[string]string{}
+		for _, it := range items {
+			out[it.Name] = it.Verdict
+		}
+		return out
+	}
+	items, err := m.Inventory(now)
+	require.NoError(t, err)
+	require.Equal(t, map[string]string{
+		p + "1": VerdictExpired, p + "2": VerdictKeep, p + "3": VerdictForeign,
+		p + "4": VerdictForeign, p + "5": VerdictOrphan, p + "6": VerdictOrphan,
+	}, verdicts(items))
+
+	// Dry run: reports, touches nothing.
+	rep, err := m.Sweep(context.Background(), now, true)
+	require.NoError(t, err)
+	require.Empty(t, rep.Removed)
+	require.Len(t, hv.Domains, 5)
+	require.Equal(t, VerdictBusy, verdicts(rep.Items)[p+"6"])
+
+	rep, err = m.Sweep(context.Background(), now, false)
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{p + "1", p + "5"}, rep.Removed)
+	require.NotContains(t, hv.Domains, p+"1")
+	require.NotContains(t, hv.Volumes, "jobs/"+p+"1.qcow2")
+	require.NoDirExists(t, m.Store.MachineDir(p+"1"))
+	require.NotContains(t, hv.Volumes, "jobs/"+p+"5.qcow2")
+	require.NotContains(t, hv.Volumes, "jobs/"+p+"5-seed.img")
+	for _, keep := range []string{p + "2", p + "3", p + "4", "lve-ffffffff-7"} {
+		require.True(t, hv.Domains[keep].Active, "%s untouched", keep)
+	}
+	for _, keep := range []string{p + "2.qcow2", p + "3.qcow2", p + "6.qcow2", "base.qcow2"} {
+		require.Contains(t, hv.Volumes, "jobs/"+keep)
+	}
+
+	// Once the prepare holding the lock is gone, its orphan goes too.
+	unlock6()
+	rep, err = m.Sweep(context.Background(), now, false)
+	require.NoError(t, err)
+	require.Equal(t, []string{p + "6"}, rep.Removed)
+}
