@@ -18,9 +18,10 @@ help: ## show this help
 deps: ## install build dependencies (Debian 12, root)
 	@deploy/install-deps.sh
 
-build: deps ## build the four stage executables and the test harness into bin/
+build: deps ## build the four stage executables, the admin tool and the test harness into bin/
 	@mkdir -p $(BIN)
 	@for s in $(STAGES); do $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
+	@$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
 	@$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness
 	@echo "built: $$(ls $(BIN) | tr '\n' ' ')"
 
@@ -57,8 +58,9 @@ lint: ## gofmt and go vet
 	$(GO) vet ./...
 	$(GO) vet -tags e2e ./test/e2e/
 
-install: build ## install the stage executables into $(PREFIX)/bin
+install: build ## install the stage executables and the admin tool into $(PREFIX)/bin
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
+	@install -m 0755 $(BIN)/libvirt-executor $(PREFIX)/bin/
 	@install -d -m 0755 /etc/libvirt-executor
 	@[ -e /etc/libvirt-executor/config.toml ] || install -m 0640 deploy/config.example.toml /etc/libvirt-executor/config.toml
 	@echo "installed into $(PREFIX)/bin; edit /etc/libvirt-executor/config.toml"

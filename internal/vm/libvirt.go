@@ -350,3 +350,65 @@ func (l *Libvirt) NetworkLeaseMACs(network string) ([]string, error) {
 	}
 	return macs, nil
 }
+
+// Host facts for diagnostics (not part of Hypervisor: only the admin
+// command's doctor uses them).
+
+// Version returns the libvirt version (the daemon's, over a remote
+// connection) and the hypervisor's (QEMU) version.
+func (l *Libvirt) Version() (libvirtVersion, hypervisor uint32, err error) {
+	if libvirtVersion, err = l.conn.GetLibVersion(); err != nil {
+		return 0, 0, err
+	}
+	hypervisor, err = l.conn.GetVersion()
+	return libvirtVersion, hypervisor, err
+}
+
+// PoolActive reports whether the storage pool exists and is active, and its
+// target path.
+func (l *Libvirt) PoolActive(name string) (active bool, path string, err error) {
+	p, err := l.pool(name)
+	if err != nil {
+		return false, "", err
+	}
+	defer p.Free()
+	if active, err = p.IsActive(); err != nil {
+		return false, "", err
+	}
+	x, err := p.GetXMLDesc(0)
+	if err != nil {
+		return active, "", err
+	}
+	var px libvirtxml.StoragePool
+	if err := px.Unmarshal(x); err == nil && px.Target != nil {
+		path = px.Target.Path
+	}
+	return active, path, nil
+}
+
+// NetworkActive reports whether the network exists and is active, and
+// whether libvirt serves DHCP on it.
+func (l *Libvirt) NetworkActive(name string) (active, dhcp bool, err error) {
+	n, err := l.conn.LookupNetworkByName(name)
+	if err != nil {
+		return false, false, err
+	}
+	defer n.Free()
+	if active, err = n.IsActive(); err != nil {
+		return false, false, err
+	}
+	x, err := n.GetXMLDesc(0)
+	if err != nil {
+		return active, false, err
+	}
+	var nx libvirtxml.Network
+	if err := nx.Unmarshal(x); err != nil {
+		return active, false, err
+	}
+	for _, ip := range nx.IPs {
+		if ip.DHCP != nil {
+			dhcp = true
+		}
+	}
+	return active, dhcp, nil
+}

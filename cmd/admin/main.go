@@ -1,0 +1,92 @@
+// Command libvirt-executor is the administrator's tool: list the job VMs of
+// this installation, sweep leftovers (also from a systemd timer), and check
+// the host.
+package main
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/admin"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	err := app().RunContext(ctx, os.Args)
+	stop()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "libvirt-executor:", err)
+		os.Exit(1)
+	}
+}
+
+func withManager(c *cli.Context, fn func(*config.Config, *lifecycle.Manager) error) error {
+	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+	if err != nil {
+		return err
+	}
+	hv, err := vm.Connect(cfg.LibvirtURI)
+	if err != nil {
+		return err
+	}
+	defer hv.Close()
+	m, err := admin.Manager(cfg, hv)
+	if err != nil {
+		return err
+	}
+	return fn(cfg, m)
+}
+
+func app() *cli.App {
+	return &cli.App{
+		Name:    "libvirt-executor",
+		Usage:   "administer libvirt-executor job VMs",
+		Version: gitlab.Version,
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
+		},
+		Commands: []*cli.Command{
+			{
+				Name:  "list",
+				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
+				Action: func(c *cli.Context) error {
+					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+						return admin.List(os.Stdout, m, time.Now())
+					})
+				},
+			},
+			{
+				Name:  "gc",
+				Usage: "remove expired job VMs and orphaned volumes, state and locks of this installation",
+				Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
+				Action: func(c *cli.Context) error {
+					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+						return admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
+					})
+				},
+			},
+			{
+				Name:  "doctor",
+				Usage: "check libvirt, KVM, pool, network, images and permissions, with the fix for each problem",
+				Action: func(c *cli.Context) error {
+					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+					if err != nil {
+						fmt.Println("[FAIL] configuration:", err)
+						return err
+					}
+					return admin.PrintChecks(os.Stdout, admin.Doctor(cfg, vm.Connect))
+				},
+			},
+		},
+	}
+}

@@ -1,0 +1,245 @@
+// Package admin implements the administrator's command: list what exists,
+// sweep leftovers, and check the host.
+package admin
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/user"
+	"path/filepath"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Manager builds the lifecycle manager for admin work.
+func Manager(cfg *config.Config, hv vm.Hypervisor) (*lifecycle.Manager, error) {
+	store := state.Store{Dir: cfg.StateDir}
+	ctrl, err := store.ControllerID()
+	if err != nil {
+		return nil, err
+	}
+	return &lifecycle.Manager{Cfg: cfg, HV: hv, Store: store, Controller: ctrl}, nil
+}
+
+// List prints every machine of this installation with its job, age, state,
+// address and what a sweep would do with it.
+func List(w io.Writer, m *lifecycle.Manager, now time.Time) error {
+	items, err := m.Inventory(now)
+	if err != nil {
+		return err
+	}
+	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "NAME\tJOB\tAGE\tSTATE\tADDRESS\tVERDICT")
+	for _, it := range items {
+		job, age, st := "-", "-", "no domain"
+		if it.Owner != nil {
+			job = it.Owner.Frontend + ":" + it.Owner.Job
+			age = now.Sub(it.Owner.Created).Round(time.Second).String()
+		}
+		if it.Domain {
+			st = "shut off"
+			if it.Active {
+				st = "running"
+			}
+		}
+		addr := it.Address
+		if addr == "" {
+			addr = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, age, st, addr, it.Verdict, it.Reason)
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	if len(items) == 0 {
+		fmt.Fprintf(w, "no machines of controller %s\n", m.Controller)
+	}
+	return nil
+}
+
+// GC sweeps (or with dryRun, shows what a sweep would remove).
+func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) error {
+	rep, err := m.Sweep(ctx, time.Now(), dryRun)
+	if rep != nil {
+		for _, it := range rep.Items {
+			switch {
+			case it.Removable() && dryRun:
+				fmt.Fprintf(w, "would remove %s (%s: %s)\n", it.Name, it.Verdict, it.Reason)
+			case it.Removable():
+				// reported below
+			default:
+				fmt.Fprintf(w, "keep %s (%s: %s)\n", it.Name, it.Verdict, it.Reason)
+			}
+		}
+		for _, n := range rep.Removed {
+			fmt.Fprintf(w, "removed %s\n", n)
+		}
+		if len(rep.Items) == 0 {
+			fmt.Fprintf(w, "nothing of controller %s found\n", m.Controller)
+		}
+	}
+	return err
+}
+
+// Check is one doctor finding.
+type Check struct {
+	Name string
+	OK   bool
+	Warn bool
+	Info string
+	Fix  string
+}
+
+// Doctor checks that the host can run jobs with this configuration.
+func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Check {
+	var out []Check
+	add := func(c Check) { out = append(out, c) }
+	add(Check{Name: "configuration", OK: true, Info: cfg.Path})
+
+	if u, err := user.Current(); err == nil && u.Uid != "0" {
+		inGroup := false
+		if gids, err := u.GroupIds(); err == nil {
+			if g, err := user.LookupGroup("libvirt"); err == nil {
+				for _, id := range gids {
+					inGroup = inGroup || id == g.Gid
+				}
+			}
+		}
+		add(Check{Name: "user " + u.Username, OK: inGroup, Info: "member of the libvirt group",
+			Fix: "usermod -aG libvirt " + u.Username + " (then log in again / restart gitlab-runner)"})
+	}
+
+	l, err := connect(cfg.LibvirtURI)
+	if err != nil {
+		add(Check{Name: "libvirt", Info: err.Error(),
+			Fix: "start libvirtd (systemctl start libvirtd) and check libvirt_uri and the socket permissions"})
+		return out
+	}
+	defer l.Close()
+	lv, hv, err := l.Version()
+	add(Check{Name: "libvirt", OK: err == nil, Info: fmt.Sprintf("%s, libvirt %s, hypervisor %s", cfg.LibvirtURI, ver(lv), ver(hv)), Fix: "check libvirtd"})
+
+	kvm, kerr := l.KVMAvailable()
+	devOK := unix.Access("/dev/kvm", unix.R_OK|unix.W_OK) == nil
+	switch {
+	case cfg.DomainType == config.DomainQEMU:
+		add(Check{Name: "domain type", OK: true, Warn: true, Info: "qemu (software emulation, much slower than kvm)",
+			Fix: "use domain_type = \"auto\" or \"kvm\" on hosts with working KVM"})
+	case kerr != nil:
+		add(Check{Name: "domain type", Info: kerr.Error(), Fix: "check libvirtd"})
+	case kvm && devOK:
+		add(Check{Name: "domain type", OK: true, Info: "kvm available (/dev/kvm usable)"})
+	case cfg.DomainType == config.DomainKVM:
+		add(Check{Name: "domain type", Info: "domain_type = \"kvm\" but KVM is not usable",
+			Fix: "load kvm_intel/kvm_amd, enable virtualization in the firmware, chgrp kvm /dev/kvm && chmod 660 /dev/kvm; or use \"auto\""})
+	default:
+		add(Check{Name: "domain type", OK: true, Warn: true, Info: "auto: no usable KVM, jobs run under TCG software emulation",
+			Fix: "enable KVM for normal speed"})
+	}
+
+	if active, path, err := l.PoolActive(cfg.StoragePool); err != nil {
+		add(Check{Name: "storage pool " + cfg.StoragePool, Info: err.Error(),
+			Fix: "virsh pool-define-as " + cfg.StoragePool + " dir --target /var/lib/libvirt/images/ci && virsh pool-start " + cfg.StoragePool + " && virsh pool-autostart " + cfg.StoragePool})
+	} else {
+		add(Check{Name: "storage pool " + cfg.StoragePool, OK: active, Info: path, Fix: "virsh pool-start " + cfg.StoragePool + " && virsh pool-autostart " + cfg.StoragePool})
+	}
+	needDHCP := false
+	for _, n := range cfg.ImageNames() {
+		img, _ := cfg.Image(n)
+		needDHCP = needDHCP || img.AddressSource == "lease"
+	}
+	if active, dhcp, err := l.NetworkActive(cfg.Network); err != nil {
+		add(Check{Name: "network " + cfg.Network, Info: err.Error(), Fix: "define the network (see docs/configuration.md) and virsh net-start " + cfg.Network})
+	} else {
+		add(Check{Name: "network " + cfg.Network, OK: active && (dhcp || !needDHCP),
+			Info: fmt.Sprintf("active=%v dhcp=%v", active, dhcp),
+			Fix:  "virsh net-start " + cfg.Network + "; images with address_source = \"lease\" need libvirt's DHCP on it"})
+	}
+
+	for _, n := range cfg.ImageNames() {
+		img, _ := cfg.Image(n)
+		files := []string{img.Base}
+		if img.Boot == config.BootKernel {
+			files = append(files, img.Kernel)
+			if img.Initrd != "" {
+				files = append(files, img.Initrd)
+			}
+		}
+		var problems []string
+		for _, f := range files {
+			if fh, err := os.Open(f); err != nil {
+				problems = append(problems, err.Error())
+			} else {
+				fh.Close()
+			}
+		}
+		add(Check{Name: "image " + n, OK: len(problems) == 0, Info: strings.Join(append([]string{img.Base}, problems...), "; "),
+			Fix: "make the files readable by this user and by libvirt (see docs/images.md)"})
+	}
+
+	add(stateDirCheck(cfg.StateDir))
+	return out
+}
+
+func stateDirCheck(dir string) Check {
+	c := Check{Name: "state dir", Info: dir, Fix: "install -d -m 0700 -o <runner user> " + dir}
+	st, err := os.Stat(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		// Created on first use if the parent allows it.
+		c.OK = unix.Access(filepath.Dir(dir), unix.W_OK) == nil
+		c.Info = dir + " (will be created)"
+		return c
+	}
+	if err != nil {
+		c.Info = err.Error()
+		return c
+	}
+	c.OK = unix.Access(dir, unix.W_OK) == nil
+	switch perm := st.Mode().Perm(); {
+	case perm&0o022 != 0:
+		c.OK = false
+		c.Info = fmt.Sprintf("%s is %o: others could replace job state and keys", dir, perm)
+		c.Fix = "chmod 0700 " + dir
+	case perm&0o077 != 0:
+		c.Warn = true
+		c.Info = fmt.Sprintf("%s is %o (key files inside are 0600 in 0700 directories)", dir, perm)
+		c.Fix = "chmod 0700 " + dir
+	}
+	return c
+}
+
+func ver(v uint32) string { return fmt.Sprintf("%d.%d.%d", v/1000000, v/1000%1000, v%1000) }
+
+// PrintChecks writes the findings and returns an error if any failed.
+func PrintChecks(w io.Writer, checks []Check) error {
+	failed := 0
+	for _, c := range checks {
+		mark := "ok  "
+		switch {
+		case !c.OK:
+			mark = "FAIL"
+			failed++
+		case c.Warn:
+			mark = "warn"
+		}
+		fmt.Fprintf(w, "[%s] %s: %s\n", mark, c.Name, c.Info)
+		if (!c.OK || c.Warn) && c.Fix != "" {
+			fmt.Fprintf(w, "       fix: %s\n", c.Fix)
+		}
+	}
+	if failed > 0 {
+		return fmt.Errorf("%d check(s) failed", failed)
+	}
+	return nil
+}

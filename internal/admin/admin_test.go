@@ -1,0 +1,112 @@
+package admin
+
+import (
+	"bytes"
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+func testConfig(t *testing.T, extra string) *config.Config {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("QFI"), 0o644))
+	cfg, err := config.Parse([]byte(`
+storage_pool = "default-pool"
+network = "default"
+domain_type = "qemu"
+state_dir = "` + filepath.Join(dir, "state") + `"
+default_image = "ok"
+` + extra + `
+[images.ok]
+base = "` + base + `"
+[images.missing]
+base = "/nonexistent/base.qcow2"
+`))
+	require.NoError(t, err)
+	return cfg
+}
+
+func TestDoctorAgainstTestDriver(t *testing.T) {
+	cfg := testConfig(t, "")
+	checks := Doctor(cfg, func(string) (*vm.Libvirt, error) { return vm.Connect("test:///default") })
+	byName := map[string]Check{}
+	for _, c := range checks {
+		byName[c.Name] = c
+	}
+	require.True(t, byName["libvirt"].OK)
+	require.True(t, byName["storage pool default-pool"].OK, byName["storage pool default-pool"].Info)
+	require.True(t, byName["image ok"].OK)
+	require.False(t, byName["image missing"].OK)
+	require.Contains(t, byName["image missing"].Info, "no such file")
+	require.True(t, byName["domain type"].Warn, "qemu is slow: a warning")
+
+	var out bytes.Buffer
+	err := PrintChecks(&out, checks)
+	require.ErrorContains(t, err, "1 check(s) failed")
+	require.Contains(t, out.String(), "[FAIL] image missing")
+	require.Contains(t, out.String(), "fix: ")
+
+	cfg.Network = "nope"
+	cfg.StoragePool = "nope"
+	checks = Doctor(cfg, func(string) (*vm.Libvirt, error) { return vm.Connect("test:///default") })
+	out.Reset()
+	require.Error(t, PrintChecks(&out, checks))
+	require.Contains(t, out.String(), "[FAIL] storage pool nope")
+	require.Contains(t, out.String(), "virsh pool-define-as nope")
+	require.Contains(t, out.String(), "[FAIL] network nope")
+}
+
+func TestStateDirCheck(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.Chmod(dir, 0o700))
+	require.True(t, stateDirCheck(dir).OK)
+	require.NoError(t, os.Chmod(dir, 0o755))
+	c := stateDirCheck(dir)
+	require.True(t, c.OK)
+	require.True(t, c.Warn)
+	require.NoError(t, os.Chmod(dir, 0o777))
+	require.False(t, stateDirCheck(dir).OK)
+	require.True(t, stateDirCheck(filepath.Join(dir, "new")).OK, "created on first use")
+}
+
+func TestListAndGC(t *testing.T) {
+	cfg := testConfig(t, "")
+	cfg.StoragePool = "jobs"
+	hv := vmtest.New()
+	m, err := Manager(cfg, hv)
+	require.NoError(t, err)
+	p := "lve-" + m.Controller[:8] + "-"
+	x, err := vm.MarshalOwner(vm.Owner{Controller: m.Controller, Frontend: "gitlab", Job: "9", Created: time.Now().Add(-time.Hour), Deadline: time.Now().Add(-time.Minute)})
+	require.NoError(t, err)
+	hv.Domains[p+"9"] = &vmtest.Domain{OwnerXML: x, Active: true}
+	hv.Volumes["jobs/"+p+"9.qcow2"] = nil
+	hv.Domains[p+"10"] = &vmtest.Domain{Active: true} // look-alike
+
+	var out bytes.Buffer
+	require.NoError(t, List(&out, m, time.Now()))
+	require.Contains(t, out.String(), "gitlab:9")
+	require.Contains(t, out.String(), "expired (deadline passed")
+	require.Contains(t, out.String(), "foreign (no ownership metadata)")
+
+	out.Reset()
+	require.NoError(t, GC(context.Background(), &out, m, true))
+	require.Contains(t, out.String(), "would remove "+p+"9")
+	require.Contains(t, hv.Domains, p+"9")
+
+	out.Reset()
+	require.NoError(t, GC(context.Background(), &out, m, false))
+	require.Contains(t, out.String(), "removed "+p+"9")
+	require.True(t, strings.Contains(out.String(), "keep "+p+"10"))
+	require.NotContains(t, hv.Domains, p+"9")
+	require.Contains(t, hv.Domains, p+"10")
+}
