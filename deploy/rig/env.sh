@@ -1,0 +1,48 @@
+# shellcheck shell=bash
+# Shared names of the private libvirt rig (sourced by start.sh, stop.sh and tests).
+# Every value can be overridden from the environment.
+LVE_RIG_NS=${LVE_RIG_NS:-lve-rig}                          # network namespace
+LVE_RIG_DIR=${LVE_RIG_DIR:-/var/lib/libvirt-executor-rig}  # rig state: run/, pool/, state/, config.toml
+LVE_RIG_NET=${LVE_RIG_NET:-lve-rig}                        # libvirt NAT network
+LVE_RIG_POOL=${LVE_RIG_POOL:-lve-rig}                      # libvirt dir storage pool ($LVE_RIG_DIR/pool)
+LVE_RIG_IMAGES=${LVE_RIG_IMAGES:-tiny}                     # images to build: "tiny", "tiny debian"
+LVE_RIG_URI=${LVE_RIG_URI:-qemu:///system}
+LVE_RIG_BRIDGE=virbr-lve
+LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
+LVE_RIG_NETMASK=255.255.255.0
+LVE_RIG_DHCP_START=10.213.7.10
+LVE_RIG_DHCP_END=10.213.7.250
+LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
+LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh
+export LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI \
+	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG
+
+rig_log() { printf '[rig] %s\n' "$*" >&2; }
+rig_die() { printf '[rig] ERROR: %s\n' "$*" >&2; exit 1; }
+
+# rig_virsh ARGS...: virsh against the rig's URI, never hanging for long.
+rig_virsh() { timeout 120 virsh -q -c "$LVE_RIG_URI" "$@"; }
+
+# rig_libvirt_up: does a libvirtd answer on the URI?
+rig_libvirt_up() { timeout 10 virsh -c "$LVE_RIG_URI" version >/dev/null 2>&1; }
+
+# rig_pid_is PIDFILE NAME: print the PID from PIDFILE if that process is alive and is NAME.
+rig_pid_is() {
+	local pid
+	[ -r "$1" ] || return 1
+	pid=$(tr -dc 0-9 <"$1")
+	[ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$2" ] || return 1
+	echo "$pid"
+}
+
+# rig_pids_named NAME: PIDs of all processes whose comm is NAME (reads /proc, no procps).
+rig_pids_named() {
+	local d
+	for d in /proc/[0-9]*; do
+		[ "$(cat "$d/comm" 2>/dev/null)" = "$1" ] && echo "${d#/proc/}"
+	done
+	return 0
+}
+
+# rig_netns_exists: is the rig's network namespace there?
+rig_netns_exists() { [ -e "/run/netns/$LVE_RIG_NS" ]; }

@@ -1,0 +1,190 @@
+#!/bin/bash
+# Start the private libvirt rig (idempotent; a second run is a quick no-op):
+#   - installs qemu/libvirt/dnsmasq/iptables with apt-get if missing,
+#   - /dev/kvm -> group kvm, 0660 (else libvirt re-probes QEMU on every domain start),
+#   - removes the autostart link of libvirt's "default" network (never started here),
+#   - network namespace $LVE_RIG_NS with virtlogd + libvirtd started inside it
+#     (pidfiles in $LVE_RIG_DIR/run/); URI qemu:///system works from any namespace,
+#   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP, 10 min leases,
+#     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
+#   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
+#     systemd one) and writes the executor config $LVE_RIG_DIR/config.toml.
+# Guests are reachable only from inside the namespace: ip netns exec $LVE_RIG_NS ssh ...
+#
+# If a libvirtd is already running that this rig did not start, start.sh fails unless
+# LVE_RIG_REUSE=1: then it uses that libvirtd (its other guests are left alone) and the
+# rig network lives in THAT libvirtd's network namespace. A libvirtd in the root network
+# namespace is never reused (guest traffic must stay in a private namespace).
+# Needs root on Debian 12.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+. "$here/env.sh"
+. "$here/../images/lib.sh"
+[ "$(id -u)" = 0 ] || rig_die "must run as root"
+
+# --- packages ---------------------------------------------------------------------
+lve_apt_install qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon-driver-qemu \
+	libvirt-clients dnsmasq-base iptables iproute2 util-linux
+
+# --- host fixes --------------------------------------------------------------------
+if [ -e /dev/kvm ]; then
+	getent group kvm >/dev/null && chgrp kvm /dev/kvm
+	chmod 0660 /dev/kvm
+fi
+if [ -e /etc/libvirt/qemu/networks/autostart/default.xml ] ||
+	[ -L /etc/libvirt/qemu/networks/autostart/default.xml ]; then
+	rm -f /etc/libvirt/qemu/networks/autostart/default.xml
+	rig_log "removed the autostart link of libvirt's default network"
+fi
+
+mkdir -p "$LVE_RIG_RUN" "$LVE_RIG_DIR/pool" "$LVE_RIG_DIR/state"
+chmod 0755 "$LVE_RIG_DIR" "$LVE_RIG_DIR/pool" "$LVE_RIG_DIR/state"
+chmod 0700 "$LVE_RIG_RUN"
+
+# --- libvirtd -------------------------------------------------------------------------
+wait_libvirt() { # bounded short-interval poll until the socket answers
+	local pid=${1:-} deadline=$((SECONDS + 90))
+	until rig_libvirt_up; do
+		if [ -n "$pid" ] && [ ! -e "/proc/$pid" ]; then
+			tail -n 20 "$LVE_RIG_RUN/libvirtd.log" >&2 2>/dev/null || true
+			rig_die "libvirtd exited during startup (log: $LVE_RIG_RUN/libvirtd.log)"
+		fi
+		[ $SECONDS -lt $deadline ] || rig_die "libvirtd does not answer on $LVE_RIG_URI after 90 s"
+		sleep 0.1
+	done
+}
+if pid=$(rig_pid_is "$LVE_RIG_RUN/libvirtd.pid" libvirtd); then
+	rig_log "libvirtd already running (pid $pid, namespace $LVE_RIG_NS)"
+	wait_libvirt "$pid"
+elif [ -e "$LVE_RIG_RUN/reused" ] && [ -n "$(rig_pids_named libvirtd)" ]; then
+	rig_log "reusing the libvirtd that was running before the rig (LVE_RIG_REUSE)"
+	wait_libvirt
+else
+	rm -f "$LVE_RIG_RUN/reused" "$LVE_RIG_RUN/libvirtd.pid"
+	others=$(rig_pids_named libvirtd | tr '\n' ' ')
+	others=${others% }
+	if [ -n "$others" ]; then
+		[ "${LVE_RIG_REUSE:-}" = 1 ] || rig_die "a libvirtd not started by this rig is running (pid $others).
+  Stop it, or set LVE_RIG_REUSE=1 to use it: its other guests are left alone and the rig
+  network $LVE_RIG_NET then lives in that libvirtd's network namespace."
+		for p in $others; do
+			[ "$(readlink "/proc/$p/ns/net")" != "$(readlink /proc/1/ns/net)" ] ||
+				rig_die "the running libvirtd (pid $p) is in the root network namespace: refusing to
+  put the rig's guest network there. Start it inside a namespace, or stop it."
+		done
+		ns=$(ip netns identify "${others%% *}" 2>/dev/null || true)
+		echo "${ns:-unnamed}" >"$LVE_RIG_RUN/reused"
+		rig_log "LVE_RIG_REUSE=1: using the running libvirtd (pid $others); guest network in its namespace (${ns:-unnamed})"
+		wait_libvirt
+	else
+		if ! rig_netns_exists; then
+			ip netns add "$LVE_RIG_NS"
+			touch "$LVE_RIG_RUN/netns-owned"
+			rig_log "created network namespace $LVE_RIG_NS"
+		fi
+		ip -n "$LVE_RIG_NS" link set lo up
+		export LIBVIRT_LOG_OUTPUTS="3:file:$LVE_RIG_RUN/libvirtd.log"
+		if pid=$(rig_pid_is "$LVE_RIG_RUN/virtlogd.pid" virtlogd); then
+			rig_log "virtlogd already running (pid $pid)"
+		elif [ -n "$(rig_pids_named virtlogd)" ]; then
+			rig_log "using the virtlogd already running (pid $(rig_pids_named virtlogd | tr '\n' ' '))"
+		else
+			LIBVIRT_LOG_OUTPUTS="3:file:$LVE_RIG_RUN/virtlogd.log" \
+				ip netns exec "$LVE_RIG_NS" virtlogd -d -p "$LVE_RIG_RUN/virtlogd.pid"
+			rig_log "started virtlogd (pid $(cat "$LVE_RIG_RUN/virtlogd.pid")) in $LVE_RIG_NS"
+		fi
+		ip netns exec "$LVE_RIG_NS" libvirtd -d -p "$LVE_RIG_RUN/libvirtd.pid"
+		for _ in $(seq 50); do [ -s "$LVE_RIG_RUN/libvirtd.pid" ] && break; sleep 0.1; done
+		pid=$(tr -dc 0-9 <"$LVE_RIG_RUN/libvirtd.pid" 2>/dev/null || true)
+		t0=$SECONDS
+		wait_libvirt "$pid"
+		rig_log "started libvirtd (pid $pid) in $LVE_RIG_NS; answering after $((SECONDS - t0)) s"
+	fi
+fi
+
+# --- network ----------------------------------------------------------------------------
+if ! rig_virsh net-info "$LVE_RIG_NET" >/dev/null 2>&1; then
+	cat >"$LVE_RIG_RUN/network.xml" <<X
+<network xmlns:dnsmasq='http://libvirt.org/schemas/network/dnsmasq/1.0'>
+  <name>$LVE_RIG_NET</name>
+  <forward mode='nat'/>
+  <bridge name='$LVE_RIG_BRIDGE' stp='off' delay='0'/>
+  <ip address='$LVE_RIG_GATEWAY' netmask='$LVE_RIG_NETMASK'>
+    <dhcp>
+      <range start='$LVE_RIG_DHCP_START' end='$LVE_RIG_DHCP_END'>
+        <lease expiry='10' unit='minutes'/>
+      </range>
+    </dhcp>
+  </ip>
+  <dnsmasq:options>
+    <dnsmasq:option value='no-ping'/>
+  </dnsmasq:options>
+</network>
+X
+	rig_virsh net-define "$LVE_RIG_RUN/network.xml" >/dev/null
+	rig_log "defined network $LVE_RIG_NET"
+fi
+if [ "$(rig_virsh net-info "$LVE_RIG_NET" | awk '$1 == "Active:" {print $2}')" != yes ]; then
+	rig_virsh net-start "$LVE_RIG_NET" >/dev/null
+	rig_log "started network $LVE_RIG_NET ($LVE_RIG_BRIDGE, $LVE_RIG_GATEWAY/24)"
+fi
+# never autostart: a libvirtd started later in the root namespace must not bring it up there
+rig_virsh net-autostart "$LVE_RIG_NET" --disable >/dev/null 2>&1 || true
+
+# --- storage pool -----------------------------------------------------------------------
+if ! rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then
+	rig_virsh pool-define-as "$LVE_RIG_POOL" dir --target "$LVE_RIG_DIR/pool" >/dev/null
+	rig_log "defined storage pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool"
+fi
+if [ "$(rig_virsh pool-info "$LVE_RIG_POOL" | awk '$1 == "State:" {print $2}')" != running ]; then
+	rig_virsh pool-start "$LVE_RIG_POOL" >/dev/null
+	rig_log "started storage pool $LVE_RIG_POOL"
+fi
+rig_virsh pool-autostart "$LVE_RIG_POOL" --disable >/dev/null 2>&1 || true
+
+# --- images + executor config ---------------------------------------------------------------
+# tiny always; debian only when asked for
+images=tiny
+case " ${LVE_RIG_IMAGES//,/ } " in *" debian "*) images="tiny debian" ;; esac
+fragments=
+for img in $images; do
+	dir=$("$here/../images/build.sh" "$img" | tail -n 1)
+	[ -f "$dir/image.toml" ] || rig_die "image $img: no image.toml in '$dir'"
+	if [ "$img" = debian ]; then
+		fragments+=$'\n# systemd guest: its jobs need memory_mib >= 768; ~25-45 s to SSH under TCG with 1 vCPU'
+	fi
+	fragments+=$'\n'$(cat "$dir/image.toml")$'\n'
+	rig_log "image $img: $dir"
+done
+cat >"$LVE_RIG_CONFIG.tmp" <<T
+# libvirt-executor config for the private rig (written by deploy/rig/start.sh).
+# Guests live in network namespace "$LVE_RIG_NS": reach them with ip netns exec $LVE_RIG_NS ...
+libvirt_uri = "$LVE_RIG_URI"
+domain_type = "qemu"
+storage_pool = "$LVE_RIG_POOL"
+network = "$LVE_RIG_NET"
+name_prefix = "lve"
+state_dir = "$LVE_RIG_DIR/state"
+default_image = "tiny"
+
+[defaults]
+vcpus = 1
+memory_mib = 512
+disk_gib = 0
+
+[timeouts]
+boot = "3m"
+
+[ssh]
+keepalive_interval = "2s"
+keepalive_count = 3
+$fragments
+T
+mv -f "$LVE_RIG_CONFIG.tmp" "$LVE_RIG_CONFIG"
+
+ns=$LVE_RIG_NS
+[ -e "$LVE_RIG_RUN/reused" ] && ns=$(cat "$LVE_RIG_RUN/reused")
+rig_log "up: libvirt $LVE_RIG_URI, network namespace $ns, network $LVE_RIG_NET ($LVE_RIG_GATEWAY/24), pool $LVE_RIG_POOL"
+rig_log "config: $LVE_RIG_CONFIG"
+echo "namespace=$ns"
+echo "config=$LVE_RIG_CONFIG"
