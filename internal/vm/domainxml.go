@@ -70,6 +70,8 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
 		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
 		Model:  &libvirtxml.DomainInterfaceModel{Type: "virtio"},
+		// No iPXE option ROM: the disk or kernel boots, never the network.
+		ROM: &libvirtxml.DomainROM{Enabled: "no"},
 	}}
 	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
 	if s.ConsoleLog != "" {
