@@ -82,6 +82,7 @@ type Config struct {
 	HostKeyPolicy string `toml:"host_key_policy"`
 
 	Defaults Defaults `toml:"defaults"`
+	Limits   Limits   `toml:"limits"`
 	Timeouts Timeouts `toml:"timeouts"`
 	SSH      SSH      `toml:"ssh"`
 	// Images maps an image name (what a job's `image:` selects) to its
@@ -103,6 +104,21 @@ type Defaults struct {
 	// A value smaller than the base image is raised to the base size.
 	// Allowed 0-4096.
 	DiskGiB int `toml:"disk_gib"`
+}
+
+// Limits bound what a job may request. Jobs ask through the CI variables
+// LIBVIRT_EXECUTOR_VCPUS, LIBVIRT_EXECUTOR_MEMORY and LIBVIRT_EXECUTOR_DISK;
+// without AllowJobOverrides such a request fails the job with a clear message.
+type Limits struct {
+	// AllowJobOverrides lets jobs request their own vCPUs, memory and disk
+	// within the maximums below. Default false.
+	AllowJobOverrides bool `toml:"allow_job_overrides"`
+	// MaxVCPUs bounds a job's vCPU request. Default: defaults.vcpus.
+	MaxVCPUs int `toml:"max_vcpus"`
+	// MaxMemoryMiB bounds a job's memory request. Default: defaults.memory_mib.
+	MaxMemoryMiB int `toml:"max_memory_mib"`
+	// MaxDiskGiB bounds a job's disk request. Default: defaults.disk_gib.
+	MaxDiskGiB int `toml:"max_disk_gib"`
 }
 
 // Timeouts bound the waits.
@@ -275,6 +291,15 @@ func (c *Config) applyDefaults() {
 	if c.Defaults.MemoryMiB == 0 {
 		c.Defaults.MemoryMiB = 2048
 	}
+	if c.Limits.MaxVCPUs == 0 {
+		c.Limits.MaxVCPUs = c.Defaults.VCPUs
+	}
+	if c.Limits.MaxMemoryMiB == 0 {
+		c.Limits.MaxMemoryMiB = c.Defaults.MemoryMiB
+	}
+	if c.Limits.MaxDiskGiB == 0 {
+		c.Limits.MaxDiskGiB = c.Defaults.DiskGiB
+	}
 	if c.Timeouts.Boot == 0 {
 		c.Timeouts.Boot = Duration(5 * time.Minute)
 	}
@@ -364,6 +389,9 @@ func (c *Config) Validate() error {
 	rangeCheck("defaults.vcpus", c.Defaults.VCPUs, 1, 64)
 	rangeCheck("defaults.memory_mib", c.Defaults.MemoryMiB, 128, 262144)
 	rangeCheck("defaults.disk_gib", c.Defaults.DiskGiB, 0, 4096)
+	rangeCheck("limits.max_vcpus", c.Limits.MaxVCPUs, 1, 64)
+	rangeCheck("limits.max_memory_mib", c.Limits.MaxMemoryMiB, 128, 262144)
+	rangeCheck("limits.max_disk_gib", c.Limits.MaxDiskGiB, 0, 4096)
 	positive := func(key string, d Duration) {
 		if d <= 0 {
 			bad(key, "must be a positive duration")

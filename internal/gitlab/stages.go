@@ -95,6 +95,11 @@ func Config(ctx context.Context, e Env, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
+	// Refuse a bad size request here already: the runner does not retry a
+	// config stage that exits with BUILD_FAILURE.
+	if _, err := ChooseResources(cfg, img, e.Getenv); err != nil {
+		return err
+	}
 	out := ConfigOutput{
 		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Hostname: j.name,
 		Driver: ConfigDriver{Name: DriverName, Version: Version}, Shell: "bash",
@@ -109,6 +114,10 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	img, err := ChooseImage(cfg, j.job.Image)
+	if err != nil {
+		return err
+	}
+	res, err := ChooseResources(cfg, img, e.Getenv)
 	if err != nil {
 		return err
 	}
@@ -129,8 +138,8 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	defer unlock()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
 	req := lifecycle.Request{
-		Name: j.name, Image: img, VCPUs: pick(img.VCPUs, cfg.Defaults.VCPUs), MemoryMiB: pick(img.MemoryMiB, cfg.Defaults.MemoryMiB),
-		DiskGiB: pick(img.DiskGiB, cfg.Defaults.DiskGiB), Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
+		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
+		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
 	}
 	ready, err := m.Provision(ctx, req)

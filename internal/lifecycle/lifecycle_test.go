@@ -129,7 +129,7 @@ domain_type = "qemu"
 state_dir = "` + t.TempDir() + `"
 storage_pool = "jobs"
 [timeouts]
-boot = "3s"
+boot = "20s"
 [images.tiny]
 base = "/img/tiny.qcow2"
 `))
@@ -204,9 +204,10 @@ func TestProvisionBootTimeoutUndoes(t *testing.T) {
 	g := newGuest(t, hv)
 	g.noLease = true
 	m, img := manager(t, hv, g)
+	m.Cfg.Timeouts.Boot = config.Duration(time.Second)
 	start := time.Now()
 	_, err := m.Provision(context.Background(), request(img))
-	require.ErrorContains(t, err, "boot timeout 3s (timeouts.boot) reached")
+	require.ErrorContains(t, err, "boot timeout 1s (timeouts.boot) reached")
 	require.Less(t, time.Since(start), 10*time.Second)
 	requireNothingLeft(t, hv, m)
 }
