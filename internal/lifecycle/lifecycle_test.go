@@ -192,6 +192,7 @@ func TestProvisionRefusesImpostorHostKeyAndUndoes(t *testing.T) {
 	g := newGuest(t, hv)
 	g.ownHostKey = true
 	m, img := manager(t, hv, g)
+	m.Cfg.Timeouts.Boot = config.Duration(3 * time.Second)
 	_, err := m.Provision(context.Background(), request(img))
 	require.Error(t, err)
 	require.ErrorContains(t, err, "host key mismatch")
