@@ -36,11 +36,23 @@ type Env struct {
 	Connect func(uri string) (vm.Hypervisor, error)
 }
 
+// connect opens the hypervisor behind a wrapper that reconnects once when
+// libvirtd restarts under a running stage.
 func (e Env) connect(uri string) (vm.Hypervisor, error) {
-	if e.Connect != nil {
-		return e.Connect(uri)
+	dial := func() (vm.Hypervisor, error) {
+		if e.Connect != nil {
+			return e.Connect(uri)
+		}
+		return vm.Connect(uri)
 	}
-	return vm.Connect(uri)
+	r, err := vm.NewReconnecting(dial)
+	if err != nil {
+		return nil, err
+	}
+	r.OnReconnect = func(cause error) {
+		e.Log.Warn("libvirt connection lost; reconnected", "uri", uri, "cause", cause)
+	}
+	return r, nil
 }
 
 // job is the shared start of every stage: configuration, identity, names.

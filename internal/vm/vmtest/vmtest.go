@@ -174,6 +174,9 @@ func (f *Fake) Undefine(name string) error {
 func (f *Fake) Owner(name string) (string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := f.call("Owner"); err != nil {
+		return "", err
+	}
 	d, ok := f.Domains[name]
 	if !ok {
 		return "", vm.ErrNotFound
@@ -186,6 +189,9 @@ func (f *Fake) Owner(name string) (string, error) {
 func (f *Fake) DomainNames() ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := f.call("DomainNames"); err != nil {
+		return nil, err
+	}
 	var out []string
 	for k := range f.Domains {
 		out = append(out, k)
@@ -195,6 +201,9 @@ func (f *Fake) DomainNames() ([]string, error) {
 func (f *Fake) IsActive(name string) (bool, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
+	if err := f.call("IsActive"); err != nil {
+		return false, err
+	}
 	d, ok := f.Domains[name]
 	if !ok {
 		return false, vm.ErrNotFound

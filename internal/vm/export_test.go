@@ -1,0 +1,4 @@
+package vm
+
+// ConnectionLost exposes connectionLost to the external tests.
+var ConnectionLost = connectionLost
