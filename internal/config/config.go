@@ -83,6 +83,7 @@ type Config struct {
 
 	Defaults Defaults `toml:"defaults"`
 	Limits   Limits   `toml:"limits"`
+	Capacity Capacity `toml:"capacity"`
 	Timeouts Timeouts `toml:"timeouts"`
 	SSH      SSH      `toml:"ssh"`
 	// Images maps an image name (what a job's `image:` selects) to its
@@ -119,6 +120,20 @@ type Limits struct {
 	MaxMemoryMiB int `toml:"max_memory_mib"`
 	// MaxDiskGiB bounds a job's disk request. Default: defaults.disk_gib.
 	MaxDiskGiB int `toml:"max_disk_gib"`
+}
+
+// Capacity bounds what this installation runs at once on the host. When a
+// new job would exceed it, prepare waits (telling the job log) instead of
+// overcommitting the host.
+type Capacity struct {
+	// MaxVMs is the most job VMs at once; 0 means no limit.
+	MaxVMs int `toml:"max_vms"`
+	// MemoryBudgetMiB is the most memory all job VMs may have together; 0
+	// means no limit.
+	MemoryBudgetMiB int `toml:"memory_budget_mib"`
+	// Wait bounds how long prepare waits for room. Default "30m"; then the
+	// attempt fails as a system failure (and the runner retries it).
+	Wait Duration `toml:"wait"`
 }
 
 // Timeouts bound the waits.
@@ -300,6 +315,9 @@ func (c *Config) applyDefaults() {
 	if c.Limits.MaxDiskGiB == 0 {
 		c.Limits.MaxDiskGiB = c.Defaults.DiskGiB
 	}
+	if c.Capacity.Wait == 0 {
+		c.Capacity.Wait = Duration(30 * time.Minute)
+	}
 	if c.Timeouts.Boot == 0 {
 		c.Timeouts.Boot = Duration(5 * time.Minute)
 	}
@@ -392,6 +410,11 @@ func (c *Config) Validate() error {
 	rangeCheck("limits.max_vcpus", c.Limits.MaxVCPUs, 1, 64)
 	rangeCheck("limits.max_memory_mib", c.Limits.MaxMemoryMiB, 128, 262144)
 	rangeCheck("limits.max_disk_gib", c.Limits.MaxDiskGiB, 0, 4096)
+	rangeCheck("capacity.max_vms", c.Capacity.MaxVMs, 0, 10000)
+	rangeCheck("capacity.memory_budget_mib", c.Capacity.MemoryBudgetMiB, 0, 1<<24)
+	if c.Capacity.MemoryBudgetMiB != 0 && c.Capacity.MemoryBudgetMiB < c.Limits.MaxMemoryMiB {
+		bad("capacity.memory_budget_mib", "%d is smaller than one job may ask for (limits.max_memory_mib = %d)", c.Capacity.MemoryBudgetMiB, c.Limits.MaxMemoryMiB)
+	}
 	positive := func(key string, d Duration) {
 		if d <= 0 {
 			bad(key, "must be a positive duration")

@@ -143,11 +143,6 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	defer hv.Close()
-	unlock, err := j.store.Lock(ctx, j.name)
-	if err != nil {
-		return exitcodes.System(err)
-	}
-	defer unlock()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
 	req := lifecycle.Request{
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
@@ -244,17 +239,8 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer hv.Close()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller}
-	unlock, err := j.store.Lock(ctx, j.name)
-	if err != nil {
-		return exitcodes.System(err)
-	}
 	t0 := time.Now()
-	err = m.Teardown(ctx, j.name)
-	if err == nil {
-		j.store.RemoveLock(j.name)
-	}
-	unlock()
-	if err != nil {
+	if err := m.Teardown(ctx, j.name); err != nil {
 		j.log.Error("cleanup incomplete", "err", err)
 		return exitcodes.System(err)
 	}

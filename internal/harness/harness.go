@@ -197,6 +197,11 @@ type StageResult struct {
 	// StartError is set when the executable could not be started.
 	StartError string
 	Duration   time.Duration
+	// MaxRSSKiB is the process's peak resident set size in KiB, from the
+	// rusage wait4 returned (ru_maxrss; on Linux it also covers descendants
+	// the process waited for). 0 when the process was not waited for
+	// (not started, abandoned).
+	MaxRSSKiB int64
 }
 
 // ConfigOutput is the part of config_exec's JSON the runner reads.

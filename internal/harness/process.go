@@ -81,6 +81,9 @@ func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid i
 			if ws, ok := st.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
 				res.Signaled = true
 			}
+			if ru, ok := st.SysUsage().(*syscall.Rusage); ok {
+				res.MaxRSSKiB = int64(ru.Maxrss) // KiB on Linux
+			}
 		}
 		return res
 	}

@@ -87,7 +87,14 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	if err := vm.CheckName(req.Name); err != nil {
 		return nil, err
 	}
-	if err := m.Teardown(ctx, req.Name); err != nil {
+	// The machine lock keeps sweeps (and a concurrent attempt) away while
+	// this machine is being made; the kernel drops it if we are killed.
+	unlock, err := m.Store.Lock(ctx, req.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	if err := m.teardown(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove leftovers of %s: %w", req.Name, err)
 	}
 	eng := m.engine()
@@ -114,12 +121,18 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 
 	list := []steps.Step{
 		{
+			Name: "admission",
+			Do: func(ctx context.Context) error {
+				var err error
+				dir, err = m.admit(ctx, req)
+				return err
+			},
+			Undo: func(context.Context) error { return m.Store.Remove(req.Name) },
+		},
+		{
 			Name: "keys",
 			Do: func(context.Context) error {
 				var err error
-				if dir, err = m.Store.Create(req.Name); err != nil {
-					return err
-				}
 				if keys, err = guestinit.NewKeys(comment); err != nil {
 					return err
 				}
@@ -138,7 +151,6 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				mac, err = eng.FreshMAC(m.Cfg.Network)
 				return err
 			},
-			Undo: func(context.Context) error { return m.Store.Remove(req.Name) },
 		},
 		{
 			Name: "create",
@@ -240,7 +252,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	mach, _, _, err := m.Store.Load(req.Name)
 	if err != nil {
 		_ = client.Close()
-		return nil, errors.Join(err, m.Teardown(context.WithoutCancel(ctx), req.Name))
+		return nil, errors.Join(err, m.teardown(context.WithoutCancel(ctx), req.Name))
 	}
 	return &Ready{Machine: mach, Client: client}, nil
 }
@@ -306,10 +318,27 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 	return mach, c, nil
 }
 
-// Teardown removes the machine, its volumes and its state. Missing pieces
-// count as success; a domain of that name that is not ours is left alone and
-// reported.
+// Teardown removes the machine, its volumes, its state and its lock, holding
+// the machine's lock. Missing pieces count as success; a domain of that name
+// that is not ours is left alone and reported.
 func (m *Manager) Teardown(ctx context.Context, name string) error {
+	if err := vm.CheckName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if err := m.teardown(ctx, name); err != nil {
+		return err
+	}
+	m.Store.RemoveLock(name)
+	return nil
+}
+
+// teardown is Teardown for a caller that holds the lock.
+func (m *Manager) teardown(ctx context.Context, name string) error {
 	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool); err != nil {
 		return err
 	}

@@ -38,6 +38,32 @@ type fakeGuest struct {
 	noLease bool
 	mu      sync.Mutex
 	logins  int
+	cfg     *ssh.ServerConfig // of the latest boot
+	serving bool
+}
+
+// serve answers SSH on the listener with the latest boot's keys.
+func (g *fakeGuest) serve() {
+	for {
+		c, err := g.ln.Accept()
+		if err != nil {
+			return
+		}
+		g.mu.Lock()
+		cfg := g.cfg
+		g.mu.Unlock()
+		go func() {
+			_, chans, reqs, err := ssh.NewServerConn(c, cfg)
+			if err != nil {
+				_ = c.Close()
+				return
+			}
+			go ssh.DiscardRequests(reqs)
+			for ch := range chans {
+				_ = ch.Reject(ssh.Prohibited, "test guest")
+			}
+		}()
+	}
 }
 
 func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest {
@@ -95,25 +121,14 @@ func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 		return nil, errors.New("denied")
 	}}
 	cfg.AddHostKey(hostKey)
-	go func() {
-		for {
-			c, err := g.ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() {
-				_, chans, reqs, err := ssh.NewServerConn(c, cfg)
-				if err != nil {
-					_ = c.Close()
-					return
-				}
-				go ssh.DiscardRequests(reqs)
-				for ch := range chans {
-					_ = ch.Reject(ssh.Prohibited, "test guest")
-				}
-			}()
-		}
-	}()
+	g.mu.Lock()
+	g.cfg = cfg
+	start := !g.serving
+	g.serving = true
+	g.mu.Unlock()
+	if start {
+		go g.serve()
+	}
 	if !g.noLease {
 		// The address appears a little after boot, as DHCP does.
 		go func() {

@@ -178,7 +178,7 @@ func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*Sweep
 		}
 		rep.Items = append(rep.Items, it)
 		if !dryRun {
-			if err := m.Teardown(ctx, it.Name); err != nil {
+			if err := m.teardown(ctx, it.Name); err != nil {
 				rep.Errors = append(rep.Errors, fmt.Errorf("%s: %w", it.Name, err))
 			} else {
 				m.Store.RemoveLock(it.Name)

@@ -230,3 +230,48 @@ func (s Store) Due(key string, every time.Duration) bool {
 	now := time.Now()
 	return os.Chtimes(path, now, now) == nil
 }
+
+// Reservation is what a machine holds of the host's capacity. It is written
+// when the machine's directory is created, before anything else exists.
+type Reservation struct {
+	VCPUs     int `json:"vcpus"`
+	MemoryMiB int `json:"memory_mib"`
+}
+
+const reservationFile = "reservation.json"
+
+// Reserve creates the machine's directory (like Create) and records what it
+// holds.
+func (s Store) Reserve(name string, r Reservation) (string, error) {
+	dir, err := s.Create(name)
+	if err != nil {
+		return "", err
+	}
+	b, err := json.Marshal(r)
+	if err != nil {
+		return "", err
+	}
+	if err := writeFileAtomic(filepath.Join(dir, reservationFile), b); err != nil {
+		_ = s.Remove(name)
+		return "", err
+	}
+	return dir, nil
+}
+
+// Reservations returns the reservation of every machine directory. A
+// directory without one (older, or broken) counts with def.
+func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
+	names, err := s.Names()
+	if err != nil {
+		return nil, err
+	}
+	out := make(map[string]Reservation, len(names))
+	for _, n := range names {
+		r := def
+		if b, err := os.ReadFile(filepath.Join(s.MachineDir(n), reservationFile)); err == nil {
+			_ = json.Unmarshal(b, &r)
+		}
+		out[n] = r
+	}
+	return out, nil
+}

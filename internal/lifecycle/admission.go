@@ -1,0 +1,83 @@
+package lifecycle
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// admissionLock serialises capacity checks; no machine name starts with '_'.
+const admissionLock = "_admission"
+
+// admit reserves the host capacity for one machine by creating its state
+// directory with a reservation, under the admission lock. When the host is
+// full it first sweeps leftovers once, then waits (polling) until room frees
+// up, ctx ends or capacity.wait passes, telling the job log why it waits.
+func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
+	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
+	capCfg := m.Cfg.Capacity
+	ctx, cancel := context.WithTimeoutCause(ctx, capCfg.Wait.D(),
+		fmt.Errorf("no room on the host within capacity.wait (%s)", capCfg.Wait.D()))
+	defer cancel()
+	start := time.Now()
+	swept := false
+	lastSay := time.Time{}
+	for {
+		dir, why, err := m.tryAdmit(ctx, req.Name, want)
+		if err != nil || why == "" {
+			if err == nil && !lastSay.IsZero() {
+				m.say("Room on the host after %s", vm.Round(time.Since(start)))
+			}
+			return dir, err
+		}
+		if !swept {
+			swept = true
+			if rep, err := m.Sweep(ctx, time.Now(), false); err == nil && len(rep.Removed) > 0 {
+				m.say("Removed %d leftover machine(s) to make room", len(rep.Removed))
+				continue
+			}
+		}
+		if time.Since(lastSay) >= 30*time.Second {
+			m.say("Waiting for room on the host: %s", why)
+			lastSay = time.Now()
+		}
+		select {
+		case <-ctx.Done():
+			return "", fmt.Errorf("%s: %w", why, context.Cause(ctx))
+		case <-time.After(500 * time.Millisecond):
+		}
+	}
+}
+
+// tryAdmit returns the new directory, or why there is no room.
+func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, err error) {
+	unlock, err := m.Store.Lock(ctx, admissionLock)
+	if err != nil {
+		return "", "", err
+	}
+	defer unlock()
+	capCfg := m.Cfg.Capacity
+	if capCfg.MaxVMs > 0 || capCfg.MemoryBudgetMiB > 0 {
+		held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
+		if err != nil {
+			return "", "", err
+		}
+		delete(held, name)
+		mem := 0
+		for _, r := range held {
+			mem += r.MemoryMiB
+		}
+		switch {
+		case capCfg.MaxVMs > 0 && len(held)+1 > capCfg.MaxVMs:
+			return "", fmt.Sprintf("%d of %d VMs in use (capacity.max_vms)", len(held), capCfg.MaxVMs), nil
+		case capCfg.MemoryBudgetMiB > 0 && mem+want.MemoryMiB > capCfg.MemoryBudgetMiB:
+			return "", fmt.Sprintf("%d MiB of %d MiB in use, this job needs %d MiB (capacity.memory_budget_mib)",
+				mem, capCfg.MemoryBudgetMiB, want.MemoryMiB), nil
+		}
+	}
+	dir, err = m.Store.Reserve(name, want)
+	return dir, "", err
+}
