@@ -1,0 +1,166 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"crypto/rand"
+	"encoding/hex"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestSecretsStayOffTheHost passes a canary secret the way the runner does:
+// in the environment (CUSTOM_ENV_*) and inside the stage script. It must never
+// appear in a process command line, the executables' own output, the domain
+// XML, or any file left on the host after cleanup.
+func TestSecretsStayOffTheHost(t *testing.T) {
+	r := setup(t)
+	b := make([]byte, 12)
+	_, _ = rand.Read(b)
+	canary := "lve-canary-" + hex.EncodeToString(b)
+
+	s := newStageRunner(t, r)
+	s.env = append(s.env, "CUSTOM_ENV_DEPLOY_TOKEN="+canary)
+	var outputs []string
+	collect := func(res stageResult) stageResult {
+		outputs = append(outputs, res.stdout, res.stderr)
+		return res
+	}
+	require.Equal(t, 0, collect(s.run(t, "config")).code)
+	require.Equal(t, 0, collect(s.run(t, "prepare")).code)
+	name := s.name(t)
+
+	// Sample every process's command line while the stage runs.
+	stop := make(chan struct{})
+	var hits []string
+	var mu sync.Mutex
+	var samples int
+	go func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+			for _, p := range procs {
+				if b, err := os.ReadFile(p); err == nil && bytes.Contains(b, []byte(canary)) {
+					mu.Lock()
+					hits = append(hits, p+": "+strings.ReplaceAll(string(b), "\x00", " "))
+					mu.Unlock()
+				}
+			}
+			mu.Lock()
+			samples++
+			mu.Unlock()
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	script := "#!/usr/bin/env bash\n\ntrap exit 1 TERM\n\nexport DEPLOY_TOKEN=$'" + canary + "'\n" +
+		"test \"${#DEPLOY_TOKEN}\" -gt 10 && echo token-present\nsleep 3\n"
+	res := collect(s.runScript(t, "build_script", script))
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "token-present", "the secret reached the guest")
+
+	// The domain XML while the VM runs.
+	d, err := r.conn.LookupDomainByName(name)
+	require.NoError(t, err)
+	x, err := d.GetXMLDesc(0)
+	_ = d.Free()
+	require.NoError(t, err)
+	require.NotContains(t, x, canary, "domain XML")
+	require.NotContains(t, x, "PRIVATE KEY", "no private key material in the domain XML")
+
+	close(stop)
+	require.Equal(t, 0, collect(s.run(t, "cleanup")).code)
+	mu.Lock()
+	require.Greater(t, samples, 10, "command lines were sampled during the stage")
+	require.Empty(t, hits, "secret on a command line")
+	mu.Unlock()
+	for _, o := range outputs {
+		require.NotContains(t, o, canary, "the executables' output")
+	}
+
+	// Files left on the host: state, pool, libvirt's own directories, /tmp
+	// (the runner's script dir is the test's own temp dir, removed by the
+	// runner; it is skipped here).
+	roots := []string{r.cfg.StateDir, "/var/lib/libvirt", "/etc/libvirt", "/var/log/libvirt", "/run/libvirt", "/tmp", "/var/tmp"}
+	if active, path, err := poolPath(r); err == nil && active {
+		roots = append(roots, path)
+	}
+	for _, root := range roots {
+		_ = filepath.WalkDir(root, func(p string, e fs.DirEntry, err error) error {
+			if err != nil {
+				return nil
+			}
+			if e.IsDir() {
+				if p == s.dir || strings.HasPrefix(p, os.TempDir()+"/go-build") {
+					return filepath.SkipDir
+				}
+				return nil
+			}
+			info, err := e.Info()
+			if err != nil || !info.Mode().IsRegular() || info.Size() > 64<<20 {
+				return nil
+			}
+			b, err := os.ReadFile(p)
+			if err == nil && bytes.Contains(b, []byte(canary)) {
+				t.Errorf("secret left on the host in %s", p)
+			}
+			return nil
+		})
+	}
+}
+
+func poolPath(r *rig) (bool, string, error) {
+	p, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	if err != nil {
+		return false, "", err
+	}
+	defer p.Free()
+	active, err := p.IsActive()
+	if err != nil {
+		return false, "", err
+	}
+	x, err := p.GetXMLDesc(0)
+	if err != nil {
+		return false, "", err
+	}
+	i := strings.Index(x, "<path>")
+	j := strings.Index(x, "</path>")
+	if i < 0 || j < i {
+		return active, "", nil
+	}
+	return active, x[i+6 : j], nil
+}
+
+// TestForgedJobIDCannotTouchAnotherJob: a job that sets CI_JOB_ID to another
+// job's id gets its identity from JOB_RESPONSE_FILE anyway; the other job's VM
+// survives the forger's cleanup.
+func TestForgedJobIDCannotTouchAnotherJob(t *testing.T) {
+	r := setup(t)
+	victim := newStageRunner(t, r)
+	require.Equal(t, 0, victim.run(t, "config").code)
+	require.Equal(t, 0, victim.run(t, "prepare").code)
+	defer func() { require.Equal(t, 0, victim.run(t, "cleanup").code) }()
+	victimName := victim.name(t)
+	victimID := victimName[strings.LastIndex(victimName, "-")+1:]
+
+	forger := newStageRunner(t, r)
+	forger.env = append(forger.env, "CUSTOM_ENV_CI_JOB_ID="+victimID, "CUSTOM_ENV_CI_BUILD_ID="+victimID)
+	require.Equal(t, 0, forger.run(t, "config").code)
+	require.NotEqual(t, victimName, forger.name(t), "the forger's VM name comes from its own payload")
+	require.Equal(t, 0, forger.run(t, "cleanup").code)
+
+	res := victim.runScript(t, "build_script", "#!/usr/bin/env bash\necho victim-alive\n")
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "victim-alive")
+}
