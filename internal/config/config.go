@@ -84,6 +84,7 @@ type Config struct {
 	Defaults Defaults `toml:"defaults"`
 	Limits   Limits   `toml:"limits"`
 	Capacity Capacity `toml:"capacity"`
+	Debug    Debug    `toml:"debug"`
 	Timeouts Timeouts `toml:"timeouts"`
 	SSH      SSH      `toml:"ssh"`
 	// Images maps an image name (what a job's `image:` selects) to its
@@ -134,6 +135,16 @@ type Capacity struct {
 	// Wait bounds how long prepare waits for room. Default "30m"; then the
 	// attempt fails as a system failure (and the runner retries it).
 	Wait Duration `toml:"wait"`
+}
+
+// Debug is the escape hatch for debugging failed jobs.
+type Debug struct {
+	// AllowKeepOnFailure lets a job keep its VM after it failed, by setting
+	// the CI variable LIBVIRT_EXECUTOR_KEEP_ON_FAILURE=true. Default false.
+	AllowKeepOnFailure bool `toml:"allow_keep_on_failure"`
+	// KeepMaxAge is how long a kept VM lives; then the sweep removes it.
+	// Default "2h".
+	KeepMaxAge Duration `toml:"keep_max_age"`
 }
 
 // Timeouts bound the waits.
@@ -315,6 +326,9 @@ func (c *Config) applyDefaults() {
 	if c.Limits.MaxDiskGiB == 0 {
 		c.Limits.MaxDiskGiB = c.Defaults.DiskGiB
 	}
+	if c.Debug.KeepMaxAge == 0 {
+		c.Debug.KeepMaxAge = Duration(2 * time.Hour)
+	}
 	if c.Capacity.Wait == 0 {
 		c.Capacity.Wait = Duration(30 * time.Minute)
 	}
@@ -420,6 +434,7 @@ func (c *Config) Validate() error {
 			bad(key, "must be a positive duration")
 		}
 	}
+	positive("debug.keep_max_age", c.Debug.KeepMaxAge)
 	positive("timeouts.boot", c.Timeouts.Boot)
 	positive("timeouts.cleanup", c.Timeouts.Cleanup)
 	positive("timeouts.job_slack", c.Timeouts.JobSlack)

@@ -18,6 +18,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
 func envOf(m map[string]string) func(string) string { return func(k string) string { return m[k] } }
@@ -176,4 +177,38 @@ func TestCleanupWithNothingLeftSucceeds(t *testing.T) {
 	require.NoError(t, Cleanup(context.Background(), env, cfg))
 	require.NoError(t, Cleanup(context.Background(), env, cfg), "idempotent")
 	require.Equal(t, 2, r.connected)
+}
+
+func TestKeepOnFailure(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.StoragePool = "jobs"
+	hv := vmtest.New()
+	env := map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json", "CUSTOM_ENV_CI_JOB_STATUS": "failed",
+		"CUSTOM_ENV_LIBVIRT_EXECUTOR_KEEP_ON_FAILURE": "true"}
+	e := Env{Getenv: envOf(env), Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{},
+		Log:     slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
+		Connect: func(string) (vm.Hypervisor, error) { return hv, nil }}
+	j, err := e.load(cfg)
+	require.NoError(t, err)
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.controller, Job: "1000", Deadline: time.Now().Add(time.Minute)})
+	require.NoError(t, err)
+	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
+
+	// Not allowed: removed as usual.
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.NotContains(t, hv.Domains, j.name)
+
+	// Allowed: kept, deadline moved to now + keep_max_age.
+	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
+	cfg.Debug.AllowKeepOnFailure = true
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.Contains(t, hv.Domains, j.name)
+	o, err := vm.ParseOwner(hv.Domains[j.name].OwnerXML)
+	require.NoError(t, err)
+	require.WithinDuration(t, time.Now().Add(2*time.Hour), o.Deadline, time.Minute)
+
+	// A successful job is never kept.
+	env["CUSTOM_ENV_CI_JOB_STATUS"] = "success"
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.NotContains(t, hv.Domains, j.name)
 }

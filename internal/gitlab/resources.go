@@ -17,7 +17,18 @@ const (
 	VarVCPUs  = "LIBVIRT_EXECUTOR_VCPUS"
 	VarMemory = "LIBVIRT_EXECUTOR_MEMORY"
 	VarDisk   = "LIBVIRT_EXECUTOR_DISK"
+	// VarKeep asks to keep the VM after a failed job (debug.allow_keep_on_failure).
+	VarKeep = "LIBVIRT_EXECUTOR_KEEP_ON_FAILURE"
 )
+
+// keepRequested reports whether the job asked to keep its VM on failure.
+func keepRequested(getenv func(string) string) bool {
+	switch strings.ToLower(getenv("CUSTOM_ENV_" + VarKeep)) {
+	case "1", "true", "yes":
+		return true
+	}
+	return false
+}
 
 // Resources is what a job's VM gets.
 type Resources struct {

@@ -138,6 +138,9 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if !j.job.FromPayload {
 		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set")
 	}
+	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
+		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
+	}
 	hv, err := e.connect(cfg.LibvirtURI)
 	if err != nil {
 		return err
@@ -211,6 +214,11 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
 	err = client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr})
 	if code, ok := exitcodes.ScriptCode(err); ok {
+		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
+			fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
+				"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
+				VarKeep, j.name, cfg.Debug.KeepMaxAge.D(), j.store.MachineDir(j.name), mach.User, mach.Address)
+		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
 			if werr := os.WriteFile(path, []byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
 				return exitcodes.System(errors.Join(err, fmt.Errorf("write BUILD_EXIT_CODE_FILE: %w", werr)))
@@ -239,6 +247,17 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer hv.Close()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller}
+	if e.Getenv("CUSTOM_ENV_CI_JOB_STATUS") == "failed" && keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
+		until := time.Now().Add(cfg.Debug.KeepMaxAge.D())
+		err := m.Keep(ctx, j.name, until)
+		if err == nil {
+			j.log.Warn("kept the failed job's VM for debugging", "until", until.UTC().Format(time.RFC3339))
+			return nil
+		}
+		if !errors.Is(err, vm.ErrNotFound) {
+			j.log.Error("could not keep the VM; removing it", "err", err)
+		}
+	}
 	t0 := time.Now()
 	if err := m.Teardown(ctx, j.name); err != nil {
 		j.log.Error("cleanup incomplete", "err", err)

@@ -337,6 +337,17 @@ func (m *Manager) Teardown(ctx context.Context, name string) error {
 	return nil
 }
 
+// Keep leaves the machine running for debugging until the given time, after
+// which a sweep removes it like any expired machine.
+func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error {
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return m.engine().Extend(name, until)
+}
+
 // teardown is Teardown for a caller that holds the lock.
 func (m *Manager) teardown(ctx context.Context, name string) error {
 	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool); err != nil {

@@ -210,6 +210,28 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 	}
 }
 
+// Extend moves the deadline of a machine of this controller (a sweep removes
+// it after the deadline). Foreign domains are refused with ErrNotOurs.
+func (e *Engine) Extend(name string, deadline time.Time) error {
+	x, err := e.HV.Owner(name)
+	if err != nil {
+		if errors.Is(err, ErrNoOwner) {
+			return fmt.Errorf("%s: %w", name, ErrNotOurs)
+		}
+		return err
+	}
+	o, err := ParseOwner(x)
+	if err != nil || o.Controller != e.Controller {
+		return fmt.Errorf("%s: %w", name, ErrNotOurs)
+	}
+	o.Deadline = deadline.UTC()
+	nx, err := MarshalOwner(o)
+	if err != nil {
+		return err
+	}
+	return e.HV.SetOwner(name, nx)
+}
+
 // ErrNotOurs is returned by Remove for a domain that exists but is not owned
 // by this controller. Nothing of it is touched.
 var ErrNotOurs = errors.New("domain is not owned by this controller")

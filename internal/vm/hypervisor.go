@@ -42,6 +42,9 @@ type Hypervisor interface {
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
 	Owner(name string) (string, error)
+	// SetOwner replaces the domain's ownership metadata (persistent and, if
+	// running, live).
+	SetOwner(name, ownerXML string) error
 	// DomainNames lists all domains, running or not.
 	DomainNames() ([]string, error)
 	// IsActive reports whether the domain runs.

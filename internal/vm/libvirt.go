@@ -271,6 +271,20 @@ func (l *Libvirt) Owner(name string) (string, error) {
 	return s, nil
 }
 
+// SetOwner implements Hypervisor.
+func (l *Libvirt) SetOwner(name, ownerXML string) error {
+	d, err := l.domain(name)
+	if err != nil {
+		return err
+	}
+	defer d.Free()
+	flags := libvirt.DOMAIN_AFFECT_CONFIG
+	if active, err := d.IsActive(); err == nil && active {
+		flags |= libvirt.DOMAIN_AFFECT_LIVE
+	}
+	return d.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, ownerXML, "lve", OwnerNamespace, flags)
+}
+
 // DomainNames implements Hypervisor.
 func (l *Libvirt) DomainNames() ([]string, error) {
 	doms, err := l.conn.ListAllDomains(0)

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
@@ -54,6 +55,17 @@ func TestLibvirtLifecycle(t *testing.T) {
 	vols, err := l.VolumeNames(s.Pool)
 	require.NoError(t, err)
 	require.Contains(t, vols, DiskVolume(s.Name))
+
+	// The deadline can be moved (keep-on-failure) through libvirt's metadata API.
+	later := time.Now().Add(3 * time.Hour).UTC().Truncate(time.Second)
+	require.NoError(t, e.Extend(s.Name, later))
+	ownerXML, err = l.Owner(s.Name)
+	require.NoError(t, err)
+	o, err = ParseOwner(ownerXML)
+	require.NoError(t, err)
+	require.True(t, later.Equal(o.Deadline), "deadline %s", o.Deadline)
+	require.Equal(t, []string{DiskVolume(s.Name)}, o.Volumes, "the rest of the record is kept")
+	require.ErrorIs(t, (&Engine{HV: l, Controller: "other"}).Extend(s.Name, later), ErrNotOurs)
 
 	// Another controller may not remove it.
 	other := &Engine{HV: l, Controller: "someone-else"}

@@ -152,6 +152,11 @@ func (r *Reconnecting) Owner(name string) (string, error) {
 	return do(r, func(h Hypervisor) (string, error) { return h.Owner(name) })
 }
 
+// SetOwner implements Hypervisor.
+func (r *Reconnecting) SetOwner(name, ownerXML string) error {
+	return do0(r, func(h Hypervisor) error { return h.SetOwner(name, ownerXML) })
+}
+
 // DomainNames implements Hypervisor.
 func (r *Reconnecting) DomainNames() ([]string, error) {
 	return do(r, func(h Hypervisor) ([]string, error) { return h.DomainNames() })

@@ -186,6 +186,23 @@ func (f *Fake) Owner(name string) (string, error) {
 	}
 	return d.OwnerXML, nil
 }
+
+// SetOwner implements vm.Hypervisor.
+func (f *Fake) SetOwner(name, ownerXML string) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("SetOwner"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	d.OwnerXML = ownerXML
+	return nil
+}
+
+// DomainNames implements vm.Hypervisor.
 func (f *Fake) DomainNames() ([]string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
