@@ -77,6 +77,10 @@ type Config struct {
 	// DefaultImage is the image used when a job does not ask for one. Must be
 	// a key of Images.
 	DefaultImage string `toml:"default_image"`
+	// IsolateGuests puts each job VM's network port in isolated mode, so job
+	// VMs on one bridge cannot reach each other (libvirt <port isolated>).
+	// Default true.
+	IsolateGuests *bool `toml:"isolate_guests"`
 	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
 	// "insecure-ignore-host-key" (no verification; for debugging images only).
 	HostKeyPolicy string `toml:"host_key_policy"`
@@ -311,6 +315,10 @@ func (c *Config) applyDefaults() {
 	def(&c.NamePrefix, "lve")
 	def(&c.StateDir, "/var/lib/libvirt-executor")
 	def(&c.HostKeyPolicy, HostKeyPinned)
+	if c.IsolateGuests == nil {
+		yes := true
+		c.IsolateGuests = &yes
+	}
 	if c.Defaults.VCPUs == 0 {
 		c.Defaults.VCPUs = 2
 	}

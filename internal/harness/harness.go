@@ -169,6 +169,11 @@ type Options struct {
 	// the process (and process group) id. It must return quickly. To cancel
 	// the job from a test, cancel the context given to RunJob.
 	OnStage func(name string, pid int)
+	// SampleRSS, if > 0, makes the harness read each stage process's peak
+	// RSS (VmHWM, Linux) every SampleRSS while it runs, into
+	// StageResult.PeakRSSKiB. Benchmarks use it; the runner does nothing
+	// of the kind.
+	SampleRSS time.Duration
 }
 
 // StageResult is one executable invocation.
@@ -197,11 +202,18 @@ type StageResult struct {
 	// StartError is set when the executable could not be started.
 	StartError string
 	Duration   time.Duration
-	// MaxRSSKiB is the process's peak resident set size in KiB, from the
-	// rusage wait4 returned (ru_maxrss; on Linux it also covers descendants
-	// the process waited for). 0 when the process was not waited for
-	// (not started, abandoned).
+	// MaxRSSKiB is ru_maxrss (KiB) of the rusage wait4 returned, 0 when the
+	// process was not waited for (not started, abandoned). On Linux it is an
+	// upper bound, not the executable's own peak: exec records the peak RSS
+	// of the memory it replaces, and the harness starts processes with vfork
+	// (Go's os/exec), so the harness's own peak RSS is included. Use
+	// PeakRSSKiB for the executable's own figure.
 	MaxRSSKiB int64
+	// PeakRSSKiB is the executable's own peak resident set size (VmHWM of
+	// /proc/PID/status, KiB), the last value read while the process ran when
+	// Options.SampleRSS is set; 0 otherwise. Growth in the last sampling
+	// interval before the process exits can be missed.
+	PeakRSSKiB int64
 }
 
 // ConfigOutput is the part of config_exec's JSON the runner reads.

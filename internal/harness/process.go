@@ -4,7 +4,11 @@ import (
 	"context"
 	"errors"
 	"io"
+	"os"
 	"os/exec"
+	"strconv"
+	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 )
@@ -27,9 +31,11 @@ type procSpec struct {
 	stderr io.Writer // nil: same as stdout (one pipe, ordering kept)
 }
 
-// procTimes are the runner's kill timeouts.
+// procTimes are the runner's kill timeouts, and how often to sample the
+// process's peak RSS (0: never).
 type procTimes struct {
 	graceful, force time.Duration
+	sampleRSS       time.Duration
 }
 
 // runProc starts spec in its own process group and waits for it. When ctx is
@@ -69,10 +75,17 @@ func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid i
 	if onStart != nil {
 		onStart(pid)
 	}
+	var stopSampling func() int64
+	if t.sampleRSS > 0 {
+		stopSampling = sampleHWM(pid, t.sampleRSS)
+	}
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
 
 	finish := func(err error) StageResult {
+		if stopSampling != nil {
+			res.PeakRSSKiB = stopSampling()
+		}
 		if errors.Is(err, exec.ErrWaitDelay) {
 			res.OutputLeftOpen = true
 		}
@@ -113,4 +126,66 @@ func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid i
 	}
 	res.Abandoned = true
 	return res
+}
+
+// sampleHWM reads VmHWM of /proc/PID/status every interval until the
+// returned stop function is called; stop returns the largest value read
+// (KiB). VmHWM belongs to the process's own memory, which exec made fresh, so
+// unlike ru_maxrss it does not include the parent's. Once the process has
+// exited the line is gone (its memory is released before it becomes a
+// zombie), so the last reading is at most one interval before the exit.
+func sampleHWM(pid int, interval time.Duration) (stop func() int64) {
+	path := "/proc/" + strconv.Itoa(pid) + "/status"
+	var peak atomic.Int64
+	read := func() {
+		if kib, ok := readHWM(path); ok && kib > peak.Load() {
+			peak.Store(kib)
+		}
+	}
+	quit := make(chan struct{})
+	stopped := make(chan struct{})
+	go func() {
+		defer close(stopped)
+		t := time.NewTicker(interval)
+		defer t.Stop()
+		for {
+			read()
+			select {
+			case <-quit:
+				return
+			case <-t.C:
+			}
+		}
+	}()
+	return func() int64 {
+		close(quit)
+		<-stopped
+		return peak.Load()
+	}
+}
+
+// readHWM returns the VmHWM value (KiB) of a /proc/PID/status file.
+func readHWM(path string) (int64, bool) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return 0, false
+	}
+	return parseHWM(string(b))
+}
+
+// parseHWM finds "VmHWM:\t   1234 kB" in the text of /proc/PID/status.
+func parseHWM(status string) (int64, bool) {
+	for _, line := range strings.Split(status, "\n") {
+		rest, ok := strings.CutPrefix(line, "VmHWM:")
+		if !ok {
+			continue
+		}
+		f := strings.Fields(rest)
+		if len(f) != 2 || f[1] != "kB" {
+			return 0, false
+		}
+		n, err := strconv.ParseInt(f[0], 10, 64)
+		return n, err == nil
+	}
+	return 0, false
 }

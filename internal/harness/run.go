@@ -305,7 +305,7 @@ func (r *jobRun) exec(ctx context.Context, kind, name string, attempt int, path 
 	spec.env = env
 	spec.dir = r.workDir
 	r.debugf("exec %s: %q\n", name, spec.argv)
-	res := runProc(ctx, spec, procTimes{graceful: r.opts.GracefulKill, force: r.opts.ForceKill}, func(pid int) {
+	res := runProc(ctx, spec, procTimes{graceful: r.opts.GracefulKill, force: r.opts.ForceKill, sampleRSS: r.opts.SampleRSS}, func(pid int) {
 		if r.opts.OnStage != nil {
 			r.opts.OnStage(name, pid)
 		}

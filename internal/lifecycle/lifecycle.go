@@ -164,6 +164,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					Seed:       seed,
 					SeedSerial: seedSerial,
 					GuestAgent: img.AddressSource == "agent",
+					Isolated:   *m.Cfg.IsolateGuests,
 					ConsoleLog: filepath.Join(dir, "console.log"),
 					Owner: vm.Owner{
 						Controller: m.Controller, Frontend: req.Frontend, Job: req.Job,

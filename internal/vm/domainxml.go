@@ -73,6 +73,9 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		// No iPXE option ROM: the disk or kernel boots, never the network.
 		ROM: &libvirtxml.DomainROM{Enabled: "no"},
 	}}
+	if s.Isolated {
+		dev.Interfaces[0].PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
+	}
 	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
 	if s.ConsoleLog != "" {
 		serial.Log = &libvirtxml.DomainChardevLog{File: s.ConsoleLog, Append: "off"}

@@ -41,6 +41,10 @@ type Spec struct {
 	// SeedSerial is the seed disk's serial number (the guest finds it as
 	// /dev/disk/by-id/virtio-SERIAL); empty for none.
 	SeedSerial string
+	// Isolated sets the interface's bridge port isolated: isolated ports on
+	// one bridge cannot talk to each other, only to the uplink (the host side
+	// of the network: DHCP, DNS, NAT to the outside).
+	Isolated bool
 	// GuestAgent adds the qemu-guest-agent channel.
 	GuestAgent bool
 	// ConsoleLog, when set, receives the serial console output.

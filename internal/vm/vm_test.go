@@ -39,7 +39,7 @@ func TestDomainXMLGolden(t *testing.T) {
 		mutate func(*Spec)
 		seed   string
 	}{
-		{"kernel-smbios", func(*Spec) {}, ""},
+		{"kernel-smbios", func(s *Spec) { s.Isolated = true }, ""},
 		{"disk-seed-kvm-agent", func(s *Spec) {
 			s.Kernel, s.Initrd, s.Cmdline, s.OEMStrings, s.DomainType = "", "", "", nil, "kvm"
 			s.GuestAgent = true

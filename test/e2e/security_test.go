@@ -6,6 +6,9 @@ import (
 	"bytes"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"net"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -163,4 +166,63 @@ func TestForgedJobIDCannotTouchAnotherJob(t *testing.T) {
 	res := victim.runScript(t, "build_script", "#!/usr/bin/env bash\necho victim-alive\n")
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "victim-alive")
+}
+
+// TestJobVMsCannotReachEachOther: with isolated ports (the default), job A's VM
+// cannot open a connection to job B's SSH port, while it still reaches the
+// host side of the network.
+func TestJobVMsCannotReachEachOther(t *testing.T) {
+	r := setup(t)
+	if r.cfg.IsolateGuests != nil && !*r.cfg.IsolateGuests {
+		t.Skip("isolate_guests = false in the rig configuration")
+	}
+	a, b := newStageRunner(t, r), newStageRunner(t, r)
+	for _, s := range []*stageRunner{a, b} {
+		require.Equal(t, 0, s.run(t, "config").code)
+		require.Equal(t, 0, s.run(t, "prepare").code)
+	}
+	defer func() {
+		for _, s := range []*stageRunner{a, b} {
+			require.Equal(t, 0, s.run(t, "cleanup").code)
+		}
+	}()
+	bAddr := machineAddress(t, r, b.name(t))
+
+	ln, err := net.Listen("tcp", r.gateway(t)+":0")
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	hostPort := ln.Addr().(*net.TCPAddr)
+
+	probe := `probe() { bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null & p=$!
+  for i in $(seq 1 16); do sleep 0.5; if ! kill -0 $p 2>/dev/null; then if wait $p; then echo "$3=REACHED"; else echo "$3=FAILED"; fi; return; fi; done
+  kill $p 2>/dev/null; echo "$3=TIMEOUT"; }
+`
+	script := "#!/usr/bin/env bash\n" + probe +
+		fmt.Sprintf("probe %s %d host\nprobe %s 22 peer\n", hostPort.IP, hostPort.Port, bAddr)
+	res := a.runScript(t, "build_script", script)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "host=REACHED", "the host side of the network stays reachable")
+	require.NotContains(t, res.stdout, "peer=REACHED", "another job's VM must not be reachable")
+	require.Regexp(t, `peer=(FAILED|TIMEOUT)`, res.stdout)
+}
+
+func machineAddress(t *testing.T, r *rig, name string) string {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "machine.json"))
+	require.NoError(t, err)
+	var m struct {
+		Address string `json:"address"`
+	}
+	require.NoError(t, json.Unmarshal(b, &m))
+	require.NotEmpty(t, m.Address)
+	return m.Address
 }
