@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"os"
 	"os/signal"
@@ -72,6 +73,27 @@ func app() *cli.App {
 				Action: func(c *cli.Context) error {
 					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
 						return admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
+					})
+				},
+			},
+			{
+				Name:      "rm",
+				Usage:     "remove the named job VMs of this installation with their volumes and state (foreign domains are refused)",
+				ArgsUsage: "NAME...",
+				Action: func(c *cli.Context) error {
+					if c.NArg() == 0 {
+						return fmt.Errorf("rm needs at least one machine name (see libvirt-executor list)")
+					}
+					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+						var errs []error
+						for _, name := range c.Args().Slice() {
+							if err := m.Teardown(c.Context, name); err != nil {
+								errs = append(errs, fmt.Errorf("%s: %w", name, err))
+								continue
+							}
+							fmt.Println("removed", name)
+						}
+						return errors.Join(errs...)
 					})
 				},
 			},

@@ -19,6 +19,14 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 )
 
+// early receives SIGTERM/SIGINT from the moment the package initialises, so
+// a signal that arrives while the executable is still starting (loading its
+// configuration, connecting to libvirt) cancels the stage instead of killing
+// it with nothing undone.
+var early = make(chan os.Signal, 1)
+
+func init() { signal.Notify(early, syscall.SIGTERM, syscall.SIGINT) }
+
 // Stage is one stage's body.
 type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error
 
@@ -30,8 +38,12 @@ func Main(name, usage string, argsUsage string, nargs int, stage Stage) {
 // Run is Main without os.Exit, for tests.
 func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, name, usage, argsUsage string, nargs int, stage Stage) int {
 	codes := exitcodes.FromEnv(getenv)
-	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
-	defer stop()
+	ctx, cancel := context.WithCancelCause(context.Background())
+	defer cancel(nil)
+	go func() {
+		sig := <-early
+		cancel(fmt.Errorf("%v signal received", sig))
+	}()
 	var stageErr error
 	app := &cli.App{
 		Name:      name,

@@ -104,16 +104,27 @@ func (r *rig) options(t *testing.T) (harness.Options, *logWriter) {
 }
 
 // requireNoLeftovers asserts that nothing with the project prefix remains:
-// no domain, no volume, no state directory or key file.
+// no domain, no volume, no state directory or key file. Each leftover is
+// counted in the suite's figures.
 func (r *rig) requireNoLeftovers(t *testing.T, when string) {
 	t.Helper()
+	left := r.leftovers(t)
+	figures.addLeaks(len(left))
+	require.Empty(t, left, "%s: leftovers", when)
+}
+
+func (r *rig) leftovers(t *testing.T) []string {
+	t.Helper()
 	prefix := r.cfg.NamePrefix + "-"
+	var left []string
 	doms, err := r.conn.ListAllDomains(0)
 	require.NoError(t, err)
 	for _, d := range doms {
 		name, _ := d.GetName()
 		_ = d.Free()
-		require.False(t, strings.HasPrefix(name, prefix), "%s: domain %s left", when, name)
+		if strings.HasPrefix(name, prefix) {
+			left = append(left, "domain "+name)
+		}
 	}
 	pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
 	require.NoError(t, err)
@@ -122,14 +133,15 @@ func (r *rig) requireNoLeftovers(t *testing.T, when string) {
 	vols, err := pool.ListStorageVolumes()
 	require.NoError(t, err)
 	for _, v := range vols {
-		require.False(t, strings.HasPrefix(v, prefix), "%s: volume %s left", when, v)
-	}
-	entries, err := os.ReadDir(filepath.Join(r.cfg.StateDir, "machines"))
-	if err == nil {
-		for _, e := range entries {
-			require.Fail(t, "state left", "%s: %s", when, e.Name())
+		if strings.HasPrefix(v, prefix) {
+			left = append(left, "volume "+v)
 		}
 	}
+	entries, _ := os.ReadDir(filepath.Join(r.cfg.StateDir, "machines"))
+	for _, e := range entries {
+		left = append(left, "state "+e.Name())
+	}
+	return left
 }
 
 // gateway is the host side of the rig network, where the guest reaches the

@@ -21,10 +21,11 @@ func nextJobID() int64 { return 100000 + rand.Int64N(800000) }
 // stageRunner invokes the executables one by one with the runner's
 // environment, for tests that must act between stages.
 type stageRunner struct {
-	r      *rig
-	dir    string
-	env    []string
-	config map[string]any
+	r       *rig
+	dir     string
+	env     []string
+	config  map[string]any
+	timeout int // job timeout in seconds written to the payload (0: 3600)
 }
 
 type stageResult struct {
@@ -35,8 +36,7 @@ type stageResult struct {
 func newStageRunner(t *testing.T, r *rig) *stageRunner {
 	dir := t.TempDir()
 	id := nextJobID()
-	payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":3600},"image":{"name":""}}`, id)
-	require.NoError(t, os.WriteFile(filepath.Join(dir, "response.json"), []byte(payload), 0o600))
+	writePayload(t, dir, id, 3600)
 	env := append(os.Environ(),
 		"BUILD_FAILURE_EXIT_CODE=1", "SYSTEM_FAILURE_EXIT_CODE=2", "TMPDIR="+dir,
 		"JOB_RESPONSE_FILE="+filepath.Join(dir, "response.json"),
@@ -44,8 +44,22 @@ func newStageRunner(t *testing.T, r *rig) *stageRunner {
 	return &stageRunner{r: r, dir: dir, env: env}
 }
 
+func writePayload(t *testing.T, dir string, id int64, timeout int) {
+	payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":%d},"image":{"name":""}}`, id, timeout)
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "response.json"), []byte(payload), 0o600))
+}
+
 func (s *stageRunner) run(t *testing.T, stage string, args ...string) stageResult {
 	t.Helper()
+	if s.timeout != 0 && stage == "config" {
+		var id int64
+		for _, e := range s.env {
+			if v, ok := strings.CutPrefix(e, "CUSTOM_ENV_CI_JOB_ID="); ok {
+				_, _ = fmt.Sscan(v, &id)
+			}
+		}
+		writePayload(t, s.dir, id, s.timeout)
+	}
 	cmd := exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
 	cmd.Dir, cmd.Env = s.dir, s.env
 	var out, errb bytes.Buffer

@@ -1,0 +1,475 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirt"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+)
+
+// withConfig returns a view of the rig whose configuration file is a copy
+// of the rig's with edit applied to its text.
+func (r *rig) withConfig(t *testing.T, edit func(string) string) *rig {
+	t.Helper()
+	b, err := os.ReadFile(r.cfgPath)
+	require.NoError(t, err)
+	path := filepath.Join(t.TempDir(), "config.toml")
+	require.NoError(t, os.WriteFile(path, []byte(edit(string(b))), 0o600))
+	cfg, err := config.Load(path)
+	require.NoError(t, err)
+	return &rig{cfg: cfg, cfgPath: path, bin: r.bin, conn: r.conn}
+}
+
+// setKey replaces (or adds, at the top level) "key = value".
+func setKey(key, value string) func(string) string {
+	return func(s string) string {
+		re := regexp.MustCompile(`(?m)^` + regexp.QuoteMeta(key) + ` = .*$`)
+		if re.MatchString(s) {
+			return re.ReplaceAllString(s, key+" = "+value)
+		}
+		return key + " = " + value + "\n" + s
+	}
+}
+
+// running is a stage started in the background.
+type running struct {
+	cmd      *exec.Cmd
+	out, err bytes.Buffer
+	done     chan struct{}
+	res      stageResult
+}
+
+func (s *stageRunner) start(t *testing.T, stage string, args ...string) *running {
+	t.Helper()
+	rn := &running{done: make(chan struct{})}
+	rn.cmd = exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
+	rn.cmd.Dir, rn.cmd.Env = s.dir, s.env
+	rn.cmd.Stdout, rn.cmd.Stderr = &rn.out, &rn.err
+	rn.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	require.NoError(t, rn.cmd.Start())
+	go func() {
+		_ = rn.cmd.Wait()
+		rn.res = stageResult{code: rn.cmd.ProcessState.ExitCode(), stdout: rn.out.String(), stderr: rn.err.String()}
+		close(rn.done)
+	}()
+	return rn
+}
+
+func (rn *running) wait(t *testing.T, within time.Duration) stageResult {
+	t.Helper()
+	select {
+	case <-rn.done:
+		t.Logf("background stage exit %d\nstdout: %s\nstderr: %s", rn.res.code, rn.res.stdout, rn.res.stderr)
+		return rn.res
+	case <-time.After(within):
+		_ = syscall.Kill(-rn.cmd.Process.Pid, syscall.SIGKILL)
+		<-rn.done
+		t.Fatalf("stage still running after %s", within)
+		return stageResult{}
+	}
+}
+
+func (rn *running) signal(sig syscall.Signal) { _ = syscall.Kill(-rn.cmd.Process.Pid, sig) }
+
+// catches reports whether the process has a handler for sig installed
+// (SigCgt in /proc/PID/status): a runner's SIGTERM comes long after start-up.
+func (rn *running) catches(sig syscall.Signal) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", rn.cmd.Process.Pid))
+	if err != nil {
+		return false
+	}
+	m := regexp.MustCompile(`(?m)^SigCgt:\s*([0-9a-f]+)$`).FindSubmatch(b)
+	if m == nil {
+		return false
+	}
+	var mask uint64
+	_, _ = fmt.Sscanf(string(m[1]), "%x", &mask)
+	return mask&(1<<(uint(sig)-1)) != 0
+}
+
+func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(within)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out after %s waiting for %s", within, what)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func (r *rig) domainState(name string) (exists, active bool) {
+	d, err := r.conn.LookupDomainByName(name)
+	if err != nil {
+		return false, false
+	}
+	defer d.Free()
+	active, _ = d.IsActive()
+	return true, active
+}
+
+func (r *rig) volumeExists(name string) bool {
+	p, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	if err != nil {
+		return false
+	}
+	defer p.Free()
+	_ = p.Refresh(0)
+	v, err := p.LookupStorageVolByName(name)
+	if err != nil {
+		return false
+	}
+	_ = v.Free()
+	return true
+}
+
+// TestFaultSIGKILLPrepare kills prepare (uncatchable) at three points. The
+// runner then runs cleanup; when the runner died too, the sweep removes
+// everything once the ownership deadline has passed.
+func TestFaultSIGKILLPrepare(t *testing.T) {
+	base := setup(t)
+	// A short deadline (job timeout 1 s + 1 s slack) so the sweep path can be
+	// exercised without waiting an hour.
+	r := base.withConfig(t, func(s string) string {
+		return strings.Replace(s, "[timeouts]", "[timeouts]\njob_slack = \"1s\"", 1)
+	})
+	for _, tc := range []struct {
+		point    string
+		reached  func(s *stageRunner, name string) bool
+		byRunner bool // cleanup by the runner, else by the sweep
+	}{
+		{"after the volume exists", func(s *stageRunner, n string) bool { return r.volumeExists(n + ".qcow2") }, true},
+		{"after define", func(s *stageRunner, n string) bool { e, _ := r.domainState(n); return e }, false},
+		{"during the boot wait", func(s *stageRunner, n string) bool { _, a := r.domainState(n); return a }, true},
+		{"during the boot wait, runner gone too", func(s *stageRunner, n string) bool { _, a := r.domainState(n); return a }, false},
+	} {
+		t.Run(tc.point, func(t *testing.T) {
+			s := newStageRunner(t, r)
+			s.timeout = 1
+			require.Equal(t, 0, s.run(t, "config").code)
+			name := s.name(t)
+			rn := s.start(t, "prepare")
+			waitFor(t, 2*time.Minute, tc.point, func() bool { return tc.reached(s, name) })
+			rn.signal(syscall.SIGKILL)
+			rn.wait(t, 10*time.Second)
+			figures.fault()
+			if tc.byRunner {
+				res := s.run(t, "cleanup")
+				figures.class(res.code, 0)
+				require.Equal(t, 0, res.code)
+			} else {
+				time.Sleep(2500 * time.Millisecond) // past the deadline
+				out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+				t.Logf("gc: %s", out)
+				require.NoError(t, err)
+			}
+			left := r.leftovers(t)
+			figures.addLeaks(len(left))
+			require.Empty(t, left)
+		})
+	}
+}
+
+// TestFaultSIGTERM sends SIGTERM to prepare during the boot wait and to
+// cleanup right after it starts.
+func TestFaultSIGTERM(t *testing.T) {
+	r := setup(t)
+	t.Run("prepare", func(t *testing.T) {
+		s := newStageRunner(t, r)
+		require.Equal(t, 0, s.run(t, "config").code)
+		name := s.name(t)
+		rn := s.start(t, "prepare")
+		waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+		t0 := time.Now()
+		rn.signal(syscall.SIGTERM)
+		res := rn.wait(t, 60*time.Second)
+		figures.fault()
+		figures.class(res.code, 2)
+		require.Equal(t, 2, res.code, "SYSTEM_FAILURE")
+		require.Less(t, time.Since(t0), 30*time.Second, "prompt")
+		// Prepare undid its own work before exiting: nothing left even
+		// before the runner's cleanup.
+		left := r.leftovers(t)
+		figures.addLeaks(len(left))
+		require.Empty(t, left)
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+	})
+	t.Run("cleanup", func(t *testing.T) {
+		s := newStageRunner(t, r)
+		require.Equal(t, 0, s.run(t, "config").code)
+		require.Equal(t, 0, s.run(t, "prepare").code)
+		rn := s.start(t, "cleanup")
+		waitFor(t, 10*time.Second, "cleanup to catch SIGTERM", func() bool { return rn.catches(syscall.SIGTERM) })
+		rn.signal(syscall.SIGTERM)
+		res := rn.wait(t, 60*time.Second)
+		figures.fault()
+		figures.class(res.code, 0)
+		require.Equal(t, 0, res.code, "cleanup finishes on its own deadline")
+		left := r.leftovers(t)
+		figures.addLeaks(len(left))
+		require.Empty(t, left)
+	})
+}
+
+// TestFaultLinkDown cuts the guest's network link during build_script with
+// the default keepalive settings, and measures how long run takes to notice.
+func TestFaultLinkDown(t *testing.T) {
+	base := setup(t)
+	r := base.withConfig(t, func(s string) string {
+		s = regexp.MustCompile(`(?m)^keepalive_(interval|count) = .*$`).ReplaceAllString(s, "")
+		return s
+	})
+	require.Equal(t, 3*time.Second, r.cfg.SSH.KeepaliveInterval.D(), "default keepalive")
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	name := s.name(t)
+	path := filepath.Join(s.dir, "script.")
+	require.NoError(t, os.WriteFile(path, []byte("#!/usr/bin/env bash\necho started\nsleep 600\n"), 0o700))
+	rn := s.start(t, "run", path, "build_script")
+	waitFor(t, 30*time.Second, "script started", func() bool { return strings.Contains(rn.out.String(), "started") })
+	d, err := r.conn.LookupDomainByName(name)
+	require.NoError(t, err)
+	x, err := d.GetXMLDesc(0)
+	require.NoError(t, err)
+	iface := regexp.MustCompile(`(?s)<interface type=.network.>.*?</interface>`).FindString(x)
+	require.NotEmpty(t, iface)
+	down := strings.Replace(iface, "</interface>", "<link state='down'/></interface>", 1)
+	t0 := time.Now()
+	require.NoError(t, d.UpdateDeviceFlags(down, libvirt.DOMAIN_DEVICE_MODIFY_LIVE))
+	_ = d.Free()
+	res := rn.wait(t, 60*time.Second)
+	latency := time.Since(t0)
+	figures.fault()
+	figures.class(res.code, 2)
+	figures.detected(latency)
+	require.Equal(t, 2, res.code, "a cut-off guest is a system failure")
+	require.Contains(t, res.stderr, "keepalive")
+	require.Less(t, latency, 15*time.Second)
+	t.Logf("link down noticed after %s", latency)
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+}
+
+// TestFaultVMDestroyedLatency destroys the VM during build_script with the
+// default keepalive settings.
+func TestFaultVMDestroyedLatency(t *testing.T) {
+	base := setup(t)
+	r := base.withConfig(t, func(s string) string {
+		return regexp.MustCompile(`(?m)^keepalive_(interval|count) = .*$`).ReplaceAllString(s, "")
+	})
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	path := filepath.Join(s.dir, "script.")
+	require.NoError(t, os.WriteFile(path, []byte("#!/usr/bin/env bash\necho started\nsleep 600\n"), 0o700))
+	rn := s.start(t, "run", path, "build_script")
+	waitFor(t, 30*time.Second, "script started", func() bool { return strings.Contains(rn.out.String(), "started") })
+	t0 := time.Now()
+	require.NoError(t, r.destroyJobDomain())
+	res := rn.wait(t, 60*time.Second)
+	latency := time.Since(t0)
+	figures.fault()
+	figures.class(res.code, 2)
+	figures.detected(latency)
+	require.Equal(t, 2, res.code)
+	require.Less(t, latency, 15*time.Second)
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+}
+
+// restartLibvirtd stops the rig's libvirtd and starts a new one in the same
+// network namespace (this test process runs inside it).
+func restartLibvirtd(t *testing.T) {
+	t.Helper()
+	run := os.Getenv("LVE_RIG_RUN")
+	if run == "" {
+		run = "/var/lib/libvirt-executor-rig/run"
+	}
+	pidfile := filepath.Join(run, "libvirtd.pid")
+	b, err := os.ReadFile(pidfile)
+	require.NoError(t, err, "the rig's libvirtd pidfile")
+	var pid int
+	_, err = fmt.Sscan(string(b), &pid)
+	require.NoError(t, err)
+	comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	require.Equal(t, "libvirtd", strings.TrimSpace(string(comm)), "only the rig's own libvirtd is restarted")
+	require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
+	waitFor(t, 30*time.Second, "libvirtd to exit", func() bool { return syscall.Kill(pid, 0) != nil })
+	cmd := exec.Command("libvirtd", "-d", "-p", pidfile)
+	cmd.Env = append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=3:file:"+filepath.Join(run, "libvirtd.log"))
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	waitFor(t, 60*time.Second, "libvirtd to answer", func() bool {
+		c, err := libvirt.NewConnect("qemu:///system")
+		if err != nil {
+			return false
+		}
+		_, _ = c.Close()
+		return true
+	})
+}
+
+// TestFaultLibvirtdRestart restarts libvirtd in the middle of prepare (which
+// polls libvirt for the address) and in the middle of run.
+func TestFaultLibvirtdRestart(t *testing.T) {
+	if os.Getenv("LVE_E2E_ALLOW_LIBVIRTD_RESTART") == "" {
+		t.Skip("restarts the shared libvirtd: set LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 (make test-e2e does)")
+	}
+	r := setup(t)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	name := s.name(t)
+	rn := s.start(t, "prepare")
+	waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+	restartLibvirtd(t)
+	// The test's own connection broke too.
+	c, err := libvirt.NewConnect(r.cfg.LibvirtURI)
+	require.NoError(t, err)
+	r.conn = c
+	res := rn.wait(t, 3*time.Minute)
+	figures.fault()
+	figures.class(res.code, 0)
+	require.Equal(t, 0, res.code, "prepare reconnects and carries on")
+
+	path := filepath.Join(s.dir, "script.")
+	require.NoError(t, os.WriteFile(path, []byte("#!/usr/bin/env bash\necho started\nsleep 4\necho survived\n"), 0o700))
+	rn = s.start(t, "run", path, "build_script")
+	waitFor(t, 30*time.Second, "script started", func() bool { return strings.Contains(rn.out.String(), "started") })
+	restartLibvirtd(t)
+	c2, err := libvirt.NewConnect(r.cfg.LibvirtURI)
+	require.NoError(t, err)
+	_, _ = r.conn.Close()
+	r.conn = c2
+	res = rn.wait(t, time.Minute)
+	figures.fault()
+	figures.class(res.code, 0)
+	require.Equal(t, 0, res.code, "run does not depend on libvirtd")
+	require.Contains(t, res.stdout, "survived")
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+	left := r.leftovers(t)
+	figures.addLeaks(len(left))
+	require.Empty(t, left)
+}
+
+// TestFaultPoolFull clones into a storage pool with no room: prepare fails as
+// a system failure and leaves nothing.
+func TestFaultPoolFull(t *testing.T) {
+	base := setup(t)
+	dir := t.TempDir()
+	require.NoError(t, syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=16k"))
+	defer func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) }()
+	poolXML := fmt.Sprintf("<pool type='dir'><name>lve-e2e-small</name><target><path>%s</path></target></pool>", dir)
+	pool, err := base.conn.StoragePoolCreateXML(poolXML, 0) // transient
+	require.NoError(t, err)
+	defer func() { _ = pool.Destroy(); _ = pool.Free() }()
+	r := base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`))
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	res := s.run(t, "prepare")
+	figures.fault()
+	figures.class(res.code, 2)
+	require.Equal(t, 2, res.code, "a full pool is the infrastructure's failure")
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+	left := r.leftovers(t)
+	figures.addLeaks(len(left))
+	require.Empty(t, left)
+}
+
+// TestFaultPrepareFailsThreeTimes: a broken image makes every prepare attempt
+// fail; the runner tries three times with cleanup between, and nothing is left.
+func TestFaultPrepareFailsThreeTimes(t *testing.T) {
+	base := setup(t)
+	r := base.withConfig(t, func(s string) string {
+		return regexp.MustCompile(`(?m)^base = ".*tiny.*"$`).ReplaceAllString(s, `base = "/nonexistent/tiny.qcow2"`)
+	})
+	opts, _ := r.options(t)
+	res, err := harness.RunJob(context.Background(), opts, harness.Job{Script: []string{"true"}})
+	require.NoError(t, err)
+	figures.fault()
+	require.Equal(t, 3, res.PrepareAttempts)
+	require.Equal(t, harness.ReasonSystemFailure, res.FailureReason)
+	for _, st := range res.Stage("prepare") {
+		figures.class(st.ExitCode, 2)
+		require.Equal(t, 2, st.ExitCode)
+	}
+	require.Len(t, res.Stage("cleanup"), 3, "cleanup after every attempt")
+}
+
+// TestFaultConcurrentJobsWithRandomCancels runs jobs side by side, cancelling
+// some at random moments: names, MACs and addresses stay unique, no
+// "already exists", and nothing is left.
+func TestFaultConcurrentJobsWithRandomCancels(t *testing.T) {
+	r := setup(t)
+	n := 3
+	if v := os.Getenv("LVE_E2E_CONCURRENT"); v != "" {
+		_, _ = fmt.Sscan(v, &n)
+	}
+	type outcome struct {
+		res    *harness.Result
+		log    string
+		cancel time.Duration
+	}
+	outs := make([]outcome, n)
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			opts, lw := r.options(t)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			var after time.Duration
+			if i%3 != 0 {
+				after = time.Duration(5+rand.IntN(25)) * time.Second
+				time.AfterFunc(after, cancel)
+			}
+			res, err := harness.RunJob(ctx, opts, harness.Job{Script: []string{"echo job-" + fmt.Sprint(i), "sleep 8"}})
+			require.NoError(t, err)
+			outs[i] = outcome{res, lw.buf.String(), after}
+		}()
+	}
+	wg.Wait()
+	addrRE := regexp.MustCompile(`Booted, address (\S+) \(MAC (\S+)`)
+	seenAddr, seenMAC := map[string]int{}, map[string]int{}
+	for i, o := range outs {
+		figures.fault()
+		require.NotContains(t, o.log, "already exists", "job %d", i)
+		if m := addrRE.FindStringSubmatch(o.log); m != nil {
+			seenAddr[m[1]]++
+			seenMAC[m[2]]++
+		}
+		for _, st := range o.res.Stages {
+			switch {
+			case st.Stopped == "canceled":
+				figures.class(st.ExitCode, 2)
+				require.Equal(t, 2, st.ExitCode, "job %d stage %s stopped by cancel", i, st.Name)
+			case st.Exec == "run" || st.Exec == "prepare" || st.Exec == "cleanup":
+				figures.class(st.ExitCode, 0)
+				require.Equal(t, 0, st.ExitCode, "job %d stage %s", i, st.Name)
+			}
+		}
+		t.Logf("job %d: cancel after %s: %s %s", i, o.cancel, o.res.State, o.res.FailureReason)
+	}
+	for a, c := range seenAddr {
+		require.Equal(t, 1, c, "address %s given to %d jobs", a, c)
+	}
+	for m, c := range seenMAC {
+		require.Equal(t, 1, c, "MAC %s given to %d jobs", m, c)
+	}
+}
