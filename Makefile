@@ -9,8 +9,12 @@ PREFIX ?= /usr/local
 STAGES := config prepare run cleanup
 RIG_DIR ?= /var/lib/libvirt-executor-rig
 RIG_NS ?= lve-rig
+BENCH_IMAGES ?= tiny
+BENCH_RUNS ?= 5
+BENCH_CONCURRENCY ?= 2
+comma := ,
 
-.PHONY: help deps build test test-unit test-e2e lint install demo rig-up rig-down images clean
+.PHONY: help deps build test test-unit test-e2e lint install demo bench rig-up rig-down images clean
 
 help: ## show this help
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -18,11 +22,12 @@ help: ## show this help
 deps: ## install build dependencies (Debian 12, root)
 	@deploy/install-deps.sh
 
-build: deps ## build the four stage executables, the admin tool and the test harness into bin/
+build: deps ## build the four stage executables, the admin tool, the test harness and the benchmark into bin/
 	@mkdir -p $(BIN)
 	@for s in $(STAGES); do $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
 	@$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
 	@$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness
+	@$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench
 	@echo "built: $$(ls $(BIN) | tr '\n' ' ')"
 
 test: build ## all tests: unit tests, then end-to-end tests on real VMs (root; starts and stops a private libvirt)
@@ -35,14 +40,28 @@ test-unit: ## unit tests (race detector, no VMs)
 test-e2e: build ## end-to-end tests on real VMs in the private rig (root; tiny and Debian systemd guests)
 	@LVE_RIG_IMAGES=tiny,debian deploy/rig/start.sh
 	@set -o pipefail; rc=0; \
-	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
 	    $(GO) test -tags e2e -count=1 -timeout 40m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
+	  deploy/rig/stop.sh; exit $$rc
+
+SOAK_ROUNDS ?= 20
+soak: build ## hundreds of randomized faulted jobs on real VMs (not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each)
+	@deploy/rig/start.sh
+	@set -o pipefail; rc=0; \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
+	    $(GO) test -tags e2e -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 demo: build ## run a sample job end to end on a real VM (root; installs what it needs)
 	@deploy/rig/start.sh
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
+
+bench: build ## benchmark jobs on real VMs against the guest's own boot (root; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY; leaves the rig up: make rig-down)
+	@LVE_RIG_IMAGES="$(BENCH_IMAGES)" deploy/rig/start.sh
+	ip netns exec $(RIG_NS) $(BIN)/lve-bench --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) \
+	  $(foreach img,$(subst $(comma), ,$(BENCH_IMAGES)),--image $(img)) \
+	  --runs $(BENCH_RUNS) --concurrency $(BENCH_CONCURRENCY) --json $(BIN)/bench.json
 
 rig-up: ## start the private libvirt rig (network namespace, libvirtd, network, pool, images)
 	@deploy/rig/start.sh

@@ -293,6 +293,21 @@ func TestFaultVMDestroyedLatency(t *testing.T) {
 	require.Equal(t, 0, s.run(t, "cleanup").code)
 }
 
+// rigLibvirtdPID is the rig's libvirtd (from its pidfile).
+func rigLibvirtdPID(t *testing.T) int {
+	t.Helper()
+	run := os.Getenv("LVE_RIG_RUN")
+	if run == "" {
+		run = "/var/lib/libvirt-executor-rig/run"
+	}
+	b, err := os.ReadFile(filepath.Join(run, "libvirtd.pid"))
+	require.NoError(t, err, "the rig's libvirtd pidfile")
+	var pid int
+	_, err = fmt.Sscan(string(b), &pid)
+	require.NoError(t, err)
+	return pid
+}
+
 // restartLibvirtd stops the rig's libvirtd and starts a new one in the same
 // network namespace (this test process runs inside it).
 func restartLibvirtd(t *testing.T) {
@@ -371,9 +386,27 @@ func TestFaultLibvirtdRestart(t *testing.T) {
 // a system failure and leaves nothing.
 func TestFaultPoolFull(t *testing.T) {
 	base := setup(t)
-	dir := t.TempDir()
-	require.NoError(t, syscall.Mount("tmpfs", dir, "tmpfs", 0, "size=16k"))
-	defer func() { _ = syscall.Unmount(dir, syscall.MNT_DETACH) }()
+	// Not under t.TempDir(): its 0700 parent would keep QEMU (an unprivileged
+	// user) out, and the test must fail for want of space, nothing else.
+	dir, err := os.MkdirTemp("/var/lib", "lve-e2e-smallpool-")
+	require.NoError(t, err)
+	defer os.Remove(dir)
+	require.NoError(t, os.Chmod(dir, 0o755))
+	// `ip netns exec` gives every process its own mount namespace: mount the
+	// small filesystem where libvirtd sees it, and fill it through
+	// /proc/PID/root, which resolves paths in libvirtd's namespace.
+	pid := rigLibvirtdPID(t)
+	ns := func(args ...string) {
+		out, err := exec.Command("nsenter", append([]string{"-t", fmt.Sprint(pid), "-m", "--"}, args...)...).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+	}
+	ns("mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs", dir)
+	defer ns("umount", "-l", dir)
+	filler, err := os.Create(fmt.Sprintf("/proc/%d/root%s/filler", pid, dir))
+	require.NoError(t, err)
+	_, werr := filler.Write(make([]byte, 1<<20))
+	require.ErrorIs(t, werr, syscall.ENOSPC)
+	_ = filler.Close()
 	poolXML := fmt.Sprintf("<pool type='dir'><name>lve-e2e-small</name><target><path>%s</path></target></pool>", dir)
 	pool, err := base.conn.StoragePoolCreateXML(poolXML, 0) // transient
 	require.NoError(t, err)
@@ -385,6 +418,7 @@ func TestFaultPoolFull(t *testing.T) {
 	figures.fault()
 	figures.class(res.code, 2)
 	require.Equal(t, 2, res.code, "a full pool is the infrastructure's failure")
+	require.Regexp(t, `(?i)space|quota|disk full`, res.stderr, "failed for want of space")
 	require.Equal(t, 0, s.run(t, "cleanup").code)
 	left := r.leftovers(t)
 	figures.addLeaks(len(left))
