@@ -125,3 +125,11 @@ func shown(s string) string {
 	}
 	return strconv.Quote(s)
 }
+
+// pick returns override unless it is zero.
+func pick(override, def int) int {
+	if override != 0 {
+		return override
+	}
+	return def
+}

@@ -97,19 +97,26 @@ type ConfigDriver struct {
 	Version string `json:"version"`
 }
 
-// Config is the config stage: it prints the runner's JSON on stdout.
-func Config(ctx context.Context, e Env, cfg *config.Config) error {
+// plan is what the job gets: its identity, image and resources. Config and
+// prepare both decide it, so a bad request fails already in config (the
+// runner does not retry a config stage that exits with BUILD_FAILURE).
+func (e Env) plan(cfg *config.Config) (*job, *config.Image, Resources, error) {
 	j, err := e.load(cfg)
 	if err != nil {
-		return err
+		return nil, nil, Resources{}, err
 	}
 	img, err := ChooseImage(cfg, j.job.Image)
 	if err != nil {
-		return err
+		return nil, nil, Resources{}, err
 	}
-	// Refuse a bad size request here already: the runner does not retry a
-	// config stage that exits with BUILD_FAILURE.
-	if _, err := ChooseResources(cfg, img, e.Getenv); err != nil {
+	res, err := ChooseResources(cfg, img, e.Getenv)
+	return j, img, res, err
+}
+
+// Config is the config stage: it prints the runner's JSON on stdout.
+func Config(ctx context.Context, e Env, cfg *config.Config) error {
+	j, img, _, err := e.plan(cfg)
+	if err != nil {
 		return err
 	}
 	out := ConfigOutput{
@@ -121,15 +128,7 @@ func Config(ctx context.Context, e Env, cfg *config.Config) error {
 
 // Prepare is the prepare stage: a fresh machine for the job, ready for SSH.
 func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
-	j, err := e.load(cfg)
-	if err != nil {
-		return err
-	}
-	img, err := ChooseImage(cfg, j.job.Image)
-	if err != nil {
-		return err
-	}
-	res, err := ChooseResources(cfg, img, e.Getenv)
+	j, img, res, err := e.plan(cfg)
 	if err != nil {
 		return err
 	}
@@ -160,13 +159,6 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	defer ready.Client.Close()
 	checkGuestTools(ctx, ready.Client, say)
 	return nil
-}
-
-func pick(override, def int) int {
-	if override != 0 {
-		return override
-	}
-	return def
 }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are

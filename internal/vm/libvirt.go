@@ -103,16 +103,25 @@ func (l *Libvirt) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (stri
 	return v.GetPath()
 }
 
-// UploadVolume implements Hypervisor.
-func (l *Libvirt) UploadVolume(pool, name string, data []byte) error {
+// volume looks a volume up by pool and name (ErrNotFound if absent).
+func (l *Libvirt) volume(pool, name string) (*libvirt.StorageVol, error) {
 	p, err := l.pool(pool)
 	if err != nil {
-		return err
+		return nil, err
 	}
 	defer p.Free()
 	v, err := p.LookupStorageVolByName(name)
 	if err != nil {
-		return notFound(err, libvirt.ERR_NO_STORAGE_VOL)
+		return nil, notFound(err, libvirt.ERR_NO_STORAGE_VOL)
+	}
+	return v, nil
+}
+
+// UploadVolume implements Hypervisor.
+func (l *Libvirt) UploadVolume(pool, name string, data []byte) error {
+	v, err := l.volume(pool, name)
+	if err != nil {
+		return err
 	}
 	defer v.Free()
 	st, err := l.conn.NewStream(0)
@@ -136,14 +145,9 @@ func (l *Libvirt) UploadVolume(pool, name string, data []byte) error {
 
 // DeleteVolume implements Hypervisor.
 func (l *Libvirt) DeleteVolume(pool, name string) error {
-	p, err := l.pool(pool)
+	v, err := l.volume(pool, name)
 	if err != nil {
 		return err
-	}
-	defer p.Free()
-	v, err := p.LookupStorageVolByName(name)
-	if err != nil {
-		return notFound(err, libvirt.ERR_NO_STORAGE_VOL)
 	}
 	defer v.Free()
 	return notFound(v.Delete(0), libvirt.ERR_NO_STORAGE_VOL)
