@@ -37,10 +37,10 @@ test: build ## all tests: unit tests, then end-to-end tests on real VMs (root; s
 test-unit: ## unit tests (race detector, no VMs)
 	$(GO) test -race -count=1 ./...
 
-test-e2e: build ## end-to-end tests on real VMs in the private rig (root; tiny and Debian systemd guests)
-	@LVE_RIG_IMAGES=tiny,debian deploy/rig/start.sh
+test-e2e: build ## end-to-end tests on real VMs in the private rig (root; tiny, Debian systemd and cloud-init guests)
+	@LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
 	@set -o pipefail; rc=0; \
-	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
 	    $(GO) test -tags e2e -count=1 -timeout 40m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 

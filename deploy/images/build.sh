@@ -1,14 +1,16 @@
 #!/bin/bash
 # Build (or reuse) a libvirt-executor test guest image.
 #
-#   deploy/images/build.sh tiny|debian
+#   deploy/images/build.sh tiny|debian|cloud
 #
 # Prints the image directory as the last line of stdout (progress goes to stderr):
 #   ${LVE_IMAGE_CACHE:-/var/cache/libvirt-executor/images}/<name>-<hash>/
 #     disk.qcow2  vmlinuz  initrd.img  image.toml  versions.txt
 # <hash> is the first 16 hex digits of the sha256 over this script, lib.sh and every file
 # of the recipe directory <name>/: an unchanged recipe is a cache hit (instant), a changed
-# one builds a new directory. Builds run in a temporary directory beside the cache entry
+# one builds a new directory. A recipe directory may hold image.env, shell assignments of
+# IMAGE_USER (login user, default root) and IMAGE_KEY_INJECTION (smbios or cloud-init,
+# default smbios) for image.toml. Builds run in a temporary directory beside the cache entry
 # and are renamed into place when complete, so an interrupted build leaves no half image.
 # Needs root on Debian 12 (installs what it needs with apt-get).
 set -euo pipefail
@@ -17,8 +19,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 name=${1:-}
 case $name in
-tiny | debian) ;;
-*) echo "usage: $0 tiny|debian" >&2; exit 2 ;;
+tiny | debian | cloud) ;;
+*) echo "usage: $0 tiny|debian|cloud" >&2; exit 2 ;;
 esac
 [ "$(id -u)" = 0 ] || lve_die "must run as root"
 
@@ -54,6 +56,9 @@ bash "$here/$name/recipe.sh" "$tmp" >&2
 for f in disk.qcow2 vmlinuz initrd.img; do
 	[ -s "$tmp/$f" ] || lve_die "$name: recipe made no $f"
 done
+IMAGE_USER=root
+IMAGE_KEY_INJECTION=smbios
+if [ -f "$here/$name/image.env" ]; then . "$here/$name/image.env"; fi
 # root=/dev/vda: the overlay must be the domain's first virtio disk (a credentials or
 # cloud-init seed disk comes after it).
 cmdline="console=ttyS0 root=/dev/vda rw quiet"
@@ -61,11 +66,11 @@ cat >"$tmp/image.toml" <<T
 [images.$name]
 base = "$final/disk.qcow2"
 format = "qcow2"
-user = "root"
+user = "$IMAGE_USER"
 shell = "bash"
 builds_dir = "/builds"
 cache_dir = "/cache"
-key_injection = "smbios"
+key_injection = "$IMAGE_KEY_INJECTION"
 boot = "kernel"
 kernel = "$final/vmlinuz"
 initrd = "$final/initrd.img"

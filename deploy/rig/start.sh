@@ -8,7 +8,8 @@
 #   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP, 10 min leases,
 #     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
 #   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
-#     systemd one) and writes the executor config $LVE_RIG_DIR/config.toml.
+#     systemd one, "cloud" for the cloud-init one) and writes the executor config
+#     $LVE_RIG_DIR/config.toml.
 # Guests are reachable only from inside the namespace: ip netns exec $LVE_RIG_NS ssh ...
 #
 # If a libvirtd is already running that this rig did not start, start.sh fails unless
@@ -143,20 +144,22 @@ fi
 rig_virsh pool-autostart "$LVE_RIG_POOL" --disable >/dev/null 2>&1 || true
 
 # --- images + executor config ---------------------------------------------------------------
-# tiny always; debian only when asked for
+# tiny always; debian and cloud only when asked for
 images=tiny
-case " ${LVE_RIG_IMAGES//,/ } " in *" debian "*) images="tiny debian" ;; esac
+for img in debian cloud; do
+	case " ${LVE_RIG_IMAGES//,/ } " in *" $img "*) images+=" $img" ;; esac
+done
 fragments=
 for img in $images; do
 	dir=$("$here/../images/build.sh" "$img" | tail -n 1)
 	[ -f "$dir/image.toml" ] || rig_die "image $img: no image.toml in '$dir'"
-	if [ "$img" = debian ]; then
-		fragments+=$'\n# systemd guest: ~25-45 s to SSH under TCG with 1 vCPU'
-	fi
+	case $img in
+	debian) fragments+=$'\n# systemd guest: ~25-45 s to SSH under TCG with 1 vCPU' ;;
+	cloud) fragments+=$'\n# systemd + cloud-init guest (user debian, NoCloud seed): ~35-60 s to SSH under TCG with 1 vCPU' ;;
+	esac
 	fragments+=$'\n'$(cat "$dir/image.toml")$'\n'
-	if [ "$img" = debian ]; then
-		fragments+=$'memory_mib = 768\n' # systemd + sshd + git need more than the tiny guest
-	fi
+	# systemd + sshd + git (+ cloud-init's Python) need more than the tiny guest
+	case $img in debian | cloud) fragments+=$'memory_mib = 768\n' ;; esac
 	rig_log "image $img: $dir"
 done
 cat >"$LVE_RIG_CONFIG.tmp" <<T

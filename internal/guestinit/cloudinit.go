@@ -36,12 +36,20 @@ func (c CloudInit) UserData(k *Keys, comment string) ([]byte, error) {
 	if c.User != "root" {
 		u.Sudo = "ALL=(ALL) NOPASSWD:ALL"
 	}
+	// ssh_keys makes cloud-init's ssh module install this pair and generate
+	// no host key of its own (it reads ssh_genkeytypes only without
+	// ssh_keys); ssh_deletekeys removes the image's keys first. No
+	// "ssh_genkeytypes: []": cloud-init's schema requires at least one item
+	// and reports the whole user-data as invalid.
+	// No "ssh_pwauth": its set-passwords module runs in the config stage,
+	// after sshd has started, and restarts sshd when it changes the setting
+	// (on every fresh clone of a stock image): a stage connecting during that
+	// restart fails. The job user has no password (lock_passwd); password
+	// logins are the image's setting.
 	doc := map[string]any{
-		"users":           []any{u},
-		"disable_root":    c.User != "root",
-		"ssh_pwauth":      false,
-		"ssh_deletekeys":  true,
-		"ssh_genkeytypes": []string{},
+		"users":          []any{u},
+		"disable_root":   c.User != "root",
+		"ssh_deletekeys": true,
 		"ssh_keys": map[string]string{
 			"ed25519_private": string(k.HostPEM),
 			"ed25519_public":  k.HostPublicLine(),

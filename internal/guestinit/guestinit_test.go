@@ -75,16 +75,59 @@ func TestUserDataIsStructured(t *testing.T) {
 	var doc struct {
 		Users []struct {
 			Name string   `json:"name"`
+			Sudo string   `json:"sudo"`
 			Keys []string `json:"ssh_authorized_keys"`
 		} `json:"users"`
-		SSHKeys map[string]string `json:"ssh_keys"`
-		Gen     []string          `json:"ssh_genkeytypes"`
+		SSHKeys    map[string]string `json:"ssh_keys"`
+		DeleteKeys bool              `json:"ssh_deletekeys"`
 	}
 	require.NoError(t, json.Unmarshal(ud[len("#cloud-config\n"):], &doc))
+	require.Len(t, doc.Users, 1)
 	require.Equal(t, "debian", doc.Users[0].Name)
-	require.Equal(t, k.AuthorizedKey("lve-x-1"), doc.Users[0].Keys[0])
+	require.Equal(t, "ALL=(ALL) NOPASSWD:ALL", doc.Users[0].Sudo)
+	require.Equal(t, []string{k.AuthorizedKey("lve-x-1")}, doc.Users[0].Keys)
+	// With ssh_keys present cloud-init generates no host key of its own; the
+	// image's keys are deleted first.
 	require.Equal(t, string(k.HostPEM), doc.SSHKeys["ed25519_private"])
-	require.Empty(t, doc.Gen, "the guest must not generate its own host keys")
+	require.Equal(t, k.HostPublicLine(), doc.SSHKeys["ed25519_public"])
+	require.Len(t, doc.SSHKeys, 2)
+	require.True(t, doc.DeleteKeys)
+}
+
+// TestUserDataPassesCloudInitSchema guards against keys that cloud-init's
+// schema (cloud-init 22.4, Debian 12) rejects: a schema error makes cloud-init
+// log the whole user-data as invalid on every boot. "ssh_genkeytypes: []" was
+// one (minItems 1). It also keeps out keys whose modules act after sshd has
+// started ("ssh_pwauth" restarts it).
+func TestUserDataPassesCloudInitSchema(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	for _, user := range []string{"root", "debian"} {
+		ud, err := CloudInit{InstanceID: "lve-x-1", Hostname: "lve-x-1", User: user}.UserData(k, "lve-x-1")
+		require.NoError(t, err)
+		var doc map[string]any
+		require.NoError(t, json.Unmarshal(ud[len("#cloud-config\n"):], &doc))
+		known := map[string]bool{"users": true, "disable_root": true, "ssh_deletekeys": true, "ssh_keys": true}
+		for key, v := range doc {
+			require.True(t, known[key], "top-level key %q: check it against cloud-init's schema, then list it here", key)
+			if list, ok := v.([]any); ok {
+				require.NotEmpty(t, list, "%s: cloud-init's schema rejects empty lists", key)
+			}
+		}
+		require.NotContains(t, doc, "ssh_genkeytypes", "ignored beside ssh_keys; [] fails the schema")
+		require.NotContains(t, doc, "ssh_pwauth", "set-passwords would restart sshd after the executor connected")
+		users := doc["users"].([]any)
+		u := users[0].(map[string]any)
+		require.Equal(t, user, u["name"])
+		require.Equal(t, "/bin/bash", u["shell"])
+		require.Equal(t, true, u["lock_passwd"])
+		if user == "root" {
+			require.NotContains(t, u, "sudo")
+			require.Equal(t, false, doc["disable_root"])
+		} else {
+			require.Equal(t, true, doc["disable_root"])
+		}
+	}
 }
 
 func TestSeedISO(t *testing.T) {
