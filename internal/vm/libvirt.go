@@ -221,7 +221,14 @@ func (l *Libvirt) Start(name string) error {
 		return err
 	}
 	defer d.Free()
-	return d.Create()
+	err = d.Create()
+	if err != nil && code(err) == libvirt.ERR_OPERATION_INVALID {
+		// Repeated after a reconnect: the first call may have started it.
+		if active, aerr := d.IsActive(); aerr == nil && active {
+			return nil
+		}
+	}
+	return err
 }
 
 // Destroy implements Hypervisor.

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
@@ -30,13 +31,16 @@ func connectionLost(err error) bool {
 }
 
 // Reconnecting wraps a Hypervisor: when a call fails because the connection
-// broke (a libvirtd restart), it reconnects once and repeats the call. A
-// second failure is returned as is. Operations are idempotent enough for
-// this: the engine treats "already exists"/"not found" on undo and removal.
+// broke (a libvirtd restart), it reconnects — redialling until the daemon
+// answers again, for at most Wait — and repeats the call once. A second
+// failure is returned as is.
 type Reconnecting struct {
 	dial func() (Hypervisor, error)
 	// OnReconnect, if set, is told about each reconnection.
 	OnReconnect func(cause error)
+	// Wait bounds how long a reconnection keeps redialling (default 30s);
+	// Interval is the pause between dials (default 250ms).
+	Wait, Interval time.Duration
 
 	mu        sync.Mutex
 	hv        Hypervisor
@@ -76,7 +80,7 @@ func do[T any](r *Reconnecting, call func(Hypervisor) (T, error)) (T, error) {
 	r.mu.Lock()
 	if r.hv == hv { // nobody reconnected meanwhile
 		_ = hv.Close()
-		nhv, derr := r.dial()
+		nhv, derr := r.redial()
 		if derr != nil {
 			r.mu.Unlock()
 			return v, fmt.Errorf("%w: %v; reconnecting failed: %v", ErrConnectionLost, err, derr)
@@ -90,6 +94,26 @@ func do[T any](r *Reconnecting, call func(Hypervisor) (T, error)) (T, error) {
 	hv = r.hv
 	r.mu.Unlock()
 	return call(hv)
+}
+
+// redial dials until it succeeds or Wait has passed (a restarting libvirtd
+// takes a few seconds to listen again).
+func (r *Reconnecting) redial() (Hypervisor, error) {
+	wait, interval := r.Wait, r.Interval
+	if wait <= 0 {
+		wait = 30 * time.Second
+	}
+	if interval <= 0 {
+		interval = 250 * time.Millisecond
+	}
+	deadline := time.Now().Add(wait)
+	for {
+		hv, err := r.dial()
+		if err == nil || time.Now().After(deadline) {
+			return hv, err
+		}
+		time.Sleep(interval)
+	}
 }
 
 func do0(r *Reconnecting, call func(Hypervisor) error) error {

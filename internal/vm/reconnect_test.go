@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirt"
@@ -51,9 +52,35 @@ func TestReconnectingRetriesOnceAfterLostConnection(t *testing.T) {
 		return second, nil
 	})
 	require.NoError(t, err)
+	r2.Wait, r2.Interval = 100*time.Millisecond, 10*time.Millisecond
+	start := time.Now()
 	_, err = r2.DomainNames()
 	require.ErrorIs(t, err, ErrConnectionLost)
 	require.ErrorContains(t, err, "libvirtd not running")
+	require.GreaterOrEqual(t, time.Since(start), 100*time.Millisecond, "kept redialling for Wait")
+}
+
+func TestReconnectingWaitsForTheDaemon(t *testing.T) {
+	first, second := vmtest.New(), vmtest.New()
+	first.FailOn["DomainNames"] = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC}
+	second.Domains["lve-a-1"] = &vmtest.Domain{}
+	dials := 0
+	r, err := NewReconnecting(func() (Hypervisor, error) {
+		dials++
+		switch {
+		case dials == 1:
+			return first, nil
+		case dials < 5: // the daemon is still restarting
+			return nil, errors.New("Failed to connect socket")
+		}
+		return second, nil
+	})
+	require.NoError(t, err)
+	r.Interval = time.Millisecond
+	names, err := r.DomainNames()
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-a-1"}, names)
+	require.Equal(t, 5, dials)
 }
 
 func TestConnectionLostClassification(t *testing.T) {
