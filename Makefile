@@ -54,7 +54,7 @@ soak: build ## hundreds of randomized faulted jobs on real VMs (not in CI; SOAK_
 
 demo: build ## run a sample job end to end on a real VM (root; installs what it needs)
 	@deploy/rig/start.sh
-	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) || rc=$$?; \
+	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 bench: build ## benchmark jobs on real VMs against the guest's own boot (root; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY; leaves the rig up: make rig-down)

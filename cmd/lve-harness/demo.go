@@ -23,6 +23,7 @@ func demoCommand() *cli.Command {
 			&cli.StringFlag{Name: "bin", Required: true, Usage: "directory holding libvirt-executor-{config,prepare,run,cleanup}"},
 			&cli.StringFlag{Name: "config", Usage: "driver config file, passed to every stage as --config FILE"},
 			&cli.StringFlag{Name: "git-host", Usage: "host address the guest reaches the demo git server on (default: the first non-loopback IPv4 address here)"},
+			&cli.IntFlag{Name: "git-port", Usage: "port of the demo git server (default: any free port)"},
 			&cli.StringFlag{Name: "image", Usage: "the job's image: name (default: the driver's default image)"},
 			&cli.DurationFlag{Name: "timeout", Value: 20 * time.Minute, Usage: "job timeout"},
 			&cli.BoolFlag{Name: "debug", Usage: "show cleanup's output and harness details on stderr"},
@@ -59,7 +60,7 @@ func demoAction(c *cli.Context) error {
 			return fmt.Errorf("demo: %w; pass --git-host", err)
 		}
 	}
-	url, stop, err := harness.ServeGit(c.Context, bare, net.JoinHostPort(host, "0"))
+	url, stop, err := harness.ServeGit(c.Context, bare, net.JoinHostPort(host, fmt.Sprint(c.Int("git-port"))))
 	if err != nil {
 		return fmt.Errorf("demo: serving the demo repository: %w", err)
 	}

@@ -12,10 +12,11 @@ LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the gu
 LVE_RIG_NETMASK=255.255.255.0
 LVE_RIG_DHCP_START=10.213.7.10
 LVE_RIG_DHCP_END=10.213.7.250
+LVE_RIG_SERVICE_PORTS=${LVE_RIG_SERVICE_PORTS:-20000:20999} # host-side TCP ports guests may reach (test git servers)
 LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
 LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh
 export LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI \
-	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG
+	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG LVE_RIG_SERVICE_PORTS
 
 rig_log() { printf '[rig] %s\n' "$*" >&2; }
 rig_die() { printf '[rig] ERROR: %s\n' "$*" >&2; exit 1; }

@@ -132,6 +132,25 @@ fi
 # never autostart: a libvirtd started later in the root namespace must not bring it up there
 rig_virsh net-autostart "$LVE_RIG_NET" --disable >/dev/null 2>&1 || true
 
+# --- guard: job VMs reach only DHCP, DNS and the declared service ports of the host side --
+# (replies to connections the host opened, e.g. SSH to the guests, pass as ESTABLISHED;
+# 169.254.0.0/16 (cloud metadata) is never forwarded).
+if [ ! -e "$LVE_RIG_RUN/reused" ]; then
+	rig_ipt() { ip netns exec "$LVE_RIG_NS" iptables -w "$@"; }
+	rig_ipt -N LVE_GUARD 2>/dev/null || rig_ipt -F LVE_GUARD
+	rig_ipt -A LVE_GUARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
+	rig_ipt -A LVE_GUARD -p udp --dport 67 -j ACCEPT
+	rig_ipt -A LVE_GUARD -p udp --dport 53 -j ACCEPT
+	rig_ipt -A LVE_GUARD -p tcp --dport 53 -j ACCEPT
+	rig_ipt -A LVE_GUARD -p tcp --dport "$LVE_RIG_SERVICE_PORTS" -j ACCEPT
+	rig_ipt -A LVE_GUARD -j REJECT --reject-with icmp-port-unreachable
+	rig_ipt -C INPUT -i "$LVE_RIG_BRIDGE" -j LVE_GUARD 2>/dev/null ||
+		rig_ipt -I INPUT 1 -i "$LVE_RIG_BRIDGE" -j LVE_GUARD
+	rig_ipt -C FORWARD -i "$LVE_RIG_BRIDGE" -d 169.254.0.0/16 -j REJECT 2>/dev/null ||
+		rig_ipt -I FORWARD 1 -i "$LVE_RIG_BRIDGE" -d 169.254.0.0/16 -j REJECT
+	rig_log "guard: guests reach the host side only on DHCP, DNS and tcp $LVE_RIG_SERVICE_PORTS"
+fi
+
 # --- storage pool -----------------------------------------------------------------------
 if ! rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then
 	rig_virsh pool-define-as "$LVE_RIG_POOL" dir --target "$LVE_RIG_DIR/pool" >/dev/null

@@ -8,6 +8,8 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
+	"net"
 	"io"
 	"os"
 	"path/filepath"
@@ -159,13 +161,33 @@ func (r *rig) gateway(t *testing.T) string {
 	return nx.IPs[0].Address
 }
 
+// serviceListener listens on the host side of the rig network on a port the
+// rig's guard lets guests reach (LVE_RIG_SERVICE_PORTS, default 20000:20999).
+func (r *rig) serviceListener(t *testing.T) net.Listener {
+	t.Helper()
+	lo, hi := 20000, 20999
+	if v := os.Getenv("LVE_RIG_SERVICE_PORTS"); v != "" {
+		_, _ = fmt.Sscanf(v, "%d:%d", &lo, &hi)
+	}
+	gw := r.gateway(t)
+	for p := lo + rand.IntN(hi-lo+1); ; p = lo + rand.IntN(hi-lo+1) {
+		ln, err := net.Listen("tcp", net.JoinHostPort(gw, fmt.Sprint(p)))
+		if err == nil {
+			return ln
+		}
+	}
+}
+
 // repo serves a fresh demo repository to the guests.
 func (r *rig) repo(t *testing.T) (url, sha string) {
 	t.Helper()
 	bare, sha, err := harness.MakeDemoRepo(t.TempDir())
 	require.NoError(t, err)
 	ctx, cancel := context.WithCancel(context.Background())
-	url, stop, err := harness.ServeGit(ctx, bare, r.gateway(t)+":0")
+	ln := r.serviceListener(t)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	url, stop, err := harness.ServeGit(ctx, bare, addr)
 	require.NoError(t, err)
 	t.Cleanup(func() { stop(); cancel() })
 	return url, sha

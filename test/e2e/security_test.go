@@ -188,8 +188,7 @@ func TestJobVMsCannotReachEachOther(t *testing.T) {
 	}()
 	bAddr := machineAddress(t, r, b.name(t))
 
-	ln, err := net.Listen("tcp", r.gateway(t)+":0")
-	require.NoError(t, err)
+	ln := r.serviceListener(t)
 	defer ln.Close()
 	go func() {
 		for {
@@ -213,6 +212,41 @@ func TestJobVMsCannotReachEachOther(t *testing.T) {
 	require.Contains(t, res.stdout, "host=REACHED", "the host side of the network stays reachable")
 	require.NotContains(t, res.stdout, "peer=REACHED", "another job's VM must not be reachable")
 	require.Regexp(t, `peer=(FAILED|TIMEOUT)`, res.stdout)
+}
+
+// TestJobVMsReachOnlyAllowedHostServices: the rig's guard lets a job VM reach
+// the host side of its network only on DHCP, DNS and the declared service
+// ports; any other host port is refused.
+func TestJobVMsReachOnlyAllowedHostServices(t *testing.T) {
+	r := setup(t)
+	allowed := r.serviceListener(t)
+	defer allowed.Close()
+	other, err := net.Listen("tcp", r.gateway(t)+":0") // an ephemeral port: a "host service"
+	require.NoError(t, err)
+	defer other.Close()
+	for _, ln := range []net.Listener{allowed, other} {
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				_ = c.Close()
+			}
+		}()
+	}
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	defer func() { require.Equal(t, 0, s.run(t, "cleanup").code) }()
+	a, o := allowed.Addr().(*net.TCPAddr), other.Addr().(*net.TCPAddr)
+	script := "#!/usr/bin/env bash\n" +
+		fmt.Sprintf("if bash -c 'exec 3<>/dev/tcp/%s/%d' 2>/dev/null; then echo allowed=REACHED; else echo allowed=FAILED; fi\n", a.IP, a.Port) +
+		fmt.Sprintf("if bash -c 'exec 3<>/dev/tcp/%s/%d' 2>/dev/null; then echo other=REACHED; else echo other=FAILED; fi\n", o.IP, o.Port)
+	res := s.runScript(t, "build_script", script)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "allowed=REACHED")
+	require.Contains(t, res.stdout, "other=FAILED", "a host service outside the allowed ports must not be reachable")
 }
 
 func machineAddress(t *testing.T, r *rig, name string) string {
