@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"fmt"
 	"math"
 	"time"
 )
@@ -8,14 +9,17 @@ import (
 // Report is one benchmark run: what was measured, on what, and the verdicts.
 // It is written as JSON as it is; the human table is rendered from it.
 type Report struct {
-	Started     time.Time     `json:"started"`
-	Host        string        `json:"host"`
-	Config      string        `json:"config"`
-	Runs        int           `json:"runs"`
-	Concurrency int           `json:"concurrency"`
-	PollMs      float64       `json:"floor_poll_ms"`
-	Images      []ImageReport `json:"images"`
-	Leftovers   []string      `json:"leftovers,omitempty"`
+	Started     time.Time `json:"started"`
+	Host        string    `json:"host"`
+	Config      string    `json:"config"`
+	Runs        int       `json:"runs"`
+	Concurrency int       `json:"concurrency"`
+	PollMs      float64   `json:"floor_poll_ms"`
+	// Startup is each executable's start on the host (`--version`, run
+	// repeatedly): the fixed cost every stage pays before doing anything.
+	Startup   map[string]Summary `json:"startup_ms"`
+	Images    []ImageReport      `json:"images"`
+	Leftovers []string           `json:"leftovers,omitempty"`
 }
 
 // ImageReport holds every sample of one image and their summary.
@@ -27,21 +31,28 @@ type ImageReport struct {
 	Jobs       []JobSample       `json:"jobs"`
 	Floors     []FloorSample     `json:"floors"`
 	Concurrent *ConcurrentSample `json:"concurrent,omitempty"`
-	Summary    ImageSummary      `json:"summary"`
-	Targets    []Target          `json:"targets"`
+	// FloorSpec says whether the floor's domain definition matched
+	// prepare's once per-machine values are blanked: "same", "differs" (see
+	// FloorSpecDiff) or why it could not be checked.
+	FloorSpec     string       `json:"floor_spec"`
+	FloorSpecDiff []string     `json:"floor_spec_diff,omitempty"`
+	Summary       ImageSummary `json:"summary"`
+	Targets       []Target     `json:"targets"`
 }
 
 // JobSample is one job driven through the runner-faithful harness. Times are
 // in milliseconds, sizes in bytes; a nil pointer is a figure not obtained.
 type JobSample struct {
-	Run    int     `json:"run"`
-	JobID  int64   `json:"job_id"`
-	OK     bool    `json:"ok"`
-	Error  string  `json:"error,omitempty"`
-	WallMs float64 `json:"wall_ms"` // config .. cleanup, as RunJob took
+	Run    int      `json:"run"`
+	JobID  int64    `json:"job_id"`
+	Host   HostLoad `json:"host_load"`
+	OK     bool     `json:"ok"`
+	Error  string   `json:"error,omitempty"`
+	WallMs float64  `json:"wall_ms"` // config .. cleanup, as RunJob took
 	// PrepareWallMs is the prepare process's wall time, as the runner waits for it.
-	PrepareWallMs float64      `json:"prepare_wall_ms"`
-	Prepare       *PrepareMs   `json:"prepare,omitempty"` // from the job log
+	PrepareWallMs float64       `json:"prepare_wall_ms"`
+	Prepare       *PrepareMs    `json:"prepare,omitempty"` // from the job log
+	Timeline      *TimelineMs   `json:"prepare_timeline,omitempty"`
 	Stages        []StageSample `json:"stages"`
 	// BuildGuestMs is the no-op's own time inside the guest; BuildOverheadMs
 	// is build_script's run_exec wall time minus it.
@@ -57,6 +68,18 @@ type JobSample struct {
 	// PeakRSS is each executable's peak resident set size (the maximum over
 	// its invocations in this job), from wait4's rusage.
 	PeakRSS map[string]int64 `json:"peak_rss_bytes"`
+	// RusageMaxRSS is ru_maxrss per executable: an upper bound that includes
+	// the benchmark's own peak RSS (see harness.StageResult.MaxRSSKiB).
+	RusageMaxRSS map[string]int64 `json:"rusage_maxrss_bytes"`
+
+	domainXML string // prepare's domain definition, to compare with the floor's
+}
+
+// HostLoad is how busy the host was when a sample started: the rig is shared
+// and TCG guests compete for the same cores, so this explains outliers.
+type HostLoad struct {
+	Load1    float64 `json:"load1"`     // 1-minute load average
+	OtherVMs int     `json:"other_vms"` // running domains that are not this sample's
 }
 
 // PrepareMs is PrepareTimes in milliseconds.
@@ -72,6 +95,10 @@ type PrepareMs struct {
 	Ready       float64 `json:"ready"`
 }
 
+func (h HostLoad) String() string {
+	return fmt.Sprintf(" [load %.1f, %d other VM(s) running]", h.Load1, h.OtherVMs)
+}
+
 func toPrepareMs(p PrepareTimes) *PrepareMs {
 	return &PrepareMs{
 		Clone: ms(p.Clone), Seed: ms(p.SeedCreate + p.SeedUpload), Define: ms(p.Define), Start: ms(p.Start),
@@ -79,28 +106,48 @@ func toPrepareMs(p PrepareTimes) *PrepareMs {
 	}
 }
 
+// TimelineMs is Timeline in milliseconds.
+type TimelineMs struct {
+	Launch     float64 `json:"launch"`
+	ToStart    float64 `json:"to_start"`
+	ToAddr     float64 `json:"to_address"`
+	ToSSH      float64 `json:"to_ssh"`
+	AfterSSH   float64 `json:"after_ssh"`
+	StartToSSH float64 `json:"start_call_to_ssh"`
+}
+
+func toTimelineMs(t Timeline) *TimelineMs {
+	return &TimelineMs{Launch: ms(t.Launch), ToStart: ms(t.ToStart), ToAddr: ms(t.ToAddr), ToSSH: ms(t.ToSSH),
+		AfterSSH: ms(t.AfterSSH), StartToSSH: ms(t.StartToSSH)}
+}
+
 // StageSample is one executable invocation of a job.
 type StageSample struct {
-	Name     string  `json:"name"`
-	Exec     string  `json:"exec"`
-	WallMs   float64 `json:"wall_ms"`
-	ExitCode int     `json:"exit_code"`
-	RSSBytes int64   `json:"peak_rss_bytes"`
+	Name         string  `json:"name"`
+	Exec         string  `json:"exec"`
+	WallMs       float64 `json:"wall_ms"`
+	ExitCode     int     `json:"exit_code"`
+	RSSBytes     int64   `json:"peak_rss_bytes"`      // the executable's own (VmHWM)
+	RusageMaxRSS int64   `json:"rusage_maxrss_bytes"` // upper bound, see JobSample
 }
 
 // FloorSample is one boot of the same image made by the benchmark itself:
 // the fastest a driver could possibly be with this guest on this host.
 type FloorSample struct {
-	Run   int    `json:"run"`
-	OK    bool   `json:"ok"`
-	Error string `json:"error,omitempty"`
+	Run   int      `json:"run"`
+	OK    bool     `json:"ok"`
+	Error string   `json:"error,omitempty"`
+	Host  HostLoad `json:"host_load"`
 	// SSHMs is the floor: from the call that starts the domain to the first
 	// successful SSH handshake with the pinned host key and public-key login,
 	// polled every Report.PollMs.
-	SSHMs       float64 `json:"ssh_ms"`
-	Attempts    int     `json:"attempts"`
-	StartCallMs float64 `json:"start_call_ms"` // the start call itself (QEMU launch)
-	AddressMs   float64 `json:"address_ms"`    // start call .. address known
+	SSHMs    float64 `json:"ssh_ms"`
+	Attempts int     `json:"attempts"`
+	// AttemptLog is each SSH attempt: when it began (ms after the address
+	// was known), how long it took, and how it failed.
+	AttemptLog  []string `json:"attempt_log,omitempty"`
+	StartCallMs float64  `json:"start_call_ms"` // the start call itself (QEMU launch)
+	AddressMs   float64  `json:"address_ms"`    // start call .. address known
 	// HandshakeMs is one more TCP connect + SSH handshake + login on the
 	// booted guest; ExecMs one session running `true` on an open connection
 	// (medians of a few): what every run_exec pays.
@@ -110,6 +157,11 @@ type FloorSample struct {
 	// (destroy, undefine, volumes).
 	DestroyMs float64 `json:"destroy_ms"`
 	RemoveMs  float64 `json:"remove_ms"`
+	// OverlayAtCreate is the overlay's allocation right after the start
+	// call: what creating the linked clone costs, before guest writes.
+	OverlayAtCreate *uint64 `json:"overlay_at_create_bytes,omitempty"`
+
+	domainXML string
 }
 
 // ConcurrentSample is N jobs started at once.
@@ -132,6 +184,13 @@ type ImageSummary struct {
 	Ready       Summary `json:"ready_ms"`
 	PrepareWall Summary `json:"prepare_wall_ms"`
 
+	TLLaunch     Summary `json:"timeline_launch_ms"`
+	TLToStart    Summary `json:"timeline_to_start_ms"`
+	TLToAddr     Summary `json:"timeline_to_address_ms"`
+	TLToSSH      Summary `json:"timeline_to_ssh_ms"`
+	TLAfterSSH   Summary `json:"timeline_after_ssh_ms"`
+	TLStartToSSH Summary `json:"timeline_start_call_to_ssh_ms"`
+
 	Floor          Summary `json:"floor_ms"`
 	FloorAddress   Summary `json:"floor_address_ms"`
 	FloorStartCall Summary `json:"floor_start_call_ms"`
@@ -141,12 +200,21 @@ type ImageSummary struct {
 	FloorRemove    Summary `json:"floor_remove_ms"`
 	// Ratio is prepare wall / floor, paired run by run.
 	Ratio Summary `json:"prepare_floor_ratio"`
+	// OwnBootRatio is prepare wall / its own VM's start call -> SSH login
+	// (timeline), per job: free of the boot-to-boot variance that the paired
+	// ratio carries, blind to how late the driver notices each boot phase.
+	OwnBootRatio Summary `json:"prepare_own_boot_ratio"`
+	// Overhead outside the boot: prepare wall - start call -> SSH login.
+	OutsideBoot Summary `json:"prepare_outside_boot_ms"`
+	// FloorOverlayAtCreate is the floor's overlay allocation right after the
+	// start call, before the guest has written anything worth mentioning.
+	FloorOverlayAtCreate Summary `json:"floor_overlay_at_create_bytes"`
 
-	StageWall map[string]Summary `json:"stage_wall_ms"`
-	BuildGuest Summary           `json:"build_guest_ms"`
-	Overhead   Summary           `json:"run_overhead_ms"`
-	Cleanup    Summary           `json:"cleanup_ms"`
-	JobWall    Summary           `json:"job_wall_ms"`
+	StageWall  map[string]Summary `json:"stage_wall_ms"`
+	BuildGuest Summary            `json:"build_guest_ms"`
+	Overhead   Summary            `json:"run_overhead_ms"`
+	Cleanup    Summary            `json:"cleanup_ms"`
+	JobWall    Summary            `json:"job_wall_ms"`
 
 	Overlay Summary            `json:"overlay_bytes"`
 	SeedVol Summary            `json:"seed_bytes"`
@@ -202,6 +270,32 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.SSH = prep(func(p *PrepareMs) float64 { return p.SSH })
 	s.Ready = prep(func(p *PrepareMs) float64 { return p.Ready })
 	s.PrepareWall = col(func(j *JobSample) float64 { return j.PrepareWallMs })
+	tl := func(f func(t *TimelineMs) float64) Summary {
+		return col(func(j *JobSample) float64 {
+			if j.Timeline == nil {
+				return math.NaN()
+			}
+			return f(j.Timeline)
+		})
+	}
+	s.TLLaunch = tl(func(t *TimelineMs) float64 { return t.Launch })
+	s.TLToStart = tl(func(t *TimelineMs) float64 { return t.ToStart })
+	s.TLToAddr = tl(func(t *TimelineMs) float64 { return t.ToAddr })
+	s.TLToSSH = tl(func(t *TimelineMs) float64 { return t.ToSSH })
+	s.TLAfterSSH = tl(func(t *TimelineMs) float64 { return t.AfterSSH })
+	s.TLStartToSSH = tl(func(t *TimelineMs) float64 { return t.StartToSSH })
+	s.OwnBootRatio = col(func(j *JobSample) float64 {
+		if j.Timeline == nil || j.Timeline.StartToSSH <= 0 {
+			return math.NaN()
+		}
+		return j.PrepareWallMs / j.Timeline.StartToSSH
+	})
+	s.OutsideBoot = col(func(j *JobSample) float64 {
+		if j.Timeline == nil {
+			return math.NaN()
+		}
+		return j.PrepareWallMs - j.Timeline.StartToSSH
+	})
 	s.BuildGuest = col(func(j *JobSample) float64 { return opt(j.BuildGuestMs) })
 	s.Overhead = col(func(j *JobSample) float64 { return opt(j.BuildOverheadMs) })
 	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
@@ -245,6 +339,12 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.Exec = fcol(func(f *FloorSample) float64 { return f.ExecMs })
 	s.FloorDestroy = fcol(func(f *FloorSample) float64 { return f.DestroyMs })
 	s.FloorRemove = fcol(func(f *FloorSample) float64 { return f.RemoveMs })
+	s.FloorOverlayAtCreate = fcol(func(f *FloorSample) float64 {
+		if f.OverlayAtCreate == nil {
+			return math.NaN()
+		}
+		return float64(*f.OverlayAtCreate)
+	})
 
 	var ratios []float64
 	for _, j := range r.Jobs {

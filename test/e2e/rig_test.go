@@ -8,9 +8,9 @@ package e2e
 import (
 	"context"
 	"fmt"
+	"io"
 	"math/rand/v2"
 	"net"
-	"io"
 	"os"
 	"path/filepath"
 	"strings"
