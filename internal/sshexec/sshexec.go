@@ -196,7 +196,7 @@ func WaitReady(ctx context.Context, t Target, interval, mismatchGrace time.Durat
 		if err == nil {
 			return c, attempts, nil
 		}
-		if ctx.Err() == nil || lastErr == nil {
+		if !expired(ctx) || lastErr == nil {
 			// Keep the guest's last real answer rather than our own abort.
 			lastErr = err
 		}
@@ -214,6 +214,16 @@ func WaitReady(ctx context.Context, t Target, interval, mismatchGrace time.Durat
 		case <-time.After(interval):
 		}
 	}
+}
+
+// expired reports whether ctx has ended or its deadline has passed (the
+// dialer gives up at the deadline a moment before ctx.Err is set).
+func expired(ctx context.Context) bool {
+	if ctx.Err() != nil {
+		return true
+	}
+	d, ok := ctx.Deadline()
+	return ok && !time.Now().Before(d)
 }
 
 // Output runs a fixed command (never built from job input) and returns its
