@@ -342,7 +342,8 @@ func TestStageTimeoutRetriesPrepare(t *testing.T) {
 	t.Parallel()
 	f := newFake(t, map[string]string{"prepare": `n=$(cat "$rec/count" 2>/dev/null || echo 0); echo $((n+1)) > "$rec/count"; [ $n -eq 0 ] && sleep 20`})
 	opts := f.opts(t)
-	opts.StageTimeouts.Prepare = 300 * time.Millisecond
+	// Long enough for the fast second attempt on a loaded machine (-race).
+	opts.StageTimeouts.Prepare = 2 * time.Second
 	res := run(t, opts, Job{Script: []string{"true"}})
 	assert.Equal(t, StateSuccess, res.State, res.Log)
 	assert.Equal(t, 2, res.PrepareAttempts)

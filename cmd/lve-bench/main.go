@@ -1,0 +1,124 @@
+// Command lve-bench measures where a CI job's time, disk and memory go with
+// this driver, against the guest's own boot (the floor): it runs no-op jobs
+// through the runner-faithful harness on real VMs and prints medians and
+// ranges per image, the prepare / floor ratio and PASS/MISS per target, and
+// writes the same as JSON. Run it inside the rig's network namespace (make
+// bench). See docs/performance.md.
+//
+//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--concurrency 2] [--json FILE]
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/bench"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := app().RunContext(ctx, os.Args); err != nil {
+		fmt.Fprintln(os.Stderr, "lve-bench:", err)
+		os.Exit(1)
+	}
+}
+
+func app() *cli.App {
+	return &cli.App{
+		Name:            "lve-bench",
+		Usage:           "benchmark the driver on real VMs: prepare breakdown vs the guest's own boot, run overhead, cleanup, disk, memory",
+		Flags:           flags(),
+		HideHelpCommand: true,
+		Action: func(c *cli.Context) error {
+			o, err := options(c)
+			if err != nil {
+				return err
+			}
+			rep, runErr := bench.Run(c.Context, o)
+			if rep == nil {
+				return runErr
+			}
+			if err := rep.WriteTable(c.App.Writer); err != nil {
+				return err
+			}
+			if path := c.String("json"); path != "" {
+				data, err := json.MarshalIndent(rep, "", "  ")
+				if err != nil {
+					return err
+				}
+				if err := os.WriteFile(path, append(data, '\n'), 0o644); err != nil {
+					return err
+				}
+				fmt.Fprintf(c.App.ErrWriter, "[lve-bench] report written to %s\n", path)
+			}
+			return runErr
+		},
+	}
+}
+
+func flags() []cli.Flag {
+	return []cli.Flag{
+		&cli.StringFlag{Name: "config", Usage: "driver configuration the executables get", EnvVars: []string{config.EnvPath}, Value: config.DefaultPath},
+		&cli.StringFlag{Name: "bin", Usage: "directory with libvirt-executor-{config,prepare,run,cleanup} (default: this program's directory)"},
+		&cli.StringSliceFlag{Name: "image", Usage: "image to measure (repeatable; default: the configuration's default image)"},
+		&cli.IntFlag{Name: "runs", Value: 5, Usage: "sequential jobs and floor boots per image"},
+		&cli.IntFlag{Name: "concurrency", Value: 2, Usage: "jobs at once in the concurrent round (0: skip it)"},
+		&cli.DurationFlag{Name: "poll", Value: 50 * time.Millisecond, Usage: "the floor's SSH polling interval"},
+		&cli.StringFlag{Name: "json", Value: "lve-bench.json", Usage: "write the full report (every sample) here; empty: do not"},
+		&cli.BoolFlag{Name: "job-logs", Usage: "print every job log on stderr"},
+	}
+}
+
+// options maps the flags to bench.Options and checks them.
+func options(c *cli.Context) (bench.Options, error) {
+	bin := c.String("bin")
+	if bin == "" {
+		exe, err := os.Executable()
+		if err != nil {
+			return bench.Options{}, err
+		}
+		bin = filepath.Dir(exe)
+	}
+	if c.Int("runs") < 1 {
+		return bench.Options{}, fmt.Errorf("--runs %d: want at least 1", c.Int("runs"))
+	}
+	if c.Duration("poll") <= 0 {
+		return bench.Options{}, fmt.Errorf("--poll %s: want a positive interval", c.Duration("poll"))
+	}
+	conc := c.Int("concurrency")
+	if conc < 0 {
+		return bench.Options{}, fmt.Errorf("--concurrency %d: want 0 (skip) or more", conc)
+	}
+	if conc == 0 {
+		conc = -1 // bench.Options: 0 is the default, negative skips
+	}
+	o := bench.Options{
+		ConfigPath:  c.String("config"),
+		BinDir:      bin,
+		Images:      c.StringSlice("image"),
+		Runs:        c.Int("runs"),
+		Concurrency: conc,
+		Poll:        c.Duration("poll"),
+		Progress:    c.App.ErrWriter,
+	}
+	if c.Bool("job-logs") {
+		o.JobLog = c.App.ErrWriter
+	}
+	// The stages run in their own work directories: absolute paths only.
+	for _, p := range []*string{&o.ConfigPath, &o.BinDir} {
+		if abs, err := filepath.Abs(*p); err == nil {
+			*p = abs
+		}
+	}
+	return o, o.Validate()
+}

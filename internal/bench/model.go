@@ -1,0 +1,370 @@
+package bench
+
+import (
+	"fmt"
+	"math"
+	"time"
+)
+
+// Report is one benchmark run: what was measured, on what, and the verdicts.
+// It is written as JSON as it is; the human table is rendered from it.
+type Report struct {
+	Started     time.Time `json:"started"`
+	Host        string    `json:"host"`
+	Config      string    `json:"config"`
+	Runs        int       `json:"runs"`
+	Concurrency int       `json:"concurrency"`
+	PollMs      float64   `json:"floor_poll_ms"`
+	// Startup is each executable's start on the host (`--version`, run
+	// repeatedly): the fixed cost every stage pays before doing anything.
+	Startup   map[string]Summary `json:"startup_ms"`
+	Images    []ImageReport      `json:"images"`
+	Leftovers []string           `json:"leftovers,omitempty"`
+}
+
+// ImageReport holds every sample of one image and their summary.
+type ImageReport struct {
+	Image      string            `json:"image"`
+	DomainType string            `json:"domain_type"`
+	VCPUs      int               `json:"vcpus"`
+	MemoryMiB  int               `json:"memory_mib"`
+	Jobs       []JobSample       `json:"jobs"`
+	Floors     []FloorSample     `json:"floors"`
+	Concurrent *ConcurrentSample `json:"concurrent,omitempty"`
+	// FloorSpec says whether the floor's domain definition matched
+	// prepare's once per-machine values are blanked: "same", "differs" (see
+	// FloorSpecDiff) or why it could not be checked.
+	FloorSpec     string       `json:"floor_spec"`
+	FloorSpecDiff []string     `json:"floor_spec_diff,omitempty"`
+	Summary       ImageSummary `json:"summary"`
+	Targets       []Target     `json:"targets"`
+}
+
+// JobSample is one job driven through the runner-faithful harness. Times are
+// in milliseconds, sizes in bytes; a nil pointer is a figure not obtained.
+type JobSample struct {
+	Run    int      `json:"run"`
+	JobID  int64    `json:"job_id"`
+	Host   HostLoad `json:"host_load"`
+	OK     bool     `json:"ok"`
+	Error  string   `json:"error,omitempty"`
+	WallMs float64  `json:"wall_ms"` // config .. cleanup, as RunJob took
+	// PrepareWallMs is the prepare process's wall time, as the runner waits for it.
+	PrepareWallMs float64       `json:"prepare_wall_ms"`
+	Prepare       *PrepareMs    `json:"prepare,omitempty"` // from the job log
+	Timeline      *TimelineMs   `json:"prepare_timeline,omitempty"`
+	Stages        []StageSample `json:"stages"`
+	// BuildGuestMs is the no-op's own time inside the guest; BuildOverheadMs
+	// is build_script's run_exec wall time minus it.
+	BuildGuestMs    *float64 `json:"build_guest_ms,omitempty"`
+	BuildOverheadMs *float64 `json:"build_overhead_ms,omitempty"`
+	CleanupMs       float64  `json:"cleanup_ms"`
+	// OverlayBytes and SeedBytes are the volumes' allocation (bytes used on
+	// the host) read from libvirt when the first run stage started, i.e.
+	// right after prepare; OverlayCapacity is the overlay's virtual size.
+	OverlayBytes    *uint64 `json:"overlay_bytes,omitempty"`
+	OverlayCapacity *uint64 `json:"overlay_capacity,omitempty"`
+	SeedBytes       *uint64 `json:"seed_bytes,omitempty"`
+	// PeakRSS is each executable's peak resident set size (the maximum over
+	// its invocations in this job), from wait4's rusage.
+	PeakRSS map[string]int64 `json:"peak_rss_bytes"`
+	// RusageMaxRSS is ru_maxrss per executable: an upper bound that includes
+	// the benchmark's own peak RSS (see harness.StageResult.MaxRSSKiB).
+	RusageMaxRSS map[string]int64 `json:"rusage_maxrss_bytes"`
+
+	domainXML string // prepare's domain definition, to compare with the floor's
+}
+
+// HostLoad is how busy the host was when a sample started: the rig is shared
+// and TCG guests compete for the same cores, so this explains outliers.
+type HostLoad struct {
+	Load1    float64 `json:"load1"`     // 1-minute load average
+	OtherVMs int     `json:"other_vms"` // running domains that are not this sample's
+}
+
+// PrepareMs is PrepareTimes in milliseconds.
+type PrepareMs struct {
+	Clone       float64 `json:"clone"`
+	Seed        float64 `json:"seed"` // create + upload
+	Define      float64 `json:"define"`
+	Start       float64 `json:"start"`
+	Created     float64 `json:"created"`
+	Address     float64 `json:"address"`
+	SSH         float64 `json:"ssh"`
+	SSHAttempts int     `json:"ssh_attempts"`
+	Ready       float64 `json:"ready"`
+}
+
+func (h HostLoad) String() string {
+	return fmt.Sprintf(" [load %.1f, %d other VM(s) running]", h.Load1, h.OtherVMs)
+}
+
+func toPrepareMs(p PrepareTimes) *PrepareMs {
+	return &PrepareMs{
+		Clone: ms(p.Clone), Seed: ms(p.SeedCreate + p.SeedUpload), Define: ms(p.Define), Start: ms(p.Start),
+		Created: ms(p.Created), Address: ms(p.Address), SSH: ms(p.SSH), SSHAttempts: p.SSHAttempts, Ready: ms(p.Ready),
+	}
+}
+
+// TimelineMs is Timeline in milliseconds.
+type TimelineMs struct {
+	Launch     float64 `json:"launch"`
+	ToStart    float64 `json:"to_start"`
+	ToAddr     float64 `json:"to_address"`
+	ToSSH      float64 `json:"to_ssh"`
+	AfterSSH   float64 `json:"after_ssh"`
+	StartToSSH float64 `json:"start_call_to_ssh"`
+}
+
+func toTimelineMs(t Timeline) *TimelineMs {
+	return &TimelineMs{Launch: ms(t.Launch), ToStart: ms(t.ToStart), ToAddr: ms(t.ToAddr), ToSSH: ms(t.ToSSH),
+		AfterSSH: ms(t.AfterSSH), StartToSSH: ms(t.StartToSSH)}
+}
+
+// StageSample is one executable invocation of a job.
+type StageSample struct {
+	Name         string  `json:"name"`
+	Exec         string  `json:"exec"`
+	WallMs       float64 `json:"wall_ms"`
+	ExitCode     int     `json:"exit_code"`
+	RSSBytes     int64   `json:"peak_rss_bytes"`      // the executable's own (VmHWM)
+	RusageMaxRSS int64   `json:"rusage_maxrss_bytes"` // upper bound, see JobSample
+}
+
+// FloorSample is one boot of the same image made by the benchmark itself:
+// the fastest a driver could possibly be with this guest on this host.
+type FloorSample struct {
+	Run   int      `json:"run"`
+	OK    bool     `json:"ok"`
+	Error string   `json:"error,omitempty"`
+	Host  HostLoad `json:"host_load"`
+	// SSHMs is the floor: from the call that starts the domain to the first
+	// successful SSH handshake with the pinned host key and public-key login,
+	// polled every Report.PollMs.
+	SSHMs    float64 `json:"ssh_ms"`
+	Attempts int     `json:"attempts"`
+	// AttemptLog is each SSH attempt: when it began (ms after the address
+	// was known), how long it took, and how it failed.
+	AttemptLog  []string `json:"attempt_log,omitempty"`
+	StartCallMs float64  `json:"start_call_ms"` // the start call itself (QEMU launch)
+	AddressMs   float64  `json:"address_ms"`    // start call .. address known
+	// HandshakeMs is one more TCP connect + SSH handshake + login on the
+	// booted guest; ExecMs one session running `true` on an open connection
+	// (medians of a few): what every run_exec pays.
+	HandshakeMs float64 `json:"handshake_ms"`
+	ExecMs      float64 `json:"exec_ms"`
+	// DestroyMs is the destroy call alone, RemoveMs the whole removal
+	// (destroy, undefine, volumes).
+	DestroyMs float64 `json:"destroy_ms"`
+	RemoveMs  float64 `json:"remove_ms"`
+	// OverlayAtCreate is the overlay's allocation right after the start
+	// call: what creating the linked clone costs, before guest writes.
+	OverlayAtCreate *uint64 `json:"overlay_at_create_bytes,omitempty"`
+
+	domainXML string
+}
+
+// ConcurrentSample is N jobs started at once.
+type ConcurrentSample struct {
+	N        int         `json:"n"`
+	WallMs   float64     `json:"wall_ms"` // first start .. last job done
+	Failures int         `json:"failures"`
+	Jobs     []JobSample `json:"jobs"`
+}
+
+// ImageSummary holds medians and ranges over the successful samples. Times
+// in ms, sizes in bytes.
+type ImageSummary struct {
+	Clone       Summary `json:"clone_ms"`
+	Seed        Summary `json:"seed_ms"`
+	DefineStart Summary `json:"define_start_ms"`
+	Created     Summary `json:"created_ms"`
+	Address     Summary `json:"address_ms"`
+	SSH         Summary `json:"ssh_ms"`
+	Ready       Summary `json:"ready_ms"`
+	PrepareWall Summary `json:"prepare_wall_ms"`
+
+	TLLaunch     Summary `json:"timeline_launch_ms"`
+	TLToStart    Summary `json:"timeline_to_start_ms"`
+	TLToAddr     Summary `json:"timeline_to_address_ms"`
+	TLToSSH      Summary `json:"timeline_to_ssh_ms"`
+	TLAfterSSH   Summary `json:"timeline_after_ssh_ms"`
+	TLStartToSSH Summary `json:"timeline_start_call_to_ssh_ms"`
+
+	Floor          Summary `json:"floor_ms"`
+	FloorAddress   Summary `json:"floor_address_ms"`
+	FloorStartCall Summary `json:"floor_start_call_ms"`
+	Handshake      Summary `json:"handshake_ms"`
+	Exec           Summary `json:"exec_ms"`
+	FloorDestroy   Summary `json:"floor_destroy_ms"`
+	FloorRemove    Summary `json:"floor_remove_ms"`
+	// Ratio is prepare wall / floor, paired run by run.
+	Ratio Summary `json:"prepare_floor_ratio"`
+	// OwnBootRatio is prepare wall / its own VM's start call -> SSH login
+	// (timeline), per job: free of the boot-to-boot variance that the paired
+	// ratio carries, blind to how late the driver notices each boot phase.
+	OwnBootRatio Summary `json:"prepare_own_boot_ratio"`
+	// Overhead outside the boot: prepare wall - start call -> SSH login.
+	OutsideBoot Summary `json:"prepare_outside_boot_ms"`
+	// FloorOverlayAtCreate is the floor's overlay allocation right after the
+	// start call, before the guest has written anything worth mentioning.
+	FloorOverlayAtCreate Summary `json:"floor_overlay_at_create_bytes"`
+
+	StageWall  map[string]Summary `json:"stage_wall_ms"`
+	BuildGuest Summary            `json:"build_guest_ms"`
+	Overhead   Summary            `json:"run_overhead_ms"`
+	Cleanup    Summary            `json:"cleanup_ms"`
+	JobWall    Summary            `json:"job_wall_ms"`
+
+	Overlay Summary            `json:"overlay_bytes"`
+	SeedVol Summary            `json:"seed_bytes"`
+	PeakRSS map[string]Summary `json:"peak_rss_bytes"`
+
+	JobFailures   int `json:"job_failures"`
+	FloorFailures int `json:"floor_failures"`
+}
+
+// RunStages are the run_exec stages of the benchmark job, in order.
+var RunStages = []string{"prepare_script", "get_sources", "build_script"}
+
+// Executables are the driver's programs, in the order they run.
+var Executables = []string{"config", "prepare", "run", "cleanup"}
+
+// Summarize computes the summary of an image's sequential samples.
+func (r *ImageReport) Summarize() ImageSummary {
+	var s ImageSummary
+	col := func(f func(j *JobSample) float64) Summary {
+		var v []float64
+		for i := range r.Jobs {
+			if r.Jobs[i].OK {
+				v = append(v, f(&r.Jobs[i]))
+			}
+		}
+		return Summarize(v)
+	}
+	prep := func(f func(p *PrepareMs) float64) Summary {
+		return col(func(j *JobSample) float64 {
+			if j.Prepare == nil {
+				return math.NaN()
+			}
+			return f(j.Prepare)
+		})
+	}
+	opt := func(p *float64) float64 {
+		if p == nil {
+			return math.NaN()
+		}
+		return *p
+	}
+	optU := func(p *uint64) float64 {
+		if p == nil {
+			return math.NaN()
+		}
+		return float64(*p)
+	}
+	s.Clone = prep(func(p *PrepareMs) float64 { return p.Clone })
+	s.Seed = prep(func(p *PrepareMs) float64 { return p.Seed })
+	s.DefineStart = prep(func(p *PrepareMs) float64 { return p.Define + p.Start })
+	s.Created = prep(func(p *PrepareMs) float64 { return p.Created })
+	s.Address = prep(func(p *PrepareMs) float64 { return p.Address })
+	s.SSH = prep(func(p *PrepareMs) float64 { return p.SSH })
+	s.Ready = prep(func(p *PrepareMs) float64 { return p.Ready })
+	s.PrepareWall = col(func(j *JobSample) float64 { return j.PrepareWallMs })
+	tl := func(f func(t *TimelineMs) float64) Summary {
+		return col(func(j *JobSample) float64 {
+			if j.Timeline == nil {
+				return math.NaN()
+			}
+			return f(j.Timeline)
+		})
+	}
+	s.TLLaunch = tl(func(t *TimelineMs) float64 { return t.Launch })
+	s.TLToStart = tl(func(t *TimelineMs) float64 { return t.ToStart })
+	s.TLToAddr = tl(func(t *TimelineMs) float64 { return t.ToAddr })
+	s.TLToSSH = tl(func(t *TimelineMs) float64 { return t.ToSSH })
+	s.TLAfterSSH = tl(func(t *TimelineMs) float64 { return t.AfterSSH })
+	s.TLStartToSSH = tl(func(t *TimelineMs) float64 { return t.StartToSSH })
+	s.OwnBootRatio = col(func(j *JobSample) float64 {
+		if j.Timeline == nil || j.Timeline.StartToSSH <= 0 {
+			return math.NaN()
+		}
+		return j.PrepareWallMs / j.Timeline.StartToSSH
+	})
+	s.OutsideBoot = col(func(j *JobSample) float64 {
+		if j.Timeline == nil {
+			return math.NaN()
+		}
+		return j.PrepareWallMs - j.Timeline.StartToSSH
+	})
+	s.BuildGuest = col(func(j *JobSample) float64 { return opt(j.BuildGuestMs) })
+	s.Overhead = col(func(j *JobSample) float64 { return opt(j.BuildOverheadMs) })
+	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
+	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
+	s.Overlay = col(func(j *JobSample) float64 { return optU(j.OverlayBytes) })
+	s.SeedVol = col(func(j *JobSample) float64 { return optU(j.SeedBytes) })
+	s.StageWall = map[string]Summary{}
+	for _, name := range RunStages {
+		s.StageWall[name] = col(func(j *JobSample) float64 {
+			for _, st := range j.Stages {
+				if st.Name == name {
+					return st.WallMs
+				}
+			}
+			return math.NaN()
+		})
+	}
+	s.PeakRSS = map[string]Summary{}
+	for _, exe := range Executables {
+		s.PeakRSS[exe] = col(func(j *JobSample) float64 {
+			if v, ok := j.PeakRSS[exe]; ok && v > 0 {
+				return float64(v)
+			}
+			return math.NaN()
+		})
+	}
+
+	fcol := func(f func(f *FloorSample) float64) Summary {
+		var v []float64
+		for i := range r.Floors {
+			if r.Floors[i].OK {
+				v = append(v, f(&r.Floors[i]))
+			}
+		}
+		return Summarize(v)
+	}
+	s.Floor = fcol(func(f *FloorSample) float64 { return f.SSHMs })
+	s.FloorAddress = fcol(func(f *FloorSample) float64 { return f.AddressMs })
+	s.FloorStartCall = fcol(func(f *FloorSample) float64 { return f.StartCallMs })
+	s.Handshake = fcol(func(f *FloorSample) float64 { return f.HandshakeMs })
+	s.Exec = fcol(func(f *FloorSample) float64 { return f.ExecMs })
+	s.FloorDestroy = fcol(func(f *FloorSample) float64 { return f.DestroyMs })
+	s.FloorRemove = fcol(func(f *FloorSample) float64 { return f.RemoveMs })
+	s.FloorOverlayAtCreate = fcol(func(f *FloorSample) float64 {
+		if f.OverlayAtCreate == nil {
+			return math.NaN()
+		}
+		return float64(*f.OverlayAtCreate)
+	})
+
+	var ratios []float64
+	for _, j := range r.Jobs {
+		if !j.OK {
+			s.JobFailures++
+			continue
+		}
+		for _, f := range r.Floors {
+			if f.Run == j.Run && f.OK && f.SSHMs > 0 {
+				ratios = append(ratios, j.PrepareWallMs/f.SSHMs)
+			}
+		}
+	}
+	for _, f := range r.Floors {
+		if !f.OK {
+			s.FloorFailures++
+		}
+	}
+	s.Ratio = Summarize(ratios)
+	return s
+}
+
+func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }

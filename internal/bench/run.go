@@ -1,0 +1,535 @@
+// Package bench is the benchmark behind `make bench` (cmd/lve-bench): it runs
+// no-op jobs through the runner-faithful harness (internal/harness) against
+// the driver's real executables and real VMs, boots the same image itself to
+// measure the floor (domain start to first SSH login), and reports where a
+// job's time, disk and memory go, with medians over repeated runs and the
+// project's performance targets. See docs/performance.md.
+package bench
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"libvirt.org/go/libvirt"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Options configure a benchmark run.
+type Options struct {
+	// ConfigPath is the driver configuration the executables get (--config).
+	ConfigPath string
+	// BinDir holds libvirt-executor-{config,prepare,run,cleanup}.
+	BinDir string
+	// Images to measure; empty means the configuration's default image.
+	Images []string
+	// Runs is how many sequential jobs and floor boots per image (default 5).
+	Runs int
+	// Concurrency is how many jobs run at once in the concurrent round
+	// (default 2; negative skips the round).
+	Concurrency int
+	// Poll is the floor's SSH (and lease) polling interval (default 50ms).
+	Poll time.Duration
+	// Progress receives one line per job and floor boot; JobLog, if set,
+	// every job log. Nil discards.
+	Progress, JobLog io.Writer
+}
+
+func (o *Options) defaults() {
+	if o.Runs == 0 {
+		o.Runs = 5
+	}
+	if o.Concurrency == 0 {
+		o.Concurrency = 2
+	}
+	if o.Poll == 0 {
+		o.Poll = 50 * time.Millisecond
+	}
+	if o.Progress == nil {
+		o.Progress = io.Discard
+	}
+}
+
+// Validate checks the options before anything is started.
+func (o Options) Validate() error {
+	o.defaults()
+	var errs []error
+	if o.ConfigPath == "" {
+		errs = append(errs, errors.New("no driver configuration given"))
+	}
+	if o.BinDir == "" {
+		errs = append(errs, errors.New("no directory with the driver's executables given"))
+	}
+	if o.Runs < 1 {
+		errs = append(errs, fmt.Errorf("runs = %d: want at least 1", o.Runs))
+	}
+	if o.Concurrency > 8 {
+		errs = append(errs, fmt.Errorf("concurrency = %d: at most 8 VMs at once", o.Concurrency))
+	}
+	if o.Poll < time.Millisecond || o.Poll > 5*time.Second {
+		errs = append(errs, fmt.Errorf("poll interval %s: want 1ms .. 5s", o.Poll))
+	}
+	return errors.Join(errs...)
+}
+
+// bench is one Run.
+type bench struct {
+	opts  Options
+	cfg   *config.Config
+	store state.Store
+	ctrl  string
+	conn  *libvirt.Connect
+	hv    *vm.Libvirt
+	exec  harness.Executables
+}
+
+// Run measures every image and returns the report. The error is for setup
+// problems only; failed jobs and boots are in the report.
+func Run(ctx context.Context, o Options) (*Report, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	o.defaults()
+	cfg, err := config.Load(o.ConfigPath)
+	if err != nil {
+		return nil, err
+	}
+	images := o.Images
+	if len(images) == 0 {
+		images = []string{cfg.DefaultImage}
+	}
+	for _, name := range images {
+		if _, ok := cfg.Image(name); !ok {
+			return nil, fmt.Errorf("image %q is not in %s (configured: %s)", name, o.ConfigPath, strings.Join(cfg.ImageNames(), ", "))
+		}
+	}
+	b := &bench{opts: o, cfg: cfg, store: state.Store{Dir: cfg.StateDir}}
+	args := []string{"--config", o.ConfigPath}
+	b.exec = harness.Executables{ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args}
+	for _, p := range []struct {
+		dst  *string
+		name string
+	}{{&b.exec.Config, "config"}, {&b.exec.Prepare, "prepare"}, {&b.exec.Run, "run"}, {&b.exec.Cleanup, "cleanup"}} {
+		*p.dst = filepath.Join(o.BinDir, "libvirt-executor-"+p.name)
+		if _, err := os.Stat(*p.dst); err != nil {
+			return nil, fmt.Errorf("driver executable: %w (build them first: make build)", err)
+		}
+	}
+	if b.ctrl, err = b.store.ControllerID(); err != nil {
+		return nil, err
+	}
+	if b.conn, err = libvirt.NewConnect(cfg.LibvirtURI); err != nil {
+		return nil, fmt.Errorf("libvirt at %s: %w", cfg.LibvirtURI, err)
+	}
+	defer b.conn.Close()
+	if b.hv, err = vm.Connect(cfg.LibvirtURI); err != nil {
+		return nil, err
+	}
+	defer b.hv.Close()
+	if left := b.leftovers(); len(left) > 0 {
+		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
+	}
+	host, _ := os.Hostname()
+	rep := &Report{Started: time.Now(), Host: host, Config: o.ConfigPath, Runs: o.Runs, Concurrency: max(o.Concurrency, 0), PollMs: ms(o.Poll)}
+	rep.Startup = b.startup(ctx, 15)
+	for _, name := range images {
+		if ctx.Err() != nil {
+			break
+		}
+		rep.Images = append(rep.Images, b.image(ctx, name))
+	}
+	rep.Leftovers = b.leftovers()
+	return rep, ctx.Err()
+}
+
+func (b *bench) progress(format string, args ...any) {
+	fmt.Fprintf(b.opts.Progress, "[lve-bench] "+format+"\n", args...)
+}
+
+// image measures one image: Runs sequential jobs, each paired with a floor
+// boot (alternating which goes first, so neither always meets a warmer host),
+// then one round of concurrent jobs.
+func (b *bench) image(ctx context.Context, name string) ImageReport {
+	img, _ := b.cfg.Image(name)
+	res, _ := gitlab.ChooseResources(b.cfg, img, func(string) string { return "" })
+	dt, err := (&vm.Engine{HV: b.hv}).ResolveDomainType(b.cfg.DomainType)
+	if err != nil {
+		dt = b.cfg.DomainType
+	}
+	r := ImageReport{Image: name, DomainType: dt, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB}
+	fe := floorEnv{cfg: b.cfg, hv: b.hv, store: b.store, controller: b.ctrl, poll: b.opts.Poll, domainXML: b.domainXML,
+		overlay: func(name string) (*uint64, error) { vi := b.volumes(name); return vi.overlay, vi.err }}
+	for run := 1; run <= b.opts.Runs && ctx.Err() == nil; run++ {
+		job := func() {
+			j := b.job(ctx, name, run)
+			r.Jobs = append(r.Jobs, j)
+			b.progress("%s run %d/%d: %s", name, run, b.opts.Runs, describeJob(j))
+		}
+		floor := func() {
+			load := b.hostLoad()
+			f := measureFloor(ctx, fe, img)
+			f.Run, f.Host = run, load
+			r.Floors = append(r.Floors, f)
+			b.progress("%s run %d/%d: %s", name, run, b.opts.Runs, describeFloor(f))
+		}
+		if run%2 == 1 {
+			job()
+			floor()
+		} else {
+			floor()
+			job()
+		}
+	}
+	if b.opts.Concurrency > 0 && ctx.Err() == nil {
+		c := b.concurrent(ctx, name, b.opts.Concurrency)
+		r.Concurrent = &c
+		b.progress("%s: %d concurrent jobs in %s, %d failed", name, c.N, fmtMs(c.WallMs), c.Failures)
+	}
+	r.FloorSpec, r.FloorSpecDiff = compareSpecs(r.Jobs, r.Floors)
+	if r.FloorSpec != "same" {
+		b.progress("%s: WARNING: floor domain vs prepare's: %s %s", name, r.FloorSpec, strings.Join(r.FloorSpecDiff, " "))
+	}
+	r.Summary = r.Summarize()
+	r.Targets = Evaluate(r.Summary)
+	return r
+}
+
+func (b *bench) concurrent(ctx context.Context, image string, n int) ConcurrentSample {
+	c := ConcurrentSample{N: n, Jobs: make([]JobSample, n)}
+	var wg sync.WaitGroup
+	t0 := time.Now()
+	for i := range n {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			c.Jobs[i] = b.job(ctx, image, 0)
+		}()
+	}
+	wg.Wait()
+	c.WallMs = ms(time.Since(t0))
+	for _, j := range c.Jobs {
+		if !j.OK {
+			c.Failures++
+		}
+	}
+	return c
+}
+
+// lockedBuffer is a job log shared by the harness's writers.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+// job runs one no-op job through the harness and collects its figures.
+func (b *bench) job(ctx context.Context, image string, run int) JobSample {
+	id := 100000 + rand.Int64N(900000)
+	j := JobSample{Run: run, JobID: id, PeakRSS: map[string]int64{}, RusageMaxRSS: map[string]int64{}}
+	machine := gitlab.MachineName(b.cfg.NamePrefix, b.ctrl, id)
+	var (
+		wg     sync.WaitGroup
+		vols   volumeInfo
+		domXML string
+	)
+	var debug lockedBuffer
+	stamps := &lineStamper{}
+	var launch time.Time
+	opts := harness.Options{
+		Log:               stamps,
+		Exec:              b.exec,
+		BuildExitCodeFile: true,
+		GracefulKill:      30 * time.Second,
+		ForceKill:         5 * time.Second,
+		RetryPause:        time.Second,
+		StageTimeouts:     harness.StageTimeouts{Prepare: b.cfg.Timeouts.Boot.D() + 2*time.Minute, Cleanup: 2 * time.Minute},
+		DebugLog:          &debug,
+		SampleRSS:         5 * time.Millisecond,
+		OnStage: func(stage string, _ int) {
+			if stage == "prepare" {
+				launch = time.Now() // the last attempt's
+			}
+			if stage == RunStages[0] { // prepare has just succeeded
+				wg.Add(1)
+				go func() {
+					defer wg.Done()
+					vols = b.volumes(machine)
+					domXML, _ = b.domainXML(machine)
+				}()
+			}
+		},
+	}
+	j.Host = b.hostLoad()
+	t0 := time.Now()
+	res, err := harness.RunJob(ctx, opts, harness.Job{ID: id, Image: image, Script: []string{NoopCommand}})
+	j.WallMs = ms(time.Since(t0))
+	wg.Wait()
+	if err != nil {
+		j.Error = err.Error()
+		return j
+	}
+	if b.opts.JobLog != nil {
+		fmt.Fprintf(b.opts.JobLog, "=== job %d (%s)\n%s", id, image, res.Log)
+	}
+	for _, s := range res.Stages {
+		j.Stages = append(j.Stages, StageSample{Name: s.Name, Exec: s.Exec, WallMs: ms(s.Duration), ExitCode: s.ExitCode,
+			RSSBytes: s.PeakRSSKiB << 10, RusageMaxRSS: s.MaxRSSKiB << 10})
+		j.PeakRSS[s.Exec] = max(j.PeakRSS[s.Exec], s.PeakRSSKiB<<10)
+		j.RusageMaxRSS[s.Exec] = max(j.RusageMaxRSS[s.Exec], s.MaxRSSKiB<<10)
+		switch s.Exec {
+		case "prepare":
+			j.PrepareWallMs = ms(s.Duration) // the last attempt's
+			if tl, err := prepareTimeline(stamps.snapshot(), launch, launch.Add(s.Duration)); err == nil {
+				j.Timeline = toTimelineMs(tl)
+			} else if s.ExitCode == 0 {
+				j.Error = err.Error()
+			}
+		case "cleanup":
+			j.CleanupMs = ms(s.Duration)
+		}
+	}
+	j.OverlayBytes, j.OverlayCapacity, j.SeedBytes = vols.overlay, vols.capacity, vols.seed
+	j.domainXML = domXML
+	var problems []string
+	if j.Error != "" {
+		problems = append(problems, j.Error)
+	}
+	if res.State != harness.StateSuccess {
+		problems = append(problems, fmt.Sprintf("job %s: %s: %s", res.State, res.FailureReason, res.Message))
+	}
+	if res.PrepareAttempts > 1 {
+		problems = append(problems, fmt.Sprintf("prepare needed %d attempts", res.PrepareAttempts))
+	}
+	if c := res.Stage("cleanup"); len(c) == 0 || c[len(c)-1].ExitCode != 0 {
+		problems = append(problems, "cleanup failed: "+tail(debug.b.String(), 5))
+	}
+	if p, err := ParsePrepareLog(res.Log); err == nil {
+		j.Prepare = toPrepareMs(p)
+	} else {
+		problems = append(problems, err.Error())
+	}
+	if guest, err := ParseNoop(res.Log); err == nil {
+		g := ms(guest)
+		j.BuildGuestMs = &g
+		for _, s := range j.Stages {
+			if s.Name == "build_script" {
+				o := s.WallMs - g
+				j.BuildOverheadMs = &o
+			}
+		}
+	} else if res.State == harness.StateSuccess {
+		problems = append(problems, err.Error())
+	}
+	if vols.err != nil {
+		problems = append(problems, vols.err.Error())
+	}
+	j.OK = res.State == harness.StateSuccess && res.PrepareAttempts == 1
+	if len(problems) > 0 {
+		j.Error = strings.Join(problems, "; ")
+		if res.State != harness.StateSuccess {
+			j.Error += "\n" + tail(res.Log, 15)
+		}
+	}
+	return j
+}
+
+func describeJob(j JobSample) string {
+	if !j.OK {
+		return "job FAILED: " + firstLine(j.Error)
+	}
+	s := fmt.Sprintf("job %d: prepare %s", j.JobID, fmtMs(j.PrepareWallMs))
+	if j.BuildOverheadMs != nil {
+		s += ", no-op stage overhead " + fmtMs(*j.BuildOverheadMs)
+	}
+	s += ", cleanup " + fmtMs(j.CleanupMs) + j.Host.String()
+	if j.Error != "" {
+		s += " (" + firstLine(j.Error) + ")"
+	}
+	return s
+}
+
+func describeFloor(f FloorSample) string {
+	if !f.OK {
+		return "floor FAILED: " + firstLine(f.Error)
+	}
+	return fmt.Sprintf("floor: start -> SSH login %s (%d attempts), handshake %s, session %s",
+		fmtMs(f.SSHMs), f.Attempts, fmtMs(f.HandshakeMs), fmtMs(f.ExecMs)) + f.Host.String()
+}
+
+func firstLine(s string) string {
+	l, _, _ := strings.Cut(s, "\n")
+	return l
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+// hostLoad reads the load average and counts the running domains.
+func (b *bench) hostLoad() HostLoad {
+	var h HostLoad
+	if data, err := os.ReadFile("/proc/loadavg"); err == nil {
+		fmt.Sscanf(string(data), "%g", &h.Load1)
+	}
+	if doms, err := b.conn.ListAllDomains(libvirt.CONNECT_LIST_DOMAINS_ACTIVE); err == nil {
+		h.OtherVMs = len(doms)
+		for _, d := range doms {
+			_ = d.Free()
+		}
+	}
+	return h
+}
+
+// startup times `<exe> --version` n times per executable: process start,
+// dynamic linking, Go runtime and CLI setup, before any work.
+func (b *bench) startup(ctx context.Context, n int) map[string]Summary {
+	out := map[string]Summary{}
+	for _, exe := range Executables {
+		path := filepath.Join(b.opts.BinDir, "libvirt-executor-"+exe)
+		var v []float64
+		for range n {
+			t := time.Now()
+			if err := exec.CommandContext(ctx, path, "--version").Run(); err != nil {
+				break
+			}
+			v = append(v, ms(time.Since(t)))
+		}
+		out[exe] = Summarize(v)
+	}
+	return out
+}
+
+// domainXML returns the persistent definition of a domain.
+func (b *bench) domainXML(name string) (string, error) {
+	d, err := b.conn.LookupDomainByName(name)
+	if err != nil {
+		return "", err
+	}
+	defer d.Free()
+	return d.GetXMLDesc(libvirt.DOMAIN_XML_INACTIVE)
+}
+
+// compareSpecs checks that the floor booted what prepare booted: the first
+// job and floor boot that both have a definition are compared.
+func compareSpecs(jobs []JobSample, floors []FloorSample) (string, []string) {
+	var jx, fx string
+	for _, j := range jobs {
+		if j.domainXML != "" {
+			jx = j.domainXML
+			break
+		}
+	}
+	for _, f := range floors {
+		if f.domainXML != "" {
+			fx = f.domainXML
+			break
+		}
+	}
+	if jx == "" || fx == "" {
+		return "unchecked: no domain definition captured", nil
+	}
+	diff, err := domainDiff(jx, fx, 12)
+	switch {
+	case err != nil:
+		return "unchecked: " + err.Error(), nil
+	case len(diff) > 0:
+		return "differs", diff
+	}
+	return "same", nil
+}
+
+// volumeInfo is a job's volumes as libvirt reports them.
+type volumeInfo struct {
+	overlay, capacity, seed *uint64
+	err                     error
+}
+
+// volumes reads the allocation of machine's overlay and seed volumes (a
+// seed-less image has none: nil, no error).
+func (b *bench) volumes(machine string) volumeInfo {
+	var vi volumeInfo
+	pool, err := b.conn.LookupStoragePoolByName(b.cfg.StoragePool)
+	if err != nil {
+		vi.err = err
+		return vi
+	}
+	defer pool.Free()
+	info := func(name string) (*libvirt.StorageVolInfo, error) {
+		v, err := pool.LookupStorageVolByName(name)
+		if err != nil {
+			return nil, err
+		}
+		defer v.Free()
+		return v.GetInfo()
+	}
+	in, err := info(vm.DiskVolume(machine))
+	if err != nil {
+		vi.err = fmt.Errorf("overlay volume of %s: %w", machine, err)
+		return vi
+	}
+	alloc, capa := in.Allocation, in.Capacity
+	vi.overlay, vi.capacity = &alloc, &capa
+	if in, err := info(vm.SeedVolume(machine)); err == nil {
+		seed := in.Allocation
+		vi.seed = &seed
+	}
+	return vi
+}
+
+// leftovers lists this installation's domains, volumes and state
+// directories (every job and floor boot removes its own).
+func (b *bench) leftovers() []string {
+	prefix := lifecycle.MachinePrefix(b.cfg.NamePrefix, b.ctrl)
+	var out []string
+	if names, err := b.hv.DomainNames(); err == nil {
+		for _, n := range names {
+			if strings.HasPrefix(n, prefix) {
+				out = append(out, "domain "+n)
+			}
+		}
+	}
+	if pool, err := b.conn.LookupStoragePoolByName(b.cfg.StoragePool); err == nil {
+		_ = pool.Refresh(0)
+		if vols, err := pool.ListStorageVolumes(); err == nil {
+			for _, v := range vols {
+				if strings.HasPrefix(v, prefix) {
+					out = append(out, "volume "+v)
+				}
+			}
+		}
+		_ = pool.Free()
+	}
+	if names, err := b.store.Names(); err == nil {
+		for _, n := range names {
+			if strings.HasPrefix(n, prefix) {
+				out = append(out, "state "+n)
+			}
+		}
+	}
+	slices.Sort(out)
+	return out
+}

@@ -1,0 +1,144 @@
+package bench
+
+import (
+	"fmt"
+	"io"
+	"strings"
+	"text/tabwriter"
+)
+
+// WriteTable prints the report for people: per image, medians with their
+// min-max range and sample count, then the targets with PASS/MISS.
+func (r *Report) WriteTable(w io.Writer) error {
+	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
+	fmt.Fprintf(tw, "lve-bench %s on %s, config %s\n", r.Started.Format("2006-01-02 15:04:05Z07:00"), r.Host, r.Config)
+	fmt.Fprintf(tw, "%d run(s) per image, floor polled every %s, %d concurrent job(s)\n", r.Runs, fmtMs(r.PollMs), r.Concurrency)
+	if len(r.Startup) > 0 {
+		fmt.Fprintf(tw, "\nexecutable start on the host (--version)\tmedian\tmin - max\tn\n")
+		for _, exe := range Executables {
+			if sum, ok := r.Startup[exe]; ok && sum.Known() {
+				fmt.Fprintf(tw, "  libvirt-executor-%s\t%s\t%s - %s\t%d\n", exe, fmtMs(sum.Median), fmtMs(sum.Min), fmtMs(sum.Max), sum.N)
+			}
+		}
+	}
+	for i := range r.Images {
+		writeImage(tw, &r.Images[i])
+	}
+	if len(r.Leftovers) > 0 {
+		fmt.Fprintf(tw, "\nLEFTOVERS after the benchmark: %s\n", strings.Join(r.Leftovers, ", "))
+	}
+	return tw.Flush()
+}
+
+func writeImage(tw io.Writer, img *ImageReport) {
+	s := img.Summary
+	fmt.Fprintf(tw, "\n== image %s (%s, %d vCPU, %d MiB): %d job(s), %d failed; %d floor boot(s), %d failed\n",
+		img.Image, img.DomainType, img.VCPUs, img.MemoryMiB, len(img.Jobs), s.JobFailures, len(img.Floors), s.FloorFailures)
+	if img.FloorSpec != "same" {
+		fmt.Fprintf(tw, "WARNING: the floor's domain definition vs prepare's: %s\n", img.FloorSpec)
+		for _, l := range img.FloorSpecDiff {
+			fmt.Fprintf(tw, "  %s\n", l)
+		}
+	}
+	fmt.Fprintf(tw, "figure\tmedian\tmin - max\tn\n")
+	row := func(label string, sum Summary, f func(float64) string) {
+		if !sum.Known() {
+			fmt.Fprintf(tw, "%s\t-\t-\t0\n", label)
+			return
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s - %s\t%d\n", label, f(sum.Median), f(sum.Min), f(sum.Max), sum.N)
+	}
+	fmt.Fprintf(tw, "prepare: the driver's figures (job log)\t\t\t\n")
+	row("  clone disk", s.Clone, fmtMs)
+	row("  seed volume (create+upload)", s.Seed, fmtMs)
+	row("  define+start", s.DefineStart, fmtMs)
+	row("  created (clone..start)", s.Created, fmtMs)
+	row("  address found (after start)", s.Address, fmtMs)
+	row("  SSH ready (after address)", s.SSH, fmtMs)
+	row("  machine ready (total inside)", s.Ready, fmtMs)
+	fmt.Fprintf(tw, "prepare: timeline (arrival of those lines)\t\t\t\n")
+	row("  exec, config, job (to first line)", s.TLLaunch, fmtMs)
+	row("  leftovers..clone, define, start", s.TLToStart, fmtMs)
+	row("  domain started -> address", s.TLToAddr, fmtMs)
+	row("  address -> SSH login", s.TLToSSH, fmtMs)
+	row("  SSH login -> exit (record, tool check)", s.TLAfterSSH, fmtMs)
+	row("  start call -> SSH login (cf. floor)", s.TLStartToSSH, fmtMs)
+	row("  prepare wall (runner's view)", s.PrepareWall, fmtMs)
+	fmt.Fprintf(tw, "floor (benchmark's own boot)\t\t\t\n")
+	row("  start call", s.FloorStartCall, fmtMs)
+	row("  start -> address", s.FloorAddress, fmtMs)
+	row("  start -> first SSH login = FLOOR", s.Floor, fmtMs)
+	row("PREPARE / FLOOR (paired)", s.Ratio, fmtRatio)
+	row("prepare / its own VM's start->SSH", s.OwnBootRatio, fmtRatio)
+	row("prepare outside its VM's boot", s.OutsideBoot, fmtMs)
+	fmt.Fprintf(tw, "run stages (run_exec wall)\t\t\t\n")
+	for _, name := range RunStages {
+		row("  "+name, s.StageWall[name], fmtMs)
+	}
+	row("  no-op's own time in guest", s.BuildGuest, fmtMs)
+	row("  overhead per stage (build_script)", s.Overhead, fmtMs)
+	row("  of which: SSH connect+handshake+login", s.Handshake, fmtMs)
+	row("  of which: one session exec (x2 per stage)", s.Exec, fmtMs)
+	row("cleanup wall", s.Cleanup, fmtMs)
+	row("  floor VM: destroy call", s.FloorDestroy, fmtMs)
+	row("  floor VM: destroy+undefine+volumes", s.FloorRemove, fmtMs)
+	row("job wall (config..cleanup)", s.JobWall, fmtMs)
+	fmt.Fprintf(tw, "allocated at start\t\t\t\n")
+	row("  overlay", s.Overlay, fmtBytes)
+	row("  overlay at creation (floor VM)", s.FloorOverlayAtCreate, fmtBytes)
+	row("  seed volume", s.SeedVol, fmtBytes)
+	fmt.Fprintf(tw, "peak RSS\t\t\t\n")
+	for _, exe := range Executables {
+		row("  libvirt-executor-"+exe, s.PeakRSS[exe], fmtBytes)
+	}
+	if c := img.Concurrent; c != nil {
+		seq := "-"
+		if s.JobWall.Known() {
+			seq = fmtMs(s.JobWall.Median * float64(c.N))
+		}
+		fmt.Fprintf(tw, "concurrent: %d jobs at once\t%s\t(sequential: %s)\t%d failed\n", c.N, fmtMs(c.WallMs), seq, c.Failures)
+	}
+	fmt.Fprintf(tw, "target\tlimit\tvalue\tverdict\n")
+	for _, t := range img.Targets {
+		val := "-"
+		if t.Known {
+			val = fmtUnit(t.Unit, t.Value) + " (" + t.Stat + ")"
+		}
+		fmt.Fprintf(tw, "%s\t<= %s\t%s\t%s\n", t.Name, fmtUnit(t.Unit, t.Limit), val, t.Verdict())
+	}
+}
+
+func fmtUnit(unit string, v float64) string {
+	switch unit {
+	case unitRatio:
+		return fmtRatio(v)
+	case unitBytes:
+		return fmtBytes(v)
+	default:
+		return fmtMs(v)
+	}
+}
+
+func fmtMs(v float64) string {
+	switch {
+	case v < 10:
+		return fmt.Sprintf("%.1f ms", v)
+	case v < 1000:
+		return fmt.Sprintf("%.0f ms", v)
+	default:
+		return fmt.Sprintf("%.2f s", v/1000)
+	}
+}
+
+func fmtRatio(v float64) string { return fmt.Sprintf("%.3f", v) }
+
+func fmtBytes(v float64) string {
+	switch {
+	case v < 1<<10:
+		return fmt.Sprintf("%.0f B", v)
+	case v < 1<<20:
+		return fmt.Sprintf("%.0f KiB", v/(1<<10))
+	default:
+		return fmt.Sprintf("%.1f MiB", v/(1<<20))
+	}
+}
