@@ -49,7 +49,7 @@ soak: build ## hundreds of randomized faulted jobs on real VMs (not in CI; SOAK_
 	@deploy/rig/start.sh
 	@set -o pipefail; rc=0; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
-	    $(GO) test -tags e2e -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
+	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 demo: build ## run a sample job end to end on a real VM (root; installs what it needs)
