@@ -212,7 +212,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				if err != nil {
 					return err
 				}
-				m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, addr, shortFP(keys), vm.Round(time.Since(t0)), attempts)
+				m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, addr, ssh.FingerprintSHA256(keys.Host), vm.Round(time.Since(t0)), attempts)
 				return nil
 			},
 			Undo: func(context.Context) error {
@@ -291,7 +291,6 @@ func tail(path string, lines int) []byte {
 	return bytes.Join(parts, []byte("\n"))
 }
 
-func shortFP(k *guestinit.Keys) string { return ssh.FingerprintSHA256(k.Host) }
 
 func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.PublicKey) sshexec.Target {
 	return sshexec.Target{

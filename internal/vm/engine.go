@@ -57,7 +57,7 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 	if s.Owner.Controller == "" || s.Owner.Controller != e.Controller {
 		return nil, fmt.Errorf("spec owner controller %q does not match engine controller %q", s.Owner.Controller, e.Controller)
 	}
-	m := &Machine{Name: s.Name, MAC: s.MAC, Created: time.Now()}
+	m := &Machine{Name: s.Name, MAC: s.MAC}
 	disk := DiskVolume(s.Name)
 	seed := ""
 	if s.Seed != nil {

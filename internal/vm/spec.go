@@ -4,7 +4,6 @@ import (
 	"crypto/rand"
 	"fmt"
 	"net"
-	"time"
 )
 
 // Spec is everything needed to create one machine.
@@ -68,7 +67,6 @@ type Machine struct {
 	Name     string
 	MAC      string
 	DiskPath string
-	Created  time.Time
 }
 
 // AddressSource is where a machine's address is learned.
