@@ -291,7 +291,6 @@ func tail(path string, lines int) []byte {
 	return bytes.Join(parts, []byte("\n"))
 }
 
-
 func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.PublicKey) sshexec.Target {
 	return sshexec.Target{
 		Addr: net.JoinHostPort(addr, strconv.Itoa(m.sshPort())), User: user, Signer: signer, HostKey: hostKey,
