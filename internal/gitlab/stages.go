@@ -150,26 +150,32 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
+		Check: func(ctx context.Context, c *sshexec.Client) error {
+			return checkGuestTools(ctx, c, say)
+		},
 	}
 	ready, err := m.Provision(ctx, req)
 	if err != nil {
 		j.log.Error("prepare failed", "err", err)
 		return exitcodes.System(err)
 	}
-	defer ready.Client.Close()
-	checkGuestTools(ctx, ready.Client, say)
+	_ = ready.Client.Close()
 	return nil
 }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
-// missing in the guest. It does not fail: a job may not need them.
-func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ...any)) {
-	ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+// missing in the guest. A missing tool is only reported (a job may not need
+// it); the only error is the stage being cancelled.
+func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ...any)) error {
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	out, err := c.Output(ctx, `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done`)
+	out, err := c.Output(cctx, `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done`)
 	if err != nil {
+		if ctx.Err() != nil {
+			return context.Cause(ctx)
+		}
 		say("Could not check the guest's tools: %v", err)
-		return
+		return nil
 	}
 	missing := strings.Fields(string(out))
 	for _, t := range missing {
@@ -184,6 +190,7 @@ func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ..
 			say("Warning: bash is not installed in the guest: GitLab's job scripts need it")
 		}
 	}
+	return nil
 }
 
 // Run is the run stage: it executes the runner's script for one stage in the

@@ -106,6 +106,13 @@ func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid i
 		return finish(err)
 	case <-ctx.Done():
 	}
+	// A process that already exited was not stopped: report how it ended,
+	// not the signal that came too late to matter.
+	select {
+	case err := <-done:
+		return finish(err)
+	default:
+	}
 	res.Stopped = context.Cause(ctx).Error()
 	_ = syscall.Kill(-pid, syscall.SIGTERM)
 	graceful := time.NewTimer(t.graceful)

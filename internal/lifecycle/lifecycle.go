@@ -71,6 +71,10 @@ type Request struct {
 	// Lifetime is how long the job may run; the ownership deadline is
 	// now + Lifetime + the configured slack.
 	Lifetime time.Duration
+	// Check, if set, is the front end's last look at the machine once SSH
+	// answers (for example: are the tools its jobs need installed?). An
+	// error undoes everything, like any failed step.
+	Check func(ctx context.Context, c *sshexec.Client) error
 }
 
 // Ready is a provisioned machine with an open SSH connection.
@@ -220,6 +224,15 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					_ = client.Close()
 				}
 				return nil
+			},
+		},
+		{
+			Name: "check",
+			Do: func(ctx context.Context) error {
+				if req.Check == nil {
+					return nil
+				}
+				return req.Check(ctx, client)
 			},
 		},
 		{

@@ -18,6 +18,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -237,6 +238,40 @@ func TestProvisionCancelUndoes(t *testing.T) {
 	defer cancel()
 	_, err := m.Provision(ctx, request(img))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
+	requireNothingLeft(t, hv, m)
+}
+
+// A cancel that lands during the front end's check, which itself carries on
+// (it only logs), still undoes the whole machine: prepare must not report a
+// cancelled attempt as ready.
+func TestProvisionCancelDuringCheckUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	req := request(img)
+	var checked bool
+	req.Check = func(_ context.Context, c *sshexec.Client) error {
+		checked = c != nil
+		cancel()
+		return nil
+	}
+	_, err := m.Provision(ctx, req)
+	require.ErrorIs(t, err, context.Canceled)
+	require.True(t, checked, "the check ran with the connected client")
+	requireNothingLeft(t, hv, m)
+}
+
+// A check that fails undoes the machine like any other failed step.
+func TestProvisionFailedCheckUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	req := request(img)
+	req.Check = func(context.Context, *sshexec.Client) error { return errors.New("guest unusable") }
+	_, err := m.Provision(context.Background(), req)
+	require.ErrorContains(t, err, "check: guest unusable")
 	requireNothingLeft(t, hv, m)
 }
 

@@ -31,9 +31,11 @@ type Runner struct {
 	OnUndo func(name string, err error)
 }
 
-// Run runs steps in order. On the first failure (or a cancelled context
-// between steps) it undoes the completed steps in reverse order and returns
-// the step's error joined with any undo errors.
+// Run runs steps in order. On the first failure, or a cancelled context
+// between steps or after the last one, it undoes the completed steps in
+// reverse order and returns the step's error joined with any undo errors. A
+// step that swallows a cancellation therefore cannot turn a cancelled run
+// into a success.
 func (r Runner) Run(ctx context.Context, steps []Step) error {
 	var done []Step
 	for _, s := range steps {
@@ -48,6 +50,9 @@ func (r Runner) Run(ctx context.Context, steps []Step) error {
 			r.OnDone(s.Name, time.Since(start))
 		}
 		done = append(done, s)
+	}
+	if err := ctx.Err(); err != nil {
+		return r.undo(ctx, done, fmt.Errorf("after %s: %w", steps[len(steps)-1].Name, err))
 	}
 	return nil
 }

@@ -65,3 +65,20 @@ func TestUndoErrorsAreReported(t *testing.T) {
 	require.ErrorContains(t, err, "undo x: stuck")
 	require.Equal(t, []string{"x"}, undone)
 }
+
+// A last step that ignores a cancellation (say, a best-effort check that logs
+// and carries on) must not turn a cancelled run into a success.
+func TestCancelDuringLastStepUndoesAll(t *testing.T) {
+	var log []string
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	last := Step{Name: "check", Do: func(context.Context) error {
+		log = append(log, "do check")
+		cancel()
+		return nil
+	}}
+	err := Runner{}.Run(ctx, []Step{recorder(&log, "a", nil), last})
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "after check")
+	require.Equal(t, []string{"do a", "do check", "undo a"}, log)
+}

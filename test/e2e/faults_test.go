@@ -51,9 +51,27 @@ func setKey(key, value string) func(string) string {
 // running is a stage started in the background.
 type running struct {
 	cmd      *exec.Cmd
-	out, err bytes.Buffer
+	out, err lockedBuffer
 	done     chan struct{}
 	res      stageResult
+}
+
+// lockedBuffer lets a test read a stage's output while the stage writes it.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 func (s *stageRunner) start(t *testing.T, stage string, args ...string) *running {
@@ -206,6 +224,24 @@ func TestFaultSIGTERM(t *testing.T) {
 		require.Less(t, time.Since(t0), 30*time.Second, "prompt")
 		// Prepare undid its own work before exiting: nothing left even
 		// before the runner's cleanup.
+		left := r.leftovers(t)
+		figures.addLeaks(len(left))
+		require.Empty(t, left)
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+	})
+	// SIGTERM after SSH answered, while prepare takes its last look at the
+	// guest: the attempt is still undone, never reported as ready.
+	t.Run("prepare after SSH ready", func(t *testing.T) {
+		s := newStageRunner(t, r)
+		require.Equal(t, 0, s.run(t, "config").code)
+		rn := s.start(t, "prepare")
+		waitFor(t, 2*time.Minute, "SSH ready", func() bool { return strings.Contains(rn.out.String(), "SSH ready") })
+		rn.signal(syscall.SIGTERM)
+		res := rn.wait(t, 60*time.Second)
+		figures.fault()
+		figures.class(res.code, 2)
+		require.Equal(t, 2, res.code, "SYSTEM_FAILURE")
+		require.NotContains(t, res.stdout, "Machine ready")
 		left := r.leftovers(t)
 		figures.addLeaks(len(left))
 		require.Empty(t, left)
