@@ -94,7 +94,20 @@ else
 				ip netns exec "$LVE_RIG_NS" virtlogd -d -p "$LVE_RIG_RUN/virtlogd.pid"
 			rig_log "started virtlogd (pid $(cat "$LVE_RIG_RUN/virtlogd.pid")) in $LVE_RIG_NS"
 		fi
-		ip netns exec "$LVE_RIG_NS" libvirtd -d -p "$LVE_RIG_RUN/libvirtd.pid"
+		# Members of the libvirt group may use the read-write socket, by its
+		# permissions: what Debian's polkit rule (60-libvirt.rules) grants on a
+		# host with polkitd running, without needing D-Bus and polkitd here.
+		# Tests run the stages as such an unprivileged user.
+		getent group libvirt >/dev/null || groupadd --system libvirt
+		cat >"$LVE_RIG_RUN/libvirtd.conf" <<-'EOF'
+			# written by deploy/rig/start.sh
+			unix_sock_group = "libvirt"
+			unix_sock_ro_perms = "0777"
+			unix_sock_rw_perms = "0770"
+			auth_unix_ro = "none"
+			auth_unix_rw = "none"
+		EOF
+		ip netns exec "$LVE_RIG_NS" libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"
 		for _ in $(seq 50); do [ -s "$LVE_RIG_RUN/libvirtd.pid" ] && break; sleep 0.1; done
 		pid=$(tr -dc 0-9 <"$LVE_RIG_RUN/libvirtd.pid" 2>/dev/null || true)
 		t0=$SECONDS

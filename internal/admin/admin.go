@@ -11,6 +11,7 @@ import (
 	"os/user"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"text/tabwriter"
 	"time"
 
@@ -105,9 +106,18 @@ type Check struct {
 func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Check {
 	var out []Check
 	add := func(c Check) { out = append(out, c) }
-	add(Check{Name: "configuration", OK: true, Info: cfg.Path})
+	add(configFileCheck(cfg.Path))
 
-	if u, err := user.Current(); err == nil && u.Uid != "0" {
+	u, uerr := user.Current()
+	root := uerr == nil && u.Uid == "0"
+	switch {
+	case uerr != nil:
+		add(Check{Name: "user", Info: uerr.Error(), Fix: "run doctor as the user the runner runs the stages as"})
+	case root:
+		add(Check{Name: "user root", OK: true, Warn: true,
+			Info: "checked as root; the stages should run as an unprivileged user in the libvirt group",
+			Fix:  "run this check as that user: runuser -u gitlab-runner -- libvirt-executor doctor (docs/install.md)"})
+	default:
 		inGroup := false
 		if gids, err := u.GroupIds(); err == nil {
 			if g, err := user.LookupGroup("libvirt"); err == nil {
@@ -121,9 +131,13 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 	}
 
 	l, err := connect(cfg.LibvirtURI)
+	if uerr == nil {
+		add(polkitCheck(polkitRuleDirs, err == nil, root))
+	}
 	if err != nil {
 		add(Check{Name: "libvirt", Info: err.Error(),
 			Fix: "start libvirtd (systemctl start libvirtd) and check libvirt_uri and the socket permissions"})
+		add(stateDirCheck(cfg.StateDir))
 		return out
 	}
 	defer l.Close()
@@ -192,6 +206,75 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 	return out
 }
 
+// polkitRuleDirs are where polkit reads JavaScript rules.
+var polkitRuleDirs = []string{"/etc/polkit-1/rules.d", "/usr/share/polkit-1/rules.d"}
+
+// polkitCheck looks for a rule that grants libvirt's manage action (Debian's
+// 60-libvirt.rules grants it to the libvirt group). Without one, a system
+// libvirtd with polkit authentication refuses unprivileged users; a libvirtd
+// that authorises by socket permissions instead does not need it, so for a
+// user whose connection works a missing rule is only a warning. The rule
+// directories are usually readable by root and polkitd only.
+func polkitCheck(dirs []string, connected, asRoot bool) Check {
+	c := Check{Name: "polkit rule",
+		Fix: "install a rule granting org.libvirt.unix.manage to the libvirt group (docs/install.md), or use socket permissions (unix_sock_group, auth_unix_rw = \"none\")"}
+	var unreadable []string
+	for _, d := range dirs {
+		entries, err := os.ReadDir(d)
+		if errors.Is(err, os.ErrPermission) {
+			unreadable = append(unreadable, d)
+			continue
+		}
+		for _, e := range entries {
+			f := filepath.Join(d, e.Name())
+			if !strings.HasSuffix(f, ".rules") {
+				continue
+			}
+			if b, err := os.ReadFile(f); err == nil && strings.Contains(string(b), "org.libvirt.unix.manage") {
+				c.OK, c.Info = true, f+" mentions org.libvirt.unix.manage"
+				return c
+			}
+		}
+	}
+	switch {
+	case asRoot:
+		c.OK, c.Warn = true, true
+		c.Info = "no rule for org.libvirt.unix.manage in " + strings.Join(dirs, " or ") +
+			": unprivileged users are refused unless libvirtd authorises by socket permissions"
+	case len(unreadable) > 0:
+		c.OK, c.Warn = connected, true
+		c.Info = "cannot read " + strings.Join(unreadable, " and ") + " as this user; run doctor as root to see the rules"
+	default:
+		c.OK, c.Warn = connected, connected
+		c.Info = "no rule for org.libvirt.unix.manage in " + strings.Join(dirs, " or ")
+	}
+	if connected && !asRoot {
+		c.Info += " (the connection works: libvirtd lets this user in)"
+	}
+	return c
+}
+
+// configFileCheck: the admin's file decides what jobs get, so only its owner
+// (root or the runner's user) may change it.
+func configFileCheck(path string) Check {
+	c := Check{Name: "configuration", OK: true, Info: path}
+	st, err := os.Stat(path)
+	if err != nil {
+		return c // loaded already; a vanished file is not this check's business
+	}
+	switch perm := st.Mode().Perm(); {
+	case perm&0o002 != 0:
+		c.OK = false
+		c.Info = fmt.Sprintf("%s is %o: anyone on the host can change which images and sizes jobs get", path, perm)
+		c.Fix = "chmod 0644 " + path
+	case perm&0o020 != 0:
+		c.Warn = true
+		c.Info = fmt.Sprintf("%s is %o: its group can change which images and sizes jobs get", path, perm)
+		c.Fix = "chmod 0644 " + path
+	}
+	return c
+}
+
 func stateDirCheck(dir string) Check {
 	c := Check{Name: "state dir", Info: dir, Fix: "install -d -m 0700 -o <runner user> " + dir}
 	st, err := os.Stat(dir)
@@ -206,6 +289,24 @@ func stateDirCheck(dir string) Check {
 		return c
 	}
 	c.OK = unix.Access(dir, unix.W_OK) == nil
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok && int(sys.Uid) != os.Geteuid() {
+		// Key files and locks are made by the stages: the directory must be
+		// the stages' user's, or a second user could read or replace them.
+		owner := fmt.Sprint(sys.Uid)
+		if u, err := user.LookupId(owner); err == nil {
+			owner = u.Username
+		}
+		if os.Geteuid() == 0 {
+			c.Warn = true
+			c.Info = fmt.Sprintf("%s belongs to %s: if the stages run as %s, check as that user", dir, owner, owner)
+			c.Fix = "runuser -u " + owner + " -- libvirt-executor doctor"
+			return c
+		}
+		c.OK = false
+		c.Info = fmt.Sprintf("%s belongs to %s, but this user (uid %d) runs the stages", dir, owner, os.Geteuid())
+		c.Fix = fmt.Sprintf("chown -R %d %s && chmod 0700 %s", os.Geteuid(), dir, dir)
+		return c
+	}
 	switch perm := st.Mode().Perm(); {
 	case perm&0o022 != 0:
 		c.OK = false

@@ -110,3 +110,66 @@ func TestListAndGC(t *testing.T) {
 	require.NotContains(t, hv.Domains, p+"9")
 	require.Contains(t, hv.Domains, p+"10")
 }
+
+func TestPolkitCheck(t *testing.T) {
+	empty, withRule := t.TempDir(), t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(withRule, "60-libvirt.rules"),
+		[]byte(`polkit.addRule(function(action, subject) { if (action.id == "org.libvirt.unix.manage" && subject.isInGroup("libvirt")) return polkit.Result.YES; });`), 0o644))
+	require.NoError(t, os.WriteFile(filepath.Join(empty, "50-other.rules"), []byte(`// unrelated`), 0o644))
+
+	c := polkitCheck([]string{empty, withRule}, false, false)
+	require.True(t, c.OK)
+	require.False(t, c.Warn)
+	require.Contains(t, c.Info, "60-libvirt.rules")
+
+	c = polkitCheck([]string{empty}, false, false)
+	require.False(t, c.OK, "no rule and no connection: the likely cause")
+	require.Contains(t, c.Fix, "org.libvirt.unix.manage")
+
+	c = polkitCheck([]string{empty}, true, false)
+	require.True(t, c.OK)
+	require.True(t, c.Warn, "works by socket permissions: only a warning")
+
+	c = polkitCheck([]string{empty}, true, true)
+	require.True(t, c.Warn, "root: a missing rule concerns the runner's user")
+	require.Contains(t, c.Info, "unprivileged users are refused")
+
+	if os.Geteuid() == 0 {
+		// Run as nobody to see polkit's own directories as the runner does.
+		t.Log("the unreadable-directory case is covered by the e2e test as an unprivileged user")
+		return
+	}
+	locked := t.TempDir()
+	require.NoError(t, os.Chmod(locked, 0o000))
+	t.Cleanup(func() { _ = os.Chmod(locked, 0o700) })
+	c = polkitCheck([]string{locked}, false, false)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "cannot read")
+}
+
+func TestConfigFileCheck(t *testing.T) {
+	p := filepath.Join(t.TempDir(), "config.toml")
+	require.NoError(t, os.WriteFile(p, nil, 0o644))
+	for _, tc := range []struct {
+		mode     os.FileMode
+		ok, warn bool
+	}{{0o644, true, false}, {0o600, true, false}, {0o664, true, true}, {0o666, false, false}} {
+		require.NoError(t, os.Chmod(p, tc.mode))
+		c := configFileCheck(p)
+		require.Equal(t, tc.ok, c.OK, "%o", tc.mode)
+		require.Equal(t, tc.warn, c.Warn, "%o", tc.mode)
+	}
+}
+
+func TestStateDirOwnedByAnotherUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to chown")
+	}
+	dir := filepath.Join(t.TempDir(), "state")
+	require.NoError(t, os.Mkdir(dir, 0o700))
+	require.NoError(t, os.Chown(dir, 65534, 65534))
+	c := stateDirCheck(dir)
+	require.True(t, c.Warn, "root checks on behalf of the stages' user")
+	require.Contains(t, c.Info, "belongs to")
+	require.Contains(t, c.Fix, "runuser -u")
+}

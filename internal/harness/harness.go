@@ -33,6 +33,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -174,6 +175,11 @@ type Options struct {
 	// StageResult.PeakRSSKiB. Benchmarks use it; the runner does nothing
 	// of the kind.
 	SampleRSS time.Duration
+	// RunAs, if set, runs every stage executable with these credentials, as
+	// a runner installed under its own user (gitlab-runner) does: the
+	// harness must then run as root, and it hands the per-attempt work
+	// directory (payload, scripts, BUILD_EXIT_CODE_FILE) to that user.
+	RunAs *syscall.Credential
 }
 
 // StageResult is one executable invocation.

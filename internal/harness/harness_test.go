@@ -3,9 +3,12 @@ package harness
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -490,4 +493,63 @@ func TestOutputLeftOpenIsFlagged(t *testing.T) {
 	assert.True(t, res.Stage("build_script")[0].OutputLeftOpen)
 	assert.False(t, res.Stage("get_sources")[0].OutputLeftOpen)
 	assert.Contains(t, res.Log, "kept stdout/stderr open")
+}
+
+// With RunAs every stage runs as that user (the runner's own user on a real
+// host) and can read the payload and its script and write the exit code file.
+func TestRunAsUser(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to switch users")
+	}
+	t.Parallel()
+	const nobody = 65534
+	// t.TempDir's parent is 0700: make directories the other user can enter.
+	top, err := os.MkdirTemp("", "harness-runas")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(top) })
+	bin, work := filepath.Join(top, "bin"), filepath.Join(top, "work")
+	for _, d := range []string{top, bin, work} {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+		require.NoError(t, os.Chmod(d, 0o755))
+	}
+	builds := filepath.Join(top, "builds") // the guest's, in a real job
+	require.NoError(t, os.Mkdir(builds, 0o700))
+	require.NoError(t, os.Chown(builds, nobody, nobody))
+	write := func(name, body string) string {
+		p := filepath.Join(bin, name)
+		require.NoError(t, os.WriteFile(p, []byte("#!/bin/sh\n"+body+"\n"), 0o755))
+		return p
+	}
+	opts := Options{
+		Exec: Executables{
+			Config:  write("config", `echo "config uid=$(id -u)" >&2; echo '{"builds_dir":"`+builds+`"}'`),
+			Prepare: write("prepare", `echo "prepare uid=$(id -u) payload=$(head -c 1 "$JOB_RESPONSE_FILE")"`),
+			Run: write("run", `echo "run $2 uid=$(id -u)"; bash "$1"; rc=$?
+[ "$rc" -eq 0 ] && exit 0
+echo "$rc" > "$BUILD_EXIT_CODE_FILE" || exit 2
+exit "$BUILD_FAILURE_EXIT_CODE"`),
+			Cleanup: write("cleanup", `echo "cleanup uid=$(id -u)"`),
+		},
+		WorkDir: work, BuildExitCodeFile: true, RetryPause: 100 * time.Millisecond,
+		GracefulKill: 5 * time.Second, ForceKill: 2 * time.Second,
+		RunAs: &syscall.Credential{Uid: nobody, Gid: nobody},
+	}
+	var uids []string
+	opts.OnStage = func(name string, pid int) {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+		if err == nil {
+			uids = append(uids, name+":"+regexp.MustCompile(`(?m)^Uid:\s+(\d+)`).FindStringSubmatch(string(b))[1])
+		}
+	}
+	res := run(t, opts, Job{Script: []string{"exit 3"}})
+	require.Equal(t, ReasonScriptFailure, res.FailureReason, res.Log)
+	require.Equal(t, 3, res.ScriptExitCode, "the exit code file was writable: %s", res.Log)
+	require.Contains(t, res.Log, "config uid=65534")
+	require.Contains(t, res.Log, "prepare uid=65534 payload={")
+	require.Contains(t, res.Log, "run build_script uid=65534")
+	require.NotEmpty(t, uids)
+	for _, u := range uids {
+		// Start returns after the exec, so the switch has happened.
+		require.Regexp(t, `:65534$`, u)
+	}
 }

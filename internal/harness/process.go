@@ -29,6 +29,7 @@ type procSpec struct {
 	dir    string
 	stdout io.Writer // required
 	stderr io.Writer // nil: same as stdout (one pipe, ordering kept)
+	cred   *syscall.Credential
 }
 
 // procTimes are the runner's kill timeouts, and how often to sample the
@@ -63,7 +64,7 @@ func runProc(ctx context.Context, spec procSpec, t procTimes, onStart func(pid i
 	cmd.Env = spec.env
 	cmd.Stdout = out
 	cmd.Stderr = errOut
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: spec.cred}
 	// After the process exits, wait at most this long for its stdout/stderr
 	// to close (a child it left behind may hold them).
 	cmd.WaitDelay = t.force

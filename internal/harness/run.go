@@ -177,6 +177,19 @@ func (r *jobRun) prepare(ctx, runCtx context.Context) (*failure, error) {
 	return f, nil
 }
 
+// handOver gives the files the harness made for a stage to the RunAs user.
+func (r *jobRun) handOver(paths ...string) error {
+	if r.opts.RunAs == nil {
+		return nil
+	}
+	for _, p := range paths {
+		if err := os.Lchown(p, int(r.opts.RunAs.Uid), int(r.opts.RunAs.Gid)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // newWorkDir creates a fresh custom-executorNNN dir with the payload.
 func (r *jobRun) newWorkDir() error {
 	dir, err := os.MkdirTemp(r.opts.WorkDir, "custom-executor")
@@ -186,6 +199,9 @@ func (r *jobRun) newWorkDir() error {
 	data, err := r.job.payloadJSON()
 	if err == nil {
 		err = os.WriteFile(filepath.Join(dir, "response.json"), data, 0o600)
+	}
+	if err == nil {
+		err = r.handOver(dir, filepath.Join(dir, "response.json"))
 	}
 	if err != nil {
 		_ = os.RemoveAll(dir)
@@ -304,6 +320,7 @@ func (r *jobRun) exec(ctx context.Context, kind, name string, attempt int, path 
 	spec.argv = append([]string{path}, args...)
 	spec.env = env
 	spec.dir = r.workDir
+	spec.cred = r.opts.RunAs
 	r.debugf("exec %s: %q\n", name, spec.argv)
 	res := runProc(ctx, spec, procTimes{graceful: r.opts.GracefulKill, force: r.opts.ForceKill, sampleRSS: r.opts.SampleRSS}, func(pid int) {
 		if r.opts.OnStage != nil {
@@ -357,6 +374,9 @@ func (r *jobRun) runStage(ctx context.Context, name, status, body string) (Stage
 	}
 	script := filepath.Join(dir, "script.")
 	if err := os.WriteFile(script, []byte(renderScript(body)), 0o700); err != nil {
+		return StageResult{}, nil, fmt.Errorf("harness: script: %w", err)
+	}
+	if err := r.handOver(dir, script); err != nil {
 		return StageResult{}, nil, fmt.Errorf("harness: script: %w", err)
 	}
 	env := r.env(status, false)

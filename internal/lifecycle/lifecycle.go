@@ -160,6 +160,12 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 			Name: "create",
 			Do: func(ctx context.Context) error {
 				created = time.Now().UTC()
+				// The console log is written by libvirt (as root); made here
+				// first, it stays this user's, who reads it when a boot fails.
+				consoleLog := filepath.Join(dir, "console.log")
+				if err := touchPrivate(consoleLog); err != nil {
+					return err
+				}
 				spec := vm.Spec{
 					Name: req.Name, DomainType: domainType,
 					VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(req.DiskGiB) << 30,
@@ -169,7 +175,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					SeedSerial: seedSerial,
 					GuestAgent: img.AddressSource == "agent",
 					Isolated:   *m.Cfg.IsolateGuests,
-					ConsoleLog: filepath.Join(dir, "console.log"),
+					ConsoleLog: consoleLog,
 					Owner: vm.Owner{
 						Controller: m.Controller, Frontend: req.Frontend, Job: req.Job,
 						Created: created, Deadline: created.Add(req.Lifetime + m.Cfg.Timeouts.JobSlack.D()),
@@ -289,6 +295,15 @@ func withConsoleCapture(list []steps.Step, capture func()) []steps.Step {
 		out[i] = s
 	}
 	return out
+}
+
+// touchPrivate creates an empty 0600 file owned by this process's user.
+func touchPrivate(path string) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
+	if err != nil {
+		return err
+	}
+	return f.Close()
 }
 
 func tail(path string, lines int) []byte {

@@ -78,7 +78,10 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 	}
 	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
 	if s.ConsoleLog != "" {
-		serial.Log = &libvirtxml.DomainChardevLog{File: s.ConsoleLog, Append: "off"}
+		// append="on": libvirt writes into the file the caller made, which
+		// stays the caller's (with "off" it is recreated as root's, and an
+		// unprivileged caller could no longer read the boot console).
+		serial.Log = &libvirtxml.DomainChardevLog{File: s.ConsoleLog, Append: "on"}
 	}
 	dev.Serials = []libvirtxml.DomainSerial{serial}
 	dev.RNGs = []libvirtxml.DomainRNG{{

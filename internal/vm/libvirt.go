@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"os"
+	"os/user"
 	"strings"
 
 	"libvirt.org/go/libvirt"
@@ -24,9 +25,25 @@ var _ Hypervisor = (*Libvirt)(nil)
 func Connect(uri string) (*Libvirt, error) {
 	conn, err := libvirt.NewConnect(uri)
 	if err != nil {
-		return nil, fmt.Errorf("connect to libvirt at %s: %w", uri, err)
+		return nil, fmt.Errorf("connect to libvirt at %s: %w%s", uri, err, accessHint(err))
 	}
 	return &Libvirt{conn: conn}, nil
+}
+
+// accessHint explains a refused connection: on a system libvirtd, an
+// unprivileged user gets in through the libvirt group (socket permissions or
+// the polkit rule that grants org.libvirt.unix.manage to that group).
+func accessHint(err error) string {
+	switch c := code(err); {
+	case c == libvirt.ERR_AUTH_FAILED, c == libvirt.ERR_AUTH_UNAVAILABLE, c == libvirt.ERR_AUTH_CANCELLED,
+		strings.Contains(err.Error(), "Permission denied"):
+		who := "this user"
+		if u, uerr := user.Current(); uerr == nil {
+			who = "user " + u.Username
+		}
+		return fmt.Sprintf(" (%s may not manage libvirt: add it to the libvirt group and check the polkit rule for org.libvirt.unix.manage; `libvirt-executor doctor` checks both)", who)
+	}
+	return ""
 }
 
 // Close implements Hypervisor.

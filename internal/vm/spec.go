@@ -46,7 +46,8 @@ type Spec struct {
 	Isolated bool
 	// GuestAgent adds the qemu-guest-agent channel.
 	GuestAgent bool
-	// ConsoleLog, when set, receives the serial console output.
+	// ConsoleLog, when set, receives the serial console output, appended to
+	// the file (create it first: it stays the creator's).
 	ConsoleLog string
 	// Owner is stored in the domain's metadata.
 	Owner Owner

@@ -1,0 +1,240 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+)
+
+// TestUnprivilegedRunnerUser runs a whole job with every stage executed as an
+// unprivileged user in the libvirt group, as on a host where gitlab-runner
+// runs as its own user, and checks that doctor agrees with that user's setup.
+// A user outside the group is refused with a SYSTEM_FAILURE that says what
+// to fix, and nothing is made.
+func TestUnprivilegedRunnerUser(t *testing.T) {
+	r := setup(t)
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to create the test users")
+	}
+	sock, err := os.Stat("/var/run/libvirt/libvirt-sock")
+	require.NoError(t, err)
+	if st := sock.Sys().(*syscall.Stat_t); sock.Mode().Perm()&0o006 != 0 || groupName(st.Gid) != "libvirt" {
+		// A libvirtd the rig reused (LVE_RIG_REUSE) may authorise by polkit,
+		// which is not running here.
+		t.Skipf("libvirtd's socket is %o group %s, not the rig's 0770 libvirt", sock.Mode().Perm(), groupName(st.Gid))
+	}
+
+	top, err := os.MkdirTemp("", "lve-e2e-unpriv")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(top) })
+	require.NoError(t, os.Chmod(top, 0o755))
+	// The checkout may live where other users cannot enter (/root): install
+	// the executables as an admin would, readable by everyone.
+	bin := filepath.Join(top, "bin")
+	require.NoError(t, os.Mkdir(bin, 0o755))
+	for _, name := range []string{"libvirt-executor-config", "libvirt-executor-prepare", "libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor"} {
+		copyFile(t, filepath.Join(r.bin, name), filepath.Join(bin, name), 0o755)
+	}
+
+	runner := ensureUser(t, "lve-e2e-runner", true)
+	outsider := ensureUser(t, "lve-e2e-outsider", false)
+
+	t.Run("job as a libvirt group member", func(t *testing.T) {
+		rv, cfgPath := r.privateConfig(t, top, "runner", runner)
+		opts, lw := rv.options(t)
+		opts.Exec = installed(bin, cfgPath)
+		opts.WorkDir = filepath.Join(top, "work-runner")
+		require.NoError(t, os.Mkdir(opts.WorkDir, 0o755))
+		opts.RunAs = runner.cred
+		var mu sync.Mutex
+		uids := map[string]string{}
+		var files []string
+		opts.OnStage = func(name string, pid int) {
+			if name == "build_script" {
+				mu.Lock()
+				files = ownership(t, filepath.Join(top, "state-runner"))
+				mu.Unlock()
+			}
+			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+			if m := regexp.MustCompile(`(?m)^Uid:\s+(\d+)`).FindSubmatch(b); err == nil && m != nil {
+				mu.Lock()
+				uids[name] = string(m[1])
+				mu.Unlock()
+			}
+		}
+		res, err := harness.RunJob(context.Background(), opts, harness.Job{
+			Script: []string{"echo built-by-$((6*7))"},
+		})
+		require.NoError(t, err)
+		require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
+		require.Contains(t, lw.buf.String(), "built-by-42")
+		for _, stage := range []string{"config", "prepare", "build_script", "cleanup"} {
+			require.Equal(t, strconv.Itoa(int(runner.cred.Uid)), uids[stage], "stage %s ran as the runner's user", stage)
+		}
+		t.Logf("state during the job:\n%s", strings.Join(files, "\n"))
+		require.NotEmpty(t, files)
+		for _, f := range files {
+			require.Regexp(t, `^(drwx------|-rw-------) `+strconv.Itoa(int(runner.cred.Uid))+` `, f, "key material and state: the runner user's, private")
+		}
+		rv.requireNoLeftovers(t, "after the unprivileged job")
+
+		// doctor, as that user, finds the setup complete.
+		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: runner.cred}
+		out, err := cmd.CombinedOutput()
+		t.Logf("doctor as %s:\n%s", runner.name, out)
+		require.NoError(t, err)
+		require.Contains(t, string(out), "[ok  ] user "+runner.name+": member of the libvirt group")
+		require.Regexp(t, `\[(ok  |warn)\] polkit rule`, string(out))
+		require.Contains(t, string(out), "[ok  ] state dir")
+
+		// doctor as root reads polkit's rules (libvirt-daemon-system ships
+		// 60-libvirt.rules) and points at the stages' user.
+		out, err = exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor").CombinedOutput()
+		t.Logf("doctor as root:\n%s", out)
+		require.NoError(t, err)
+		require.Regexp(t, `\[ok  \] polkit rule: \S+ mentions org.libvirt.unix.manage`, string(out))
+		require.Contains(t, string(out), "[warn] state dir: "+filepath.Join(top, "state-runner")+" belongs to "+runner.name)
+	})
+
+	t.Run("user outside the libvirt group", func(t *testing.T) {
+		rv, cfgPath := r.privateConfig(t, top, "outsider", outsider)
+		opts, lw := rv.options(t)
+		opts.Exec = installed(bin, cfgPath)
+		opts.WorkDir = filepath.Join(top, "work-outsider")
+		require.NoError(t, os.Mkdir(opts.WorkDir, 0o755))
+		opts.RunAs = outsider.cred
+		res, err := harness.RunJob(context.Background(), opts, harness.Job{Script: []string{"echo never"}})
+		require.NoError(t, err)
+		require.Equal(t, harness.ReasonSystemFailure, res.FailureReason, "an infrastructure problem, retried by the runner")
+		require.Equal(t, 3, res.PrepareAttempts)
+		log := lw.buf.String()
+		require.Contains(t, log, "user "+outsider.name+" may not manage libvirt")
+		require.Contains(t, log, "libvirt group")
+		require.NotContains(t, log, "never")
+		rv.requireNoLeftovers(t, "after the refused job")
+
+		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: outsider.cred}
+		out, err := cmd.CombinedOutput()
+		t.Logf("doctor as %s:\n%s", outsider.name, out)
+		require.Error(t, err)
+		require.Contains(t, string(out), "[FAIL] user "+outsider.name+": member of the libvirt group")
+		require.Contains(t, string(out), "usermod -aG libvirt "+outsider.name)
+	})
+}
+
+type testUser struct {
+	name string
+	cred *syscall.Credential
+}
+
+// ensureUser makes a system user (in the libvirt group or not) and removes
+// it after the test if it did not exist before.
+func ensureUser(t *testing.T, name string, inLibvirt bool) testUser {
+	t.Helper()
+	if _, err := user.Lookup(name); err != nil {
+		out, err := exec.Command("useradd", "--system", "--no-create-home", "--home-dir", "/nonexistent",
+			"--shell", "/usr/sbin/nologin", name).CombinedOutput()
+		require.NoError(t, err, "useradd: %s", out)
+		t.Cleanup(func() { _ = exec.Command("userdel", name).Run() })
+	}
+	// Membership exactly as the test wants it, also for a user left over
+	// from an interrupted run.
+	args := []string{"-G", ""}
+	if inLibvirt {
+		args = []string{"-G", "libvirt"}
+	}
+	out, err := exec.Command("usermod", append(args, name)...).CombinedOutput()
+	require.NoError(t, err, "usermod: %s", out)
+	u, err := user.Lookup(name)
+	require.NoError(t, err)
+	uid, _ := strconv.Atoi(u.Uid)
+	gid, _ := strconv.Atoi(u.Gid)
+	// The groups the user's login would get, as systemd's User= gives them
+	// to gitlab-runner.
+	gids, err := u.GroupIds()
+	require.NoError(t, err)
+	cred := &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
+	for _, g := range gids {
+		n, _ := strconv.Atoi(g)
+		cred.Groups = append(cred.Groups, uint32(n))
+	}
+	return testUser{name: name, cred: cred}
+}
+
+// privateConfig is the rig's configuration with its own state directory,
+// owned by u (the stages' user), written where u can read it.
+func (r *rig) privateConfig(t *testing.T, top, tag string, u testUser) (*rig, string) {
+	t.Helper()
+	state := filepath.Join(top, "state-"+tag)
+	require.NoError(t, os.Mkdir(state, 0o700))
+	require.NoError(t, os.Chown(state, int(u.cred.Uid), int(u.cred.Gid)))
+	rv := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", state)))
+	cfgPath := filepath.Join(top, "config-"+tag+".toml")
+	copyFile(t, rv.cfgPath, cfgPath, 0o644)
+	return rv, cfgPath
+}
+
+func installed(bin, cfgPath string) harness.Executables {
+	args := []string{"--config", cfgPath}
+	exe := func(stage string) string { return filepath.Join(bin, "libvirt-executor-"+stage) }
+	return harness.Executables{
+		Config: exe("config"), Prepare: exe("prepare"), Run: exe("run"), Cleanup: exe("cleanup"),
+		ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+	}
+}
+
+func copyFile(t *testing.T, from, to string, mode os.FileMode) {
+	t.Helper()
+	in, err := os.Open(from)
+	require.NoError(t, err)
+	defer in.Close()
+	out, err := os.OpenFile(to, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, mode)
+	require.NoError(t, err)
+	_, err = io.Copy(out, in)
+	require.NoError(t, err)
+	require.NoError(t, out.Close())
+	require.NoError(t, os.Chmod(to, mode))
+}
+
+// ownership lists "mode uid path" for everything under dir.
+func ownership(t *testing.T, dir string) []string {
+	var out []string
+	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
+		if err != nil || p == dir {
+			return err
+		}
+		info, err := d.Info()
+		if err != nil {
+			return err
+		}
+		out = append(out, fmt.Sprintf("%s %d %s", info.Mode().Perm()|info.Mode().Type()&fs.ModeDir, info.Sys().(*syscall.Stat_t).Uid, p))
+		return nil
+	})
+	return out
+}
+
+func groupName(gid uint32) string {
+	if g, err := user.LookupGroupId(strconv.Itoa(int(gid))); err == nil {
+		return g.Name
+	}
+	return strconv.Itoa(int(gid))
+}
