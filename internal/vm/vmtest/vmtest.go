@@ -38,6 +38,9 @@ type Domain struct {
 	XML      string
 	OwnerXML string
 	Active   bool
+	// State, if set, is what State reports (else running or shut off,
+	// from Active).
+	State *vm.DomainState
 }
 
 // New returns an empty Fake.
@@ -47,6 +50,7 @@ func New() *Fake {
 
 var _ vm.Hypervisor = (*Fake)(nil)
 
+// call records a call; the caller holds f.mu.
 func (f *Fake) call(name string) error {
 	f.Calls = append(f.Calls, name)
 	return f.FailOn[name]
@@ -57,7 +61,11 @@ func (f *Fake) call(name string) error {
 func (f *Fake) Lock()   { f.mu.Lock() }
 func (f *Fake) Unlock() { f.mu.Unlock() }
 
-func (f *Fake) KVMAvailable() (bool, error) { return false, f.call("KVMAvailable") }
+func (f *Fake) KVMAvailable() (bool, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return false, f.call("KVMAvailable")
+}
 func (f *Fake) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -105,6 +113,8 @@ func (f *Fake) VolumeNames(pool string) ([]string, error) {
 	return out, nil
 }
 func (f *Fake) VolumeCapacity(path string) (uint64, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	return 1 << 30, f.call("VolumeCapacity")
 }
 func (f *Fake) Define(x string) error {
@@ -240,12 +250,35 @@ func (f *Fake) Addresses(name string, source vm.AddressSource) ([]vm.Lease, erro
 	}
 	return f.LeaseMap[name], nil
 }
-func (f *Fake) NetworkLeaseMACs(string) ([]string, error) { return f.NetMACs, nil }
-func (f *Fake) Close() error                              { return nil }
+func (f *Fake) NetworkLeaseMACs(string) ([]string, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return append([]string(nil), f.NetMACs...), nil
+}
+func (f *Fake) Close() error { return nil }
 
 // SetLeases replaces the leases reported for a domain.
 func (f *Fake) SetLeases(name string, l ...vm.Lease) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	f.LeaseMap[name] = l
+}
+
+// State implements vm.Hypervisor.
+func (f *Fake) State(name string) (vm.DomainState, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("State"); err != nil {
+		return vm.DomainState{}, err
+	}
+	d, ok := f.Domains[name]
+	switch {
+	case !ok:
+		return vm.DomainState{}, vm.ErrNotFound
+	case d.State != nil:
+		return *d.State, nil
+	case d.Active:
+		return vm.DomainState{Running: true, Summary: "running"}, nil
+	}
+	return vm.DomainState{Summary: "shut off"}, nil
 }
