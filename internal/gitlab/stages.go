@@ -225,10 +225,37 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		}
 		return err
 	}
+	if err != nil && ctx.Err() == nil {
+		// The guest stopped answering: say what became of it.
+		if why := e.explain(cfg, j.name); why != "" {
+			err = exitcodes.System(fmt.Errorf("%w; %s", err, why))
+		}
+	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
 	}
 	return err
+}
+
+// explain asks libvirt what became of the job's machine, within a few
+// seconds; "" when it runs normally or libvirt cannot tell.
+func (e Env) explain(cfg *config.Config, name string) string {
+	done := make(chan string, 1)
+	go func() {
+		hv, err := e.connect(cfg.LibvirtURI)
+		if err != nil {
+			done <- ""
+			return
+		}
+		defer hv.Close()
+		done <- (&vm.Engine{HV: hv}).Explain(name, cfg.StoragePool)
+	}()
+	select {
+	case why := <-done:
+		return why
+	case <-time.After(5 * time.Second):
+		return ""
+	}
 }
 
 // Cleanup is the cleanup stage: it removes everything of the job's machine.

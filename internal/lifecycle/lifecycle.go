@@ -261,10 +261,19 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		},
 	}
 	var consoleTail []byte
-	err = r.Run(ctx, withConsoleCapture(list, func() { consoleTail = tail(filepath.Join(m.Store.MachineDir(req.Name), "console.log"), 25) }))
+	var why string
+	err = r.Run(ctx, withConsoleCapture(list, func() {
+		consoleTail = tail(filepath.Join(m.Store.MachineDir(req.Name), "console.log"), 25)
+		if ctx.Err() == nil {
+			why = eng.Explain(req.Name, m.Cfg.StoragePool)
+		}
+	}))
 	if err != nil {
 		if len(consoleTail) > 0 {
 			m.say("Last lines of the guest console:\n%s", consoleTail)
+		}
+		if why != "" {
+			err = fmt.Errorf("%w; %s", err, why)
 		}
 		return nil, err
 	}

@@ -303,3 +303,23 @@ func TestProvisionStopsAtForeignDomain(t *testing.T) {
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.True(t, hv.Domains["lve-0123abcd-7"].Active, "foreign domain untouched")
 }
+
+// A guest that QEMU paused after a failed disk write (full storage) never
+// answers; the boot failure says why instead of only "timeout".
+func TestProvisionBootFailureSaysGuestWasPausedByIOError(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	g.noLease = true
+	hv.OnStart = func(name string, d *libvirtxml.Domain) {
+		hv.Lock()
+		defer hv.Unlock()
+		hv.Domains[name].State = &vm.DomainState{Summary: "paused (I/O error)", IOError: true}
+	}
+	m, img := manager(t, hv, g)
+	m.Cfg.Timeouts.Boot = config.Duration(500 * time.Millisecond)
+	_, err := m.Provision(context.Background(), request(img))
+	require.ErrorContains(t, err, "boot timeout")
+	require.ErrorContains(t, err, "paused by QEMU after a disk write failed")
+	require.ErrorContains(t, err, "storage pool jobs is probably full")
+	requireNothingLeft(t, hv, m)
+}

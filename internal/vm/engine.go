@@ -300,3 +300,20 @@ func Round(d time.Duration) time.Duration {
 	}
 	return d.Round(100 * time.Millisecond)
 }
+
+// Explain says, in one sentence, what became of a machine whose guest stopped
+// answering: gone, shut off, crashed, or paused by QEMU after a failed disk
+// write (full storage). It is empty when the domain runs normally or its
+// state cannot be read.
+func (e *Engine) Explain(name, pool string) string {
+	st, err := e.HV.State(name)
+	switch {
+	case errors.Is(err, ErrNotFound):
+		return fmt.Sprintf("VM %s no longer exists", name)
+	case err != nil, st.Running:
+		return ""
+	case st.IOError:
+		return fmt.Sprintf("VM %s was paused by QEMU after a disk write failed: the filesystem under storage pool %s is probably full", name, pool)
+	}
+	return fmt.Sprintf("VM %s is %s", name, st.Summary)
+}

@@ -49,6 +49,8 @@ type Hypervisor interface {
 	DomainNames() ([]string, error)
 	// IsActive reports whether the domain runs.
 	IsActive(name string) (bool, error)
+	// State reports the domain's state and libvirt's reason for it.
+	State(name string) (DomainState, error)
 	// Addresses returns the addresses of the domain's interfaces from the
 	// network's DHCP leases (SourceLease) or the guest agent (SourceAgent).
 	Addresses(name string, source AddressSource) ([]Lease, error)
@@ -56,4 +58,16 @@ type Hypervisor interface {
 	NetworkLeaseMACs(network string) ([]string, error)
 	// Close releases the connection.
 	Close() error
+}
+
+// DomainState is a domain's state with libvirt's reason for it.
+type DomainState struct {
+	// Running is true for a running (or blocked) guest.
+	Running bool
+	// Summary reads like "running", "paused (I/O error)" or "shut off
+	// (destroyed)".
+	Summary string
+	// IOError: QEMU paused the guest because a disk write failed,
+	// typically because the filesystem under the storage pool is full.
+	IOError bool
 }

@@ -339,6 +339,58 @@ func (l *Libvirt) IsActive(name string) (bool, error) {
 	return d.IsActive()
 }
 
+// State implements Hypervisor.
+func (l *Libvirt) State(name string) (DomainState, error) {
+	d, err := l.domain(name)
+	if err != nil {
+		return DomainState{}, err
+	}
+	defer d.Free()
+	st, reason, err := d.GetState()
+	if err != nil {
+		return DomainState{}, notFound(err, libvirt.ERR_NO_DOMAIN)
+	}
+	return describeState(st, reason), nil
+}
+
+func describeState(st libvirt.DomainState, reason int) DomainState {
+	why := func(reasons map[int]string) string {
+		if r, ok := reasons[reason]; ok {
+			return " (" + r + ")"
+		}
+		return ""
+	}
+	switch st {
+	case libvirt.DOMAIN_RUNNING, libvirt.DOMAIN_BLOCKED:
+		return DomainState{Running: true, Summary: "running"}
+	case libvirt.DOMAIN_PAUSED:
+		return DomainState{
+			IOError: reason == int(libvirt.DOMAIN_PAUSED_IOERROR),
+			Summary: "paused" + why(map[int]string{
+				int(libvirt.DOMAIN_PAUSED_IOERROR):       "I/O error",
+				int(libvirt.DOMAIN_PAUSED_USER):          "by a user",
+				int(libvirt.DOMAIN_PAUSED_CRASHED):       "guest crashed",
+				int(libvirt.DOMAIN_PAUSED_SHUTTING_DOWN): "shutting down",
+				int(libvirt.DOMAIN_PAUSED_WATCHDOG):      "watchdog",
+			}),
+		}
+	case libvirt.DOMAIN_SHUTDOWN:
+		return DomainState{Summary: "shutting down"}
+	case libvirt.DOMAIN_SHUTOFF:
+		return DomainState{Summary: "shut off" + why(map[int]string{
+			int(libvirt.DOMAIN_SHUTOFF_SHUTDOWN):  "the guest shut down",
+			int(libvirt.DOMAIN_SHUTOFF_DESTROYED): "destroyed",
+			int(libvirt.DOMAIN_SHUTOFF_CRASHED):   "crashed",
+			int(libvirt.DOMAIN_SHUTOFF_FAILED):    "failed to start",
+		})}
+	case libvirt.DOMAIN_CRASHED:
+		return DomainState{Summary: "crashed" + why(map[int]string{int(libvirt.DOMAIN_CRASHED_PANICKED): "guest kernel panic"})}
+	case libvirt.DOMAIN_PMSUSPENDED:
+		return DomainState{Summary: "suspended by the guest"}
+	}
+	return DomainState{Summary: fmt.Sprintf("state %d, reason %d", st, reason)}
+}
+
 // ErrAgentNotReady means the guest agent does not answer yet.
 var ErrAgentNotReady = errors.New("guest agent not answering yet")
 

@@ -191,6 +191,11 @@ func (r *Reconnecting) IsActive(name string) (bool, error) {
 	return do(r, func(h Hypervisor) (bool, error) { return h.IsActive(name) })
 }
 
+// State implements Hypervisor.
+func (r *Reconnecting) State(name string) (DomainState, error) {
+	return do(r, func(h Hypervisor) (DomainState, error) { return h.State(name) })
+}
+
 // Addresses implements Hypervisor.
 func (r *Reconnecting) Addresses(name string, source AddressSource) ([]Lease, error) {
 	return do(r, func(h Hypervisor) ([]Lease, error) { return h.Addresses(name, source) })

@@ -421,33 +421,7 @@ func TestFaultLibvirtdRestart(t *testing.T) {
 // TestFaultPoolFull clones into a storage pool with no room: prepare fails as
 // a system failure and leaves nothing.
 func TestFaultPoolFull(t *testing.T) {
-	base := setup(t)
-	// Not under t.TempDir(): its 0700 parent would keep QEMU (an unprivileged
-	// user) out, and the test must fail for want of space, nothing else.
-	dir, err := os.MkdirTemp("/var/lib", "lve-e2e-smallpool-")
-	require.NoError(t, err)
-	defer os.Remove(dir)
-	require.NoError(t, os.Chmod(dir, 0o755))
-	// `ip netns exec` gives every process its own mount namespace: mount the
-	// small filesystem where libvirtd sees it, and fill it through
-	// /proc/PID/root, which resolves paths in libvirtd's namespace.
-	pid := rigLibvirtdPID(t)
-	ns := func(args ...string) {
-		out, err := exec.Command("nsenter", append([]string{"-t", fmt.Sprint(pid), "-m", "--"}, args...)...).CombinedOutput()
-		require.NoError(t, err, "%s", out)
-	}
-	ns("mount", "-t", "tmpfs", "-o", "size=64k,mode=0755", "tmpfs", dir)
-	defer ns("umount", "-l", dir)
-	filler, err := os.Create(fmt.Sprintf("/proc/%d/root%s/filler", pid, dir))
-	require.NoError(t, err)
-	_, werr := filler.Write(make([]byte, 1<<20))
-	require.ErrorIs(t, werr, syscall.ENOSPC)
-	_ = filler.Close()
-	poolXML := fmt.Sprintf("<pool type='dir'><name>lve-e2e-small</name><target><path>%s</path></target></pool>", dir)
-	pool, err := base.conn.StoragePoolCreateXML(poolXML, 0) // transient
-	require.NoError(t, err)
-	defer func() { _ = pool.Destroy(); _ = pool.Free() }()
-	r := base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`))
+	r := setup(t).smallPool(t, "64k", true)
 	s := newStageRunner(t, r)
 	require.Equal(t, 0, s.run(t, "config").code)
 	res := s.run(t, "prepare")
@@ -459,6 +433,64 @@ func TestFaultPoolFull(t *testing.T) {
 	left := r.leftovers(t)
 	figures.addLeaks(len(left))
 	require.Empty(t, left)
+}
+
+// TestFaultDiskFullDuringRun fills the storage under a running job: QEMU
+// pauses the guest when its disk write fails, the job's connection goes
+// quiet, and run reports a system failure that says why.
+func TestFaultDiskFullDuringRun(t *testing.T) {
+	r := setup(t).smallPool(t, "16m", false)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	t0 := time.Now()
+	res := s.runScript(t, "build_script", "dd if=/dev/zero of=/lve-big bs=1M count=64 2>&1; sync; echo dd-finished")
+	figures.fault()
+	figures.class(res.code, 2)
+	require.Equal(t, 2, res.code, "the host's storage is full: system failure, not the job's")
+	require.NotContains(t, res.stdout, "dd-finished")
+	require.Contains(t, res.stderr, "paused by QEMU after a disk write failed")
+	require.Contains(t, res.stderr, "storage pool lve-e2e-small is probably full")
+	t.Logf("run noticed the paused guest after %s", time.Since(t0).Round(time.Millisecond))
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+	left := r.leftovers(t)
+	figures.addLeaks(len(left))
+	require.Empty(t, left)
+}
+
+// smallPool is the rig with a transient storage pool "lve-e2e-small" on a
+// tmpfs of the given size (optionally filled up at once), removed after
+// the test.
+func (base *rig) smallPool(t *testing.T, size string, fill bool) *rig {
+	t.Helper()
+	// Not under t.TempDir(): its 0700 parent would keep QEMU (an unprivileged
+	// user) out, and the test must fail for want of space, nothing else.
+	dir, err := os.MkdirTemp("/var/lib", "lve-e2e-smallpool-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.Remove(dir) })
+	require.NoError(t, os.Chmod(dir, 0o755))
+	// `ip netns exec` gives every process its own mount namespace: mount the
+	// small filesystem where libvirtd sees it, and fill it through
+	// /proc/PID/root, which resolves paths in libvirtd's namespace.
+	pid := rigLibvirtdPID(t)
+	ns := func(args ...string) {
+		out, err := exec.Command("nsenter", append([]string{"-t", fmt.Sprint(pid), "-m", "--"}, args...)...).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+	}
+	ns("mount", "-t", "tmpfs", "-o", "size="+size+",mode=0755", "tmpfs", dir)
+	t.Cleanup(func() { ns("umount", "-l", dir) })
+	if fill {
+		filler, err := os.Create(fmt.Sprintf("/proc/%d/root%s/filler", pid, dir))
+		require.NoError(t, err)
+		_, werr := filler.Write(make([]byte, 1<<20))
+		require.ErrorIs(t, werr, syscall.ENOSPC)
+		_ = filler.Close()
+	}
+	poolXML := fmt.Sprintf("<pool type='dir'><name>lve-e2e-small</name><target><path>%s</path></target></pool>", dir)
+	pool, err := base.conn.StoragePoolCreateXML(poolXML, 0) // transient
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = pool.Destroy(); _ = pool.Free() })
+	return base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`))
 }
 
 // TestFaultPrepareFailsThreeTimes: a broken image makes every prepare attempt
