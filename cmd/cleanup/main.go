@@ -14,5 +14,5 @@ func main() {
 	stagecli.Main("libvirt-executor-cleanup", "remove the job's VM and everything it used", "", 0,
 		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Cleanup(ctx, env, cfg)
-		})
+		}, stagecli.RunsToCompletion())
 }

@@ -30,19 +30,38 @@ func init() { signal.Notify(early, syscall.SIGTERM, syscall.SIGINT) }
 // Stage is one stage's body.
 type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error
 
+// Option changes how a stage treats signals.
+type Option func(*options)
+
+type options struct{ toCompletion bool }
+
+// RunsToCompletion marks a stage that finishes its work after SIGTERM, on
+// its own deadline, and then reports how that went (cleanup). Every other
+// stage that received SIGTERM or SIGINT exits with SYSTEM_FAILURE, also when
+// its work happened to finish first: the job was stopped, and the exit code
+// must not depend on which of the two came first.
+func RunsToCompletion() Option { return func(o *options) { o.toCompletion = true } }
+
 // Main runs a stage executable and exits with the code exitcodes decides.
-func Main(name, usage string, argsUsage string, nargs int, stage Stage) {
-	os.Exit(Run(os.Args, os.Getenv, os.Stdout, os.Stderr, name, usage, argsUsage, nargs, stage))
+func Main(name, usage string, argsUsage string, nargs int, stage Stage, opts ...Option) {
+	os.Exit(Run(os.Args, os.Getenv, os.Stdout, os.Stderr, name, usage, argsUsage, nargs, stage, opts...))
 }
 
 // Run is Main without os.Exit, for tests.
-func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, name, usage, argsUsage string, nargs int, stage Stage) int {
+func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, name, usage, argsUsage string, nargs int, stage Stage, opts ...Option) int {
+	var o options
+	for _, opt := range opts {
+		opt(&o)
+	}
 	codes := exitcodes.FromEnv(getenv)
 	ctx, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
 	go func() {
-		sig := <-early
-		cancel(fmt.Errorf("%v signal received", sig))
+		select {
+		case sig := <-early:
+			cancel(fmt.Errorf("%v signal received", sig))
+		case <-ctx.Done(): // Run returned
+		}
 	}()
 	var stageErr error
 	app := &cli.App{
@@ -72,6 +91,9 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger}
 			stageErr = stage(c.Context, env, cfg, c.Args().Slice())
+			if stageErr == nil && !o.toCompletion && ctx.Err() != nil {
+				stageErr = exitcodes.System(fmt.Errorf("stopped: %w", context.Cause(ctx)))
+			}
 			if stageErr != nil {
 				fmt.Fprintf(stderr, "%s: %v\n", name, stageErr)
 			}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -74,4 +75,36 @@ func TestConfigFromEnvironment(t *testing.T) {
 		})
 	require.Equal(t, 0, code)
 	require.Equal(t, "envcfg", got)
+}
+
+// A stage that finishes its work although SIGTERM arrived still reports
+// SYSTEM_FAILURE, so the exit code does not depend on which came first;
+// cleanup, which runs to completion on purpose, reports its own result.
+func TestSignalledStageIsSystemFailure(t *testing.T) {
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "c.toml")
+	require.NoError(t, os.WriteFile(cfgPath, []byte("[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	env := map[string]string{"BUILD_FAILURE_EXIT_CODE": "1", "SYSTEM_FAILURE_EXIT_CODE": "2"}
+	finishesAnyway := func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+		early <- syscall.SIGTERM
+		<-ctx.Done() // the signal arrived ...
+		return nil   // ... but the work was done
+	}
+	for _, tc := range []struct {
+		name string
+		opts []Option
+		want int
+	}{
+		{"ordinary stage", nil, 2},
+		{"runs to completion", []Option{RunsToCompletion()}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			code := Run([]string{"x", "--config", cfgPath}, func(k string) string { return env[k] }, &bytes.Buffer{}, &stderr, "x", "", "", 0, finishesAnyway, tc.opts...)
+			require.Equal(t, tc.want, code, stderr.String())
+			if tc.want == 2 {
+				require.Contains(t, stderr.String(), "stopped: terminated signal received")
+			}
+		})
+	}
 }
