@@ -360,9 +360,13 @@ func restartLibvirtd(t *testing.T) {
 	require.NoError(t, err)
 	comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 	require.Equal(t, "libvirtd", strings.TrimSpace(string(comm)), "only the rig's own libvirtd is restarted")
+	// Start it again exactly as the rig did (its own libvirtd.conf, pidfile).
+	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	require.NoError(t, err)
+	argv := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
 	require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
 	waitFor(t, 30*time.Second, "libvirtd to exit", func() bool { return syscall.Kill(pid, 0) != nil })
-	cmd := exec.Command("libvirtd", "-d", "-p", pidfile)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=3:file:"+filepath.Join(run, "libvirtd.log"))
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -574,4 +578,41 @@ func TestFaultConcurrentJobsWithRandomCancels(t *testing.T) {
 	for m, c := range seenMAC {
 		require.Equal(t, 1, c, "MAC %s given to %d jobs", m, c)
 	}
+}
+
+// TestCapacityAdmissionOnRealVMs: with room for one VM, a second job's
+// prepare waits (saying so in its job log) instead of starting a second
+// guest, and runs once the first job's VM is gone.
+func TestCapacityAdmissionOnRealVMs(t *testing.T) {
+	r := setup(t).withConfig(t, func(s string) string {
+		return s + "\n[capacity]\nmax_vms = 1\nwait = \"5m\"\n"
+	})
+	type job struct {
+		res *harness.Result
+		log *logWriter
+	}
+	var jobs [2]job
+	var wg sync.WaitGroup
+	for i := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if i == 1 {
+				time.Sleep(2 * time.Second) // let the first job take the slot
+			}
+			opts, lw := r.options(t)
+			res, err := harness.RunJob(context.Background(), opts, harness.Job{Script: []string{fmt.Sprintf("echo job-%d-ran", i), "sleep 3"}})
+			require.NoError(t, err)
+			jobs[i] = job{res, lw}
+		}()
+	}
+	wg.Wait()
+	for i, j := range jobs {
+		require.Equal(t, harness.StateSuccess, j.res.State, "job %d: %s %s", i, j.res.FailureReason, j.res.Message)
+		require.Contains(t, j.log.buf.String(), fmt.Sprintf("job-%d-ran", i))
+	}
+	second := jobs[1].log.buf.String()
+	require.Contains(t, second, "Waiting for room on the host")
+	require.Contains(t, second, "Room on the host after")
+	require.NotContains(t, jobs[0].log.buf.String(), "Waiting for room")
 }
