@@ -8,9 +8,11 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
+	"io"
 	"io/fs"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -259,4 +261,97 @@ func machineAddress(t *testing.T, r *rig, name string) string {
 	require.NoError(t, json.Unmarshal(b, &m))
 	require.NotEmpty(t, m.Address)
 	return m.Address
+}
+
+// TestJobVMsCannotReachMetadataAddress: a stand-in for a cloud metadata
+// service (169.254.169.254) sits behind the rig's host, reachable by
+// routing, next to an ordinary outside address (192.0.2.10) on the same
+// link. The guest reaches the ordinary address (so routing and NAT work)
+// but not the metadata address: the network's guard refuses it.
+func TestJobVMsCannotReachMetadataAddress(t *testing.T) {
+	r := setup(t)
+	metadataStandIn(t)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	defer func() { require.Equal(t, 0, s.run(t, "cleanup").code) }()
+	probe := func(label, ip string) string {
+		return fmt.Sprintf("if timeout 10 bash -c 'exec 3<>/dev/tcp/%s/80' 2>/dev/null; then echo %s=REACHED; else echo %s=FAILED; fi\n", ip, label, label)
+	}
+	res := s.runScript(t, "build_script", "#!/usr/bin/env bash\n"+probe("outside", "192.0.2.10")+probe("metadata", "169.254.169.254"))
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "outside=REACHED", "the stand-in is reachable by routing: the test can tell a refusal from no route")
+	require.Contains(t, res.stdout, "metadata=FAILED", "the link-local metadata address must not be reachable from a job")
+}
+
+const helperListenEnv = "LVE_E2E_HELPER_LISTEN"
+
+// metadataStandIn makes a network namespace (private to this test process)
+// joined to the rig's namespace by a veth pair: 192.0.2.10 and
+// 169.254.169.254 live there, each serving TCP port 80, and the rig's side
+// routes to both. Everything is removed with the namespace.
+func metadataStandIn(t *testing.T) {
+	t.Helper()
+	ipc := func(args ...string) {
+		out, err := exec.Command("ip", args...).CombinedOutput()
+		require.NoError(t, err, "ip %s: %s", strings.Join(args, " "), out)
+	}
+	const ns = "lve-e2e-meta"
+	_ = exec.Command("ip", "netns", "del", ns).Run() // an interrupted earlier run
+	ipc("netns", "add", ns)
+	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", ns).Run() }) // takes the veth pair with it
+	ipc("link", "add", "lve-meta0", "type", "veth", "peer", "name", "lve-meta1")
+	ipc("link", "set", "lve-meta1", "netns", ns)
+	ipc("addr", "add", "192.0.2.1/24", "dev", "lve-meta0")
+	ipc("link", "set", "lve-meta0", "up")
+	ipc("route", "add", "169.254.169.254/32", "dev", "lve-meta0")
+	ipc("-n", ns, "addr", "add", "192.0.2.10/24", "dev", "lve-meta1")
+	ipc("-n", ns, "addr", "add", "169.254.169.254/16", "dev", "lve-meta1")
+	ipc("-n", ns, "link", "set", "lo", "up")
+	ipc("-n", ns, "link", "set", "lve-meta1", "up")
+
+	// The service: this test binary, run inside the namespace.
+	cmd := exec.Command("ip", "netns", "exec", ns, os.Args[0])
+	cmd.Env = append(os.Environ(), helperListenEnv+"=0.0.0.0:80")
+	stdout, err := cmd.StdoutPipe()
+	require.NoError(t, err)
+	stdin, err := cmd.StdinPipe() // closing it ends the helper
+	require.NoError(t, err)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() {
+		_ = stdin.Close()
+		done := make(chan struct{})
+		go func() { _ = cmd.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(5 * time.Second):
+			_ = cmd.Process.Kill()
+			<-done
+		}
+	})
+	line := make([]byte, 6)
+	_, err = io.ReadFull(stdout, line)
+	require.NoError(t, err)
+	require.Equal(t, "ready\n", string(line))
+}
+
+// helperListen serves addr (accept and close) until stdin closes.
+func helperListen(addr string) {
+	ln, err := net.Listen("tcp", addr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Print("ready\n")
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_ = c.Close()
+		}
+	}()
+	_, _ = io.Copy(io.Discard, os.Stdin)
+	os.Exit(0)
 }
