@@ -107,7 +107,15 @@ else
 			auth_unix_ro = "none"
 			auth_unix_rw = "none"
 		EOF
-		ip netns exec "$LVE_RIG_NS" libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"
+		# The network guard is installed the way an admin installs it: as a
+		# libvirt network hook (deploy/network). This libvirtd sees the rig's
+		# hooks directory in place of /etc/libvirt/hooks, in its own mount
+		# namespace only.
+		mkdir -p "$LVE_RIG_RUN/hooks/network.d" /etc/libvirt/hooks
+		install -m 0755 "$here/../network/libvirt-executor-guard" "$LVE_RIG_RUN/hooks/network.d/50-libvirt-executor-guard"
+		printf '%s %s\n' "$LVE_RIG_NET" "$LVE_RIG_SERVICE_PORTS" >"$LVE_RIG_RUN/hooks/libvirt-executor-guard.conf"
+		ip netns exec "$LVE_RIG_NS" sh -c 'mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"' sh "$LVE_RIG_RUN/hooks" \
+			libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"
 		for _ in $(seq 50); do [ -s "$LVE_RIG_RUN/libvirtd.pid" ] && break; sleep 0.1; done
 		pid=$(tr -dc 0-9 <"$LVE_RIG_RUN/libvirtd.pid" 2>/dev/null || true)
 		t0=$SECONDS
@@ -146,21 +154,10 @@ fi
 rig_virsh net-autostart "$LVE_RIG_NET" --disable >/dev/null 2>&1 || true
 
 # --- guard: job VMs reach only DHCP, DNS and the declared service ports of the host side --
-# (replies to connections the host opened, e.g. SSH to the guests, pass as ESTABLISHED;
-# 169.254.0.0/16 (cloud metadata) is never forwarded).
+# Installed by the network hook when the network started (see above); checked here.
 if [ ! -e "$LVE_RIG_RUN/reused" ]; then
-	rig_ipt() { ip netns exec "$LVE_RIG_NS" iptables -w "$@"; }
-	rig_ipt -N LVE_GUARD 2>/dev/null || rig_ipt -F LVE_GUARD
-	rig_ipt -A LVE_GUARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT
-	rig_ipt -A LVE_GUARD -p udp --dport 67 -j ACCEPT
-	rig_ipt -A LVE_GUARD -p udp --dport 53 -j ACCEPT
-	rig_ipt -A LVE_GUARD -p tcp --dport 53 -j ACCEPT
-	rig_ipt -A LVE_GUARD -p tcp --dport "$LVE_RIG_SERVICE_PORTS" -j ACCEPT
-	rig_ipt -A LVE_GUARD -j REJECT --reject-with icmp-port-unreachable
-	rig_ipt -C INPUT -i "$LVE_RIG_BRIDGE" -j LVE_GUARD 2>/dev/null ||
-		rig_ipt -I INPUT 1 -i "$LVE_RIG_BRIDGE" -j LVE_GUARD
-	rig_ipt -C FORWARD -i "$LVE_RIG_BRIDGE" -d 169.254.0.0/16 -j REJECT 2>/dev/null ||
-		rig_ipt -I FORWARD 1 -i "$LVE_RIG_BRIDGE" -d 169.254.0.0/16 -j REJECT
+	ip netns exec "$LVE_RIG_NS" iptables -w -S "LVE-GUARD-$LVE_RIG_BRIDGE" >/dev/null 2>&1 ||
+		rig_die "the network hook did not install the guard on $LVE_RIG_BRIDGE (libvirtd log: $LVE_RIG_RUN/libvirtd.log)"
 	rig_log "guard: guests reach the host side only on DHCP, DNS and tcp $LVE_RIG_SERVICE_PORTS"
 fi
 

@@ -355,3 +355,56 @@ func helperListen(addr string) {
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	os.Exit(0)
 }
+
+// TestGuardHook runs deploy/network/libvirt-executor-guard the way libvirt
+// does (network name, operation, network XML on stdin) in a network
+// namespace of its own: rules appear on "started" for a configured network,
+// twice is the same as once, they go on "stopped", unconfigured networks and
+// bad input are left alone.
+func TestGuardHook(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for iptables in a private network namespace")
+	}
+	script, err := filepath.Abs("../../deploy/network/libvirt-executor-guard")
+	require.NoError(t, err)
+	conf := filepath.Join(t.TempDir(), "guard.conf")
+	require.NoError(t, os.WriteFile(conf, []byte("# comment\nci 3128,8080\nother\n"), 0o644))
+	// One shell in a fresh network namespace runs every step and prints the
+	// rules after each, separated by markers.
+	steps := `
+set -e
+hook() { LIBVIRT_EXECUTOR_GUARD_CONF=` + conf + ` "` + script + `" "$@"; }
+xml="<network><name>ci</name><bridge name='virbr-ci' stp='on' delay='0'/></network>"
+dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254' || true; }
+echo "$xml" | hook ci started begin -;  dump started
+echo "$xml" | hook ci started begin -;  dump again
+echo "$xml" | hook ci stopped end -;    dump stopped
+echo "<network><bridge name='virbr-x'/></network>" | hook unknown started begin -; dump unknown
+rc=0; hook apply 'br0;reboot' 80 2>/dev/null || rc=$?; echo "== badbridge $rc"
+rc=0; hook apply br0 '80 -j ACCEPT' 2>/dev/null || rc=$?; echo "== badports $rc"
+`
+	out, err := exec.Command("unshare", "--net", "bash", "-c", steps).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	sections := map[string]string{}
+	for _, part := range strings.Split(string(out), "== ")[1:] {
+		name, body, _ := strings.Cut(part, "\n")
+		fields := strings.Fields(name)
+		sections[fields[0]] = strings.Join(fields[1:], " ") + body
+	}
+	started := sections["started"]
+	for _, want := range []string{
+		"-A INPUT -i virbr-ci -j LVE-GUARD-virbr-ci",
+		"-A LVE-GUARD-virbr-ci -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
+		"-A LVE-GUARD-virbr-ci -p udp -m udp --dport 67 -j ACCEPT",
+		"-A LVE-GUARD-virbr-ci -p tcp -m multiport --dports 3128,8080 -j ACCEPT",
+		"-A LVE-GUARD-virbr-ci -j REJECT --reject-with icmp-port-unreachable",
+		"-A FORWARD -d 169.254.0.0/16 -i virbr-ci -j REJECT",
+	} {
+		require.Contains(t, started, want)
+	}
+	require.Equal(t, started, sections["again"], "applying twice is the same as once")
+	require.Empty(t, strings.TrimSpace(sections["stopped"]), "all rules gone when the network stops")
+	require.Empty(t, strings.TrimSpace(sections["unknown"]), "networks not in the configuration are left alone")
+	require.Equal(t, "2", strings.TrimSpace(sections["badbridge"]))
+	require.Equal(t, "2", strings.TrimSpace(sections["badports"]))
+}
