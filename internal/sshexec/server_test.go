@@ -30,6 +30,8 @@ type testServer struct {
 	// dropOn, when set, closes the TCP connection as soon as this text
 	// appears in a command's stdout (a guest that vanishes mid-stream).
 	dropOn atomic.Value
+	// prefix is put in front of every command (to break the guest's shell).
+	prefix atomic.Value
 	mu     sync.Mutex
 	conns  []net.Conn
 	cmds   []string
@@ -144,7 +146,8 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 		ts.cmds = append(ts.cmds, payload.Cmd)
 		ts.mu.Unlock()
 		_ = r.Reply(true, nil)
-		cmd := exec.Command("bash", "-c", payload.Cmd)
+		prefix, _ := ts.prefix.Load().(string)
+		cmd := exec.Command("bash", "-c", prefix+payload.Cmd)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 		cmd.Stdin = ch
 		cmd.Stdout = dropWriter{ch, ts, nc}
@@ -154,7 +157,7 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
 			if ws, ok := ee.Sys().(syscall.WaitStatus); ok && ws.Signaled() {
-				sig := map[syscall.Signal]string{syscall.SIGTERM: "TERM", syscall.SIGKILL: "KILL", syscall.SIGSEGV: "SEGV"}[ws.Signal()]
+				sig := map[syscall.Signal]string{syscall.SIGTERM: "TERM", syscall.SIGKILL: "KILL", syscall.SIGSEGV: "SEGV", syscall.SIGUSR1: "USR1"}[ws.Signal()]
 				_, _ = ch.SendRequest("exit-signal", false, ssh.Marshal(struct {
 					Signal     string
 					CoreDumped bool

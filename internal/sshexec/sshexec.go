@@ -281,34 +281,25 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	}
 	base := "/tmp/lve-run-" + tag
 	path, pidfile := base+".sh", base+".pid"
-	// 1. Upload through stdin; noclobber and umask keep it private.
-	up, err := c.c.NewSession()
-	if err != nil {
-		return c.lost(err)
-	}
-	up.Stdin = bytes.NewReader(script)
-	var upErr bytes.Buffer
-	up.Stderr = &upErr
-	err = up.Run("umask 077 && set -C && cat > " + path)
-	_ = up.Close()
-	if err != nil {
-		var ee *ssh.ExitError
-		if errors.As(err, &ee) {
-			return exitcodes.System(fmt.Errorf("copy script into guest: exit %d: %s", ee.ExitStatus(), strings.TrimSpace(upErr.String())))
-		}
-		return c.lost(err)
-	}
-	// 2. Run it. The session's shell is a session and process group leader
-	// (the SSH server calls setsid), so $$ is the group to signal. The script
-	// holds the job's variables: it is removed as soon as it ends.
+	// One session does it all (each session costs the guest a shell start):
+	// the script arrives on stdin and is written with a private umask and
+	// noclobber in a subshell, so the job's own umask is untouched; if that
+	// fails the session shell ends itself with SIGUSR1, which tells an
+	// infrastructure failure from anything the script can exit with. Then
+	// the script runs with stdin closed. The session's shell is a session
+	// and process group leader (the SSH server calls setsid), so $$ is the
+	// group to signal. The script holds the job's variables: it is removed
+	// as soon as it ends.
 	s, err := c.c.NewSession()
 	if err != nil {
 		return c.lost(err)
 	}
 	defer s.Close()
+	s.Stdin = bytes.NewReader(script)
 	s.Stdout, s.Stderr = o.Stdout, o.Stderr
-	cmd := fmt.Sprintf("echo $$ > %s; %s %s < /dev/null; rc=$?; rm -f %s %s; exit $rc",
-		pidfile, shellQuote(o.Shell), path, path, pidfile)
+	cmd := fmt.Sprintf("(umask 077 && set -C && exec cat > %s) || { rm -f %s; kill -s USR1 $$; }; "+
+		"echo $$ > %s; %s %s < /dev/null; rc=$?; rm -f %s %s; exit $rc",
+		path, path, pidfile, shellQuote(o.Shell), path, path, pidfile)
 	if err := s.Start(cmd); err != nil {
 		return c.lost(err)
 	}
@@ -327,12 +318,19 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	}
 }
 
+// uploadFailed is the signal the session shell ends itself with when the
+// script could not be written in the guest.
+const uploadFailed = "USR1"
+
 func (c *Client) classify(err error) error {
 	if err == nil {
 		return nil
 	}
 	var ee *ssh.ExitError
 	if errors.As(err, &ee) && c.Dead() == nil {
+		if ee.Signal() == uploadFailed {
+			return exitcodes.System(errors.New("copy script into guest failed (the guest's message is above)"))
+		}
 		if sig := ee.Signal(); sig != "" {
 			return &exitcodes.ScriptError{Code: 128 + signalNumber(sig)}
 		}

@@ -102,6 +102,37 @@ func TestScriptNeverOnCommandLineAndNotLeftBehind(t *testing.T) {
 	}
 }
 
+// The script runs with the shell's own umask, not the private one used to
+// write it into the guest.
+func TestScriptKeepsTheUsersUmask(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	ts.prefix.Store("umask 0022; ")
+	out, _, err := run(t, c, context.Background(), "umask\n")
+	require.NoError(t, err)
+	require.Equal(t, "0022\n", out)
+}
+
+// A script that cannot be written into the guest (here: no file may grow)
+// is an infrastructure failure, never the job's, whatever the shell says.
+func TestUploadFailureIsSystemFailure(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	ts.prefix.Store("ulimit -f 0; ")
+	_, errOut, err := run(t, c, context.Background(), "echo never-ran\n")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "copy script into guest failed")
+	require.NotContains(t, errOut, "never-ran")
+	require.NoError(t, c.Dead(), "the connection itself is fine")
+	// A script that kills its own shell with the same signal is still the
+	// job's (128+10), not an upload failure.
+	ts.prefix.Store("")
+	_, _, err = run(t, c, context.Background(), "kill -USR1 $$\n")
+	code, ok := exitcodes.ScriptCode(err)
+	require.True(t, ok, "%v", err)
+	require.Equal(t, 128+10, code)
+}
+
 func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {
 	ts := startServer(t)
 	c := dial(t, target(ts))
