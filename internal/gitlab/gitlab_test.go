@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"log/slog"
+	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -16,6 +17,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -211,4 +213,39 @@ func TestKeepOnFailure(t *testing.T) {
 	env["CUSTOM_ENV_CI_JOB_STATUS"] = "success"
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
 	require.NotContains(t, hv.Domains, j.name)
+}
+
+// When run cannot reach the job's machine, it asks libvirt what became of
+// it and says so: a system failure that names the cause.
+func TestRunExplainsAMachineThatIsGone(t *testing.T) {
+	cfg := testConfig(t)
+	hv := vmtest.New()
+	e := Env{Getenv: envOf(map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}),
+		Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{}, Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
+		Connect: func(string) (vm.Hypervisor, error) { return hv, nil }}
+	j, err := e.load(cfg)
+	require.NoError(t, err)
+	// The machine's record says it listens on a port where nothing does.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := ln.Addr().(*net.TCPAddr).Port
+	require.NoError(t, ln.Close())
+	keys, err := guestinit.NewKeys("test")
+	require.NoError(t, err)
+	_, err = j.store.Create(j.name)
+	require.NoError(t, err)
+	require.NoError(t, j.store.SaveKey(j.name, keys.ClientPEM))
+	require.NoError(t, j.store.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
+	script := filepath.Join(t.TempDir(), "script.")
+	require.NoError(t, os.WriteFile(script, []byte("exit 0\n"), 0o600))
+
+	err = Run(context.Background(), e, cfg, script, "build_script")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.ErrorContains(t, err, "VM "+j.name+" no longer exists")
+
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.controller, Job: "1000"})
+	require.NoError(t, err)
+	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, State: &vm.DomainState{Summary: "shut off (destroyed)"}}
+	err = Run(context.Background(), e, cfg, script, "build_script")
+	require.ErrorContains(t, err, "VM "+j.name+" is shut off (destroyed)")
 }

@@ -207,6 +207,9 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	m := &lifecycle.Manager{Cfg: cfg, Store: j.store, Controller: j.controller}
 	mach, client, err := m.Connect(ctx, j.name)
 	if err != nil {
+		if !errors.Is(err, state.ErrNoMachine) && ctx.Err() == nil {
+			err = e.explained(cfg, j.name, err)
+		}
 		return exitcodes.System(err)
 	}
 	defer client.Close()
@@ -227,12 +230,19 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if err != nil && ctx.Err() == nil {
 		// The guest stopped answering: say what became of it.
-		if why := e.explain(cfg, j.name); why != "" {
-			err = exitcodes.System(fmt.Errorf("%w; %s", err, why))
-		}
+		err = exitcodes.System(e.explained(cfg, j.name, err))
 	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
+	}
+	return err
+}
+
+// explained adds to err what libvirt says became of the job's machine
+// (gone, shut off, paused after a failed disk write), if anything.
+func (e Env) explained(cfg *config.Config, name string, err error) error {
+	if why := e.explain(cfg, name); why != "" {
+		return fmt.Errorf("%w; %s", err, why)
 	}
 	return err
 }
