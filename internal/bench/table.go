@@ -78,7 +78,7 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	row("  no-op's own time in guest", s.BuildGuest, fmtMs)
 	row("  overhead per stage (build_script)", s.Overhead, fmtMs)
 	row("  of which: SSH connect+handshake+login", s.Handshake, fmtMs)
-	row("  of which: one session exec (x2 per stage)", s.Exec, fmtMs)
+	row("  of which: one session exec (one per stage)", s.Exec, fmtMs)
 	row("cleanup wall", s.Cleanup, fmtMs)
 	row("  floor VM: destroy call", s.FloorDestroy, fmtMs)
 	row("  floor VM: destroy+undefine+volumes", s.FloorRemove, fmtMs)
