@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net"
 	"os"
@@ -249,3 +250,51 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	err = Run(context.Background(), e, cfg, script, "build_script")
 	require.ErrorContains(t, err, "VM "+j.name+" is shut off (destroyed)")
 }
+
+type fakeGuest struct {
+	calls int
+	out   string
+}
+
+func (f *fakeGuest) Output(context.Context, string) ([]byte, error) {
+	f.calls++
+	return []byte(f.out), nil
+}
+
+// The guest tool check asks the guest once per version of an image file and
+// tells every job the same.
+func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("v1"), 0o644))
+	img := &config.Image{Name: "deb", Base: base}
+	store := state.Store{Dir: filepath.Join(dir, "state")}
+	g := &fakeGuest{out: "git-lfs\ngitlab-runner\n"}
+	var said []string
+	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
+
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
+	require.Equal(t, 1, g.calls, "the second job of the same image file does not ask")
+	require.Len(t, said, 4, "both jobs are told: %q", said)
+	require.Equal(t, said[:2], said[2:])
+	require.Contains(t, said[0], "git-lfs is not installed")
+
+	// The image file changes: ask again.
+	require.NoError(t, os.WriteFile(base, []byte("version 2"), 0o644))
+	g.out = ""
+	said = nil
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
+	require.Equal(t, 2, g.calls)
+	require.Empty(t, said, "nothing missing in the new image")
+
+	// A cancelled stage is an error, not a note.
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	require.NoError(t, os.WriteFile(base, []byte("version three"), 0o644))
+	require.Error(t, checkGuestTools(ctx, &cancelledGuest{}, say, store, img))
+}
+
+type cancelledGuest struct{}
+
+func (cancelledGuest) Output(ctx context.Context, _ string) ([]byte, error) { return nil, ctx.Err() }

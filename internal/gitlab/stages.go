@@ -151,7 +151,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
 		Check: func(ctx context.Context, c *sshexec.Client) error {
-			return checkGuestTools(ctx, c, say)
+			return checkGuestTools(ctx, c, say, j.store, img)
 		},
 	}
 	ready, err := m.Provision(ctx, req)
@@ -163,10 +163,35 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	return nil
 }
 
+// outputter runs a fixed command in the guest (sshexec.Client).
+type outputter interface {
+	Output(ctx context.Context, cmd string) ([]byte, error)
+}
+
+// toolCheck is what the guest tool check found for one version of an image.
+type toolCheck struct {
+	Base    string   `json:"base"`
+	Size    int64    `json:"size"`
+	ModTime int64    `json:"mtime_ns"`
+	Missing []string `json:"missing"`
+}
+
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
 // missing in the guest. A missing tool is only reported (a job may not need
-// it); the only error is the stage being cancelled.
-func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ...any)) error {
+// it); the only error is the stage being cancelled. The answer is remembered
+// per image file (path, size, modification time): every job of an unchanged
+// image would get the same answer, and asking costs an SSH session.
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image) error {
+	var cur toolCheck
+	st, statErr := os.Stat(img.Base)
+	if statErr == nil {
+		cur = toolCheck{Base: img.Base, Size: st.Size(), ModTime: st.ModTime().UnixNano()}
+		var old toolCheck
+		if store.Recall("tools-"+img.Name, &old) && old.Base == cur.Base && old.Size == cur.Size && old.ModTime == cur.ModTime {
+			reportMissingTools(old.Missing, say)
+			return nil
+		}
+	}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	out, err := c.Output(cctx, `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done`)
@@ -177,7 +202,15 @@ func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ..
 		say("Could not check the guest's tools: %v", err)
 		return nil
 	}
-	missing := strings.Fields(string(out))
+	cur.Missing = strings.Fields(string(out))
+	if statErr == nil {
+		_ = store.Remember("tools-"+img.Name, cur) // a lost cache entry costs one more check
+	}
+	reportMissingTools(cur.Missing, say)
+	return nil
+}
+
+func reportMissingTools(missing []string, say func(string, ...any)) {
 	for _, t := range missing {
 		switch t {
 		case "git":
@@ -190,7 +223,6 @@ func checkGuestTools(ctx context.Context, c *sshexec.Client, say func(string, ..
 			say("Warning: bash is not installed in the guest: GitLab's job scripts need it")
 		}
 	}
-	return nil
 }
 
 // Run is the run stage: it executes the runner's script for one stage in the

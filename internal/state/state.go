@@ -275,3 +275,25 @@ func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
 	}
 	return out, nil
 }
+
+// Remember stores v as JSON under the store's cache directory, for facts
+// that hold across jobs (such as what an image contains). Names are chosen
+// by the caller from configuration, never from job input.
+func (s Store) Remember(name string, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	dir := filepath.Join(s.Dir, "cache")
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	return writeFileAtomic(filepath.Join(dir, name+".json"), b)
+}
+
+// Recall reads what Remember stored under name into v; false if there is
+// nothing (or nothing readable).
+func (s Store) Recall(name string, v any) bool {
+	b, err := os.ReadFile(filepath.Join(s.Dir, "cache", name+".json"))
+	return err == nil && json.Unmarshal(b, v) == nil
+}

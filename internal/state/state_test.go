@@ -104,3 +104,16 @@ func TestLock(t *testing.T) {
 	names, _ = s.LockNames()
 	require.Equal(t, []string{"lve-a-2"}, names)
 }
+
+func TestRememberRecall(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	type fact struct{ A []string }
+	var got fact
+	require.False(t, s.Recall("img", &got))
+	require.NoError(t, s.Remember("img", fact{A: []string{"git-lfs"}}))
+	require.True(t, s.Recall("img", &got))
+	require.Equal(t, []string{"git-lfs"}, got.A)
+	st, err := os.Stat(filepath.Join(s.Dir, "cache", "img.json"))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+}

@@ -232,6 +232,10 @@ func TestFaultSIGTERM(t *testing.T) {
 	// SIGTERM after SSH answered, while prepare takes its last look at the
 	// guest: the attempt is still undone, never reported as ready.
 	t.Run("prepare after SSH ready", func(t *testing.T) {
+		// A state directory of its own: the guest tool check, the step
+		// after SSH answers, is remembered per image in the state directory
+		// and would otherwise be skipped.
+		r := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", t.TempDir())))
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
 		rn := s.start(t, "prepare")
