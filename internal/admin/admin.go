@@ -296,16 +296,16 @@ func stateDirCheck(dir string) Check {
 		if u, err := user.LookupId(owner); err == nil {
 			owner = u.Username
 		}
-		if os.Geteuid() == 0 {
-			c.Warn = true
-			c.Info = fmt.Sprintf("%s belongs to %s: if the stages run as %s, check as that user", dir, owner, owner)
-			c.Fix = "runuser -u " + owner + " -- libvirt-executor doctor"
+		if os.Geteuid() != 0 {
+			c.OK = false
+			c.Info = fmt.Sprintf("%s belongs to %s, but this user (uid %d) runs the stages", dir, owner, os.Geteuid())
+			c.Fix = fmt.Sprintf("sudo chown -R %d %s && sudo chmod 0700 %s", os.Geteuid(), dir, dir)
 			return c
 		}
-		c.OK = false
-		c.Info = fmt.Sprintf("%s belongs to %s, but this user (uid %d) runs the stages", dir, owner, os.Geteuid())
-		c.Fix = fmt.Sprintf("chown -R %d %s && chmod 0700 %s", os.Geteuid(), dir, dir)
-		return c
+		// Root checks on behalf of the stages' user; the modes still count.
+		c.Warn = true
+		c.Info = fmt.Sprintf("%s belongs to %s: if the stages run as %s, check as that user", dir, owner, owner)
+		c.Fix = "runuser -u " + owner + " -- libvirt-executor doctor"
 	}
 	switch perm := st.Mode().Perm(); {
 	case perm&0o022 != 0:

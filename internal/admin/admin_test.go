@@ -172,4 +172,7 @@ func TestStateDirOwnedByAnotherUser(t *testing.T) {
 	require.True(t, c.Warn, "root checks on behalf of the stages' user")
 	require.Contains(t, c.Info, "belongs to")
 	require.Contains(t, c.Fix, "runuser -u")
+	require.NoError(t, os.Chmod(dir, 0o777))
+	c = stateDirCheck(dir)
+	require.False(t, c.OK, "open to everyone fails, whoever owns it")
 }

@@ -273,8 +273,11 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	var said []string
 	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
 
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
+	check := func(ctx context.Context, g outputter) error {
+		return checkGuestTools(ctx, g, say, store, img.Name, imageVersion(img))
+	}
+	require.NoError(t, check(context.Background(), g))
+	require.NoError(t, check(context.Background(), g))
 	require.Equal(t, 1, g.calls, "the second job of the same image file does not ask")
 	require.Len(t, said, 4, "both jobs are told: %q", said)
 	require.Equal(t, said[:2], said[2:])
@@ -284,15 +287,25 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	require.NoError(t, os.WriteFile(base, []byte("version 2"), 0o644))
 	g.out = ""
 	said = nil
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img))
+	require.NoError(t, check(context.Background(), g))
 	require.Equal(t, 2, g.calls)
 	require.Empty(t, said, "nothing missing in the new image")
+
+	// Another account (its PATH) is another answer.
+	img.User = "ci"
+	require.NoError(t, check(context.Background(), g))
+	require.Equal(t, 3, g.calls)
+
+	// An image that cannot be examined is always asked about.
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img.Name, nil))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img.Name, nil))
+	require.Equal(t, 5, g.calls)
 
 	// A cancelled stage is an error, not a note.
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	require.NoError(t, os.WriteFile(base, []byte("version three"), 0o644))
-	require.Error(t, checkGuestTools(ctx, &cancelledGuest{}, say, store, img))
+	require.Error(t, check(ctx, &cancelledGuest{}))
 }
 
 type cancelledGuest struct{}

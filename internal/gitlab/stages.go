@@ -146,12 +146,15 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer hv.Close()
 	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
+	// The image as it is before the clone: what the tool check finds is
+	// remembered for this version of it.
+	version := imageVersion(img)
 	req := lifecycle.Request{
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
 		Check: func(ctx context.Context, c *sshexec.Client) error {
-			return checkGuestTools(ctx, c, say, j.store, img)
+			return checkGuestTools(ctx, c, say, j.store, img.Name, version)
 		},
 	}
 	ready, err := m.Provision(ctx, req)
@@ -160,6 +163,13 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return exitcodes.System(err)
 	}
 	_ = ready.Client.Close()
+	if ctx.Err() != nil {
+		// Stopped just after the machine became ready: a cancelled prepare
+		// leaves nothing behind, whenever the signal came.
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		return exitcodes.System(errors.Join(fmt.Errorf("stopped: %w", context.Cause(ctx)), m.Teardown(tctx, j.name)))
+	}
 	return nil
 }
 
@@ -173,21 +183,37 @@ type toolCheck struct {
 	Base    string   `json:"base"`
 	Size    int64    `json:"size"`
 	ModTime int64    `json:"mtime_ns"`
+	User    string   `json:"user"`
+	Shell   string   `json:"shell"`
 	Missing []string `json:"missing"`
+}
+
+// imageVersion identifies the image file and the account the check runs as
+// (its PATH decides what is found); nil if the file cannot be examined.
+func imageVersion(img *config.Image) *toolCheck {
+	st, err := os.Stat(img.Base)
+	if err != nil {
+		return nil
+	}
+	return &toolCheck{Base: img.Base, Size: st.Size(), ModTime: st.ModTime().UnixNano(), User: img.User, Shell: img.Shell}
+}
+
+func (a *toolCheck) sameVersion(b *toolCheck) bool {
+	return a.Base == b.Base && a.Size == b.Size && a.ModTime == b.ModTime && a.User == b.User && a.Shell == b.Shell
 }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
 // missing in the guest. A missing tool is only reported (a job may not need
 // it); the only error is the stage being cancelled. The answer is remembered
-// per image file (path, size, modification time): every job of an unchanged
-// image would get the same answer, and asking costs an SSH session.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image) error {
-	var cur toolCheck
-	st, statErr := os.Stat(img.Base)
-	if statErr == nil {
-		cur = toolCheck{Base: img.Base, Size: st.Size(), ModTime: st.ModTime().UnixNano()}
+// per version of the image (file, size, modification time, user, shell):
+// every job of an unchanged image would get the same answer, and asking
+// costs an SSH session. version is nil when the image cannot be identified:
+// then the guest is always asked.
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, image string, version *toolCheck) error {
+	key := "tools-" + image
+	if version != nil {
 		var old toolCheck
-		if store.Recall("tools-"+img.Name, &old) && old.Base == cur.Base && old.Size == cur.Size && old.ModTime == cur.ModTime {
+		if store.Recall(key, &old) && old.sameVersion(version) {
 			reportMissingTools(old.Missing, say)
 			return nil
 		}
@@ -202,11 +228,13 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		say("Could not check the guest's tools: %v", err)
 		return nil
 	}
-	cur.Missing = strings.Fields(string(out))
-	if statErr == nil {
-		_ = store.Remember("tools-"+img.Name, cur) // a lost cache entry costs one more check
+	missing := strings.Fields(string(out))
+	if version != nil {
+		found := *version
+		found.Missing = missing
+		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
-	reportMissingTools(cur.Missing, say)
+	reportMissingTools(missing, say)
 	return nil
 }
 

@@ -281,15 +281,20 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	}
 	base := "/tmp/lve-run-" + tag
 	path, pidfile := base+".sh", base+".pid"
-	// One session does it all (each session costs the guest a shell start):
-	// the script arrives on stdin and is written with a private umask and
-	// noclobber in a subshell, so the job's own umask is untouched; if that
+	// One session does it all (each session costs the guest a shell start).
+	// The session's shell is a session and process group leader (the SSH
+	// server calls setsid), so $$ is the group to signal; it is recorded
+	// first, so a cancel can stop the stage even during the upload. The
+	// script arrives on stdin and is written with a private umask and
+	// noclobber in a subshell (the job keeps its own umask). Only a file of
+	// exactly the script's length runs: a connection lost mid-upload ends
+	// the guest's stdin early and must not run half a script. If the upload
 	// fails the session shell ends itself with SIGUSR1, which tells an
-	// infrastructure failure from anything the script can exit with. Then
-	// the script runs with stdin closed. The session's shell is a session
-	// and process group leader (the SSH server calls setsid), so $$ is the
-	// group to signal. The script holds the job's variables: it is removed
-	// as soon as it ends.
+	// infrastructure failure from anything the script can exit with; from
+	// then on the shell ignores USR1 for itself (trap), so a job that sends
+	// USR1 to its process group is still judged by its exit code. The
+	// script runs with stdin closed and is removed as soon as it ends: it
+	// holds the job's variables.
 	s, err := c.c.NewSession()
 	if err != nil {
 		return c.lost(err)
@@ -297,9 +302,10 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	defer s.Close()
 	s.Stdin = bytes.NewReader(script)
 	s.Stdout, s.Stderr = o.Stdout, o.Stderr
-	cmd := fmt.Sprintf("(umask 077 && set -C && exec cat > %s) || { rm -f %s; kill -s USR1 $$; }; "+
-		"echo $$ > %s; %s %s < /dev/null; rc=$?; rm -f %s %s; exit $rc",
-		path, path, pidfile, shellQuote(o.Shell), path, path, pidfile)
+	cmd := fmt.Sprintf("echo $$ > %[2]s; (umask 077 && set -C && exec cat > %[1]s) && [ $(wc -c < %[1]s) -eq %[3]d ] || "+
+		"{ rm -f %[1]s %[2]s; kill -s USR1 $$; exit 1; }; trap : USR1; "+
+		"%[4]s %[1]s < /dev/null; rc=$?; rm -f %[1]s %[2]s; exit $rc",
+		path, pidfile, len(script), shellQuote(o.Shell))
 	if err := s.Start(cmd); err != nil {
 		return c.lost(err)
 	}

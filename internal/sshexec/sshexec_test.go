@@ -113,24 +113,46 @@ func TestScriptKeepsTheUsersUmask(t *testing.T) {
 	require.Equal(t, "0022\n", out)
 }
 
-// A script that cannot be written into the guest (here: no file may grow)
-// is an infrastructure failure, never the job's, whatever the shell says.
+// A script that cannot be written into the guest (here: cat fails, as on a
+// full /tmp) is an infrastructure failure, never the job's, whatever the
+// shell says.
 func TestUploadFailureIsSystemFailure(t *testing.T) {
 	ts := startServer(t)
 	c := dial(t, target(ts))
-	ts.prefix.Store("ulimit -f 0; ")
+	fakebin := t.TempDir()
+	require.NoError(t, os.WriteFile(filepath.Join(fakebin, "cat"), []byte("#!/bin/sh\necho 'cat: write error: No space left on device' >&2\nexit 1\n"), 0o755))
+	ts.prefix.Store("PATH=" + fakebin + ":$PATH; ")
 	_, errOut, err := run(t, c, context.Background(), "echo never-ran\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "copy script into guest failed")
 	require.NotContains(t, errOut, "never-ran")
 	require.NoError(t, c.Dead(), "the connection itself is fine")
-	// A script that kills its own shell with the same signal is still the
-	// job's (128+10), not an upload failure.
+	// A script that kills its own shell, or its whole process group, with
+	// the same signal is still the job's (128+10), not an upload failure.
 	ts.prefix.Store("")
-	_, _, err = run(t, c, context.Background(), "kill -USR1 $$\n")
-	code, ok := exitcodes.ScriptCode(err)
-	require.True(t, ok, "%v", err)
-	require.Equal(t, 128+10, code)
+	for _, script := range []string{"kill -USR1 $$\n", "kill -USR1 0\n"} {
+		_, _, err = run(t, c, context.Background(), script)
+		code, ok := exitcodes.ScriptCode(err)
+		require.True(t, ok, "%s: %v", script, err)
+		require.Equal(t, 128+10, code, script)
+	}
+}
+
+// A script that arrives cut short (the connection dropped during the
+// upload, so the guest saw the end of its input early) never runs.
+func TestTruncatedUploadNeverRuns(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	fakebin := t.TempDir()
+	// A cat that keeps only the first line of what it is given.
+	require.NoError(t, os.WriteFile(filepath.Join(fakebin, "cat"), []byte("#!/bin/sh\nhead -n 1\n"), 0o755))
+	ts.prefix.Store("PATH=" + fakebin + ":$PATH; ")
+	marker := filepath.Join(t.TempDir(), "ran")
+	out, _, err := run(t, c, context.Background(), "true\ntouch "+marker+"\necho second-line\n")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "copy script into guest failed")
+	require.NotContains(t, out, "second-line")
+	require.NoFileExists(t, marker, "half a script must not run")
 }
 
 func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {

@@ -91,8 +91,14 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger}
 			stageErr = stage(c.Context, env, cfg, c.Args().Slice())
-			if stageErr == nil && !o.toCompletion && ctx.Err() != nil {
-				stageErr = exitcodes.System(fmt.Errorf("stopped: %w", context.Cause(ctx)))
+			if !o.toCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {
+				// Signalled: the job was stopped, whatever the work's own
+				// outcome (success or the script's failure) raced it.
+				stopped := fmt.Errorf("stopped: %w", context.Cause(ctx))
+				if stageErr != nil {
+					stopped = fmt.Errorf("%w (the stage had ended: %v)", stopped, stageErr)
+				}
+				stageErr = exitcodes.System(stopped)
 			}
 			if stageErr != nil {
 				fmt.Fprintf(stderr, "%s: %v\n", name, stageErr)

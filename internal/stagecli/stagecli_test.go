@@ -85,22 +85,26 @@ func TestSignalledStageIsSystemFailure(t *testing.T) {
 	cfgPath := filepath.Join(dir, "c.toml")
 	require.NoError(t, os.WriteFile(cfgPath, []byte("[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	env := map[string]string{"BUILD_FAILURE_EXIT_CODE": "1", "SYSTEM_FAILURE_EXIT_CODE": "2"}
-	finishesAnyway := func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
-		early <- syscall.SIGTERM
-		<-ctx.Done() // the signal arrived ...
-		return nil   // ... but the work was done
+	endsAnyway := func(result error) Stage {
+		return func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+			early <- syscall.SIGTERM
+			<-ctx.Done()  // the signal arrived ...
+			return result // ... but the work had ended
+		}
 	}
 	for _, tc := range []struct {
-		name string
-		opts []Option
-		want int
+		name   string
+		result error
+		opts   []Option
+		want   int
 	}{
-		{"ordinary stage", nil, 2},
-		{"runs to completion", []Option{RunsToCompletion()}, 0},
+		{"ordinary stage, work done", nil, nil, 2},
+		{"ordinary stage, script failed", &exitcodes.ScriptError{Code: 3}, nil, 2},
+		{"runs to completion", nil, []Option{RunsToCompletion()}, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var stderr bytes.Buffer
-			code := Run([]string{"x", "--config", cfgPath}, func(k string) string { return env[k] }, &bytes.Buffer{}, &stderr, "x", "", "", 0, finishesAnyway, tc.opts...)
+			code := Run([]string{"x", "--config", cfgPath}, func(k string) string { return env[k] }, &bytes.Buffer{}, &stderr, "x", "", "", 0, endsAnyway(tc.result), tc.opts...)
 			require.Equal(t, tc.want, code, stderr.String())
 			if tc.want == 2 {
 				require.Contains(t, stderr.String(), "stopped: terminated signal received")

@@ -51,8 +51,8 @@ func (r Runner) Run(ctx context.Context, steps []Step) error {
 		}
 		done = append(done, s)
 	}
-	if err := ctx.Err(); err != nil {
-		return r.undo(ctx, done, fmt.Errorf("after %s: %w", steps[len(steps)-1].Name, err))
+	if ctx.Err() != nil && len(steps) > 0 {
+		return r.undo(ctx, done, fmt.Errorf("after %s: %w", steps[len(steps)-1].Name, context.Cause(ctx)))
 	}
 	return nil
 }
