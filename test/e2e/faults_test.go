@@ -364,13 +364,17 @@ func restartLibvirtd(t *testing.T) {
 	require.NoError(t, err)
 	comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
 	require.Equal(t, "libvirtd", strings.TrimSpace(string(comm)), "only the rig's own libvirtd is restarted")
-	// Start it again exactly as the rig did (its own libvirtd.conf, pidfile).
+	// Start it again exactly as the rig did (its own libvirtd.conf, pidfile),
+	// in a mount namespace of its own that sees the rig's hooks directory
+	// in place of /etc/libvirt/hooks, as deploy/rig/start.sh arranges.
 	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	require.NoError(t, err)
 	argv := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
 	require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
 	waitFor(t, 30*time.Second, "libvirtd to exit", func() bool { return syscall.Kill(pid, 0) != nil })
-	cmd := exec.Command(argv[0], argv[1:]...)
+	wrapper := []string{"unshare", "--mount", "--propagation", "private", "sh", "-c",
+		`mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"`, "sh", filepath.Join(run, "hooks")}
+	cmd := exec.Command(wrapper[0], append(wrapper[1:], argv...)...)
 	cmd.Env = append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=3:file:"+filepath.Join(run, "libvirtd.log"))
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -382,6 +386,12 @@ func restartLibvirtd(t *testing.T) {
 		_, _ = c.Close()
 		return true
 	})
+	// The new daemon sees the rig's network hook, as the old one did.
+	b, err = os.ReadFile(pidfile)
+	require.NoError(t, err)
+	_, err = fmt.Sscan(string(b), &pid)
+	require.NoError(t, err)
+	require.FileExists(t, fmt.Sprintf("/proc/%d/root/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", pid))
 }
 
 // TestFaultLibvirtdRestart restarts libvirtd in the middle of prepare (which
@@ -584,9 +594,9 @@ func TestFaultConcurrentJobsWithRandomCancels(t *testing.T) {
 	}
 }
 
-// TestCapacityAdmissionOnRealVMs: with room for one VM, a second job's
-// prepare waits (saying so in its job log) instead of starting a second
-// guest, and runs once the first job's VM is gone.
+// TestCapacityAdmissionOnRealVMs: with room for one VM, two jobs at once:
+// one of them waits in prepare (saying so in its job log) instead of
+// starting a second guest, and runs once the other job's VM is gone.
 func TestCapacityAdmissionOnRealVMs(t *testing.T) {
 	r := setup(t).withConfig(t, func(s string) string {
 		return s + "\n[capacity]\nmax_vms = 1\nwait = \"5m\"\n"
@@ -594,29 +604,30 @@ func TestCapacityAdmissionOnRealVMs(t *testing.T) {
 	type job struct {
 		res *harness.Result
 		log *logWriter
+		err error
 	}
 	var jobs [2]job
 	var wg sync.WaitGroup
 	for i := range jobs {
+		opts, lw := r.options(t)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			if i == 1 {
-				time.Sleep(2 * time.Second) // let the first job take the slot
-			}
-			opts, lw := r.options(t)
 			res, err := harness.RunJob(context.Background(), opts, harness.Job{Script: []string{fmt.Sprintf("echo job-%d-ran", i), "sleep 3"}})
-			require.NoError(t, err)
-			jobs[i] = job{res, lw}
+			jobs[i] = job{res, lw, err}
 		}()
 	}
 	wg.Wait()
+	waited := 0
 	for i, j := range jobs {
+		require.NoError(t, j.err, "job %d", i)
 		require.Equal(t, harness.StateSuccess, j.res.State, "job %d: %s %s", i, j.res.FailureReason, j.res.Message)
-		require.Contains(t, j.log.buf.String(), fmt.Sprintf("job-%d-ran", i))
+		log := j.log.buf.String()
+		require.Contains(t, log, fmt.Sprintf("job-%d-ran", i))
+		if strings.Contains(log, "Waiting for room on the host") {
+			waited++
+			require.Contains(t, log, "Room on the host after")
+		}
 	}
-	second := jobs[1].log.buf.String()
-	require.Contains(t, second, "Waiting for room on the host")
-	require.Contains(t, second, "Room on the host after")
-	require.NotContains(t, jobs[0].log.buf.String(), "Waiting for room")
+	require.Equal(t, 1, waited, "exactly one of the two jobs waited for the other's VM")
 }

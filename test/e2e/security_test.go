@@ -278,10 +278,39 @@ func TestJobVMsCannotReachMetadataAddress(t *testing.T) {
 	probe := func(label, ip string) string {
 		return fmt.Sprintf("if timeout 10 bash -c 'exec 3<>/dev/tcp/%s/80' 2>/dev/null; then echo %s=REACHED; else echo %s=FAILED; fi\n", ip, label, label)
 	}
-	res := s.runScript(t, "build_script", "#!/usr/bin/env bash\n"+probe("outside", "192.0.2.10")+probe("metadata", "169.254.169.254"))
+	script := "#!/usr/bin/env bash\n" + probe("outside", "192.0.2.10") + probe("metadata", "169.254.169.254")
+	res := s.runScript(t, "build_script", script)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "outside=REACHED", "the stand-in is reachable by routing: the test can tell a refusal from no route")
 	require.Contains(t, res.stdout, "metadata=FAILED", "the link-local metadata address must not be reachable from a job")
+
+	// Without the guard's FORWARD rule the same guest reaches it: the rule,
+	// not something else, is what keeps it out.
+	bridge := rigBridge(t, r)
+	rule := []string{"FORWARD", "-i", bridge, "-d", "169.254.0.0/16", "-j", "REJECT"}
+	out, err := exec.Command("iptables", append([]string{"-w", "-D"}, rule...)...).CombinedOutput()
+	require.NoError(t, err, "the guard's rule is in place: %s", out)
+	t.Cleanup(func() {
+		if exec.Command("iptables", append([]string{"-w", "-C"}, rule...)...).Run() != nil {
+			_ = exec.Command("iptables", append([]string{"-w", "-I", rule[0], "1"}, rule[1:]...)...).Run()
+		}
+	})
+	res = s.runScript(t, "build_script", script)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Contains(t, res.stdout, "metadata=REACHED", "without the guard rule the stand-in answers")
+	out, err = exec.Command("iptables", append([]string{"-w", "-I", rule[0], "1"}, rule[1:]...)...).CombinedOutput()
+	require.NoError(t, err, "restore the guard: %s", out)
+}
+
+// rigBridge is the bridge of the rig's network, from libvirt.
+func rigBridge(t *testing.T, r *rig) string {
+	t.Helper()
+	n, err := r.conn.LookupNetworkByName(r.cfg.Network)
+	require.NoError(t, err)
+	defer n.Free()
+	name, err := n.GetBridgeName()
+	require.NoError(t, err)
+	return name
 }
 
 const helperListenEnv = "LVE_E2E_HELPER_LISTEN"
@@ -359,29 +388,38 @@ func helperListen(addr string) {
 // TestGuardHook runs deploy/network/libvirt-executor-guard the way libvirt
 // does (network name, operation, network XML on stdin) in a network
 // namespace of its own: rules appear on "started" for a configured network,
-// twice is the same as once, they go on "stopped", unconfigured networks and
-// bad input are left alone.
+// twice is the same as once, they go on "stopped"; unconfigured networks are
+// left alone; and it fails closed (non-zero, so libvirt does not bring the
+// network up) on a missing configuration, bad ports, IPv6 or a host bridge.
 func TestGuardHook(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Skip("needs root for iptables in a private network namespace")
 	}
 	script, err := filepath.Abs("../../deploy/network/libvirt-executor-guard")
 	require.NoError(t, err)
-	conf := filepath.Join(t.TempDir(), "guard.conf")
-	require.NoError(t, os.WriteFile(conf, []byte("# comment\nci 3128,8080\nother\n"), 0o644))
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "guard.conf")
+	// CRLF line ends and no final newline: the last network still counts.
+	require.NoError(t, os.WriteFile(conf, []byte("# comment\r\nother\r\nbadports 0,70000\r\nci 3128,8080"), 0o644))
 	// One shell in a fresh network namespace runs every step and prints the
-	// rules after each, separated by markers.
+	// rules (or the exit status) after each, separated by markers.
 	steps := `
-set -e
-hook() { LIBVIRT_EXECUTOR_GUARD_CONF=` + conf + ` "` + script + `" "$@"; }
-xml="<network><name>ci</name><bridge name='virbr-ci' stp='on' delay='0'/></network>"
+hook() { LIBVIRT_EXECUTOR_GUARD_CONF=${CONF:-` + conf + `} "` + script + `" "$@"; }
+net() { echo "<network><name>$1</name><forward mode='${3:-nat}'/><bridge name='$2' stp='on' delay='0'/>${4:-}</network>"; }
 dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254' || true; }
-echo "$xml" | hook ci started begin -;  dump started
-echo "$xml" | hook ci started begin -;  dump again
-echo "$xml" | hook ci stopped end -;    dump stopped
-echo "<network><bridge name='virbr-x'/></network>" | hook unknown started begin -; dump unknown
-rc=0; hook apply 'br0;reboot' 80 2>/dev/null || rc=$?; echo "== badbridge $rc"
-rc=0; hook apply br0 '80 -j ACCEPT' 2>/dev/null || rc=$?; echo "== badports $rc"
+status() { echo "== $1 $2"; }
+net ci virbr-ci | hook ci started begin -;  dump started
+net ci virbr-ci | hook ci started begin -;  dump again
+net ci virbr-ci | hook ci stopped end -;    dump stopped
+net unknown virbr-x | hook unknown started begin -; dump unknown
+net ci virbr-ci | CONF=` + dir + `/missing hook ci started begin - 2>/dev/null; status noconf $?
+net badports virbr-b | hook badports started begin - 2>/dev/null; status badports $?
+net ci virbr-ci nat "<ip family='ipv6' address='fd00::1' prefix='64'/>" | hook ci started begin - 2>/dev/null; status ipv6 $?
+net ci br0 bridge | hook ci started begin - 2>/dev/null; status hostbridge $?
+dump afterrefusals
+hook apply 'br0;reboot' 80 2>/dev/null; status badbridge $?
+hook apply br0 '80 -j ACCEPT' 2>/dev/null; status badportsyntax $?
+hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status toomanyports $?
 `
 	out, err := exec.Command("unshare", "--net", "bash", "-c", steps).CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -391,6 +429,7 @@ rc=0; hook apply br0 '80 -j ACCEPT' 2>/dev/null || rc=$?; echo "== badports $rc"
 		fields := strings.Fields(name)
 		sections[fields[0]] = strings.Join(fields[1:], " ") + body
 	}
+	t.Logf("%s", out)
 	started := sections["started"]
 	for _, want := range []string{
 		"-A INPUT -i virbr-ci -j LVE-GUARD-virbr-ci",
@@ -402,9 +441,14 @@ rc=0; hook apply br0 '80 -j ACCEPT' 2>/dev/null || rc=$?; echo "== badports $rc"
 	} {
 		require.Contains(t, started, want)
 	}
-	require.Equal(t, started, sections["again"], "applying twice is the same as once")
+	require.Equal(t, started, sections["again"], "applying twice is the same as once (and leaves no temporary chain)")
 	require.Empty(t, strings.TrimSpace(sections["stopped"]), "all rules gone when the network stops")
 	require.Empty(t, strings.TrimSpace(sections["unknown"]), "networks not in the configuration are left alone")
-	require.Equal(t, "2", strings.TrimSpace(sections["badbridge"]))
-	require.Equal(t, "2", strings.TrimSpace(sections["badports"]))
+	for _, refused := range []string{"noconf", "badports", "ipv6", "hostbridge"} {
+		require.Equal(t, "1", strings.TrimSpace(sections[refused]), "%s: the hook fails, so libvirt does not start the network", refused)
+	}
+	require.Empty(t, strings.TrimSpace(sections["afterrefusals"]), "a refusal installs nothing")
+	for _, bad := range []string{"badbridge", "badportsyntax", "toomanyports"} {
+		require.Equal(t, "2", strings.TrimSpace(sections[bad]), bad)
+	}
 }
