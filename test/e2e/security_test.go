@@ -410,6 +410,7 @@ dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254' || true; }
 status() { echo "== $1 $2"; }
 net ci virbr-ci | hook ci started begin -;  dump started
 net ci virbr-ci | hook ci started begin -;  dump again
+iptables -w -N LVE-GUARD-virbr-ci-n; iptables -w -I INPUT 1 -i virbr-ci -j LVE-GUARD-virbr-ci-n  # as an interrupted apply leaves it
 net ci virbr-ci | hook ci stopped end -;    dump stopped
 net unknown virbr-x | hook unknown started begin -; dump unknown
 net ci virbr-ci | CONF=` + dir + `/missing hook ci started begin - 2>/dev/null; status noconf $?
