@@ -118,6 +118,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		created    time.Time
 	)
 	comment := req.Name
+	consoleLog := filepath.Join(m.Store.MachineDir(req.Name), "console.log")
 	bootDeadline := m.Cfg.Timeouts.Boot.D()
 	var bootCtx context.Context
 	var cancelBoot context.CancelFunc = func() {}
@@ -162,7 +163,6 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				created = time.Now().UTC()
 				// The console log is written by libvirt (as root); made here
 				// first, it stays this user's, who reads it when a boot fails.
-				consoleLog := filepath.Join(dir, "console.log")
 				if err := touchPrivate(consoleLog); err != nil {
 					return err
 				}
@@ -263,7 +263,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	var consoleTail []byte
 	var why string
 	err = r.Run(ctx, withConsoleCapture(list, func() {
-		consoleTail = tail(filepath.Join(m.Store.MachineDir(req.Name), "console.log"), 25)
+		consoleTail = tail(consoleLog, 25)
 		if ctx.Err() == nil {
 			why = eng.Explain(req.Name, m.Cfg.StoragePool)
 		}

@@ -198,9 +198,7 @@ func TestFaultSIGKILLPrepare(t *testing.T) {
 				t.Logf("gc: %s", out)
 				require.NoError(t, err)
 			}
-			left := r.leftovers(t)
-			figures.addLeaks(len(left))
-			require.Empty(t, left)
+			r.requireNoLeftovers(t, "after the fault")
 		})
 	}
 }
@@ -224,9 +222,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		require.Less(t, time.Since(t0), 30*time.Second, "prompt")
 		// Prepare undid its own work before exiting: nothing left even
 		// before the runner's cleanup.
-		left := r.leftovers(t)
-		figures.addLeaks(len(left))
-		require.Empty(t, left)
+		r.requireNoLeftovers(t, "after the fault")
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	})
 	// SIGTERM after SSH answered, while prepare takes its last look at the
@@ -246,9 +242,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		figures.class(res.code, 2)
 		require.Equal(t, 2, res.code, "SYSTEM_FAILURE")
 		require.NotContains(t, res.stdout, "Machine ready")
-		left := r.leftovers(t)
-		figures.addLeaks(len(left))
-		require.Empty(t, left)
+		r.requireNoLeftovers(t, "after the fault")
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	})
 	t.Run("cleanup", func(t *testing.T) {
@@ -262,9 +256,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		figures.fault()
 		figures.class(res.code, 0)
 		require.Equal(t, 0, res.code, "cleanup finishes on its own deadline")
-		left := r.leftovers(t)
-		figures.addLeaks(len(left))
-		require.Empty(t, left)
+		r.requireNoLeftovers(t, "after the fault")
 	})
 }
 
@@ -431,9 +423,7 @@ func TestFaultLibvirtdRestart(t *testing.T) {
 	require.Equal(t, 0, res.code, "run does not depend on libvirtd")
 	require.Contains(t, res.stdout, "survived")
 	require.Equal(t, 0, s.run(t, "cleanup").code)
-	left := r.leftovers(t)
-	figures.addLeaks(len(left))
-	require.Empty(t, left)
+	r.requireNoLeftovers(t, "after the fault")
 }
 
 // TestFaultPoolFull clones into a storage pool with no room: prepare fails as
@@ -448,9 +438,7 @@ func TestFaultPoolFull(t *testing.T) {
 	require.Equal(t, 2, res.code, "a full pool is the infrastructure's failure")
 	require.Regexp(t, `(?i)space|quota|disk full`, res.stderr, "failed for want of space")
 	require.Equal(t, 0, s.run(t, "cleanup").code)
-	left := r.leftovers(t)
-	figures.addLeaks(len(left))
-	require.Empty(t, left)
+	r.requireNoLeftovers(t, "after the fault")
 }
 
 // TestFaultDiskFullDuringRun fills the storage under a running job: QEMU
@@ -471,9 +459,7 @@ func TestFaultDiskFullDuringRun(t *testing.T) {
 	require.Contains(t, res.stderr, "storage pool lve-e2e-small is probably full")
 	t.Logf("run noticed the paused guest after %s", time.Since(t0).Round(time.Millisecond))
 	require.Equal(t, 0, s.run(t, "cleanup").code)
-	left := r.leftovers(t)
-	figures.addLeaks(len(left))
-	require.Empty(t, left)
+	r.requireNoLeftovers(t, "after the fault")
 }
 
 // smallPool is the rig with a transient storage pool "lve-e2e-small" on a

@@ -103,10 +103,7 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 		rv.requireNoLeftovers(t, "after the unprivileged job")
 
 		// doctor, as that user, finds the setup complete.
-		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: runner.cred}
-		out, err := cmd.CombinedOutput()
-		t.Logf("doctor as %s:\n%s", runner.name, out)
+		out, err := doctor(t, bin, cfgPath, runner)
 		require.NoError(t, err)
 		require.Contains(t, string(out), "[ok  ] user "+runner.name+": member of the libvirt group")
 		require.Regexp(t, `\[(ok  |warn)\] polkit rule`, string(out))
@@ -114,8 +111,7 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 
 		// doctor as root reads polkit's rules (libvirt-daemon-system ships
 		// 60-libvirt.rules) and points at the stages' user.
-		out, err = exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor").CombinedOutput()
-		t.Logf("doctor as root:\n%s", out)
+		out, err = doctor(t, bin, cfgPath, testUser{name: "root"})
 		require.NoError(t, err)
 		require.Regexp(t, `\[ok  \] polkit rule: \S+ mentions org.libvirt.unix.manage`, string(out))
 		require.Contains(t, string(out), "[warn] state dir: "+filepath.Join(top, "state-runner")+" belongs to "+runner.name)
@@ -138,14 +134,24 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 		require.NotContains(t, log, "never")
 		rv.requireNoLeftovers(t, "after the refused job")
 
-		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor")
-		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: outsider.cred}
-		out, err := cmd.CombinedOutput()
-		t.Logf("doctor as %s:\n%s", outsider.name, out)
+		out, err := doctor(t, bin, cfgPath, outsider)
 		require.Error(t, err)
 		require.Contains(t, string(out), "[FAIL] user "+outsider.name+": member of the libvirt group")
 		require.Contains(t, string(out), "usermod -aG libvirt "+outsider.name)
 	})
+}
+
+// doctor runs `libvirt-executor doctor` as u (as this process if u has no
+// credentials) and logs what it printed.
+func doctor(t *testing.T, bin, cfgPath string, u testUser) ([]byte, error) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "doctor")
+	if u.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: u.cred}
+	}
+	out, err := cmd.CombinedOutput()
+	t.Logf("doctor as %s:\n%s", u.name, out)
+	return out, err
 }
 
 type testUser struct {

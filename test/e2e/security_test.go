@@ -192,15 +192,7 @@ func TestJobVMsCannotReachEachOther(t *testing.T) {
 
 	ln := r.serviceListener(t)
 	defer ln.Close()
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close()
-		}
-	}()
+	go acceptAndClose(ln)
 	hostPort := ln.Addr().(*net.TCPAddr)
 
 	probe := `probe() { bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null & p=$!
@@ -226,17 +218,8 @@ func TestJobVMsReachOnlyAllowedHostServices(t *testing.T) {
 	other, err := net.Listen("tcp", r.gateway(t)+":0") // an ephemeral port: a "host service"
 	require.NoError(t, err)
 	defer other.Close()
-	for _, ln := range []net.Listener{allowed, other} {
-		go func() {
-			for {
-				c, err := ln.Accept()
-				if err != nil {
-					return
-				}
-				_ = c.Close()
-			}
-		}()
-	}
+	go acceptAndClose(allowed)
+	go acceptAndClose(other)
 	s := newStageRunner(t, r)
 	require.Equal(t, 0, s.run(t, "config").code)
 	require.Equal(t, 0, s.run(t, "prepare").code)
@@ -372,15 +355,7 @@ func helperListen(addr string) {
 		os.Exit(1)
 	}
 	fmt.Print("ready\n")
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			_ = c.Close()
-		}
-	}()
+	go acceptAndClose(ln)
 	_, _ = io.Copy(io.Discard, os.Stdin)
 	os.Exit(0)
 }
@@ -451,5 +426,16 @@ hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status tooman
 	require.Empty(t, strings.TrimSpace(sections["afterrefusals"]), "a refusal installs nothing")
 	for _, bad := range []string{"badbridge", "badportsyntax", "toomanyports"} {
 		require.Equal(t, "2", strings.TrimSpace(sections[bad]), bad)
+	}
+}
+
+// acceptAndClose serves ln as a minimal TCP service until it is closed.
+func acceptAndClose(ln net.Listener) {
+	for {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		_ = c.Close()
 	}
 }
