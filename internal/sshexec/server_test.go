@@ -8,6 +8,7 @@ import (
 	"errors"
 	"io"
 	"net"
+	"os"
 	"os/exec"
 	"sync"
 	"sync/atomic"
@@ -32,9 +33,12 @@ type testServer struct {
 	dropOn atomic.Value
 	// prefix is put in front of every command (to break the guest's shell).
 	prefix atomic.Value
-	mu     sync.Mutex
-	conns  []net.Conn
-	cmds   []string
+	// holdOpen keeps every session channel open after its exit status.
+	holdOpen atomic.Bool
+	stopped  chan struct{}
+	mu       sync.Mutex
+	conns    []net.Conn
+	cmds     []string
 }
 
 func newSigner(t *testing.T) ssh.Signer {
@@ -48,7 +52,7 @@ func newSigner(t *testing.T) ssh.Signer {
 
 func startServer(t *testing.T) *testServer {
 	t.Helper()
-	ts := &testServer{hostSigner: newSigner(t), client: newSigner(t)}
+	ts := &testServer{hostSigner: newSigner(t), client: newSigner(t), stopped: make(chan struct{})}
 	ts.dropOn.Store("")
 	cfg := &ssh.ServerConfig{
 		PublicKeyCallback: func(_ ssh.ConnMetadata, key ssh.PublicKey) (*ssh.Permissions, error) {
@@ -63,6 +67,7 @@ func startServer(t *testing.T) *testServer {
 	require.NoError(t, err)
 	ts.addr = ln.Addr().String()
 	t.Cleanup(func() {
+		close(ts.stopped)
 		_ = ln.Close()
 		ts.mu.Lock()
 		for _, c := range ts.conns {
@@ -150,9 +155,29 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 		cmd := exec.Command("bash", "-c", prefix+payload.Cmd)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 		cmd.Stdin = ch
-		cmd.Stdout = dropWriter{ch, ts, nc}
-		cmd.Stderr = ch.Stderr()
-		err := cmd.Run()
+		// Like OpenSSH: the command's output goes through pipes the server
+		// reads until EOF, the exit status is sent as soon as the command
+		// exits, and the channel closes only when its output has ended
+		// (anything the command left holding the pipes keeps it open).
+		outR, outW, err := os.Pipe()
+		if err != nil {
+			return
+		}
+		errR, errW, err := os.Pipe()
+		if err != nil {
+			return
+		}
+		cmd.Stdout, cmd.Stderr = outW, errW
+		err = cmd.Start()
+		_ = outW.Close()
+		_ = errW.Close()
+		var copies sync.WaitGroup
+		copies.Add(2)
+		go func() { defer copies.Done(); _, _ = io.Copy(dropWriter{ch, ts, nc}, outR); _ = outR.Close() }()
+		go func() { defer copies.Done(); _, _ = io.Copy(ch.Stderr(), errR); _ = errR.Close() }()
+		if err == nil {
+			err = cmd.Wait()
+		}
 		var status uint32
 		var ee *exec.ExitError
 		if errors.As(err, &ee) {
@@ -163,6 +188,7 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 					CoreDumped bool
 					Msg, Lang  string
 				}{Signal: sig}))
+				ts.finish(&copies)
 				return
 			}
 			status = uint32(ee.ExitCode())
@@ -172,8 +198,19 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 		b := make([]byte, 4)
 		binary.BigEndian.PutUint32(b, status)
 		_, _ = ch.SendRequest("exit-status", false, b)
+		ts.finish(&copies)
 		return
 	}
+}
+
+// finish ends a session after its exit status: normally when the command's
+// output has ended; with holdOpen never (until the client closes it), as a
+// server does whose command left a process holding its output.
+func (ts *testServer) finish(copies *sync.WaitGroup) {
+	if ts.holdOpen.Load() {
+		<-ts.stopped
+	}
+	copies.Wait()
 }
 
 func (ts *testServer) commands() []string {

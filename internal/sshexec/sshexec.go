@@ -9,6 +9,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/binary"
 	"encoding/hex"
 	"errors"
 	"fmt"
@@ -261,15 +262,30 @@ func (c *Client) lost(err error) error {
 type RunOptions struct {
 	// Shell runs the script ("bash", "sh" or an absolute path).
 	Shell string
-	// Stdout and Stderr receive the script's output live.
+	// Stdout receives the script's output live: its stdout and stderr
+	// merged in the guest, so they keep their relative order. Stderr
+	// receives only what the driver's guest-side wrapper says (an upload
+	// failure, processes the stage left behind).
 	Stdout, Stderr io.Writer
 	// KillGrace is how long a cancelled script's process group gets between
 	// SIGTERM and SIGKILL. Default 5s.
 	KillGrace time.Duration
+	// LeftoverGrace is how long processes that the script left running in
+	// its process group get between SIGTERM and SIGKILL once the script's
+	// shell has ended. Default 2s.
+	LeftoverGrace time.Duration
+	// DrainGrace is how long Run waits, after the guest reported the
+	// script's exit status, for the rest of its output before it stops
+	// listening. Default 2s.
+	DrainGrace time.Duration
 }
 
 // Run copies script into the guest over the connection, runs it with the
-// shell with stdin closed, and streams its output. The result:
+// shell with stdin closed, and streams its output. The stage ends when the
+// script's own shell ends: processes it left running in its process group
+// are stopped (SIGTERM, then SIGKILL after LeftoverGrace), and a process that
+// detached into a session of its own (setsid, a daemon) may keep running but
+// cannot hold the stage open. The result:
 //   - nil: the script exited 0;
 //   - *exitcodes.ScriptError: the script exited non-zero (or died of a signal);
 //   - a system failure: anything else, including ctx cancellation, after the
@@ -279,43 +295,23 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	if err != nil {
 		return exitcodes.System(err)
 	}
-	base := "/tmp/lve-run-" + tag
-	path, pidfile := base+".sh", base+".pid"
-	// One session does it all (each session costs the guest a shell start).
-	// The session's shell is a session and process group leader (the SSH
-	// server calls setsid), so $$ is the group to signal; it is recorded
-	// first, so a cancel can stop the stage even during the upload. The
-	// script arrives on stdin and is written with a private umask and
-	// noclobber in a subshell (the job keeps its own umask). Only a file of
-	// exactly the script's length runs: a connection lost mid-upload ends
-	// the guest's stdin early and must not run half a script. If the upload
-	// fails the session shell ends itself with SIGUSR1, which tells an
-	// infrastructure failure from anything the script can exit with; from
-	// then on the shell ignores USR1 for itself (trap), so a job that sends
-	// USR1 to its process group is still judged by its exit code. The
-	// script runs with stdin closed and is removed as soon as it ends: it
-	// holds the job's variables.
-	s, err := c.c.NewSession()
+	w := wrapper{base: "/tmp/lve-run-" + tag, size: len(script), shell: o.Shell,
+		leftoverGrace: orDefault(o.LeftoverGrace, 2*time.Second)}
+	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
+	s, err := c.start(w.command(), bytes.NewReader(script), stdout, stderr)
 	if err != nil {
-		return c.lost(err)
+		return err
 	}
-	defer s.Close()
-	s.Stdin = bytes.NewReader(script)
-	s.Stdout, s.Stderr = o.Stdout, o.Stderr
-	cmd := fmt.Sprintf("echo $$ > %[2]s; (umask 077 && set -C && exec cat > %[1]s) && [ $(wc -c < %[1]s) -eq %[3]d ] || "+
-		"{ rm -f %[1]s %[2]s; kill -s USR1 $$; exit 1; }; trap : USR1; "+
-		"%[4]s %[1]s < /dev/null; rc=$?; rm -f %[1]s %[2]s; exit $rc",
-		path, pidfile, len(script), shellQuote(o.Shell))
-	if err := s.Start(cmd); err != nil {
-		return c.lost(err)
-	}
-	waited := make(chan error, 1)
-	go func() { waited <- s.Wait() }()
+	defer s.close()
 	select {
-	case err := <-waited:
-		return c.classify(err)
+	case res := <-s.exited:
+		if !s.drain(orDefault(o.DrainGrace, 2*time.Second)) {
+			fmt.Fprintf(stderr, "libvirt-executor: the stage's script ended but a process it started still holds its output open; not waiting for it\n")
+		}
+		return c.classify(res)
 	case <-ctx.Done():
-		killErr := c.killGroup(pidfile, o.KillGrace, waited)
+		killErr := c.killGroup(w.pidfile(), o.KillGrace, s.exited)
+		s.drain(time.Second)
 		cause := fmt.Errorf("script stopped: %w", context.Cause(ctx))
 		if killErr != nil {
 			cause = fmt.Errorf("%w; stopping it in the guest failed: %v", cause, killErr)
@@ -324,34 +320,196 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	}
 }
 
+// wrapper is the command the guest's login shell runs for one stage. One
+// session does it all (each session costs the guest a shell start):
+//
+//   - The session's shell is a session and process group leader (the SSH
+//     server calls setsid), so $$ is the group to signal; it is recorded
+//     first, so a cancel can stop the stage even during the upload.
+//   - The script arrives on stdin and is written with a private umask and
+//     noclobber in a subshell (the job keeps its own umask). Only a file of
+//     exactly the script's length runs: a connection lost mid-upload ends
+//     the guest's stdin early and must not run half a script. If the upload
+//     fails the session shell ends itself with SIGUSR1, which tells an
+//     infrastructure failure from anything the script can exit with; from
+//     then on the shell ignores USR1 for itself (trap), so a job that sends
+//     USR1 to its process group is still judged by its exit code.
+//   - The script runs with stdin closed in a session of its own (setsid, if
+//     the guest has it), so everything it leaves in its process group can be
+//     stopped as a group, and the pidfile now names that group for a cancel.
+//     Its stdout and stderr both go into one FIFO, in order, and a relay
+//     (cat) copies the FIFO to the SSH channel: nothing the script starts
+//     holds the channel itself.
+//   - When the script's shell ends, what it left in its group gets SIGTERM,
+//     then SIGKILL after the grace. The relay then gets a moment to copy
+//     what is left; a writer that detached (setsid) cannot keep it, and so
+//     the stage, open: the relay is stopped.
+//   - The script, pidfile and FIFO are removed as soon as the script ends:
+//     the script holds the job's variables.
+type wrapper struct {
+	base          string
+	size          int
+	shell         string
+	leftoverGrace time.Duration
+}
+
+func (w wrapper) script() string  { return w.base + ".sh" }
+func (w wrapper) pidfile() string { return w.base + ".pid" }
+func (w wrapper) fifo() string    { return w.base + ".out" }
+
+func (w wrapper) command() string {
+	ticks := int(w.leftoverGrace / (100 * time.Millisecond))
+	return fmt.Sprintf(`echo $$ > %[2]s; `+
+		`{ (umask 077 && set -C && exec cat > %[1]s) && [ $(wc -c < %[1]s) -eq %[4]d ] && (umask 077 && mkfifo %[3]s); } || `+
+		`{ rm -f %[1]s %[2]s %[3]s; kill -s USR1 $$; exit 1; }; trap : USR1; `+
+		`cat %[3]s & r=$!; `+
+		`if command -v setsid >/dev/null 2>&1; then setsid %[5]s %[1]s < /dev/null > %[3]s 2>&1 & else %[5]s %[1]s < /dev/null > %[3]s 2>&1 & fi; `+
+		`s=$!; echo $s > %[2]s; wait $s; rc=$?; rm -f %[1]s; `+
+		`if kill -TERM -- -$s 2>/dev/null; then `+
+		`echo "libvirt-executor: the script has ended; stopping the processes it left running" >&2; i=0; `+
+		`while kill -0 -- -$s 2>/dev/null && [ $i -lt %[6]d ]; do sleep 0.1; i=$((i+1)); done; `+
+		`kill -KILL -- -$s 2>/dev/null && echo "libvirt-executor: they ignored SIGTERM for %[7]s: killed" >&2; fi; `+
+		`i=0; while kill -0 $r 2>/dev/null && [ $i -lt 10 ]; do sleep 0.1; i=$((i+1)); done; `+
+		`kill $r 2>/dev/null && echo "libvirt-executor: a detached process still holds the stage's output; not waiting for it" >&2; `+
+		`wait $r 2>/dev/null; rm -f %[2]s %[3]s; exit $rc`,
+		w.script(), w.pidfile(), w.fifo(), w.size, shellQuote(w.shell), ticks, w.leftoverGrace)
+}
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
+
+func orDiscard(w io.Writer) io.Writer {
+	if w == nil {
+		return io.Discard
+	}
+	return w
+}
+
+// exitResult is how the guest said a command ended. ok is false when the
+// session closed without an exit status or signal.
+type exitResult struct {
+	ok     bool
+	status int
+	signal string
+}
+
+// session is one command on its own SSH channel. Unlike ssh.Session, whose
+// Wait returns only once the channel closes, it reports the exit status as
+// soon as the guest sends it: a process the command left behind can keep the
+// channel open indefinitely.
+type session struct {
+	ch      ssh.Channel
+	exited  chan exitResult
+	drained chan struct{}
+}
+
+// start opens a session channel and runs cmd with stdin as its input.
+func (c *Client) start(cmd string, stdin io.Reader, stdout, stderr io.Writer) (*session, error) {
+	ch, reqs, err := c.c.OpenChannel("session", nil)
+	if err != nil {
+		return nil, c.lost(err)
+	}
+	s := &session{ch: ch, exited: make(chan exitResult, 1), drained: make(chan struct{})}
+	go s.watch(reqs)
+	ok, err := ch.SendRequest("exec", true, ssh.Marshal(struct{ Command string }{cmd}))
+	if err == nil && !ok {
+		err = errors.New("the guest refused to run a command")
+	}
+	if err != nil {
+		_ = ch.Close()
+		return nil, c.lost(err)
+	}
+	go func() {
+		_, _ = io.Copy(ch, stdin)
+		_ = ch.CloseWrite()
+	}()
+	var copies sync.WaitGroup
+	copies.Add(2)
+	go func() { defer copies.Done(); _, _ = io.Copy(stdout, ch) }()
+	go func() { defer copies.Done(); _, _ = io.Copy(stderr, ch.Stderr()) }()
+	go func() { copies.Wait(); close(s.drained) }()
+	return s, nil
+}
+
+// watch reads the channel's requests until it closes and reports the first
+// exit-status or exit-signal (or their absence).
+func (s *session) watch(reqs <-chan *ssh.Request) {
+	sent := false
+	report := func(r exitResult) {
+		if !sent {
+			sent = true
+			s.exited <- r
+		}
+	}
+	for r := range reqs {
+		switch r.Type {
+		case "exit-status":
+			if len(r.Payload) >= 4 {
+				report(exitResult{ok: true, status: int(binary.BigEndian.Uint32(r.Payload))})
+			}
+		case "exit-signal":
+			var msg struct {
+				Signal     string
+				CoreDumped bool
+				Error      string
+				Lang       string
+			}
+			if ssh.Unmarshal(r.Payload, &msg) == nil {
+				report(exitResult{ok: true, status: -1, signal: msg.Signal})
+			}
+		}
+		if r.WantReply {
+			_ = r.Reply(false, nil)
+		}
+	}
+	report(exitResult{})
+}
+
+// drain waits up to grace for the command's output to end and reports
+// whether it did; then the channel is closed either way and the copies end.
+func (s *session) drain(grace time.Duration) bool {
+	select {
+	case <-s.drained:
+		return true
+	case <-time.After(grace):
+		_ = s.ch.Close()
+		select {
+		case <-s.drained:
+		case <-time.After(time.Second):
+		}
+		return false
+	}
+}
+
+func (s *session) close() { _ = s.ch.Close() }
+
 // uploadFailed is the signal the session shell ends itself with when the
 // script could not be written in the guest.
 const uploadFailed = "USR1"
 
-func (c *Client) classify(err error) error {
-	if err == nil {
-		return nil
-	}
-	var ee *ssh.ExitError
-	if errors.As(err, &ee) && c.Dead() == nil {
-		if ee.Signal() == uploadFailed {
-			return exitcodes.System(errors.New("copy script into guest failed (the guest's message is above)"))
-		}
-		if sig := ee.Signal(); sig != "" {
-			return &exitcodes.ScriptError{Code: 128 + signalNumber(sig)}
-		}
-		return &exitcodes.ScriptError{Code: ee.ExitStatus()}
-	}
-	var missing *ssh.ExitMissingError
-	if errors.As(err, &missing) {
+func (c *Client) classify(res exitResult) error {
+	if !res.ok || c.Dead() != nil {
 		return c.lost(errors.New("the script ended without an exit status"))
 	}
-	return c.lost(err)
+	if res.signal == uploadFailed {
+		return exitcodes.System(errors.New("copy script into guest failed (the guest's message is above)"))
+	}
+	if res.signal != "" {
+		return &exitcodes.ScriptError{Code: 128 + signalNumber(res.signal)}
+	}
+	if res.status == 0 {
+		return nil
+	}
+	return &exitcodes.ScriptError{Code: res.status}
 }
 
 // killGroup sends SIGTERM to the script's process group through a new
 // session, waits up to grace for the script to end, then sends SIGKILL.
-func (c *Client) killGroup(pidfile string, grace time.Duration, waited <-chan error) error {
+func (c *Client) killGroup(pidfile string, grace time.Duration, exited <-chan exitResult) error {
 	if grace <= 0 {
 		grace = 5 * time.Second
 	}
@@ -365,7 +523,7 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, waited <-chan er
 		return err
 	}
 	select {
-	case <-waited:
+	case <-exited:
 	case <-time.After(grace):
 		if err := kill("KILL"); err != nil {
 			return err
@@ -373,7 +531,8 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, waited <-chan er
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
-	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+strings.TrimSuffix(pidfile, ".pid")+".sh")
+	base := strings.TrimSuffix(pidfile, ".pid")
+	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+base+".sh "+base+".out")
 	return nil
 }
 

@@ -18,7 +18,7 @@ import (
 
 func target(ts *testServer) Target {
 	return Target{Addr: ts.addr, User: "root", Signer: ts.client, HostKey: ts.hostSigner.PublicKey(),
-		KeepaliveInterval: 100 * time.Millisecond, KeepaliveCount: 3}
+		KeepaliveInterval: 500 * time.Millisecond, KeepaliveCount: 6}
 }
 
 func dial(t *testing.T, tg Target) *Client {
@@ -74,8 +74,149 @@ func TestRunStreamsStderrAndClosesStdin(t *testing.T) {
 	c := dial(t, target(ts))
 	out, errOut, err := run(t, c, context.Background(), "echo to-err >&2\nif read -r line; then echo got-stdin; else echo stdin-closed; fi\n")
 	require.NoError(t, err)
-	require.Equal(t, "to-err\n", errOut)
-	require.Equal(t, "stdin-closed\n", out)
+	require.Equal(t, "to-err\nstdin-closed\n", out, "stderr is merged into the stage's output in the guest")
+	require.Empty(t, errOut)
+}
+
+// A compiler error stays next to the command that caused it: stdout and
+// stderr are merged in the guest, so their relative order survives.
+func TestStdoutAndStderrKeepTheirOrder(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	out, _, err := run(t, c, context.Background(), "for i in $(seq 1 2000); do echo out-$i; echo err-$i >&2; done\n")
+	require.NoError(t, err)
+	var want strings.Builder
+	for i := 1; i <= 2000; i++ {
+		fmt.Fprintf(&want, "out-%d\nerr-%d\n", i, i)
+	}
+	require.Equal(t, want.String(), out)
+}
+
+// pidAlive reports whether a process exists and is not a zombie.
+func pidAlive(pid string) bool {
+	b, err := os.ReadFile("/proc/" + pid + "/stat")
+	if err != nil {
+		return false
+	}
+	f := strings.Fields(string(b))
+	return len(f) > 2 && f[2] != "Z"
+}
+
+func readPid(t *testing.T, path string) string {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	return strings.TrimSpace(string(b))
+}
+
+// A stage whose script leaves a process running in the background ends when
+// the script's shell ends, with the script's own exit code; what it left in
+// its process group is stopped. Before, the background process held the
+// channel's output open and the stage ran until the job timeout.
+func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	for _, tc := range []struct {
+		name, start string
+		code        int
+	}{
+		{"plain", "sleep 300 &", 0},
+		{"plain then failure", "sleep 300 &", 3},
+		{"nohup with redirects", "nohup sleep 300 >/dev/null 2>&1 &", 0},
+		{"ignores TERM", "(trap '' TERM; while true; do sleep 0.1; done) &", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			pidfile := filepath.Join(t.TempDir(), "bg.pid")
+			script := fmt.Sprintf("#!/usr/bin/env bash\n%s\necho $! > %s\necho started\nexit %d\n", tc.start, pidfile, tc.code)
+			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+			defer cancel()
+			start := time.Now()
+			out, errOut, err := run(t, c, ctx, script)
+			took := time.Since(start)
+			require.Less(t, took, 6*time.Second, "the stage ends within seconds of its script")
+			require.Contains(t, out, "started")
+			if tc.code == 0 {
+				require.NoError(t, err)
+			} else {
+				code, ok := exitcodes.ScriptCode(err)
+				require.True(t, ok, "%v", err)
+				require.Equal(t, tc.code, code)
+			}
+			require.Contains(t, errOut, "stopping the processes it left running", "the job log says what happened")
+			pid := readPid(t, pidfile)
+			require.Eventually(t, func() bool { return !pidAlive(pid) }, 3*time.Second, 20*time.Millisecond,
+				"the background process %s must be stopped", pid)
+		})
+	}
+}
+
+// A process that detaches into a session of its own (setsid) is not the
+// stage's to stop: it keeps running (until the VM is destroyed), but it
+// cannot hold the stage open, even when it still writes to the stage's
+// output.
+func TestDetachedProcessCannotHoldTheStage(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	pidfile := filepath.Join(t.TempDir(), "bg.pid")
+	script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; while true; do echo tick; sleep 0.2; done' &\nsleep 0.5\necho started\n", pidfile)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	start := time.Now()
+	out, errOut, err := run(t, c, ctx, script)
+	require.NoError(t, err)
+	require.Less(t, time.Since(start), 6*time.Second)
+	require.Contains(t, out, "started")
+	require.Contains(t, errOut, "a detached process still holds the stage's output")
+	pid := readPid(t, pidfile)
+	require.True(t, pidAlive(pid), "a detached process survives the stage")
+	p, err := os.FindProcess(mustAtoi(t, pid))
+	require.NoError(t, err)
+	_ = p.Kill()
+}
+
+func mustAtoi(t *testing.T, s string) int {
+	t.Helper()
+	var n int
+	_, err := fmt.Sscan(s, &n)
+	require.NoError(t, err)
+	return n
+}
+
+// A service started in the background serves later commands of the same
+// stage (before_script and script run in one stage).
+func TestBackgroundServiceServesTheRestOfTheStage(t *testing.T) {
+	ts := startServer(t)
+	c := dial(t, target(ts))
+	dir := t.TempDir()
+	script := fmt.Sprintf("(while true; do date +%%s%%N > %[1]s/beat; sleep 0.05; done) &\nsleep 0.5\na=$(cat %[1]s/beat); sleep 0.3; b=$(cat %[1]s/beat)\n[ \"$a\" != \"$b\" ] && echo service-alive\n", dir)
+	out, _, err := run(t, c, context.Background(), script)
+	require.NoError(t, err)
+	require.Contains(t, out, "service-alive")
+}
+
+// However the guest's SSH server behaves, the stage returns once the exit
+// status arrived: a server that keeps the channel open afterwards costs at
+// most the drain grace, and the class is the script's.
+func TestChannelHeldOpenAfterExitStatus(t *testing.T) {
+	ts := startServer(t)
+	ts.holdOpen.Store(true)
+	c := dial(t, target(ts))
+	for _, code := range []int{0, 7} {
+		var out syncBuffer
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		start := time.Now()
+		err := c.Run(ctx, []byte(fmt.Sprintf("echo hi\nexit %d\n", code)), RunOptions{Shell: "bash", Stdout: &out, DrainGrace: 300 * time.Millisecond})
+		cancel()
+		require.Less(t, time.Since(start), 3*time.Second)
+		require.Equal(t, "hi\n", out.String())
+		if code == 0 {
+			require.NoError(t, err)
+		} else {
+			got, ok := exitcodes.ScriptCode(err)
+			require.True(t, ok, "%v", err)
+			require.Equal(t, code, got)
+		}
+	}
 }
 
 func TestScriptNeverOnCommandLineAndNotLeftBehind(t *testing.T) {
@@ -217,7 +358,9 @@ func TestConnectionDroppedMidStreamIsSystemFailure(t *testing.T) {
 
 func TestFrozenGuestDetectedByKeepalive(t *testing.T) {
 	ts := startServer(t)
-	c := dial(t, target(ts))
+	tg := target(ts)
+	tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3
+	c := dial(t, tg)
 	ts.freeze.Store(true)
 	// The guest stops answering keepalives while a long script "runs".
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
