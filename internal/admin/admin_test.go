@@ -176,3 +176,36 @@ func TestStateDirOwnedByAnotherUser(t *testing.T) {
 	c = stateDirCheck(dir)
 	require.False(t, c.OK, "open to everyone fails, whoever owns it")
 }
+
+// rm (lifecycle.Teardown, what the rm command runs for each name) refuses
+// names outside this installation and volumes not provably its own, saying
+// why, and deletes nothing; gc reports such volumes and leaves them.
+func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
+	cfg := testConfig(t, "")
+	cfg.StoragePool = "jobs"
+	hv := vmtest.New()
+	m, err := Manager(cfg, hv)
+	require.NoError(t, err)
+	p := "lve-" + m.Controller[:8] + "-"
+	hv.Volumes["jobs/debian-12.qcow2"] = nil // a base image kept in the pool
+	hv.Volumes["jobs/"+p+"3.qcow2"] = nil    // our naming, no domain, no state
+
+	err = m.Teardown(context.Background(), "debian-12")
+	require.ErrorIs(t, err, vm.ErrNotOurs)
+	require.ErrorContains(t, err, `refusing to remove "debian-12": not a machine of this installation (names start with "`+p+`")`)
+	err = m.Teardown(context.Background(), p+"3")
+	require.ErrorIs(t, err, vm.ErrNotOurs)
+	require.ErrorContains(t, err, "no domain and no state record of ours: volumes "+p+"3.qcow2 left alone")
+	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")
+	require.Contains(t, hv.Volumes, "jobs/"+p+"3.qcow2")
+
+	var out bytes.Buffer
+	require.NoError(t, List(&out, m, time.Now()))
+	require.Contains(t, out.String(), "unproven (volumes without a domain or a state record: not provably ours; remove by hand)")
+	out.Reset()
+	require.NoError(t, GC(context.Background(), &out, m, false))
+	require.Contains(t, out.String(), "keep "+p+"3 (unproven: ")
+	require.NotContains(t, out.String(), "removed")
+	require.Contains(t, hv.Volumes, "jobs/"+p+"3.qcow2")
+	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")
+}

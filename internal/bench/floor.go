@@ -81,7 +81,8 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		t := time.Now()
-		err := eng.Remove(cctx, name, e.cfg.StoragePool)
+		// Whatever exists under this fresh random name, this call made.
+		err := eng.Remove(cctx, name, e.cfg.StoragePool, true)
 		fs.RemoveMs, fs.DestroyMs = ms(time.Since(t)), ms(hv.destroyDur)
 		err = errors.Join(err, e.store.Remove(name))
 		unlock()

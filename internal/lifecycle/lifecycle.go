@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"golang.org/x/crypto/ssh"
@@ -39,6 +40,10 @@ type Manager struct {
 	AddressPollInterval time.Duration
 	// SSHPort is the guest's SSH port (default 22).
 	SSHPort int
+	// afterInventory, if set, runs in Sweep between the inventory and acting
+	// on it. Tests put a stage's work into that gap with it; it is nil in
+	// production.
+	afterInventory func()
 }
 
 func (m *Manager) sshPort() int {
@@ -132,7 +137,10 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				dir, err = m.admit(ctx, req)
 				return err
 			},
-			Undo: func(context.Context) error { return m.Store.Remove(req.Name) },
+			// The state directory is the record that volumes of this name
+			// are ours: it goes only once they are gone (teardown), else a
+			// sweep could never remove what a failed undo left.
+			Undo: func(ctx context.Context) error { return m.teardown(ctx, req.Name) },
 		},
 		{
 			Name: "keys",
@@ -197,7 +205,8 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 					fmt.Errorf("boot timeout %s (timeouts.boot) reached", bootDeadline))
 				return nil
 			},
-			Undo: func(ctx context.Context) error { return m.engine().Remove(ctx, req.Name, m.Cfg.StoragePool) },
+			// What is there under this name now, this call made.
+			Undo: func(ctx context.Context) error { return m.engine().Remove(ctx, req.Name, m.Cfg.StoragePool, true) },
 		},
 		{
 			Name: "address",
@@ -355,10 +364,16 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 }
 
 // Teardown removes the machine, its volumes, its state and its lock, holding
-// the machine's lock. Missing pieces count as success; a domain of that name
-// that is not ours is left alone and reported.
+// the machine's lock. Missing pieces count as success. What is not provably
+// this installation's is left alone and reported with vm.ErrNotOurs: a name
+// outside its prefix, a domain of that name that is not ours, and volumes
+// with neither a domain nor a state record.
 func (m *Manager) Teardown(ctx context.Context, name string) error {
 	if err := vm.CheckName(name); err != nil {
+		return err
+	}
+	// Before the lock: it would leave a lock file under a name not ours.
+	if err := m.checkOurName(name); err != nil {
 		return err
 	}
 	unlock, err := m.Store.Lock(ctx, name)
@@ -384,10 +399,36 @@ func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error 
 	return m.engine().Extend(name, until)
 }
 
-// teardown is Teardown for a caller that holds the lock.
+// teardown is Teardown for a caller that holds the lock. The state directory
+// goes last: while anything else of the machine is left, it is the record
+// that says that rest is ours.
 func (m *Manager) teardown(ctx context.Context, name string) error {
-	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool); err != nil {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	recorded, err := m.Store.Has(name)
+	if err != nil {
+		return fmt.Errorf("state of %s: %w", name, err)
+	}
+	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool, recorded); err != nil {
 		return err
 	}
 	return m.Store.Remove(name)
 }
+
+// checkOurName refuses a name outside this installation's prefix: whatever
+// has such a name (a base image "debian-12.qcow2" in the same pool, another
+// installation's machine) is not this installation's to remove.
+func (m *Manager) checkOurName(name string) error {
+	if p := m.namePrefix(); !strings.HasPrefix(name, p) {
+		return notOurs(fmt.Sprintf("refusing to remove %q: not a machine of this installation (names start with %q)", name, p))
+	}
+	return nil
+}
+
+// notOurs is a refusal that says why in its own words and matches
+// vm.ErrNotOurs.
+type notOurs string
+
+func (e notOurs) Error() string        { return string(e) }
+func (e notOurs) Is(target error) bool { return target == vm.ErrNotOurs }

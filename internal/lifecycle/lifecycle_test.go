@@ -323,3 +323,86 @@ func TestProvisionBootFailureSaysGuestWasPausedByIOError(t *testing.T) {
 	require.ErrorContains(t, err, "storage pool jobs is probably full")
 	requireNothingLeft(t, hv, m)
 }
+
+// Teardown (admin rm, cleanup, sweep) deletes only what is provably this
+// installation's: a name of its prefix, and either a domain carrying its
+// ownership record or, for volumes without a domain, its state directory.
+func TestTeardownRefusesWhatIsNotOurs(t *testing.T) {
+	ctx := context.Background()
+	for _, tc := range []struct {
+		name, why string
+		domain    *vmtest.Domain
+		state     bool
+	}{
+		{"debian-12", `refusing to remove "debian-12": not a machine of this installation (names start with "lve-0123abcd-")`, nil, false},
+		{"other-1234abcd-5", `not a machine of this installation`, nil, true},
+		{"lve-0123abcd-8", "no ownership metadata", &vmtest.Domain{XML: "<domain/>", Active: true}, true},
+		{"lve-0123abcd-9", "no domain and no state record of ours: volumes lve-0123abcd-9.qcow2, lve-0123abcd-9-seed.img left alone", nil, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hv := vmtest.New()
+			m, _ := manager(t, hv, newGuest(t, hv))
+			hv.Volumes["jobs/"+vm.DiskVolume(tc.name)] = nil
+			hv.Volumes["jobs/"+vm.SeedVolume(tc.name)] = nil
+			if tc.domain != nil {
+				hv.Domains[tc.name] = tc.domain
+			}
+			if tc.state {
+				_, err := m.Store.Create(tc.name)
+				require.NoError(t, err)
+			}
+			err := m.Teardown(ctx, tc.name)
+			require.ErrorIs(t, err, vm.ErrNotOurs)
+			require.ErrorContains(t, err, tc.why)
+			require.Len(t, hv.Volumes, 2, "no volume deleted")
+			if tc.domain != nil {
+				require.True(t, hv.Domains[tc.name].Active, "domain untouched")
+			}
+			if tc.state {
+				require.DirExists(t, m.Store.MachineDir(tc.name), "state untouched")
+			}
+			require.NotContains(t, hv.Calls, "DeleteVolume")
+			require.NotContains(t, hv.Calls, "Destroy")
+			require.NotContains(t, hv.Calls, "Undefine")
+		})
+	}
+}
+
+// Volumes of our naming without a domain, with the state directory that
+// prepare makes before any volume: a prepare SIGKILLed before define. They
+// are ours, and go.
+func TestTeardownRemovesOrphanVolumesWithStateRecord(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+	const name = "lve-0123abcd-7"
+	hv.Volumes["jobs/"+vm.DiskVolume(name)] = nil
+	hv.Volumes["jobs/"+vm.SeedVolume(name)] = nil
+	hv.Volumes["jobs/debian-12.qcow2"] = nil
+	_, err := m.Store.Create(name)
+	require.NoError(t, err)
+	require.NoError(t, m.Teardown(context.Background(), name))
+	require.Equal(t, map[string][]byte{"jobs/debian-12.qcow2": nil}, hv.Volumes)
+	require.NoDirExists(t, m.Store.MachineDir(name))
+}
+
+// When a failed prepare cannot delete its volumes, its state directory stays
+// as the record that they are ours, so that a later sweep removes them (they
+// would otherwise be unproven, and left for good).
+func TestProvisionUndoKeepsStateWhileVolumesRemain(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	hv.FailOn["Start"] = errors.New("injected start failure")
+	hv.FailOn["DeleteVolume"] = errors.New("injected delete failure")
+	_, err := m.Provision(context.Background(), request(img))
+	require.ErrorContains(t, err, "injected start failure")
+	require.Contains(t, hv.Volumes, "jobs/lve-0123abcd-7.qcow2")
+	require.DirExists(t, m.Store.MachineDir("lve-0123abcd-7"), "the record of the volumes left")
+
+	delete(hv.FailOn, "Start")
+	delete(hv.FailOn, "DeleteVolume")
+	rep, err := m.Sweep(context.Background(), time.Now(), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-0123abcd-7"}, rep.Removed)
+	requireNothingLeft(t, hv, m)
+}

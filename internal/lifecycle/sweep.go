@@ -4,8 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"slices"
-	"sort"
 	"strings"
 	"time"
 
@@ -17,9 +17,12 @@ import (
 const (
 	VerdictKeep    = "keep"    // ours, before its deadline
 	VerdictExpired = "expired" // ours, deadline passed: removed by a sweep
-	VerdictOrphan  = "orphan"  // volumes or state without a domain: removed by a sweep
+	VerdictOrphan  = "orphan"  // state (and its volumes) or a lock without a domain: removed by a sweep
 	VerdictBusy    = "busy"    // a stage of this installation works on it right now
 	VerdictForeign = "foreign" // a domain of our naming that is not ours: never touched
+	// VerdictUnproven: volumes of our naming with neither a domain nor a
+	// state directory. Nothing proves they are ours: never touched.
+	VerdictUnproven = "unproven"
 )
 
 // Item is one machine name found on the host.
@@ -49,99 +52,151 @@ func (m *Manager) namePrefix() string { return MachinePrefix(m.Cfg.NamePrefix, m
 // Inventory lists every domain, volume, state directory and lock of this
 // installation's naming, with what a sweep at time now would do with it.
 func (m *Manager) Inventory(now time.Time) ([]Item, error) {
-	prefix := m.namePrefix()
-	items := map[string]*Item{}
-	get := func(name string) *Item {
-		if it, ok := items[name]; ok {
-			return it
+	vols, err := m.poolVolumes()
+	if err != nil {
+		return nil, err
+	}
+	names, err := m.machineNames(vols)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Item, 0, len(names))
+	for _, n := range names {
+		it, err := m.examine(n, vols, now)
+		if err != nil {
+			return nil, err
 		}
-		it := &Item{Name: name}
-		items[name] = it
-		return it
+		out = append(out, it)
+	}
+	return out, nil
+}
+
+// poolVolumes lists the volumes of the configured storage pool.
+func (m *Manager) poolVolumes() ([]string, error) {
+	vols, err := m.HV.VolumeNames(m.Cfg.StoragePool)
+	if err != nil {
+		return nil, fmt.Errorf("list volumes of pool %s: %w", m.Cfg.StoragePool, err)
+	}
+	return vols, nil
+}
+
+// machineNames lists, sorted, the names of this installation's naming that
+// have a domain, a volume among vols, a state directory or a lock file.
+func (m *Manager) machineNames(vols []string) ([]string, error) {
+	prefix := m.namePrefix()
+	found := map[string]bool{}
+	add := func(name string) {
+		if strings.HasPrefix(name, prefix) && vm.CheckName(name) == nil {
+			found[name] = true
+		}
 	}
 	doms, err := m.HV.DomainNames()
 	if err != nil {
 		return nil, fmt.Errorf("list domains: %w", err)
 	}
 	for _, d := range doms {
-		if strings.HasPrefix(d, prefix) && vm.CheckName(d) == nil {
-			get(d).Domain = true
-		}
-	}
-	vols, err := m.HV.VolumeNames(m.Cfg.StoragePool)
-	if err != nil {
-		return nil, fmt.Errorf("list volumes of pool %s: %w", m.Cfg.StoragePool, err)
+		add(d)
 	}
 	for _, v := range vols {
-		if !strings.HasPrefix(v, prefix) {
-			continue
-		}
-		name, ok := strings.CutSuffix(v, ".qcow2")
-		if !ok {
-			name, ok = strings.CutSuffix(v, "-seed.img")
-		}
-		if ok && vm.CheckName(name) == nil {
-			it := get(name)
-			it.Volumes = append(it.Volumes, v)
+		if name, ok := machineOfVolume(v); ok {
+			add(name)
 		}
 	}
-	names, err := m.Store.Names()
+	states, err := m.Store.Names()
 	if err != nil {
 		return nil, err
-	}
-	for _, n := range names {
-		if strings.HasPrefix(n, prefix) && vm.CheckName(n) == nil {
-			get(n).State = true
-		}
 	}
 	locks, err := m.Store.LockNames()
 	if err != nil {
 		return nil, err
 	}
-	for _, n := range locks {
-		if strings.HasPrefix(n, prefix) && vm.CheckName(n) == nil {
-			get(n)
-		}
+	for _, n := range slices.Concat(states, locks) {
+		add(n)
 	}
-	out := make([]Item, 0, len(items))
-	for _, it := range items {
-		m.judge(it, now)
-		out = append(out, *it)
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
-	return out, nil
+	return slices.Sorted(maps.Keys(found)), nil
 }
 
-func (m *Manager) judge(it *Item, now time.Time) {
+// machineOfVolume returns the machine whose disk or seed volume v would be.
+func machineOfVolume(v string) (string, bool) {
+	if name, ok := strings.CutSuffix(v, ".qcow2"); ok {
+		return name, true
+	}
+	return strings.CutSuffix(v, "-seed.img")
+}
+
+// examine gathers what the host holds under one machine name right now (the
+// domain with its ownership record, the machine's volumes among poolVolumes,
+// its state directory and recorded address) and judges it as a sweep at now
+// would.
+func (m *Manager) examine(name string, poolVolumes []string, now time.Time) (Item, error) {
+	it := Item{Name: name}
+	for _, v := range []string{vm.DiskVolume(name), vm.SeedVolume(name)} {
+		if slices.Contains(poolVolumes, v) {
+			it.Volumes = append(it.Volumes, v)
+		}
+	}
+	var err error
+	if it.State, err = m.Store.Has(name); err != nil {
+		return Item{}, err
+	}
 	if it.State {
-		if mach, _, _, err := m.Store.Load(it.Name); err == nil {
+		if mach, _, _, err := m.Store.Load(name); err == nil {
 			it.Address = mach.Address
 		}
 	}
-	if it.Domain {
-		it.Active, _ = m.HV.IsActive(it.Name)
-		x, err := m.HV.Owner(it.Name)
-		if err != nil {
-			it.Verdict, it.Reason = VerdictForeign, "no ownership metadata"
-			if !errors.Is(err, vm.ErrNoOwner) {
-				it.Reason = err.Error()
-			}
-			return
-		}
-		o, err := vm.ParseOwner(x)
-		if err != nil || o.Controller != m.Controller {
-			it.Verdict, it.Reason = VerdictForeign, "owned by another controller"
-			return
-		}
-		it.Owner = &o
-		if now.After(o.Deadline) {
-			it.Verdict, it.Reason = VerdictExpired, fmt.Sprintf("deadline passed %s ago", now.Sub(o.Deadline).Round(time.Second))
-		} else {
-			it.Verdict, it.Reason = VerdictKeep, fmt.Sprintf("deadline in %s", o.Deadline.Sub(now).Round(time.Second))
+	ownerXML, ownerErr := m.HV.Owner(name)
+	if !errors.Is(ownerErr, vm.ErrNotFound) {
+		it.Domain = true
+		it.Active, _ = m.HV.IsActive(name)
+	}
+	m.judge(&it, ownerXML, ownerErr, now)
+	return it, nil
+}
+
+// examineNow is examine with a fresh look at the pool.
+func (m *Manager) examineNow(name string, now time.Time) (Item, error) {
+	vols, err := m.poolVolumes()
+	if err != nil {
+		return Item{}, err
+	}
+	return m.examine(name, vols, now)
+}
+
+// judge sets the item's verdict from its facts; ownerXML and ownerErr are
+// what the hypervisor answered when asked for the domain's ownership record.
+func (m *Manager) judge(it *Item, ownerXML string, ownerErr error, now time.Time) {
+	if !it.Domain {
+		it.Verdict, it.Reason = orphanVerdict(it)
+		return
+	}
+	if ownerErr != nil {
+		it.Verdict, it.Reason = VerdictForeign, "no ownership metadata"
+		if !errors.Is(ownerErr, vm.ErrNoOwner) {
+			it.Reason = ownerErr.Error()
 		}
 		return
 	}
-	it.Verdict, it.Reason = VerdictOrphan, "no domain"
+	o, err := vm.ParseOwner(ownerXML)
+	if err != nil || o.Controller != m.Controller {
+		it.Verdict, it.Reason = VerdictForeign, "owned by another controller"
+		return
+	}
+	it.Owner = &o
+	if now.After(o.Deadline) {
+		it.Verdict, it.Reason = VerdictExpired, fmt.Sprintf("deadline passed %s ago", now.Sub(o.Deadline).Round(time.Second))
+	} else {
+		it.Verdict, it.Reason = VerdictKeep, fmt.Sprintf("deadline in %s", o.Deadline.Sub(now).Round(time.Second))
+	}
+}
+
+// orphanVerdict judges what is left of a machine without a domain. Volumes
+// are provably ours only with the state directory that prepare makes before
+// any of them and teardown removes after all of them.
+func orphanVerdict(it *Item) (verdict, reason string) {
+	if len(it.Volumes) > 0 && !it.State {
+		return VerdictUnproven, "volumes without a domain or a state record: not provably ours; remove by hand"
+	}
+	return VerdictOrphan, "no domain"
 }
 
 // SweepReport says what a sweep did.
@@ -152,42 +207,62 @@ type SweepReport struct {
 }
 
 // Sweep removes this installation's expired machines and orphaned volumes,
-// state and locks. It never touches a foreign domain, and skips a machine
-// whose lock another process holds (a prepare or cleanup in progress). With
-// dryRun it only reports.
+// state and locks. It never touches a foreign domain or volumes it cannot
+// prove are its own (VerdictUnproven), and skips a machine whose lock
+// another process holds (a prepare or cleanup in progress). Once
+// it holds a machine's lock it judges the machine again from fresh facts and
+// acts only if that verdict still says remove. With dryRun it only reports.
 func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*SweepReport, error) {
 	items, err := m.Inventory(now)
 	if err != nil {
 		return nil, err
 	}
+	if m.afterInventory != nil {
+		m.afterInventory()
+	}
 	rep := &SweepReport{}
 	for _, it := range items {
-		if it.Verdict != VerdictExpired && it.Verdict != VerdictOrphan {
+		if !it.Removable() {
 			rep.Items = append(rep.Items, it)
 			continue
 		}
-		unlock, err := m.Store.TryLock(it.Name)
-		if errors.Is(err, state.ErrBusy) {
-			it.Verdict, it.Reason = VerdictBusy, "a stage is working on it"
-			rep.Items = append(rep.Items, it)
-			continue
-		}
-		if err != nil {
-			rep.Errors = append(rep.Errors, err)
-			continue
-		}
-		rep.Items = append(rep.Items, it)
-		if !dryRun {
-			if err := m.teardown(ctx, it.Name); err != nil {
-				rep.Errors = append(rep.Errors, fmt.Errorf("%s: %w", it.Name, err))
-			} else {
-				m.Store.RemoveLock(it.Name)
-				rep.Removed = append(rep.Removed, it.Name)
-			}
-		}
-		unlock()
+		m.sweepOne(ctx, rep, it, now, dryRun)
 	}
 	return rep, errors.Join(rep.Errors...)
+}
+
+// sweepOne handles one machine the inventory judged removable (seen). That
+// verdict came before its lock was ours: a stage may have changed the machine
+// since (a prepare in flight finished it), so it judges again under the lock
+// and records in rep what it found and did.
+func (m *Manager) sweepOne(ctx context.Context, rep *SweepReport, seen Item, now time.Time, dryRun bool) {
+	name := seen.Name
+	unlock, err := m.Store.TryLock(name)
+	if errors.Is(err, state.ErrBusy) {
+		seen.Verdict, seen.Reason = VerdictBusy, "a stage is working on it"
+		rep.Items = append(rep.Items, seen)
+		return
+	}
+	if err != nil {
+		rep.Errors = append(rep.Errors, err)
+		return
+	}
+	defer unlock()
+	it, err := m.examineNow(name, now)
+	if err != nil {
+		rep.Errors = append(rep.Errors, fmt.Errorf("%s: %w", name, err))
+		return
+	}
+	rep.Items = append(rep.Items, it)
+	if dryRun || !it.Removable() {
+		return
+	}
+	if err := m.teardown(ctx, name); err != nil {
+		rep.Errors = append(rep.Errors, fmt.Errorf("%s: %w", name, err))
+		return
+	}
+	m.Store.RemoveLock(name)
+	rep.Removed = append(rep.Removed, name)
 }
 
 // Removable reports whether a sweep would remove the item.

@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -36,14 +37,22 @@ func TestSweep(t *testing.T) {
 	hv.Domains[p+"3"] = &vmtest.Domain{Active: true}
 	hv.Volumes["jobs/"+p+"3.qcow2"] = nil
 	hv.Domains[p+"4"] = &vmtest.Domain{OwnerXML: owned(t, "ffffffff-0000-4000-8000-000000000000", now.Add(-time.Hour)), Active: true}
-	// Orphans: a volume and a seed without a domain (prepare SIGKILLed).
+	// Orphans: a volume and a seed without a domain, with the state
+	// directory that prepare makes first (prepare SIGKILLed before define).
 	hv.Volumes["jobs/"+p+"5.qcow2"] = nil
 	hv.Volumes["jobs/"+p+"5-seed.img"] = nil
+	_, err = m.Store.Create(p + "5")
+	require.NoError(t, err)
 	// An orphan whose prepare is still running (holds the lock).
 	hv.Volumes["jobs/"+p+"6.qcow2"] = nil
+	_, err = m.Store.Create(p + "6")
+	require.NoError(t, err)
 	unlock6, err := m.Store.TryLock(p + "6")
 	require.NoError(t, err)
 	defer unlock6()
+	// Volumes of our naming with neither a domain nor a state directory:
+	// nothing proves they are ours.
+	hv.Volumes["jobs/"+p+"8.qcow2"] = nil
 	// Other installations' and unrelated names are not even listed.
 	hv.Domains["lve-ffffffff-7"] = &vmtest.Domain{Active: true}
 	hv.Volumes["jobs/base.qcow2"] = nil
@@ -60,6 +69,7 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, map[string]string{
 		p + "1": VerdictExpired, p + "2": VerdictKeep, p + "3": VerdictForeign,
 		p + "4": VerdictForeign, p + "5": VerdictOrphan, p + "6": VerdictOrphan,
+		p + "8": VerdictUnproven,
 	}, verdicts(items))
 
 	// Dry run: reports, touches nothing.
@@ -80,7 +90,7 @@ func TestSweep(t *testing.T) {
 	for _, keep := range []string{p + "2", p + "3", p + "4", "lve-ffffffff-7"} {
 		require.True(t, hv.Domains[keep].Active, "%s untouched", keep)
 	}
-	for _, keep := range []string{p + "2.qcow2", p + "3.qcow2", p + "6.qcow2", "base.qcow2"} {
+	for _, keep := range []string{p + "2.qcow2", p + "3.qcow2", p + "6.qcow2", p + "8.qcow2", "base.qcow2"} {
 		require.Contains(t, hv.Volumes, "jobs/"+keep)
 	}
 
@@ -89,4 +99,50 @@ func TestSweep(t *testing.T) {
 	rep, err = m.Sweep(context.Background(), now, false)
 	require.NoError(t, err)
 	require.Equal(t, []string{p + "6"}, rep.Removed)
+	require.Contains(t, hv.Volumes, "jobs/"+p+"8.qcow2", "unproven volumes are never removed")
+	require.Equal(t, VerdictUnproven, verdicts(rep.Items)[p+"8"])
+}
+
+// A prepare that finishes between the sweep's inventory and its action: the
+// inventory saw an orphan (lock and state directory, no domain yet), but once
+// the sweep gets the lock the machine is a live job's. The sweep judges it
+// again from fresh facts and leaves it.
+func TestSweepJudgesAgainAfterLocking(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, _ := manager(t, hv, g)
+	now := time.Now()
+	name := MachinePrefix("lve", controller) + "1"
+	// The prepare in flight: it holds the lock and has reserved its state
+	// directory, and defined nothing yet.
+	unlock, err := m.Store.TryLock(name)
+	require.NoError(t, err)
+	_, err = m.Store.Reserve(name, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	require.NoError(t, err)
+	items, err := m.Inventory(now)
+	require.NoError(t, err)
+	require.Len(t, items, 1)
+	require.Equal(t, VerdictOrphan, items[0].Verdict, "what the sweep sees first")
+
+	m.afterInventory = func() {
+		// The prepare completes: domain with a deadline ahead, record
+		// saved, lock released.
+		hv.Lock()
+		hv.Domains[name] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+		hv.Volumes["jobs/"+vm.DiskVolume(name)] = nil
+		hv.Unlock()
+		require.NoError(t, m.Store.Save(state.Machine{Name: name, Address: "192.0.2.9"}))
+		unlock()
+	}
+	rep, err := m.Sweep(context.Background(), now, false)
+	require.NoError(t, err)
+	require.Empty(t, rep.Removed)
+	require.Contains(t, hv.Domains, name, "the live job's domain is still defined")
+	require.True(t, hv.Domains[name].Active)
+	require.Contains(t, hv.Volumes, "jobs/"+vm.DiskVolume(name))
+	require.DirExists(t, m.Store.MachineDir(name), "its state is still there")
+	require.Len(t, rep.Items, 1)
+	require.Equal(t, VerdictKeep, rep.Items[0].Verdict, "reported with the fresh verdict")
+	require.True(t, rep.Items[0].Domain)
+	require.True(t, rep.Items[0].State)
 }

@@ -32,15 +32,50 @@ func (s Store) Lock(ctx context.Context, name string) (unlock func(), err error)
 	}
 }
 
+// afterOpen, if set, runs in TryLock between opening the lock file and
+// locking it. Tests force the race with RemoveLock through it; it is nil in
+// production.
+var afterOpen func()
+
+// lockAttempts bounds how often TryLock retries when the lock file is
+// replaced under it.
+const lockAttempts = 10
+
 // TryLock takes the machine's exclusive lock or returns ErrBusy at once.
+//
+// RemoveLock unlinks the file while its holder still has it locked, so a
+// process that opened the old file just before can lock it once the holder
+// lets go, an inode no longer at the path, while another process locks a new
+// file there: two holders. After locking, TryLock therefore checks that its
+// open file is still the one at the path, and otherwise starts over.
 func (s Store) TryLock(name string) (unlock func(), err error) {
 	dir := filepath.Join(s.Dir, "locks")
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, err
 	}
-	f, err := os.OpenFile(filepath.Join(dir, name+".lock"), os.O_CREATE|os.O_RDWR, 0o600)
+	path := filepath.Join(dir, name+".lock")
+	for range lockAttempts {
+		f, err := lockFile(path)
+		if err != nil {
+			return nil, err
+		}
+		if f != nil {
+			return func() { f.Close() }, nil
+		}
+	}
+	return nil, fmt.Errorf("%w: lock file %s replaced %d times while locking it", ErrBusy, path, lockAttempts)
+}
+
+// lockFile opens and locks path. It returns a nil file and no error when the
+// locked file is no longer the one at path (it was removed or replaced
+// meanwhile): the caller tries again.
+func lockFile(path string) (*os.File, error) {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_RDWR, 0o600)
 	if err != nil {
 		return nil, err
+	}
+	if afterOpen != nil {
+		afterOpen()
 	}
 	if err := syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB); err != nil {
 		f.Close()
@@ -49,11 +84,34 @@ func (s Store) TryLock(name string) (unlock func(), err error) {
 		}
 		return nil, err
 	}
-	return func() { f.Close() }, nil
+	same, err := isFileAt(f, path)
+	if err != nil || !same {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
+}
+
+// isFileAt reports whether the open file f is the file now at path (same
+// device and inode).
+func isFileAt(f *os.File, path string) (bool, error) {
+	open, err := f.Stat()
+	if err != nil {
+		return false, err
+	}
+	now, err := os.Stat(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return os.SameFile(open, now), nil
 }
 
 // RemoveLock deletes the machine's lock file; call it while holding the lock,
-// after the machine is gone.
+// after the machine is gone. A process that opened the file before it was
+// removed notices when it gets the lock, and retries on a new file (TryLock).
 func (s Store) RemoveLock(name string) {
 	_ = os.Remove(filepath.Join(s.Dir, "locks", name+".lock"))
 }

@@ -105,6 +105,20 @@ func newUUID() (string, error) {
 // MachineDir is the private directory of one machine.
 func (s Store) MachineDir(name string) string { return filepath.Join(s.Dir, "machines", name) }
 
+// Has reports whether the machine has a state directory. Prepare makes it
+// first, before any volume, and teardown removes it last: it is this
+// installation's record that the machine's volumes are its own.
+func (s Store) Has(name string) (bool, error) {
+	st, err := os.Stat(s.MachineDir(name))
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	return st.IsDir(), nil
+}
+
 // Create makes the machine's private directory (0700), failing if it exists.
 func (s Store) Create(name string) (string, error) {
 	parent := filepath.Join(s.Dir, "machines")

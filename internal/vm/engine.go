@@ -233,13 +233,20 @@ func (e *Engine) Extend(name string, deadline time.Time) error {
 }
 
 // ErrNotOurs is returned by Remove for a domain that exists but is not owned
-// by this controller. Nothing of it is touched.
-var ErrNotOurs = errors.New("domain is not owned by this controller")
+// by this controller, or for volumes without a domain that the caller cannot
+// prove are its own. Nothing of them is touched.
+var ErrNotOurs = errors.New("not owned by this controller")
 
 // Remove destroys and undefines the named machine and deletes its volumes.
 // Missing pieces count as success; a domain without this controller's
 // ownership record is left alone and reported with ErrNotOurs.
-func (e *Engine) Remove(ctx context.Context, name, pool string) error {
+//
+// With no domain, nothing on the host says whose the volumes of the
+// machine's names are (a base image "debian-12.qcow2" has one). They are
+// deleted only if orphanVolumesOurs: the caller holds a record of its own
+// that they are (such as the machine's state directory). Otherwise any that
+// exist are left alone and reported with ErrNotOurs.
+func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOurs bool) error {
 	if err := CheckName(name); err != nil {
 		return err
 	}
@@ -249,6 +256,9 @@ func (e *Engine) Remove(ctx context.Context, name, pool string) error {
 	case errors.Is(err, ErrNotFound):
 		// No domain (a crash before define, or already removed): volumes of
 		// the deterministic names may still be there.
+		if !orphanVolumesOurs {
+			return e.refuseUnprovenVolumes(name, pool, volumes)
+		}
 	case errors.Is(err, ErrNoOwner):
 		return fmt.Errorf("%s: %w (no ownership metadata)", name, ErrNotOurs)
 	case err != nil:
@@ -283,6 +293,27 @@ func (e *Engine) Remove(ctx context.Context, name, pool string) error {
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// refuseUnprovenVolumes is Remove's answer for volumes without a domain that
+// the caller cannot prove are its own: ErrNotOurs naming those of volumes
+// that exist in pool, or nil when none does (nothing to do).
+func (e *Engine) refuseUnprovenVolumes(name, pool string, volumes []string) error {
+	all, err := e.HV.VolumeNames(pool)
+	if err != nil {
+		return fmt.Errorf("list volumes of pool %s: %w", pool, err)
+	}
+	var there []string
+	for _, v := range volumes {
+		if slices.Contains(all, v) {
+			there = append(there, v)
+		}
+	}
+	if len(there) == 0 {
+		return nil
+	}
+	return fmt.Errorf("%s: %w: no domain and no state record of ours: volumes %s left alone",
+		name, ErrNotOurs, strings.Join(there, ", "))
 }
 
 func ignoreNotFound(err error) error {

@@ -69,15 +69,15 @@ func TestLibvirtLifecycle(t *testing.T) {
 
 	// Another controller may not remove it.
 	other := &Engine{HV: l, Controller: "someone-else"}
-	require.ErrorIs(t, other.Remove(context.Background(), s.Name, s.Pool), ErrNotOurs)
+	require.ErrorIs(t, other.Remove(context.Background(), s.Name, s.Pool, true), ErrNotOurs)
 
-	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool))
+	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool, false))
 	_, err = l.Owner(s.Name)
 	require.ErrorIs(t, err, ErrNotFound)
 	vols, err = l.VolumeNames(s.Pool)
 	require.NoError(t, err)
 	require.NotContains(t, vols, DiskVolume(s.Name))
-	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool), "idempotent")
+	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool, false), "idempotent")
 }
 
 func TestLibvirtNotFoundAndNoOwner(t *testing.T) {
@@ -92,7 +92,7 @@ func TestLibvirtNotFoundAndNoOwner(t *testing.T) {
 	_, err = l.Owner("test")
 	require.True(t, errors.Is(err, ErrNoOwner), "got %v", err)
 	e := &Engine{HV: l, Controller: "c"}
-	require.ErrorIs(t, e.Remove(context.Background(), "test", "default-pool"), ErrNotOurs)
+	require.ErrorIs(t, e.Remove(context.Background(), "test", "default-pool", true), ErrNotOurs)
 	active, err := l.IsActive("test")
 	require.NoError(t, err)
 	require.True(t, active, "look-alike left running")

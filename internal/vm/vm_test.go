@@ -123,11 +123,12 @@ func TestCreateAndRemove(t *testing.T) {
 	require.Equal(t, []byte("seed"), f.Volumes["jobs/lve-0123abcd-1000-seed.img"])
 	require.Len(t, lines, 5)
 
-	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+	// The domain's ownership record is the proof: no record of the caller's needed.
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs", false))
 	require.Empty(t, f.Domains)
 	require.Empty(t, f.Volumes)
-	// Idempotent.
-	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+	// Idempotent: nothing left, nothing to prove.
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs", false))
 }
 
 func TestCreateFailureUndoesEverything(t *testing.T) {
@@ -153,7 +154,7 @@ func TestRemoveRefusesForeignDomains(t *testing.T) {
 	// A look-alike without metadata, with a volume of our naming scheme.
 	f.Domains[s.Name] = &vmtest.Domain{Active: true}
 	f.Volumes["jobs/"+DiskVolume(s.Name)] = nil
-	err := e.Remove(context.Background(), s.Name, "jobs")
+	err := e.Remove(context.Background(), s.Name, "jobs", true)
 	require.ErrorIs(t, err, ErrNotOurs)
 	require.True(t, f.Domains[s.Name].Active, "look-alike untouched")
 	require.Contains(t, f.Volumes, "jobs/"+DiskVolume(s.Name), "its volume untouched")
@@ -164,7 +165,7 @@ func TestRemoveRefusesForeignDomains(t *testing.T) {
 	x, err := MarshalOwner(other)
 	require.NoError(t, err)
 	f.Domains[s.Name] = &vmtest.Domain{Active: true, OwnerXML: x}
-	err = e.Remove(context.Background(), s.Name, "jobs")
+	err = e.Remove(context.Background(), s.Name, "jobs", true)
 	require.ErrorIs(t, err, ErrNotOurs)
 	require.ErrorContains(t, err, "ffffffff")
 	require.True(t, f.Domains[s.Name].Active)
@@ -177,8 +178,31 @@ func TestRemoveLeftoverVolumesWithoutDomain(t *testing.T) {
 	f.Volumes["jobs/"+DiskVolume(s.Name)] = nil
 	f.Volumes["jobs/"+SeedVolume(s.Name)] = nil
 	f.Volumes["jobs/unrelated.qcow2"] = nil
-	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs"))
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs", true))
 	require.Equal(t, []string{"unrelated.qcow2"}, mustNames(t, f))
+}
+
+// Without a domain, only the caller's record says whose the volumes of a
+// name are. Without one, Remove deletes nothing: "debian-12" may be a base
+// image kept in the same pool.
+func TestRemoveVolumesWithoutDomainNeedsProof(t *testing.T) {
+	f := vmtest.New()
+	e := &Engine{HV: f, Controller: testSpec().Owner.Controller}
+	for _, name := range []string{"debian-12", testSpec().Name} {
+		f.Volumes["jobs/"+DiskVolume(name)] = nil
+	}
+	f.Volumes["jobs/"+SeedVolume(testSpec().Name)] = nil
+	err := e.Remove(context.Background(), "debian-12", "jobs", false)
+	require.ErrorIs(t, err, ErrNotOurs)
+	require.ErrorContains(t, err, "debian-12: not owned by this controller: no domain and no state record of ours: volumes debian-12.qcow2 left alone")
+	err = e.Remove(context.Background(), testSpec().Name, "jobs", false)
+	require.ErrorIs(t, err, ErrNotOurs)
+	require.ErrorContains(t, err, "volumes lve-0123abcd-1000.qcow2, lve-0123abcd-1000-seed.img left alone")
+	require.Len(t, f.Volumes, 3, "nothing deleted")
+	require.NotContains(t, f.Calls, "DeleteVolume")
+
+	// Nothing there: nothing to prove, nothing to do.
+	require.NoError(t, e.Remove(context.Background(), "lve-0123abcd-1001", "jobs", false))
 }
 
 func mustNames(t *testing.T, f *vmtest.Fake) []string {
