@@ -246,7 +246,7 @@ func (l *lockedBuffer) Write(p []byte) (int, error) {
 func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 	id := 100000 + rand.Int64N(900000)
 	j := JobSample{Run: run, JobID: id, PeakRSS: map[string]int64{}, RusageMaxRSS: map[string]int64{}}
-	machine := gitlab.MachineName(b.cfg.NamePrefix, b.ctrl, id)
+	machine := lifecycle.MachineName(b.cfg.NamePrefix, b.ctrl, gitlab.InstanceOf(harness.ServerURL, harness.RunnerID), id)
 	var (
 		wg     sync.WaitGroup
 		vols   volumeInfo

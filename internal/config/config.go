@@ -84,6 +84,15 @@ type Config struct {
 	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
 	// "insecure-ignore-host-key" (no verification; for debugging images only).
 	HostKeyPolicy string `toml:"host_key_policy"`
+	// InsecureJobIDFromEnv lets the stages take the job id from
+	// CUSTOM_ENV_CI_JOB_ID when the runner provides no JOB_RESPONSE_FILE.
+	// Default false: without the file every stage fails as a system failure.
+	// Loudly named on purpose: CUSTOM_ENV_* values can be set by the job
+	// itself, so a job could take over another job's VM name (and have it
+	// removed, or run in it). Every GitLab Runner that runs a Custom executor
+	// provides the file; enable this only for a runner that does not, with
+	// trusted jobs only.
+	InsecureJobIDFromEnv bool `toml:"insecure_job_id_from_env"`
 
 	Defaults Defaults `toml:"defaults"`
 	Limits   Limits   `toml:"limits"`

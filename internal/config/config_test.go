@@ -100,3 +100,17 @@ func TestDeployExampleIsValid(t *testing.T) {
 	_, err := Load(path)
 	require.NoError(t, err)
 }
+
+func TestInsecureJobIDFromEnv(t *testing.T) {
+	base := "[images.a]\nbase = \"/a.qcow2\"\n"
+	c, err := Parse([]byte(base))
+	require.NoError(t, err)
+	require.False(t, c.InsecureJobIDFromEnv, "off unless asked for")
+	c, err = Parse([]byte("insecure_job_id_from_env = true\n" + base))
+	require.NoError(t, err)
+	require.True(t, c.InsecureJobIDFromEnv)
+	_, err = Parse([]byte("insecure_job_id_from_env = \"yes\"\n" + base))
+	require.ErrorContains(t, err, "insecure_job_id_from_env", "a boolean, nothing else")
+	_, err = Parse([]byte("insecure_job_id_from_environment = true\n" + base))
+	require.ErrorContains(t, err, "unknown key", "a misspelt key does not silently stay off")
+}

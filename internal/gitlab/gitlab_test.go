@@ -29,53 +29,61 @@ func envOf(m map[string]string) func(string) string { return func(k string) stri
 func TestReadJobFromPayload(t *testing.T) {
 	env := map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json", "CUSTOM_ENV_CI_JOB_ID": "999", "CUSTOM_ENV_CI_JOB_IMAGE": "forged"}
 	var warned []string
-	j, err := ReadJob(envOf(env), func(s string) { warned = append(warned, s) })
+	j, err := ReadJob(envOf(env), false, func(s string) { warned = append(warned, s) })
 	require.NoError(t, err)
 	require.Equal(t, int64(1000), j.ID, "a forged CUSTOM_ENV_CI_JOB_ID is ignored")
 	require.Equal(t, 30*time.Minute, j.Timeout)
-	require.Equal(t, "tiny", j.Image)
+	require.Equal(t, ImageRequest{Name: "tiny", Written: "tiny"}, j.Image)
+	require.Equal(t, InstanceOf("", ""), j.Instance, "the payload has neither CI_SERVER_URL nor CI_RUNNER_ID")
 	require.True(t, j.FromPayload)
 	require.Empty(t, warned)
 }
 
 func TestReadJobFallbackAndErrors(t *testing.T) {
+	// No payload file: a system failure that names the way out...
 	var warned []string
-	j, err := ReadJob(envOf(map[string]string{"CUSTOM_ENV_CI_JOB_ID": "77"}), func(s string) { warned = append(warned, s) })
+	env := map[string]string{"CUSTOM_ENV_CI_JOB_ID": "77", "CUSTOM_ENV_CI_JOB_IMAGE": "debian-12",
+		"CUSTOM_ENV_CI_SERVER_URL": "https://gitlab.example.com", "CUSTOM_ENV_CI_RUNNER_ID": "7"}
+	_, err := ReadJob(envOf(env), false, func(s string) { warned = append(warned, s) })
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.ErrorContains(t, err, "JOB_RESPONSE_FILE is not set")
+	require.ErrorContains(t, err, "insecure_job_id_from_env = true")
+	require.Empty(t, warned)
+
+	// ...unless the administrator accepts the job-controlled id.
+	j, err := ReadJob(envOf(env), true, func(s string) { warned = append(warned, s) })
 	require.NoError(t, err)
 	require.Equal(t, int64(77), j.ID)
+	require.Equal(t, ImageRequest{Name: "debian-12", Written: "debian-12"}, j.Image)
+	require.Equal(t, InstanceOf("https://gitlab.example.com", "7"), j.Instance)
 	require.False(t, j.FromPayload)
 	require.Len(t, warned, 1)
+	require.Contains(t, warned[0], "insecure_job_id_from_env")
 
 	for _, bad := range []string{"", "-1", "0", "1e3", "77; rm -rf /", "../1"} {
-		_, err := ReadJob(envOf(map[string]string{"CUSTOM_ENV_CI_JOB_ID": bad}), func(string) {})
+		_, err := ReadJob(envOf(map[string]string{"CUSTOM_ENV_CI_JOB_ID": bad}), true, func(string) {})
 		require.Error(t, err, "%q", bad)
 	}
 
 	dir := t.TempDir()
-	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": filepath.Join(dir, "missing.json")}), func(string) {})
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": filepath.Join(dir, "missing.json")}), false, func(string) {})
 	require.ErrorContains(t, err, "JOB_RESPONSE_FILE")
 
 	corrupt := filepath.Join(dir, "corrupt.json")
 	require.NoError(t, os.WriteFile(corrupt, []byte(`{"id":5,"token":"secret-token-xyz",`), 0o600))
-	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": corrupt}), func(string) {})
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": corrupt}), false, func(string) {})
 	require.Error(t, err)
 	require.NotContains(t, err.Error(), "secret-token-xyz")
 
 	noID := filepath.Join(dir, "noid.json")
 	require.NoError(t, os.WriteFile(noID, []byte(`{"token":"t"}`), 0o600))
-	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": noID}), func(string) {})
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": noID}), false, func(string) {})
 	require.ErrorContains(t, err, "no positive job id")
 
 	wrongType := filepath.Join(dir, "wrongtype.json")
 	require.NoError(t, os.WriteFile(wrongType, []byte(`{"id":"1000"}`), 0o600))
-	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": wrongType}), func(string) {})
+	_, err = ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": wrongType}), false, func(string) {})
 	require.Error(t, err)
-}
-
-func TestMachineName(t *testing.T) {
-	n := MachineName("lve", "0123abcd-0000-4000-8000-000000000000", 1000)
-	require.Equal(t, "lve-0123abcd-1000", n)
-	require.NoError(t, vm.CheckName(n))
 }
 
 func testConfig(t *testing.T) *config.Config {
@@ -95,19 +103,22 @@ cache_dir = "/srv/cache"
 	return cfg
 }
 
+// asked is an image request written without variables.
+func asked(name string) ImageRequest { return ImageRequest{Name: name, Written: name} }
+
 func TestChooseImage(t *testing.T) {
 	cfg := testConfig(t)
-	img, err := ChooseImage(cfg, "")
+	img, err := ChooseImage(cfg, asked(""))
 	require.NoError(t, err)
 	require.Equal(t, "tiny", img.Name)
-	img, err = ChooseImage(cfg, "debian-12")
+	img, err = ChooseImage(cfg, asked("debian-12"))
 	require.NoError(t, err)
 	require.Equal(t, "debian-12", img.Name)
 	for _, hostile := range []string{
 		"../../etc/passwd", "/img/tiny.qcow2", "tiny\x00", "tiny\n", "<tiny/>", "tiny'; reboot", "TINY",
 		"docker.io/library/alpine:latest", strings.Repeat("x", 5000),
 	} {
-		_, err := ChooseImage(cfg, hostile)
+		_, err := ChooseImage(cfg, asked(hostile))
 		require.Error(t, err, "%q", hostile)
 		require.Equal(t, exitcodes.BuildClass, exitcodes.Classify(err), "a user mistake, not retried")
 		require.ErrorContains(t, err, `allowed images: ["debian-12","tiny"]`)
@@ -141,7 +152,7 @@ func TestConfigStageOutput(t *testing.T) {
 	require.Equal(t, "/srv/cache", got["cache_dir"])
 	require.Equal(t, false, got["builds_dir_is_shared"])
 	require.Equal(t, "bash", got["shell"])
-	require.Regexp(t, `^lve-[0-9a-f]{8}-42$`, got["hostname"])
+	require.Regexp(t, `^lve-[0-9a-f]{8}-[0-9a-f]{8}-42$`, got["hostname"])
 	require.Equal(t, DriverName, got["driver"].(map[string]any)["name"])
 	require.Zero(t, r.connected, "config needs no libvirt")
 }
@@ -274,7 +285,7 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
 
 	check := func(ctx context.Context, g outputter) error {
-		return checkGuestTools(ctx, g, say, store, img.Name, imageVersion(img))
+		return checkGuestTools(ctx, g, say, store, img, imageVersion(img))
 	}
 	require.NoError(t, check(context.Background(), g))
 	require.NoError(t, check(context.Background(), g))
@@ -297,8 +308,8 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	require.Equal(t, 3, g.calls)
 
 	// An image that cannot be examined is always asked about.
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img.Name, nil))
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img.Name, nil))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil))
 	require.Equal(t, 5, g.calls)
 
 	// A cancelled stage is an error, not a note.

@@ -13,6 +13,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 )
 
 // Job is the trusted identity of the job and what it asked for.
@@ -21,15 +22,34 @@ type Job struct {
 	ID int64
 	// Timeout is the job's timeout (runner_info.timeout).
 	Timeout time.Duration
-	// Image is the job's `image:` name; empty for none.
-	Image string
+	// Image is the job's `image:`, with the job's variables expanded.
+	Image ImageRequest
+	// Instance tags the GitLab instance and runner the job came from
+	// (lifecycle.InstanceTag of CI_SERVER_URL and CI_RUNNER_ID): part of the
+	// machine name, so equal job ids of two instances never share a VM.
+	Instance string
 	// FromPayload says whether the identity came from JOB_RESPONSE_FILE.
 	FromPayload bool
 }
 
+// ImageRequest is the job's `image:` name: as written, and after expansion.
+type ImageRequest struct {
+	// Name is the name after variable expansion: the only part compared
+	// with the configured image names. Empty asks for the default image.
+	Name string
+	// Written is the name as the payload has it; it differs from Name when
+	// variables were expanded.
+	Written string
+	// Hidden says the expansion used a masked or non-public variable (a
+	// secret, or one defined in the CI/CD settings): Name is never shown.
+	Hidden bool
+	// TooLong says the expansion outgrew maxExpanded (then Name is cut and
+	// the request is refused).
+	TooLong bool
+}
+
 // payload is the part of JOB_RESPONSE_FILE the driver reads. The file also
-// holds the job token and variables: they are never decoded here, let alone
-// logged.
+// holds the job token: it is never decoded.
 type payload struct {
 	ID         *int64 `json:"id"`
 	RunnerInfo struct {
@@ -38,6 +58,22 @@ type payload struct {
 	Image struct {
 		Name string `json:"name"`
 	} `json:"image"`
+	// Variables are the job's CI/CD variables, GitLab's predefined ones
+	// first, then the job's own. They include secrets (CI_JOB_TOKEN, masked
+	// and file variables): they stay in memory, are used only to expand the
+	// image name and to read the instance identity, and are never logged,
+	// stored or shown.
+	Variables []jobVariable `json:"variables"`
+}
+
+// jobVariable is one entry of the payload's variables.
+type jobVariable struct {
+	Key    string `json:"key"`
+	Value  string `json:"value"`
+	Public bool   `json:"public"`
+	Masked bool   `json:"masked"`
+	Raw    bool   `json:"raw"`
+	File   bool   `json:"file"`
 }
 
 // maxJobTimeout bounds a timeout read from the payload (GitLab's maximum is
@@ -46,19 +82,30 @@ const maxJobTimeout = 31 * 24 * time.Hour
 
 // ReadJob determines the job. The job id comes from JOB_RESPONSE_FILE, the
 // runner's own copy of the job payload. CUSTOM_ENV_* values can be set by the
-// job's author, so CUSTOM_ENV_CI_JOB_ID is used only when the runner provides
-// no payload file at all (warn says so).
-func ReadJob(getenv func(string) string, warn func(string)) (*Job, error) {
+// job's author, so without the file the stage fails as a system failure,
+// unless the administrator accepts CUSTOM_ENV_CI_JOB_ID with
+// insecure_job_id_from_env (allowEnvID; warn says so).
+func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*Job, error) {
 	path := getenv("JOB_RESPONSE_FILE")
 	if path == "" {
+		if !allowEnvID {
+			return nil, exitcodes.System(errors.New("JOB_RESPONSE_FILE is not set, so this job's identity cannot be trusted: " +
+				"CUSTOM_ENV_CI_JOB_ID can be set by the job itself and would let it take over another job's VM. " +
+				"GitLab Runner sets JOB_RESPONSE_FILE for every Custom executor stage: run the driver only as the runner's " +
+				"config_exec, prepare_exec, run_exec and cleanup_exec. To accept the job-controlled id anyway (trusted jobs only), " +
+				"set insecure_job_id_from_env = true in the driver configuration"))
+		}
 		idText := getenv("CUSTOM_ENV_CI_JOB_ID")
 		id, err := strconv.ParseInt(idText, 10, 64)
 		if err != nil || id <= 0 {
-			return nil, fmt.Errorf("no JOB_RESPONSE_FILE and CUSTOM_ENV_CI_JOB_ID %q is not a positive job id", idText)
+			return nil, fmt.Errorf("no JOB_RESPONSE_FILE and CUSTOM_ENV_CI_JOB_ID %s is not a positive job id", shown(idText))
 		}
-		warn("JOB_RESPONSE_FILE is not set (runner older than the Custom executor's payload file?); using CUSTOM_ENV_CI_JOB_ID, which the job itself can override")
+		warn("JOB_RESPONSE_FILE is not set; using CUSTOM_ENV_CI_JOB_ID, which the job itself can override (insecure_job_id_from_env = true)")
 		timeout, _ := strconv.ParseInt(getenv("CUSTOM_ENV_CI_JOB_TIMEOUT"), 10, 64)
-		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: getenv("CUSTOM_ENV_CI_JOB_IMAGE")}, nil
+		// The runner has expanded CI_JOB_IMAGE already.
+		image := getenv("CUSTOM_ENV_CI_JOB_IMAGE")
+		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: ImageRequest{Name: image, Written: image},
+			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID"))}, nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -76,8 +123,33 @@ func ReadJob(getenv func(string) string, warn func(string)) (*Job, error) {
 	if p.ID == nil || *p.ID <= 0 {
 		return nil, fmt.Errorf("JOB_RESPONSE_FILE %s has no positive job id", path)
 	}
-	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: p.Image.Name, FromPayload: true}, nil
+	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: expandImage(p.Image.Name, p.Variables),
+		Instance: instanceOf(p.Variables), FromPayload: true}, nil
 }
+
+// instanceOf tags the GitLab instance and runner of a payload: its
+// CI_SERVER_URL and CI_RUNNER_ID, each the FIRST entry of that key. GitLab
+// sends its predefined variables first and the job's own variables (which
+// may redefine any key, and which the runner lets win) after them, so the
+// first entry is GitLab's own value, not the job's. A missing key counts as
+// "" (a job can then choose the value, but not its job id, which comes from
+// the payload's id). Never the payload's token, nor git_info.repo_url: it
+// embeds the job token.
+func instanceOf(vars []jobVariable) string {
+	first := func(key string) string {
+		for _, v := range vars {
+			if v.Key == key {
+				return v.Value
+			}
+		}
+		return ""
+	}
+	return InstanceOf(first("CI_SERVER_URL"), first("CI_RUNNER_ID"))
+}
+
+// InstanceOf is the instance tag of a GitLab server URL and runner id, as
+// machine names carry it (lifecycle.MachineName).
+func InstanceOf(serverURL, runnerID string) string { return lifecycle.InstanceTag(serverURL, runnerID) }
 
 func boundTimeout(seconds int64) time.Duration {
 	if seconds <= 0 {
@@ -87,34 +159,43 @@ func boundTimeout(seconds int64) time.Duration {
 	return min(d, maxJobTimeout)
 }
 
-// MachineName is the deterministic name of the job's machine: the prefix, the
-// first block of the controller id (one installation) and the job id.
-func MachineName(prefix, controller string, jobID int64) string {
-	short := controller
-	if len(short) > 8 {
-		short = short[:8]
-	}
-	return fmt.Sprintf("%s-%s-%d", prefix, short, jobID)
-}
-
 // ChooseImage picks the configured image the job asked for, or the default.
-// The name is only compared with configured names. An unknown name is the
-// user's mistake (BUILD_FAILURE: retrying cannot fix it); the message lists
-// what is allowed.
-func ChooseImage(cfg *config.Config, asked string) (*config.Image, error) {
-	if asked == "" {
+// The (expanded) name is only compared with configured names. An unknown
+// name is the user's mistake (BUILD_FAILURE: retrying cannot fix it); the
+// message lists what is allowed, and shows the name cut short: as expanded,
+// plus as written when they differ, unless the expansion used a masked or
+// non-public variable (then only as written).
+func ChooseImage(cfg *config.Config, req ImageRequest) (*config.Image, error) {
+	if req.Name == "" && !req.TooLong {
 		img, _ := cfg.Image(cfg.DefaultImage)
 		return img, nil
 	}
-	if img, ok := cfg.Image(asked); ok {
-		return img, nil
+	if !req.TooLong {
+		if img, ok := cfg.Image(req.Name); ok {
+			return img, nil
+		}
 	}
-	shown := asked
-	if len(shown) > 64 {
-		shown = shown[:64] + "..."
+	var what string
+	switch {
+	case req.TooLong:
+		what = fmt.Sprintf("image %q expands to more than %d characters and", cut(req.Written), maxExpanded)
+	case !req.expanded():
+		what = fmt.Sprintf("image %q", cut(req.Name))
+	case req.Hidden:
+		what = fmt.Sprintf("image %q (its expansion uses a masked or non-public variable and is not shown)", cut(req.Written))
+	default:
+		what = fmt.Sprintf("image %q (expanded from %q)", cut(req.Name), cut(req.Written))
 	}
-	return nil, exitcodes.Userf("image %q is not offered by this runner; allowed images: %s (or leave image: empty for %q)",
-		shown, quoteList(cfg.ImageNames()), cfg.DefaultImage)
+	return nil, exitcodes.Userf("%s is not offered by this runner; allowed images: %s (or leave image: empty for %q)",
+		what, quoteList(cfg.ImageNames()), cfg.DefaultImage)
+}
+
+// cut shortens a job-controlled name for a message.
+func cut(s string) string {
+	if len(s) > 64 {
+		return s[:64] + "..."
+	}
+	return s
 }
 
 func quoteList(items []string) string {

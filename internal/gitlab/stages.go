@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -66,7 +67,7 @@ type job struct {
 }
 
 func (e Env) load(cfg *config.Config) (*job, error) {
-	j, err := ReadJob(e.Getenv, func(msg string) { e.Log.Warn(msg) })
+	j, err := ReadJob(e.Getenv, cfg.InsecureJobIDFromEnv, func(msg string) { e.Log.Warn(msg) })
 	if err != nil {
 		return nil, err
 	}
@@ -75,7 +76,7 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 	if err != nil {
 		return nil, err
 	}
-	name := MachineName(cfg.NamePrefix, ctrl, j.ID)
+	name := lifecycle.MachineName(cfg.NamePrefix, ctrl, j.Instance, j.ID)
 	return &job{cfg: cfg, job: j, store: store, controller: ctrl, name: name,
 		log: e.Log.With("job", j.ID, "domain", name)}, nil
 }
@@ -135,7 +136,10 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	say := func(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
 	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+Version)
 	if !j.job.FromPayload {
-		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set")
+		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set (insecure_job_id_from_env = true)")
+	}
+	if req := j.job.Image; req.expanded() && !req.Hidden {
+		say("Image %q from the job's variables: %q", cut(req.Written), cut(req.Name))
 	}
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
@@ -154,7 +158,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
 		Check: func(ctx context.Context, c *sshexec.Client) error {
-			return checkGuestTools(ctx, c, say, j.store, img.Name, version)
+			return checkGuestTools(ctx, c, say, j.store, img, version)
 		},
 	}
 	ready, err := m.Provision(ctx, req)
@@ -180,6 +184,9 @@ type outputter interface {
 
 // toolCheck is what the guest tool check found for one version of an image.
 type toolCheck struct {
+	// Format is toolCheckFormat when the entry was made: entries of an
+	// older check (which did not look for the image's shell) are asked again.
+	Format  int      `json:"format"`
 	Base    string   `json:"base"`
 	Size    int64    `json:"size"`
 	ModTime int64    `json:"mtime_ns"`
@@ -188,6 +195,13 @@ type toolCheck struct {
 	Missing []string `json:"missing"`
 }
 
+// toolCheckFormat is the version of what the check looks for.
+const toolCheckFormat = 2
+
+// missingShell stands in the check's answer for the image's configured
+// shell (no tool has this name).
+const missingShell = "@shell"
+
 // imageVersion identifies the image file and the account the check runs as
 // (its PATH decides what is found); nil if the file cannot be examined.
 func imageVersion(img *config.Image) *toolCheck {
@@ -195,32 +209,47 @@ func imageVersion(img *config.Image) *toolCheck {
 	if err != nil {
 		return nil
 	}
-	return &toolCheck{Base: img.Base, Size: st.Size(), ModTime: st.ModTime().UnixNano(), User: img.User, Shell: img.Shell}
+	return &toolCheck{Format: toolCheckFormat, Base: img.Base, Size: st.Size(), ModTime: st.ModTime().UnixNano(), User: img.User, Shell: img.Shell}
 }
 
 func (a *toolCheck) sameVersion(b *toolCheck) bool {
-	return a.Base == b.Base && a.Size == b.Size && a.ModTime == b.ModTime && a.User == b.User && a.Shell == b.Shell
+	return a.Format == b.Format && a.Base == b.Base && a.Size == b.Size && a.ModTime == b.ModTime && a.User == b.User && a.Shell == b.Shell
 }
+
+// toolCheckCommand lists, one a line, what the guest lacks: the tools
+// GitLab's stages use, and missingShell when the image's configured shell
+// (a name on PATH, or an absolute path) cannot be run. The shell comes from
+// the administrator's configuration, never from the job, and is quoted all
+// the same.
+func toolCheckCommand(shell string) string {
+	return `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
+		`s=` + shellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
+}
+
+// shellQuote quotes s for a POSIX shell.
+func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
 // missing in the guest. A missing tool is only reported (a job may not need
-// it); the only error is the stage being cancelled. The answer is remembered
-// per version of the image (file, size, modification time, user, shell):
-// every job of an unchanged image would get the same answer, and asking
-// costs an SSH session. version is nil when the image cannot be identified:
-// then the guest is always asked.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, image string, version *toolCheck) error {
-	key := "tools-" + image
+// it). A missing shell of the image is an error (a system failure: the
+// image or the configuration must change): every stage would exit 127, and
+// that would pass for the script's own failure. The only other error is the
+// stage being cancelled. The answer is remembered per version of the image
+// (file, size, modification time, user, shell): every job of an unchanged
+// image would get the same answer, and asking costs an SSH session. version
+// is nil when the image cannot be identified: then the guest is always asked.
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck) error {
+	key := "tools-" + img.Name
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
 			reportMissingTools(old.Missing, say)
-			return nil
+			return shellMissing(img, old.Missing)
 		}
 	}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	out, err := c.Output(cctx, `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done`)
+	out, err := c.Output(cctx, toolCheckCommand(img.Shell))
 	if err != nil {
 		if ctx.Err() != nil {
 			return context.Cause(ctx)
@@ -235,7 +264,17 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
 	reportMissingTools(missing, say)
-	return nil
+	return shellMissing(img, missing)
+}
+
+// shellMissing is the error for an image whose shell the check did not find.
+func shellMissing(img *config.Image, missing []string) error {
+	if !slices.Contains(missing, missingShell) {
+		return nil
+	}
+	return exitcodes.System(fmt.Errorf("image %q: its shell %q is not installed in the guest (or not executable by %s), so every stage would fail with exit status 127; "+
+		"install it in the image, or set images.%s.shell in the driver configuration to a shell the image has (\"bash\", \"sh\" or an absolute path)",
+		img.Name, img.Shell, img.User, img.Name))
 }
 
 func reportMissingTools(missing []string, say func(string, ...any)) {

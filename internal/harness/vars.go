@@ -14,7 +14,12 @@ import (
 func randUint32() uint32 { return rand.Uint32() }
 
 const (
-	serverURL        = "http://gitlab.harness.invalid"
+	// ServerURL and RunnerID are the CI_SERVER_URL and CI_RUNNER_ID of every
+	// job the harness runs (GitLab's predefined variables, first in the
+	// payload): with them a test or the benchmark knows the driver's machine
+	// names (gitlab.InstanceOf).
+	ServerURL        = "http://gitlab.harness.invalid"
+	RunnerID         = "1"
 	runnerShortToken = "harness1"
 	runnerArch       = "linux/amd64"
 )
@@ -121,7 +126,7 @@ func (j *Job) namespaceAndName() (string, string) {
 func (j *Job) payloadVariables() []jobVariable {
 	ns, name := j.namespaceAndName()
 	id := strconv.FormatInt(j.ID, 10)
-	projectURL := serverURL + "/" + strings.Trim(j.ProjectPath, "/")
+	projectURL := j.ServerURL + "/" + strings.Trim(j.ProjectPath, "/")
 	pub := func(k, v string) jobVariable { return jobVariable{Key: k, Value: v, Public: true} }
 	short := j.SHA
 	if len(short) > 8 {
@@ -146,10 +151,10 @@ func (j *Job) payloadVariables() []jobVariable {
 		pub("CI_COMMIT_BRANCH", j.Ref),
 		pub("CI_COMMIT_BEFORE_SHA", strings.Repeat("0", 40)),
 		pub("CI_DEFAULT_BRANCH", j.Ref),
-		pub("CI_SERVER_URL", serverURL),
-		pub("CI_SERVER_HOST", strings.TrimPrefix(serverURL, "http://")),
+		pub("CI_SERVER_URL", j.ServerURL),
+		pub("CI_SERVER_HOST", strings.TrimPrefix(strings.TrimPrefix(j.ServerURL, "http://"), "https://")),
 		pub("CI_JOB_URL", projectURL+"/-/jobs/"+id),
-		pub("CI_RUNNER_ID", "1"),
+		pub("CI_RUNNER_ID", RunnerID),
 		pub("CI_REPOSITORY_URL", j.repoURL()),
 	}
 	if j.Image != "" {
