@@ -118,6 +118,9 @@ type Job struct {
 	ScriptTimeout time.Duration
 	// ConcurrentID is CI_CONCURRENT_ID and CI_CONCURRENT_PROJECT_ID.
 	ConcurrentID int
+	// ServerURL is the GitLab instance the job comes from (CI_SERVER_URL,
+	// first in the payload's variables). Default harness.ServerURL.
+	ServerURL string
 }
 
 // ExtraStage is an additional run stage: Name is passed as argv[2], Commands
@@ -351,6 +354,9 @@ func (j Job) withDefaults() (Job, error) {
 	}
 	if j.ProjectPath == "" {
 		j.ProjectPath = "lab/demo"
+	}
+	if j.ServerURL == "" {
+		j.ServerURL = ServerURL
 	}
 	if j.Token == "" {
 		j.Token = fmt.Sprintf("glcbt-harness-%08x%08x", randUint32(), randUint32())

@@ -1,0 +1,78 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+)
+
+// stageBound is how long a stage whose script is done at once may take on a
+// loaded 2-core CI machine: SSH connection and login under TCG, the script,
+// and the stop of what it left behind (SIGTERM, SIGKILL after 2 s). Before
+// the fix such stages ran until the job timeout.
+const stageBound = 20 * time.Second
+
+// Jobs as users write them: a script that leaves a process running in the
+// background ends when its shell ends, with its own result; what it left in
+// its process group is stopped; a service started with setsid survives into
+// later stages (it dies with the VM); a backgrounded service serves the rest
+// of its own stage.
+func TestBackgroundProcessesEndWithTheirStage(t *testing.T) {
+	r := setup(t)
+	opts, lw := r.options(t)
+	start := time.Now()
+	res, err := harness.RunJob(context.Background(), opts, harness.Job{
+		Timeout: 5 * time.Minute,
+		Script: []string{
+			"sleep 300 & echo $! > /tmp/bg.pid",
+			"nohup sleep 301 >/dev/null 2>&1 & echo $! > /tmp/nohup.pid",
+			"(while true; do date +%s%N > /tmp/beat; sleep 0.2; done) &",
+			"setsid sh -c 'while true; do date +%s%N > /tmp/beat2; sleep 0.2; done' >/dev/null 2>&1 &",
+			"sleep 1; a=$(cat /tmp/beat); sleep 1; b=$(cat /tmp/beat); test \"$a\" != \"$b\" && echo SERVICE-SERVED-$((40+2))",
+			"echo script-done",
+		},
+		AfterScript: []string{
+			`for f in bg nohup; do if kill -0 "$(cat /tmp/$f.pid)" 2>/dev/null; then echo $f-ALIVE; else echo $f-GONE; fi; done`,
+			"a=$(cat /tmp/beat); sleep 1; b=$(cat /tmp/beat); test \"$a\" = \"$b\" && echo INSTAGE-SERVICE-STOPPED",
+			"a=$(cat /tmp/beat2); sleep 1; b=$(cat /tmp/beat2); test \"$a\" != \"$b\" && echo DETACHED-SERVICE-ALIVE",
+			"sleep 300 &",
+			"echo after-done",
+		},
+	})
+	require.NoError(t, err)
+	require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
+	log := lw.buf.String()
+	for _, want := range []string{"SERVICE-SERVED-42", "script-done", "bg-GONE", "nohup-GONE",
+		"INSTAGE-SERVICE-STOPPED", "DETACHED-SERVICE-ALIVE", "after-done",
+		"stopping the processes it left running"} {
+		require.Contains(t, log, want)
+	}
+	for _, stage := range []string{"build_script", "after_script"} {
+		s := stageExit(t, res, stage)
+		require.Equal(t, 0, s.ExitCode, stage)
+		require.False(t, s.OutputLeftOpen, "%s: run_exec's output was closed when it exited", stage)
+		// build_script sleeps 2 s itself, after_script 2 s.
+		require.Less(t, s.Duration, stageBound, "%s ends within seconds of its script", stage)
+	}
+	t.Logf("job with background processes: %s in all", time.Since(start).Round(time.Second))
+
+	// The script's own failure still decides the class, promptly.
+	opts, lw = r.options(t)
+	res, err = harness.RunJob(context.Background(), opts, harness.Job{
+		Timeout: 5 * time.Minute,
+		Script:  []string{"sleep 300 &", "echo failing-now", "exit 4"},
+	})
+	require.NoError(t, err)
+	require.Equal(t, harness.ReasonScriptFailure, res.FailureReason, res.Message)
+	require.Equal(t, 4, res.ScriptExitCode)
+	build := stageExit(t, res, "build_script")
+	require.Equal(t, 1, build.ExitCode)
+	require.Less(t, build.Duration, stageBound)
+	require.Contains(t, lw.buf.String(), "failing-now")
+}
