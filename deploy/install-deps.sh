@@ -9,7 +9,9 @@
 # unpacked into ${LVE_GO_ROOT:-/usr/local/go}.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip)
+# busybox-static and dash: the unit tests run the guest-side wrapper under the
+# login shells guests have (bash, dash, busybox ash).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash)
 missing=()
 for p in "${pkgs[@]}"; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

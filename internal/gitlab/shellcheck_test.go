@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -54,7 +55,7 @@ func TestGuestToolCheckFailsOnMissingShell(t *testing.T) {
 
 	for _, shell := range []string{"bash", "sh", "/opt/ci tools/bin/zsh"} {
 		img := &config.Image{Name: "img-" + filepath.Base(shell), Base: base, User: "root", Shell: shell}
-		g := newShellGuest(t, "git", "git-lfs", "gitlab-runner") // no bash, no sh, no zsh
+		g := newShellGuest(t, "git", "git-lfs", "gitlab-runner", "setsid", "mkfifo") // no bash, no sh, no zsh
 		for job := 1; job <= 2; job++ {
 			err := checkGuestTools(context.Background(), g, say, store, img, imageVersion(img))
 			require.Error(t, err, "shell %q, job %d", shell, job)
@@ -71,8 +72,29 @@ func TestGuestToolCheckFailsOnMissingShell(t *testing.T) {
 	require.NoError(t, os.WriteFile(abs, []byte("#!/bin/sh\n"), 0o755))
 	for _, shell := range []string{"bash", abs} {
 		img := &config.Image{Name: "ok", Base: base, User: "root", Shell: shell}
-		g := newShellGuest(t, "bash", "git", "git-lfs", "gitlab-runner")
+		g := newShellGuest(t, "bash", "git", "git-lfs", "gitlab-runner", "setsid", "mkfifo")
 		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img)), shell)
 		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img)), shell)
 	}
+}
+
+// The stage wrapper needs mkfifo (a system failure in prepare, not a
+// misleading "copy script into guest failed" in every stage) and wants
+// setsid (a warning: leftovers would not be stopped).
+func TestGuestToolCheckNeedsTheWrappersTools(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("v1"), 0o644))
+	store := state.Store{Dir: filepath.Join(dir, "state")}
+	var said []string
+	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
+	img := &config.Image{Name: "nofifo", Base: base, User: "root", Shell: "bash"}
+	err := checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "setsid"), say, store, img, imageVersion(img))
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "mkfifo is not installed")
+
+	img = &config.Image{Name: "nosetsid", Base: base, User: "root", Shell: "bash"}
+	said = nil
+	require.NoError(t, checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "mkfifo"), say, store, img, imageVersion(img)))
+	require.Contains(t, strings.Join(said, "\n"), "setsid is not installed")
 }

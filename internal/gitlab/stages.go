@@ -196,7 +196,7 @@ type toolCheck struct {
 }
 
 // toolCheckFormat is the version of what the check looks for.
-const toolCheckFormat = 2
+const toolCheckFormat = 3
 
 // missingShell stands in the check's answer for the image's configured
 // shell (no tool has this name).
@@ -222,7 +222,7 @@ func (a *toolCheck) sameVersion(b *toolCheck) bool {
 // the administrator's configuration, never from the job, and is quoted all
 // the same.
 func toolCheckCommand(shell string) string {
-	return `for t in bash git git-lfs gitlab-runner; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
+	return `for t in bash git git-lfs gitlab-runner setsid mkfifo; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
 		`s=` + shellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
 }
 
@@ -269,6 +269,9 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 
 // shellMissing is the error for an image whose shell the check did not find.
 func shellMissing(img *config.Image, missing []string) error {
+	if slices.Contains(missing, "mkfifo") {
+		return exitcodes.System(fmt.Errorf("image %q: mkfifo is not installed in the guest; the driver needs it (with cat, wc, mv and sleep: coreutils or busybox) to run every stage; install it in the image (see docs/images.md)", img.Name))
+	}
 	if !slices.Contains(missing, missingShell) {
 		return nil
 	}
@@ -286,6 +289,8 @@ func reportMissingTools(missing []string, say func(string, ...any)) {
 			say("Note: git-lfs is not installed in the guest (needed only for LFS repositories)")
 		case "gitlab-runner":
 			say("Note: gitlab-runner is not on the guest's PATH: caches and artifacts will not work (see docs/images.md)")
+		case "setsid":
+			say("Warning: setsid is not installed in the guest (util-linux or busybox): processes a stage leaves running in the background are not stopped when it ends")
 		case "bash":
 			say("Warning: bash is not installed in the guest: GitLab's job scripts need it")
 		}

@@ -33,6 +33,10 @@ type testServer struct {
 	dropOn atomic.Value
 	// prefix is put in front of every command (to break the guest's shell).
 	prefix atomic.Value
+	// login is the guest account's login shell, which runs every exec
+	// request (default bash; dash and busybox ash are what other guests
+	// have).
+	login atomic.Value
 	// holdOpen keeps every session channel open after its exit status.
 	holdOpen atomic.Bool
 	stopped  chan struct{}
@@ -152,7 +156,11 @@ func (ts *testServer) session(nc net.Conn, ch ssh.Channel, reqs <-chan *ssh.Requ
 		ts.mu.Unlock()
 		_ = r.Reply(true, nil)
 		prefix, _ := ts.prefix.Load().(string)
-		cmd := exec.Command("bash", "-c", prefix+payload.Cmd)
+		login, _ := ts.login.Load().([]string)
+		if len(login) == 0 {
+			login = []string{"bash"}
+		}
+		cmd := exec.Command(login[0], append(login[1:], "-c", prefix+payload.Cmd)...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 		cmd.Stdin = ch
 		// Like OpenSSH: the command's output goes through pipes the server

@@ -15,6 +15,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -297,7 +298,11 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 	}
 	w := wrapper{base: "/tmp/lve-run-" + tag, size: len(script), shell: o.Shell,
 		leftoverGrace: orDefault(o.LeftoverGrace, 2*time.Second)}
-	stdout, stderr := orDiscard(o.Stdout), orDiscard(o.Stderr)
+	// Nothing reaches the caller's writers once Run has returned, even if
+	// the guest still sends output on a channel that is being closed.
+	stdout, stderr := newGate(orDiscard(o.Stdout)), newGate(orDiscard(o.Stderr))
+	defer stdout.shut()
+	defer stderr.shut()
 	s, err := c.start(w.command(), bytes.NewReader(script), stdout, stderr)
 	if err != nil {
 		return err
@@ -343,7 +348,10 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 //   - When the script's shell ends, what it left in its group gets SIGTERM,
 //     then SIGKILL after the grace. The relay then gets a moment to copy
 //     what is left; a writer that detached (setsid) cannot keep it, and so
-//     the stage, open: the relay is stopped.
+//     the stage, open: the relay is stopped. A sink takes over the FIFO's
+//     read end first (opened by the wrapper itself, read-write and then
+//     read-only, so neither open blocks nor races the relay's end), so the
+//     detached writer does not die of SIGPIPE; the sink ends with it.
 //   - The script, pidfile and FIFO are removed as soon as the script ends:
 //     the script holds the job's variables.
 type wrapper struct {
@@ -358,21 +366,70 @@ func (w wrapper) pidfile() string { return w.base + ".pid" }
 func (w wrapper) fifo() string    { return w.base + ".out" }
 
 func (w wrapper) command() string {
+	// Group signals are sent as "kill -SIG -PGID": dash rejects
+	// "kill -SIG -- -PGID" and busybox ash fails it, and any of them may be
+	// the guest's login shell. The pidfile is replaced atomically, so a
+	// cancel never reads it half-written.
 	ticks := int(w.leftoverGrace / (100 * time.Millisecond))
-	return fmt.Sprintf(`echo $$ > %[2]s; `+
-		`{ (umask 077 && set -C && exec cat > %[1]s) && [ $(wc -c < %[1]s) -eq %[4]d ] && (umask 077 && mkfifo %[3]s); } || `+
-		`{ rm -f %[1]s %[2]s %[3]s; kill -s USR1 $$; exit 1; }; trap : USR1; `+
-		`cat %[3]s & r=$!; `+
-		`if command -v setsid >/dev/null 2>&1; then setsid %[5]s %[1]s < /dev/null > %[3]s 2>&1 & else %[5]s %[1]s < /dev/null > %[3]s 2>&1 & fi; `+
-		`s=$!; echo $s > %[2]s; wait $s; rc=$?; rm -f %[1]s; `+
-		`if kill -TERM -- -$s 2>/dev/null; then `+
-		`echo "libvirt-executor: the script has ended; stopping the processes it left running" >&2; i=0; `+
-		`while kill -0 -- -$s 2>/dev/null && [ $i -lt %[6]d ]; do sleep 0.1; i=$((i+1)); done; `+
-		`kill -KILL -- -$s 2>/dev/null && echo "libvirt-executor: they ignored SIGTERM for %[7]s: killed" >&2; fi; `+
-		`i=0; while kill -0 $r 2>/dev/null && [ $i -lt 10 ]; do sleep 0.1; i=$((i+1)); done; `+
-		`kill $r 2>/dev/null && echo "libvirt-executor: a detached process still holds the stage's output; not waiting for it" >&2; `+
-		`wait $r 2>/dev/null; rm -f %[2]s %[3]s; exit $rc`,
-		w.script(), w.pidfile(), w.fifo(), w.size, shellQuote(w.shell), ticks, w.leftoverGrace)
+	lines := []string{
+		`echo $$ > {pid}`,
+		`{ (umask 077 && set -C && exec cat > {sh}) && [ $(wc -c < {sh}) -eq {size} ] && (umask 077 && mkfifo {out}); } || { rm -f {sh} {pid} {out}; kill -s USR1 $$; exit 1; }`,
+		`trap : USR1`,
+		`cat {out} & r=$!`,
+		`if command -v setsid >/dev/null 2>&1; then`,
+		`  setsid {shell} {sh} < /dev/null > {out} 2>&1 & s=$!`,
+		`  echo $s > {pid}.new && mv -f {pid}.new {pid}`,
+		`else`,
+		`  {shell} {sh} < /dev/null > {out} 2>&1 & s=$!`,
+		`fi`,
+		`wait $s; rc=$?`,
+		`rm -f {sh}`,
+		`if [ "$(cat {pid})" = "$s" ] && kill -TERM -$s 2>/dev/null; then`,
+		`  echo "libvirt-executor: the script has ended; stopping the processes it left running" >&2`,
+		`  i=0; while kill -0 -$s 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done`,
+		`  kill -KILL -$s 2>/dev/null && echo "libvirt-executor: they ignored SIGTERM for {grace}: killed" >&2`,
+		`fi`,
+		`i=0; while kill -0 $r 2>/dev/null && [ $i -lt 10 ]; do sleep 0.1; i=$((i+1)); done`,
+		`if kill -0 $r 2>/dev/null; then`,
+		`  exec 3<> {out} 4< {out} 3>&-`,
+		`  cat <&4 > /dev/null 2>&1 &`,
+		`  exec 4<&-`,
+		`  kill $r 2>/dev/null`,
+		`  echo "libvirt-executor: a detached process still writes to the stage's output; the stage ends without it" >&2`,
+		`fi`,
+		`wait $r 2>/dev/null`,
+		`rm -f {pid} {out}`,
+		`exit $rc`,
+	}
+	return strings.NewReplacer(
+		"{pid}", w.pidfile(), "{sh}", w.script(), "{out}", w.fifo(), "{size}", strconv.Itoa(w.size),
+		"{shell}", shellQuote(w.shell), "{ticks}", strconv.Itoa(ticks), "{grace}", w.leftoverGrace.String(),
+	).Replace(strings.Join(lines, "\n"))
+}
+
+// gate passes writes on until it is shut, then drops them.
+type gate struct {
+	mu   sync.Mutex
+	w    io.Writer
+	done bool
+}
+
+func newGate(w io.Writer) *gate { return &gate{w: w} }
+
+func (g *gate) Write(p []byte) (int, error) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	if g.done {
+		return len(p), nil
+	}
+	return g.w.Write(p)
+}
+
+// shut waits for a write in progress and drops every later one.
+func (g *gate) shut() {
+	g.mu.Lock()
+	g.done = true
+	g.mu.Unlock()
 }
 
 func orDefault(d, def time.Duration) time.Duration {
@@ -516,7 +573,7 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, exited <-chan ex
 	kill := func(sig string) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		_, err := c.Output(ctx, fmt.Sprintf("test -s %s && kill -%s -- -$(cat %s)", pidfile, sig, pidfile))
+		_, err := c.Output(ctx, fmt.Sprintf("test -s %s && kill -%s -$(cat %s)", pidfile, sig, pidfile))
 		return err
 	}
 	if err := kill("TERM"); err != nil {
@@ -532,7 +589,7 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, exited <-chan ex
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	base := strings.TrimSuffix(pidfile, ".pid")
-	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+base+".sh "+base+".out")
+	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+pidfile+".new "+base+".sh "+base+".out")
 	return nil
 }
 

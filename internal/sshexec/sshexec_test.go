@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -92,6 +93,24 @@ func TestStdoutAndStderrKeepTheirOrder(t *testing.T) {
 	require.Equal(t, want.String(), out)
 }
 
+// loginShells are the login shells guests run the driver's wrapper with:
+// bash (Debian's root), dash (Debian's /bin/sh, useradd's default) and
+// busybox ash (Alpine, the tiny image's busybox). make deps installs all
+// three; a missing one fails the test rather than skipping it.
+var loginShells = map[string][]string{"bash": {"bash"}, "dash": {"dash"}, "busybox-ash": {"busybox", "sh"}}
+
+func eachLoginShell(t *testing.T, f func(t *testing.T, ts *testServer)) {
+	for name, argv := range loginShells {
+		t.Run(name, func(t *testing.T) {
+			_, err := exec.LookPath(argv[0])
+			require.NoError(t, err, "%s is needed to test the wrapper under %s (make deps installs it)", argv[0], name)
+			ts := startServer(t)
+			ts.login.Store(argv)
+			f(t, ts)
+		})
+	}
+}
+
 // pidAlive reports whether a process exists and is not a zombie.
 func pidAlive(pid string) bool {
 	b, err := os.ReadFile("/proc/" + pid + "/stat")
@@ -114,40 +133,45 @@ func readPid(t *testing.T, path string) string {
 // its process group is stopped. Before, the background process held the
 // channel's output open and the stage ran until the job timeout.
 func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
-	ts := startServer(t)
-	c := dial(t, target(ts))
-	for _, tc := range []struct {
-		name, start string
-		code        int
-	}{
-		{"plain", "sleep 300 &", 0},
-		{"plain then failure", "sleep 300 &", 3},
-		{"nohup with redirects", "nohup sleep 300 >/dev/null 2>&1 &", 0},
-		{"ignores TERM", "(trap '' TERM; while true; do sleep 0.1; done) &", 0},
-	} {
-		t.Run(tc.name, func(t *testing.T) {
-			pidfile := filepath.Join(t.TempDir(), "bg.pid")
-			script := fmt.Sprintf("#!/usr/bin/env bash\n%s\necho $! > %s\necho started\nexit %d\n", tc.start, pidfile, tc.code)
-			ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-			defer cancel()
-			start := time.Now()
-			out, errOut, err := run(t, c, ctx, script)
-			took := time.Since(start)
-			require.Less(t, took, 6*time.Second, "the stage ends within seconds of its script")
-			require.Contains(t, out, "started")
-			if tc.code == 0 {
-				require.NoError(t, err)
-			} else {
-				code, ok := exitcodes.ScriptCode(err)
-				require.True(t, ok, "%v", err)
-				require.Equal(t, tc.code, code)
-			}
-			require.Contains(t, errOut, "stopping the processes it left running", "the job log says what happened")
-			pid := readPid(t, pidfile)
-			require.Eventually(t, func() bool { return !pidAlive(pid) }, 3*time.Second, 20*time.Millisecond,
-				"the background process %s must be stopped", pid)
-		})
-	}
+	eachLoginShell(t, func(t *testing.T, ts *testServer) {
+		c := dial(t, target(ts))
+		for _, tc := range []struct {
+			name, start string
+			code        int
+		}{
+			{"plain", "sleep 300 &", 0},
+			{"plain then failure", "sleep 300 &", 3},
+			{"nohup with redirects", "nohup sleep 300 >/dev/null 2>&1 &", 0},
+			{"ignores TERM", "(trap '' TERM; while true; do sleep 0.1; done) &", 0},
+		} {
+			t.Run(tc.name, func(t *testing.T) {
+				pidfile := filepath.Join(t.TempDir(), "bg.pid")
+				script := fmt.Sprintf("#!/usr/bin/env bash\n%s\necho $! > %s\necho started\nexit %d\n", tc.start, pidfile, tc.code)
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				start := time.Now()
+				out, errOut, err := run(t, c, ctx, script)
+				took := time.Since(start)
+				require.Less(t, took, 6*time.Second, "the stage ends within seconds of its script")
+				require.Contains(t, out, "started")
+				if tc.code == 0 {
+					require.NoError(t, err)
+				} else {
+					code, ok := exitcodes.ScriptCode(err)
+					require.True(t, ok, "%v", err)
+					require.Equal(t, tc.code, code)
+				}
+				require.Contains(t, errOut, "stopping the processes it left running", "the job log says what happened")
+				require.NotContains(t, errOut, "detached process", "nothing detached here")
+				if tc.name == "ignores TERM" {
+					require.Contains(t, errOut, "ignored SIGTERM")
+				}
+				pid := readPid(t, pidfile)
+				require.Eventually(t, func() bool { return !pidAlive(pid) }, 3*time.Second, 20*time.Millisecond,
+					"the background process %s must be stopped", pid)
+			})
+		}
+	})
 }
 
 // A process that detaches into a session of its own (setsid) is not the
@@ -155,23 +179,26 @@ func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
 // cannot hold the stage open, even when it still writes to the stage's
 // output.
 func TestDetachedProcessCannotHoldTheStage(t *testing.T) {
-	ts := startServer(t)
-	c := dial(t, target(ts))
-	pidfile := filepath.Join(t.TempDir(), "bg.pid")
-	script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; while true; do echo tick; sleep 0.2; done' &\nsleep 0.5\necho started\n", pidfile)
-	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
-	defer cancel()
-	start := time.Now()
-	out, errOut, err := run(t, c, ctx, script)
-	require.NoError(t, err)
-	require.Less(t, time.Since(start), 6*time.Second)
-	require.Contains(t, out, "started")
-	require.Contains(t, errOut, "a detached process still holds the stage's output")
-	pid := readPid(t, pidfile)
-	require.True(t, pidAlive(pid), "a detached process survives the stage")
-	p, err := os.FindProcess(mustAtoi(t, pid))
-	require.NoError(t, err)
-	_ = p.Kill()
+	eachLoginShell(t, func(t *testing.T, ts *testServer) {
+		c := dial(t, target(ts))
+		pidfile := filepath.Join(t.TempDir(), "bg.pid")
+		script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; while true; do echo tick; sleep 0.2; done' &\nsleep 0.5\necho started\n", pidfile)
+		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+		defer cancel()
+		start := time.Now()
+		out, errOut, err := run(t, c, ctx, script)
+		require.NoError(t, err)
+		require.Less(t, time.Since(start), 6*time.Second)
+		require.Contains(t, out, "started")
+		require.Contains(t, errOut, "a detached process still writes to the stage's output")
+		pid := readPid(t, pidfile)
+		p, err := os.FindProcess(mustAtoi(t, pid))
+		require.NoError(t, err)
+		defer func() { _ = p.Kill() }()
+		// It keeps writing after the stage: it must not die of SIGPIPE.
+		time.Sleep(1500 * time.Millisecond)
+		require.True(t, pidAlive(pid), "a detached process survives the stage")
+	})
 }
 
 func mustAtoi(t *testing.T, s string) int {
@@ -306,7 +333,10 @@ func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {
 }
 
 func TestCancelKillsRemoteProcessGroup(t *testing.T) {
-	ts := startServer(t)
+	eachLoginShell(t, testCancelKillsRemoteProcessGroup)
+}
+
+func testCancelKillsRemoteProcessGroup(t *testing.T, ts *testServer) {
 	c := dial(t, target(ts))
 	marker := filepath.Join(t.TempDir(), "child.pid")
 	ctx, cancel := context.WithCancel(context.Background())
@@ -335,7 +365,10 @@ func TestCancelKillsRemoteProcessGroup(t *testing.T) {
 }
 
 func TestCancelEscalatesToKill(t *testing.T) {
-	ts := startServer(t)
+	eachLoginShell(t, testCancelEscalatesToKill)
+}
+
+func testCancelEscalatesToKill(t *testing.T, ts *testServer) {
 	c := dial(t, target(ts))
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
@@ -442,4 +475,51 @@ func TestOutput(t *testing.T) {
 	require.Equal(t, "hi\n", string(out))
 	_, err = c.Output(context.Background(), "echo nope >&2; exit 4")
 	require.ErrorContains(t, err, "exit status 4: nope")
+}
+
+// A guest without setsid: the script runs in the session shell's process
+// group. A cancel still stops it and what it started (the group of the
+// session shell), and a leftover cannot hold the stage open; leftovers of a
+// normal end are not stopped (docs/images.md).
+func TestWithoutSetsid(t *testing.T) {
+	ts := startServer(t)
+	bin := t.TempDir()
+	for _, tool := range []string{"bash", "cat", "wc", "mkfifo", "mv", "rm", "sleep", "env"} {
+		p, err := exec.LookPath(tool)
+		require.NoError(t, err)
+		require.NoError(t, os.Symlink(p, filepath.Join(bin, tool)))
+	}
+	ts.prefix.Store("PATH=" + bin + "; ")
+	c := dial(t, target(ts))
+
+	pidfile := filepath.Join(t.TempDir(), "bg.pid")
+	start := time.Now()
+	out, _, err := run(t, c, context.Background(), fmt.Sprintf("sleep 300 &\necho $! > %s\necho started\n", pidfile))
+	require.NoError(t, err)
+	require.Contains(t, out, "started")
+	require.Less(t, time.Since(start), 6*time.Second, "the stage ends on time without setsid too")
+	left := readPid(t, pidfile)
+	defer func() {
+		if p, err := os.FindProcess(mustAtoi(t, left)); err == nil {
+			_ = p.Kill()
+		}
+	}()
+
+	ctx, cancel := context.WithCancel(context.Background())
+	marker := filepath.Join(t.TempDir(), "child.pid")
+	go func() {
+		for {
+			if b, err := os.ReadFile(marker); err == nil && len(b) > 0 {
+				cancel()
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}()
+	_, _, err = run(t, c, ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.NotContains(t, err.Error(), "stopping it in the guest failed")
+	pid := readPid(t, marker)
+	require.Eventually(t, func() bool { return !pidAlive(pid) }, 5*time.Second, 20*time.Millisecond,
+		"a cancel stops the script's children without setsid too")
 }
