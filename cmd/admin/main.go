@@ -7,6 +7,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -15,8 +16,8 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/admin"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -31,18 +32,19 @@ func main() {
 	}
 }
 
+// withManager opens this installation's lifecycle manager, connected to
+// libvirt, for fn.
 func withManager(c *cli.Context, fn func(*config.Config, *lifecycle.Manager) error) error {
 	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
 	if err != nil {
 		return err
 	}
-	hv, err := vm.Connect(cfg.LibvirtURI)
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	if err != nil {
 		return err
 	}
-	defer hv.Close()
-	m, err := admin.Manager(cfg, hv)
-	if err != nil {
+	defer m.Close()
+	if err := m.Dial(c.Context); err != nil {
 		return err
 	}
 	return fn(cfg, m)
@@ -52,7 +54,7 @@ func app() *cli.App {
 	return &cli.App{
 		Name:    "libvirt-executor",
 		Usage:   "administer libvirt-executor job VMs",
-		Version: gitlab.Version,
+		Version: buildinfo.Version,
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
 		},
@@ -62,7 +64,7 @@ func app() *cli.App {
 				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
 				Action: func(c *cli.Context) error {
 					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
-						return admin.List(os.Stdout, m, time.Now())
+						return admin.List(c.Context, os.Stdout, m, time.Now())
 					})
 				},
 			},
@@ -106,7 +108,7 @@ func app() *cli.App {
 						fmt.Println("[FAIL] configuration:", err)
 						return err
 					}
-					return admin.PrintChecks(os.Stdout, admin.Doctor(cfg, vm.Connect))
+					return admin.PrintChecks(os.Stdout, admin.Doctor(c.Context, cfg, vm.Connect))
 				},
 			},
 		},

@@ -19,24 +19,13 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// Manager builds the lifecycle manager for admin work.
-func Manager(cfg *config.Config, hv vm.Hypervisor) (*lifecycle.Manager, error) {
-	store := state.Store{Dir: cfg.StateDir}
-	ctrl, err := store.ControllerID()
-	if err != nil {
-		return nil, err
-	}
-	return &lifecycle.Manager{Cfg: cfg, HV: hv, Store: store, Controller: ctrl}, nil
-}
-
 // List prints every machine of this installation with its job, age, state,
 // address and what a sweep would do with it.
-func List(w io.Writer, m *lifecycle.Manager, now time.Time) error {
-	items, err := m.Inventory(now)
+func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time) error {
+	items, err := m.Inventory(ctx, now)
 	if err != nil {
 		return err
 	}
@@ -102,8 +91,9 @@ type Check struct {
 	Fix  string
 }
 
-// Doctor checks that the host can run jobs with this configuration.
-func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Check {
+// Doctor checks that the host can run jobs with this configuration; it
+// gives up on libvirt when ctx ends.
+func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Context, string) (*vm.Libvirt, error)) []Check {
 	var out []Check
 	add := func(c Check) { out = append(out, c) }
 	add(configFileCheck(cfg.Path))
@@ -130,7 +120,7 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 			Fix: "usermod -aG libvirt " + u.Username + " (then log in again / restart gitlab-runner)"})
 	}
 
-	l, err := connect(cfg.LibvirtURI)
+	l, err := connect(ctx, cfg.LibvirtURI)
 	if uerr == nil {
 		add(polkitCheck(polkitRuleDirs, err == nil, root))
 	}
@@ -141,10 +131,10 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 		return out
 	}
 	defer l.Close()
-	lv, hv, err := l.Version()
+	lv, hv, err := l.Version(ctx)
 	add(Check{Name: "libvirt", OK: err == nil, Info: fmt.Sprintf("%s, libvirt %s, hypervisor %s", cfg.LibvirtURI, ver(lv), ver(hv)), Fix: "check libvirtd"})
 
-	kvm, kerr := l.KVMAvailable()
+	kvm, kerr := l.KVMAvailable(ctx)
 	devOK := unix.Access("/dev/kvm", unix.R_OK|unix.W_OK) == nil
 	switch {
 	case cfg.DomainType == config.DomainQEMU:
@@ -162,7 +152,7 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 			Fix: "enable KVM for normal speed"})
 	}
 
-	if active, path, err := l.PoolActive(cfg.StoragePool); err != nil {
+	if active, path, err := l.PoolActive(ctx, cfg.StoragePool); err != nil {
 		add(Check{Name: "storage pool " + cfg.StoragePool, Info: err.Error(),
 			Fix: "virsh pool-define-as " + cfg.StoragePool + " dir --target /var/lib/libvirt/images/ci && virsh pool-start " + cfg.StoragePool + " && virsh pool-autostart " + cfg.StoragePool})
 	} else {
@@ -173,7 +163,7 @@ func Doctor(cfg *config.Config, connect func(string) (*vm.Libvirt, error)) []Che
 		img, _ := cfg.Image(n)
 		needDHCP = needDHCP || img.AddressSource == "lease"
 	}
-	if active, dhcp, err := l.NetworkActive(cfg.Network); err != nil {
+	if active, dhcp, err := l.NetworkActive(ctx, cfg.Network); err != nil {
 		add(Check{Name: "network " + cfg.Network, Info: err.Error(), Fix: "define the network (see docs/configuration.md) and virsh net-start " + cfg.Network})
 	} else {
 		add(Check{Name: "network " + cfg.Network, OK: active && (dhcp || !needDHCP),

@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -36,9 +37,24 @@ base = "/nonexistent/base.qcow2"
 	return cfg
 }
 
+// testDriver connects to libvirt's in-process test driver, whatever the URI.
+func testDriver(ctx context.Context, _ string) (*vm.Libvirt, error) {
+	return vm.Connect(ctx, "test:///default")
+}
+
+// open is what the admin command does (lifecycle.Open) with hv in place of
+// libvirt.
+func open(t *testing.T, cfg *config.Config, hv vm.Hypervisor) *lifecycle.Manager {
+	t.Helper()
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Close() })
+	return m
+}
+
 func TestDoctorAgainstTestDriver(t *testing.T) {
 	cfg := testConfig(t, "")
-	checks := Doctor(cfg, func(string) (*vm.Libvirt, error) { return vm.Connect("test:///default") })
+	checks := Doctor(context.Background(), cfg, testDriver)
 	byName := map[string]Check{}
 	for _, c := range checks {
 		byName[c.Name] = c
@@ -58,7 +74,7 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 
 	cfg.Network = "nope"
 	cfg.StoragePool = "nope"
-	checks = Doctor(cfg, func(string) (*vm.Libvirt, error) { return vm.Connect("test:///default") })
+	checks = Doctor(context.Background(), cfg, testDriver)
 	out.Reset()
 	require.Error(t, PrintChecks(&out, checks))
 	require.Contains(t, out.String(), "[FAIL] storage pool nope")
@@ -83,8 +99,7 @@ func TestListAndGC(t *testing.T) {
 	cfg := testConfig(t, "")
 	cfg.StoragePool = "jobs"
 	hv := vmtest.New()
-	m, err := Manager(cfg, hv)
-	require.NoError(t, err)
+	m := open(t, cfg, hv)
 	p := "lve-" + m.Controller[:8] + "-"
 	x, err := vm.MarshalOwner(vm.Owner{Controller: m.Controller, Frontend: "gitlab", Job: "9", Created: time.Now().Add(-time.Hour), Deadline: time.Now().Add(-time.Minute)})
 	require.NoError(t, err)
@@ -93,7 +108,7 @@ func TestListAndGC(t *testing.T) {
 	hv.Domains[p+"10"] = &vmtest.Domain{Active: true} // look-alike
 
 	var out bytes.Buffer
-	require.NoError(t, List(&out, m, time.Now()))
+	require.NoError(t, List(context.Background(), &out, m, time.Now()))
 	require.Contains(t, out.String(), "gitlab:9")
 	require.Contains(t, out.String(), "expired (deadline passed")
 	require.Contains(t, out.String(), "foreign (no ownership metadata)")
@@ -184,13 +199,12 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	cfg := testConfig(t, "")
 	cfg.StoragePool = "jobs"
 	hv := vmtest.New()
-	m, err := Manager(cfg, hv)
-	require.NoError(t, err)
+	m := open(t, cfg, hv)
 	p := "lve-" + m.Controller[:8] + "-"
 	hv.Volumes["jobs/debian-12.qcow2"] = nil // a base image kept in the pool
 	hv.Volumes["jobs/"+p+"3.qcow2"] = nil    // our naming, no domain, no state
 
-	err = m.Teardown(context.Background(), "debian-12")
+	err := m.Teardown(context.Background(), "debian-12")
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, `refusing to remove "debian-12": not a machine of this installation (names start with "`+p+`")`)
 	err = m.Teardown(context.Background(), p+"3")
@@ -200,7 +214,7 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	require.Contains(t, hv.Volumes, "jobs/"+p+"3.qcow2")
 
 	var out bytes.Buffer
-	require.NoError(t, List(&out, m, time.Now()))
+	require.NoError(t, List(context.Background(), &out, m, time.Now()))
 	require.Contains(t, out.String(), "unproven (volumes without a domain or a state record: not provably ours; remove by hand)")
 	out.Reset()
 	require.NoError(t, GC(context.Background(), &out, m, false))

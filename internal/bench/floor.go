@@ -28,16 +28,16 @@ type timedHV struct {
 	destroyDur time.Duration
 }
 
-func (h *timedHV) Start(name string) error {
+func (h *timedHV) Start(ctx context.Context, name string) error {
 	t := time.Now()
-	err := h.Hypervisor.Start(name)
+	err := h.Hypervisor.Start(ctx, name)
 	h.startAt, h.startCall = t, time.Since(t)
 	return err
 }
 
-func (h *timedHV) Destroy(name string) error {
+func (h *timedHV) Destroy(ctx context.Context, name string) error {
 	t := time.Now()
-	err := h.Hypervisor.Destroy(name)
+	err := h.Hypervisor.Destroy(ctx, name)
 	h.destroyDur = time.Since(t)
 	return err
 }
@@ -97,7 +97,7 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	if err != nil {
 		return fail(err)
 	}
-	domainType, err := eng.ResolveDomainType(e.cfg.DomainType)
+	domainType, err := eng.ResolveDomainType(ctx, e.cfg.DomainType)
 	if err != nil {
 		return fail(err)
 	}
@@ -120,7 +120,7 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	case config.InjectSMBIOS:
 		seed, seedSerial = keys.CredentialDisk(), guestinit.CredentialDiskSerial
 	}
-	mac, err := eng.FreshMAC(e.cfg.Network)
+	mac, err := eng.FreshMAC(ctx, e.cfg.Network)
 	if err != nil {
 		return fail(err)
 	}

@@ -137,11 +137,11 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		return nil, fmt.Errorf("libvirt at %s: %w", cfg.LibvirtURI, err)
 	}
 	defer b.conn.Close()
-	if b.hv, err = vm.Connect(cfg.LibvirtURI); err != nil {
+	if b.hv, err = vm.Connect(ctx, cfg.LibvirtURI); err != nil {
 		return nil, err
 	}
 	defer b.hv.Close()
-	if left := b.leftovers(); len(left) > 0 {
+	if left := b.leftovers(ctx); len(left) > 0 {
 		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
 	}
 	host, _ := os.Hostname()
@@ -153,7 +153,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 		rep.Images = append(rep.Images, b.image(ctx, name))
 	}
-	rep.Leftovers = b.leftovers()
+	rep.Leftovers = b.leftovers(context.WithoutCancel(ctx))
 	return rep, ctx.Err()
 }
 
@@ -167,7 +167,7 @@ func (b *bench) progress(format string, args ...any) {
 func (b *bench) image(ctx context.Context, name string) ImageReport {
 	img, _ := b.cfg.Image(name)
 	res, _ := gitlab.ChooseResources(b.cfg, img, func(string) string { return "" })
-	dt, err := (&vm.Engine{HV: b.hv}).ResolveDomainType(b.cfg.DomainType)
+	dt, err := (&vm.Engine{HV: b.hv}).ResolveDomainType(ctx, b.cfg.DomainType)
 	if err != nil {
 		dt = b.cfg.DomainType
 	}
@@ -502,10 +502,10 @@ func (b *bench) volumes(machine string) volumeInfo {
 
 // leftovers lists this installation's domains, volumes and state
 // directories (every job and floor boot removes its own).
-func (b *bench) leftovers() []string {
+func (b *bench) leftovers(ctx context.Context) []string {
 	prefix := lifecycle.MachinePrefix(b.cfg.NamePrefix, b.ctrl)
 	var out []string
-	if names, err := b.hv.DomainNames(); err == nil {
+	if names, err := b.hv.DomainNames(ctx); err == nil {
 		for _, n := range names {
 			if strings.HasPrefix(n, prefix) {
 				out = append(out, "domain "+n)

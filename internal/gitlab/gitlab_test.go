@@ -19,6 +19,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -128,13 +129,18 @@ func TestChooseImage(t *testing.T) {
 
 type recorder struct{ connected int }
 
+// fake is a Connector that hands out hv.
+func fake(hv vm.Hypervisor) lifecycle.Connector {
+	return func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }
+}
+
 func (r *recorder) env(t *testing.T, vars map[string]string, stdout *bytes.Buffer) Env {
 	return Env{
 		Getenv: envOf(vars), Stdout: stdout, Stderr: &bytes.Buffer{},
 		Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
-		Connect: func(uri string) (vm.Hypervisor, error) {
+		Connect: func(ctx context.Context, uri string) (vm.Hypervisor, error) {
 			r.connected++
-			return vm.Connect("test:///default")
+			return vm.Connect(ctx, "test:///default")
 		},
 	}
 }
@@ -201,10 +207,10 @@ func TestKeepOnFailure(t *testing.T) {
 		"CUSTOM_ENV_LIBVIRT_EXECUTOR_KEEP_ON_FAILURE": "true"}
 	e := Env{Getenv: envOf(env), Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{},
 		Log:     slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
-		Connect: func(string) (vm.Hypervisor, error) { return hv, nil }}
+		Connect: fake(hv)}
 	j, err := e.load(cfg)
 	require.NoError(t, err)
-	x, err := vm.MarshalOwner(vm.Owner{Controller: j.controller, Job: "1000", Deadline: time.Now().Add(time.Minute)})
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000", Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
 
@@ -234,7 +240,7 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	hv := vmtest.New()
 	e := Env{Getenv: envOf(map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}),
 		Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{}, Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
-		Connect: func(string) (vm.Hypervisor, error) { return hv, nil }}
+		Connect: fake(hv)}
 	j, err := e.load(cfg)
 	require.NoError(t, err)
 	// The machine's record says it listens on a port where nothing does.
@@ -244,10 +250,10 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	require.NoError(t, ln.Close())
 	keys, err := guestinit.NewKeys("test")
 	require.NoError(t, err)
-	_, err = j.store.Create(j.name)
+	_, err = j.m.Store.Create(j.name)
 	require.NoError(t, err)
-	require.NoError(t, j.store.SaveKey(j.name, keys.ClientPEM))
-	require.NoError(t, j.store.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
+	require.NoError(t, j.m.Store.SaveKey(j.name, keys.ClientPEM))
+	require.NoError(t, j.m.Store.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
 	script := filepath.Join(t.TempDir(), "script.")
 	require.NoError(t, os.WriteFile(script, []byte("exit 0\n"), 0o600))
 
@@ -255,7 +261,7 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.ErrorContains(t, err, "VM "+j.name+" no longer exists")
 
-	x, err := vm.MarshalOwner(vm.Owner{Controller: j.controller, Job: "1000"})
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000"})
 	require.NoError(t, err)
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, State: &vm.DomainState{Summary: "shut off (destroyed)"}}
 	err = Run(context.Background(), e, cfg, script, "build_script")

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -24,46 +25,29 @@ import (
 // DriverName is reported to the runner.
 const DriverName = "libvirt-executor"
 
-// Version is set at build time.
-var Version = "dev"
-
 // Env is what a stage gets from its process.
 type Env struct {
 	Getenv func(string) string
 	Stdout io.Writer
 	Stderr io.Writer
 	Log    *slog.Logger
-	// Connect opens the hypervisor; tests substitute a fake.
-	Connect func(uri string) (vm.Hypervisor, error)
+	// Connect opens the hypervisor; nil means libvirt. Tests substitute a
+	// fake.
+	Connect lifecycle.Connector
 }
 
-// connect opens the hypervisor behind a wrapper that reconnects once when
-// libvirtd restarts under a running stage.
-func (e Env) connect(uri string) (vm.Hypervisor, error) {
-	dial := func() (vm.Hypervisor, error) {
-		if e.Connect != nil {
-			return e.Connect(uri)
-		}
-		return vm.Connect(uri)
-	}
-	r, err := vm.NewReconnecting(dial)
-	if err != nil {
-		return nil, err
-	}
-	r.OnReconnect = func(cause error) {
-		e.Log.Warn("libvirt connection lost; reconnected", "uri", uri, "cause", cause)
-	}
-	return r, nil
-}
+// say writes a progress line to the job log.
+func (e Env) say(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
 
-// job is the shared start of every stage: configuration, identity, names.
+// job is the shared start of every stage: configuration, identity, name,
+// and the lifecycle manager (which connects to libvirt only when asked to).
+// The stage closes m when done.
 type job struct {
-	cfg        *config.Config
-	job        *Job
-	store      state.Store
-	controller string
-	name       string
-	log        *slog.Logger
+	cfg  *config.Config
+	job  *Job
+	m    *lifecycle.Manager
+	name string
+	log  *slog.Logger
 }
 
 func (e Env) load(cfg *config.Config) (*job, error) {
@@ -71,14 +55,12 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 	if err != nil {
 		return nil, err
 	}
-	store := state.Store{Dir: cfg.StateDir}
-	ctrl, err := store.ControllerID()
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
 	if err != nil {
 		return nil, err
 	}
-	name := lifecycle.MachineName(cfg.NamePrefix, ctrl, j.Instance, j.ID)
-	return &job{cfg: cfg, job: j, store: store, controller: ctrl, name: name,
-		log: e.Log.With("job", j.ID, "domain", name)}, nil
+	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, j.Instance, j.ID)
+	return &job{cfg: cfg, job: j, m: m, name: name, log: e.Log.With("job", j.ID, "domain", name)}, nil
 }
 
 // ConfigOutput is the JSON the runner reads from config_exec.
@@ -108,10 +90,15 @@ func (e Env) plan(cfg *config.Config) (*job, *config.Image, Resources, error) {
 	}
 	img, err := ChooseImage(cfg, j.job.Image)
 	if err != nil {
+		_ = j.m.Close()
 		return nil, nil, Resources{}, err
 	}
 	res, err := ChooseResources(cfg, img, e.Getenv)
-	return j, img, res, err
+	if err != nil {
+		_ = j.m.Close()
+		return nil, nil, Resources{}, err
+	}
+	return j, img, res, nil
 }
 
 // Config is the config stage: it prints the runner's JSON on stdout.
@@ -120,9 +107,10 @@ func Config(ctx context.Context, e Env, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
+	defer j.m.Close()
 	out := ConfigOutput{
 		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Hostname: j.name,
-		Driver: ConfigDriver{Name: DriverName, Version: Version}, Shell: "bash",
+		Driver: ConfigDriver{Name: DriverName, Version: buildinfo.Version}, Shell: "bash",
 	}
 	return json.NewEncoder(e.Stdout).Encode(out)
 }
@@ -133,8 +121,9 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
-	say := func(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
-	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+Version)
+	defer j.m.Close()
+	say := e.say
+	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
 	if !j.job.FromPayload {
 		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set (insecure_job_id_from_env = true)")
 	}
@@ -144,12 +133,10 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
-	hv, err := e.connect(cfg.LibvirtURI)
-	if err != nil {
+	m := j.m
+	if err := m.Dial(ctx); err != nil {
 		return err
 	}
-	defer hv.Close()
-	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller, Say: say}
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.
 	version := imageVersion(img)
@@ -158,7 +145,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
 		Check: func(ctx context.Context, c *sshexec.Client) error {
-			return checkGuestTools(ctx, c, say, j.store, img, version)
+			return checkGuestTools(ctx, c, say, m.Store, img, version)
 		},
 	}
 	ready, err := m.Provision(ctx, req)
@@ -304,15 +291,15 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return err
 	}
+	defer j.m.Close()
 	script, err := os.ReadFile(scriptPath)
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
 	}
-	m := &lifecycle.Manager{Cfg: cfg, Store: j.store, Controller: j.controller}
-	mach, client, err := m.Connect(ctx, j.name)
+	mach, client, err := j.m.Connect(ctx, j.name)
 	if err != nil {
 		if !errors.Is(err, state.ErrNoMachine) && ctx.Err() == nil {
-			err = e.explained(cfg, j.name, err)
+			err = explained(ctx, j, err)
 		}
 		return exitcodes.System(err)
 	}
@@ -323,7 +310,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 			fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
 				"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
-				VarKeep, j.name, cfg.Debug.KeepMaxAge.D(), j.store.MachineDir(j.name), mach.User, mach.Address)
+				VarKeep, j.name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(j.name), mach.User, mach.Address)
 		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
 			if werr := os.WriteFile(path, []byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
@@ -334,7 +321,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if err != nil && ctx.Err() == nil {
 		// The guest stopped answering: say what became of it.
-		err = exitcodes.System(e.explained(cfg, j.name, err))
+		err = exitcodes.System(explained(ctx, j, err))
 	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
@@ -343,33 +330,13 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 }
 
 // explained adds to err what libvirt says became of the job's machine
-// (gone, shut off, paused after a failed disk write), if anything.
-func (e Env) explained(cfg *config.Config, name string, err error) error {
-	if why := e.explain(cfg, name); why != "" {
+// (gone, shut off, paused after a failed disk write), if it can tell within
+// a few seconds and before ctx ends (lifecycle.Manager.Explain).
+func explained(ctx context.Context, j *job, err error) error {
+	if why := j.m.Explain(ctx, j.name); why != "" {
 		return fmt.Errorf("%w; %s", err, why)
 	}
 	return err
-}
-
-// explain asks libvirt what became of the job's machine, within a few
-// seconds; "" when it runs normally or libvirt cannot tell.
-func (e Env) explain(cfg *config.Config, name string) string {
-	done := make(chan string, 1)
-	go func() {
-		hv, err := e.connect(cfg.LibvirtURI)
-		if err != nil {
-			done <- ""
-			return
-		}
-		defer hv.Close()
-		done <- (&vm.Engine{HV: hv}).Explain(name, cfg.StoragePool)
-	}()
-	select {
-	case why := <-done:
-		return why
-	case <-time.After(5 * time.Second):
-		return ""
-	}
 }
 
 // Cleanup is the cleanup stage: it removes everything of the job's machine.
@@ -379,14 +346,13 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
+	defer j.m.Close()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
 	defer cancel()
-	hv, err := e.connect(cfg.LibvirtURI)
-	if err != nil {
+	m := j.m
+	if err := m.Dial(ctx); err != nil {
 		return err
 	}
-	defer hv.Close()
-	m := &lifecycle.Manager{Cfg: cfg, HV: hv, Store: j.store, Controller: j.controller}
 	if e.Getenv("CUSTOM_ENV_CI_JOB_STATUS") == "failed" && keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 		until := time.Now().Add(cfg.Debug.KeepMaxAge.D())
 		err := m.Keep(ctx, j.name, until)

@@ -26,10 +26,10 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// Manager ties configuration, hypervisor and state together.
+// Manager ties configuration, hypervisor and state together. Front ends get
+// one from Open and Close it when done.
 type Manager struct {
 	Cfg        *config.Config
-	HV         vm.Hypervisor
 	Store      state.Store
 	Controller string
 	// Say receives progress lines meant for the person watching the job.
@@ -40,6 +40,9 @@ type Manager struct {
 	AddressPollInterval time.Duration
 	// SSHPort is the guest's SSH port (default 22).
 	SSHPort int
+	// hv is the hypervisor connection (from Open: one that connects on
+	// first use and reconnects after libvirtd restarts).
+	hv vm.Hypervisor
 	// afterInventory, if set, runs in Sweep between the inventory and acting
 	// on it. Tests put a stage's work into that gap with it; it is nil in
 	// production.
@@ -60,7 +63,7 @@ func (m *Manager) say(format string, args ...any) {
 }
 
 func (m *Manager) engine() *vm.Engine {
-	return &vm.Engine{HV: m.HV, Controller: m.Controller, UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
+	return &vm.Engine{HV: m.hv, Controller: m.Controller, UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
 		PollInterval: m.AddressPollInterval}
 }
 
@@ -107,7 +110,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		return nil, fmt.Errorf("remove leftovers of %s: %w", req.Name, err)
 	}
 	eng := m.engine()
-	domainType, err := eng.ResolveDomainType(m.Cfg.DomainType)
+	domainType, err := eng.ResolveDomainType(ctx, m.Cfg.DomainType)
 	if err != nil {
 		return nil, err
 	}
@@ -144,7 +147,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		},
 		{
 			Name: "keys",
-			Do: func(context.Context) error {
+			Do: func(ctx context.Context) error {
 				var err error
 				if keys, err = guestinit.NewKeys(comment); err != nil {
 					return err
@@ -161,7 +164,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 				case config.InjectSMBIOS:
 					seed, seedSerial = keys.CredentialDisk(), guestinit.CredentialDiskSerial
 				}
-				mac, err = eng.FreshMAC(m.Cfg.Network)
+				mac, err = eng.FreshMAC(ctx, m.Cfg.Network)
 				return err
 			},
 		},
@@ -274,7 +277,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	err = r.Run(ctx, withConsoleCapture(list, func() {
 		consoleTail = tail(consoleLog, 25)
 		if ctx.Err() == nil {
-			why = eng.Explain(req.Name, m.Cfg.StoragePool)
+			why = m.Explain(ctx, req.Name)
 		}
 	}))
 	if err != nil {
@@ -396,7 +399,7 @@ func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error 
 		return err
 	}
 	defer unlock()
-	return m.engine().Extend(name, until)
+	return m.engine().Extend(ctx, name, until)
 }
 
 // teardown is Teardown for a caller that holds the lock. The state directory

@@ -153,7 +153,7 @@ base = "/img/tiny.qcow2"
 	img, _ := cfg.Image("tiny")
 	var lines []string
 	var mu sync.Mutex
-	m := &Manager{Cfg: cfg, HV: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
+	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
 		SSHPort: g.port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,
 		Say: func(f string, a ...any) { mu.Lock(); lines = append(lines, f); mu.Unlock() }}
 	t.Cleanup(func() {

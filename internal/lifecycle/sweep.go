@@ -51,18 +51,18 @@ func (m *Manager) namePrefix() string { return MachinePrefix(m.Cfg.NamePrefix, m
 
 // Inventory lists every domain, volume, state directory and lock of this
 // installation's naming, with what a sweep at time now would do with it.
-func (m *Manager) Inventory(now time.Time) ([]Item, error) {
-	vols, err := m.poolVolumes()
+func (m *Manager) Inventory(ctx context.Context, now time.Time) ([]Item, error) {
+	vols, err := m.poolVolumes(ctx)
 	if err != nil {
 		return nil, err
 	}
-	names, err := m.machineNames(vols)
+	names, err := m.machineNames(ctx, vols)
 	if err != nil {
 		return nil, err
 	}
 	out := make([]Item, 0, len(names))
 	for _, n := range names {
-		it, err := m.examine(n, vols, now)
+		it, err := m.examine(ctx, n, vols, now)
 		if err != nil {
 			return nil, err
 		}
@@ -72,8 +72,8 @@ func (m *Manager) Inventory(now time.Time) ([]Item, error) {
 }
 
 // poolVolumes lists the volumes of the configured storage pool.
-func (m *Manager) poolVolumes() ([]string, error) {
-	vols, err := m.HV.VolumeNames(m.Cfg.StoragePool)
+func (m *Manager) poolVolumes(ctx context.Context) ([]string, error) {
+	vols, err := m.hv.VolumeNames(ctx, m.Cfg.StoragePool)
 	if err != nil {
 		return nil, fmt.Errorf("list volumes of pool %s: %w", m.Cfg.StoragePool, err)
 	}
@@ -82,7 +82,7 @@ func (m *Manager) poolVolumes() ([]string, error) {
 
 // machineNames lists, sorted, the names of this installation's naming that
 // have a domain, a volume among vols, a state directory or a lock file.
-func (m *Manager) machineNames(vols []string) ([]string, error) {
+func (m *Manager) machineNames(ctx context.Context, vols []string) ([]string, error) {
 	prefix := m.namePrefix()
 	found := map[string]bool{}
 	add := func(name string) {
@@ -90,7 +90,7 @@ func (m *Manager) machineNames(vols []string) ([]string, error) {
 			found[name] = true
 		}
 	}
-	doms, err := m.HV.DomainNames()
+	doms, err := m.hv.DomainNames(ctx)
 	if err != nil {
 		return nil, fmt.Errorf("list domains: %w", err)
 	}
@@ -128,7 +128,7 @@ func machineOfVolume(v string) (string, bool) {
 // domain with its ownership record, the machine's volumes among poolVolumes,
 // its state directory and recorded address) and judges it as a sweep at now
 // would.
-func (m *Manager) examine(name string, poolVolumes []string, now time.Time) (Item, error) {
+func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string, now time.Time) (Item, error) {
 	it := Item{Name: name}
 	for _, v := range []string{vm.DiskVolume(name), vm.SeedVolume(name)} {
 		if slices.Contains(poolVolumes, v) {
@@ -144,22 +144,22 @@ func (m *Manager) examine(name string, poolVolumes []string, now time.Time) (Ite
 			it.Address = mach.Address
 		}
 	}
-	ownerXML, ownerErr := m.HV.Owner(name)
+	ownerXML, ownerErr := m.hv.Owner(ctx, name)
 	if !errors.Is(ownerErr, vm.ErrNotFound) {
 		it.Domain = true
-		it.Active, _ = m.HV.IsActive(name)
+		it.Active, _ = m.hv.IsActive(ctx, name)
 	}
 	m.judge(&it, ownerXML, ownerErr, now)
 	return it, nil
 }
 
 // examineNow is examine with a fresh look at the pool.
-func (m *Manager) examineNow(name string, now time.Time) (Item, error) {
-	vols, err := m.poolVolumes()
+func (m *Manager) examineNow(ctx context.Context, name string, now time.Time) (Item, error) {
+	vols, err := m.poolVolumes(ctx)
 	if err != nil {
 		return Item{}, err
 	}
-	return m.examine(name, vols, now)
+	return m.examine(ctx, name, vols, now)
 }
 
 // judge sets the item's verdict from its facts; ownerXML and ownerErr are
@@ -213,7 +213,7 @@ type SweepReport struct {
 // it holds a machine's lock it judges the machine again from fresh facts and
 // acts only if that verdict still says remove. With dryRun it only reports.
 func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*SweepReport, error) {
-	items, err := m.Inventory(now)
+	items, err := m.Inventory(ctx, now)
 	if err != nil {
 		return nil, err
 	}
@@ -248,7 +248,7 @@ func (m *Manager) sweepOne(ctx context.Context, rep *SweepReport, seen Item, now
 		return
 	}
 	defer unlock()
-	it, err := m.examineNow(name, now)
+	it, err := m.examineNow(ctx, name, now)
 	if err != nil {
 		rep.Errors = append(rep.Errors, fmt.Errorf("%s: %w", name, err))
 		return

@@ -64,7 +64,7 @@ func TestSweep(t *testing.T) {
 		}
 		return out
 	}
-	items, err := m.Inventory(now)
+	items, err := m.Inventory(context.Background(), now)
 	require.NoError(t, err)
 	require.Equal(t, map[string]string{
 		p + "1": VerdictExpired, p + "2": VerdictKeep, p + "3": VerdictForeign,
@@ -119,7 +119,7 @@ func TestSweepJudgesAgainAfterLocking(t *testing.T) {
 	require.NoError(t, err)
 	_, err = m.Store.Reserve(name, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
-	items, err := m.Inventory(now)
+	items, err := m.Inventory(context.Background(), now)
 	require.NoError(t, err)
 	require.Len(t, items, 1)
 	require.Equal(t, VerdictOrphan, items[0].Verdict, "what the sweep sees first")

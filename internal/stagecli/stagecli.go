@@ -14,6 +14,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
@@ -68,7 +69,7 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 		Name:      name,
 		Usage:     usage,
 		ArgsUsage: argsUsage,
-		Version:   gitlab.Version,
+		Version:   buildinfo.Version,
 		Writer:    stderr,
 		ErrWriter: stderr,
 		Flags: []cli.Flag{

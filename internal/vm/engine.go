@@ -12,7 +12,8 @@ import (
 	"libvirt.org/go/libvirtxml"
 )
 
-// Engine creates and removes machines through a Hypervisor.
+// Engine creates and removes machines through a Hypervisor. Its methods
+// give up on the hypervisor when their ctx ends.
 type Engine struct {
 	HV Hypervisor
 	// Controller is this installation's identity; Remove and Sweep touch only
@@ -33,11 +34,11 @@ func (e *Engine) progress(format string, args ...any) {
 }
 
 // ResolveDomainType turns "auto" into "kvm" or "qemu".
-func (e *Engine) ResolveDomainType(want string) (string, error) {
+func (e *Engine) ResolveDomainType(ctx context.Context, want string) (string, error) {
 	if want != "auto" {
 		return want, nil
 	}
-	kvm, err := e.HV.KVMAvailable()
+	kvm, err := e.HV.KVMAvailable(ctx)
 	if err != nil {
 		return "", fmt.Errorf("read host capabilities: %w", err)
 	}
@@ -69,13 +70,13 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 	}
 	var seedPath string
 	deleteVolume := func(name string) func(context.Context) error {
-		return func(context.Context) error { return ignoreNotFound(e.HV.DeleteVolume(s.Pool, name)) }
+		return func(ctx context.Context) error { return ignoreNotFound(e.HV.DeleteVolume(ctx, s.Pool, name)) }
 	}
 	list := []steps.Step{
 		{
 			Name: "clone disk",
 			Do: func(ctx context.Context) error {
-				baseSize, err := e.HV.VolumeCapacity(s.Base)
+				baseSize, err := e.HV.VolumeCapacity(ctx, s.Base)
 				if err != nil {
 					return fmt.Errorf("base image %s: %w", s.Base, err)
 				}
@@ -92,7 +93,7 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 						Format: &libvirtxml.StorageVolumeTargetFormat{Type: s.BaseFormat},
 					},
 				}
-				m.DiskPath, err = e.HV.CreateVolume(s.Pool, vol)
+				m.DiskPath, err = e.HV.CreateVolume(ctx, s.Pool, vol)
 				return err
 			},
 			Undo: deleteVolume(disk),
@@ -111,13 +112,13 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 					},
 				}
 				var err error
-				seedPath, err = e.HV.CreateVolume(s.Pool, vol)
+				seedPath, err = e.HV.CreateVolume(ctx, s.Pool, vol)
 				return err
 			},
 			Undo: deleteVolume(seed),
 		}, steps.Step{
 			Name: "upload seed",
-			Do:   func(ctx context.Context) error { return e.HV.UploadVolume(s.Pool, seed, s.Seed) },
+			Do:   func(ctx context.Context) error { return e.HV.UploadVolume(ctx, s.Pool, seed, s.Seed) },
 		})
 	}
 	list = append(list,
@@ -128,14 +129,14 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 				if err != nil {
 					return err
 				}
-				return e.HV.Define(x)
+				return e.HV.Define(ctx, x)
 			},
-			Undo: func(context.Context) error { return ignoreNotFound(e.HV.Undefine(s.Name)) },
+			Undo: func(ctx context.Context) error { return ignoreNotFound(e.HV.Undefine(ctx, s.Name)) },
 		},
 		steps.Step{
 			Name: "start",
-			Do:   func(ctx context.Context) error { return e.HV.Start(s.Name) },
-			Undo: func(context.Context) error { return ignoreNotFound(e.HV.Destroy(s.Name)) },
+			Do:   func(ctx context.Context) error { return e.HV.Start(ctx, s.Name) },
+			Undo: func(ctx context.Context) error { return ignoreNotFound(e.HV.Destroy(ctx, s.Name)) },
 		},
 	)
 	r := steps.Runner{
@@ -156,8 +157,8 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 }
 
 // FreshMAC returns a MAC that holds no lease on network right now.
-func (e *Engine) FreshMAC(network string) (string, error) {
-	taken, err := e.HV.NetworkLeaseMACs(network)
+func (e *Engine) FreshMAC(ctx context.Context, network string) (string, error) {
+	taken, err := e.HV.NetworkLeaseMACs(ctx, network)
 	if err != nil {
 		return "", err
 	}
@@ -185,8 +186,10 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 	defer t.Stop()
 	mac = strings.ToLower(mac)
 	for {
-		leases, err := e.HV.Addresses(name, source)
+		leases, err := e.HV.Addresses(ctx, name, source)
 		switch {
+		case err != nil && ctx.Err() != nil:
+			return "", fmt.Errorf("no address for %s (MAC %s, source %s): %w", name, mac, source, err)
 		case errors.Is(err, ErrNotFound):
 			return "", fmt.Errorf("domain %s disappeared while waiting for its address", name)
 		case errors.Is(err, ErrAgentNotReady):
@@ -199,7 +202,7 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 				return l.IP.String(), nil
 			}
 		}
-		if active, err := e.HV.IsActive(name); err == nil && !active {
+		if active, err := e.HV.IsActive(ctx, name); err == nil && !active {
 			return "", fmt.Errorf("domain %s stopped before it got an address", name)
 		}
 		select {
@@ -212,8 +215,8 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 
 // Extend moves the deadline of a machine of this controller (a sweep removes
 // it after the deadline). Foreign domains are refused with ErrNotOurs.
-func (e *Engine) Extend(name string, deadline time.Time) error {
-	x, err := e.HV.Owner(name)
+func (e *Engine) Extend(ctx context.Context, name string, deadline time.Time) error {
+	x, err := e.HV.Owner(ctx, name)
 	if err != nil {
 		if errors.Is(err, ErrNoOwner) {
 			return fmt.Errorf("%s: %w", name, ErrNotOurs)
@@ -229,7 +232,7 @@ func (e *Engine) Extend(name string, deadline time.Time) error {
 	if err != nil {
 		return err
 	}
-	return e.HV.SetOwner(name, nx)
+	return e.HV.SetOwner(ctx, name, nx)
 }
 
 // ErrNotOurs is returned by Remove for a domain that exists but is not owned
@@ -251,13 +254,13 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 		return err
 	}
 	volumes := []string{DiskVolume(name), SeedVolume(name)}
-	ownerXML, err := e.HV.Owner(name)
+	ownerXML, err := e.HV.Owner(ctx, name)
 	switch {
 	case errors.Is(err, ErrNotFound):
 		// No domain (a crash before define, or already removed): volumes of
 		// the deterministic names may still be there.
 		if !orphanVolumesOurs {
-			return e.refuseUnprovenVolumes(name, pool, volumes)
+			return e.refuseUnprovenVolumes(ctx, name, pool, volumes)
 		}
 	case errors.Is(err, ErrNoOwner):
 		return fmt.Errorf("%s: %w (no ownership metadata)", name, ErrNotOurs)
@@ -276,10 +279,10 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 				volumes = append(volumes, v)
 			}
 		}
-		if err := ignoreNotFound(e.HV.Destroy(name)); err != nil {
+		if err := ignoreNotFound(e.HV.Destroy(ctx, name)); err != nil {
 			return fmt.Errorf("destroy %s: %w", name, err)
 		}
-		if err := ignoreNotFound(e.HV.Undefine(name)); err != nil {
+		if err := ignoreNotFound(e.HV.Undefine(ctx, name)); err != nil {
 			return fmt.Errorf("undefine %s: %w", name, err)
 		}
 	}
@@ -288,7 +291,7 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 		if !strings.HasPrefix(v, name) {
 			continue // never delete a volume outside this machine's names
 		}
-		if err := ignoreNotFound(e.HV.DeleteVolume(pool, v)); err != nil {
+		if err := ignoreNotFound(e.HV.DeleteVolume(ctx, pool, v)); err != nil {
 			errs = append(errs, fmt.Errorf("delete volume %s: %w", v, err))
 		}
 	}
@@ -298,8 +301,8 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 // refuseUnprovenVolumes is Remove's answer for volumes without a domain that
 // the caller cannot prove are its own: ErrNotOurs naming those of volumes
 // that exist in pool, or nil when none does (nothing to do).
-func (e *Engine) refuseUnprovenVolumes(name, pool string, volumes []string) error {
-	all, err := e.HV.VolumeNames(pool)
+func (e *Engine) refuseUnprovenVolumes(ctx context.Context, name, pool string, volumes []string) error {
+	all, err := e.HV.VolumeNames(ctx, pool)
 	if err != nil {
 		return fmt.Errorf("list volumes of pool %s: %w", pool, err)
 	}
@@ -335,9 +338,9 @@ func Round(d time.Duration) time.Duration {
 // Explain says, in one sentence, what became of a machine whose guest stopped
 // answering: gone, shut off, crashed, or paused by QEMU after a failed disk
 // write (full storage). It is empty when the domain runs normally or its
-// state cannot be read.
-func (e *Engine) Explain(name, pool string) string {
-	st, err := e.HV.State(name)
+// state cannot be read before ctx ends.
+func (e *Engine) Explain(ctx context.Context, name, pool string) string {
+	st, err := e.HV.State(ctx, name)
 	switch {
 	case errors.Is(err, ErrNotFound):
 		return fmt.Sprintf("VM %s no longer exists", name)

@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"context"
 	"errors"
 
 	"libvirt.org/go/libvirtxml"
@@ -16,47 +17,52 @@ var ErrNoOwner = errors.New("domain has no libvirt-executor ownership metadata")
 
 // Hypervisor holds only the libvirt operations the engine uses, so that the
 // engine's logic is testable with a fake.
+//
+// Every method returns by the time its ctx ends, with an error that matches
+// ctx.Err(), even when the operation underneath cannot be interrupted (see
+// Libvirt); what such an operation still does then is not waited for.
 type Hypervisor interface {
 	// KVMAvailable reports whether the host offers the kvm domain type.
-	KVMAvailable() (bool, error)
+	KVMAvailable(ctx context.Context) (bool, error)
 	// CreateVolume creates a volume in pool and returns its path.
-	CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error)
+	CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error)
 	// UploadVolume writes data at the start of an existing volume.
-	UploadVolume(pool, name string, data []byte) error
+	UploadVolume(ctx context.Context, pool, name string, data []byte) error
 	// DeleteVolume removes a volume (ErrNotFound if absent).
-	DeleteVolume(pool, name string) error
+	DeleteVolume(ctx context.Context, pool, name string) error
 	// VolumeNames lists the volumes in pool.
-	VolumeNames(pool string) ([]string, error)
+	VolumeNames(ctx context.Context, pool string) ([]string, error)
 	// VolumeCapacity returns the virtual size of the volume at path.
-	VolumeCapacity(path string) (uint64, error)
+	VolumeCapacity(ctx context.Context, path string) (uint64, error)
 	// Define defines a persistent domain from XML.
-	Define(xml string) error
+	Define(ctx context.Context, xml string) error
 	// Start starts a defined domain.
-	Start(name string) error
+	Start(ctx context.Context, name string) error
 	// Destroy stops a domain at once (nil if it is not running, ErrNotFound
 	// if it does not exist).
-	Destroy(name string) error
+	Destroy(ctx context.Context, name string) error
 	// Undefine removes a domain's definition with its nvram, managed save
 	// and snapshot metadata (ErrNotFound if absent).
-	Undefine(name string) error
+	Undefine(ctx context.Context, name string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
-	Owner(name string) (string, error)
+	Owner(ctx context.Context, name string) (string, error)
 	// SetOwner replaces the domain's ownership metadata (persistent and, if
 	// running, live).
-	SetOwner(name, ownerXML string) error
+	SetOwner(ctx context.Context, name, ownerXML string) error
 	// DomainNames lists all domains, running or not.
-	DomainNames() ([]string, error)
+	DomainNames(ctx context.Context) ([]string, error)
 	// IsActive reports whether the domain runs.
-	IsActive(name string) (bool, error)
+	IsActive(ctx context.Context, name string) (bool, error)
 	// State reports the domain's state and libvirt's reason for it.
-	State(name string) (DomainState, error)
+	State(ctx context.Context, name string) (DomainState, error)
 	// Addresses returns the addresses of the domain's interfaces from the
 	// network's DHCP leases (SourceLease) or the guest agent (SourceAgent).
-	Addresses(name string, source AddressSource) ([]Lease, error)
+	Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error)
 	// NetworkLeaseMACs returns the MACs holding leases on a network.
-	NetworkLeaseMACs(network string) ([]string, error)
-	// Close releases the connection.
+	NetworkLeaseMACs(ctx context.Context, network string) ([]string, error)
+	// Close releases the connection. It does not wait for calls that were
+	// abandoned when their ctx ended.
 	Close() error
 }
 

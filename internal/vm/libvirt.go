@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -9,25 +10,156 @@ import (
 	"os"
 	"os/user"
 	"strings"
+	"sync"
+	"time"
 
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
 )
 
 // Libvirt implements Hypervisor over a libvirt connection.
+//
+// libvirt's calls cannot be interrupted: each runs in a goroutine of its own
+// (guard), and a method returns ctx's error as soon as ctx ends, abandoning
+// the call. The connection stays open while any call, abandoned or not, still
+// uses it. A dead or hung libvirtd is noticed within seconds: the connection
+// sends keepalives (KeepAliveInterval, KeepAliveCount) and fails its calls
+// when they go unanswered.
 type Libvirt struct {
 	conn *libvirt.Connect
+
+	mu      sync.Mutex
+	calls   int  // calls using conn, abandoned ones included
+	closing bool // Close was called: conn goes when calls drops to 0
 }
 
 var _ Hypervisor = (*Libvirt)(nil)
 
-// Connect opens a libvirt connection.
-func Connect(uri string) (*Libvirt, error) {
-	conn, err := libvirt.NewConnect(uri)
+// Keepalive of a libvirt connection: after KeepAliveInterval seconds without
+// a message from libvirtd the client asks whether it is there, and after
+// KeepAliveCount questions in a row without an answer it closes the
+// connection, failing the calls that wait on it.
+const (
+	KeepAliveInterval = 2
+	KeepAliveCount    = 3
+)
+
+// errClosed is the error of a call on a connection after Close.
+var errClosed = errors.New("libvirt connection already closed")
+
+// Connect opens a libvirt connection with keepalive, giving up when ctx
+// ends.
+func Connect(ctx context.Context, uri string) (*Libvirt, error) {
+	if err := startEventLoop(); err != nil {
+		return nil, err
+	}
+	conn, err := guard(ctx, func() (*libvirt.Connect, error) { return libvirt.NewConnect(uri) },
+		func(c *libvirt.Connect) { _, _ = c.Close() })
 	if err != nil {
 		return nil, fmt.Errorf("connect to libvirt at %s: %w%s", uri, err, accessHint(err))
 	}
+	if err := keepAlive(conn); err != nil {
+		_, _ = conn.Close()
+		return nil, fmt.Errorf("libvirt at %s: %w", uri, err)
+	}
 	return &Libvirt{conn: conn}, nil
+}
+
+// eventLoop is libvirt's default event loop, registered once per process
+// before the first connection. The connections' keepalive timers run in it.
+var eventLoop struct {
+	once sync.Once
+	err  error
+}
+
+// startEventLoop registers libvirt's default event loop implementation and
+// runs it, for the rest of the process, in a goroutine of its own.
+func startEventLoop() error {
+	eventLoop.once.Do(func() {
+		if err := libvirt.EventRegisterDefaultImpl(); err != nil {
+			eventLoop.err = fmt.Errorf("register libvirt's event loop: %w", err)
+			return
+		}
+		go runEventLoop()
+	})
+	return eventLoop.err
+}
+
+// runEventLoop dispatches libvirt's events (keepalive timers, socket
+// watches) forever.
+func runEventLoop() {
+	for {
+		if err := libvirt.EventRunDefaultImpl(); err != nil {
+			time.Sleep(100 * time.Millisecond) // do not spin on a lasting error
+		}
+	}
+}
+
+// keepAlive turns on the connection's keepalive. A driver without it (the
+// in-process test driver, a libvirtd too old to answer keepalives) needs
+// none or cannot have it: the connection is used without.
+func keepAlive(conn *libvirt.Connect) error {
+	err := conn.SetKeepAlive(KeepAliveInterval, KeepAliveCount)
+	switch code(err) {
+	case libvirt.ERR_OK, libvirt.ERR_NO_SUPPORT:
+		// ERR_OK with an error: libvirtd does not support keepalive.
+		return nil
+	}
+	return fmt.Errorf("turn on keepalive: %w", err)
+}
+
+// call runs fn, which uses l.conn, under guard, keeping the connection open
+// until fn returns. An error on a connection that is no longer alive (the
+// keepalive gave up, libvirtd went away) is marked ErrConnectionLost.
+func call[T any](ctx context.Context, l *Libvirt, fn func() (T, error)) (T, error) {
+	return guard(ctx, func() (T, error) {
+		var zero T
+		if err := l.enter(); err != nil {
+			return zero, err
+		}
+		defer l.leave()
+		v, err := fn()
+		return v, l.markLost(err)
+	}, nil)
+}
+
+// call0 is call for fn without a result.
+func call0(ctx context.Context, l *Libvirt, fn func() error) error {
+	_, err := call(ctx, l, func() (struct{}, error) { return struct{}{}, fn() })
+	return err
+}
+
+// enter registers a call on the connection; it fails after Close.
+func (l *Libvirt) enter() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closing {
+		return errClosed
+	}
+	l.calls++
+	return nil
+}
+
+// leave ends a call, and closes the connection if Close is waiting for it.
+func (l *Libvirt) leave() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.calls--
+	if l.closing && l.calls == 0 {
+		_, _ = l.conn.Close()
+	}
+}
+
+// markLost marks err with ErrConnectionLost when the connection is dead,
+// whatever libvirt's error code says.
+func (l *Libvirt) markLost(err error) error {
+	if err == nil || connectionLost(err) {
+		return err
+	}
+	if alive, aerr := l.conn.IsAlive(); aerr == nil && !alive {
+		return fmt.Errorf("%w: %w", ErrConnectionLost, err)
+	}
+	return err
 }
 
 // accessHint explains a refused connection: on a system libvirtd, an
@@ -46,8 +178,19 @@ func accessHint(err error) string {
 	return ""
 }
 
-// Close implements Hypervisor.
+// Close implements Hypervisor. The connection is closed now if no call uses
+// it, else when the last one returns: closing a libvirt connection under a
+// running call is not safe. Calls made after Close fail.
 func (l *Libvirt) Close() error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.closing {
+		return nil
+	}
+	l.closing = true
+	if l.calls > 0 {
+		return nil
+	}
 	_, err := l.conn.Close()
 	return err
 }
@@ -71,26 +214,28 @@ func notFound(err error, codes ...libvirt.ErrorNumber) error {
 }
 
 // KVMAvailable implements Hypervisor.
-func (l *Libvirt) KVMAvailable() (bool, error) {
-	s, err := l.conn.GetCapabilities()
-	if err != nil {
-		return false, err
-	}
-	var caps libvirtxml.Caps
-	if err := caps.Unmarshal(s); err != nil {
-		return false, err
-	}
-	for _, g := range caps.Guests {
-		if g.Arch.Name != "x86_64" {
-			continue
+func (l *Libvirt) KVMAvailable(ctx context.Context) (bool, error) {
+	return call(ctx, l, func() (bool, error) {
+		s, err := l.conn.GetCapabilities()
+		if err != nil {
+			return false, err
 		}
-		for _, d := range g.Arch.Domains {
-			if d.Type == "kvm" {
-				return true, nil
+		var caps libvirtxml.Caps
+		if err := caps.Unmarshal(s); err != nil {
+			return false, err
+		}
+		for _, g := range caps.Guests {
+			if g.Arch.Name != "x86_64" {
+				continue
+			}
+			for _, d := range g.Arch.Domains {
+				if d.Type == "kvm" {
+					return true, nil
+				}
 			}
 		}
-	}
-	return false, nil
+		return false, nil
+	})
 }
 
 func (l *Libvirt) pool(name string) (*libvirt.StoragePool, error) {
@@ -102,22 +247,24 @@ func (l *Libvirt) pool(name string) (*libvirt.StoragePool, error) {
 }
 
 // CreateVolume implements Hypervisor.
-func (l *Libvirt) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error) {
-	p, err := l.pool(pool)
-	if err != nil {
-		return "", err
-	}
-	defer p.Free()
-	x, err := vol.Marshal()
-	if err != nil {
-		return "", err
-	}
-	v, err := p.StorageVolCreateXML(x, 0)
-	if err != nil {
-		return "", err
-	}
-	defer v.Free()
-	return v.GetPath()
+func (l *Libvirt) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		p, err := l.pool(pool)
+		if err != nil {
+			return "", err
+		}
+		defer p.Free()
+		x, err := vol.Marshal()
+		if err != nil {
+			return "", err
+		}
+		v, err := p.StorageVolCreateXML(x, 0)
+		if err != nil {
+			return "", err
+		}
+		defer v.Free()
+		return v.GetPath()
+	})
 }
 
 // volume looks a volume up by pool and name (ErrNotFound if absent).
@@ -135,64 +282,72 @@ func (l *Libvirt) volume(pool, name string) (*libvirt.StorageVol, error) {
 }
 
 // UploadVolume implements Hypervisor.
-func (l *Libvirt) UploadVolume(pool, name string, data []byte) error {
-	v, err := l.volume(pool, name)
-	if err != nil {
-		return err
-	}
-	defer v.Free()
-	st, err := l.conn.NewStream(0)
-	if err != nil {
-		return err
-	}
-	defer st.Free()
-	if err := v.Upload(st, 0, uint64(len(data)), 0); err != nil {
-		return err
-	}
-	for off := 0; off < len(data); {
-		n, err := st.Send(data[off:])
+func (l *Libvirt) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
+	return call0(ctx, l, func() error {
+		v, err := l.volume(pool, name)
 		if err != nil {
-			_ = st.Abort()
 			return err
 		}
-		off += n
-	}
-	return st.Finish()
+		defer v.Free()
+		st, err := l.conn.NewStream(0)
+		if err != nil {
+			return err
+		}
+		defer st.Free()
+		if err := v.Upload(st, 0, uint64(len(data)), 0); err != nil {
+			return err
+		}
+		for off := 0; off < len(data); {
+			n, err := st.Send(data[off:])
+			if err != nil {
+				_ = st.Abort()
+				return err
+			}
+			off += n
+		}
+		return st.Finish()
+	})
 }
 
 // DeleteVolume implements Hypervisor.
-func (l *Libvirt) DeleteVolume(pool, name string) error {
-	v, err := l.volume(pool, name)
-	if err != nil {
-		return err
-	}
-	defer v.Free()
-	return notFound(v.Delete(0), libvirt.ERR_NO_STORAGE_VOL)
+func (l *Libvirt) DeleteVolume(ctx context.Context, pool, name string) error {
+	return call0(ctx, l, func() error {
+		v, err := l.volume(pool, name)
+		if err != nil {
+			return err
+		}
+		defer v.Free()
+		return notFound(v.Delete(0), libvirt.ERR_NO_STORAGE_VOL)
+	})
 }
 
 // VolumeNames implements Hypervisor.
-func (l *Libvirt) VolumeNames(pool string) ([]string, error) {
-	p, err := l.pool(pool)
-	if err != nil {
-		return nil, err
-	}
-	defer p.Free()
-	// Pick up volumes created or deleted behind libvirt's back.
-	_ = p.Refresh(0)
-	return p.ListStorageVolumes()
+func (l *Libvirt) VolumeNames(ctx context.Context, pool string) ([]string, error) {
+	return call(ctx, l, func() ([]string, error) {
+		p, err := l.pool(pool)
+		if err != nil {
+			return nil, err
+		}
+		defer p.Free()
+		// Pick up volumes created or deleted behind libvirt's back.
+		_ = p.Refresh(0)
+		return p.ListStorageVolumes()
+	})
 }
 
 // VolumeCapacity implements Hypervisor. It asks libvirt first and falls back
 // to reading the image header (qcow2) or size (raw) for a base that lives
 // outside any pool.
-func (l *Libvirt) VolumeCapacity(path string) (uint64, error) {
-	if v, err := l.conn.LookupStorageVolByPath(path); err == nil {
-		defer v.Free()
-		if info, err := v.GetInfo(); err == nil {
-			return info.Capacity, nil
+func (l *Libvirt) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
+	return call(ctx, l, func() (uint64, error) {
+		if v, err := l.conn.LookupStorageVolByPath(path); err == nil {
+			defer v.Free()
+			if info, err := v.GetInfo(); err == nil {
+				return info.Capacity, nil
+			}
 		}
-	}
-	return imageVirtualSize(path)
+		return imageVirtualSize(path)
+	})
 }
 
 // imageVirtualSize reads the virtual size of a qcow2 image from its header, or
@@ -223,134 +378,152 @@ func (l *Libvirt) domain(name string) (*libvirt.Domain, error) {
 }
 
 // Define implements Hypervisor.
-func (l *Libvirt) Define(xml string) error {
-	d, err := l.conn.DomainDefineXMLFlags(xml, libvirt.DOMAIN_DEFINE_VALIDATE)
-	if err != nil {
-		return err
-	}
-	return d.Free()
+func (l *Libvirt) Define(ctx context.Context, xml string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.conn.DomainDefineXMLFlags(xml, libvirt.DOMAIN_DEFINE_VALIDATE)
+		if err != nil {
+			return err
+		}
+		return d.Free()
+	})
 }
 
 // Start implements Hypervisor.
-func (l *Libvirt) Start(name string) error {
-	d, err := l.domain(name)
-	if err != nil {
-		return err
-	}
-	defer d.Free()
-	err = d.Create()
-	if err != nil && code(err) == libvirt.ERR_OPERATION_INVALID {
-		// Repeated after a reconnect: the first call may have started it.
-		if active, aerr := d.IsActive(); aerr == nil && active {
-			return nil
+func (l *Libvirt) Start(ctx context.Context, name string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
 		}
-	}
-	return err
+		defer d.Free()
+		err = d.Create()
+		if err != nil && code(err) == libvirt.ERR_OPERATION_INVALID {
+			// Repeated after a reconnect: the first call may have started it.
+			if active, aerr := d.IsActive(); aerr == nil && active {
+				return nil
+			}
+		}
+		return err
+	})
 }
 
 // Destroy implements Hypervisor.
-func (l *Libvirt) Destroy(name string) error {
-	d, err := l.domain(name)
-	if err != nil {
-		return err
-	}
-	defer d.Free()
-	if err := d.Destroy(); err != nil && code(err) != libvirt.ERR_OPERATION_INVALID {
-		return notFound(err, libvirt.ERR_NO_DOMAIN)
-	}
-	return nil
+func (l *Libvirt) Destroy(ctx context.Context, name string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		if err := d.Destroy(); err != nil && code(err) != libvirt.ERR_OPERATION_INVALID {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		return nil
+	})
 }
 
 // Undefine implements Hypervisor.
-func (l *Libvirt) Undefine(name string) error {
-	d, err := l.domain(name)
-	if err != nil {
-		return err
-	}
-	defer d.Free()
-	flags := libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
-		libvirt.DOMAIN_UNDEFINE_NVRAM | libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
-	err = d.UndefineFlags(flags)
-	if c := code(err); c == libvirt.ERR_NO_SUPPORT || c == libvirt.ERR_INVALID_ARG {
-		// A driver that knows none of these extras (the test driver) has
-		// none of them to remove.
-		err = d.Undefine()
-	}
-	return notFound(err, libvirt.ERR_NO_DOMAIN)
+func (l *Libvirt) Undefine(ctx context.Context, name string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		flags := libvirt.DOMAIN_UNDEFINE_MANAGED_SAVE | libvirt.DOMAIN_UNDEFINE_SNAPSHOTS_METADATA |
+			libvirt.DOMAIN_UNDEFINE_NVRAM | libvirt.DOMAIN_UNDEFINE_CHECKPOINTS_METADATA
+		err = d.UndefineFlags(flags)
+		if c := code(err); c == libvirt.ERR_NO_SUPPORT || c == libvirt.ERR_INVALID_ARG {
+			// A driver that knows none of these extras (the test driver) has
+			// none of them to remove.
+			err = d.Undefine()
+		}
+		return notFound(err, libvirt.ERR_NO_DOMAIN)
+	})
 }
 
 // Owner implements Hypervisor.
-func (l *Libvirt) Owner(name string) (string, error) {
-	d, err := l.domain(name)
-	if err != nil {
-		return "", err
-	}
-	defer d.Free()
-	s, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
-	if err != nil {
-		switch code(err) {
-		case libvirt.ERR_NO_DOMAIN_METADATA:
-			return "", ErrNoOwner
-		case libvirt.ERR_NO_DOMAIN:
-			return "", notFound(err, libvirt.ERR_NO_DOMAIN)
+func (l *Libvirt) Owner(ctx context.Context, name string) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		d, err := l.domain(name)
+		if err != nil {
+			return "", err
 		}
-		return "", err
-	}
-	return s, nil
+		defer d.Free()
+		s, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
+		if err != nil {
+			switch code(err) {
+			case libvirt.ERR_NO_DOMAIN_METADATA:
+				return "", ErrNoOwner
+			case libvirt.ERR_NO_DOMAIN:
+				return "", notFound(err, libvirt.ERR_NO_DOMAIN)
+			}
+			return "", err
+		}
+		return s, nil
+	})
 }
 
 // SetOwner implements Hypervisor.
-func (l *Libvirt) SetOwner(name, ownerXML string) error {
-	d, err := l.domain(name)
-	if err != nil {
-		return err
-	}
-	defer d.Free()
-	flags := libvirt.DOMAIN_AFFECT_CONFIG
-	if active, err := d.IsActive(); err == nil && active {
-		flags |= libvirt.DOMAIN_AFFECT_LIVE
-	}
-	return d.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, ownerXML, "lve", OwnerNamespace, flags)
+func (l *Libvirt) SetOwner(ctx context.Context, name, ownerXML string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		flags := libvirt.DOMAIN_AFFECT_CONFIG
+		if active, err := d.IsActive(); err == nil && active {
+			flags |= libvirt.DOMAIN_AFFECT_LIVE
+		}
+		return d.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, ownerXML, "lve", OwnerNamespace, flags)
+	})
 }
 
 // DomainNames implements Hypervisor.
-func (l *Libvirt) DomainNames() ([]string, error) {
-	doms, err := l.conn.ListAllDomains(0)
-	if err != nil {
-		return nil, err
-	}
-	var names []string
-	for _, d := range doms {
-		if n, err := d.GetName(); err == nil {
-			names = append(names, n)
+func (l *Libvirt) DomainNames(ctx context.Context) ([]string, error) {
+	return call(ctx, l, func() ([]string, error) {
+		doms, err := l.conn.ListAllDomains(0)
+		if err != nil {
+			return nil, err
 		}
-		_ = d.Free()
-	}
-	return names, nil
+		var names []string
+		for _, d := range doms {
+			if n, err := d.GetName(); err == nil {
+				names = append(names, n)
+			}
+			_ = d.Free()
+		}
+		return names, nil
+	})
 }
 
 // IsActive implements Hypervisor.
-func (l *Libvirt) IsActive(name string) (bool, error) {
-	d, err := l.domain(name)
-	if err != nil {
-		return false, err
-	}
-	defer d.Free()
-	return d.IsActive()
+func (l *Libvirt) IsActive(ctx context.Context, name string) (bool, error) {
+	return call(ctx, l, func() (bool, error) {
+		d, err := l.domain(name)
+		if err != nil {
+			return false, err
+		}
+		defer d.Free()
+		return d.IsActive()
+	})
 }
 
 // State implements Hypervisor.
-func (l *Libvirt) State(name string) (DomainState, error) {
-	d, err := l.domain(name)
-	if err != nil {
-		return DomainState{}, err
-	}
-	defer d.Free()
-	st, reason, err := d.GetState()
-	if err != nil {
-		return DomainState{}, notFound(err, libvirt.ERR_NO_DOMAIN)
-	}
-	return describeState(st, reason), nil
+func (l *Libvirt) State(ctx context.Context, name string) (DomainState, error) {
+	return call(ctx, l, func() (DomainState, error) {
+		d, err := l.domain(name)
+		if err != nil {
+			return DomainState{}, err
+		}
+		defer d.Free()
+		st, reason, err := d.GetState()
+		if err != nil {
+			return DomainState{}, notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		return describeState(st, reason), nil
+	})
 }
 
 func describeState(st libvirt.DomainState, reason int) DomainState {
@@ -396,113 +569,139 @@ var ErrAgentNotReady = errors.New("guest agent not answering yet")
 
 // Addresses implements Hypervisor. With SourceLease libvirt matches the
 // network's active, unexpired leases against this domain's own MACs.
-func (l *Libvirt) Addresses(name string, source AddressSource) ([]Lease, error) {
-	d, err := l.domain(name)
-	if err != nil {
-		return nil, err
-	}
-	defer d.Free()
-	src := libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
-	if source == SourceAgent {
-		src = libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT
-	}
-	ifaces, err := d.ListAllInterfaceAddresses(src)
-	if err != nil {
-		if c := code(err); source == SourceAgent && (c == libvirt.ERR_AGENT_UNRESPONSIVE || c == libvirt.ERR_AGENT_UNSYNCED) {
-			return nil, fmt.Errorf("%w: %v", ErrAgentNotReady, err)
+func (l *Libvirt) Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error) {
+	return call(ctx, l, func() ([]Lease, error) {
+		d, err := l.domain(name)
+		if err != nil {
+			return nil, err
 		}
-		return nil, err
-	}
-	var out []Lease
-	for _, i := range ifaces {
-		for _, a := range i.Addrs {
-			if a.Type != libvirt.IP_ADDR_TYPE_IPV4 {
-				continue
+		defer d.Free()
+		src := libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
+		if source == SourceAgent {
+			src = libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT
+		}
+		ifaces, err := d.ListAllInterfaceAddresses(src)
+		if err != nil {
+			if c := code(err); source == SourceAgent && (c == libvirt.ERR_AGENT_UNRESPONSIVE || c == libvirt.ERR_AGENT_UNSYNCED) {
+				return nil, fmt.Errorf("%w: %v", ErrAgentNotReady, err)
 			}
-			if ip := net.ParseIP(a.Addr); ip != nil {
-				out = append(out, Lease{MAC: strings.ToLower(i.Hwaddr), IP: ip})
+			return nil, err
+		}
+		var out []Lease
+		for _, i := range ifaces {
+			for _, a := range i.Addrs {
+				if a.Type != libvirt.IP_ADDR_TYPE_IPV4 {
+					continue
+				}
+				if ip := net.ParseIP(a.Addr); ip != nil {
+					out = append(out, Lease{MAC: strings.ToLower(i.Hwaddr), IP: ip})
+				}
 			}
 		}
-	}
-	return out, nil
+		return out, nil
+	})
 }
 
 // NetworkLeaseMACs implements Hypervisor.
-func (l *Libvirt) NetworkLeaseMACs(network string) ([]string, error) {
-	n, err := l.conn.LookupNetworkByName(network)
-	if err != nil {
-		return nil, fmt.Errorf("network %q: %w", network, err)
-	}
-	defer n.Free()
-	leases, err := n.GetDHCPLeases()
-	if err != nil {
-		return nil, err
-	}
-	macs := make([]string, 0, len(leases))
-	for _, le := range leases {
-		macs = append(macs, strings.ToLower(le.Mac))
-	}
-	return macs, nil
+func (l *Libvirt) NetworkLeaseMACs(ctx context.Context, network string) ([]string, error) {
+	return call(ctx, l, func() ([]string, error) {
+		n, err := l.conn.LookupNetworkByName(network)
+		if err != nil {
+			return nil, fmt.Errorf("network %q: %w", network, err)
+		}
+		defer n.Free()
+		leases, err := n.GetDHCPLeases()
+		if err != nil {
+			return nil, err
+		}
+		macs := make([]string, 0, len(leases))
+		for _, le := range leases {
+			macs = append(macs, strings.ToLower(le.Mac))
+		}
+		return macs, nil
+	})
 }
 
 // Host facts for diagnostics (not part of Hypervisor: only the admin
-// command's doctor uses them).
+// command's doctor uses them). Like the Hypervisor methods, they give up
+// when ctx ends.
 
 // Version returns the libvirt version (the daemon's, over a remote
 // connection) and the hypervisor's (QEMU) version.
-func (l *Libvirt) Version() (libvirtVersion, hypervisor uint32, err error) {
-	if libvirtVersion, err = l.conn.GetLibVersion(); err != nil {
-		return 0, 0, err
-	}
-	hypervisor, err = l.conn.GetVersion()
-	return libvirtVersion, hypervisor, err
+func (l *Libvirt) Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error) {
+	v, err := call(ctx, l, func() ([2]uint32, error) {
+		lv, err := l.conn.GetLibVersion()
+		if err != nil {
+			return [2]uint32{}, err
+		}
+		hv, err := l.conn.GetVersion()
+		return [2]uint32{lv, hv}, err
+	})
+	return v[0], v[1], err
+}
+
+// poolFacts is what PoolActive reports.
+type poolFacts struct {
+	active bool
+	path   string
 }
 
 // PoolActive reports whether the storage pool exists and is active, and its
 // target path.
-func (l *Libvirt) PoolActive(name string) (active bool, path string, err error) {
-	p, err := l.pool(name)
-	if err != nil {
-		return false, "", err
-	}
-	defer p.Free()
-	if active, err = p.IsActive(); err != nil {
-		return false, "", err
-	}
-	x, err := p.GetXMLDesc(0)
-	if err != nil {
-		return active, "", err
-	}
-	var px libvirtxml.StoragePool
-	if err := px.Unmarshal(x); err == nil && px.Target != nil {
-		path = px.Target.Path
-	}
-	return active, path, nil
+func (l *Libvirt) PoolActive(ctx context.Context, name string) (active bool, path string, err error) {
+	f, err := call(ctx, l, func() (poolFacts, error) {
+		var f poolFacts
+		p, err := l.pool(name)
+		if err != nil {
+			return f, err
+		}
+		defer p.Free()
+		if f.active, err = p.IsActive(); err != nil {
+			return poolFacts{}, err
+		}
+		x, err := p.GetXMLDesc(0)
+		if err != nil {
+			return f, err
+		}
+		var px libvirtxml.StoragePool
+		if err := px.Unmarshal(x); err == nil && px.Target != nil {
+			f.path = px.Target.Path
+		}
+		return f, nil
+	})
+	return f.active, f.path, err
 }
+
+// networkFacts is what NetworkActive reports.
+type networkFacts struct{ active, dhcp bool }
 
 // NetworkActive reports whether the network exists and is active, and
 // whether libvirt serves DHCP on it.
-func (l *Libvirt) NetworkActive(name string) (active, dhcp bool, err error) {
-	n, err := l.conn.LookupNetworkByName(name)
-	if err != nil {
-		return false, false, err
-	}
-	defer n.Free()
-	if active, err = n.IsActive(); err != nil {
-		return false, false, err
-	}
-	x, err := n.GetXMLDesc(0)
-	if err != nil {
-		return active, false, err
-	}
-	var nx libvirtxml.Network
-	if err := nx.Unmarshal(x); err != nil {
-		return active, false, err
-	}
-	for _, ip := range nx.IPs {
-		if ip.DHCP != nil {
-			dhcp = true
+func (l *Libvirt) NetworkActive(ctx context.Context, name string) (active, dhcp bool, err error) {
+	f, err := call(ctx, l, func() (networkFacts, error) {
+		var f networkFacts
+		n, err := l.conn.LookupNetworkByName(name)
+		if err != nil {
+			return f, err
 		}
-	}
-	return active, dhcp, nil
+		defer n.Free()
+		if f.active, err = n.IsActive(); err != nil {
+			return networkFacts{}, err
+		}
+		x, err := n.GetXMLDesc(0)
+		if err != nil {
+			return f, err
+		}
+		var nx libvirtxml.Network
+		if err := nx.Unmarshal(x); err != nil {
+			return f, err
+		}
+		for _, ip := range nx.IPs {
+			if ip.DHCP != nil {
+				f.dhcp = true
+			}
+		}
+		return f, nil
+	})
+	return f.active, f.dhcp, err
 }

@@ -17,7 +17,7 @@ import (
 // error codes.
 func testDriver(t *testing.T) *Libvirt {
 	t.Helper()
-	l, err := Connect("test:///default")
+	l, err := Connect(context.Background(), "test:///default")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = l.Close() })
 	return l
@@ -31,7 +31,7 @@ func TestLibvirtLifecycle(t *testing.T) {
 	s.Base = "/default-pool/base.qcow2"
 	s.Kernel, s.Initrd, s.Cmdline = "", "", ""
 	s.ConsoleLog = ""
-	_, err := l.CreateVolume(s.Pool, &libvirtxml.StorageVolume{
+	_, err := l.CreateVolume(context.Background(), s.Pool, &libvirtxml.StorageVolume{
 		Name: "base.qcow2", Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 1 << 30},
 	})
 	require.NoError(t, err)
@@ -41,40 +41,40 @@ func TestLibvirtLifecycle(t *testing.T) {
 	require.NoError(t, err)
 	require.NotEmpty(t, m.DiskPath)
 
-	active, err := l.IsActive(s.Name)
+	active, err := l.IsActive(context.Background(), s.Name)
 	require.NoError(t, err)
 	require.True(t, active)
 
-	ownerXML, err := l.Owner(s.Name)
+	ownerXML, err := l.Owner(context.Background(), s.Name)
 	require.NoError(t, err)
 	o, err := ParseOwner(ownerXML)
 	require.NoError(t, err)
 	require.Equal(t, s.Owner.Controller, o.Controller)
 	require.Equal(t, []string{DiskVolume(s.Name)}, o.Volumes)
 
-	vols, err := l.VolumeNames(s.Pool)
+	vols, err := l.VolumeNames(context.Background(), s.Pool)
 	require.NoError(t, err)
 	require.Contains(t, vols, DiskVolume(s.Name))
 
 	// The deadline can be moved (keep-on-failure) through libvirt's metadata API.
 	later := time.Now().Add(3 * time.Hour).UTC().Truncate(time.Second)
-	require.NoError(t, e.Extend(s.Name, later))
-	ownerXML, err = l.Owner(s.Name)
+	require.NoError(t, e.Extend(context.Background(), s.Name, later))
+	ownerXML, err = l.Owner(context.Background(), s.Name)
 	require.NoError(t, err)
 	o, err = ParseOwner(ownerXML)
 	require.NoError(t, err)
 	require.True(t, later.Equal(o.Deadline), "deadline %s", o.Deadline)
 	require.Equal(t, []string{DiskVolume(s.Name)}, o.Volumes, "the rest of the record is kept")
-	require.ErrorIs(t, (&Engine{HV: l, Controller: "other"}).Extend(s.Name, later), ErrNotOurs)
+	require.ErrorIs(t, (&Engine{HV: l, Controller: "other"}).Extend(context.Background(), s.Name, later), ErrNotOurs)
 
 	// Another controller may not remove it.
 	other := &Engine{HV: l, Controller: "someone-else"}
 	require.ErrorIs(t, other.Remove(context.Background(), s.Name, s.Pool, true), ErrNotOurs)
 
 	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool, false))
-	_, err = l.Owner(s.Name)
+	_, err = l.Owner(context.Background(), s.Name)
 	require.ErrorIs(t, err, ErrNotFound)
-	vols, err = l.VolumeNames(s.Pool)
+	vols, err = l.VolumeNames(context.Background(), s.Pool)
 	require.NoError(t, err)
 	require.NotContains(t, vols, DiskVolume(s.Name))
 	require.NoError(t, e.Remove(context.Background(), s.Name, s.Pool, false), "idempotent")
@@ -82,24 +82,24 @@ func TestLibvirtLifecycle(t *testing.T) {
 
 func TestLibvirtNotFoundAndNoOwner(t *testing.T) {
 	l := testDriver(t)
-	require.ErrorIs(t, l.Destroy("lve-nope-1"), ErrNotFound)
-	require.ErrorIs(t, l.Undefine("lve-nope-1"), ErrNotFound)
-	require.ErrorIs(t, l.DeleteVolume("default-pool", "lve-nope-1.qcow2"), ErrNotFound)
-	_, err := l.Owner("lve-nope-1")
+	require.ErrorIs(t, l.Destroy(context.Background(), "lve-nope-1"), ErrNotFound)
+	require.ErrorIs(t, l.Undefine(context.Background(), "lve-nope-1"), ErrNotFound)
+	require.ErrorIs(t, l.DeleteVolume(context.Background(), "default-pool", "lve-nope-1.qcow2"), ErrNotFound)
+	_, err := l.Owner(context.Background(), "lve-nope-1")
 	require.ErrorIs(t, err, ErrNotFound)
 
 	// The test driver's stock domain "test" has no ownership metadata.
-	_, err = l.Owner("test")
+	_, err = l.Owner(context.Background(), "test")
 	require.True(t, errors.Is(err, ErrNoOwner), "got %v", err)
 	e := &Engine{HV: l, Controller: "c"}
 	require.ErrorIs(t, e.Remove(context.Background(), "test", "default-pool", true), ErrNotOurs)
-	active, err := l.IsActive("test")
+	active, err := l.IsActive(context.Background(), "test")
 	require.NoError(t, err)
 	require.True(t, active, "look-alike left running")
 }
 
 func TestLibvirtKVMAvailable(t *testing.T) {
 	l := testDriver(t)
-	_, err := l.KVMAvailable()
+	_, err := l.KVMAvailable(context.Background())
 	require.NoError(t, err)
 }

@@ -1,9 +1,9 @@
 package vm
 
 import (
+	"context"
 	"errors"
 	"fmt"
-	"sync"
 	"time"
 
 	"libvirt.org/go/libvirt"
@@ -30,75 +30,133 @@ func connectionLost(err error) bool {
 	return false
 }
 
-// Reconnecting wraps a Hypervisor: when a call fails because the connection
-// broke (a libvirtd restart), it reconnects — redialling until the daemon
-// answers again, for at most Wait — and repeats the call once. A second
-// failure is returned as is.
+// Reconnecting wraps a Hypervisor connection: it dials the first one on the
+// first call (or Dial), and when a call fails because the connection broke
+// (a libvirtd restart, or its keepalive gave up on a hung libvirtd) it
+// reconnects, redialling until the daemon answers again for at most Wait,
+// and repeats the call once. A second failure is returned as is.
+//
+// Every call, dial and wait ends when its ctx does: calls run under guard, so
+// a connection whose own call cannot be interrupted is abandoned too.
 type Reconnecting struct {
-	dial func() (Hypervisor, error)
+	dial func(context.Context) (Hypervisor, error)
 	// OnReconnect, if set, is told about each reconnection.
 	OnReconnect func(cause error)
 	// Wait bounds how long a reconnection keeps redialling (default 30s);
 	// Interval is the pause between dials (default 250ms).
 	Wait, Interval time.Duration
 
-	mu        sync.Mutex
-	hv        Hypervisor
-	reconnect int
+	// sem, holding one token, guards the fields below. Unlike a mutex,
+	// waiting for it ends with the waiter's ctx (a redial may hold it).
+	sem        chan struct{}
+	hv         Hypervisor // nil before the first dial and after a failed reconnection
+	closed     bool
+	reconnects int
 }
 
 var _ Hypervisor = (*Reconnecting)(nil)
 
-// NewReconnecting connects through dial and returns the wrapper.
-func NewReconnecting(dial func() (Hypervisor, error)) (*Reconnecting, error) {
-	hv, err := dial()
-	if err != nil {
-		return nil, err
-	}
-	return &Reconnecting{dial: dial, hv: hv}, nil
+// NewReconnecting returns the wrapper; it dials through dial when a
+// connection is first needed.
+func NewReconnecting(dial func(context.Context) (Hypervisor, error)) *Reconnecting {
+	return &Reconnecting{dial: dial, sem: make(chan struct{}, 1)}
 }
+
+// lock takes r's token, or gives up when ctx ends.
+func (r *Reconnecting) lock(ctx context.Context) error {
+	select {
+	case r.sem <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return abandoned(ctx)
+	}
+}
+
+func (r *Reconnecting) unlock() { <-r.sem }
 
 // Reconnects counts the reconnections made.
 func (r *Reconnecting) Reconnects() int {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.reconnect
+	_ = r.lock(context.Background())
+	defer r.unlock()
+	return r.reconnects
 }
 
-func (r *Reconnecting) current() Hypervisor {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.hv
+// Dial connects now, if no call has yet: a caller that will surely need the
+// hypervisor learns at once that it cannot have it.
+func (r *Reconnecting) Dial(ctx context.Context) error {
+	_, err := r.connection(ctx)
+	return err
 }
 
-func do[T any](r *Reconnecting, call func(Hypervisor) (T, error)) (T, error) {
-	hv := r.current()
-	v, err := call(hv)
-	if err == nil || !connectionLost(err) {
+// connection returns the current connection, dialling one if there is none.
+func (r *Reconnecting) connection(ctx context.Context) (Hypervisor, error) {
+	if err := r.lock(ctx); err != nil {
+		return nil, err
+	}
+	defer r.unlock()
+	if r.closed {
+		return nil, errClosed
+	}
+	if r.hv == nil {
+		hv, err := r.dial(ctx)
+		if err != nil {
+			return nil, err
+		}
+		r.hv = hv
+	}
+	return r.hv, nil
+}
+
+// retry makes call on the current connection and, if the connection was
+// lost, once more on a new one.
+func retry[T any](ctx context.Context, r *Reconnecting, call func(Hypervisor) (T, error)) (T, error) {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		var zero T
+		return zero, err
+	}
+	v, err := guard(ctx, func() (T, error) { return call(hv) }, nil)
+	if err == nil || !connectionLost(err) || ctx.Err() != nil {
 		return v, err
 	}
-	r.mu.Lock()
-	if r.hv == hv { // nobody reconnected meanwhile
-		_ = hv.Close()
-		nhv, derr := r.redial()
-		if derr != nil {
-			r.mu.Unlock()
-			return v, fmt.Errorf("%w: %v; reconnecting failed: %v", ErrConnectionLost, err, derr)
-		}
-		r.hv = nhv
-		r.reconnect++
-		if r.OnReconnect != nil {
-			r.OnReconnect(err)
-		}
+	if hv, err = r.replace(ctx, hv, err); err != nil {
+		return v, err
 	}
-	hv = r.hv
-	r.mu.Unlock()
-	return call(hv)
+	return guard(ctx, func() (T, error) { return call(hv) }, nil)
 }
 
-// redial dials until it succeeds or Wait has passed (a restarting libvirtd
-// takes a few seconds to listen again).
-func (r *Reconnecting) redial() (Hypervisor, error) {
+// replace returns the connection to use instead of lost, whose call failed
+// with cause: one that another call made meanwhile, or a new one.
+func (r *Reconnecting) replace(ctx context.Context, lost Hypervisor, cause error) (Hypervisor, error) {
+	if err := r.lock(ctx); err != nil {
+		return nil, fmt.Errorf("%w: %v; %w", ErrConnectionLost, cause, err)
+	}
+	defer r.unlock()
+	if r.closed {
+		return nil, errClosed
+	}
+	if r.hv != nil && r.hv != lost {
+		return r.hv, nil
+	}
+	if r.hv == lost {
+		_ = lost.Close()
+		r.hv = nil
+	}
+	hv, err := r.redial(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %v; reconnecting failed: %w", ErrConnectionLost, cause, err)
+	}
+	r.hv = hv
+	r.reconnects++
+	if r.OnReconnect != nil {
+		r.OnReconnect(cause)
+	}
+	return hv, nil
+}
+
+// redial dials until it succeeds, Wait has passed or ctx ends (a restarting
+// libvirtd takes a few seconds to listen again).
+func (r *Reconnecting) redial(ctx context.Context) (Hypervisor, error) {
 	wait, interval := r.Wait, r.Interval
 	if wait <= 0 {
 		wait = 30 * time.Second
@@ -107,104 +165,133 @@ func (r *Reconnecting) redial() (Hypervisor, error) {
 		interval = 250 * time.Millisecond
 	}
 	deadline := time.Now().Add(wait)
+	t := time.NewTicker(interval)
+	defer t.Stop()
 	for {
-		hv, err := r.dial()
-		if err == nil || time.Now().After(deadline) {
-			return hv, err
+		hv, err := r.dial(ctx)
+		switch {
+		case err == nil:
+			return hv, nil
+		case ctx.Err() != nil:
+			return nil, redialStopped(ctx, err)
+		case time.Now().After(deadline):
+			return nil, err
 		}
-		time.Sleep(interval)
+		select {
+		case <-ctx.Done():
+			return nil, redialStopped(ctx, err)
+		case <-t.C:
+		}
 	}
 }
 
-func do0(r *Reconnecting, call func(Hypervisor) error) error {
-	_, err := do(r, func(h Hypervisor) (struct{}, error) { return struct{}{}, call(h) })
+// redialStopped is redial's error when ctx ended; last is the last dial's.
+func redialStopped(ctx context.Context, last error) error {
+	if errors.Is(last, ctx.Err()) {
+		return last
+	}
+	return fmt.Errorf("%w (last attempt: %v)", abandoned(ctx), last)
+}
+
+func retry0(ctx context.Context, r *Reconnecting, call func(Hypervisor) error) error {
+	_, err := retry(ctx, r, func(h Hypervisor) (struct{}, error) { return struct{}{}, call(h) })
 	return err
 }
 
 // KVMAvailable implements Hypervisor.
-func (r *Reconnecting) KVMAvailable() (bool, error) {
-	return do(r, func(h Hypervisor) (bool, error) { return h.KVMAvailable() })
+func (r *Reconnecting) KVMAvailable(ctx context.Context) (bool, error) {
+	return retry(ctx, r, func(h Hypervisor) (bool, error) { return h.KVMAvailable(ctx) })
 }
 
 // CreateVolume implements Hypervisor.
-func (r *Reconnecting) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error) {
-	return do(r, func(h Hypervisor) (string, error) { return h.CreateVolume(pool, vol) })
+func (r *Reconnecting) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.CreateVolume(ctx, pool, vol) })
 }
 
 // UploadVolume implements Hypervisor.
-func (r *Reconnecting) UploadVolume(pool, name string, data []byte) error {
-	return do0(r, func(h Hypervisor) error { return h.UploadVolume(pool, name, data) })
+func (r *Reconnecting) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.UploadVolume(ctx, pool, name, data) })
 }
 
 // DeleteVolume implements Hypervisor.
-func (r *Reconnecting) DeleteVolume(pool, name string) error {
-	return do0(r, func(h Hypervisor) error { return h.DeleteVolume(pool, name) })
+func (r *Reconnecting) DeleteVolume(ctx context.Context, pool, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteVolume(ctx, pool, name) })
 }
 
 // VolumeNames implements Hypervisor.
-func (r *Reconnecting) VolumeNames(pool string) ([]string, error) {
-	return do(r, func(h Hypervisor) ([]string, error) { return h.VolumeNames(pool) })
+func (r *Reconnecting) VolumeNames(ctx context.Context, pool string) ([]string, error) {
+	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.VolumeNames(ctx, pool) })
 }
 
 // VolumeCapacity implements Hypervisor.
-func (r *Reconnecting) VolumeCapacity(path string) (uint64, error) {
-	return do(r, func(h Hypervisor) (uint64, error) { return h.VolumeCapacity(path) })
+func (r *Reconnecting) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
+	return retry(ctx, r, func(h Hypervisor) (uint64, error) { return h.VolumeCapacity(ctx, path) })
 }
 
 // Define implements Hypervisor.
-func (r *Reconnecting) Define(xml string) error {
-	return do0(r, func(h Hypervisor) error { return h.Define(xml) })
+func (r *Reconnecting) Define(ctx context.Context, xml string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.Define(ctx, xml) })
 }
 
 // Start implements Hypervisor.
-func (r *Reconnecting) Start(name string) error {
-	return do0(r, func(h Hypervisor) error { return h.Start(name) })
+func (r *Reconnecting) Start(ctx context.Context, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.Start(ctx, name) })
 }
 
 // Destroy implements Hypervisor.
-func (r *Reconnecting) Destroy(name string) error {
-	return do0(r, func(h Hypervisor) error { return h.Destroy(name) })
+func (r *Reconnecting) Destroy(ctx context.Context, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.Destroy(ctx, name) })
 }
 
 // Undefine implements Hypervisor.
-func (r *Reconnecting) Undefine(name string) error {
-	return do0(r, func(h Hypervisor) error { return h.Undefine(name) })
+func (r *Reconnecting) Undefine(ctx context.Context, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.Undefine(ctx, name) })
 }
 
 // Owner implements Hypervisor.
-func (r *Reconnecting) Owner(name string) (string, error) {
-	return do(r, func(h Hypervisor) (string, error) { return h.Owner(name) })
+func (r *Reconnecting) Owner(ctx context.Context, name string) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.Owner(ctx, name) })
 }
 
 // SetOwner implements Hypervisor.
-func (r *Reconnecting) SetOwner(name, ownerXML string) error {
-	return do0(r, func(h Hypervisor) error { return h.SetOwner(name, ownerXML) })
+func (r *Reconnecting) SetOwner(ctx context.Context, name, ownerXML string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.SetOwner(ctx, name, ownerXML) })
 }
 
 // DomainNames implements Hypervisor.
-func (r *Reconnecting) DomainNames() ([]string, error) {
-	return do(r, func(h Hypervisor) ([]string, error) { return h.DomainNames() })
+func (r *Reconnecting) DomainNames(ctx context.Context) ([]string, error) {
+	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.DomainNames(ctx) })
 }
 
 // IsActive implements Hypervisor.
-func (r *Reconnecting) IsActive(name string) (bool, error) {
-	return do(r, func(h Hypervisor) (bool, error) { return h.IsActive(name) })
+func (r *Reconnecting) IsActive(ctx context.Context, name string) (bool, error) {
+	return retry(ctx, r, func(h Hypervisor) (bool, error) { return h.IsActive(ctx, name) })
 }
 
 // State implements Hypervisor.
-func (r *Reconnecting) State(name string) (DomainState, error) {
-	return do(r, func(h Hypervisor) (DomainState, error) { return h.State(name) })
+func (r *Reconnecting) State(ctx context.Context, name string) (DomainState, error) {
+	return retry(ctx, r, func(h Hypervisor) (DomainState, error) { return h.State(ctx, name) })
 }
 
 // Addresses implements Hypervisor.
-func (r *Reconnecting) Addresses(name string, source AddressSource) ([]Lease, error) {
-	return do(r, func(h Hypervisor) ([]Lease, error) { return h.Addresses(name, source) })
+func (r *Reconnecting) Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error) {
+	return retry(ctx, r, func(h Hypervisor) ([]Lease, error) { return h.Addresses(ctx, name, source) })
 }
 
 // NetworkLeaseMACs implements Hypervisor.
-func (r *Reconnecting) NetworkLeaseMACs(network string) ([]string, error) {
-	return do(r, func(h Hypervisor) ([]string, error) { return h.NetworkLeaseMACs(network) })
+func (r *Reconnecting) NetworkLeaseMACs(ctx context.Context, network string) ([]string, error) {
+	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.NetworkLeaseMACs(ctx, network) })
 }
 
-// Close implements Hypervisor.
-func (r *Reconnecting) Close() error { return r.current().Close() }
+// Close implements Hypervisor. Calls after Close fail.
+func (r *Reconnecting) Close() error {
+	_ = r.lock(context.Background())
+	defer r.unlock()
+	r.closed = true
+	if r.hv == nil {
+		return nil
+	}
+	hv := r.hv
+	r.hv = nil
+	return hv.Close()
+}

@@ -1,6 +1,7 @@
 package vm_test
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
@@ -13,48 +14,48 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
+var lostConnection = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC, Message: "Cannot recv data: Connection reset by peer"}
+
 func TestReconnectingRetriesOnceAfterLostConnection(t *testing.T) {
+	ctx := context.Background()
 	first, second := vmtest.New(), vmtest.New()
 	second.Domains["lve-a-1"] = &vmtest.Domain{Active: true}
-	lost := libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC, Message: "Cannot recv data: Connection reset by peer"}
-	first.FailOn["DomainNames"] = lost
+	first.FailOn["DomainNames"] = lostConnection
 	dials := 0
-	r, err := NewReconnecting(func() (Hypervisor, error) {
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) {
 		dials++
 		if dials == 1 {
 			return first, nil
 		}
 		return second, nil
 	})
-	require.NoError(t, err)
 	var causes []error
 	r.OnReconnect = func(c error) { causes = append(causes, c) }
 
-	names, err := r.DomainNames()
+	names, err := r.DomainNames(ctx)
 	require.NoError(t, err, "repeated on the new connection")
 	require.Equal(t, []string{"lve-a-1"}, names)
 	require.Equal(t, 1, r.Reconnects())
 	require.Len(t, causes, 1)
 
 	// Errors that are not about the connection are returned, no reconnect.
-	_, err = r.IsActive("nope")
+	_, err = r.IsActive(ctx, "nope")
 	require.ErrorIs(t, err, ErrNotFound)
 	require.Equal(t, 1, r.Reconnects())
 
 	// A second loss on the new connection: reconnect once more, then give up
 	// if dialing fails.
-	second.FailOn["DomainNames"] = lost
+	second.FailOn["DomainNames"] = lostConnection
 	dialErr := errors.New("libvirtd not running")
-	r2, err := NewReconnecting(func() (Hypervisor, error) {
+	r2 := NewReconnecting(func(context.Context) (Hypervisor, error) {
 		if dials++; dials > 3 {
 			return nil, dialErr
 		}
 		return second, nil
 	})
-	require.NoError(t, err)
 	r2.Wait, r2.Interval = 100*time.Millisecond, 10*time.Millisecond
 	start := time.Now()
-	_, err = r2.DomainNames()
+	_, err = r2.DomainNames(ctx)
 	require.ErrorIs(t, err, ErrConnectionLost)
 	require.ErrorContains(t, err, "libvirtd not running")
 	require.GreaterOrEqual(t, time.Since(start), 100*time.Millisecond, "kept redialling for Wait")
@@ -65,7 +66,7 @@ func TestReconnectingWaitsForTheDaemon(t *testing.T) {
 	first.FailOn["DomainNames"] = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC}
 	second.Domains["lve-a-1"] = &vmtest.Domain{}
 	dials := 0
-	r, err := NewReconnecting(func() (Hypervisor, error) {
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) {
 		dials++
 		switch {
 		case dials == 1:
@@ -75,12 +76,87 @@ func TestReconnectingWaitsForTheDaemon(t *testing.T) {
 		}
 		return second, nil
 	})
-	require.NoError(t, err)
 	r.Interval = time.Millisecond
-	names, err := r.DomainNames()
+	names, err := r.DomainNames(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, []string{"lve-a-1"}, names)
 	require.Equal(t, 5, dials)
+}
+
+// The connection is made on the first call (or Dial), once; after Close no
+// call dials again.
+func TestReconnectingConnectsOnFirstUse(t *testing.T) {
+	ctx := context.Background()
+	hv := vmtest.New()
+	dials := 0
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) { dials++; return hv, nil })
+	require.Zero(t, dials, "nothing dialled before it is needed")
+	require.NoError(t, r.Close(), "closing what was never opened")
+
+	r = NewReconnecting(func(context.Context) (Hypervisor, error) { dials++; return hv, nil })
+	require.NoError(t, r.Dial(ctx))
+	require.NoError(t, r.Dial(ctx))
+	_, err := r.DomainNames(ctx)
+	require.NoError(t, err)
+	require.Equal(t, 1, dials)
+	require.NoError(t, r.Close())
+	_, err = r.DomainNames(ctx)
+	require.Error(t, err, "closed")
+	require.Equal(t, 1, dials, "no dial after Close")
+
+	refused := errors.New("connection refused")
+	r = NewReconnecting(func(context.Context) (Hypervisor, error) { return nil, refused })
+	require.ErrorIs(t, r.Dial(ctx), refused)
+}
+
+// Redialling after a lost connection ends with the caller's ctx, long before
+// Wait.
+func TestReconnectingRedialEndsWithCtx(t *testing.T) {
+	first := vmtest.New()
+	first.FailOn["DomainNames"] = lostConnection
+	dials := 0
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) {
+		if dials++; dials == 1 {
+			return first, nil
+		}
+		return nil, errors.New("Failed to connect socket")
+	})
+	r.Wait, r.Interval = time.Minute, 10*time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	_, err := r.DomainNames(ctx)
+	require.Less(t, time.Since(start), 5*time.Second, "Wait is a minute; ctx ended after 100ms")
+	require.ErrorIs(t, err, ErrConnectionLost)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.Greater(t, dials, 2, "it did redial until then")
+}
+
+// A call that hangs (libvirtd stopped answering; the call itself ignores
+// ctx, as libvirt's C calls do) is abandoned when ctx ends.
+func TestReconnectingAbandonsAHungCall(t *testing.T) {
+	hv := vmtest.New()
+	hv.Domains["lve-a-1"] = &vmtest.Domain{Active: true}
+	hang := make(chan struct{})
+	hv.Hang = hang
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) { return hv, nil })
+	ctx, cancel := context.WithTimeoutCause(context.Background(), 50*time.Millisecond, errors.New("cleanup timeout"))
+	defer cancel()
+	start := time.Now()
+	_, err := r.IsActive(ctx, "lve-a-1")
+	require.Less(t, time.Since(start), 5*time.Second)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.ErrorContains(t, err, "cleanup timeout")
+	require.Equal(t, 1, hv.Hung())
+
+	// libvirtd answers again: the connection is still good.
+	hv.Lock()
+	hv.Hang = nil
+	hv.Unlock()
+	close(hang)
+	active, err := r.IsActive(context.Background(), "lve-a-1")
+	require.NoError(t, err)
+	require.True(t, active)
 }
 
 func TestConnectionLostClassification(t *testing.T) {

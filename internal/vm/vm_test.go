@@ -206,7 +206,7 @@ func TestRemoveVolumesWithoutDomainNeedsProof(t *testing.T) {
 }
 
 func mustNames(t *testing.T, f *vmtest.Fake) []string {
-	n, err := f.VolumeNames("jobs")
+	n, err := f.VolumeNames(context.Background(), "jobs")
 	require.NoError(t, err)
 	return n
 }
@@ -267,17 +267,49 @@ func TestWaitAddressAgentNotReadyYet(t *testing.T) {
 func TestFreshMACAvoidsLeased(t *testing.T) {
 	f := vmtest.New()
 	e := &Engine{HV: f}
-	mac, err := e.FreshMAC("ci")
+	mac, err := e.FreshMAC(context.Background(), "ci")
 	require.NoError(t, err)
 	require.Regexp(t, `^52:54:00:[0-9a-f]{2}:[0-9a-f]{2}:[0-9a-f]{2}$`, mac)
 }
 
 func TestResolveDomainType(t *testing.T) {
 	e := &Engine{HV: vmtest.New()}
-	got, err := e.ResolveDomainType("auto")
+	got, err := e.ResolveDomainType(context.Background(), "auto")
 	require.NoError(t, err)
 	require.Equal(t, "qemu", got, "fake reports no kvm")
-	got, err = e.ResolveDomainType("kvm")
+	got, err = e.ResolveDomainType(context.Background(), "kvm")
 	require.NoError(t, err)
 	require.Equal(t, "kvm", got)
+}
+
+// Remove, Explain and WaitAddress give up on a hung hypervisor when their
+// ctx ends.
+func TestEngineGivesUpWithCtx(t *testing.T) {
+	f := vmtest.New()
+	f.Domains["lve-x-1"] = &vmtest.Domain{Active: true}
+	hang := make(chan struct{})
+	defer close(hang)
+	f.Hang = hang
+	e := &Engine{HV: NewReconnecting(func(context.Context) (Hypervisor, error) { return f, nil }), Controller: "c",
+		PollInterval: 5 * time.Millisecond}
+	within := func(what string, call func(ctx context.Context)) {
+		t.Helper()
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		call(ctx)
+		require.Less(t, time.Since(start), 3*time.Second, what)
+	}
+	within("remove", func(ctx context.Context) {
+		require.ErrorIs(t, e.Remove(ctx, "lve-x-1", "jobs", true), context.DeadlineExceeded)
+	})
+	within("explain", func(ctx context.Context) {
+		require.Empty(t, e.Explain(ctx, "lve-x-1", "jobs"), "libvirt cannot tell")
+	})
+	within("wait address", func(ctx context.Context) {
+		_, err := e.WaitAddress(ctx, "lve-x-1", "52:54:00:00:00:01", SourceLease)
+		require.ErrorIs(t, err, context.DeadlineExceeded)
+		require.ErrorContains(t, err, "no address for lve-x-1")
+	})
+	require.Equal(t, 3, f.Hung())
 }

@@ -3,6 +3,7 @@
 package vmtest
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"sort"
@@ -14,7 +15,10 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// Fake is an in-memory Hypervisor for the engine's logic.
+// Fake is an in-memory Hypervisor for the engine's logic. Like libvirt's
+// calls, its calls ignore ctx: they return at once, or, while Hang is set,
+// not before Hang is closed. Code that must give up on them wraps the Fake
+// as it wraps libvirt (vm.Reconnecting, which lifecycle.Open uses).
 type Fake struct {
 	mu sync.Mutex
 	// Volumes maps "pool/name" to the uploaded data.
@@ -31,6 +35,11 @@ type Fake struct {
 	Calls []string
 	// OnStart, if set, runs when a domain starts (a fake boot).
 	OnStart func(name string, d *libvirtxml.Domain)
+	// Hang, if set, stands for a hung libvirtd: every call but Close blocks
+	// until Hang is closed, whatever its ctx says, as libvirt's C calls do.
+	Hang chan struct{}
+	// hung counts the calls that Hang blocked.
+	hung int
 }
 
 // Domain is a defined domain.
@@ -50,6 +59,27 @@ func New() *Fake {
 
 var _ vm.Hypervisor = (*Fake)(nil)
 
+// wait blocks while Hang says libvirtd hangs; it is the first thing every
+// call but Close does, before it takes f.mu.
+func (f *Fake) wait() {
+	f.mu.Lock()
+	hang := f.Hang
+	if hang != nil {
+		f.hung++
+	}
+	f.mu.Unlock()
+	if hang != nil {
+		<-hang
+	}
+}
+
+// Hung counts the calls that Hang blocked so far.
+func (f *Fake) Hung() int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.hung
+}
+
 // call records a call; the caller holds f.mu.
 func (f *Fake) call(name string) error {
 	f.Calls = append(f.Calls, name)
@@ -61,12 +91,14 @@ func (f *Fake) call(name string) error {
 func (f *Fake) Lock()   { f.mu.Lock() }
 func (f *Fake) Unlock() { f.mu.Unlock() }
 
-func (f *Fake) KVMAvailable() (bool, error) {
+func (f *Fake) KVMAvailable(ctx context.Context) (bool, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return false, f.call("KVMAvailable")
 }
-func (f *Fake) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string, error) {
+func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("CreateVolume"); err != nil {
@@ -79,7 +111,8 @@ func (f *Fake) CreateVolume(pool string, vol *libvirtxml.StorageVolume) (string,
 	f.Volumes[key] = nil
 	return "/pool/" + key, nil
 }
-func (f *Fake) UploadVolume(pool, name string, data []byte) error {
+func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("UploadVolume"); err != nil {
@@ -88,7 +121,8 @@ func (f *Fake) UploadVolume(pool, name string, data []byte) error {
 	f.Volumes[pool+"/"+name] = data
 	return nil
 }
-func (f *Fake) DeleteVolume(pool, name string) error {
+func (f *Fake) DeleteVolume(ctx context.Context, pool, name string) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("DeleteVolume"); err != nil {
@@ -100,7 +134,8 @@ func (f *Fake) DeleteVolume(pool, name string) error {
 	delete(f.Volumes, pool+"/"+name)
 	return nil
 }
-func (f *Fake) VolumeNames(pool string) ([]string, error) {
+func (f *Fake) VolumeNames(ctx context.Context, pool string) ([]string, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var out []string
@@ -112,12 +147,14 @@ func (f *Fake) VolumeNames(pool string) ([]string, error) {
 	sort.Strings(out)
 	return out, nil
 }
-func (f *Fake) VolumeCapacity(path string) (uint64, error) {
+func (f *Fake) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return 1 << 30, f.call("VolumeCapacity")
 }
-func (f *Fake) Define(x string) error {
+func (f *Fake) Define(ctx context.Context, x string) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Define"); err != nil {
@@ -133,7 +170,8 @@ func (f *Fake) Define(x string) error {
 	f.Domains[d.Name] = &Domain{XML: x, OwnerXML: d.Metadata.XML}
 	return nil
 }
-func (f *Fake) Start(name string) error {
+func (f *Fake) Start(ctx context.Context, name string) error {
+	f.wait()
 	f.mu.Lock()
 	if err := f.call("Start"); err != nil {
 		f.mu.Unlock()
@@ -156,7 +194,8 @@ func (f *Fake) Start(name string) error {
 	}
 	return nil
 }
-func (f *Fake) Destroy(name string) error {
+func (f *Fake) Destroy(ctx context.Context, name string) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Destroy"); err != nil {
@@ -169,7 +208,8 @@ func (f *Fake) Destroy(name string) error {
 	d.Active = false
 	return nil
 }
-func (f *Fake) Undefine(name string) error {
+func (f *Fake) Undefine(ctx context.Context, name string) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Undefine"); err != nil {
@@ -181,7 +221,8 @@ func (f *Fake) Undefine(name string) error {
 	delete(f.Domains, name)
 	return nil
 }
-func (f *Fake) Owner(name string) (string, error) {
+func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Owner"); err != nil {
@@ -198,7 +239,8 @@ func (f *Fake) Owner(name string) (string, error) {
 }
 
 // SetOwner implements vm.Hypervisor.
-func (f *Fake) SetOwner(name, ownerXML string) error {
+func (f *Fake) SetOwner(ctx context.Context, name, ownerXML string) error {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("SetOwner"); err != nil {
@@ -213,7 +255,8 @@ func (f *Fake) SetOwner(name, ownerXML string) error {
 }
 
 // DomainNames implements vm.Hypervisor.
-func (f *Fake) DomainNames() ([]string, error) {
+func (f *Fake) DomainNames(ctx context.Context) ([]string, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("DomainNames"); err != nil {
@@ -225,7 +268,8 @@ func (f *Fake) DomainNames() ([]string, error) {
 	}
 	return out, nil
 }
-func (f *Fake) IsActive(name string) (bool, error) {
+func (f *Fake) IsActive(ctx context.Context, name string) (bool, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("IsActive"); err != nil {
@@ -239,7 +283,8 @@ func (f *Fake) IsActive(name string) (bool, error) {
 }
 
 // Addresses implements vm.Hypervisor; FailOn["Addresses"] injects an error.
-func (f *Fake) Addresses(name string, source vm.AddressSource) ([]vm.Lease, error) {
+func (f *Fake) Addresses(ctx context.Context, name string, source vm.AddressSource) ([]vm.Lease, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if _, ok := f.Domains[name]; !ok {
@@ -250,7 +295,8 @@ func (f *Fake) Addresses(name string, source vm.AddressSource) ([]vm.Lease, erro
 	}
 	return f.LeaseMap[name], nil
 }
-func (f *Fake) NetworkLeaseMACs(string) ([]string, error) {
+func (f *Fake) NetworkLeaseMACs(ctx context.Context, _ string) ([]string, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return append([]string(nil), f.NetMACs...), nil
@@ -265,7 +311,8 @@ func (f *Fake) SetLeases(name string, l ...vm.Lease) {
 }
 
 // State implements vm.Hypervisor.
-func (f *Fake) State(name string) (vm.DomainState, error) {
+func (f *Fake) State(ctx context.Context, name string) (vm.DomainState, error) {
+	f.wait()
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("State"); err != nil {

@@ -1,0 +1,106 @@
+package lifecycle
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Connector opens one connection to the hypervisor at uri, giving up when
+// ctx ends.
+type Connector func(ctx context.Context, uri string) (vm.Hypervisor, error)
+
+// Options are what a front end chooses when it opens a Manager.
+type Options struct {
+	// Connect opens the hypervisor connections; nil means libvirt
+	// (vm.Connect). Tests pass a fake.
+	Connect Connector
+	// Log, if set, is told about lost and re-made connections.
+	Log *slog.Logger
+	// Say receives progress lines meant for the person watching the job.
+	Say func(format string, args ...any)
+}
+
+// Open is how every front end gets a Manager for the installation that cfg
+// describes: its state store, its controller id (made on first use), and
+// its hypervisor connection. The connection is opened when first needed (or
+// by Dial), so a caller that needs libvirt only now and then (the run stage,
+// to explain a guest that stopped answering) does not connect otherwise; it
+// reconnects when libvirtd restarts. Close releases it.
+func Open(cfg *config.Config, o Options) (*Manager, error) {
+	store := state.Store{Dir: cfg.StateDir}
+	ctrl, err := store.ControllerID()
+	if err != nil {
+		return nil, err
+	}
+	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o)}, nil
+}
+
+// reconnecting is the hypervisor connection of a Manager: made through
+// o.Connect on first use, made again after it breaks.
+func reconnecting(uri string, o Options) *vm.Reconnecting {
+	connect := o.Connect
+	if connect == nil {
+		connect = connectLibvirt
+	}
+	r := vm.NewReconnecting(func(ctx context.Context) (vm.Hypervisor, error) { return connect(ctx, uri) })
+	if o.Log != nil {
+		r.OnReconnect = func(cause error) {
+			o.Log.Warn("libvirt connection lost; reconnected", "uri", uri, "cause", cause)
+		}
+	}
+	return r
+}
+
+// connectLibvirt is the default Connector.
+func connectLibvirt(ctx context.Context, uri string) (vm.Hypervisor, error) {
+	l, err := vm.Connect(ctx, uri)
+	if err != nil {
+		return nil, err // not a typed nil in the interface
+	}
+	return l, nil
+}
+
+// dialer is a connection that can be made before its first call (the one
+// Open makes).
+type dialer interface {
+	Dial(ctx context.Context) error
+}
+
+// Dial connects to the hypervisor now, if no call has yet. A caller that
+// will surely need it (prepare, cleanup) calls Dial first, so that an
+// unreachable libvirt fails it before it changes anything.
+func (m *Manager) Dial(ctx context.Context) error {
+	if d, ok := m.hv.(dialer); ok {
+		return d.Dial(ctx)
+	}
+	return nil
+}
+
+// Close releases the hypervisor connection. It does not wait for calls
+// abandoned on a hung libvirtd.
+func (m *Manager) Close() error {
+	if m.hv == nil {
+		return nil
+	}
+	return m.hv.Close()
+}
+
+// explainWait bounds Explain: an explanation is worth a few seconds, not
+// the rest of a stage's deadline.
+const explainWait = 5 * time.Second
+
+// Explain says, in one sentence, what became of the machine name whose
+// guest stopped answering: gone, shut off, crashed, or paused by QEMU after
+// a failed disk write (vm.Engine.Explain). It is empty when the domain runs
+// normally, or libvirt cannot tell within explainWait and before ctx ends.
+// It connects to the hypervisor if nothing has yet.
+func (m *Manager) Explain(ctx context.Context, name string) string {
+	ctx, cancel := context.WithTimeout(ctx, explainWait)
+	defer cancel()
+	return m.engine().Explain(ctx, name, m.Cfg.StoragePool)
+}
