@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := /usr/local/go/bin:$(PATH)
 GO ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS := -X gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab.Version=$(VERSION)
+LDFLAGS := -X gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo.Version=$(VERSION)
 BIN := bin
 PREFIX ?= /usr/local
 STAGES := config prepare run cleanup
@@ -13,16 +13,25 @@ BENCH_IMAGES ?= tiny
 BENCH_RUNS ?= 5
 BENCH_CONCURRENCY ?= 2
 comma := ,
+GO_WANT := $(shell sed -n 's/^go //p' go.mod)
 
-.PHONY: help deps build test test-unit test-e2e lint install demo bench rig-up rig-down images clean
+.PHONY: help deps build build-prereqs test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
+
+# `build` needs only Go (and the C toolchain and libvirt-dev of the cgo binding), not
+# root. The targets below install what they need first (root): when one of them is
+# asked for, `build` and its checks come after `deps` (also with make -j).
+DEPS_GOALS := deps test test-e2e soak demo bench install
+ifneq ($(filter $(DEPS_GOALS),$(MAKECMDGOALS)),)
+build-prereqs: deps
+endif
 
 help: ## show this help
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-deps: ## install build dependencies (Debian 12, root)
+deps: ## install what build, lint and the tests need: Debian packages, shellcheck, a verified Go toolchain (Debian 12, root)
 	@deploy/install-deps.sh
 
-build: deps ## build the four stage executables, the admin tool, the test harness and the benchmark into bin/
+build: build-prereqs ## build the four stage executables, the admin tool, the test harness and the benchmark into bin/ (needs Go: make deps)
 	@mkdir -p $(BIN)
 	@for s in $(STAGES); do $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
 	@$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
@@ -30,14 +39,24 @@ build: deps ## build the four stage executables, the admin tool, the test harnes
 	@$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench
 	@echo "built: $$(ls $(BIN) | tr '\n' ' ')"
 
-test: build ## all tests: unit tests, then end-to-end tests on real VMs (root; starts and stops a private libvirt)
+# Go of the version go.mod names (on PATH or in /usr/local/go), gcc and libvirt-dev.
+build-prereqs:
+	@v=$$($(GO) env GOVERSION 2>/dev/null) || v=; v=$${v#go}; \
+	if [ -z "$$v" ] || [ "$$(printf '%s\n%s\n' '$(GO_WANT)' "$$v" | sort -V | head -n1)" != '$(GO_WANT)' ]; then \
+	  echo "make build needs Go $(GO_WANT) or newer on PATH or in /usr/local/go (found: $${v:-none usable}): run 'make deps' as root" >&2; exit 1; \
+	fi; \
+	if ! command -v gcc >/dev/null || ! pkg-config --exists libvirt 2>/dev/null; then \
+	  echo "make build needs gcc, pkg-config and libvirt-dev (the cgo libvirt binding): run 'make deps' as root" >&2; exit 1; \
+	fi
+
+test: deps build ## all tests: unit tests, then end-to-end tests on real VMs (root; installs what it needs, starts and stops a private libvirt)
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-e2e
 
 test-unit: ## unit tests (race detector, no VMs)
 	$(GO) test -race -count=1 ./...
 
-test-e2e: build ## end-to-end tests on real VMs in the private rig (root; tiny, Debian systemd and cloud-init guests)
+test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd and cloud-init guests)
 	@LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
 	@set -o pipefail; rc=0; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
@@ -45,19 +64,19 @@ test-e2e: build ## end-to-end tests on real VMs in the private rig (root; tiny, 
 	  deploy/rig/stop.sh; exit $$rc
 
 SOAK_ROUNDS ?= 20
-soak: build ## hundreds of randomized faulted jobs on real VMs (not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each)
+soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; installs what it needs; not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each)
 	@deploy/rig/start.sh
 	@set -o pipefail; rc=0; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
 	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-demo: build ## run a sample job end to end on a real VM (root; installs what it needs)
+demo: deps build ## run a sample job end to end on a real VM (root; installs what it needs)
 	@deploy/rig/start.sh
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-bench: build ## benchmark jobs on real VMs against the guest's own boot (root; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY; leaves the rig up: make rig-down)
+bench: deps build ## benchmark jobs on real VMs against the guest's own boot (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY; leaves the rig up: make rig-down)
 	@LVE_RIG_IMAGES="$(BENCH_IMAGES)" deploy/rig/start.sh
 	ip netns exec $(RIG_NS) $(BIN)/lve-bench --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) \
 	  $(foreach img,$(subst $(comma), ,$(BENCH_IMAGES)),--image $(img)) \
@@ -72,12 +91,19 @@ rig-down: ## stop the private libvirt rig
 images: ## build (or reuse cached) test guest images
 	@deploy/images/build.sh tiny
 
-lint: ## gofmt and go vet
+lint: ## gofmt, go vet, and shellcheck over the shell scripts in deploy/ and .ci/ (needs make deps)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) vet -tags e2e ./test/e2e/
+	@command -v shellcheck >/dev/null || { echo "make lint needs shellcheck: run 'make deps' as root" >&2; exit 1; }
+	@# *.sh files and files starting with a sh/bash/dash shebang
+	@files=$$(find deploy .ci -type f | LC_ALL=C sort | while read -r f; do \
+	  case $$f in *.sh) echo "$$f" ;; *) if head -n1 "$$f" | grep -qE '^#! */(usr/)?bin/(env +)?(ba|da)?sh( |$$)'; then echo "$$f"; fi ;; esac; \
+	done); \
+	echo "shellcheck -x" $$files; \
+	printf '%s\n' "$$files" | xargs -d '\n' shellcheck -x -P SCRIPTDIR
 
-install: build ## install the stage executables and the admin tool into $(PREFIX)/bin
+install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
 	@install -m 0755 $(BIN)/libvirt-executor $(PREFIX)/bin/
 	@install -d -m 0755 /etc/libvirt-executor

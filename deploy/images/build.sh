@@ -6,9 +6,9 @@
 # Prints the image directory as the last line of stdout (progress goes to stderr):
 #   ${LVE_IMAGE_CACHE:-/var/cache/libvirt-executor/images}/<name>-<hash>/
 #     disk.qcow2  vmlinuz  initrd.img  image.toml  versions.txt
-# <hash> is the first 16 hex digits of the sha256 over this script, lib.sh and every file
-# of the recipe directory <name>/: an unchanged recipe is a cache hit (instant), a changed
-# one builds a new directory. A recipe directory may hold image.env, shell assignments of
+# <hash> is the first 16 hex digits of the sha256 over this script, lib.sh, every file of
+# common/ (what the recipes share) and of the recipe directory <name>/ (lve_image_hash):
+# an unchanged recipe is a cache hit (instant), a changed one builds a new directory. A recipe directory may hold image.env, shell assignments of
 # IMAGE_USER (login user, default root) and IMAGE_KEY_INJECTION (smbios or cloud-init,
 # default smbios) for image.toml. Builds run in a temporary directory beside the cache entry
 # and are renamed into place when complete, so an interrupted build leaves no half image.
@@ -25,8 +25,7 @@ esac
 [ "$(id -u)" = 0 ] || lve_die "must run as root"
 
 cache=${LVE_IMAGE_CACHE:-/var/cache/libvirt-executor/images}
-hash=$(cd "$here" && find build.sh lib.sh "$name" -type f -print0 | LC_ALL=C sort -z |
-	xargs -0 sha256sum | sha256sum | cut -c1-16)
+hash=$(lve_image_hash "$here" "$name")
 final=$cache/$name-$hash
 
 if [ -f "$final/image.toml" ]; then
@@ -58,6 +57,7 @@ for f in disk.qcow2 vmlinuz initrd.img; do
 done
 IMAGE_USER=root
 IMAGE_KEY_INJECTION=smbios
+# shellcheck source=cloud/image.env
 if [ -f "$here/$name/image.env" ]; then . "$here/$name/image.env"; fi
 # root=/dev/vda: the overlay must be the domain's first virtio disk (a credentials or
 # cloud-init seed disk comes after it).

@@ -4,6 +4,14 @@
 lve_log() { printf '[images] %s\n' "$*" >&2; }
 lve_die() { printf '[images] ERROR: %s\n' "$*" >&2; exit 1; }
 
+# lve_image_hash DIR NAME: the cache key of image NAME, the first 16 hex digits of the
+# sha256 over the names and sha256s of build.sh, lib.sh and every file of common/ and
+# NAME/ under DIR (deploy/images): a change in any of them builds a new image.
+lve_image_hash() {
+	(cd "$1" && find build.sh lib.sh common "$2" -type f -print0 | LC_ALL=C sort -z |
+		xargs -0 sha256sum | sha256sum | cut -c1-16)
+}
+
 # lve_apt_install PKG...: install the packages that are not installed yet, quietly.
 # Never starts services (policy-rc.d), runs apt-get update at most once per process.
 lve_apt_install() {
@@ -66,7 +74,8 @@ lve_fetch_deb() {
 	( cd "$dir" && apt-get download -q "$pkg" >/dev/null 2>&1 ) \
 		|| ( cd "$dir" && apt-get download -q "$pkg" >&2 ) \
 		|| lve_die "apt-get download $pkg failed"
-	deb=$(ls -1 "$dir"/"${pkg}"_*.deb | head -n1)
+	local debs=("$dir"/"${pkg}"_*.deb)
+	deb=${debs[0]}
 	[ -f "$deb" ] || lve_die "no .deb for $pkg"
 	printf '%s\n' "$deb"
 }

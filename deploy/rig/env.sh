@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034 # (variables used by the scripts that source this file)
 # Shared names of the private libvirt rig (sourced by start.sh, stop.sh and tests).
 # Every value can be overridden from the environment.
 LVE_RIG_NS=${LVE_RIG_NS:-lve-rig}                          # network namespace
@@ -7,6 +7,7 @@ LVE_RIG_NET=${LVE_RIG_NET:-lve-rig}                        # libvirt NAT network
 LVE_RIG_POOL=${LVE_RIG_POOL:-lve-rig}                      # libvirt dir storage pool ($LVE_RIG_DIR/pool)
 LVE_RIG_IMAGES=${LVE_RIG_IMAGES:-tiny}                     # images to build: "tiny", "tiny,debian,cloud"
 LVE_RIG_URI=${LVE_RIG_URI:-qemu:///system}
+LVE_RIG_PREFIX=${LVE_RIG_PREFIX:-lve}                      # name_prefix of the rig's config: job VMs and volumes are <prefix>-*
 LVE_RIG_BRIDGE=virbr-lve
 LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
 LVE_RIG_NETMASK=255.255.255.0
@@ -15,7 +16,7 @@ LVE_RIG_DHCP_END=10.213.7.250
 LVE_RIG_SERVICE_PORTS=${LVE_RIG_SERVICE_PORTS:-20000:20999} # host-side TCP ports guests may reach (test git servers)
 LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
 LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh
-export LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI \
+export LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI LVE_RIG_PREFIX \
 	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG LVE_RIG_SERVICE_PORTS
 
 rig_log() { printf '[rig] %s\n' "$*" >&2; }
@@ -44,6 +45,10 @@ rig_pids_named() {
 	done
 	return 0
 }
+
+# rig_valid_prefix PREFIX: is PREFIX a name_prefix the executor accepts (1-16 lower-case
+# letters, digits or '-', starting with a letter; safe in a pattern)?
+rig_valid_prefix() { [[ $1 =~ ^[a-z][a-z0-9-]{0,15}$ ]]; }
 
 # rig_netns_exists: is the rig's network namespace there?
 rig_netns_exists() { [ -e "/run/netns/$LVE_RIG_NS" ]; }

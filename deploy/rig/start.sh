@@ -9,7 +9,7 @@
 #     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
 #   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
 #     systemd one, "cloud" for the cloud-init one) and writes the executor config
-#     $LVE_RIG_DIR/config.toml.
+#     $LVE_RIG_DIR/config.toml (name_prefix $LVE_RIG_PREFIX, default "lve").
 # Guests are reachable only from inside the namespace: ip netns exec $LVE_RIG_NS ssh ...
 #
 # If a libvirtd is already running that this rig did not start, start.sh fails unless
@@ -22,6 +22,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 . "$here/env.sh"
 . "$here/../images/lib.sh"
 [ "$(id -u)" = 0 ] || rig_die "must run as root"
+rig_valid_prefix "$LVE_RIG_PREFIX" ||
+	rig_die "LVE_RIG_PREFIX='$LVE_RIG_PREFIX': 1-16 lower-case letters, digits or '-', starting with a letter"
 
 # --- packages ---------------------------------------------------------------------
 lve_apt_install qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon-driver-qemu \
@@ -114,6 +116,7 @@ else
 		mkdir -p "$LVE_RIG_RUN/hooks/network.d" /etc/libvirt/hooks
 		install -m 0755 "$here/../network/libvirt-executor-guard" "$LVE_RIG_RUN/hooks/network.d/50-libvirt-executor-guard"
 		printf '%s %s\n' "$LVE_RIG_NET" "$LVE_RIG_SERVICE_PORTS" >"$LVE_RIG_RUN/hooks/libvirt-executor-guard.conf"
+		# shellcheck disable=SC2016 # "$1" and "$@" are the inner sh's
 		ip netns exec "$LVE_RIG_NS" sh -c 'mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"' sh "$LVE_RIG_RUN/hooks" \
 			libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"
 		for _ in $(seq 50); do [ -s "$LVE_RIG_RUN/libvirtd.pid" ] && break; sleep 0.1; done
@@ -198,7 +201,7 @@ libvirt_uri = "$LVE_RIG_URI"
 domain_type = "qemu"
 storage_pool = "$LVE_RIG_POOL"
 network = "$LVE_RIG_NET"
-name_prefix = "lve"
+name_prefix = "$LVE_RIG_PREFIX"
 state_dir = "$LVE_RIG_DIR/state"
 default_image = "tiny"
 

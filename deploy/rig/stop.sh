@@ -1,7 +1,8 @@
 #!/bin/bash
 # Stop the private libvirt rig started by start.sh (safe to run twice):
-#   - destroys + undefines leftover domains named lve-* and deletes lve-* volumes of the
-#     rig pool, reporting each as a LEAK (the executor should have removed them),
+#   - destroys + undefines leftover domains named <prefix>-* and deletes <prefix>-* volumes
+#     of the rig pool, reporting each as a LEAK (the executor should have removed them);
+#     <prefix> is the name_prefix of the config start.sh wrote ($LVE_RIG_PREFIX without one),
 #   - stops + undefines the rig network and pool (the pool directory stays),
 #   - stops the libvirtd and virtlogd the rig started (by pidfile PID, nothing else),
 #   - deletes the network namespace if the rig created it.
@@ -13,6 +14,14 @@ here=$(cd "$(dirname "$0")" && pwd)
 [ "$(id -u)" = 0 ] || rig_die "must run as root"
 
 leaks=0
+# The name_prefix (a top-level key) of the rig's config: the one its job VMs were named with.
+prefix=$(sed -nE '/^[[:space:]]*\[/q; s/^[[:space:]]*name_prefix[[:space:]]*=[[:space:]]*"([^"]*)".*/\1/p' \
+	"$LVE_RIG_CONFIG" 2>/dev/null | head -n1)
+prefix=${prefix:-$LVE_RIG_PREFIX}
+if ! rig_valid_prefix "$prefix"; then
+	rig_log "name prefix '$prefix' (from $LVE_RIG_CONFIG or LVE_RIG_PREFIX) is not valid: sweeping lve-* instead"
+	prefix=lve
+fi
 own_pid=$(rig_pid_is "$LVE_RIG_RUN/libvirtd.pid" libvirtd || true)
 reused=
 [ -e "$LVE_RIG_RUN/reused" ] && reused=1
@@ -37,7 +46,7 @@ stop_pid() {
 }
 
 if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
-	for dom in $(rig_virsh list --all --name | grep '^lve-' || true); do
+	for dom in $(rig_virsh list --all --name | grep -- "^$prefix-" || true); do
 		rig_log "LEAK: domain $dom: destroying and undefining it"
 		leaks=$((leaks + 1))
 		rig_virsh destroy "$dom" >/dev/null 2>&1 || true
@@ -46,7 +55,8 @@ if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
 	done
 	if rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then
 		rig_virsh pool-refresh "$LVE_RIG_POOL" >/dev/null 2>&1 || true
-		for vol in $(rig_virsh vol-list "$LVE_RIG_POOL" 2>/dev/null | awk '$1 ~ /^lve-/ {print $1}'); do
+		for vol in $(rig_virsh vol-list "$LVE_RIG_POOL" 2>/dev/null |
+			awk -v p="$prefix-" 'index($1, p) == 1 {print $1}'); do
 			rig_log "LEAK: volume $LVE_RIG_POOL/$vol: deleting it"
 			leaks=$((leaks + 1))
 			rig_virsh vol-delete --pool "$LVE_RIG_POOL" "$vol" >/dev/null || rig_log "cannot delete volume $vol"
@@ -73,9 +83,9 @@ if pid=$(rig_pid_is "$LVE_RIG_RUN/virtlogd.pid" virtlogd); then
 fi
 rm -f "$LVE_RIG_RUN/virtlogd.pid"
 
-# Children of a libvirtd that died without cleaning up (QEMU of lve-* guests, the rig
+# Children of a libvirtd that died without cleaning up (QEMU of <prefix>-* guests, the rig
 # network's dnsmasq): found through libvirt's own pidfiles, checked by name.
-for pf in /run/libvirt/qemu/lve-*.pid; do
+for pf in /run/libvirt/qemu/"$prefix"-*.pid; do
 	[ -e "$pf" ] || continue
 	pid=$(tr -dc 0-9 <"$pf")
 	if [ -n "$pid" ] && [[ "$(cat "/proc/$pid/comm" 2>/dev/null)" == qemu-system-* ]]; then

@@ -2,82 +2,27 @@
 # Recipe of the "debian" test image: Debian 12 (bookworm) minbase with systemd 252,
 # systemd-networkd (DHCP), OpenSSH server, git, bash, Debian's cloud kernel; booted
 # directly (vmlinuz + initrd.img taken from the root filesystem), root=/dev/vda.
+# The steps and config files it shares with ../cloud are in ../common.
 # Per-job keys: systemd imports the SMBIOS credentials; its tmpfiles provision.conf writes
 # root's authorized_keys, libvirt-executor-hostkey.service installs the host key.
 # Called by ../build.sh as: recipe.sh OUTDIR  (writes disk.qcow2 vmlinuz initrd.img there)
+# shellcheck disable=SC2119 # (the shared steps' optional extra packages and units: none here)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 . "$here/../lib.sh"
+. "$here/../common/debian.sh"
+name=debian
 out=$1
-DISK_SIZE=4G
-SUITE=bookworm
-MIRROR=${LVE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
-SECURITY_MIRROR=${LVE_DEBIAN_SECURITY_MIRROR:-http://deb.debian.org/debian-security}
-
-if [ -z "${LVE_IN_MOUNT_NS:-}" ]; then
-	lve_apt_install debootstrap debian-archive-keyring e2fsprogs qemu-utils util-linux
-	# debootstrap and the kernel's postinst mount /proc, /sys, ... inside the target: do it
-	# in a private mount namespace, so that a killed build cannot leave mounts behind.
-	LVE_IN_MOUNT_NS=1 exec unshare --mount --propagation private bash "$0" "$@"
-fi
-
 work=$out/work
 root=$work/root
-mkdir -p "$work"
+DISK_SIZE=4G
 
-lve_log "debian: debootstrap $SUITE (minbase) from $MIRROR"
-debootstrap --variant=minbase --merged-usr \
-	--include=systemd-sysv,udev,kmod,openssh-server,git,ca-certificates,iproute2,procps \
-	"$SUITE" "$root" "$MIRROR" >"$work/debootstrap.log" 2>&1 ||
-	{ tail -n 30 "$work/debootstrap.log" >&2; lve_die "debootstrap failed"; }
-
-in_root() { chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
-	DEBIAN_FRONTEND=noninteractive LC_ALL=C.UTF-8 "$@"; }
-# (no bind mount of /dev: debootstrap made the device nodes the chroot needs, and a final
-# rm -rf of the work tree must never reach the host's /dev)
-mount -t proc proc "$root/proc"
-mount -t sysfs sysfs "$root/sys"
-printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
-chmod 0755 "$root/usr/sbin/policy-rc.d"
-
-# no documentation, manual pages or translations in a CI guest
-cat >"$root/etc/dpkg/dpkg.cfg.d/01-libvirt-executor-nodoc" <<'D'
-path-exclude=/usr/share/doc/*
-path-include=/usr/share/doc/*/copyright
-path-exclude=/usr/share/man/*
-path-exclude=/usr/share/info/*
-path-exclude=/usr/share/locale/*
-path-include=/usr/share/locale/locale.alias
-D
-find "$root/usr/share/doc" -mindepth 1 -not -name copyright -not -type d -delete
-rm -rf "$root"/usr/share/man/* "$root"/usr/share/info/*
-find "$root/usr/share/locale" -mindepth 1 -maxdepth 1 -not -name locale.alias -exec rm -rf {} +
-
-# security and point-release updates
-cat >"$root/etc/apt/sources.list" <<S
-deb $MIRROR $SUITE main
-deb $MIRROR $SUITE-updates main
-deb $SECURITY_MIRROR $SUITE-security main
-S
-
-# Small initramfs: only what a libvirt guest with virtio disk + NIC needs.
-mkdir -p "$root/etc/initramfs-tools/conf.d"
-echo 'MODULES=list' >"$root/etc/initramfs-tools/conf.d/libvirt-executor.conf"
-printf '%s\n' virtio_pci virtio_blk virtio_net virtio_rng >>"$root/etc/initramfs-tools/modules"
-
-lve_log "debian: updating, installing the cloud kernel"
-{ in_root apt-get update -qq && in_root apt-get -y -qq upgrade &&
-	in_root apt-get install -y -qq --no-install-recommends linux-image-cloud-amd64; } >"$work/kernel.log" 2>&1 ||
-	{ tail -n 30 "$work/kernel.log" >&2; lve_die "kernel install failed"; }
-kver=$(basename "$(ls -1 "$root"/boot/vmlinuz-* | tail -n1)")
-kver=${kver#vmlinuz-}
-cp "$root/boot/vmlinuz-$kver" "$out/vmlinuz"
-cp "$root/boot/initrd.img-$kver" "$out/initrd.img"
+lve_deb_enter_mount_ns "$0" "$@"
+lve_deb_bootstrap
+lve_deb_install_kernel
 
 lve_log "debian: configuring"
-# network: systemd-networkd, DHCP on the NICs
-install -m 0644 "$here/20-dhcp.network" "$root/etc/systemd/network/20-dhcp.network"
-in_root systemctl enable systemd-networkd.service >/dev/null 2>&1
+lve_deb_configure_base
 # per-job SSH host key from the credential; no image host keys; ssh only with that key
 install -D -m 0755 "$here/install-ssh-hostkey" "$root/usr/libexec/libvirt-executor/install-ssh-hostkey"
 install -m 0644 "$here/libvirt-executor-hostkey.service" "$root/etc/systemd/system/"
@@ -85,55 +30,11 @@ install -D -m 0644 "$here/ssh.service.d-libvirt-executor.conf" \
 	"$root/etc/systemd/system/ssh.service.d/libvirt-executor.conf"
 install -D -m 0644 "$here/sshd_config.d-libvirt-executor.conf" \
 	"$root/etc/ssh/sshd_config.d/libvirt-executor.conf"
-in_root systemctl enable ssh.service libvirt-executor-hostkey.service >/dev/null 2>&1
+lve_in_root systemctl enable ssh.service libvirt-executor-hostkey.service >/dev/null 2>&1
 rm -f "$root"/etc/ssh/ssh_host_*
-# nothing that waits for or runs in the background of a short-lived CI guest
-# (getty-static would start gettys on tty2..6; the serial console keeps its getty)
-for u in systemd-networkd-wait-online.service apt-daily.timer apt-daily-upgrade.timer \
-	e2scrub_all.timer e2scrub_reap.service fstrim.timer systemd-firstboot.service \
-	getty-static.service getty@tty1.service systemd-pstore.service modprobe@drm.service \
-	modprobe@efi_pstore.service sys-kernel-debug.mount sys-kernel-tracing.mount; do
-	in_root systemctl mask "$u" >/dev/null 2>&1 || true
-done
-
-# fewer generators (each one is a process start, slow under TCG), fewer drivers, and a
-# journal in memory
-mkdir -p "$root/etc/systemd/system-generators"
-for g in systemd-cryptsetup-generator systemd-integritysetup-generator \
-	systemd-veritysetup-generator systemd-gpt-auto-generator systemd-hibernate-resume-generator \
-	systemd-system-update-generator systemd-rc-local-generator systemd-sysv-generator \
-	systemd-run-generator; do
-	ln -sf /dev/null "$root/etc/systemd/system-generators/$g"
-done
-install -m 0644 "$here/modprobe-blacklist.conf" "$root/etc/modprobe.d/libvirt-executor.conf"
-install -D -m 0644 "$here/journald-libvirt-executor.conf" \
-	"$root/etc/systemd/journald.conf.d/libvirt-executor.conf"
-
-echo lve-debian >"$root/etc/hostname"
-printf '127.0.0.1\tlocalhost\n127.0.1.1\tlve-debian\n::1\tlocalhost ip6-localhost ip6-loopback\n' >"$root/etc/hosts"
-echo '/dev/vda / ext4 rw,errors=remount-ro 0 1' >"$root/etc/fstab"
-# debootstrap copied the build host's resolv.conf. No resolver here: networkd does not
-# write resolv.conf (systemd-resolved would; it is left out to keep the boot short).
-: >"$root/etc/resolv.conf"
+lve_deb_mask
+lve_deb_identity
 mkdir -p "$root/builds" "$root/cache"
 chmod 0755 "$root/builds" "$root/cache"
-# every clone gets its own machine-id at boot
-: >"$root/etc/machine-id"
-rm -f "$root/var/lib/dbus/machine-id"
 
-rm -f "$root/usr/sbin/policy-rc.d"
-in_root apt-get clean
-rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/log/*.log \
-	"$root"/var/log/apt/* "$root"/tmp/* "$root"/var/tmp/*
-umount "$root/sys" "$root/proc"
-
-lve_log "debian: making disk.qcow2 (ext4, $DISK_SIZE virtual)"
-lve_mkfs_qcow2 "$root" "$out/disk.qcow2" "$DISK_SIZE" lve-root
-{
-	echo "kernel $kver"
-	echo "systemd $(chroot "$root" dpkg-query -W -f='${Version}' systemd)"
-	echo "openssh-server $(chroot "$root" dpkg-query -W -f='${Version}' openssh-server)"
-	echo "git $(chroot "$root" dpkg-query -W -f='${Version}' git)"
-} >"$out/versions.txt"
-if grep -q " $work" /proc/mounts; then lve_die "still mounted under $work"; fi
-rm -rf "$work"
+lve_deb_finish "$DISK_SIZE"
