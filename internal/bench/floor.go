@@ -55,9 +55,10 @@ type floorEnv struct {
 	overlay   func(name string) (*uint64, error)
 }
 
-// measureFloor boots img the way prepare does (the spec lifecycle.Provision
-// builds: linked clone, seed, keys from internal/guestinit, the domain XML of
-// internal/vm; compareSpecs checks the result against prepare's) and
+// measureFloor boots img the way prepare does (lifecycle.MachineSpec, the
+// spec lifecycle.Provision creates: linked clone, seed, keys from
+// internal/guestinit, the domain XML of internal/vm; compareSpecs checks the
+// result against prepare's) and
 // times, from the start call, the first SSH login that succeeds, trying
 // every e.poll with golang.org/x/crypto/ssh. Everything is removed before it
 // returns, also on failure or cancellation.
@@ -109,40 +110,22 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	if err != nil {
 		return fail(err)
 	}
-	var seed []byte
-	var seedSerial string
-	switch img.KeyInjection {
-	case config.InjectCloudInit:
-		ci := guestinit.CloudInit{InstanceID: name, Hostname: name, User: img.User}
-		if seed, err = ci.SeedISO(keys, name, dir); err != nil {
-			return fail(err)
-		}
-	case config.InjectSMBIOS:
-		seed, seedSerial = keys.CredentialDisk(), guestinit.CredentialDiskSerial
+	seed, err := lifecycle.CloudInitSeed(name, img, keys, dir)
+	if err != nil {
+		return fail(err)
 	}
 	mac, err := eng.FreshMAC(ctx, e.cfg.Network)
 	if err != nil {
 		return fail(err)
 	}
-	now := time.Now().UTC()
-	spec := vm.Spec{
-		Name: name, DomainType: domainType,
-		VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB, DiskBytes: uint64(res.DiskGiB) << 30,
-		Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
-		Pool: e.cfg.StoragePool, Network: e.cfg.Network, MAC: mac,
-		Seed: seed, SeedSerial: seedSerial,
-		GuestAgent: img.AddressSource == "agent",
-		Isolated:   e.cfg.IsolateGuests != nil && *e.cfg.IsolateGuests,
-		ConsoleLog: filepath.Join(dir, "console.log"),
-		Owner: vm.Owner{Controller: e.controller, Frontend: "lve-bench", Job: "floor",
-			Created: now, Deadline: now.Add(time.Hour)},
-	}
-	if img.Boot == config.BootKernel {
-		spec.Kernel, spec.Initrd, spec.Cmdline = img.Kernel, img.Initrd, img.Cmdline
-	}
-	if img.KeyInjection == config.InjectSMBIOS {
-		spec.OEMStrings = keys.OEMStrings(name)
-	}
+	spec := lifecycle.MachineSpec(e.cfg, lifecycle.SpecInput{
+		Request: lifecycle.Request{Name: name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB, DiskGiB: res.DiskGiB,
+			// An hour (plus timeouts.job_slack) is plenty: a sweep removes
+			// the machine after that if the benchmark was killed.
+			Frontend: "lve-bench", Job: "floor", Lifetime: time.Hour},
+		Controller: e.controller, DomainType: domainType, Keys: keys, CloudInitSeed: seed, MAC: mac,
+		Created: time.Now().UTC(), ConsoleLog: filepath.Join(dir, "console.log"),
+	})
 	if _, err := eng.Create(ctx, spec); err != nil {
 		return fail(err)
 	}

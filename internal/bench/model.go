@@ -51,7 +51,7 @@ type JobSample struct {
 	WallMs float64  `json:"wall_ms"` // config .. cleanup, as RunJob took
 	// PrepareWallMs is the prepare process's wall time, as the runner waits for it.
 	PrepareWallMs float64       `json:"prepare_wall_ms"`
-	Prepare       *PrepareMs    `json:"prepare,omitempty"` // from the job log
+	Prepare       *PrepareMs    `json:"prepare,omitempty"` // from the driver's timings record
 	Timeline      *TimelineMs   `json:"prepare_timeline,omitempty"`
 	Stages        []StageSample `json:"stages"`
 	// BuildGuestMs is the no-op's own time inside the guest; BuildOverheadMs
@@ -82,28 +82,23 @@ type HostLoad struct {
 	OtherVMs int     `json:"other_vms"` // running domains that are not this sample's
 }
 
-// PrepareMs is PrepareTimes in milliseconds.
+// PrepareMs is the prepare stage's own figures, from its timings record
+// (lifecycle.TimingRecord), in milliseconds.
 type PrepareMs struct {
 	Clone       float64 `json:"clone"`
 	Seed        float64 `json:"seed"` // create + upload
 	Define      float64 `json:"define"`
 	Start       float64 `json:"start"`
-	Created     float64 `json:"created"`
-	Address     float64 `json:"address"`
-	SSH         float64 `json:"ssh"`
+	Created     float64 `json:"created"` // clone .. start, as one figure
+	Address     float64 `json:"address"` // after start: until the DHCP lease (or agent) names an address
+	SSH         float64 `json:"ssh"`     // after the address: until the pinned-key handshake and login succeed
 	SSHAttempts int     `json:"ssh_attempts"`
-	Ready       float64 `json:"ready"`
+	Check       float64 `json:"check"` // the guest tool check
+	Ready       float64 `json:"ready"` // the whole provisioning, leftovers check included
 }
 
 func (h HostLoad) String() string {
 	return fmt.Sprintf(" [load %.1f, %d other VM(s) running]", h.Load1, h.OtherVMs)
-}
-
-func toPrepareMs(p PrepareTimes) *PrepareMs {
-	return &PrepareMs{
-		Clone: ms(p.Clone), Seed: ms(p.SeedCreate + p.SeedUpload), Define: ms(p.Define), Start: ms(p.Start),
-		Created: ms(p.Created), Address: ms(p.Address), SSH: ms(p.SSH), SSHAttempts: p.SSHAttempts, Ready: ms(p.Ready),
-	}
 }
 
 // TimelineMs is Timeline in milliseconds.

@@ -8,86 +8,6 @@ import (
 	"time"
 )
 
-// PrepareTimes are the durations the prepare stage prints into the job log
-// (internal/vm.Engine.Create's "<step> done in", internal/lifecycle's
-// "Created", "Booted", "SSH ready" and "Machine ready" lines). The driver
-// rounds them for people: to the millisecond below a second, to 100 ms above.
-type PrepareTimes struct {
-	Clone       time.Duration // overlay volume (linked clone)
-	SeedCreate  time.Duration // seed volume created (0 if the image needs none)
-	SeedUpload  time.Duration // seed content uploaded
-	Define      time.Duration
-	Start       time.Duration
-	Created     time.Duration // clone .. start, as one figure
-	Address     time.Duration // after start: until the DHCP lease (or agent) names an address
-	SSH         time.Duration // after the address: until the pinned-key handshake and login succeed
-	SSHAttempts int
-	Ready       time.Duration // "Machine ready": the whole provisioning, leftovers check included
-}
-
-var (
-	stepLine    = regexp.MustCompile(`^\s+(clone disk|create seed volume|upload seed|define|start) done in (\S+)$`)
-	createdLine = regexp.MustCompile(`^Created \S+ from image .* in (\S+)$`)
-	bootedLine  = regexp.MustCompile(`^Booted, address \S+ .* in (\S+)$`)
-	sshLine     = regexp.MustCompile(`^SSH ready as \S+ .* in (\S+) \((\d+) attempts?\)$`)
-	readyLine   = regexp.MustCompile(`^Machine ready in (\S+)$`)
-)
-
-// ParsePrepareLog reads the prepare stage's timing lines from a job log. When
-// prepare was attempted more than once, the last attempt's lines win. Every
-// figure but the seed steps is required: a missing one is an error naming it,
-// so a change of the driver's wording shows up instead of a silent zero.
-func ParsePrepareLog(log string) (PrepareTimes, error) {
-	var p PrepareTimes
-	seen := map[string]bool{}
-	var errs []string
-	dur := func(what, s string) time.Duration {
-		d, err := time.ParseDuration(s)
-		if err != nil {
-			errs = append(errs, fmt.Sprintf("%s: bad duration %q", what, s))
-			return 0
-		}
-		seen[what] = true
-		return d
-	}
-	for _, line := range strings.Split(log, "\n") {
-		line = strings.TrimRight(line, "\r")
-		if m := stepLine.FindStringSubmatch(line); m != nil {
-			d := dur(m[1], m[2])
-			switch m[1] {
-			case "clone disk":
-				p.Clone = d
-			case "create seed volume":
-				p.SeedCreate = d
-			case "upload seed":
-				p.SeedUpload = d
-			case "define":
-				p.Define = d
-			case "start":
-				p.Start = d
-			}
-		} else if m := createdLine.FindStringSubmatch(line); m != nil {
-			p.Created = dur("created", m[1])
-		} else if m := bootedLine.FindStringSubmatch(line); m != nil {
-			p.Address = dur("address", m[1])
-		} else if m := sshLine.FindStringSubmatch(line); m != nil {
-			p.SSH = dur("ssh", m[1])
-			p.SSHAttempts, _ = strconv.Atoi(m[2])
-		} else if m := readyLine.FindStringSubmatch(line); m != nil {
-			p.Ready = dur("ready", m[1])
-		}
-	}
-	for _, want := range []string{"clone disk", "define", "start", "created", "address", "ssh", "ready"} {
-		if !seen[want] {
-			errs = append(errs, want+" line missing")
-		}
-	}
-	if len(errs) > 0 {
-		return p, fmt.Errorf("prepare log: %s", strings.Join(errs, "; "))
-	}
-	return p, nil
-}
-
 // NoopMarker starts the line the benchmark's no-op build script prints.
 const NoopMarker = "LVB_NOOP"
 
@@ -100,7 +20,9 @@ var noopLine = regexp.MustCompile(`(?m)^` + NoopMarker + ` (\S+) (\S+)\r?$`)
 
 // ParseNoop returns the time the no-op took inside the guest, from the
 // marker line in a job log (the echoed command line does not match: it starts
-// with the runner's colour code and "$ ").
+// with the runner's colour code and "$ "). This figure stays parsed from the
+// job log: it is the benchmark script's own output, not the driver's, and
+// the guest has no other way to hand it over.
 func ParseNoop(log string) (time.Duration, error) {
 	m := noopLine.FindStringSubmatch(log)
 	if m == nil {

@@ -1,82 +1,11 @@
 package bench
 
 import (
-	"strings"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 )
-
-// A prepare stage's output as the driver prints it (job log of a real run),
-// between the harness's own lines.
-const prepareLog = "Running with gitlab-runner 16.11.4 (50736d6d) emulated by lve-harness\n" +
-	"\x1b[36;1mPreparing the \"custom\" executor\x1b[0;m\n" +
-	"Using Custom executor with driver libvirt-executor dev...\n" +
-	"Preparing a fresh tiny VM lvb-2de26526-638947 for job 638947 (libvirt-executor dev)\n" +
-	"  clone disk done in 12ms\n" +
-	"  create seed volume done in 1ms\n" +
-	"  upload seed done in 850µs\n" +
-	"  define done in 20ms\n" +
-	"  start done in 398ms\n" +
-	"Created lvb-2de26526-638947 from image tiny (qemu, 1 vCPU, 512 MiB) in 434ms\n" +
-	"Booted, address 10.213.7.55 (MAC 52:54:00:71:ae:96, from lease) in 6.2s\n" +
-	"SSH ready as root@10.213.7.55, host key SHA256:k0lzdhGhapZtnQB3ukZqMSdAiJQ9k7lu5mEsX+nTr0k pinned, in 1.4s (3 attempts)\n" +
-	"Machine ready in 1m8s\n" +
-	"Note: git-lfs is not installed in the guest (needed only for LFS repositories)\n" +
-	"--- stage prepare (8.306s, exit 0)\n"
-
-func TestParsePrepareLog(t *testing.T) {
-	p, err := ParsePrepareLog(prepareLog)
-	require.NoError(t, err)
-	require.Equal(t, PrepareTimes{
-		Clone: 12 * time.Millisecond, SeedCreate: time.Millisecond, SeedUpload: 850 * time.Microsecond,
-		Define: 20 * time.Millisecond, Start: 398 * time.Millisecond, Created: 434 * time.Millisecond,
-		Address: 6200 * time.Millisecond, SSH: 1400 * time.Millisecond, SSHAttempts: 3, Ready: 68 * time.Second,
-	}, p)
-}
-
-func TestParsePrepareLogCRLFAndSingleAttempt(t *testing.T) {
-	log := strings.ReplaceAll(prepareLog, "(3 attempts)", "(1 attempt)")
-	log = strings.ReplaceAll(log, "\n", "\r\n")
-	p, err := ParsePrepareLog(log)
-	require.NoError(t, err)
-	require.Equal(t, 1, p.SSHAttempts)
-	require.Equal(t, 68*time.Second, p.Ready)
-}
-
-func TestParsePrepareLogWithoutSeedIsFine(t *testing.T) {
-	var kept []string
-	for _, l := range strings.Split(prepareLog, "\n") {
-		if !strings.Contains(l, "seed") {
-			kept = append(kept, l)
-		}
-	}
-	p, err := ParsePrepareLog(strings.Join(kept, "\n"))
-	require.NoError(t, err)
-	require.Zero(t, p.SeedCreate+p.SeedUpload)
-}
-
-func TestParsePrepareLogLastAttemptWins(t *testing.T) {
-	first := strings.ReplaceAll(prepareLog, "clone disk done in 12ms", "clone disk done in 999ms")
-	first = strings.ReplaceAll(first, "Machine ready in 1m8s", "Machine ready in 2m")
-	p, err := ParsePrepareLog(first + "Will be retried in 1s ...\n" + prepareLog)
-	require.NoError(t, err)
-	require.Equal(t, 12*time.Millisecond, p.Clone)
-	require.Equal(t, 68*time.Second, p.Ready)
-}
-
-func TestParsePrepareLogNamesWhatIsMissing(t *testing.T) {
-	log := strings.ReplaceAll(prepareLog, "Booted, address", "Got address")
-	log = strings.ReplaceAll(log, "Machine ready in 1m8s", "Machine ready in soon")
-	_, err := ParsePrepareLog(log)
-	require.ErrorContains(t, err, "address line missing")
-	require.ErrorContains(t, err, `ready: bad duration "soon"`)
-	require.ErrorContains(t, err, "ready line missing")
-
-	_, err = ParsePrepareLog("")
-	require.ErrorContains(t, err, "clone disk line missing")
-}
 
 func TestParseNoop(t *testing.T) {
 	for _, tc := range []struct {

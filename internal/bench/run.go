@@ -96,6 +96,8 @@ type bench struct {
 	conn  *libvirt.Connect
 	hv    *vm.Libvirt
 	exec  harness.Executables
+	// timings holds each job's timings file (lifecycle.TimingsEnv).
+	timings string
 }
 
 // Run measures every image and returns the report. The error is for setup
@@ -141,6 +143,10 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		return nil, err
 	}
 	defer b.hv.Close()
+	if b.timings, err = os.MkdirTemp("", "lve-bench-timings-"); err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(b.timings)
 	if left := b.leftovers(ctx); len(left) > 0 {
 		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
 	}
@@ -253,10 +259,12 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 		domXML string
 	)
 	var debug lockedBuffer
-	stamps := &lineStamper{}
 	var launch time.Time
+	// The driver's own figures: prepare appends its timings record to the
+	// file the runner host's environment names.
+	timings := filepath.Join(b.timings, fmt.Sprintf("%d.jsonl", id))
 	opts := harness.Options{
-		Log:               stamps,
+		Env:               append(os.Environ(), lifecycle.TimingsEnv+"="+timings),
 		Exec:              b.exec,
 		BuildExitCodeFile: true,
 		GracefulKill:      30 * time.Second,
@@ -291,6 +299,7 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 	if b.opts.JobLog != nil {
 		fmt.Fprintf(b.opts.JobLog, "=== job %d (%s)\n%s", id, image, res.Log)
 	}
+	var prepareExit time.Time
 	for _, s := range res.Stages {
 		j.Stages = append(j.Stages, StageSample{Name: s.Name, Exec: s.Exec, WallMs: ms(s.Duration), ExitCode: s.ExitCode,
 			RSSBytes: s.PeakRSSKiB << 10, RusageMaxRSS: s.MaxRSSKiB << 10})
@@ -299,11 +308,7 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 		switch s.Exec {
 		case "prepare":
 			j.PrepareWallMs = ms(s.Duration) // the last attempt's
-			if tl, err := prepareTimeline(stamps.snapshot(), launch, launch.Add(s.Duration)); err == nil {
-				j.Timeline = toTimelineMs(tl)
-			} else if s.ExitCode == 0 {
-				j.Error = err.Error()
-			}
+			prepareExit = launch.Add(s.Duration)
 		case "cleanup":
 			j.CleanupMs = ms(s.Duration)
 		}
@@ -323,9 +328,7 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 	if c := res.Stage("cleanup"); len(c) == 0 || c[len(c)-1].ExitCode != 0 {
 		problems = append(problems, "cleanup failed: "+tail(debug.b.String(), 5))
 	}
-	if p, err := ParsePrepareLog(res.Log); err == nil {
-		j.Prepare = toPrepareMs(p)
-	} else {
+	if err := j.readPrepare(timings, machine, launch, prepareExit); err != nil {
 		problems = append(problems, err.Error())
 	}
 	if guest, err := ParseNoop(res.Log); err == nil {
@@ -351,6 +354,24 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 		}
 	}
 	return j
+}
+
+// readPrepare fills in the prepare stage's own figures and its timeline from
+// the record it wrote for machine, launched at launch and done at exit.
+func (j *JobSample) readPrepare(timings, machine string, launch, exit time.Time) error {
+	rec, err := readTimings(timings, machine)
+	if err != nil {
+		return err
+	}
+	if j.Prepare, err = prepareMs(rec); err != nil {
+		return err
+	}
+	tl, err := prepareTimeline(rec, launch, exit)
+	if err != nil {
+		return err
+	}
+	j.Timeline = toTimelineMs(tl)
+	return nil
 }
 
 func describeJob(j JobSample) string {

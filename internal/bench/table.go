@@ -48,7 +48,7 @@ func writeImage(tw io.Writer, img *ImageReport) {
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s - %s\t%d\n", label, f(sum.Median), f(sum.Min), f(sum.Max), sum.N)
 	}
-	fmt.Fprintf(tw, "prepare: the driver's figures (job log)\t\t\t\n")
+	fmt.Fprintf(tw, "prepare: the driver's figures (its timings record)\t\t\t\n")
 	row("  clone disk", s.Clone, fmtMs)
 	row("  seed volume (create+upload)", s.Seed, fmtMs)
 	row("  define+start", s.DefineStart, fmtMs)
@@ -56,12 +56,12 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	row("  address found (after start)", s.Address, fmtMs)
 	row("  SSH ready (after address)", s.SSH, fmtMs)
 	row("  machine ready (total inside)", s.Ready, fmtMs)
-	fmt.Fprintf(tw, "prepare: timeline (arrival of those lines)\t\t\t\n")
+	fmt.Fprintf(tw, "prepare: timeline (moments in that record)\t\t\t\n")
 	row("  exec, config, job (to first line)", s.TLLaunch, fmtMs)
 	row("  leftovers..clone, define, start", s.TLToStart, fmtMs)
 	row("  domain started -> address", s.TLToAddr, fmtMs)
 	row("  address -> SSH login", s.TLToSSH, fmtMs)
-	row("  SSH login -> exit (record, tool check)", s.TLAfterSSH, fmtMs)
+	row("  SSH login -> exit (tool check, record)", s.TLAfterSSH, fmtMs)
 	row("  start call -> SSH login (cf. floor)", s.TLStartToSSH, fmtMs)
 	row("  prepare wall (runner's view)", s.PrepareWall, fmtMs)
 	fmt.Fprintf(tw, "floor (benchmark's own boot)\t\t\t\n")

@@ -1,117 +1,108 @@
 package bench
 
 import (
-	"bytes"
+	"bufio"
+	"encoding/json"
+	"errors"
 	"fmt"
-	"regexp"
+	"os"
 	"strings"
-	"sync"
 	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 )
 
-// stampedLine is one job-log line and when it reached the harness's log.
-type stampedLine struct {
-	At   time.Time
-	Text string
-}
-
-// lineStamper is the harness's job log sink: it records every complete line
-// with its arrival time. The driver writes each prepare line as the step
-// ends, unbuffered, so arrival times give the breakdown with millisecond
-// precision, where the printed figures are rounded to 100 ms above a second.
-type lineStamper struct {
-	mu      sync.Mutex
-	partial bytes.Buffer
-	lines   []stampedLine
-	now     func() time.Time
-}
-
-func (l *lineStamper) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	now := time.Now
-	if l.now != nil {
-		now = l.now
+// readTimings returns the last timing record for machine in the file at
+// path: the file the prepare stage appends one record to when the benchmark
+// names it in its environment (lifecycle.TimingsEnv). A prepare attempt
+// writes one only when it succeeds; the last one is the attempt that counts.
+func readTimings(path, machine string) (lifecycle.TimingRecord, error) {
+	var rec lifecycle.TimingRecord
+	f, err := os.Open(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return rec, fmt.Errorf("no timings record of %s: prepare wrote none (%s)", machine, lifecycle.TimingsEnv)
 	}
-	at := now()
-	l.partial.Write(p)
-	for {
-		line, err := l.partial.ReadString('\n')
-		if err != nil { // no newline yet: keep the rest
-			rest := line
-			l.partial.Reset()
-			l.partial.WriteString(rest)
-			break
+	if err != nil {
+		return rec, err
+	}
+	defer f.Close()
+	found := false
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		var r lifecycle.TimingRecord
+		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
+			return rec, fmt.Errorf("timings record %s:%d: %w", path, n, err)
 		}
-		l.lines = append(l.lines, stampedLine{At: at, Text: strings.TrimRight(line, "\r\n")})
+		if r.Machine == machine {
+			rec, found = r, true
+		}
 	}
-	return len(p), nil
+	if err := sc.Err(); err != nil {
+		return rec, fmt.Errorf("timings record %s: %w", path, err)
+	}
+	if !found {
+		return rec, fmt.Errorf("no timings record of %s in %s", machine, path)
+	}
+	return rec, nil
 }
 
-func (l *lineStamper) snapshot() []stampedLine {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]stampedLine(nil), l.lines...)
+// requiredSteps are the create steps every machine has (seed steps only an
+// image with a seed).
+var requiredSteps = []string{"clone disk", "define", "start"}
+
+// prepareMs is the driver's own breakdown of prepare, from its record. A
+// missing create step is an error naming it, so a renamed step shows up
+// instead of a silent zero.
+func prepareMs(rec lifecycle.TimingRecord) (*PrepareMs, error) {
+	var missing []string
+	for _, s := range requiredSteps {
+		if _, ok := rec.CreateMs[s]; !ok {
+			missing = append(missing, fmt.Sprintf("%q", s))
+		}
+	}
+	if len(missing) > 0 {
+		return nil, fmt.Errorf("timings record of %s: no create step %s", rec.Machine, strings.Join(missing, ", "))
+	}
+	c := rec.CreateMs
+	return &PrepareMs{
+		Clone: c["clone disk"], Seed: c["create seed volume"] + c["upload seed"], Define: c["define"], Start: c["start"],
+		Created: rec.CreatedMs, Address: rec.AddressMs, SSH: rec.SSHMs, SSHAttempts: rec.SSHAttempts,
+		Check: rec.CheckMs, Ready: rec.ReadyMs,
+	}, nil
 }
 
-// Timeline is the prepare stage cut at the arrival of its progress lines.
+// Timeline is the prepare stage cut at the moments its record gives.
 type Timeline struct {
-	Launch   time.Duration // process started .. its first line (exec, configuration, job)
+	Launch   time.Duration // process started .. its first job-log line (exec, configuration, job)
 	ToStart  time.Duration // first line .. domain started (leftovers, admission, keys, clone, define, start)
 	ToAddr   time.Duration // domain started .. address known
 	ToSSH    time.Duration // address known .. SSH login succeeded
-	AfterSSH time.Duration // SSH login .. prepare exited (record, guest tool check, exit)
-	// StartCall is the start call's own duration as printed; StartToSSH is
-	// then from the start call's beginning to the SSH login, the span the
-	// floor measures.
+	AfterSSH time.Duration // SSH login .. prepare exited (guest tool check, record, exit)
+	// StartCall is the start call's own duration; StartToSSH is then from
+	// the start call's beginning to the SSH login, the span the floor
+	// measures.
 	StartCall  time.Duration
 	StartToSSH time.Duration
 }
 
-var (
-	firstPrepareLine = regexp.MustCompile(`^Preparing a fresh `)
-	startDoneLine    = regexp.MustCompile(`^\s+start done in (\S+)$`)
-)
-
-// prepareTimeline cuts the prepare stage that was launched at launch and
-// exited at exit, from the lines that arrived in between.
-func prepareTimeline(lines []stampedLine, launch, exit time.Time) (Timeline, error) {
-	var tFirst, tStart, tAddr, tSSH time.Time
-	var startCall time.Duration
-	for _, l := range lines {
-		if l.At.Before(launch) || l.At.After(exit) {
-			continue
-		}
-		switch {
-		case firstPrepareLine.MatchString(l.Text):
-			tFirst = l.At
-		case startDoneLine.MatchString(l.Text):
-			tStart = l.At
-			startCall, _ = time.ParseDuration(startDoneLine.FindStringSubmatch(l.Text)[1])
-		case bootedLine.MatchString(l.Text):
-			tAddr = l.At
-		case sshLine.MatchString(l.Text):
-			tSSH = l.At
+// prepareTimeline cuts the prepare stage that the harness launched at launch
+// and saw exit at exit, at the moments of its timing record (wall clock, the
+// same host's).
+func prepareTimeline(rec lifecycle.TimingRecord, launch, exit time.Time) (Timeline, error) {
+	startMs, ok := rec.CreateMs["start"]
+	if !ok {
+		return Timeline{}, fmt.Errorf("prepare timeline: no start step in the timings record of %s", rec.Machine)
+	}
+	marks := []time.Time{launch, rec.Began, rec.Started, rec.Addressed, rec.Connected, exit}
+	for i := 1; i < len(marks); i++ {
+		if marks[i].Before(marks[i-1]) {
+			return Timeline{}, fmt.Errorf("prepare timeline: the moments of %s are out of order (not this stage's record?)", rec.Machine)
 		}
 	}
-	var missing []string
-	for _, m := range []struct {
-		t    time.Time
-		what string
-	}{{tFirst, "first"}, {tStart, "start done"}, {tAddr, "booted"}, {tSSH, "SSH ready"}} {
-		if m.t.IsZero() {
-			missing = append(missing, m.what)
-		}
-	}
-	if len(missing) > 0 {
-		return Timeline{}, fmt.Errorf("prepare timeline: no %s line during the prepare stage", strings.Join(missing, ", "))
-	}
-	if !(tFirst.Compare(tStart) <= 0 && tStart.Compare(tAddr) <= 0 && tAddr.Compare(tSSH) <= 0) {
-		return Timeline{}, fmt.Errorf("prepare timeline: lines out of order")
-	}
+	startCall := time.Duration(startMs * float64(time.Millisecond))
 	return Timeline{
-		Launch: tFirst.Sub(launch), ToStart: tStart.Sub(tFirst), ToAddr: tAddr.Sub(tStart),
-		ToSSH: tSSH.Sub(tAddr), AfterSSH: exit.Sub(tSSH),
-		StartCall: startCall, StartToSSH: tSSH.Sub(tStart) + startCall,
+		Launch: rec.Began.Sub(launch), ToStart: rec.Started.Sub(rec.Began), ToAddr: rec.Addressed.Sub(rec.Started),
+		ToSSH: rec.Connected.Sub(rec.Addressed), AfterSSH: exit.Sub(rec.Connected),
+		StartCall: startCall, StartToSSH: rec.Connected.Sub(rec.Started) + startCall,
 	}, nil
 }

@@ -1,41 +1,104 @@
 package bench
 
 import (
-	"strings"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-func TestLineStamperSplitsLinesAcrossWrites(t *testing.T) {
-	base := time.Unix(1000, 0)
-	now := base
-	l := &lineStamper{now: func() time.Time { return now }}
-	_, _ = l.Write([]byte("one\ntw"))
-	now = now.Add(time.Second)
-	_, _ = l.Write([]byte("o\r\nthree"))
-	require.Equal(t, []stampedLine{{base, "one"}, {base.Add(time.Second), "two"}}, l.snapshot(),
-		"a line is stamped when its end arrives; an unterminated one waits")
-	now = now.Add(time.Second)
-	_, _ = l.Write([]byte("\n"))
-	require.Equal(t, "three", l.snapshot()[2].Text)
-	require.Equal(t, base.Add(2*time.Second), l.snapshot()[2].At)
+var launch = time.Date(2026, 11, 21, 15, 0, 0, 0, time.UTC)
+
+func at(ms float64) time.Time { return launch.Add(time.Duration(ms * float64(time.Millisecond))) }
+
+// ready is a provisioned machine as lifecycle.Provision returns it: its
+// durations unrounded, its moments on the wall clock.
+func ready(machine string, clone time.Duration) *lifecycle.Ready {
+	return &lifecycle.Ready{
+		Machine: &state.Machine{Name: machine, Image: "tiny"},
+		Timings: lifecycle.Timings{
+			Create: []vm.StepTime{
+				{Name: "clone disk", Took: clone},
+				{Name: "create seed volume", Took: time.Millisecond},
+				{Name: "upload seed", Took: 850 * time.Microsecond},
+				{Name: "define", Took: 20 * time.Millisecond},
+				{Name: "start", Took: 398400 * time.Microsecond},
+			},
+			Created: 434 * time.Millisecond, Address: 5730 * time.Millisecond,
+			SSH: 700 * time.Millisecond, SSHAttempts: 3, Check: 250 * time.Millisecond, Ready: 7100 * time.Millisecond,
+			Started: at(470), Addressed: at(6200), Connected: at(6900),
+		},
+	}
+}
+
+// writeRecords writes records the way the prepare stage does.
+func writeRecords(t *testing.T, recs ...lifecycle.TimingRecord) string {
+	path := filepath.Join(t.TempDir(), "timings.jsonl")
+	for _, r := range recs {
+		require.NoError(t, lifecycle.AppendTimings(path, r))
+	}
+	return path
+}
+
+// The benchmark reads what the driver writes: the figures, unrounded, of
+// its machine's last record.
+func TestReadTimingsOfTheDriver(t *testing.T) {
+	const machine = "lve-2de26526-638947"
+	earlier := lifecycle.NewTimingRecord(ready(machine, 999*time.Millisecond), at(-9000))
+	other := lifecycle.NewTimingRecord(ready("lve-2de26526-1", time.Second), at(20))
+	last := lifecycle.NewTimingRecord(ready(machine, 12345678*time.Nanosecond), at(25))
+	path := writeRecords(t, earlier, last, other)
+
+	rec, err := readTimings(path, machine)
+	require.NoError(t, err)
+	p, err := prepareMs(rec)
+	require.NoError(t, err)
+	require.Equal(t, &PrepareMs{
+		Clone: 12.345678, Seed: 1.85, Define: 20, Start: 398.4, Created: 434,
+		Address: 5730, SSH: 700, SSHAttempts: 3, Check: 250, Ready: 7100,
+	}, p)
+}
+
+func TestReadTimingsErrors(t *testing.T) {
+	dir := t.TempDir()
+	_, err := readTimings(filepath.Join(dir, "none.jsonl"), "lve-a-1")
+	require.ErrorContains(t, err, "no timings record of lve-a-1: prepare wrote none (LIBVIRT_EXECUTOR_TIMINGS)")
+
+	path := writeRecords(t, lifecycle.NewTimingRecord(ready("lve-a-2", time.Millisecond), at(25)))
+	_, err = readTimings(path, "lve-a-1")
+	require.ErrorContains(t, err, "no timings record of lve-a-1 in")
+
+	bad := filepath.Join(dir, "bad.jsonl")
+	require.NoError(t, os.WriteFile(bad, []byte("{\"machine\":\"lve-a-1\"}\nclone disk done in 12ms\n"), 0o600))
+	_, err = readTimings(bad, "lve-a-1")
+	require.ErrorContains(t, err, "bad.jsonl:2")
+}
+
+// A create step the benchmark relies on that the record lacks is named, not
+// read as zero.
+func TestPrepareMsNamesMissingSteps(t *testing.T) {
+	r := ready("lve-a-1", time.Millisecond)
+	r.Timings.Create = r.Timings.Create[1:4] // no clone disk, no start
+	_, err := prepareMs(lifecycle.NewTimingRecord(r, at(25)))
+	require.ErrorContains(t, err, `timings record of lve-a-1: no create step "clone disk", "start"`)
+
+	// An image without a seed has no seed steps: that is fine.
+	r = ready("lve-a-1", time.Millisecond)
+	r.Timings.Create = append(r.Timings.Create[:1], r.Timings.Create[3:]...)
+	p, err := prepareMs(lifecycle.NewTimingRecord(r, at(25)))
+	require.NoError(t, err)
+	require.Zero(t, p.Seed)
 }
 
 func TestPrepareTimeline(t *testing.T) {
-	launch := time.Unix(2000, 0)
-	at := func(ms int) time.Time { return launch.Add(time.Duration(ms) * time.Millisecond) }
-	var lines []stampedLine
-	// A previous attempt's lines must not count.
-	lines = append(lines, stampedLine{at(-5000), "  start done in 1ms"})
-	msAt := []int{25, 40, 60, 70, 80, 470, 480, 6200, 6900, 6900, 7150}
-	for i, text := range strings.Split(strings.TrimSuffix(prepareLog[strings.Index(prepareLog, "Preparing a fresh"):], "\n"), "\n") {
-		if i < len(msAt) {
-			lines = append(lines, stampedLine{at(msAt[i]), text})
-		}
-	}
-	tl, err := prepareTimeline(lines, launch, at(7200))
+	rec := lifecycle.NewTimingRecord(ready("lve-a-1", time.Millisecond), at(25))
+	tl, err := prepareTimeline(rec, launch, at(7200))
 	require.NoError(t, err)
 	require.Equal(t, Timeline{
 		Launch:     25 * time.Millisecond,
@@ -43,12 +106,15 @@ func TestPrepareTimeline(t *testing.T) {
 		ToAddr:     (6200 - 470) * time.Millisecond,
 		ToSSH:      700 * time.Millisecond,
 		AfterSSH:   300 * time.Millisecond,
-		StartCall:  398 * time.Millisecond,
-		StartToSSH: (6900 - 470 + 398) * time.Millisecond,
+		StartCall:  398400 * time.Microsecond,
+		StartToSSH: (6900-470)*time.Millisecond + 398400*time.Microsecond,
 	}, tl)
 
-	_, err = prepareTimeline(lines[:8], launch, at(7200))
-	require.ErrorContains(t, err, "no booted, SSH ready line")
-	_, err = prepareTimeline(lines, launch, at(100))
-	require.Error(t, err, "lines after the exit do not belong to the stage")
+	_, err = prepareTimeline(rec, launch, at(100))
+	require.ErrorContains(t, err, "out of order", "a record of moments after the exit is not this stage's")
+	_, err = prepareTimeline(rec, at(30), at(7200))
+	require.ErrorContains(t, err, "out of order", "nor one of moments before the launch")
+	delete(rec.CreateMs, "start")
+	_, err = prepareTimeline(rec, launch, at(7200))
+	require.ErrorContains(t, err, "no start step")
 }

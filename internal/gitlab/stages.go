@@ -123,6 +123,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer j.m.Close()
 	say := e.say
+	began := time.Now()
 	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
 	if !j.job.FromPayload {
 		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set (insecure_job_id_from_env = true)")
@@ -161,7 +162,24 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		defer cancel()
 		return exitcodes.System(errors.Join(fmt.Errorf("stopped: %w", context.Cause(ctx)), m.Teardown(tctx, j.name)))
 	}
+	writeTimings(e, j, ready, began)
 	return nil
+}
+
+// writeTimings appends the machine's timing record (lifecycle.TimingRecord)
+// to the file that LIBVIRT_EXECUTOR_TIMINGS (lifecycle.TimingsEnv) names, if
+// it is set. That is a variable of the runner host, which the stage inherits
+// from the runner: never a job's, whose variables arrive as CUSTOM_ENV_*
+// (CUSTOM_ENV_LIBVIRT_EXECUTOR_TIMINGS is not looked at). The job does not
+// depend on the record: a failure to write it is only logged.
+func writeTimings(e Env, j *job, ready *lifecycle.Ready, began time.Time) {
+	path := e.Getenv(lifecycle.TimingsEnv)
+	if path == "" {
+		return
+	}
+	if err := lifecycle.AppendTimings(path, lifecycle.NewTimingRecord(ready, began)); err != nil {
+		j.log.Warn("timings record not written", "err", err)
+	}
 }
 
 // outputter runs a fixed command in the guest (sshexec.Client).

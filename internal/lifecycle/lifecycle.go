@@ -11,7 +11,6 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -19,10 +18,8 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/steps"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -89,11 +86,15 @@ type Request struct {
 type Ready struct {
 	Machine *state.Machine
 	Client  *sshexec.Client
+	// Timings are the durations the job log showed, unrounded, and when the
+	// boot reached each of its stages.
+	Timings Timings
 }
 
 // Provision removes leftovers of an earlier attempt under the same name, then
-// creates, boots and connects to a fresh machine. On failure or cancellation
-// everything made by this call is removed before it returns.
+// creates, boots and connects to a fresh machine (the steps of provision). On
+// failure or cancellation everything made by this call is removed before it
+// returns.
 func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	start := time.Now()
 	if err := vm.CheckName(req.Name); err != nil {
@@ -109,213 +110,22 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	if err := m.teardown(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove leftovers of %s: %w", req.Name, err)
 	}
-	eng := m.engine()
-	domainType, err := eng.ResolveDomainType(ctx, m.Cfg.DomainType)
+	p, err := m.newProvision(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	img := req.Image
-	var (
-		keys       *guestinit.Keys
-		dir        string
-		mac        string
-		seed       []byte
-		seedSerial string
-		addr       string
-		client     *sshexec.Client
-		created    time.Time
-	)
-	comment := req.Name
-	consoleLog := filepath.Join(m.Store.MachineDir(req.Name), "console.log")
-	bootDeadline := m.Cfg.Timeouts.Boot.D()
-	var bootCtx context.Context
-	var cancelBoot context.CancelFunc = func() {}
-	defer func() { cancelBoot() }()
-
-	list := []steps.Step{
-		{
-			Name: "admission",
-			Do: func(ctx context.Context) error {
-				var err error
-				dir, err = m.admit(ctx, req)
-				return err
-			},
-			// The state directory is the record that volumes of this name
-			// are ours: it goes only once they are gone (teardown), else a
-			// sweep could never remove what a failed undo left.
-			Undo: func(ctx context.Context) error { return m.teardown(ctx, req.Name) },
-		},
-		{
-			Name: "keys",
-			Do: func(ctx context.Context) error {
-				var err error
-				if keys, err = guestinit.NewKeys(comment); err != nil {
-					return err
-				}
-				if err := m.Store.SaveKey(req.Name, keys.ClientPEM); err != nil {
-					return err
-				}
-				switch img.KeyInjection {
-				case config.InjectCloudInit:
-					ci := guestinit.CloudInit{InstanceID: req.Name, Hostname: req.Name, User: img.User}
-					if seed, err = ci.SeedISO(keys, comment, dir); err != nil {
-						return err
-					}
-				case config.InjectSMBIOS:
-					seed, seedSerial = keys.CredentialDisk(), guestinit.CredentialDiskSerial
-				}
-				mac, err = eng.FreshMAC(ctx, m.Cfg.Network)
-				return err
-			},
-		},
-		{
-			Name: "create",
-			Do: func(ctx context.Context) error {
-				created = time.Now().UTC()
-				// The console log is written by libvirt (as root); made here
-				// first, it stays this user's, who reads it when a boot fails.
-				if err := touchPrivate(consoleLog); err != nil {
-					return err
-				}
-				spec := vm.Spec{
-					Name: req.Name, DomainType: domainType,
-					VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(req.DiskGiB) << 30,
-					Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
-					Pool: m.Cfg.StoragePool, Network: m.Cfg.Network, MAC: mac,
-					Seed:       seed,
-					SeedSerial: seedSerial,
-					GuestAgent: img.AddressSource == "agent",
-					Isolated:   *m.Cfg.IsolateGuests,
-					ConsoleLog: consoleLog,
-					Owner: vm.Owner{
-						Controller: m.Controller, Frontend: req.Frontend, Job: req.Job,
-						Created: created, Deadline: created.Add(req.Lifetime + m.Cfg.Timeouts.JobSlack.D()),
-					},
-				}
-				if img.Boot == config.BootKernel {
-					spec.Kernel, spec.Initrd, spec.Cmdline = img.Kernel, img.Initrd, img.Cmdline
-				}
-				if img.KeyInjection == config.InjectSMBIOS {
-					spec.OEMStrings = keys.OEMStrings(comment)
-				}
-				eng.Progress = func(format string, args ...any) { m.say("  "+format, args...) }
-				t0 := time.Now()
-				if _, err := eng.Create(ctx, spec); err != nil {
-					return err
-				}
-				m.say("Created %s from image %s (%s, %d vCPU, %d MiB) in %s", req.Name, img.Name, domainType, req.VCPUs, req.MemoryMiB, vm.Round(time.Since(t0)))
-				bootCtx, cancelBoot = context.WithTimeoutCause(ctx, bootDeadline,
-					fmt.Errorf("boot timeout %s (timeouts.boot) reached", bootDeadline))
-				return nil
-			},
-			// What is there under this name now, this call made.
-			Undo: func(ctx context.Context) error { return m.engine().Remove(ctx, req.Name, m.Cfg.StoragePool, true) },
-		},
-		{
-			Name: "address",
-			Do: func(context.Context) error {
-				t0 := time.Now()
-				var err error
-				if addr, err = eng.WaitAddress(bootCtx, req.Name, mac, vm.AddressSource(img.AddressSource)); err != nil {
-					return err
-				}
-				m.say("Booted, address %s (MAC %s, from %s) in %s", addr, mac, img.AddressSource, vm.Round(time.Since(t0)))
-				return nil
-			},
-		},
-		{
-			Name: "ssh",
-			Do: func(context.Context) error {
-				t0 := time.Now()
-				target := m.target(addr, img.User, keys.Client, keys.Host)
-				var attempts int
-				var err error
-				client, attempts, err = sshexec.WaitReady(bootCtx, target, m.SSHPollInterval, 20*time.Second)
-				if err != nil {
-					return err
-				}
-				m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, addr, ssh.FingerprintSHA256(keys.Host), vm.Round(time.Since(t0)), attempts)
-				return nil
-			},
-			Undo: func(context.Context) error {
-				if client != nil {
-					_ = client.Close()
-				}
-				return nil
-			},
-		},
-		{
-			Name: "check",
-			Do: func(ctx context.Context) error {
-				if req.Check == nil {
-					return nil
-				}
-				return req.Check(ctx, client)
-			},
-		},
-		{
-			Name: "record",
-			Do: func(context.Context) error {
-				return m.Store.Save(state.Machine{
-					Name: req.Name, Image: img.Name, Address: addr, Port: m.sshPort(), User: img.User, Shell: img.Shell,
-					HostKey: keys.HostPublicLine(), MAC: mac, Created: created,
-					BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
-				})
-			},
-		},
-	}
-	r := steps.Runner{
-		UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
-		OnUndo: func(name string, err error) {
-			if err != nil {
-				m.say("Undo %s failed: %v", name, err)
-			}
-		},
-	}
-	var consoleTail []byte
-	var why string
-	err = r.Run(ctx, withConsoleCapture(list, func() {
-		consoleTail = tail(consoleLog, 25)
-		if ctx.Err() == nil {
-			why = m.Explain(ctx, req.Name)
-		}
-	}))
-	if err != nil {
-		if len(consoleTail) > 0 {
-			m.say("Last lines of the guest console:\n%s", consoleTail)
-		}
-		if why != "" {
-			err = fmt.Errorf("%w; %s", err, why)
-		}
+	defer func() { p.endBoot() }() // the one create set, if it ran
+	if err := p.run(ctx); err != nil {
 		return nil, err
 	}
-	m.say("Machine ready in %s", vm.Round(time.Since(start)))
+	p.timings.Ready = time.Since(start)
+	m.say("Machine ready in %s", vm.Round(p.timings.Ready))
 	mach, _, _, err := m.Store.Load(req.Name)
 	if err != nil {
-		_ = client.Close()
+		_ = p.client.Close()
 		return nil, errors.Join(err, m.teardown(context.WithoutCancel(ctx), req.Name))
 	}
-	return &Ready{Machine: mach, Client: client}, nil
-}
-
-// withConsoleCapture wraps the boot-wait steps so that, when one fails, the
-// guest's console is read before the undo removes it.
-func withConsoleCapture(list []steps.Step, capture func()) []steps.Step {
-	out := make([]steps.Step, len(list))
-	for i, s := range list {
-		do := s.Do
-		if s.Name == "address" || s.Name == "ssh" {
-			s.Do = func(ctx context.Context) error {
-				err := do(ctx)
-				if err != nil {
-					capture()
-				}
-				return err
-			}
-		}
-		out[i] = s
-	}
-	return out
+	return &Ready{Machine: mach, Client: p.client, Timings: p.timings}, nil
 }
 
 // touchPrivate creates an empty 0600 file owned by this process's user.

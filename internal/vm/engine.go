@@ -49,8 +49,9 @@ func (e *Engine) ResolveDomainType(ctx context.Context, want string) (string, er
 }
 
 // Create makes the overlay disk (and seed volume), defines and starts the
-// domain. If anything fails, or ctx is cancelled, what was made is removed
-// again before Create returns.
+// domain; the Machine it returns says how long each step took. If anything
+// fails, or ctx is cancelled, what was made is removed again before Create
+// returns.
 func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 	if err := CheckName(s.Name); err != nil {
 		return nil, err
@@ -70,7 +71,9 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 	}
 	var seedPath string
 	deleteVolume := func(name string) func(context.Context) error {
-		return func(ctx context.Context) error { return ignoreNotFound(e.HV.DeleteVolume(ctx, s.Pool, name)) }
+		return func(ctx context.Context) error {
+			return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.DeleteVolume(ctx, s.Pool, name) }))
+		}
 	}
 	list := []steps.Step{
 		{
@@ -93,7 +96,7 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 						Format: &libvirtxml.StorageVolumeTargetFormat{Type: s.BaseFormat},
 					},
 				}
-				m.DiskPath, err = e.HV.CreateVolume(ctx, s.Pool, vol)
+				m.DiskPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return e.HV.CreateVolume(ctx, s.Pool, vol) })
 				return err
 			},
 			Undo: deleteVolume(disk),
@@ -112,13 +115,15 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 					},
 				}
 				var err error
-				seedPath, err = e.HV.CreateVolume(ctx, s.Pool, vol)
+				seedPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return e.HV.CreateVolume(ctx, s.Pool, vol) })
 				return err
 			},
 			Undo: deleteVolume(seed),
 		}, steps.Step{
 			Name: "upload seed",
-			Do:   func(ctx context.Context) error { return e.HV.UploadVolume(ctx, s.Pool, seed, s.Seed) },
+			Do: func(ctx context.Context) error {
+				return change(ctx, func(ctx context.Context) error { return e.HV.UploadVolume(ctx, s.Pool, seed, s.Seed) })
+			},
 		})
 	}
 	list = append(list,
@@ -129,19 +134,26 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 				if err != nil {
 					return err
 				}
-				return e.HV.Define(ctx, x)
+				return change(ctx, func(ctx context.Context) error { return e.HV.Define(ctx, x) })
 			},
-			Undo: func(ctx context.Context) error { return ignoreNotFound(e.HV.Undefine(ctx, s.Name)) },
+			Undo: func(ctx context.Context) error {
+				return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Undefine(ctx, s.Name) }))
+			},
 		},
 		steps.Step{
 			Name: "start",
-			Do:   func(ctx context.Context) error { return e.HV.Start(ctx, s.Name) },
-			Undo: func(ctx context.Context) error { return ignoreNotFound(e.HV.Destroy(ctx, s.Name)) },
+			Do: func(ctx context.Context) error {
+				return change(ctx, func(ctx context.Context) error { return e.HV.Start(ctx, s.Name) })
+			},
+			Undo: func(ctx context.Context) error {
+				return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, s.Name) }))
+			},
 		},
 	)
 	r := steps.Runner{
 		UndoTimeout: e.UndoTimeout,
 		OnDone: func(name string, took time.Duration) {
+			m.Steps = append(m.Steps, StepTime{Name: name, Took: took})
 			e.progress("%s done in %s", name, Round(took))
 		},
 		OnUndo: func(name string, err error) {
@@ -232,7 +244,7 @@ func (e *Engine) Extend(ctx context.Context, name string, deadline time.Time) er
 	if err != nil {
 		return err
 	}
-	return e.HV.SetOwner(ctx, name, nx)
+	return change(ctx, func(ctx context.Context) error { return e.HV.SetOwner(ctx, name, nx) })
 }
 
 // ErrNotOurs is returned by Remove for a domain that exists but is not owned
@@ -279,10 +291,10 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 				volumes = append(volumes, v)
 			}
 		}
-		if err := ignoreNotFound(e.HV.Destroy(ctx, name)); err != nil {
+		if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, name) })); err != nil {
 			return fmt.Errorf("destroy %s: %w", name, err)
 		}
-		if err := ignoreNotFound(e.HV.Undefine(ctx, name)); err != nil {
+		if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Undefine(ctx, name) })); err != nil {
 			return fmt.Errorf("undefine %s: %w", name, err)
 		}
 	}
@@ -291,7 +303,7 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 		if !strings.HasPrefix(v, name) {
 			continue // never delete a volume outside this machine's names
 		}
-		if err := ignoreNotFound(e.HV.DeleteVolume(ctx, pool, v)); err != nil {
+		if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.DeleteVolume(ctx, pool, v) })); err != nil {
 			errs = append(errs, fmt.Errorf("delete volume %s: %w", v, err))
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"crypto/rand"
 	"fmt"
 	"net"
+	"time"
 )
 
 // Spec is everything needed to create one machine.
@@ -68,6 +69,15 @@ type Machine struct {
 	Name     string
 	MAC      string
 	DiskPath string
+	// Steps is how long each of Create's steps took, in order, unrounded
+	// (the progress lines print them rounded).
+	Steps []StepTime
+}
+
+// StepTime is how long one named step took.
+type StepTime struct {
+	Name string
+	Took time.Duration
 }
 
 // AddressSource is where a machine's address is learned.

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirtxml"
 
 	. "gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -312,4 +313,34 @@ func TestEngineGivesUpWithCtx(t *testing.T) {
 		require.ErrorContains(t, err, "no address for lve-x-1")
 	})
 	require.Equal(t, 3, f.Hung())
+}
+
+// A cancel that lands while libvirt starts the domain: the start is let
+// finish (it would happen anyway), so its undo runs and nothing is left. When
+// the start was abandoned instead, the define's undo met a running domain,
+// which libvirt keeps as a transient one: a leaked VM (seen in the fault
+// suite's SIGTERM-during-prepare test).
+func TestCancelDuringStartLeavesNothing(t *testing.T) {
+	f := vmtest.New()
+	started, release := make(chan struct{}), make(chan struct{})
+	f.OnStart = func(string, *libvirtxml.Domain) {
+		close(started)
+		<-release
+	}
+	s := testSpec()
+	e := &Engine{HV: NewReconnecting(func(context.Context) (Hypervisor, error) { return f, nil }), Controller: s.Owner.Controller,
+		UndoTimeout: 5 * time.Second}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-started
+		cancel()
+		time.Sleep(100 * time.Millisecond)
+		close(release)
+	}()
+	_, err := e.Create(ctx, s)
+	require.ErrorIs(t, err, context.Canceled)
+	f.Lock()
+	defer f.Unlock()
+	require.Empty(t, f.Domains, "no domain left, running or not")
+	require.Empty(t, f.Volumes)
 }

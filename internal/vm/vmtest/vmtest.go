@@ -47,6 +47,8 @@ type Domain struct {
 	XML      string
 	OwnerXML string
 	Active   bool
+	// Transient: undefined while running; it is gone once destroyed.
+	Transient bool
 	// State, if set, is what State reports (else running or shut off,
 	// from Active).
 	State *vm.DomainState
@@ -206,6 +208,9 @@ func (f *Fake) Destroy(ctx context.Context, name string) error {
 		return vm.ErrNotFound
 	}
 	d.Active = false
+	if d.Transient {
+		delete(f.Domains, name)
+	}
 	return nil
 }
 func (f *Fake) Undefine(ctx context.Context, name string) error {
@@ -215,8 +220,15 @@ func (f *Fake) Undefine(ctx context.Context, name string) error {
 	if err := f.call("Undefine"); err != nil {
 		return err
 	}
-	if _, ok := f.Domains[name]; !ok {
+	d, ok := f.Domains[name]
+	if !ok {
 		return vm.ErrNotFound
+	}
+	if d.Active {
+		// As libvirt does: a running domain loses its persistent
+		// definition but goes on running (transient) until destroyed.
+		d.Transient = true
+		return nil
 	}
 	delete(f.Domains, name)
 	return nil

@@ -1,0 +1,249 @@
+package lifecycle
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/steps"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// provision is one Provision call once the leftovers are gone: the request,
+// and what its steps have made so far. Each step is a method; run runs them
+// in order and, when one fails or ctx ends, undoes the completed ones in
+// reverse order.
+type provision struct {
+	m          *Manager
+	req        Request
+	eng        *vm.Engine
+	domainType string
+	consoleLog string
+
+	dir     string          // the machine's state directory (admit)
+	keys    *guestinit.Keys // makeKeys
+	seed    []byte          // the cloud-init seed, if the image takes one (makeKeys)
+	mac     string          // makeKeys
+	created time.Time       // create
+	// bootCtx bounds the waits for the address and SSH by timeouts.boot,
+	// from the domain's start on (create); endBoot releases it.
+	bootCtx context.Context
+	endBoot context.CancelFunc
+	addr    string          // waitAddress
+	client  *sshexec.Client // waitSSH
+	timings Timings
+}
+
+// newProvision prepares the steps of one Provision call.
+func (m *Manager) newProvision(ctx context.Context, req Request) (*provision, error) {
+	eng := m.engine()
+	domainType, err := eng.ResolveDomainType(ctx, m.Cfg.DomainType)
+	if err != nil {
+		return nil, err
+	}
+	return &provision{
+		m: m, req: req, eng: eng, domainType: domainType,
+		consoleLog: filepath.Join(m.Store.MachineDir(req.Name), "console.log"),
+		endBoot:    func() {},
+	}, nil
+}
+
+// list is the steps, in order, with their undos.
+func (p *provision) list() []steps.Step {
+	return []steps.Step{
+		// The state directory is the record that volumes of this name are
+		// ours: it goes only once they are gone (teardown), else a sweep
+		// could never remove what a failed undo left.
+		{Name: "admission", Do: p.admit, Undo: p.teardown},
+		{Name: "keys", Do: p.makeKeys},
+		// What is there under this name now, this call made.
+		{Name: "create", Do: p.create, Undo: p.remove},
+		{Name: "address", Do: p.waitAddress},
+		{Name: "ssh", Do: p.waitSSH, Undo: p.disconnect},
+		{Name: "check", Do: p.check},
+		{Name: "record", Do: p.record},
+	}
+}
+
+// run runs the steps. When the boot fails (no address, no SSH), the job log
+// gets the last lines of the guest's console, and the error what libvirt
+// says became of the guest, both read before the undo removes the machine.
+func (p *provision) run(ctx context.Context) error {
+	r := steps.Runner{
+		UndoTimeout: p.m.Cfg.Timeouts.Cleanup.D(),
+		OnUndo: func(name string, err error) {
+			if err != nil {
+				p.m.say("Undo %s failed: %v", name, err)
+			}
+		},
+	}
+	var consoleTail []byte
+	var why string
+	err := r.Run(ctx, withConsoleCapture(p.list(), func() {
+		consoleTail = tail(p.consoleLog, 25)
+		if ctx.Err() == nil {
+			why = p.m.Explain(ctx, p.req.Name)
+		}
+	}))
+	if err == nil {
+		return nil
+	}
+	if len(consoleTail) > 0 {
+		p.m.say("Last lines of the guest console:\n%s", consoleTail)
+	}
+	if why != "" {
+		err = fmt.Errorf("%w; %s", err, why)
+	}
+	return err
+}
+
+// withConsoleCapture wraps the boot-wait steps so that, when one fails, the
+// guest's console is read before the undo removes it.
+func withConsoleCapture(list []steps.Step, capture func()) []steps.Step {
+	out := make([]steps.Step, len(list))
+	for i, s := range list {
+		do := s.Do
+		if s.Name == "address" || s.Name == "ssh" {
+			s.Do = func(ctx context.Context) error {
+				err := do(ctx)
+				if err != nil {
+					capture()
+				}
+				return err
+			}
+		}
+		out[i] = s
+	}
+	return out
+}
+
+// admit reserves the host capacity and makes the state directory.
+func (p *provision) admit(ctx context.Context) error {
+	var err error
+	p.dir, err = p.m.admit(ctx, p.req)
+	return err
+}
+
+// teardown removes everything of the machine, the state directory last.
+func (p *provision) teardown(ctx context.Context) error { return p.m.teardown(ctx, p.req.Name) }
+
+// makeKeys makes the machine's client and host keys (saving the client's),
+// the cloud-init seed that carries them if the image takes one, and a MAC
+// that holds no lease.
+func (p *provision) makeKeys(ctx context.Context) error {
+	var err error
+	if p.keys, err = guestinit.NewKeys(p.req.Name); err != nil {
+		return err
+	}
+	if err := p.m.Store.SaveKey(p.req.Name, p.keys.ClientPEM); err != nil {
+		return err
+	}
+	if p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir); err != nil {
+		return err
+	}
+	p.mac, err = p.eng.FreshMAC(ctx, p.m.Cfg.Network)
+	return err
+}
+
+// create creates and starts the domain of MachineSpec, then starts the boot
+// deadline.
+func (p *provision) create(ctx context.Context) error {
+	p.created = time.Now().UTC()
+	// The console log is written by libvirt (as root); made here first, it
+	// stays this user's, who reads it when a boot fails.
+	if err := touchPrivate(p.consoleLog); err != nil {
+		return err
+	}
+	spec := MachineSpec(p.m.Cfg, SpecInput{
+		Request: p.req, Controller: p.m.Controller, DomainType: p.domainType,
+		Keys: p.keys, CloudInitSeed: p.seed, MAC: p.mac, Created: p.created, ConsoleLog: p.consoleLog,
+	})
+	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
+	t0 := time.Now()
+	mach, err := p.eng.Create(ctx, spec)
+	if err != nil {
+		return err
+	}
+	p.timings.Started = time.Now()
+	p.timings.Created, p.timings.Create = p.timings.Started.Sub(t0), mach.Steps
+	req := p.req
+	p.m.say("Created %s from image %s (%s, %d vCPU, %d MiB) in %s", req.Name, req.Image.Name, p.domainType, req.VCPUs, req.MemoryMiB, vm.Round(p.timings.Created))
+	boot := p.m.Cfg.Timeouts.Boot.D()
+	p.bootCtx, p.endBoot = context.WithTimeoutCause(ctx, boot,
+		fmt.Errorf("boot timeout %s (timeouts.boot) reached", boot))
+	return nil
+}
+
+// remove removes the domain and its volumes.
+func (p *provision) remove(ctx context.Context) error {
+	return p.m.engine().Remove(ctx, p.req.Name, p.m.Cfg.StoragePool, true)
+}
+
+// waitAddress waits, within the boot deadline, for the address of the
+// machine's own MAC.
+func (p *provision) waitAddress(context.Context) error {
+	img := p.req.Image
+	t0 := time.Now()
+	addr, err := p.eng.WaitAddress(p.bootCtx, p.req.Name, p.mac, vm.AddressSource(img.AddressSource))
+	if err != nil {
+		return err
+	}
+	p.addr = addr
+	p.timings.Addressed = time.Now()
+	p.timings.Address = p.timings.Addressed.Sub(t0)
+	p.m.say("Booted, address %s (MAC %s, from %s) in %s", addr, p.mac, img.AddressSource, vm.Round(p.timings.Address))
+	return nil
+}
+
+// waitSSH dials, within the boot deadline, until the handshake with the
+// pinned host key and the login succeed.
+func (p *provision) waitSSH(context.Context) error {
+	img := p.req.Image
+	t0 := time.Now()
+	target := p.m.target(p.addr, img.User, p.keys.Client, p.keys.Host)
+	var attempts int
+	var err error
+	p.client, attempts, err = sshexec.WaitReady(p.bootCtx, target, p.m.SSHPollInterval, 20*time.Second)
+	if err != nil {
+		return err
+	}
+	p.timings.Connected = time.Now()
+	p.timings.SSH, p.timings.SSHAttempts = p.timings.Connected.Sub(t0), attempts
+	p.m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, p.addr, ssh.FingerprintSHA256(p.keys.Host), vm.Round(p.timings.SSH), attempts)
+	return nil
+}
+
+// disconnect closes the SSH connection.
+func (p *provision) disconnect(context.Context) error {
+	if p.client != nil {
+		_ = p.client.Close()
+	}
+	return nil
+}
+
+// check runs the front end's check, if it has one.
+func (p *provision) check(ctx context.Context) error {
+	if p.req.Check == nil {
+		return nil
+	}
+	t0 := time.Now()
+	err := p.req.Check(ctx, p.client)
+	p.timings.Check = time.Since(t0)
+	return err
+}
+
+// record saves the machine's state: what run and cleanup find it by.
+func (p *provision) record(context.Context) error {
+	img := p.req.Image
+	return p.m.Store.Save(state.Machine{
+		Name: p.req.Name, Image: img.Name, Address: p.addr, Port: p.m.sshPort(), User: img.User, Shell: img.Shell,
+		HostKey: p.keys.HostPublicLine(), MAC: p.mac, Created: p.created,
+		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
+	})
+}

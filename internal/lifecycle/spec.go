@@ -1,0 +1,78 @@
+package lifecycle
+
+import (
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// SpecInput is what MachineSpec needs besides the configuration: the
+// request and the per-machine values Provision makes or looks up before it
+// creates the machine.
+type SpecInput struct {
+	// Request gives the name, image, sizes and the owner's front end, job
+	// and lifetime (Check is not used).
+	Request Request
+	// Controller is this installation's id, recorded as the owner.
+	Controller string
+	// DomainType is "kvm" or "qemu" (vm.Engine.ResolveDomainType).
+	DomainType string
+	// Keys are the machine's fresh keys; the comment on its authorized key
+	// is the machine's name.
+	Keys *guestinit.Keys
+	// CloudInitSeed is the NoCloud seed image of an image whose keys travel
+	// by cloud-init (CloudInitSeed makes it); other images ignore it.
+	CloudInitSeed []byte
+	// MAC is the interface's address (vm.Engine.FreshMAC).
+	MAC string
+	// Created is the creation time in the ownership record; the deadline is
+	// Created + Request.Lifetime + timeouts.job_slack.
+	Created time.Time
+	// ConsoleLog is the file that receives the serial console.
+	ConsoleLog string
+}
+
+// MachineSpec is the machine that Provision creates for in: a pure function
+// of cfg and in, so that whoever boots the same machine (the benchmark's
+// floor) boots exactly what prepare boots.
+func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
+	req, img := in.Request, in.Request.Image
+	s := vm.Spec{
+		Name: req.Name, DomainType: in.DomainType,
+		VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(req.DiskGiB) << 30,
+		Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
+		Pool: cfg.StoragePool, Network: cfg.Network, MAC: in.MAC,
+		GuestAgent: img.AddressSource == string(vm.SourceAgent),
+		// nil only in a Config not made by config.Parse: the default, on.
+		Isolated:   cfg.IsolateGuests == nil || *cfg.IsolateGuests,
+		ConsoleLog: in.ConsoleLog,
+		Owner: vm.Owner{
+			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job,
+			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),
+		},
+	}
+	if img.Boot == config.BootKernel {
+		s.Kernel, s.Initrd, s.Cmdline = img.Kernel, img.Initrd, img.Cmdline
+	}
+	switch img.KeyInjection {
+	case config.InjectCloudInit:
+		s.Seed = in.CloudInitSeed
+	case config.InjectSMBIOS:
+		s.Seed, s.SeedSerial = in.Keys.CredentialDisk(), guestinit.CredentialDiskSerial
+		s.OEMStrings = in.Keys.OEMStrings(req.Name)
+	}
+	return s
+}
+
+// CloudInitSeed makes the NoCloud seed image that gives a cloud-init image
+// the machine's keys, in dir (the machine's state directory); it is nil for
+// an image whose keys travel otherwise.
+func CloudInitSeed(name string, img *config.Image, keys *guestinit.Keys, dir string) ([]byte, error) {
+	if img.KeyInjection != config.InjectCloudInit {
+		return nil, nil
+	}
+	ci := guestinit.CloudInit{InstanceID: name, Hostname: name, User: img.User}
+	return ci.SeedISO(keys, name, dir)
+}
