@@ -28,7 +28,7 @@ endif
 help: ## show this help
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-deps: ## install what build, lint and the tests need: Debian packages, shellcheck, a verified Go toolchain (Debian 12, root)
+deps: ## install what build, lint and the tests need: Debian packages, shellcheck, a verified Go toolchain, golangci-lint (Debian 12, root)
 	@deploy/install-deps.sh
 
 build: build-prereqs ## build the four stage executables, the admin tool, the test harness and the benchmark into bin/ (needs Go: make deps)
@@ -91,10 +91,12 @@ rig-down: ## stop the private libvirt rig
 images: ## build (or reuse cached) test guest images
 	@deploy/images/build.sh tiny
 
-lint: ## gofmt, go vet, and shellcheck over the shell scripts in deploy/ and .ci/ (needs make deps)
+lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the shell scripts in deploy/ and .ci/ (needs make deps)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) vet -tags e2e ./test/e2e/
+	@command -v golangci-lint >/dev/null || { echo "make lint needs golangci-lint: run 'make deps' as root" >&2; exit 1; }
+	golangci-lint run ./...
 	@command -v shellcheck >/dev/null || { echo "make lint needs shellcheck: run 'make deps' as root" >&2; exit 1; }
 	@# *.sh files and files starting with a sh/bash/dash shebang
 	@files=$$(find deploy .ci -type f | LC_ALL=C sort | while read -r f; do \

@@ -20,8 +20,8 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/bench"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/bench"
 )
 
 func main() {

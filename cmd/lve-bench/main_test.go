@@ -9,7 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/urfave/cli/v2"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/bench"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/bench"
 )
 
 // parse runs the real flags through options() without benchmarking.

@@ -10,7 +10,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // demoCommand runs one sample job through the installed driver: the demo
@@ -49,7 +49,7 @@ func demoAction(c *cli.Context) error {
 	if err != nil {
 		return err
 	}
-	defer os.RemoveAll(tmp)
+	defer func() { _ = os.RemoveAll(tmp) }()
 	bare, sha, err := harness.MakeDemoRepo(tmp)
 	if err != nil {
 		return err

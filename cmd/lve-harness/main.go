@@ -1,5 +1,5 @@
 // Command lve-harness drives the driver's four Custom executor executables
-// the way GitLab Runner 16.11 does (see internal/harness), and serves a git
+// the way GitLab Runner 16.11 does (see internal/testkit/harness), and serves a git
 // repository for guests to clone. It is a test tool, used by `make demo`.
 //
 //	lve-harness run --config-exec X --prepare-exec X --run-exec X --cleanup-exec X \
@@ -26,7 +26,7 @@ import (
 
 	"github.com/urfave/cli/v2"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // errJobFailed marks a job that ran and failed (exit 1).
@@ -85,7 +85,7 @@ func app() *cli.App {
 						return err
 					}
 					fmt.Println(url)
-					<-c.Context.Done()
+					<-c.Done()
 					stopServe()
 					return nil
 				},

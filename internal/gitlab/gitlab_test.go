@@ -134,7 +134,7 @@ func fake(hv vm.Hypervisor) lifecycle.Connector {
 	return func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }
 }
 
-func (r *recorder) env(t *testing.T, vars map[string]string, stdout *bytes.Buffer) Env {
+func (r *recorder) env(vars map[string]string, stdout *bytes.Buffer) Env {
 	return Env{
 		Getenv: envOf(vars), Stdout: stdout, Stderr: &bytes.Buffer{},
 		Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
@@ -151,7 +151,7 @@ func TestConfigStageOutput(t *testing.T) {
 	r := &recorder{}
 	payload := filepath.Join(t.TempDir(), "response.json")
 	require.NoError(t, os.WriteFile(payload, []byte(`{"id":42,"image":{"name":"debian-12"}}`), 0o600))
-	require.NoError(t, Config(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg))
+	require.NoError(t, Config(context.Background(), r.env(map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg))
 	var got map[string]any
 	require.NoError(t, json.Unmarshal(out.Bytes(), &got))
 	require.Equal(t, "/srv/builds", got["builds_dir"])
@@ -169,7 +169,7 @@ func TestPrepareRefusesUnknownImageBeforeLibvirt(t *testing.T) {
 	require.NoError(t, os.WriteFile(payload, []byte(`{"id":42,"image":{"name":"../../etc/shadow"}}`), 0o600))
 	r := &recorder{}
 	var out bytes.Buffer
-	err := Prepare(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg)
+	err := Prepare(context.Background(), r.env(map[string]string{"JOB_RESPONSE_FILE": payload}, &out), cfg)
 	require.Equal(t, exitcodes.BuildClass, exitcodes.Classify(err))
 	require.Zero(t, r.connected, "nothing touched")
 	names, err := os.ReadDir(filepath.Join(cfg.StateDir, "machines"))
@@ -182,7 +182,7 @@ func TestRunWithoutPreparedMachineIsSystemFailure(t *testing.T) {
 	require.NoError(t, os.WriteFile(script, []byte("exit 0\n"), 0o600))
 	r := &recorder{}
 	var out bytes.Buffer
-	err := Run(context.Background(), r.env(t, map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out), cfg, script, "build_script")
+	err := Run(context.Background(), r.env(map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out), cfg, script, "build_script")
 	require.Error(t, err)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.True(t, errors.Is(err, state.ErrNoMachine), "%v", err)
@@ -193,7 +193,7 @@ func TestCleanupWithNothingLeftSucceeds(t *testing.T) {
 	cfg.StoragePool = "default-pool"
 	r := &recorder{}
 	var out bytes.Buffer
-	env := r.env(t, map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out)
+	env := r.env(map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json"}, &out)
 	require.NoError(t, Cleanup(context.Background(), env, cfg))
 	require.NoError(t, Cleanup(context.Background(), env, cfg), "idempotent")
 	require.Equal(t, 2, r.connected)

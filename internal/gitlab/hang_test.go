@@ -45,7 +45,7 @@ func TestStagesReturnByTheirDeadlineWhenLibvirtHangs(t *testing.T) {
 	t.Run("prepare", func(t *testing.T) {
 		ctx, cancel := context.WithTimeout(context.Background(), deadline)
 		defer cancel()
-		requireSystemFailureBy(t, deadline, func() error { return Prepare(ctx, e, cfg) })
+		_ = requireSystemFailureBy(t, deadline, func() error { return Prepare(ctx, e, cfg) })
 	})
 	t.Run("run explains a dead guest", func(t *testing.T) {
 		recordUnreachableMachine(t, e, cfg)
@@ -57,7 +57,7 @@ func TestStagesReturnByTheirDeadlineWhenLibvirtHangs(t *testing.T) {
 		require.ErrorContains(t, err, "connection refused", "the stage's own error, unexplained")
 	})
 	t.Run("cleanup", func(t *testing.T) {
-		requireSystemFailureBy(t, deadline, func() error { return Cleanup(context.Background(), e, cfg) })
+		_ = requireSystemFailureBy(t, deadline, func() error { return Cleanup(context.Background(), e, cfg) })
 	})
 	require.GreaterOrEqual(t, hv.Hung(), 3, "each stage met the hung libvirtd")
 

@@ -56,7 +56,7 @@ func runConfig(t *testing.T, cfg *config.Config, env map[string]string) (map[str
 	t.Helper()
 	var out bytes.Buffer
 	r := &recorder{}
-	if err := Config(context.Background(), r.env(t, env, &out), cfg); err != nil {
+	if err := Config(context.Background(), r.env(env, &out), cfg); err != nil {
 		return nil, err
 	}
 	var got map[string]any
@@ -123,7 +123,7 @@ func TestMachineNameIsPerInstance(t *testing.T) {
 	require.Equal(t, a, got["hostname"])
 	// Every stage of the job finds the same machine.
 	path := testPayload(t, 1000, "", pub("CI_SERVER_URL", "https://gitlab-a.example.com"), pub("CI_RUNNER_ID", "7"))
-	e := (&recorder{}).env(t, map[string]string{"JOB_RESPONSE_FILE": path}, &bytes.Buffer{})
+	e := (&recorder{}).env(map[string]string{"JOB_RESPONSE_FILE": path}, &bytes.Buffer{})
 	j, err := e.load(cfg)
 	require.NoError(t, err)
 	require.Equal(t, a, j.name)

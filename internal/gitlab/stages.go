@@ -331,7 +331,8 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 				VarKeep, j.name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(j.name), mach.User, mach.Address)
 		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
-			if werr := os.WriteFile(path, []byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
+			if werr := os.WriteFile(path, //nolint:gosec // G703: BUILD_EXIT_CODE_FILE is set by the runner, not by the job (CUSTOM_ENV_* is the job's)
+				[]byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
 				return exitcodes.System(errors.Join(err, fmt.Errorf("write BUILD_EXIT_CODE_FILE: %w", werr)))
 			}
 		}

@@ -83,7 +83,7 @@ func (c CloudInit) SeedISO(k *Keys, comment, workDir string) ([]byte, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(tmp)
+	defer func() { _ = os.RemoveAll(tmp) }() // best effort: a private temp dir
 	img := filepath.Join(tmp, "seed.iso")
 	d, err := diskfs.Create(img, 1<<20, diskfs.SectorSizeDefault)
 	if err != nil {

@@ -18,7 +18,7 @@ import (
 // HostKeyCredential is the systemd credential that carries the guest's SSH
 // host key (base64 of an OpenSSH private key). Image recipes install it; see
 // docs/images.md.
-const HostKeyCredential = "libvirt-executor.ssh_host_ed25519_key"
+const HostKeyCredential = "libvirt-executor.ssh_host_ed25519_key" //nolint:gosec // G101: a credential's name, not a credential
 
 // Keys is one job's key material.
 type Keys struct {

@@ -1,7 +1,6 @@
 package lifecycle
 
 import (
-	"bytes"
 	"context"
 	"encoding/base64"
 	"errors"
@@ -20,6 +19,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -28,55 +28,26 @@ const controller = "0123abcd-0000-4000-8000-000000000000"
 
 // fakeGuest "boots" when the fake hypervisor starts a domain: it reads the
 // SMBIOS credentials from the domain XML, as a systemd guest would, and
-// serves SSH on 127.0.0.1 with the delivered host key and authorized key.
+// serves SSH on 127.0.0.1 (sshtest) with the delivered host key and
+// authorized key. It runs no commands.
 type fakeGuest struct {
-	ln net.Listener
+	*sshtest.Server
 	hv *vmtest.Fake
 	// ownHostKey makes the guest ignore the delivered host key (an image
 	// without the host key unit).
 	ownHostKey bool
 	// noLease makes the guest never get an address.
 	noLease bool
-	mu      sync.Mutex
-	logins  int
-	cfg     *ssh.ServerConfig // of the latest boot
-	serving bool
-}
-
-// serve answers SSH on the listener with the latest boot's keys.
-func (g *fakeGuest) serve() {
-	for {
-		c, err := g.ln.Accept()
-		if err != nil {
-			return
-		}
-		g.mu.Lock()
-		cfg := g.cfg
-		g.mu.Unlock()
-		go func() {
-			_, chans, reqs, err := ssh.NewServerConn(c, cfg)
-			if err != nil {
-				_ = c.Close()
-				return
-			}
-			go ssh.DiscardRequests(reqs)
-			for ch := range chans {
-				_ = ch.Reject(ssh.Prohibited, "test guest")
-			}
-		}()
-	}
 }
 
 func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest {
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	t.Cleanup(func() { _ = ln.Close() })
-	g := &fakeGuest{ln: ln, hv: hv}
+	g := &fakeGuest{Server: sshtest.Start(t), hv: hv}
+	g.RejectSessions(true)
 	hv.OnStart = func(name string, d *libvirtxml.Domain) { g.boot(t, name, d) }
 	return g
 }
 
-func (g *fakeGuest) port() int { return g.ln.Addr().(*net.TCPAddr).Port }
+func (g *fakeGuest) port() int { return g.Port() }
 
 func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 	x, err := d.Marshal()
@@ -112,24 +83,9 @@ func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 		hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
 		require.NoError(t, err)
 	}
-	cfg := &ssh.ServerConfig{PublicKeyCallback: func(_ ssh.ConnMetadata, k ssh.PublicKey) (*ssh.Permissions, error) {
-		if bytes.Equal(k.Marshal(), allowed.Marshal()) {
-			g.mu.Lock()
-			g.logins++
-			g.mu.Unlock()
-			return nil, nil
-		}
-		return nil, errors.New("denied")
-	}}
-	cfg.AddHostKey(hostKey)
-	g.mu.Lock()
-	g.cfg = cfg
-	start := !g.serving
-	g.serving = true
-	g.mu.Unlock()
-	if start {
-		go g.serve()
-	}
+	// This boot's keys serve every connection from now on.
+	g.SetHostKey(hostKey)
+	g.SetAuthorizedKey(allowed)
 	if !g.noLease {
 		// The address appears a little after boot, as DHCP does.
 		go func() {
@@ -186,7 +142,7 @@ func TestProvisionAndTeardown(t *testing.T) {
 	require.NoError(t, err)
 	defer ready.Client.Close()
 	require.Equal(t, "127.0.0.1", ready.Machine.Address)
-	require.Equal(t, 1, g.logins)
+	require.Equal(t, 1, g.Logins())
 
 	// The domain carries our ownership record with a deadline.
 	o, err := vm.ParseOwner(hv.Domains["lve-0123abcd-7"].OwnerXML)
@@ -212,7 +168,7 @@ func TestProvisionRefusesImpostorHostKeyAndUndoes(t *testing.T) {
 	_, err := m.Provision(context.Background(), request(img))
 	require.Error(t, err)
 	require.ErrorContains(t, err, "host key mismatch")
-	require.Zero(t, g.logins, "never authenticated to the impostor")
+	require.Zero(t, g.Logins(), "never authenticated to the impostor")
 	requireNothingLeft(t, hv, m)
 }
 

@@ -41,7 +41,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 	req, img := in.Request, in.Request.Image
 	s := vm.Spec{
 		Name: req.Name, DomainType: in.DomainType,
-		VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(req.DiskGiB) << 30,
+		VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(max(req.DiskGiB, 0)) << 30, //nolint:gosec // G115: non-negative and bounded by limits.max_disk_gib
 		Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
 		Pool: cfg.StoragePool, Network: cfg.Network, MAC: in.MAC,
 		GuestAgent: img.AddressSource == string(vm.SourceAgent),

@@ -15,11 +15,14 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
-func target(ts *testServer) Target {
-	return Target{Addr: ts.addr, User: "root", Signer: ts.client, HostKey: ts.hostSigner.PublicKey(),
-		KeepaliveInterval: 500 * time.Millisecond, KeepaliveCount: 6}
+// target reaches ts. The keepalive is generous (10s without a reply) for a
+// loaded test host; the keepalive test sets its own.
+func target(ts *sshtest.Server) Target {
+	return Target{Addr: ts.Addr(), User: "root", Signer: ts.ClientSigner(), HostKey: ts.HostKey(),
+		KeepaliveInterval: time.Second, KeepaliveCount: 10}
 }
 
 func dial(t *testing.T, tg Target) *Client {
@@ -47,17 +50,17 @@ func (s *syncBuffer) String() string {
 	return s.b.String()
 }
 
-func run(t *testing.T, c *Client, ctx context.Context, script string) (string, string, error) {
+func run(c *Client, ctx context.Context, script string) (string, string, error) {
 	var out, errb syncBuffer
 	err := c.Run(ctx, []byte(script), RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
 	return out.String(), errb.String(), err
 }
 
 func TestRunExitCodes(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	for _, code := range []int{0, 1, 2, 3, 42, 255} {
-		out, _, err := run(t, c, context.Background(), fmt.Sprintf("#!/usr/bin/env bash\necho hello\nexit %d\n", code))
+		out, _, err := run(c, context.Background(), fmt.Sprintf("#!/usr/bin/env bash\necho hello\nexit %d\n", code))
 		require.Equal(t, "hello\n", out)
 		if code == 0 {
 			require.NoError(t, err)
@@ -71,9 +74,9 @@ func TestRunExitCodes(t *testing.T) {
 }
 
 func TestRunStreamsStderrAndClosesStdin(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
-	out, errOut, err := run(t, c, context.Background(), "echo to-err >&2\nif read -r line; then echo got-stdin; else echo stdin-closed; fi\n")
+	out, errOut, err := run(c, context.Background(), "echo to-err >&2\nif read -r line; then echo got-stdin; else echo stdin-closed; fi\n")
 	require.NoError(t, err)
 	require.Equal(t, "to-err\nstdin-closed\n", out, "stderr is merged into the stage's output in the guest")
 	require.Empty(t, errOut)
@@ -82,9 +85,9 @@ func TestRunStreamsStderrAndClosesStdin(t *testing.T) {
 // A compiler error stays next to the command that caused it: stdout and
 // stderr are merged in the guest, so their relative order survives.
 func TestStdoutAndStderrKeepTheirOrder(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
-	out, _, err := run(t, c, context.Background(), "for i in $(seq 1 2000); do echo out-$i; echo err-$i >&2; done\n")
+	out, _, err := run(c, context.Background(), "for i in $(seq 1 2000); do echo out-$i; echo err-$i >&2; done\n")
 	require.NoError(t, err)
 	var want strings.Builder
 	for i := 1; i <= 2000; i++ {
@@ -99,13 +102,13 @@ func TestStdoutAndStderrKeepTheirOrder(t *testing.T) {
 // three; a missing one fails the test rather than skipping it.
 var loginShells = map[string][]string{"bash": {"bash"}, "dash": {"dash"}, "busybox-ash": {"busybox", "sh"}}
 
-func eachLoginShell(t *testing.T, f func(t *testing.T, ts *testServer)) {
+func eachLoginShell(t *testing.T, f func(t *testing.T, ts *sshtest.Server)) {
 	for name, argv := range loginShells {
 		t.Run(name, func(t *testing.T) {
 			_, err := exec.LookPath(argv[0])
 			require.NoError(t, err, "%s is needed to test the wrapper under %s (make deps installs it)", argv[0], name)
-			ts := startServer(t)
-			ts.login.Store(argv)
+			ts := sshtest.Start(t)
+			ts.SetLogin(argv...)
 			f(t, ts)
 		})
 	}
@@ -133,7 +136,7 @@ func readPid(t *testing.T, path string) string {
 // its process group is stopped. Before, the background process held the
 // channel's output open and the stage ran until the job timeout.
 func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
-	eachLoginShell(t, func(t *testing.T, ts *testServer) {
+	eachLoginShell(t, func(t *testing.T, ts *sshtest.Server) {
 		c := dial(t, target(ts))
 		for _, tc := range []struct {
 			name, start string
@@ -150,7 +153,7 @@ func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 				defer cancel()
 				start := time.Now()
-				out, errOut, err := run(t, c, ctx, script)
+				out, errOut, err := run(c, ctx, script)
 				took := time.Since(start)
 				require.Less(t, took, 6*time.Second, "the stage ends within seconds of its script")
 				require.Contains(t, out, "started")
@@ -179,14 +182,14 @@ func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
 // cannot hold the stage open, even when it still writes to the stage's
 // output.
 func TestDetachedProcessCannotHoldTheStage(t *testing.T) {
-	eachLoginShell(t, func(t *testing.T, ts *testServer) {
+	eachLoginShell(t, func(t *testing.T, ts *sshtest.Server) {
 		c := dial(t, target(ts))
 		pidfile := filepath.Join(t.TempDir(), "bg.pid")
 		script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; while true; do echo tick; sleep 0.2; done' &\nsleep 0.5\necho started\n", pidfile)
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
 		start := time.Now()
-		out, errOut, err := run(t, c, ctx, script)
+		out, errOut, err := run(c, ctx, script)
 		require.NoError(t, err)
 		require.Less(t, time.Since(start), 6*time.Second)
 		require.Contains(t, out, "started")
@@ -212,11 +215,11 @@ func mustAtoi(t *testing.T, s string) int {
 // A service started in the background serves later commands of the same
 // stage (before_script and script run in one stage).
 func TestBackgroundServiceServesTheRestOfTheStage(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	dir := t.TempDir()
 	script := fmt.Sprintf("(while true; do date +%%s%%N > %[1]s/beat; sleep 0.05; done) &\nsleep 0.5\na=$(cat %[1]s/beat); sleep 0.3; b=$(cat %[1]s/beat)\n[ \"$a\" != \"$b\" ] && echo service-alive\n", dir)
-	out, _, err := run(t, c, context.Background(), script)
+	out, _, err := run(c, context.Background(), script)
 	require.NoError(t, err)
 	require.Contains(t, out, "service-alive")
 }
@@ -225,8 +228,8 @@ func TestBackgroundServiceServesTheRestOfTheStage(t *testing.T) {
 // status arrived: a server that keeps the channel open afterwards costs at
 // most the drain grace, and the class is the script's.
 func TestChannelHeldOpenAfterExitStatus(t *testing.T) {
-	ts := startServer(t)
-	ts.holdOpen.Store(true)
+	ts := sshtest.Start(t)
+	ts.HoldOpen(true)
 	c := dial(t, target(ts))
 	for _, code := range []int{0, 7} {
 		var out syncBuffer
@@ -247,36 +250,50 @@ func TestChannelHeldOpenAfterExitStatus(t *testing.T) {
 }
 
 func TestScriptNeverOnCommandLineAndNotLeftBehind(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	secret := "canary-" + t.Name()
-	_, _, err := run(t, c, context.Background(), "X="+secret+"\necho ok\n")
+	_, _, err := run(c, context.Background(), "X="+secret+"\necho ok\n")
 	require.NoError(t, err)
-	for _, cmd := range ts.commands() {
+	for _, cmd := range ts.Commands() {
 		require.NotContains(t, cmd, secret)
 	}
-	left, _ := filepath.Glob("/tmp/lve-run-*")
-	for _, f := range left {
+	for _, f := range leftRegularFiles(t) {
 		b, _ := os.ReadFile(f)
 		require.NotContains(t, string(b), secret, "script left at %s", f)
 	}
 	// A failing script is removed too.
-	_, _, err = run(t, c, context.Background(), "Y="+secret+"-2\nexit 5\n")
+	_, _, err = run(c, context.Background(), "Y="+secret+"-2\nexit 5\n")
 	require.Error(t, err)
-	left, _ = filepath.Glob("/tmp/lve-run-*")
-	for _, f := range left {
+	for _, f := range leftRegularFiles(t) {
 		b, _ := os.ReadFile(f)
 		require.NotContains(t, string(b), secret+"-2", "script left at %s", f)
 	}
 }
 
+// leftRegularFiles lists the regular files of the wrapper's naming in /tmp.
+// A FIFO of a stage still running elsewhere on the host (another test
+// process) is no script, and reading it would block.
+func leftRegularFiles(t *testing.T) []string {
+	t.Helper()
+	matches, err := filepath.Glob("/tmp/lve-run-*")
+	require.NoError(t, err)
+	var files []string
+	for _, f := range matches {
+		if st, err := os.Lstat(f); err == nil && st.Mode().IsRegular() {
+			files = append(files, f)
+		}
+	}
+	return files
+}
+
 // The script runs with the shell's own umask, not the private one used to
 // write it into the guest.
 func TestScriptKeepsTheUsersUmask(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
-	ts.prefix.Store("umask 0022; ")
-	out, _, err := run(t, c, context.Background(), "umask\n")
+	ts.SetPrefix("umask 0022; ")
+	out, _, err := run(c, context.Background(), "umask\n")
 	require.NoError(t, err)
 	require.Equal(t, "0022\n", out)
 }
@@ -285,21 +302,21 @@ func TestScriptKeepsTheUsersUmask(t *testing.T) {
 // full /tmp) is an infrastructure failure, never the job's, whatever the
 // shell says.
 func TestUploadFailureIsSystemFailure(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	fakebin := t.TempDir()
 	require.NoError(t, os.WriteFile(filepath.Join(fakebin, "cat"), []byte("#!/bin/sh\necho 'cat: write error: No space left on device' >&2\nexit 1\n"), 0o755))
-	ts.prefix.Store("PATH=" + fakebin + ":$PATH; ")
-	_, errOut, err := run(t, c, context.Background(), "echo never-ran\n")
+	ts.SetPrefix("PATH=" + fakebin + ":$PATH; ")
+	_, errOut, err := run(c, context.Background(), "echo never-ran\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "copy script into guest failed")
 	require.NotContains(t, errOut, "never-ran")
 	require.NoError(t, c.Dead(), "the connection itself is fine")
 	// A script that kills its own shell, or its whole process group, with
 	// the same signal is still the job's (128+10), not an upload failure.
-	ts.prefix.Store("")
+	ts.SetPrefix("")
 	for _, script := range []string{"kill -USR1 $$\n", "kill -USR1 0\n"} {
-		_, _, err = run(t, c, context.Background(), script)
+		_, _, err = run(c, context.Background(), script)
 		code, ok := exitcodes.ScriptCode(err)
 		require.True(t, ok, "%s: %v", script, err)
 		require.Equal(t, 128+10, code, script)
@@ -309,14 +326,14 @@ func TestUploadFailureIsSystemFailure(t *testing.T) {
 // A script that arrives cut short (the connection dropped during the
 // upload, so the guest saw the end of its input early) never runs.
 func TestTruncatedUploadNeverRuns(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	fakebin := t.TempDir()
 	// A cat that keeps only the first line of what it is given.
 	require.NoError(t, os.WriteFile(filepath.Join(fakebin, "cat"), []byte("#!/bin/sh\nhead -n 1\n"), 0o755))
-	ts.prefix.Store("PATH=" + fakebin + ":$PATH; ")
+	ts.SetPrefix("PATH=" + fakebin + ":$PATH; ")
 	marker := filepath.Join(t.TempDir(), "ran")
-	out, _, err := run(t, c, context.Background(), "true\ntouch "+marker+"\necho second-line\n")
+	out, _, err := run(c, context.Background(), "true\ntouch "+marker+"\necho second-line\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "copy script into guest failed")
 	require.NotContains(t, out, "second-line")
@@ -324,9 +341,9 @@ func TestTruncatedUploadNeverRuns(t *testing.T) {
 }
 
 func TestScriptKilledBySignalIsBuildFailure(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
-	_, _, err := run(t, c, context.Background(), "kill -SEGV $$\n")
+	_, _, err := run(c, context.Background(), "kill -SEGV $$\n")
 	code, ok := exitcodes.ScriptCode(err)
 	require.True(t, ok, "%v", err)
 	require.Equal(t, 128+11, code)
@@ -336,7 +353,7 @@ func TestCancelKillsRemoteProcessGroup(t *testing.T) {
 	eachLoginShell(t, testCancelKillsRemoteProcessGroup)
 }
 
-func testCancelKillsRemoteProcessGroup(t *testing.T, ts *testServer) {
+func testCancelKillsRemoteProcessGroup(t *testing.T, ts *sshtest.Server) {
 	c := dial(t, target(ts))
 	marker := filepath.Join(t.TempDir(), "child.pid")
 	ctx, cancel := context.WithCancel(context.Background())
@@ -351,7 +368,7 @@ func testCancelKillsRemoteProcessGroup(t *testing.T, ts *testServer) {
 		}
 	}()
 	start := time.Now()
-	_, _, err := run(t, c, ctx, script)
+	_, _, err := run(c, ctx, script)
 	require.Error(t, err)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
 	require.Less(t, time.Since(start), 10*time.Second)
@@ -368,21 +385,21 @@ func TestCancelEscalatesToKill(t *testing.T) {
 	eachLoginShell(t, testCancelEscalatesToKill)
 }
 
-func testCancelEscalatesToKill(t *testing.T, ts *testServer) {
+func testCancelEscalatesToKill(t *testing.T, ts *sshtest.Server) {
 	c := dial(t, target(ts))
 	ctx, cancel := context.WithTimeout(context.Background(), 500*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	_, _, err := run(t, c, ctx, "trap '' TERM\nwhile true; do sleep 0.1; done\n")
+	_, _, err := run(c, ctx, "trap '' TERM\nwhile true; do sleep 0.1; done\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.Less(t, time.Since(start), 8*time.Second, "SIGKILL after the grace period")
 }
 
 func TestConnectionDroppedMidStreamIsSystemFailure(t *testing.T) {
-	ts := startServer(t)
-	ts.dropOn.Store("DROP-NOW")
+	ts := sshtest.Start(t)
+	ts.DropOn("DROP-NOW")
 	c := dial(t, target(ts))
-	out, _, err := run(t, c, context.Background(), "echo before\nsleep 0.2\necho DROP-NOW\nsleep 5\nexit 1\n")
+	out, _, err := run(c, context.Background(), "echo before\nsleep 0.2\necho DROP-NOW\nsleep 5\nexit 1\n")
 	require.Contains(t, out, "before")
 	require.Error(t, err)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
@@ -390,16 +407,16 @@ func TestConnectionDroppedMidStreamIsSystemFailure(t *testing.T) {
 }
 
 func TestFrozenGuestDetectedByKeepalive(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	tg := target(ts)
 	tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3
 	c := dial(t, tg)
-	ts.freeze.Store(true)
+	ts.Freeze(true)
 	// The guest stops answering keepalives while a long script "runs".
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	start := time.Now()
-	_, _, err := run(t, c, ctx, "sleep 15\n")
+	_, _, err := run(c, ctx, "sleep 15\n")
 	took := time.Since(start)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorIs(t, err, ErrDeadGuest)
@@ -407,9 +424,9 @@ func TestFrozenGuestDetectedByKeepalive(t *testing.T) {
 }
 
 func TestHostKeyMismatchSendsNothing(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	tg := target(ts)
-	tg.HostKey = newSigner(t).PublicKey()
+	tg.HostKey = sshtest.NewSigner(t).PublicKey()
 	_, err := Dial(context.Background(), tg)
 	require.ErrorIs(t, err, ErrHostKeyMismatch)
 
@@ -418,11 +435,11 @@ func TestHostKeyMismatchSendsNothing(t *testing.T) {
 	_, _, err = WaitReady(ctx, tg, 20*time.Millisecond, 100*time.Millisecond)
 	require.ErrorIs(t, err, ErrHostKeyMismatch)
 	require.ErrorContains(t, err, "refusing to send anything")
-	require.Empty(t, ts.commands(), "no command reached the impostor")
+	require.Empty(t, ts.Commands(), "no command reached the impostor")
 }
 
 func TestNoPinnedKeyIsRefused(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	tg := target(ts)
 	tg.HostKey = nil
 	_, err := Dial(context.Background(), tg)
@@ -434,9 +451,9 @@ func TestNoPinnedKeyIsRefused(t *testing.T) {
 }
 
 func TestAuthFailureAndWaitReadyTimeout(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	tg := target(ts)
-	tg.Signer = newSigner(t)
+	tg.Signer = sshtest.NewSigner(t)
 	// Long enough for several handshakes on a loaded CI machine (-race, all
 	// packages at once); the guest's real answer must be what is reported.
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
@@ -448,7 +465,7 @@ func TestAuthFailureAndWaitReadyTimeout(t *testing.T) {
 }
 
 func TestWaitReadyRetriesUntilServerUp(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	tg := target(ts)
 	// Point at a port with nothing listening, then at the server: the
 	// retry loop must keep going on "connection refused".
@@ -468,7 +485,7 @@ func TestWaitReadyRetriesUntilServerUp(t *testing.T) {
 }
 
 func TestOutput(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	out, err := c.Output(context.Background(), "echo hi")
 	require.NoError(t, err)
@@ -482,19 +499,19 @@ func TestOutput(t *testing.T) {
 // session shell), and a leftover cannot hold the stage open; leftovers of a
 // normal end are not stopped (docs/images.md).
 func TestWithoutSetsid(t *testing.T) {
-	ts := startServer(t)
+	ts := sshtest.Start(t)
 	bin := t.TempDir()
 	for _, tool := range []string{"bash", "cat", "wc", "mkfifo", "mv", "rm", "sleep", "env"} {
 		p, err := exec.LookPath(tool)
 		require.NoError(t, err)
 		require.NoError(t, os.Symlink(p, filepath.Join(bin, tool)))
 	}
-	ts.prefix.Store("PATH=" + bin + "; ")
+	ts.SetPrefix("PATH=" + bin + "; ")
 	c := dial(t, target(ts))
 
 	pidfile := filepath.Join(t.TempDir(), "bg.pid")
 	start := time.Now()
-	out, _, err := run(t, c, context.Background(), fmt.Sprintf("sleep 300 &\necho $! > %s\necho started\n", pidfile))
+	out, _, err := run(c, context.Background(), fmt.Sprintf("sleep 300 &\necho $! > %s\necho started\n", pidfile))
 	require.NoError(t, err)
 	require.Contains(t, out, "started")
 	require.Less(t, time.Since(start), 6*time.Second, "the stage ends on time without setsid too")
@@ -516,7 +533,7 @@ func TestWithoutSetsid(t *testing.T) {
 			time.Sleep(20 * time.Millisecond)
 		}
 	}()
-	_, _, err = run(t, c, ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	_, _, err = run(c, ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.NotContains(t, err.Error(), "stopping it in the guest failed")
 	pid := readPid(t, marker)

@@ -66,7 +66,7 @@ func (s Store) ControllerID() (string, error) {
 	if err != nil {
 		return "", err
 	}
-	defer os.Remove(tmp.Name())
+	defer func() { _ = os.Remove(tmp.Name()) }() // gone already once linked
 	if _, err := tmp.WriteString(id + "\n"); err != nil {
 		return "", err
 	}
@@ -211,7 +211,7 @@ func writeFileAtomic(path string, data []byte) error {
 	if err != nil {
 		return err
 	}
-	defer os.Remove(tmp.Name())
+	defer func() { _ = os.Remove(tmp.Name()) }() // gone already once renamed
 	if err := tmp.Chmod(0o600); err != nil {
 		return err
 	}

@@ -366,7 +366,7 @@ func imageVirtualSize(path string) (uint64, error) {
 	if err != nil {
 		return 0, err
 	}
-	return uint64(st.Size()), nil
+	return uint64(max(st.Size(), 0)), nil //nolint:gosec // G115: a file size is never negative
 }
 
 func (l *Libvirt) domain(name string) (*libvirt.Domain, error) {

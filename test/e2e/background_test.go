@@ -9,7 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // stageBound is how long a stage whose script is done at once may take on a

@@ -21,7 +21,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // withConfig returns a view of the rig whose configuration file is a copy

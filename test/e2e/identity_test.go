@@ -12,7 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // Two GitLab instances sharing one host and one driver configuration hand

@@ -15,7 +15,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 func TestPassingJob(t *testing.T) {

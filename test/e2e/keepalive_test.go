@@ -16,7 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirt"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // TestFaultKeepaliveUnderLoad measures the default keepalive on a loaded host:

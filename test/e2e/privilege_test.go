@@ -20,7 +20,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 // TestUnprivilegedRunnerUser runs a whole job with every stage executed as an
@@ -76,7 +76,7 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 		opts.OnStage = func(name string, pid int) {
 			if name == "build_script" {
 				mu.Lock()
-				files = ownership(t, filepath.Join(top, "state-runner"))
+				files = ownership(filepath.Join(top, "state-runner"))
 				mu.Unlock()
 			}
 			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
@@ -229,7 +229,7 @@ func copyFile(t *testing.T, from, to string, mode os.FileMode) {
 }
 
 // ownership lists "mode uid path" for everything under dir.
-func ownership(t *testing.T, dir string) []string {
+func ownership(dir string) []string {
 	var out []string
 	_ = filepath.WalkDir(dir, func(p string, d fs.DirEntry, err error) error {
 		if err != nil || p == dir {

@@ -23,7 +23,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
 type rig struct {

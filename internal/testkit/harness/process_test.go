@@ -29,7 +29,7 @@ func TestHelperProcessAlloc(t *testing.T) {
 		b[i] = 1 // touch every page so it is resident
 	}
 	time.Sleep(300 * time.Millisecond) // long enough to be sampled
-	os.Stdout.WriteString("allocated " + strconv.Itoa(len(b)>>20) + " MiB\n")
+	_, _ = os.Stdout.WriteString("allocated " + strconv.Itoa(len(b)>>20) + " MiB\n")
 	runtime.KeepAlive(b)
 	os.Exit(0)
 }

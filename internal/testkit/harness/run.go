@@ -370,7 +370,7 @@ func (r *jobRun) runStage(ctx context.Context, name, status, body string) (Stage
 		return StageResult{}, nil, fmt.Errorf("harness: script dir: %w", err)
 	}
 	if !r.opts.KeepWorkDir {
-		defer os.RemoveAll(dir)
+		defer func() { _ = os.RemoveAll(dir) }()
 	}
 	script := filepath.Join(dir, "script.")
 	if err := os.WriteFile(script, []byte(renderScript(body)), 0o700); err != nil {

@@ -24,9 +24,9 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -146,7 +146,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	if b.timings, err = os.MkdirTemp("", "lve-bench-timings-"); err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(b.timings)
+	defer func() { _ = os.RemoveAll(b.timings) }()
 	if left := b.leftovers(ctx); len(left) > 0 {
 		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
 	}
@@ -414,7 +414,7 @@ func tail(s string, n int) string {
 func (b *bench) hostLoad() HostLoad {
 	var h HostLoad
 	if data, err := os.ReadFile("/proc/loadavg"); err == nil {
-		fmt.Sscanf(string(data), "%g", &h.Load1)
+		_, _ = fmt.Sscanf(string(data), "%g", &h.Load1) // 0 when unreadable
 	}
 	if doms, err := b.conn.ListAllDomains(libvirt.CONNECT_LIST_DOMAINS_ACTIVE); err == nil {
 		h.OtherVMs = len(doms)

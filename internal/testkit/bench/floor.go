@@ -171,7 +171,7 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 		return fail(err)
 	}
 	fs.SSHMs = ms(time.Since(t0))
-	defer client.Close()
+	defer func() { _ = client.Close() }()
 
 	// What each run_exec pays on a booted guest: a fresh connection, and
 	// sessions (run_exec opens two: upload, then run).
