@@ -73,6 +73,15 @@ if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
 elif [ -n "$own_pid" ]; then
 	rig_log "the rig's libvirtd (pid $own_pid) does not answer: skipping domain/network cleanup"
 fi
+# Machine state and locks the rig's jobs left (a failed test run): the rig's
+# own state_dir, kept otherwise (controller id, caches).
+for d in "$LVE_RIG_DIR/state/machines"/*/; do
+	[ -d "$d" ] || continue
+	rig_log "LEAK: machine state $(basename "$d"): removing it"
+	leaks=$((leaks + 1))
+	rm -rf "$d"
+done
+rm -f "$LVE_RIG_DIR/state/locks"/*.lock
 
 if [ -n "$own_pid" ]; then
 	stop_pid "$own_pid" libvirtd && rig_log "stopped libvirtd (pid $own_pid)"

@@ -617,3 +617,62 @@ func TestCapacityAdmissionOnRealVMs(t *testing.T) {
 	}
 	require.Equal(t, 1, waited, "exactly one of the two jobs waited for the other's VM")
 }
+
+// TestFaultLibvirtdHung stops the rig's libvirtd (SIGSTOP: it accepts
+// connections but never answers) between run and cleanup. run does not need
+// libvirt; cleanup gives up by its own deadline (timeouts.cleanup) as a
+// system failure instead of hanging; once libvirtd answers again a second
+// cleanup removes everything.
+func TestFaultLibvirtdHung(t *testing.T) {
+	if os.Getenv("LVE_E2E_ALLOW_LIBVIRTD_RESTART") == "" {
+		t.Skip("stops the shared libvirtd: set LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 (make test-e2e does)")
+	}
+	base := setup(t)
+	const cleanupDeadline = 8 * time.Second
+	r := base.withConfig(t, func(s string) string {
+		return strings.Replace(s, "[timeouts]\n", fmt.Sprintf("[timeouts]\ncleanup = %q\n", cleanupDeadline.String()), 1)
+	})
+	require.Equal(t, cleanupDeadline, r.cfg.Timeouts.Cleanup.D())
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+
+	pid := rigLibvirtdPID(t)
+	comm, _ := os.ReadFile(fmt.Sprintf("/proc/%d/comm", pid))
+	require.Equal(t, "libvirtd", strings.TrimSpace(string(comm)), "only the rig's own libvirtd is stopped")
+	require.NoError(t, syscall.Kill(pid, syscall.SIGSTOP))
+	resumed := false
+	resume := func() {
+		if !resumed {
+			resumed = true
+			_ = syscall.Kill(pid, syscall.SIGCONT)
+		}
+	}
+	defer resume()
+
+	res := s.runScript(t, "build_script", "#!/usr/bin/env bash\necho ran-without-libvirt\n")
+	require.Equal(t, 0, res.code, "run does not need libvirtd")
+	require.Contains(t, res.stdout, "ran-without-libvirt")
+
+	t0 := time.Now()
+	res = s.run(t, "cleanup")
+	took := time.Since(t0)
+	figures.fault()
+	figures.class(res.code, 2)
+	require.Equal(t, 2, res.code, "cleanup reports that it could not finish")
+	require.Less(t, took, cleanupDeadline+5*time.Second, "cleanup ends by its deadline, not when libvirtd answers")
+	require.Contains(t, res.stderr, "libvirt")
+	t.Logf("cleanup against a hung libvirtd returned after %s (deadline %s)", took.Round(100*time.Millisecond), cleanupDeadline)
+
+	resume()
+	waitFor(t, 30*time.Second, "libvirtd answering again", func() bool {
+		c, err := libvirt.NewConnect(r.cfg.LibvirtURI)
+		if err != nil {
+			return false
+		}
+		_, _ = c.Close()
+		return true
+	})
+	require.Equal(t, 0, s.run(t, "cleanup").code, "the next cleanup removes everything")
+	r.requireNoLeftovers(t, "after the fault")
+}
