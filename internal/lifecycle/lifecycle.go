@@ -123,7 +123,9 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	mach, _, _, err := m.Store.Load(req.Name)
 	if err != nil {
 		_ = p.client.Close()
-		return nil, errors.Join(err, m.teardown(context.WithoutCancel(ctx), req.Name))
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		return nil, errors.Join(err, m.teardown(tctx, req.Name))
 	}
 	return &Ready{Machine: mach, Client: p.client, Timings: p.timings}, nil
 }

@@ -137,6 +137,12 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 				return change(ctx, func(ctx context.Context) error { return e.HV.Define(ctx, x) })
 			},
 			Undo: func(ctx context.Context) error {
+				// A start whose outcome is unknown (it outlived
+				// MutationGrace) may have happened: destroy first, or the
+				// undefine would leave a running transient domain.
+				if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, s.Name) })); err != nil {
+					return err
+				}
 				return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Undefine(ctx, s.Name) }))
 			},
 		},
@@ -201,7 +207,7 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 		leases, err := e.HV.Addresses(ctx, name, source)
 		switch {
 		case err != nil && ctx.Err() != nil:
-			return "", fmt.Errorf("no address for %s (MAC %s, source %s): %w", name, mac, source, err)
+			return "", fmt.Errorf("no address for %s (MAC %s, source %s): %w", name, mac, source, ctxError(ctx))
 		case errors.Is(err, ErrNotFound):
 			return "", fmt.Errorf("domain %s disappeared while waiting for its address", name)
 		case errors.Is(err, ErrAgentNotReady):

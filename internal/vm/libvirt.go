@@ -451,6 +451,11 @@ func (l *Libvirt) Owner(ctx context.Context, name string) (string, error) {
 		}
 		defer d.Free()
 		s, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
+		if code(err) == libvirt.ERR_OPERATION_INVALID {
+			// A transient domain (undefined while running) has no
+			// persistent config; its live definition carries the record.
+			s, err = d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_LIVE)
+		}
 		if err != nil {
 			switch code(err) {
 			case libvirt.ERR_NO_DOMAIN_METADATA:

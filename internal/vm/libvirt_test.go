@@ -103,3 +103,33 @@ func TestLibvirtKVMAvailable(t *testing.T) {
 	_, err := l.KVMAvailable(context.Background())
 	require.NoError(t, err)
 }
+
+// A domain undefined while running (transient) keeps its ownership record in
+// its live definition: Owner reads it there, so teardown and the sweep can
+// still prove it ours and remove it.
+func TestOwnerOfATransientDomain(t *testing.T) {
+	l := testDriver(t)
+	s := testSpec()
+	s.Pool = "default-pool"
+	s.Network = "default"
+	s.Base = "/default-pool/base.qcow2"
+	s.Kernel, s.Initrd, s.Cmdline = "", "", ""
+	s.ConsoleLog = ""
+	ctx := context.Background()
+	_, err := l.CreateVolume(ctx, s.Pool, &libvirtxml.StorageVolume{
+		Name: "base.qcow2", Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 1 << 30},
+	})
+	require.NoError(t, err)
+	e := &Engine{HV: l, Controller: s.Owner.Controller}
+	_, err = e.Create(ctx, s)
+	require.NoError(t, err)
+	require.NoError(t, l.Undefine(ctx, s.Name), "undefined while running: transient")
+	ownerXML, err := l.Owner(ctx, s.Name)
+	require.NoError(t, err)
+	o, err := ParseOwner(ownerXML)
+	require.NoError(t, err)
+	require.Equal(t, s.Owner.Controller, o.Controller)
+	require.NoError(t, e.Remove(ctx, s.Name, s.Pool, false))
+	_, err = l.Owner(ctx, s.Name)
+	require.ErrorIs(t, err, ErrNotFound, "the transient domain is gone")
+}

@@ -98,7 +98,11 @@ func (r *Reconnecting) connection(ctx context.Context) (Hypervisor, error) {
 		return nil, errClosed
 	}
 	if r.hv == nil {
-		hv, err := r.dial(ctx)
+		// A connect to a hung libvirtd blocks before any keepalive
+		// exists: bound it by Wait, not only by the caller's ctx.
+		dctx, cancel := context.WithTimeout(ctx, r.wait())
+		hv, err := r.dial(dctx)
+		cancel()
 		if err != nil {
 			return nil, err
 		}
@@ -157,10 +161,7 @@ func (r *Reconnecting) replace(ctx context.Context, lost Hypervisor, cause error
 // redial dials until it succeeds, Wait has passed or ctx ends (a restarting
 // libvirtd takes a few seconds to listen again).
 func (r *Reconnecting) redial(ctx context.Context) (Hypervisor, error) {
-	wait, interval := r.Wait, r.Interval
-	if wait <= 0 {
-		wait = 30 * time.Second
-	}
+	wait, interval := r.wait(), r.Interval
 	if interval <= 0 {
 		interval = 250 * time.Millisecond
 	}
@@ -168,7 +169,9 @@ func (r *Reconnecting) redial(ctx context.Context) (Hypervisor, error) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		hv, err := r.dial(ctx)
+		dctx, cancel := context.WithDeadline(ctx, deadline)
+		hv, err := r.dial(dctx)
+		cancel()
 		switch {
 		case err == nil:
 			return hv, nil
@@ -183,6 +186,14 @@ func (r *Reconnecting) redial(ctx context.Context) (Hypervisor, error) {
 		case <-t.C:
 		}
 	}
+}
+
+// wait is how long a connect, or redialling, may take (Wait, default 30 s).
+func (r *Reconnecting) wait() time.Duration {
+	if r.Wait <= 0 {
+		return 30 * time.Second
+	}
+	return r.Wait
 }
 
 // redialStopped is redial's error when ctx ended; last is the last dial's.

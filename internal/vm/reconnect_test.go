@@ -174,3 +174,19 @@ func TestConnectionLostClassification(t *testing.T) {
 		require.Equal(t, tc.lost, ConnectionLost(tc.err), "%v", tc.err)
 	}
 }
+
+// A connect to a libvirtd that accepts but never answers blocks before any
+// keepalive exists: it is bounded by Wait, not only by the caller's ctx.
+func TestReconnectingBoundsAHungConnect(t *testing.T) {
+	r := NewReconnecting(func(ctx context.Context) (Hypervisor, error) {
+		<-ctx.Done()
+		return nil, ctx.Err()
+	})
+	r.Wait = 200 * time.Millisecond
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	start := time.Now()
+	_, err := r.DomainNames(ctx)
+	require.Error(t, err)
+	require.Less(t, time.Since(start), 3*time.Second, "gave up after Wait, not at the caller's deadline")
+}

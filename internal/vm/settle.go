@@ -13,7 +13,7 @@ import (
 // would leave a running domain its undo does not know about (a cancelled
 // prepare must leave nothing). A live libvirtd finishes these calls in well
 // under a second; a dead one is noticed by the connection's keepalive in
-// about 6 s, which fails the call. Only a hung libvirtd makes a stage wait the
+// about 8 s, which fails the call. Only a hung libvirtd makes a stage wait the
 // whole grace beyond its deadline. Tests may shorten it.
 var MutationGrace = 10 * time.Second
 

@@ -344,3 +344,33 @@ func TestCancelDuringStartLeavesNothing(t *testing.T) {
 	require.Empty(t, f.Domains, "no domain left, running or not")
 	require.Empty(t, f.Volumes)
 }
+
+// A start that outlives MutationGrace after a cancel is abandoned without
+// knowing whether it happened: the define's undo destroys before it
+// undefines, so a start that did happen leaves no running transient domain.
+func TestStartOutlivingTheGraceLeavesNothing(t *testing.T) {
+	old := MutationGrace
+	MutationGrace = 50 * time.Millisecond
+	defer func() { MutationGrace = old }()
+	f := vmtest.New()
+	started, release := make(chan struct{}), make(chan struct{})
+	f.OnStart = func(string, *libvirtxml.Domain) {
+		close(started)
+		<-release
+	}
+	defer close(release)
+	s := testSpec()
+	e := &Engine{HV: NewReconnecting(func(context.Context) (Hypervisor, error) { return f, nil }), Controller: s.Owner.Controller,
+		UndoTimeout: 5 * time.Second}
+	ctx, cancel := context.WithCancel(context.Background())
+	go func() {
+		<-started
+		cancel()
+	}()
+	_, err := e.Create(ctx, s)
+	require.ErrorIs(t, err, context.Canceled)
+	f.Lock()
+	defer f.Unlock()
+	require.Empty(t, f.Domains, "no domain left, running or transient")
+	require.Empty(t, f.Volumes)
+}
