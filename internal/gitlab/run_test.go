@@ -1,14 +1,12 @@
 package gitlab
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -30,24 +28,6 @@ import (
 // server holding that job's keys (sshtest), and the hypervisor that run asks
 // when the guest stops answering is a fake whose domain runs.
 
-// lockedBuffer is a buffer that a stage writes while the test reads it.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
 // runJob is one job whose machine prepare has made.
 type runJob struct {
 	cfg    *config.Config
@@ -55,8 +35,8 @@ type runJob struct {
 	hv     *vmtest.Fake
 	name   string
 	e      Env
-	stdout *lockedBuffer
-	stderr *lockedBuffer
+	stdout *sshtest.Buffer
+	stderr *sshtest.Buffer
 	// exitFile is the job's BUILD_EXIT_CODE_FILE (not created).
 	exitFile string
 	// dir is the job's working directory (the "guest" is this host).
@@ -92,9 +72,9 @@ builds_dir = "/builds"
 	guest.SetAuthorizedKey(keys.Client.PublicKey())
 
 	dir := t.TempDir()
-	j := &runJob{cfg: cfg, guest: guest, hv: vmtest.New(), stdout: &lockedBuffer{}, stderr: &lockedBuffer{},
+	j := &runJob{cfg: cfg, guest: guest, hv: vmtest.New(), stdout: &sshtest.Buffer{}, stderr: &sshtest.Buffer{},
 		exitFile: filepath.Join(dir, "build-exit-code"), dir: dir}
-	logs := &lockedBuffer{}
+	logs := &sshtest.Buffer{}
 	j.e = Env{
 		Getenv: envOf(map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json", "BUILD_EXIT_CODE_FILE": j.exitFile}),
 		Stdout: j.stdout, Stderr: j.stderr, Log: slog.New(slog.NewTextHandler(logs, nil)),

@@ -1,14 +1,12 @@
 package sshexec
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -33,25 +31,8 @@ func dial(t *testing.T, tg Target) *Client {
 	return c
 }
 
-// syncBuffer is a bytes.Buffer safe for the concurrent writes of a session.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 func run(c *Client, ctx context.Context, script string) (string, string, error) {
-	var out, errb syncBuffer
+	var out, errb sshtest.Buffer
 	err := c.Run(ctx, []byte(script), RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
 	return out.String(), errb.String(), err
 }
@@ -232,7 +213,7 @@ func TestChannelHeldOpenAfterExitStatus(t *testing.T) {
 	ts.HoldOpen(true)
 	c := dial(t, target(ts))
 	for _, code := range []int{0, 7} {
-		var out syncBuffer
+		var out sshtest.Buffer
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		start := time.Now()
 		err := c.Run(ctx, []byte(fmt.Sprintf("echo hi\nexit %d\n", code)), RunOptions{Shell: "bash", Stdout: &out, DrainGrace: 300 * time.Millisecond})
