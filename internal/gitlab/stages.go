@@ -228,11 +228,8 @@ func (a *toolCheck) sameVersion(b *toolCheck) bool {
 // the same.
 func toolCheckCommand(shell string) string {
 	return `for t in bash git git-lfs gitlab-runner setsid mkfifo; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
-		`s=` + shellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
+		`s=` + sshexec.ShellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
 }
-
-// shellQuote quotes s for a POSIX shell.
-func shellQuote(s string) string { return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'" }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
 // missing in the guest. A missing tool is only reported (a job may not need

@@ -403,7 +403,7 @@ func (w wrapper) command() string {
 	}
 	return strings.NewReplacer(
 		"{pid}", w.pidfile(), "{sh}", w.script(), "{out}", w.fifo(), "{size}", strconv.Itoa(w.size),
-		"{shell}", shellQuote(w.shell), "{ticks}", strconv.Itoa(ticks), "{grace}", w.leftoverGrace.String(),
+		"{shell}", ShellQuote(w.shell), "{ticks}", strconv.Itoa(ticks), "{grace}", w.leftoverGrace.String(),
 	).Replace(strings.Join(lines, "\n"))
 }
 
@@ -601,8 +601,9 @@ func randomHex(n int) (string, error) {
 	return hex.EncodeToString(b), nil
 }
 
-// shellQuote quotes s for a POSIX shell.
-func shellQuote(s string) string {
+// ShellQuote quotes s as one word for a POSIX shell (for fixed commands
+// built from configured values, never from job input).
+func ShellQuote(s string) string {
 	return "'" + strings.ReplaceAll(s, "'", `'\''`) + "'"
 }
 
