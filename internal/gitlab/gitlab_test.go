@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
@@ -18,7 +17,6 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -244,16 +242,7 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	j, err := e.load(cfg)
 	require.NoError(t, err)
 	// The machine's record says it listens on a port where nothing does.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := ln.Addr().(*net.TCPAddr).Port
-	require.NoError(t, ln.Close())
-	keys, err := guestinit.NewKeys("test")
-	require.NoError(t, err)
-	_, err = j.m.Store.Create(j.name)
-	require.NoError(t, err)
-	require.NoError(t, j.m.Store.SaveKey(j.name, keys.ClientPEM))
-	require.NoError(t, j.m.Store.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
+	recordUnreachableMachine(t, e, cfg)
 	script := filepath.Join(t.TempDir(), "script.")
 	require.NoError(t, os.WriteFile(script, []byte("exit 0\n"), 0o600))
 

@@ -23,18 +23,31 @@ func testDriver(t *testing.T) *Libvirt {
 	return l
 }
 
-func TestLibvirtLifecycle(t *testing.T) {
-	l := testDriver(t)
+// testDriverSpec is testSpec on the test driver's pool and network, with
+// nothing the test driver cannot boot.
+func testDriverSpec() Spec {
 	s := testSpec()
 	s.Pool = "default-pool"
 	s.Network = "default"
 	s.Base = "/default-pool/base.qcow2"
 	s.Kernel, s.Initrd, s.Cmdline = "", "", ""
 	s.ConsoleLog = ""
+	return s
+}
+
+// addBaseVolume creates the spec's base image in the test driver's pool.
+func addBaseVolume(t *testing.T, l *Libvirt, s Spec) {
+	t.Helper()
 	_, err := l.CreateVolume(context.Background(), s.Pool, &libvirtxml.StorageVolume{
 		Name: "base.qcow2", Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 1 << 30},
 	})
 	require.NoError(t, err)
+}
+
+func TestLibvirtLifecycle(t *testing.T) {
+	l := testDriver(t)
+	s := testDriverSpec()
+	addBaseVolume(t, l, s)
 
 	e := &Engine{HV: l, Controller: s.Owner.Controller}
 	m, err := e.Create(context.Background(), s)
@@ -109,19 +122,11 @@ func TestLibvirtKVMAvailable(t *testing.T) {
 // still prove it ours and remove it.
 func TestOwnerOfATransientDomain(t *testing.T) {
 	l := testDriver(t)
-	s := testSpec()
-	s.Pool = "default-pool"
-	s.Network = "default"
-	s.Base = "/default-pool/base.qcow2"
-	s.Kernel, s.Initrd, s.Cmdline = "", "", ""
-	s.ConsoleLog = ""
+	s := testDriverSpec()
 	ctx := context.Background()
-	_, err := l.CreateVolume(ctx, s.Pool, &libvirtxml.StorageVolume{
-		Name: "base.qcow2", Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 1 << 30},
-	})
-	require.NoError(t, err)
+	addBaseVolume(t, l, s)
 	e := &Engine{HV: l, Controller: s.Owner.Controller}
-	_, err = e.Create(ctx, s)
+	_, err := e.Create(ctx, s)
 	require.NoError(t, err)
 	require.NoError(t, l.Undefine(ctx, s.Name), "undefined while running: transient")
 	ownerXML, err := l.Owner(ctx, s.Name)

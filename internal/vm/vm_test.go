@@ -321,6 +321,19 @@ func TestEngineGivesUpWithCtx(t *testing.T) {
 // which libvirt keeps as a transient one: a leaked VM (seen in the fault
 // suite's SIGTERM-during-prepare test).
 func TestCancelDuringStartLeavesNothing(t *testing.T) {
+	f := cancelDuringStart(t, 100*time.Millisecond)
+	f.Lock()
+	defer f.Unlock()
+	require.Empty(t, f.Domains, "no domain left, running or not")
+	require.Empty(t, f.Volumes)
+}
+
+// cancelDuringStart runs Create on a fake whose start takes effect and then
+// blocks; ctx is cancelled once the start has begun, and the start returns
+// after startTakes (never, within the test, when startTakes is 0). It
+// returns the fake after Create has returned a cancellation.
+func cancelDuringStart(t *testing.T, startTakes time.Duration) *vmtest.Fake {
+	t.Helper()
 	f := vmtest.New()
 	started, release := make(chan struct{}), make(chan struct{})
 	f.OnStart = func(string, *libvirtxml.Domain) {
@@ -334,15 +347,17 @@ func TestCancelDuringStartLeavesNothing(t *testing.T) {
 	go func() {
 		<-started
 		cancel()
-		time.Sleep(100 * time.Millisecond)
-		close(release)
+		if startTakes > 0 {
+			time.Sleep(startTakes)
+			close(release)
+		}
 	}()
+	if startTakes == 0 {
+		defer close(release)
+	}
 	_, err := e.Create(ctx, s)
 	require.ErrorIs(t, err, context.Canceled)
-	f.Lock()
-	defer f.Unlock()
-	require.Empty(t, f.Domains, "no domain left, running or not")
-	require.Empty(t, f.Volumes)
+	return f
 }
 
 // A start that outlives MutationGrace after a cancel is abandoned without
@@ -352,23 +367,7 @@ func TestStartOutlivingTheGraceLeavesNothing(t *testing.T) {
 	old := MutationGrace
 	MutationGrace = 50 * time.Millisecond
 	defer func() { MutationGrace = old }()
-	f := vmtest.New()
-	started, release := make(chan struct{}), make(chan struct{})
-	f.OnStart = func(string, *libvirtxml.Domain) {
-		close(started)
-		<-release
-	}
-	defer close(release)
-	s := testSpec()
-	e := &Engine{HV: NewReconnecting(func(context.Context) (Hypervisor, error) { return f, nil }), Controller: s.Owner.Controller,
-		UndoTimeout: 5 * time.Second}
-	ctx, cancel := context.WithCancel(context.Background())
-	go func() {
-		<-started
-		cancel()
-	}()
-	_, err := e.Create(ctx, s)
-	require.ErrorIs(t, err, context.Canceled)
+	f := cancelDuringStart(t, 0)
 	f.Lock()
 	defer f.Unlock()
 	require.Empty(t, f.Domains, "no domain left, running or transient")
