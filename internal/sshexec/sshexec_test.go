@@ -126,11 +126,14 @@ func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
 			{"plain", "sleep 300 &", 0},
 			{"plain then failure", "sleep 300 &", 3},
 			{"nohup with redirects", "nohup sleep 300 >/dev/null 2>&1 &", 0},
-			{"ignores TERM", "(trap '' TERM; while true; do sleep 0.1; done) &", 0},
+			// The script waits until the trap is set (READY): a TERM that came
+			// first would kill it, not test the escalation.
+			{"ignores TERM", "(trap '' TERM; : > READY; while true; do sleep 0.1; done) &\nuntil [ -e READY ]; do sleep 0.01; done", 0},
 		} {
 			t.Run(tc.name, func(t *testing.T) {
 				pidfile := filepath.Join(t.TempDir(), "bg.pid")
-				script := fmt.Sprintf("#!/usr/bin/env bash\n%s\necho $! > %s\necho started\nexit %d\n", tc.start, pidfile, tc.code)
+				bg := strings.ReplaceAll(tc.start, "READY", pidfile+".ready")
+				script := fmt.Sprintf("#!/usr/bin/env bash\n%s\necho $! > %s\necho started\nexit %d\n", bg, pidfile, tc.code)
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 				defer cancel()
 				start := time.Now()
