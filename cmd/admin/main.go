@@ -19,6 +19,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -96,6 +97,16 @@ func app() *cli.App {
 							fmt.Println("removed", name)
 						}
 						return errors.Join(errs...)
+					})
+				},
+			},
+			{
+				Name:  "serve",
+				Usage: "keep the standby pools (images with a [images.NAME.pool] table) booted for warm starts, until SIGTERM",
+				Action: func(c *cli.Context) error {
+					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+						log := slog.New(slog.NewTextHandler(os.Stderr, nil))
+						return (&pool.Service{M: m, Log: log}).Run(c.Context)
 					})
 				},
 			},

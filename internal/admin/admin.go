@@ -19,6 +19,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -30,12 +32,18 @@ func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time)
 		return err
 	}
 	tw := tabwriter.NewWriter(w, 2, 4, 2, ' ', 0)
-	fmt.Fprintln(tw, "NAME\tJOB\tAGE\tSTATE\tADDRESS\tVERDICT")
+	fmt.Fprintln(tw, "NAME\tJOB\tPOOL\tAGE\tSTATE\tADDRESS\tVERDICT")
 	for _, it := range items {
-		job, age, st := "-", "-", "no domain"
+		job, age, st, pool := "-", "-", "no domain", "-"
 		if it.Owner != nil {
 			job = it.Owner.Frontend + ":" + it.Owner.Job
 			age = now.Sub(it.Owner.Created).Round(time.Second).String()
+		}
+		if p := it.Pool(); p != "" {
+			pool = p
+			if r := it.Standby.Record; r != nil && r.Standby != nil {
+				pool += " (" + r.Standby.Image + ")"
+			}
 		}
 		if it.Domain {
 			st = "shut off"
@@ -47,7 +55,7 @@ func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time)
 		if addr == "" {
 			addr = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, age, st, addr, it.Verdict, it.Reason)
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, pool, age, st, addr, it.Verdict, it.Reason)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -193,7 +201,34 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	}
 
 	add(stateDirCheck(cfg.StateDir))
+	if c, ok := serviceCheck(cfg); ok {
+		add(c)
+	}
 	return out
+}
+
+// serviceCheck checks the pool service when an image has a pool: its lock
+// is held and it looked at its pools lately. ok is false when no image has
+// a pool (nothing to check).
+func serviceCheck(cfg *config.Config) (Check, bool) {
+	pooled := cfg.Pooled()
+	if len(pooled) == 0 {
+		return Check{}, false
+	}
+	c := Check{Name: "pool service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
+	m := &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}
+	if !m.ServiceRunning() {
+		c.Info = fmt.Sprintf("libvirt-executor serve is not running: %d image(s) with a pool, every job takes the cold path", len(pooled))
+		return c, true
+	}
+	age, ok := m.Store.Age(pool.HeartbeatKey)
+	if !ok || age > 10*cfg.Serve.Interval.D()+30*time.Second {
+		c.Info = fmt.Sprintf("libvirt-executor serve holds its lock but has not looked at its pools for %s: hung?", age.Round(time.Second))
+		return c, true
+	}
+	c.OK = true
+	c.Info = fmt.Sprintf("running, last look %s ago", vm.Round(age))
+	return c, true
 }
 
 // polkitRuleDirs are where polkit reads JavaScript rules.

@@ -100,6 +100,8 @@ type Config struct {
 	Debug    Debug    `toml:"debug"`
 	Timeouts Timeouts `toml:"timeouts"`
 	SSH      SSH      `toml:"ssh"`
+	// Serve configures libvirt-executor serve (the standby pool service).
+	Serve PoolService `toml:"serve"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -226,9 +228,47 @@ type Image struct {
 	MemoryMiB int `toml:"memory_mib"`
 	// DiskGiB overrides Defaults.DiskGiB for this image (0 = use defaults).
 	DiskGiB int `toml:"disk_gib"`
+	// Pool, if set, keeps booted VMs of this image (at its default size)
+	// idle for jobs to claim: a warm start (libvirt-executor serve keeps it;
+	// docs/pool.md).
+	Pool *Pool `toml:"pool"`
 
 	// Name is the image's key in [images] (not a TOML key).
 	Name string `toml:"-"`
+}
+
+// Pool is an image's standby pool: idle VMs booted ahead of the jobs.
+type Pool struct {
+	// IdleCount is how many idle VMs (booted and SSH-verified, or booting)
+	// the service keeps at least. Allowed 0-64; 0 keeps none except as
+	// demand asks (MaxIdle).
+	IdleCount int `toml:"idle_count"`
+	// MaxIdle bounds the idle VMs when recent demand asks for more than
+	// IdleCount: the target is the number of claims in the last IdleTime,
+	// at least IdleCount and at most MaxIdle. Default IdleCount; allowed
+	// IdleCount-64.
+	MaxIdle int `toml:"max_idle"`
+	// IdleTime is how long an idle VM above IdleCount may wait for a job
+	// before it is retired, and the window in which claims count as demand.
+	// Default "10m".
+	IdleTime Duration `toml:"idle_time"`
+	// MaxAge is how old an idle VM may get; then it is retired and replaced
+	// (a job never gets an older one). Default "1h".
+	MaxAge Duration `toml:"max_age"`
+}
+
+// PoolService configures libvirt-executor serve, the service that keeps
+// the standby pools.
+type PoolService struct {
+	// BootParallelism bounds how many pool VMs boot at once. Default 2,
+	// allowed 1-32.
+	BootParallelism int `toml:"boot_parallelism"`
+	// Interval is how often the service looks at its pools (claims are
+	// noticed within it). Default "250ms", allowed 50ms-10s.
+	Interval Duration `toml:"interval"`
+	// HealthInterval is how often each idle VM's libvirt state is checked.
+	// Default "5s".
+	HealthInterval Duration `toml:"health_interval"`
 }
 
 // Duration is a time.Duration written as a Go duration string ("90s", "5m").
@@ -368,11 +408,31 @@ func (c *Config) applyDefaults() {
 	if c.SSH.ConnectTimeout == 0 {
 		c.SSH.ConnectTimeout = Duration(5 * time.Second)
 	}
+	if c.Serve.BootParallelism == 0 {
+		c.Serve.BootParallelism = 2
+	}
+	if c.Serve.Interval == 0 {
+		c.Serve.Interval = Duration(250 * time.Millisecond)
+	}
+	if c.Serve.HealthInterval == 0 {
+		c.Serve.HealthInterval = Duration(5 * time.Second)
+	}
 	for name, img := range c.Images {
 		if img == nil {
 			continue
 		}
 		img.Name = name
+		if p := img.Pool; p != nil {
+			if p.MaxIdle == 0 {
+				p.MaxIdle = p.IdleCount
+			}
+			if p.IdleTime == 0 {
+				p.IdleTime = Duration(10 * time.Minute)
+			}
+			if p.MaxAge == 0 {
+				p.MaxAge = Duration(time.Hour)
+			}
+		}
 		def(&img.Format, "qcow2")
 		def(&img.User, "root")
 		def(&img.Shell, "bash")
@@ -459,6 +519,11 @@ func (c *Config) Validate() error {
 	positive("ssh.keepalive_interval", c.SSH.KeepaliveInterval)
 	positive("ssh.connect_timeout", c.SSH.ConnectTimeout)
 	rangeCheck("ssh.keepalive_count", c.SSH.KeepaliveCount, 1, 100)
+	rangeCheck("serve.boot_parallelism", c.Serve.BootParallelism, 1, 32)
+	if d := c.Serve.Interval.D(); d < 50*time.Millisecond || d > 10*time.Second {
+		bad("serve.interval", "%s is out of range 50ms-10s", d)
+	}
+	positive("serve.health_interval", c.Serve.HealthInterval)
 
 	if len(c.Images) == 0 {
 		bad("images", "at least one [images.NAME] table is required")
@@ -513,6 +578,14 @@ func (c *Config) Validate() error {
 			rangeCheck(key+".memory_mib", img.MemoryMiB, 128, 262144)
 		}
 		rangeCheck(key+".disk_gib", img.DiskGiB, 0, 4096)
+		if p := img.Pool; p != nil {
+			rangeCheck(key+".pool.idle_count", p.IdleCount, 0, 64)
+			rangeCheck(key+".pool.max_idle", p.MaxIdle, max(p.IdleCount, 1), 64)
+			positive(key+".pool.idle_time", p.IdleTime)
+			if p.MaxAge.D() < time.Minute {
+				bad(key+".pool.max_age", "%s is too short: at least 1m (an idle VM must live long enough to be claimed)", p.MaxAge.D())
+			}
+		}
 	}
 	if c.DefaultImage == "" {
 		if len(c.Images) == 1 {
@@ -552,4 +625,35 @@ func quoteList(items []string) string {
 		q[i] = fmt.Sprintf("%q", s)
 	}
 	return strings.Join(q, ", ")
+}
+
+// Size is what a VM gets: vCPUs, memory and disk.
+type Size struct {
+	VCPUs     int
+	MemoryMiB int
+	DiskGiB   int
+}
+
+// ImageSize is the size of img's VMs when a job asks for nothing else: the
+// image's own values where set, else the defaults. A pool keeps VMs of
+// this size.
+func (c *Config) ImageSize(img *Image) Size {
+	pick := func(override, def int) int {
+		if override != 0 {
+			return override
+		}
+		return def
+	}
+	return Size{VCPUs: pick(img.VCPUs, c.Defaults.VCPUs), MemoryMiB: pick(img.MemoryMiB, c.Defaults.MemoryMiB), DiskGiB: pick(img.DiskGiB, c.Defaults.DiskGiB)}
+}
+
+// Pooled lists the images that have a standby pool, sorted by name.
+func (c *Config) Pooled() []*Image {
+	var out []*Image
+	for _, n := range c.ImageNames() {
+		if img := c.Images[n]; img != nil && img.Pool != nil {
+			out = append(out, img)
+		}
+	}
+	return out
 }

@@ -31,11 +31,7 @@ func keepRequested(getenv func(string) string) bool {
 }
 
 // Resources is what a job's VM gets.
-type Resources struct {
-	VCPUs     int
-	MemoryMiB int
-	DiskGiB   int
-}
+type Resources = config.Size
 
 // sizeRE accepts a plain decimal count and an optional binary unit; nothing
 // else (no sign, exponent, fraction, spaces or control bytes).
@@ -45,11 +41,7 @@ var sizeRE = regexp.MustCompile(`^([0-9]{1,7})([A-Za-z]{0,3})$`)
 // the job's requests where the administrator allows them. Bad or excessive
 // requests are the user's mistake (BUILD_FAILURE), with the rule in the message.
 func ChooseResources(cfg *config.Config, img *config.Image, getenv func(string) string) (Resources, error) {
-	r := Resources{
-		VCPUs:     pick(img.VCPUs, cfg.Defaults.VCPUs),
-		MemoryMiB: pick(img.MemoryMiB, cfg.Defaults.MemoryMiB),
-		DiskGiB:   pick(img.DiskGiB, cfg.Defaults.DiskGiB),
-	}
+	r := Resources(cfg.ImageSize(img))
 	type request struct {
 		name    string
 		dst     *int
@@ -124,12 +116,4 @@ func shown(s string) string {
 		s = s[:32] + "..."
 	}
 	return strconv.Quote(s)
-}
-
-// pick returns override unless it is zero.
-func pick(override, def int) int {
-	if override != 0 {
-		return override
-	}
-	return def
 }

@@ -63,11 +63,11 @@ func TestChooseResourcesRequests(t *testing.T) {
 		env  map[string]string
 		want Resources
 	}{
-		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_VCPUS": "4"}, Resources{4, 2048, 10}},
-		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "4G"}, Resources{2, 4096, 10}},
-		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "3000MiB"}, Resources{2, 3000, 10}},
-		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "512"}, Resources{2, 512, 10}},
-		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_DISK": "40g"}, Resources{2, 2048, 40}},
+		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_VCPUS": "4"}, Resources{VCPUs: 4, MemoryMiB: 2048, DiskGiB: 10}},
+		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "4G"}, Resources{VCPUs: 2, MemoryMiB: 4096, DiskGiB: 10}},
+		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "3000MiB"}, Resources{VCPUs: 2, MemoryMiB: 3000, DiskGiB: 10}},
+		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_MEMORY": "512"}, Resources{VCPUs: 2, MemoryMiB: 512, DiskGiB: 10}},
+		{map[string]string{"CUSTOM_ENV_LIBVIRT_EXECUTOR_DISK": "40g"}, Resources{VCPUs: 2, MemoryMiB: 2048, DiskGiB: 40}},
 	}
 	for _, tc := range good {
 		r, err := ChooseResources(cfg, img, envOf(tc.env))

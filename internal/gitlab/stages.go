@@ -141,6 +141,12 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.
 	version := imageVersion(img)
+	if img.Pool != nil {
+		done, err := prepareWarm(ctx, e, j, img, res, version, began)
+		if done || err != nil {
+			return err
+		}
+	}
 	req := lifecycle.Request{
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
@@ -155,15 +161,96 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return exitcodes.System(err)
 	}
 	_ = ready.Client.Close()
-	if ctx.Err() != nil {
+	err = m.Store.MapJob(j.name, state.JobMachine{Machine: j.name, At: time.Now().UTC()})
+	if err == nil && ctx.Err() != nil {
 		// Stopped just after the machine became ready: a cancelled prepare
 		// leaves nothing behind, whenever the signal came.
+		err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+	}
+	if err != nil {
 		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		return exitcodes.System(errors.Join(fmt.Errorf("stopped: %w", context.Cause(ctx)), m.Teardown(tctx, j.name)))
+		_, terr := m.TeardownJob(tctx, j.name)
+		return exitcodes.System(errors.Join(err, terr))
 	}
 	writeTimings(e, j, ready, began)
 	return nil
+}
+
+// prepareWarm tries to give the job an idle VM of img's standby pool. done
+// says it did (or failed in a way the job must see); otherwise the job
+// log says why not and prepare takes the cold path.
+func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Resources, version *toolCheck, began time.Time) (done bool, err error) {
+	m := j.m
+	c, err := m.Claim(ctx, lifecycle.ClaimRequest{
+		Job: j.name, Image: img, Size: res, Frontend: "gitlab", JobID: strconv.FormatInt(j.job.ID, 10), Lifetime: j.job.Timeout,
+	})
+	var none *lifecycle.ErrNoStandby
+	if errors.As(err, &none) {
+		e.say("Cold start: %s", none.Why)
+		return false, nil
+	}
+	if err != nil {
+		j.log.Error("claiming a standby VM failed", "err", err)
+		return true, exitcodes.System(err)
+	}
+	mach := c.Machine
+	e.say("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
+	for _, s := range c.Skipped {
+		e.say("  passed over %s", s)
+	}
+	// The guest tool check: remembered per image version, so a claim
+	// normally costs no SSH session here.
+	err = checkGuestToolsOf(ctx, m, mach.Name, e.say, img, version)
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), j.cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		_, terr := m.TeardownJob(tctx, j.name)
+		if ctx.Err() != nil {
+			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+		}
+		return true, exitcodes.System(errors.Join(err, terr))
+	}
+	took := time.Since(began)
+	e.say("Machine ready in %s (warm)", vm.Round(took))
+	writeWarmTimings(e, j, mach, c, began)
+	return true, nil
+}
+
+// checkGuestToolsOf runs the guest tool check for a claimed machine: from
+// the answer remembered for this image version, or over an SSH connection
+// made only when there is none.
+func checkGuestToolsOf(ctx context.Context, m *lifecycle.Manager, name string, say func(string, ...any), img *config.Image, version *toolCheck) error {
+	g := &guestOnDemand{m: m, name: name}
+	defer g.close()
+	return checkGuestTools(ctx, g, say, m.Store, img, version)
+}
+
+// guestOnDemand is an outputter that connects to the machine on first use.
+type guestOnDemand struct {
+	m    *lifecycle.Manager
+	name string
+	c    *sshexec.Client
+}
+
+func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
+	if g.c == nil {
+		_, c, err := g.m.Connect(ctx, g.name)
+		if err != nil {
+			return nil, err
+		}
+		g.c = c
+	}
+	return g.c.Output(ctx, cmd)
+}
+
+func (g *guestOnDemand) close() {
+	if g.c != nil {
+		_ = g.c.Close()
+	}
 }
 
 // writeTimings appends the machine's timing record (lifecycle.TimingRecord)
@@ -178,6 +265,17 @@ func writeTimings(e Env, j *job, ready *lifecycle.Ready, began time.Time) {
 		return
 	}
 	if err := lifecycle.AppendTimings(path, lifecycle.NewTimingRecord(ready, began)); err != nil {
+		j.log.Warn("timings record not written", "err", err)
+	}
+}
+
+// writeWarmTimings is writeTimings for a claimed standby machine.
+func writeWarmTimings(e Env, j *job, mach *state.Machine, c *lifecycle.Claimed, began time.Time) {
+	path := e.Getenv(lifecycle.TimingsEnv)
+	if path == "" {
+		return
+	}
+	if err := lifecycle.AppendTimings(path, lifecycle.NewClaimRecord(mach, c, began)); err != nil {
 		j.log.Warn("timings record not written", "err", err)
 	}
 }
@@ -311,10 +409,14 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
 	}
-	mach, client, err := j.m.Connect(ctx, j.name)
+	jm, err := j.m.MachineOf(j.name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	mach, client, err := j.m.Connect(ctx, jm.Name)
 	if err != nil {
 		if !errors.Is(err, state.ErrNoMachine) && ctx.Err() == nil {
-			err = explained(ctx, j, err)
+			err = explained(ctx, j, jm.Name, err)
 		}
 		return exitcodes.System(err)
 	}
@@ -325,7 +427,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 			fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
 				"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
-				VarKeep, j.name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(j.name), mach.User, mach.Address)
+				VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
 		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
 			if werr := os.WriteFile(path, //nolint:gosec // G703: BUILD_EXIT_CODE_FILE is set by the runner, not by the job (CUSTOM_ENV_* is the job's)
@@ -337,7 +439,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if err != nil && ctx.Err() == nil {
 		// The guest stopped answering: say what became of it.
-		err = exitcodes.System(explained(ctx, j, err))
+		err = exitcodes.System(explained(ctx, j, jm.Name, err))
 	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
@@ -348,8 +450,8 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 // explained adds to err what libvirt says became of the job's machine
 // (gone, shut off, paused after a failed disk write), if it can tell within
 // a few seconds and before ctx ends (lifecycle.Manager.Explain).
-func explained(ctx context.Context, j *job, err error) error {
-	if why := j.m.Explain(ctx, j.name); why != "" {
+func explained(ctx context.Context, j *job, name string, err error) error {
+	if why := j.m.Explain(ctx, name); why != "" {
 		return fmt.Errorf("%w; %s", err, why)
 	}
 	return err
@@ -371,7 +473,10 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	if e.Getenv("CUSTOM_ENV_CI_JOB_STATUS") == "failed" && keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 		until := time.Now().Add(cfg.Debug.KeepMaxAge.D())
-		err := m.Keep(ctx, j.name, until)
+		jm, err := m.MachineOf(j.name)
+		if err == nil {
+			err = m.Keep(ctx, jm.Name, until)
+		}
 		if err == nil {
 			j.log.Warn("kept the failed job's VM for debugging", "until", until.UTC().Format(time.RFC3339))
 			return nil
@@ -381,11 +486,12 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		}
 	}
 	t0 := time.Now()
-	if err := m.Teardown(ctx, j.name); err != nil {
-		j.log.Error("cleanup incomplete", "err", err)
+	jm, err := m.TeardownJob(ctx, j.name)
+	if err != nil {
+		j.log.Error("cleanup incomplete", "vm", jm.Name, "err", err)
 		return exitcodes.System(err)
 	}
-	j.log.Info("cleaned up", "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
+	j.log.Info("cleaned up", "vm", jm.Name, "warm", jm.Warm, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
 	opportunisticSweep(ctx, m, j.log)
 	return nil
 }

@@ -2,6 +2,7 @@ package lifecycle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -12,12 +13,39 @@ import (
 // admissionLock serialises capacity checks; no machine name starts with '_'.
 const admissionLock = "_admission"
 
+// ErrNoRoom means the host is full (capacity.*) and the request would not
+// wait (Request.NoWait).
+var ErrNoRoom = errors.New("no room on the host")
+
+// pressureKey is the store file a job touches while it waits for room:
+// the pool service boots no standby machine while it is fresh (jobs first).
+const pressureKey = "pool-pressure"
+
+// PressureHold is how long after a job last waited for room the pool
+// service holds back its refills.
+const PressureHold = 15 * time.Second
+
+// UnderPressure reports whether a job waited for room within PressureHold.
+func (m *Manager) UnderPressure() bool {
+	age, ok := m.Store.Age(pressureKey)
+	return ok && age < PressureHold
+}
+
 // admit reserves the host capacity for one machine by creating its state
 // directory with a reservation, under the admission lock. When the host is
-// full it first sweeps leftovers once, then waits (polling) until room frees
-// up, ctx ends or capacity.wait passes, telling the job log why it waits.
+// full, a job's machine first retires idle standby machines (jobs first),
+// then sweeps leftovers once, then waits (polling) until room frees up, ctx
+// ends or capacity.wait passes, telling the job log why it waits. A
+// NoWait request (a standby machine) fails with ErrNoRoom instead.
 func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
+	if req.NoWait {
+		dir, why, err := m.tryAdmit(ctx, req.Name, want)
+		if err == nil && why != "" {
+			err = fmt.Errorf("%w: %s", ErrNoRoom, why)
+		}
+		return dir, err
+	}
 	capCfg := m.Cfg.Capacity
 	ctx, cancel := context.WithTimeoutCause(ctx, capCfg.Wait.D(),
 		fmt.Errorf("no room on the host within capacity.wait (%s)", capCfg.Wait.D()))
@@ -32,6 +60,11 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 				m.say("Room on the host after %s", vm.Round(time.Since(start)))
 			}
 			return dir, err
+		}
+		_ = m.Store.Touch(pressureKey) // a lost touch costs one refill too early
+		if n := m.retireIdle(ctx, "room for job "+req.Name); n != "" {
+			m.say("Retired idle standby VM %s to make room (jobs come first)", n)
+			continue
 		}
 		if !swept {
 			swept = true

@@ -80,6 +80,13 @@ type Request struct {
 	// answers (for example: are the tools its jobs need installed?). An
 	// error undoes everything, like any failed step.
 	Check func(ctx context.Context, c *sshexec.Client) error
+	// Standby, if set, makes a machine for a standby pool (BootStandby).
+	// Such a machine never waits for room (NoWait) nor makes room by
+	// retiring others.
+	Standby *state.Standby
+	// NoWait fails admission at once (ErrNoRoom) when the host is full,
+	// instead of waiting for room.
+	NoWait bool
 }
 
 // Ready is a provisioned machine with an open SSH connection.

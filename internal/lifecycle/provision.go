@@ -244,6 +244,6 @@ func (p *provision) record(context.Context) error {
 	return p.m.Store.Save(state.Machine{
 		Name: p.req.Name, Image: img.Name, Address: p.addr, Port: p.m.sshPort(), User: img.User, Shell: img.Shell,
 		HostKey: p.keys.HostPublicLine(), MAC: p.mac, Created: p.created,
-		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
+		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Standby: p.req.Standby,
 	})
 }

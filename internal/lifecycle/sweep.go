@@ -23,6 +23,9 @@ const (
 	// VerdictUnproven: volumes of our naming with neither a domain nor a
 	// state directory. Nothing proves they are ours: never touched.
 	VerdictUnproven = "unproven"
+	// VerdictRetired: an unclaimed standby machine marked for removal
+	// (dead, too old, of an old base image, or its room taken by a job).
+	VerdictRetired = "retired"
 )
 
 // Item is one machine name found on the host.
@@ -34,8 +37,27 @@ type Item struct {
 	Volumes []string
 	State   bool
 	Address string
+	// Standby is set for a machine of a standby pool: its record (nil
+	// while booting) and claim.
+	Standby *Standby
 	Verdict string
 	Reason  string
+}
+
+// Pool says what a standby machine is doing: "booting", "idle",
+// "claimed" (by a job) or "retiring"; "" for a job's own machine.
+func (it Item) Pool() string {
+	switch s := it.Standby; {
+	case s == nil:
+		return ""
+	case s.Claim != nil && s.Claim.Retire:
+		return "retiring"
+	case s.Claim != nil:
+		return "claimed"
+	case s.Record == nil:
+		return "booting"
+	}
+	return "idle"
 }
 
 // MachinePrefix is how every machine name of this installation starts.
@@ -140,8 +162,14 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 		return Item{}, err
 	}
 	if it.State {
-		if mach, _, _, err := m.Store.Load(name); err == nil {
+		if mach, err := m.Store.Record(name); err == nil {
 			it.Address = mach.Address
+		}
+		if m.IsStandby(name) {
+			sb := &Standby{Name: name}
+			sb.Record, _ = m.Store.Record(name)
+			sb.Claim, _ = m.Store.ClaimOf(name)
+			it.Standby = sb
 		}
 	}
 	ownerXML, ownerErr := m.hv.Owner(ctx, name)
@@ -150,6 +178,9 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 		it.Active, _ = m.hv.IsActive(ctx, name)
 	}
 	m.judge(&it, ownerXML, ownerErr, now)
+	if it.Verdict == VerdictKeep && it.Pool() == "retiring" {
+		it.Verdict, it.Reason = VerdictRetired, "standby VM marked for removal: "+it.Standby.Claim.Reason
+	}
 	return it, nil
 }
 
@@ -228,6 +259,11 @@ func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*Sweep
 		}
 		m.sweepOne(ctx, rep, it, now, dryRun)
 	}
+	if !dryRun {
+		if err := m.sweepJobMappings(); err != nil {
+			rep.Errors = append(rep.Errors, err)
+		}
+	}
 	return rep, errors.Join(rep.Errors...)
 }
 
@@ -267,5 +303,27 @@ func (m *Manager) sweepOne(ctx context.Context, rep *SweepReport, seen Item, now
 
 // Removable reports whether a sweep would remove the item.
 func (it Item) Removable() bool {
-	return slices.Contains([]string{VerdictExpired, VerdictOrphan}, it.Verdict)
+	return slices.Contains([]string{VerdictExpired, VerdictOrphan, VerdictRetired}, it.Verdict)
+}
+
+// sweepJobMappings removes the job -> machine mappings whose machine has no
+// state directory any more (its job's cleanup did not run to the end).
+func (m *Manager) sweepJobMappings() error {
+	jobs, err := m.Store.MappedJobs()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, j := range jobs {
+		jm, err := m.Store.MachineOfJob(j)
+		if err != nil || jm == nil {
+			continue
+		}
+		if has, err := m.Store.Has(jm.Machine); err == nil && !has {
+			if has, err := m.Store.Has(j); err == nil && !has {
+				errs = append(errs, m.Store.UnmapJob(j))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -6,6 +6,7 @@ import (
 	"os"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -59,9 +60,24 @@ type TimingRecord struct {
 	SSHAttempts int                `json:"ssh_attempts"`
 	CheckMs     float64            `json:"check_ms"`
 	ReadyMs     float64            `json:"ready_ms"`
+	// Warm says the machine was a claimed standby machine; ClaimMs is the
+	// claim, Claimed when it completed. The boot fields are then empty.
+	Warm        bool               `json:"warm,omitempty"`
+	ClaimMs     float64            `json:"claim_ms,omitempty"`
+	Claimed     time.Time          `json:"claimed,omitzero"`
 	Started     time.Time          `json:"started"`
 	Addressed   time.Time          `json:"addressed"`
 	Connected   time.Time          `json:"connected"`
+}
+
+// NewClaimRecord is the record of a claimed standby machine whose front end
+// began preparing at began; ReadyMs runs until now.
+func NewClaimRecord(mach *state.Machine, c *Claimed, began time.Time) TimingRecord {
+	now := time.Now()
+	return TimingRecord{
+		Machine: mach.Name, Image: mach.Image, Began: began, Warm: true,
+		ClaimMs: ms(c.Took), ReadyMs: ms(now.Sub(began)), Claimed: now,
+	}
 }
 
 // NewTimingRecord is the record of a provisioned machine whose front end

@@ -36,6 +36,9 @@ type Machine struct {
 	Created   time.Time `json:"created"`
 	BuildsDir string    `json:"builds_dir"`
 	CacheDir  string    `json:"cache_dir"`
+	// Standby is set on a machine booted for a standby pool: it waits,
+	// idle, for a job to claim it.
+	Standby *Standby `json:"standby,omitempty"`
 }
 
 const (

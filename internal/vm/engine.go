@@ -234,6 +234,15 @@ func (e *Engine) WaitAddress(ctx context.Context, name, mac string, source Addre
 // Extend moves the deadline of a machine of this controller (a sweep removes
 // it after the deadline). Foreign domains are refused with ErrNotOurs.
 func (e *Engine) Extend(ctx context.Context, name string, deadline time.Time) error {
+	return e.UpdateOwner(ctx, name, func(o *Owner) { o.Deadline = deadline.UTC() })
+}
+
+// UpdateOwner changes the ownership record of a machine of this controller
+// with update, in the persistent definition and, if it runs, the live one
+// (a standby machine handed to a job gets the job's front end, job and
+// deadline). Foreign domains are refused with ErrNotOurs; update cannot
+// change the controller or the volumes.
+func (e *Engine) UpdateOwner(ctx context.Context, name string, update func(*Owner)) error {
 	x, err := e.HV.Owner(ctx, name)
 	if err != nil {
 		if errors.Is(err, ErrNoOwner) {
@@ -245,7 +254,9 @@ func (e *Engine) Extend(ctx context.Context, name string, deadline time.Time) er
 	if err != nil || o.Controller != e.Controller {
 		return fmt.Errorf("%s: %w", name, ErrNotOurs)
 	}
-	o.Deadline = deadline.UTC()
+	ctrl, vols := o.Controller, o.Volumes
+	update(&o)
+	o.Controller, o.Volumes = ctrl, vols
 	nx, err := MarshalOwner(o)
 	if err != nil {
 		return err

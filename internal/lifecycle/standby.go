@@ -1,0 +1,427 @@
+package lifecycle
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"net"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Owner kinds (vm.Owner.Frontend) of the machines of a standby pool.
+const (
+	// FrontendStandby marks a machine booted ahead of any job. When a job
+	// claims it, its record gets the job's front end and job.
+	FrontendStandby = "standby"
+)
+
+// standbyTag follows the machine prefix in a standby machine's name; it is
+// not hex, so it never looks like an instance tag of a job's name.
+const standbyTag = "sb-"
+
+// StandbyName is a fresh name for a standby machine:
+// <prefix>-<first 8 of controller>-sb-<8 random hex digits>.
+func StandbyName(prefix, controller string) (string, error) {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return MachinePrefix(prefix, controller) + standbyTag + hex.EncodeToString(b), nil
+}
+
+// IsStandby reports whether name is a standby machine's name of this
+// installation.
+func (m *Manager) IsStandby(name string) bool {
+	return strings.HasPrefix(name, m.namePrefix()+standbyTag)
+}
+
+// serveLock is held by the running pool service (libvirt-executor serve);
+// no machine name starts with '_'.
+const serveLock = "_serve"
+
+// LockService takes the pool service's lock: one service per installation.
+// It fails with state.ErrBusy while another holds it (tried for up to a
+// second, so that a prepare's look at the lock does not turn a start away).
+func (m *Manager) LockService(ctx context.Context) (unlock func(), err error) {
+	ctx, cancel := context.WithTimeout(ctx, time.Second)
+	defer cancel()
+	unlock, err = m.Store.Lock(ctx, serveLock)
+	if err != nil && ctx.Err() != nil {
+		return nil, fmt.Errorf("another libvirt-executor serve runs for state_dir %s: %w", m.Cfg.StateDir, state.ErrBusy)
+	}
+	return unlock, err
+}
+
+// ServiceRunning reports whether the pool service holds its lock.
+func (m *Manager) ServiceRunning() bool {
+	unlock, err := m.Store.TryLock(serveLock)
+	if err == nil {
+		unlock()
+		return false
+	}
+	return errors.Is(err, state.ErrBusy)
+}
+
+// Standby is one standby machine as the state directory shows it.
+type Standby struct {
+	Name string
+	// Record is nil while the machine boots (or when a boot was cut off).
+	Record *state.Machine
+	// Claim is nil while the machine is idle.
+	Claim *state.Claim
+}
+
+// Idle reports whether the machine is booted and unclaimed.
+func (s Standby) Idle() bool { return s.Record != nil && s.Record.Standby != nil && s.Claim == nil }
+
+// Standbys lists this installation's standby machines from their state
+// directories.
+func (m *Manager) Standbys() ([]Standby, error) {
+	names, err := m.Store.Names()
+	if err != nil {
+		return nil, err
+	}
+	var out []Standby
+	for _, n := range names {
+		if !m.IsStandby(n) {
+			continue
+		}
+		s := Standby{Name: n}
+		if rec, err := m.Store.Record(n); err == nil {
+			s.Record = rec
+		}
+		if s.Claim, err = m.Store.ClaimOf(n); err != nil {
+			return nil, err
+		}
+		out = append(out, s)
+	}
+	return out, nil
+}
+
+// BootStandby boots one machine of img at its default size for the image's
+// standby pool and returns it ready (SSH verified with its pinned host key;
+// the caller closes the client). It never waits for room: a full host
+// fails it with ErrNoRoom. Its deadline is pool.max_age (+ job_slack)
+// after its creation; a job that claims it sets its own.
+func (m *Manager) BootStandby(ctx context.Context, img *config.Image) (*Ready, error) {
+	if img.Pool == nil {
+		return nil, fmt.Errorf("image %s has no pool", img.Name)
+	}
+	base, err := state.VersionOf(img.Base)
+	if err != nil {
+		return nil, fmt.Errorf("base image of %s: %w", img.Name, err)
+	}
+	name, err := StandbyName(m.Cfg.NamePrefix, m.Controller)
+	if err != nil {
+		return nil, err
+	}
+	size := m.Cfg.ImageSize(img)
+	return m.Provision(ctx, Request{
+		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
+		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
+	})
+}
+
+// ClaimRequest is a job asking for an idle standby machine.
+type ClaimRequest struct {
+	// Job is the name the job knows its machine by (its mapping key: the
+	// machine name a cold start would have used).
+	Job   string
+	Image *config.Image
+	Size  config.Size
+	// Frontend and JobID go into the ownership record; the deadline is
+	// now + Lifetime + timeouts.job_slack.
+	Frontend string
+	JobID    string
+	Lifetime time.Duration
+}
+
+// Claimed is a standby machine now serving a job.
+type Claimed struct {
+	Machine *state.Machine
+	// Idle is how long it waited for a job since it became ready.
+	Idle time.Duration
+	// Took is the whole claim; Skipped names the machines passed over, and
+	// why.
+	Took    time.Duration
+	Skipped []string
+}
+
+// ErrNoStandby means no idle standby machine could serve the request; its
+// message says why (the job takes the cold path).
+type ErrNoStandby struct{ Why string }
+
+func (e *ErrNoStandby) Error() string { return e.Why }
+
+// probeWait bounds the liveness probe of a claimed machine.
+const probeWait = 2 * time.Second
+
+// Claim gives the job an idle standby machine of its image and size, if the
+// pool service runs and one is alive: atomically (under the machine's lock,
+// and by an exclusive claim file, so two jobs never get one machine), after
+// checking that its base image file is unchanged, that libvirt runs it
+// (not paused, not gone) and that its SSH server answers. A machine that
+// fails a check is marked for retirement (the service removes it) and the
+// next is tried. The job is recorded in the machine's claim, in the job ->
+// machine mapping (MachineOf), and in the ownership record (live and
+// persistent). If ctx ends or a step after the claim fails, the machine is
+// removed, never returned to the pool. *ErrNoStandby says why there is
+// none.
+func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
+	t0 := time.Now()
+	p := req.Image.Pool
+	if p == nil {
+		return nil, &ErrNoStandby{Why: fmt.Sprintf("image %s has no standby pool", req.Image.Name)}
+	}
+	if want := m.Cfg.ImageSize(req.Image); req.Size != want {
+		return nil, &ErrNoStandby{Why: fmt.Sprintf("the job asks for %d vCPU, %d MiB, %d GiB; the pool of %s keeps %d vCPU, %d MiB, %d GiB",
+			req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB, req.Image.Name, want.VCPUs, want.MemoryMiB, want.DiskGiB)}
+	}
+	if !m.ServiceRunning() {
+		return nil, &ErrNoStandby{Why: "the pool service (libvirt-executor serve) is not running"}
+	}
+	all, err := m.Standbys()
+	if err != nil {
+		return nil, err
+	}
+	var idle []Standby
+	for _, s := range all {
+		if s.Idle() && s.Record.Standby.Image == req.Image.Name {
+			idle = append(idle, s)
+		}
+	}
+	// Oldest first: each is used before it ages out.
+	slices.SortFunc(idle, func(a, b Standby) int { return a.Record.Created.Compare(b.Record.Created) })
+	base, baseErr := state.VersionOf(req.Image.Base)
+	c := &Claimed{}
+	for _, s := range idle {
+		if err := ctx.Err(); err != nil {
+			return nil, context.Cause(ctx)
+		}
+		rec, why, err := m.claimOne(ctx, s.Name, req, base, baseErr)
+		if err != nil {
+			return nil, err
+		}
+		if why != "" {
+			c.Skipped = append(c.Skipped, s.Name+": "+why)
+			continue
+		}
+		c.Machine, c.Idle, c.Took = rec, time.Since(rec.Created), time.Since(t0)
+		return c, nil
+	}
+	why := fmt.Sprintf("no idle VM of image %s in the pool", req.Image.Name)
+	if len(c.Skipped) > 0 {
+		why += " (passed over: " + strings.Join(c.Skipped, "; ") + ")"
+	}
+	return nil, &ErrNoStandby{Why: why}
+}
+
+// claimOne tries to claim one idle machine: why is non-empty when it was
+// passed over (taken by another job meanwhile, or found unfit and marked for
+// retirement); err is a failure after the claim (the machine is then
+// removed again).
+func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
+	unlock, err := m.Store.TryLock(name)
+	if errors.Is(err, state.ErrBusy) {
+		return nil, "busy", nil
+	}
+	if err != nil {
+		return nil, "", err
+	}
+	defer unlock()
+	// Judged again under the lock: another job may have claimed it, the
+	// service retired it, a sweep removed it.
+	if cl, err := m.Store.ClaimOf(name); err != nil || cl != nil {
+		return nil, "claimed meanwhile", err
+	}
+	rec, err := m.Store.Record(name)
+	if err != nil || rec.Standby == nil {
+		return nil, "no record", nil
+	}
+	if unfit := m.unfit(ctx, rec, req.Image, base, baseErr); unfit != "" {
+		_ = m.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
+		return nil, unfit, nil
+	}
+	if err := m.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
+		if errors.Is(err, state.ErrClaimed) {
+			return nil, "claimed meanwhile", nil
+		}
+		return nil, "", err
+	}
+	// From here on the machine is this job's: it never goes back to the
+	// pool. What fails now removes it.
+	err = m.Store.MapJob(req.Job, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
+	if err == nil {
+		deadline := time.Now().Add(req.Lifetime + m.Cfg.Timeouts.JobSlack.D()).UTC()
+		err = m.engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
+			o.Frontend, o.Job, o.Deadline = req.Frontend, req.JobID, deadline
+		})
+	}
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil {
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), m.teardown(tctx, name), m.Store.UnmapJob(req.Job))
+		m.Store.RemoveLock(name)
+		return nil, "", err
+	}
+	return rec, "", nil
+}
+
+// unfit says why an idle machine must not be handed out, or "" if it may:
+// its image is no longer pooled or has changed (file, size, mtime), it is
+// too old, libvirt does not run it, or its SSH server does not answer.
+func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
+	sb := rec.Standby
+	if img.Pool == nil || sb.Image != img.Name {
+		return "its image is no longer pooled"
+	}
+	if size := m.Cfg.ImageSize(img); (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != size {
+		return "its size is no longer the image's"
+	}
+	if baseErr != nil {
+		return fmt.Sprintf("base image %s: %v", img.Base, baseErr)
+	}
+	if sb.Base != base {
+		return fmt.Sprintf("base image %s changed since it booted", img.Base)
+	}
+	if age := time.Since(rec.Created); age > img.Pool.MaxAge.D() {
+		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(age))
+	}
+	if why := m.Explain(ctx, rec.Name); why != "" {
+		return why
+	}
+	pctx, cancel := context.WithTimeout(ctx, probeWait)
+	defer cancel()
+	if err := sshexec.Probe(pctx, net.JoinHostPort(rec.Address, strconv.Itoa(rec.Port))); err != nil {
+		return fmt.Sprintf("SSH does not answer: %v", err)
+	}
+	return ""
+}
+
+// Retire removes an unclaimed standby machine (or one already marked for
+// retirement) with its volumes and state: it marks it first, so no job
+// claims it meanwhile. A machine a job has claimed is refused (it is the
+// job's to remove); one whose lock another process holds returns
+// state.ErrBusy.
+func (m *Manager) Retire(ctx context.Context, name, reason string) error {
+	if !m.IsStandby(name) {
+		return notOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
+	}
+	unlock, err := m.Store.TryLock(name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	cl, err := m.Store.ClaimOf(name)
+	if err != nil {
+		return err
+	}
+	if cl != nil && !cl.Retire {
+		return fmt.Errorf("%s: claimed by job %s: %w", name, cl.Job, state.ErrClaimed)
+	}
+	if has, err := m.Store.Has(name); err != nil {
+		return err
+	} else if has && cl == nil {
+		if err := m.Store.Claim(name, state.Claim{Retire: true, Reason: reason, At: time.Now().UTC()}); err != nil {
+			return err
+		}
+	}
+	if err := m.teardown(ctx, name); err != nil {
+		return err
+	}
+	m.Store.RemoveLock(name)
+	return nil
+}
+
+// retireIdle retires one idle standby machine (the oldest) to make room for
+// a job and returns its name, or "" if there was none to retire.
+func (m *Manager) retireIdle(ctx context.Context, reason string) string {
+	all, err := m.Standbys()
+	if err != nil {
+		return ""
+	}
+	slices.SortFunc(all, func(a, b Standby) int {
+		if a.Record == nil || b.Record == nil {
+			return 0
+		}
+		return a.Record.Created.Compare(b.Record.Created)
+	})
+	for _, s := range all {
+		if !s.Idle() && (s.Claim == nil || !s.Claim.Retire) {
+			continue
+		}
+		if err := m.Retire(ctx, s.Name, reason); err == nil {
+			return s.Name
+		}
+	}
+	return ""
+}
+
+// JobMachine is the machine that serves a job, found through the job ->
+// machine mapping.
+type JobMachine struct {
+	Name string
+	Warm bool
+}
+
+// MachineOf finds the machine of the job known by name job: a standby
+// machine the job claimed (through the mapping, checked against the
+// machine's own claim, which must name this job), else the machine named
+// job (a cold start). A claim without a mapping (a prepare killed between
+// the two) is found by looking at the standby machines' claims.
+func (m *Manager) MachineOf(job string) (JobMachine, error) {
+	jm, err := m.Store.MachineOfJob(job)
+	if err != nil {
+		return JobMachine{}, err
+	}
+	if jm != nil && jm.Machine != job {
+		if cl, err := m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && m.IsStandby(jm.Machine) {
+			return JobMachine{Name: jm.Machine, Warm: true}, nil
+		}
+	}
+	if jm == nil {
+		all, err := m.Standbys()
+		if err != nil {
+			return JobMachine{}, err
+		}
+		for _, s := range all {
+			if s.Claim != nil && s.Claim.Job == job {
+				return JobMachine{Name: s.Name, Warm: true}, nil
+			}
+		}
+	}
+	return JobMachine{Name: job}, nil
+}
+
+// TeardownJob removes the job's machine (MachineOf) and its mapping.
+func (m *Manager) TeardownJob(ctx context.Context, job string) (JobMachine, error) {
+	jm, err := m.MachineOf(job)
+	if err != nil {
+		return jm, err
+	}
+	if err := m.Teardown(ctx, jm.Name); err != nil {
+		return jm, err
+	}
+	if jm.Name != job {
+		// A cold attempt of the same job (a retried prepare) may have left
+		// its own machine too.
+		if err := m.Teardown(ctx, job); err != nil {
+			return jm, err
+		}
+	}
+	return jm, m.Store.UnmapJob(job)
+}

@@ -1,0 +1,381 @@
+// Package pool is the standby pool service (libvirt-executor serve): it
+// keeps, for every image with a [images.NAME.pool] table, idle machines
+// booted and SSH-verified for jobs to claim (lifecycle.Manager.Claim), and
+// retires those that died, aged or whose base image changed. Everything it
+// knows it reads from the state directory and libvirt on each look, so a
+// restarted service (after a crash, SIGKILL or host reboot) simply carries
+// on with what it finds. It knows nothing of GitLab.
+package pool
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"slices"
+	"strconv"
+	"sync"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// HeartbeatKey is the state file the service touches on every look at its
+// pools; doctor reads its age.
+const HeartbeatKey = "serve-heartbeat"
+
+// Service keeps the standby pools of one installation.
+type Service struct {
+	M   *lifecycle.Manager
+	Log *slog.Logger
+
+	mu sync.Mutex
+	// booting counts the boots started per image and not yet ended.
+	booting map[string]int
+	// busy names the machines a retirement or health check works on.
+	busy map[string]bool
+	// claims remembers, per claimed machine, its image and claim time: the
+	// demand of the last idle_time.
+	claims map[string]claimSeen
+	// checked is when each idle machine's health was last checked.
+	checked map[string]time.Time
+	// backoff holds an image's refills after failed boots.
+	backoff map[string]backoff
+	sem     chan struct{}
+	wg      sync.WaitGroup
+}
+
+type claimSeen struct {
+	image string
+	at    time.Time
+}
+
+type backoff struct {
+	failures int
+	until    time.Time
+}
+
+func (s *Service) init() {
+	s.booting = map[string]int{}
+	s.busy = map[string]bool{}
+	s.claims = map[string]claimSeen{}
+	s.checked = map[string]time.Time{}
+	s.backoff = map[string]backoff{}
+	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
+}
+
+// Run keeps the pools until ctx ends. Only one service runs per
+// installation (state_dir); a second one fails at once. When ctx ends,
+// boots in progress are undone; idle machines stay for the next start to
+// adopt (a sweep removes them after their deadline if none comes).
+func (s *Service) Run(ctx context.Context) error {
+	unlock, err := s.M.LockService(ctx)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	s.init()
+	pools := s.M.Cfg.Pooled()
+	if len(pools) == 0 {
+		s.Log.Warn("no image has a pool table ([images.NAME.pool]): nothing to keep")
+	}
+	for _, img := range pools {
+		p := img.Pool
+		s.Log.Info("keeping standby pool", "image", img.Name, "idle_count", p.IdleCount, "max_idle", p.MaxIdle,
+			"idle_time", p.IdleTime.D().String(), "max_age", p.MaxAge.D().String())
+	}
+	t := time.NewTicker(s.M.Cfg.Serve.Interval.D())
+	defer t.Stop()
+	for {
+		s.Tick(ctx)
+		select {
+		case <-ctx.Done():
+			s.Log.Info("pool service stopping: undoing boots in progress; idle VMs stay for the next start")
+			s.wg.Wait()
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// Tick looks at every standby machine once and acts: retires what must go,
+// checks the health of idle machines now and then, and starts boots where a
+// pool is short. The work runs in the background; Tick does not wait for it.
+func (s *Service) Tick(ctx context.Context) {
+	_ = s.M.Store.Touch(HeartbeatKey)
+	all, err := s.M.Standbys()
+	if err != nil {
+		s.Log.Error("cannot read the standby machines", "err", err)
+		return
+	}
+	now := time.Now()
+	bases := map[string]baseOf{}
+	idle := map[string][]lifecycle.Standby{}
+	seen := map[string]bool{}
+	for _, sb := range all {
+		seen[sb.Name] = true
+		switch {
+		case sb.Claim != nil && sb.Claim.Retire:
+			s.retire(ctx, sb.Name, sb.Claim.Reason)
+		case sb.Claim != nil:
+			s.noteClaim(sb)
+		case sb.Record == nil:
+			// Booting: by us (its lock is held, Retire finds it busy), or
+			// cut off by an earlier service's end (removed now).
+			s.retire(ctx, sb.Name, "boot cut off")
+		default:
+			if why := s.judge(sb, now, bases); why != "" {
+				s.retire(ctx, sb.Name, why)
+				continue
+			}
+			s.checkHealth(ctx, sb, now)
+			idle[sb.Record.Standby.Image] = append(idle[sb.Record.Standby.Image], sb)
+		}
+	}
+	s.forget(seen, now)
+	for _, img := range s.M.Cfg.Pooled() {
+		s.keep(ctx, img, idle[img.Name], now)
+	}
+}
+
+// baseOf caches one look at an image's base file per tick.
+type baseOf struct {
+	v   state.FileVersion
+	err error
+}
+
+// judge says why an idle machine must be retired, or "".
+func (s *Service) judge(sb lifecycle.Standby, now time.Time, bases map[string]baseOf) string {
+	rec := sb.Record.Standby
+	img, ok := s.M.Cfg.Image(rec.Image)
+	switch {
+	case !ok || img.Pool == nil:
+		return fmt.Sprintf("image %s no longer has a pool", rec.Image)
+	case (config.Size{VCPUs: rec.VCPUs, MemoryMiB: rec.MemoryMiB, DiskGiB: rec.DiskGiB}) != s.M.Cfg.ImageSize(img):
+		return "the image's size changed"
+	}
+	b, ok := bases[img.Name]
+	if !ok {
+		b.v, b.err = state.VersionOf(img.Base)
+		bases[img.Name] = b
+	}
+	switch {
+	case b.err != nil:
+		return fmt.Sprintf("base image %s: %v", img.Base, b.err)
+	case b.v != rec.Base:
+		return fmt.Sprintf("base image %s changed", img.Base)
+	case now.Sub(sb.Record.Created) > img.Pool.MaxAge.D():
+		return fmt.Sprintf("older than pool.max_age %s", img.Pool.MaxAge.D())
+	}
+	return ""
+}
+
+// keep retires idle machines beyond the pool's target that waited longer
+// than idle_time, and starts boots while the pool is short of it.
+func (s *Service) keep(ctx context.Context, img *config.Image, idle []lifecycle.Standby, now time.Time) {
+	p := img.Pool
+	target := s.target(img, now)
+	s.mu.Lock()
+	booting := s.booting[img.Name]
+	bo := s.backoff[img.Name]
+	s.mu.Unlock()
+	have := len(idle) + booting
+	if excess := have - target; excess > 0 {
+		slices.SortFunc(idle, func(a, b lifecycle.Standby) int { return a.Record.Created.Compare(b.Record.Created) })
+		for _, sb := range idle {
+			if excess == 0 {
+				break
+			}
+			if now.Sub(sb.Record.Created) > p.IdleTime.D() {
+				s.retire(ctx, sb.Name, fmt.Sprintf("idle longer than pool.idle_time %s above the pool's target %d", p.IdleTime.D(), target))
+				excess--
+			}
+		}
+	}
+	need := target - have
+	if need <= 0 || now.Before(bo.until) || ctx.Err() != nil {
+		return
+	}
+	if s.M.UnderPressure() {
+		return // a job waited for room: jobs first
+	}
+	for range need {
+		s.boot(ctx, img, len(idle), target)
+	}
+}
+
+// target is the pool's size now: the claims of the last idle_time, at
+// least idle_count and at most max_idle.
+func (s *Service) target(img *config.Image, now time.Time) int {
+	p := img.Pool
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	demand := 0
+	for _, c := range s.claims {
+		if c.image == img.Name && now.Sub(c.at) <= p.IdleTime.D() {
+			demand++
+		}
+	}
+	return min(max(demand, p.IdleCount), max(p.MaxIdle, p.IdleCount))
+}
+
+// noteClaim remembers a claimed machine as demand for its image.
+func (s *Service) noteClaim(sb lifecycle.Standby) {
+	if sb.Record == nil || sb.Record.Standby == nil {
+		return
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.claims[sb.Name]; !ok {
+		s.claims[sb.Name] = claimSeen{image: sb.Record.Standby.Image, at: sb.Claim.At}
+		s.Log.Info("standby VM claimed", "vm", sb.Name, "image", sb.Record.Standby.Image, "by", sb.Claim.Job)
+	}
+}
+
+// forget drops health times of machines that are gone, and claims older
+// than any pool's idle_time.
+func (s *Service) forget(seen map[string]bool, now time.Time) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for n := range s.checked {
+		if !seen[n] {
+			delete(s.checked, n)
+		}
+	}
+	for n, c := range s.claims {
+		img, ok := s.M.Cfg.Image(c.image)
+		if !ok || img.Pool == nil || now.Sub(c.at) > img.Pool.IdleTime.D() {
+			delete(s.claims, n)
+		}
+	}
+}
+
+// boot starts one boot for img's pool in the background, at most
+// serve.boot_parallelism at once.
+func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int) {
+	s.mu.Lock()
+	s.booting[img.Name]++
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			s.booting[img.Name]--
+			s.mu.Unlock()
+		}()
+		select {
+		case s.sem <- struct{}{}:
+		case <-ctx.Done():
+			return
+		}
+		defer func() { <-s.sem }()
+		s.Log.Info("booting standby VM", "image", img.Name, "idle", idle, "target", target)
+		t0 := time.Now()
+		ready, err := s.M.BootStandby(ctx, img)
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		bo := s.backoff[img.Name]
+		if err != nil {
+			if ctx.Err() != nil {
+				return
+			}
+			wait := 5 * time.Second
+			if !errors.Is(err, lifecycle.ErrNoRoom) {
+				bo.failures++
+				wait = min(5*time.Second<<min(bo.failures-1, 5), 2*time.Minute)
+			}
+			bo.until = time.Now().Add(wait)
+			s.backoff[img.Name] = bo
+			lvl := slog.LevelError
+			if errors.Is(err, lifecycle.ErrNoRoom) {
+				lvl = slog.LevelInfo
+			}
+			s.Log.Log(ctx, lvl, "standby VM not booted", "image", img.Name, "err", err, "retry_in", wait.String())
+			return
+		}
+		_ = ready.Client.Close()
+		delete(s.backoff, img.Name)
+		s.Log.Info("standby VM ready", "vm", ready.Machine.Name, "image", img.Name, "took", vm.Round(time.Since(t0)).String())
+	}()
+}
+
+// retire removes a standby machine in the background (once at a time per
+// machine). A machine a job claimed meanwhile, or whose lock another
+// process holds (a boot in progress), is left alone.
+func (s *Service) retire(ctx context.Context, name, reason string) {
+	if !s.take(name) {
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer s.release(name)
+		// Retiring runs to its end on its own deadline, even when the
+		// service stops meanwhile.
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.M.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		err := s.M.Retire(rctx, name, reason)
+		switch {
+		case err == nil:
+			s.Log.Info("retired standby VM", "vm", name, "reason", reason)
+		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed):
+		default:
+			s.Log.Error("could not retire standby VM", "vm", name, "reason", reason, "err", err)
+		}
+	}()
+}
+
+// checkHealth checks, every serve.health_interval, that libvirt runs the
+// idle machine (not paused, not gone) and that its SSH server answers;
+// otherwise it is retired (and its place refilled).
+func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now time.Time) {
+	s.mu.Lock()
+	last, ok := s.checked[sb.Name]
+	due := !ok || now.Sub(last) >= s.M.Cfg.Serve.HealthInterval.D()
+	if due {
+		s.checked[sb.Name] = now
+	}
+	s.mu.Unlock()
+	if !due || !s.take(sb.Name) {
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		why := s.M.Explain(ctx, sb.Name)
+		if why == "" && ctx.Err() == nil {
+			pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+			err := sshexec.Probe(pctx, net.JoinHostPort(sb.Record.Address, strconv.Itoa(sb.Record.Port)))
+			cancel()
+			if err != nil && ctx.Err() == nil {
+				why = "SSH does not answer: " + err.Error()
+			}
+		}
+		s.release(sb.Name)
+		if why != "" {
+			s.retire(ctx, sb.Name, why)
+		}
+	}()
+}
+
+func (s *Service) take(name string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.busy[name] {
+		return false
+	}
+	s.busy[name] = true
+	return true
+}
+
+func (s *Service) release(name string) {
+	s.mu.Lock()
+	delete(s.busy, name)
+	s.mu.Unlock()
+}

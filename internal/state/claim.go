@@ -1,0 +1,231 @@
+package state
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// Standby describes a machine booted ahead of any job for an image's
+// standby pool: what a job must match to be given it.
+type Standby struct {
+	// Image is the configured image name.
+	Image string `json:"image"`
+	// VCPUs, MemoryMiB and DiskGiB are its size.
+	VCPUs     int `json:"vcpus"`
+	MemoryMiB int `json:"memory_mib"`
+	DiskGiB   int `json:"disk_gib"`
+	// Base identifies the base image file the machine was cloned from: a
+	// job is never given a machine of an older file.
+	Base FileVersion `json:"base"`
+}
+
+// FileVersion identifies one version of a file: path, size and
+// modification time.
+type FileVersion struct {
+	Path    string `json:"path"`
+	Size    int64  `json:"size"`
+	ModTime int64  `json:"mtime_ns"`
+}
+
+// VersionOf returns the version of the file at path now.
+func VersionOf(path string) (FileVersion, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return FileVersion{}, err
+	}
+	return FileVersion{Path: path, Size: st.Size(), ModTime: st.ModTime().UnixNano()}, nil
+}
+
+// Claim says who took a standby machine. Its file is created exclusively:
+// the first claim wins, and a claimed machine is never given to anyone else.
+type Claim struct {
+	// Job is the name the claiming job knows its machine by (its job
+	// mapping's key); empty when the pool service retired the machine.
+	Job string `json:"job,omitempty"`
+	// Retire says the machine is to be removed unused (it was found dead,
+	// too old, of an old base image, or its room is needed for a job).
+	Retire bool `json:"retire,omitempty"`
+	// Reason says why, for people.
+	Reason string    `json:"reason,omitempty"`
+	At     time.Time `json:"at"`
+}
+
+const claimFile = "claim.json"
+
+// ErrClaimed means the standby machine has been claimed already.
+var ErrClaimed = errors.New("already claimed")
+
+// Claim records c on the machine, failing with ErrClaimed if a claim
+// exists. Callers hold the machine's lock; the exclusive create makes the
+// first claim win even so.
+func (s Store) Claim(name string, c Claim) error {
+	b, err := json.Marshal(c)
+	if err != nil {
+		return err
+	}
+	path := filepath.Join(s.MachineDir(name), claimFile)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if errors.Is(err, os.ErrExist) {
+		return fmt.Errorf("%s: %w", name, ErrClaimed)
+	}
+	if err != nil {
+		return err
+	}
+	_, werr := f.Write(b)
+	if cerr := f.Close(); werr == nil {
+		werr = cerr
+	}
+	if werr != nil {
+		_ = os.Remove(path)
+	}
+	return werr
+}
+
+// ClaimOf returns the machine's claim, or nil if it has none. A claim file
+// that cannot be read counts as a claim (by nobody known): the machine is
+// never handed out again.
+func (s Store) ClaimOf(name string) (*Claim, error) {
+	b, err := os.ReadFile(filepath.Join(s.MachineDir(name), claimFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var c Claim
+	if err := json.Unmarshal(b, &c); err != nil {
+		return &Claim{Retire: true, Reason: "unreadable claim record"}, nil
+	}
+	return &c, nil
+}
+
+// Record reads only the machine record (no keys); ErrNoMachine if there is
+// none yet (a machine still booting).
+func (s Store) Record(name string) (*Machine, error) {
+	path := filepath.Join(s.MachineDir(name), machineFile)
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, fmt.Errorf("%w for %s", ErrNoMachine, name)
+	}
+	if err != nil {
+		return nil, err
+	}
+	var m Machine
+	if err := json.Unmarshal(b, &m); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &m, nil
+}
+
+// JobMachine is a job's entry in the job -> machine mapping.
+type JobMachine struct {
+	// Machine is the name of the job's machine.
+	Machine string `json:"machine"`
+	// Warm says it came from a standby pool.
+	Warm bool      `json:"warm"`
+	At   time.Time `json:"at"`
+}
+
+func (s Store) jobPath(job string) (string, error) {
+	if job == "" || strings.ContainsAny(job, "/\x00") || job == "." || job == ".." {
+		return "", fmt.Errorf("refusing job mapping for %q", job)
+	}
+	return filepath.Join(s.Dir, "jobs", job+".json"), nil
+}
+
+// MapJob records which machine serves the job (0600, atomically).
+func (s Store) MapJob(job string, jm JobMachine) error {
+	path, err := s.jobPath(job)
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(filepath.Dir(path), 0o700); err != nil {
+		return err
+	}
+	b, err := json.Marshal(jm)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, b)
+}
+
+// MachineOfJob returns the job's mapping entry, or nil when it has none
+// (a job prepared cold by an older version: its machine has its name).
+func (s Store) MachineOfJob(job string) (*JobMachine, error) {
+	path, err := s.jobPath(job)
+	if err != nil {
+		return nil, err
+	}
+	b, err := os.ReadFile(path)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var jm JobMachine
+	if err := json.Unmarshal(b, &jm); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &jm, nil
+}
+
+// UnmapJob removes the job's mapping entry; a missing one is success.
+func (s Store) UnmapJob(job string) error {
+	path, err := s.jobPath(job)
+	if err != nil {
+		return err
+	}
+	if err := os.Remove(path); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// MappedJobs lists the jobs that have mapping entries.
+func (s Store) MappedJobs() ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(s.Dir, "jobs"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, e := range entries {
+		if n, ok := strings.CutSuffix(e.Name(), ".json"); ok && !strings.HasPrefix(n, ".") {
+			out = append(out, n)
+		}
+	}
+	return out, nil
+}
+
+// Touch sets the modification time of the store's file key to now
+// (creating it); Age tells how long ago that was.
+func (s Store) Touch(key string) error {
+	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
+		return err
+	}
+	path := filepath.Join(s.Dir, key)
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o600)
+	if err != nil {
+		return err
+	}
+	f.Close()
+	now := time.Now()
+	return os.Chtimes(path, now, now)
+}
+
+// Age is how long ago key was last touched; false if never.
+func (s Store) Age(key string) (time.Duration, bool) {
+	st, err := os.Stat(filepath.Join(s.Dir, key))
+	if err != nil {
+		return 0, false
+	}
+	return time.Since(st.ModTime()), true
+}
