@@ -62,12 +62,12 @@ type TimingRecord struct {
 	ReadyMs     float64            `json:"ready_ms"`
 	// Warm says the machine was a claimed standby machine; ClaimMs is the
 	// claim, Claimed when it completed. The boot fields are then empty.
-	Warm        bool               `json:"warm,omitempty"`
-	ClaimMs     float64            `json:"claim_ms,omitempty"`
-	Claimed     time.Time          `json:"claimed,omitzero"`
-	Started     time.Time          `json:"started"`
-	Addressed   time.Time          `json:"addressed"`
-	Connected   time.Time          `json:"connected"`
+	Warm      bool      `json:"warm,omitempty"`
+	ClaimMs   float64   `json:"claim_ms,omitempty"`
+	Claimed   time.Time `json:"claimed,omitzero"`
+	Started   time.Time `json:"started"`
+	Addressed time.Time `json:"addressed"`
+	Connected time.Time `json:"connected"`
 }
 
 // NewClaimRecord is the record of a claimed standby machine whose front end
