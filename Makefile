@@ -105,12 +105,21 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 	echo "shellcheck -x" $$files; \
 	printf '%s\n' "$$files" | xargs -d '\n' shellcheck -x -P SCRIPTDIR
 
-install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin (root; installs what it needs)
+install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
 	@install -m 0755 $(BIN)/libvirt-executor $(PREFIX)/bin/
 	@install -d -m 0755 /etc/libvirt-executor
 	@[ -e /etc/libvirt-executor/config.toml ] || install -m 0640 deploy/config.example.toml /etc/libvirt-executor/config.toml
-	@echo "installed into $(PREFIX)/bin; edit /etc/libvirt-executor/config.toml"
+	@# the units name /usr/local/bin: point them at $(PREFIX)/bin
+	@install -d -m 0755 /etc/systemd/system
+	@for u in libvirt-executor.service libvirt-executor-gc.service libvirt-executor-gc.timer; do \
+	  sed 's|/usr/local/bin/|$(PREFIX)/bin/|g' deploy/systemd/$$u > $(BIN)/$$u && install -m 0644 $(BIN)/$$u /etc/systemd/system/$$u || exit 1; \
+	done
+	@echo "installed into $(PREFIX)/bin and /etc/systemd/system; edit /etc/libvirt-executor/config.toml, then:"
+	@echo "  systemctl daemon-reload"
+	@echo "  systemctl enable --now libvirt-executor-gc.timer     # sweep leftovers"
+	@echo "  systemctl enable --now libvirt-executor.service      # standby pools (images with [images.NAME.pool]; docs/pool.md)"
+	@echo "  systemctl try-restart libvirt-executor.service       # after an upgrade, if it runs"
 
 clean: ## remove build output
 	rm -rf $(BIN)
