@@ -71,9 +71,9 @@ soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; insta
 	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-demo: deps build ## run a sample job end to end on a real VM (root; installs what it needs)
+demo: deps build ## run a sample job end to end on a real VM, cold, then again warm from a standby pool (root; installs what it needs)
 	@deploy/rig/start.sh
-	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
+	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --warm --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 bench: deps build ## benchmark jobs on real VMs against the guest's own boot (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY; leaves the rig up: make rig-down)

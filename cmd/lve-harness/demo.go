@@ -27,6 +27,7 @@ func demoCommand() *cli.Command {
 			&cli.StringFlag{Name: "image", Usage: "the job's image: name (default: the driver's default image)"},
 			&cli.DurationFlag{Name: "timeout", Value: 20 * time.Minute, Usage: "job timeout"},
 			&cli.BoolFlag{Name: "debug", Usage: "show cleanup's output and harness details on stderr"},
+			&cli.BoolFlag{Name: "warm", Usage: "then run the job again warm: start libvirt-executor serve (from --bin) with a pool of one idle VM of the job's image, and compare the two prepares (needs --config)"},
 		},
 		Action: demoAction,
 	}
@@ -89,7 +90,10 @@ func demoAction(c *cli.Context) error {
 		Masked:      map[string]string{"DEMO_SECRET": "demo-secret-value-1234"},
 		Timeout:     c.Duration("timeout"),
 	}
-	return runAndReport(c.Context, opts, job)
+	if !c.Bool("warm") {
+		return runAndReport(c.Context, opts, job)
+	}
+	return demoColdThenWarm(c, opts, job, bin)
 }
 
 // firstHostAddress is the first IPv4 address of an up, non-loopback

@@ -1,0 +1,158 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"time"
+
+	"github.com/urfave/cli/v2"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+)
+
+// demoColdThenWarm runs the demo job twice: first cold (the pool service is
+// not running, so prepare boots a VM), then warm (on the idle VM that
+// libvirt-executor serve booted meanwhile), and prints both prepares. The
+// service is stopped and its idle VMs removed at the end.
+func demoColdThenWarm(c *cli.Context, opts harness.Options, job harness.Job, bin string) error {
+	ctx := c.Context
+	cfgPath := c.String("config")
+	if cfgPath == "" {
+		return errors.New("demo --warm needs --config")
+	}
+	cfg, err := config.Load(cfgPath)
+	if err != nil {
+		return err
+	}
+	image := job.Image
+	if image == "" {
+		image = cfg.DefaultImage
+	}
+	// The same configuration with a pool of one idle VM for the image.
+	text, err := os.ReadFile(cfgPath)
+	if err != nil {
+		return err
+	}
+	dir, err := os.MkdirTemp("", "lve-demo-warm")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	poolCfg := filepath.Join(dir, "config.toml")
+	text = fmt.Appendf(text, "\n[images.%s.pool]\nidle_count = 1\n", image)
+	if err := os.WriteFile(poolCfg, text, 0o600); err != nil {
+		return err
+	}
+	if cfg, err = config.Load(poolCfg); err != nil {
+		return err
+	}
+	args := []string{"--config", poolCfg}
+	opts.Exec.ConfigArgs, opts.Exec.PrepareArgs, opts.Exec.RunArgs, opts.Exec.CleanupArgs = args, args, args, args
+
+	fmt.Printf("demo: job 1 of 2, cold: the pool service is not running yet\n\n")
+	cold, err := harness.RunJob(ctx, opts, job)
+	if err != nil {
+		return err
+	}
+	if cold.State != harness.StateSuccess {
+		_ = cold.WriteSummary(os.Stdout)
+		return errJobFailed
+	}
+
+	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	fmt.Printf("\ndemo: starting libvirt-executor serve with a pool of one idle %s VM\n", image)
+	svc := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", poolCfg, "serve")
+	svc.Stdout, svc.Stderr = debugLog(c), debugLog(c)
+	svc.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := svc.Start(); err != nil {
+		return err
+	}
+	defer stopService(svc, m)
+	t0 := time.Now()
+	if err := waitIdle(ctx, m, 10*time.Minute); err != nil {
+		return err
+	}
+	fmt.Printf("demo: idle VM ready after %s\n\n", time.Since(t0).Round(100*time.Millisecond))
+	fmt.Printf("demo: job 2 of 2, warm\n\n")
+	warm, err := harness.RunJob(ctx, opts, job)
+	if err != nil {
+		return err
+	}
+	fmt.Println("\n=== lve-harness summary (job 2, warm)")
+	if err := warm.WriteSummary(os.Stdout); err != nil {
+		return err
+	}
+	prep := func(r *harness.Result) time.Duration {
+		st := r.Stage("prepare")
+		if len(st) == 0 {
+			return 0
+		}
+		return st[len(st)-1].Duration
+	}
+	fmt.Printf("\ndemo: prepare cold %s, warm %s\n", prep(cold).Round(time.Millisecond), prep(warm).Round(time.Millisecond))
+	if warm.State != harness.StateSuccess {
+		return errJobFailed
+	}
+	return nil
+}
+
+// waitIdle waits until the pool has an idle VM.
+func waitIdle(ctx context.Context, m *lifecycle.Manager, within time.Duration) error {
+	deadline := time.Now().Add(within)
+	for {
+		all, err := m.Standbys()
+		if err != nil {
+			return err
+		}
+		for _, s := range all {
+			if s.Idle() {
+				return nil
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("no idle VM within %s (run with --debug for the service's log)", within)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(200 * time.Millisecond):
+		}
+	}
+}
+
+// stopService stops the pool service (SIGTERM, as systemd does) and removes
+// the idle VMs it leaves for its next start.
+func stopService(svc *exec.Cmd, m *lifecycle.Manager) {
+	_ = svc.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { _ = svc.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(3 * time.Minute):
+		_ = syscall.Kill(-svc.Process.Pid, syscall.SIGKILL)
+		<-done
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	all, err := m.Standbys()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "demo: standby VMs:", err)
+		return
+	}
+	for _, s := range all {
+		if err := m.Retire(ctx, s.Name, "demo over"); err != nil {
+			fmt.Fprintf(os.Stderr, "demo: removing standby VM %s: %v\n", s.Name, err)
+		}
+	}
+}
