@@ -19,7 +19,6 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -217,13 +216,16 @@ func serviceCheck(cfg *config.Config) (Check, bool) {
 	}
 	c := Check{Name: "pool service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
 	m := &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}
-	if !m.ServiceRunning() {
+	locked, age, looked := m.ServiceStatus()
+	if !locked {
 		c.Info = fmt.Sprintf("libvirt-executor serve is not running: %d image(s) with a pool, every job takes the cold path", len(pooled))
 		return c, true
 	}
-	age, ok := m.Store.Age(pool.HeartbeatKey)
-	if !ok || age > 10*cfg.Serve.Interval.D()+30*time.Second {
-		c.Info = fmt.Sprintf("libvirt-executor serve holds its lock but has not looked at its pools for %s: hung?", age.Round(time.Second))
+	if !m.ServiceRunning() {
+		c.Info = "libvirt-executor serve holds its lock but has not looked at its pools lately: hung? Jobs take the cold path"
+		if looked {
+			c.Info = fmt.Sprintf("libvirt-executor serve holds its lock but has not looked at its pools for %s: hung? Jobs take the cold path", age.Round(time.Second))
+		}
 		return c, true
 	}
 	c.OK = true

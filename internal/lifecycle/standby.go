@@ -62,14 +62,37 @@ func (m *Manager) LockService(ctx context.Context) (unlock func(), err error) {
 	return unlock, err
 }
 
-// ServiceRunning reports whether the pool service holds its lock.
-func (m *Manager) ServiceRunning() bool {
+// heartbeatKey is the state file the pool service touches on every look at
+// its pools.
+const heartbeatKey = "serve-heartbeat"
+
+// Heartbeat records that the pool service is looking at its pools now.
+func (m *Manager) Heartbeat() error { return m.Store.Touch(heartbeatKey) }
+
+// heartbeatStale is how old the heartbeat may be for a service that holds
+// its lock to count as running: it looks every serve.interval (at most
+// 10 s).
+func (m *Manager) heartbeatStale() time.Duration {
+	return max(10*m.Cfg.Serve.Interval.D(), 10*time.Second)
+}
+
+// ServiceStatus says whether the pool service holds its lock, and how long
+// ago it last looked at its pools (ok false: never).
+func (m *Manager) ServiceStatus() (locked bool, lastLook time.Duration, ok bool) {
 	unlock, err := m.Store.TryLock(serveLock)
 	if err == nil {
 		unlock()
-		return false
 	}
-	return errors.Is(err, state.ErrBusy)
+	lastLook, ok = m.Store.Age(heartbeatKey)
+	return errors.Is(err, state.ErrBusy), lastLook, ok
+}
+
+// ServiceRunning reports whether the pool service runs: it holds its lock
+// and has looked at its pools lately (a hung or just killed service does
+// not count).
+func (m *Manager) ServiceRunning() bool {
+	locked, age, ok := m.ServiceStatus()
+	return locked && ok && age < m.heartbeatStale()
 }
 
 // Standby is one standby machine as the state directory shows it.
@@ -126,11 +149,22 @@ func (m *Manager) BootStandby(ctx context.Context, img *config.Image) (*Ready, e
 		return nil, err
 	}
 	size := m.Cfg.ImageSize(img)
-	return m.Provision(ctx, Request{
+	ready, err := m.Provision(ctx, Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
 	})
+	if err != nil {
+		// Nothing of the machine is left (Provision undid it); its lock file
+		// would be, under a name never used again.
+		if unlock, lerr := m.Store.TryLock(name); lerr == nil {
+			if has, herr := m.Store.Has(name); herr == nil && !has {
+				m.Store.RemoveLock(name)
+			}
+			unlock()
+		}
+	}
+	return ready, err
 }
 
 // ClaimRequest is a job asking for an idle standby machine.

@@ -25,10 +25,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// HeartbeatKey is the state file the service touches on every look at its
-// pools; doctor reads its age.
-const HeartbeatKey = "serve-heartbeat"
-
 // Service keeps the standby pools of one installation.
 type Service struct {
 	M   *lifecycle.Manager
@@ -107,7 +103,7 @@ func (s *Service) Run(ctx context.Context) error {
 // checks the health of idle machines now and then, and starts boots where a
 // pool is short. The work runs in the background; Tick does not wait for it.
 func (s *Service) Tick(ctx context.Context) {
-	_ = s.M.Store.Touch(HeartbeatKey)
+	_ = s.M.Heartbeat()
 	all, err := s.M.Standbys()
 	if err != nil {
 		s.Log.Error("cannot read the standby machines", "err", err)
