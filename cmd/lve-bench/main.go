@@ -2,10 +2,12 @@
 // this driver, against the guest's own boot (the floor): it runs no-op jobs
 // through the runner-faithful harness on real VMs and prints medians and
 // ranges per image, the prepare / floor ratio and PASS/MISS per target, and
-// writes the same as JSON. Run it inside the rig's network namespace (make
-// bench). See docs/performance.md.
+// writes the same as JSON. After each image's cold jobs a warm round runs
+// the same jobs on standby VMs that libvirt-executor serve keeps, for warm
+// vs cold prepare (--warm=false skips it). Run it inside the rig's network
+// namespace (make bench). See docs/performance.md.
 //
-//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--concurrency 2] [--json FILE]
+//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--concurrency 2] [--warm=false] [--json FILE]
 package main
 
 import (
@@ -73,6 +75,7 @@ func flags() []cli.Flag {
 		&cli.StringSliceFlag{Name: "image", Usage: "image to measure (repeatable; default: the configuration's default image)"},
 		&cli.IntFlag{Name: "runs", Value: 5, Usage: "sequential jobs and floor boots per image"},
 		&cli.IntFlag{Name: "concurrency", Value: 2, Usage: "jobs at once in the concurrent round (0: skip it)"},
+		&cli.BoolFlag{Name: "warm", Value: true, Usage: "after each image's cold jobs, run --runs jobs on standby VMs that a libvirt-executor serve started by the benchmark keeps (--warm=false: skip)"},
 		&cli.DurationFlag{Name: "poll", Value: 50 * time.Millisecond, Usage: "the floor's SSH polling interval"},
 		&cli.StringFlag{Name: "json", Value: "lve-bench.json", Usage: "write the full report (every sample) here; empty: do not"},
 		&cli.BoolFlag{Name: "job-logs", Usage: "print every job log on stderr"},
@@ -109,6 +112,7 @@ func options(c *cli.Context) (bench.Options, error) {
 		Runs:        c.Int("runs"),
 		Concurrency: conc,
 		Poll:        c.Duration("poll"),
+		SkipWarm:    !c.Bool("warm"),
 		Progress:    c.App.ErrWriter,
 	}
 	if c.Bool("job-logs") {

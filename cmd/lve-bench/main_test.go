@@ -38,6 +38,7 @@ func TestDefaults(t *testing.T) {
 	require.Equal(t, 50*time.Millisecond, o.Poll)
 	require.Empty(t, o.Images, "default: the configuration's default image")
 	require.Nil(t, o.JobLog)
+	require.False(t, o.SkipWarm, "the warm round runs by default")
 }
 
 func TestFlags(t *testing.T) {
@@ -49,6 +50,23 @@ func TestFlags(t *testing.T) {
 	require.Negative(t, o.Concurrency, "0 on the command line skips the concurrent round")
 	require.Equal(t, 20*time.Millisecond, o.Poll)
 	require.NotNil(t, o.JobLog)
+	require.False(t, o.SkipWarm)
+}
+
+func TestWarmFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		skip bool
+	}{
+		{nil, false},
+		{[]string{"--warm"}, false},
+		{[]string{"--warm=true"}, false},
+		{[]string{"--warm=false"}, true},
+	} {
+		o, err := parse(t, append([]string{"--config", "/c.toml", "--bin", "/b"}, tc.args...)...)
+		require.NoError(t, err, "%v", tc.args)
+		require.Equal(t, tc.skip, o.SkipWarm, "%v", tc.args)
+	}
 }
 
 func TestBadFlags(t *testing.T) {

@@ -190,6 +190,8 @@ type Claimed struct {
 	// why.
 	Took    time.Duration
 	Skipped []string
+	// At is when the claim was complete.
+	At time.Time
 }
 
 // ErrNoStandby means no idle standby machine could serve the request; its
@@ -251,7 +253,8 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 			c.Skipped = append(c.Skipped, s.Name+": "+why)
 			continue
 		}
-		c.Machine, c.Idle, c.Took = rec, time.Since(rec.Created), time.Since(t0)
+		c.At = time.Now()
+		c.Machine, c.Idle, c.Took = rec, c.At.Sub(rec.Created), c.At.Sub(t0)
 		return c, nil
 	}
 	why := fmt.Sprintf("no idle VM of image %s in the pool", req.Image.Name)

@@ -71,12 +71,12 @@ type TimingRecord struct {
 }
 
 // NewClaimRecord is the record of a claimed standby machine whose front end
-// began preparing at began; ReadyMs runs until now.
+// began preparing at began; ReadyMs runs until now, Claimed is when the
+// claim was complete.
 func NewClaimRecord(mach *state.Machine, c *Claimed, began time.Time) TimingRecord {
-	now := time.Now()
 	return TimingRecord{
 		Machine: mach.Name, Image: mach.Image, Began: began, Warm: true,
-		ClaimMs: ms(c.Took), ReadyMs: ms(now.Sub(began)), Claimed: now,
+		ClaimMs: ms(c.Took), ReadyMs: ms(time.Since(began)), Claimed: c.At,
 	}
 }
 

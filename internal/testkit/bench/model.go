@@ -14,7 +14,9 @@ type Report struct {
 	Config      string    `json:"config"`
 	Runs        int       `json:"runs"`
 	Concurrency int       `json:"concurrency"`
-	PollMs      float64   `json:"floor_poll_ms"`
+	// WarmRound says each image also got a warm round (ImageReport.Warm).
+	WarmRound bool    `json:"warm_round"`
+	PollMs    float64 `json:"floor_poll_ms"`
 	// Startup is each executable's start on the host (`--version`, run
 	// repeatedly): the fixed cost every stage pays before doing anything.
 	Startup   map[string]Summary `json:"startup_ms"`
@@ -31,6 +33,9 @@ type ImageReport struct {
 	Jobs       []JobSample       `json:"jobs"`
 	Floors     []FloorSample     `json:"floors"`
 	Concurrent *ConcurrentSample `json:"concurrent,omitempty"`
+	// Warm is the warm round (after the cold jobs above): jobs that claim a
+	// standby VM from a pool that libvirt-executor serve keeps.
+	Warm *WarmRound `json:"warm,omitempty"`
 	// FloorSpec says whether the floor's domain definition matched
 	// prepare's once per-machine values are blanked: "same", "differs" (see
 	// FloorSpecDiff) or why it could not be checked.
@@ -71,8 +76,50 @@ type JobSample struct {
 	// RusageMaxRSS is ru_maxrss per executable: an upper bound that includes
 	// the benchmark's own peak RSS (see harness.StageResult.MaxRSSKiB).
 	RusageMaxRSS map[string]int64 `json:"rusage_maxrss_bytes"`
+	// Warm is set on a job of the warm round whose prepare claimed a
+	// standby VM (Claim holds its figures); ColdStart is why one of that
+	// round booted its own VM instead (the driver's "Cold start:" line).
+	// Only warm jobs have Warm set; cold jobs never have any of the three.
+	Warm      bool     `json:"warm,omitempty"`
+	Claim     *ClaimMs `json:"claim,omitempty"`
+	ColdStart string   `json:"cold_start,omitempty"`
 
 	domainXML string // prepare's domain definition, to compare with the floor's
+}
+
+// ClaimMs is a warm start's own figures: from its timings record
+// (lifecycle.TimingRecord with warm set) and the pool's state directory.
+type ClaimMs struct {
+	// VM is the standby VM the job claimed (the record's machine).
+	VM string `json:"vm"`
+	// Claim is the claim itself; Ready the front end's whole prepare (first
+	// job-log line .. machine ready: claim and guest tool check); Launch the
+	// prepare process's start until that first line.
+	Claim  float64 `json:"claim"`
+	Ready  float64 `json:"ready"`
+	Launch float64 `json:"launch"`
+	// Claimed is the record's claim moment.
+	Claimed time.Time `json:"claimed"`
+	// Refill is Claimed .. the service began booting the VM that replaces
+	// it: the earliest reservation.json of the standby VMs that appeared
+	// since the job started (Replacement). Nil when none appeared.
+	Refill      *float64 `json:"refill,omitempty"`
+	Replacement string   `json:"replacement,omitempty"`
+}
+
+// WarmRound is an image's warm round: libvirt-executor serve keeping a
+// standby pool of one idle VM, and Runs sequential jobs, each started once
+// the pool was idle again.
+type WarmRound struct {
+	// FirstIdleMs is the service's start until its first standby VM was
+	// idle (booted and SSH-verified).
+	FirstIdleMs float64     `json:"first_idle_ms"`
+	Jobs        []JobSample `json:"jobs"`
+	// Errors are the round's own problems (setup, waits for the pool, the
+	// service's stop, the removal of its VMs); a job's are in the job.
+	Errors []string `json:"errors,omitempty"`
+	// Removed names the standby VMs removed after the service stopped.
+	Removed []string `json:"removed,omitempty"`
 }
 
 // HostLoad is how busy the host was when a sample started: the rig is shared
@@ -217,6 +264,32 @@ type ImageSummary struct {
 
 	JobFailures   int `json:"job_failures"`
 	FloorFailures int `json:"floor_failures"`
+
+	// Warm summarizes the warm round; nil when there was none.
+	Warm *WarmSummary `json:"warm,omitempty"`
+}
+
+// WarmSummary holds medians and ranges over the warm round's jobs that
+// succeeded and started warm: a job that started cold is counted
+// (ColdStarts), never mixed into the figures. Times in ms, sizes in bytes.
+type WarmSummary struct {
+	PrepareWall Summary            `json:"prepare_wall_ms"`
+	Claim       Summary            `json:"claim_ms"`
+	Ready       Summary            `json:"ready_ms"`
+	Overhead    Summary            `json:"run_overhead_ms"`
+	Cleanup     Summary            `json:"cleanup_ms"`
+	JobWall     Summary            `json:"job_wall_ms"`
+	PeakRSS     map[string]Summary `json:"peak_rss_bytes"`
+	Refill      Summary            `json:"refill_ms"`
+	// ColdWarm is the cold prepare wall's median over the warm one's; nil
+	// unless both are known.
+	ColdWarm *float64 `json:"cold_warm_prepare_ratio,omitempty"`
+	// Jobs is the round's job count: WarmStarts succeeded warm, ColdStarts
+	// succeeded but booted their own VM, Failures failed.
+	Jobs       int `json:"jobs"`
+	WarmStarts int `json:"warm_starts"`
+	ColdStarts int `json:"cold_starts"`
+	Failures   int `json:"failures"`
 }
 
 // RunStages are the run_exec stages of the benchmark job, in order.
@@ -359,6 +432,70 @@ func (r *ImageReport) Summarize() ImageSummary {
 		}
 	}
 	s.Ratio = Summarize(ratios)
+	if r.Warm != nil {
+		w := r.Warm.Summarize(s.PrepareWall)
+		s.Warm = &w
+	}
+	return s
+}
+
+// Summarize computes the warm round's summary; cold is the cold jobs'
+// prepare wall, for the ratio of the medians.
+func (w *WarmRound) Summarize(cold Summary) WarmSummary {
+	s := WarmSummary{Jobs: len(w.Jobs), PeakRSS: map[string]Summary{}}
+	var warm []*JobSample
+	for i := range w.Jobs {
+		j := &w.Jobs[i]
+		switch {
+		case !j.OK:
+			s.Failures++
+		case !j.Warm:
+			s.ColdStarts++
+		default:
+			s.WarmStarts++
+			warm = append(warm, j)
+		}
+	}
+	col := func(f func(j *JobSample) float64) Summary {
+		v := make([]float64, 0, len(warm))
+		for _, j := range warm {
+			v = append(v, f(j))
+		}
+		return Summarize(v)
+	}
+	opt := func(p *float64) float64 {
+		if p == nil {
+			return math.NaN()
+		}
+		return *p
+	}
+	s.PrepareWall = col(func(j *JobSample) float64 { return j.PrepareWallMs })
+	claim := func(f func(c *ClaimMs) float64) Summary {
+		return col(func(j *JobSample) float64 {
+			if j.Claim == nil { // warm by its job log, without a record
+				return math.NaN()
+			}
+			return f(j.Claim)
+		})
+	}
+	s.Claim = claim(func(c *ClaimMs) float64 { return c.Claim })
+	s.Ready = claim(func(c *ClaimMs) float64 { return c.Ready })
+	s.Refill = claim(func(c *ClaimMs) float64 { return opt(c.Refill) })
+	s.Overhead = col(func(j *JobSample) float64 { return opt(j.BuildOverheadMs) })
+	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
+	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
+	for _, exe := range Executables {
+		s.PeakRSS[exe] = col(func(j *JobSample) float64 {
+			if v, ok := j.PeakRSS[exe]; ok && v > 0 {
+				return float64(v)
+			}
+			return math.NaN()
+		})
+	}
+	if cold.Known() && s.PrepareWall.Known() && s.PrepareWall.Median > 0 {
+		r := cold.Median / s.PrepareWall.Median
+		s.ColdWarm = &r
+	}
 	return s
 }
 

@@ -45,6 +45,9 @@ type Options struct {
 	Concurrency int
 	// Poll is the floor's SSH (and lease) polling interval (default 50ms).
 	Poll time.Duration
+	// SkipWarm skips the warm round (jobs on standby VMs that
+	// libvirt-executor serve keeps) after each image's cold jobs.
+	SkipWarm bool
 	// Progress receives one line per job and floor boot; JobLog, if set,
 	// every job log. Nil discards.
 	Progress, JobLog io.Writer
@@ -151,7 +154,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
 	}
 	host, _ := os.Hostname()
-	rep := &Report{Started: time.Now(), Host: host, Config: o.ConfigPath, Runs: o.Runs, Concurrency: max(o.Concurrency, 0), PollMs: ms(o.Poll)}
+	rep := &Report{Started: time.Now(), Host: host, Config: o.ConfigPath, Runs: o.Runs, Concurrency: max(o.Concurrency, 0), WarmRound: !o.SkipWarm, PollMs: ms(o.Poll)}
 	rep.Startup = b.startup(ctx, 15)
 	for _, name := range images {
 		if ctx.Err() != nil {
@@ -169,7 +172,7 @@ func (b *bench) progress(format string, args ...any) {
 
 // image measures one image: Runs sequential jobs, each paired with a floor
 // boot (alternating which goes first, so neither always meets a warmer host),
-// then one round of concurrent jobs.
+// then one round of concurrent jobs, then the warm round (warm.go).
 func (b *bench) image(ctx context.Context, name string) ImageReport {
 	img, _ := b.cfg.Image(name)
 	res, _ := gitlab.ChooseResources(b.cfg, img, func(string) string { return "" })
@@ -205,6 +208,10 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 		c := b.concurrent(ctx, name, b.opts.Concurrency)
 		r.Concurrent = &c
 		b.progress("%s: %d concurrent jobs in %s, %d failed", name, c.N, fmtMs(c.WallMs), c.Failures)
+	}
+	if !b.opts.SkipWarm && ctx.Err() == nil {
+		w := b.warmRound(ctx, name)
+		r.Warm = &w
 	}
 	r.FloorSpec, r.FloorSpecDiff = compareSpecs(r.Jobs, r.Floors)
 	if r.FloorSpec != "same" {
@@ -248,8 +255,22 @@ func (l *lockedBuffer) Write(p []byte) (int, error) {
 	return l.b.Write(p)
 }
 
-// job runs one no-op job through the harness and collects its figures.
+// job runs one no-op job of the cold rounds through the harness and collects
+// its figures.
 func (b *bench) job(ctx context.Context, image string, run int) JobSample {
+	return b.runJob(ctx, image, run, jobMode{exec: b.exec})
+}
+
+// jobMode is how a job runs: the executables (and their configuration),
+// and whether it belongs to the warm round, where prepare may claim a
+// standby VM instead of booting the job's own.
+type jobMode struct {
+	exec harness.Executables
+	warm bool
+}
+
+// runJob runs one no-op job through the harness and collects its figures.
+func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode) JobSample {
 	id := 100000 + rand.Int64N(900000)
 	j := JobSample{Run: run, JobID: id, PeakRSS: map[string]int64{}, RusageMaxRSS: map[string]int64{}}
 	machine := lifecycle.MachineName(b.cfg.NamePrefix, b.ctrl, gitlab.InstanceOf(harness.ServerURL, harness.RunnerID), id)
@@ -265,7 +286,7 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 	timings := filepath.Join(b.timings, fmt.Sprintf("%d.jsonl", id))
 	opts := harness.Options{
 		Env:               append(os.Environ(), lifecycle.TimingsEnv+"="+timings),
-		Exec:              b.exec,
+		Exec:              mode.exec,
 		BuildExitCodeFile: true,
 		GracefulKill:      30 * time.Second,
 		ForceKill:         5 * time.Second,
@@ -281,8 +302,12 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 				wg.Add(1)
 				go func() {
 					defer wg.Done()
-					vols = b.volumes(machine)
-					domXML, _ = b.domainXML(machine)
+					vmName := machine
+					if mode.warm {
+						vmName = b.machineOfJob(machine)
+					}
+					vols = b.volumes(vmName)
+					domXML, _ = b.domainXML(vmName)
 				}()
 			}
 		},
@@ -328,8 +353,14 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 	if c := res.Stage("cleanup"); len(c) == 0 || c[len(c)-1].ExitCode != 0 {
 		problems = append(problems, "cleanup failed: "+tail(debug.b.String(), 5))
 	}
-	if err := j.readPrepare(timings, machine, launch, prepareExit); err != nil {
-		problems = append(problems, err.Error())
+	var readErr error
+	if mode.warm {
+		readErr = j.readWarm(timings, res.Log, machine, launch, prepareExit)
+	} else {
+		readErr = j.readPrepare(timings, machine, launch, prepareExit)
+	}
+	if readErr != nil {
+		problems = append(problems, readErr.Error())
 	}
 	if guest, err := ParseNoop(res.Log); err == nil {
 		g := ms(guest)
@@ -379,10 +410,22 @@ func describeJob(j JobSample) string {
 		return "job FAILED: " + firstLine(j.Error)
 	}
 	s := fmt.Sprintf("job %d: prepare %s", j.JobID, fmtMs(j.PrepareWallMs))
+	switch c := j.Claim; {
+	case c != nil:
+		s += fmt.Sprintf(" (WARM: VM %s, claim %s)", c.VM, fmtMs(c.Claim))
+	case j.Warm:
+		s += " (WARM)"
+	case j.ColdStart != "":
+		s += " (started COLD: " + j.ColdStart + ")"
+	}
 	if j.BuildOverheadMs != nil {
 		s += ", no-op stage overhead " + fmtMs(*j.BuildOverheadMs)
 	}
-	s += ", cleanup " + fmtMs(j.CleanupMs) + j.Host.String()
+	s += ", cleanup " + fmtMs(j.CleanupMs)
+	if c := j.Claim; c != nil && c.Refill != nil {
+		s += ", job " + fmtMs(j.WallMs) + ", refill " + fmtMs(*c.Refill)
+	}
+	s += j.Host.String()
 	if j.Error != "" {
 		s += " (" + firstLine(j.Error) + ")"
 	}

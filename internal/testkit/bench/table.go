@@ -12,7 +12,11 @@ import (
 func (r *Report) WriteTable(w io.Writer) error {
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	fmt.Fprintf(tw, "lve-bench %s on %s, config %s\n", r.Started.Format("2006-01-02 15:04:05Z07:00"), r.Host, r.Config)
-	fmt.Fprintf(tw, "%d run(s) per image, floor polled every %s, %d concurrent job(s)\n", r.Runs, fmtMs(r.PollMs), r.Concurrency)
+	warm := "no warm round"
+	if r.WarmRound {
+		warm = "then a warm round (standby pool of 1 idle VM)"
+	}
+	fmt.Fprintf(tw, "%d run(s) per image, floor polled every %s, %d concurrent job(s), %s\n", r.Runs, fmtMs(r.PollMs), r.Concurrency, warm)
 	if len(r.Startup) > 0 {
 		fmt.Fprintf(tw, "\nexecutable start on the host (--version)\tmedian\tmin - max\tn\n")
 		for _, exe := range Executables {
@@ -98,13 +102,67 @@ func writeImage(tw io.Writer, img *ImageReport) {
 		}
 		fmt.Fprintf(tw, "concurrent: %d jobs at once\t%s\t(sequential: %s)\t%d failed\n", c.N, fmtMs(c.WallMs), seq, c.Failures)
 	}
+	if img.Warm != nil && s.Warm != nil {
+		writeWarm(tw, img.Warm, s, row)
+	}
 	fmt.Fprintf(tw, "target\tlimit\tvalue\tverdict\n")
 	for _, t := range img.Targets {
 		val := "-"
 		if t.Known {
 			val = fmtUnit(t.Unit, t.Value) + " (" + t.Stat + ")"
 		}
-		fmt.Fprintf(tw, "%s\t<= %s\t%s\t%s\n", t.Name, fmtUnit(t.Unit, t.Limit), val, t.Verdict())
+		fmt.Fprintf(tw, "%s\t%s %s\t%s\t%s\n", t.Name, t.Op(), fmtUnit(t.Unit, t.Limit), val, t.Verdict())
+	}
+	if img.Warm != nil {
+		writeWarmNotes(tw, img.Warm)
+	}
+}
+
+// writeWarm prints the warm round next to the cold jobs' figures: only the
+// jobs that started warm are in the warm figures (writeWarmNotes lists the
+// others).
+func writeWarm(tw io.Writer, w *WarmRound, s ImageSummary, row func(string, Summary, func(float64) string)) {
+	ws := s.Warm
+	fmt.Fprintf(tw, "warm round: %d job(s)\t%d warm\t%d started cold\t%d failed\n", ws.Jobs, ws.WarmStarts, ws.ColdStarts, ws.Failures)
+	first := "-"
+	if w.FirstIdleMs > 0 {
+		first = fmtMs(w.FirstIdleMs)
+	}
+	fmt.Fprintf(tw, "  service start -> first standby VM idle\t%s\t\t\n", first)
+	row("  warm prepare wall (runner's view)", ws.PrepareWall, fmtMs)
+	row("    claim (driver's record)", ws.Claim, fmtMs)
+	row("    first line -> machine ready (record)", ws.Ready, fmtMs)
+	row("  cold prepare wall (runner's view)", s.PrepareWall, fmtMs)
+	if ws.ColdWarm != nil {
+		fmt.Fprintf(tw, "COLD / WARM prepare (medians)\t%s\t%s / %s\t\n", fmtRatio(*ws.ColdWarm), fmtMs(s.PrepareWall.Median), fmtMs(ws.PrepareWall.Median))
+	} else {
+		fmt.Fprintf(tw, "COLD / WARM prepare (medians)\t-\t-\t\n")
+	}
+	row("  warm job wall (config..cleanup)", ws.JobWall, fmtMs)
+	row("  cold job wall (config..cleanup)", s.JobWall, fmtMs)
+	row("  warm overhead per stage (build_script)", ws.Overhead, fmtMs)
+	row("  warm cleanup wall", ws.Cleanup, fmtMs)
+	row("  warm peak RSS libvirt-executor-prepare", ws.PeakRSS["prepare"], fmtBytes)
+	row("refill: claim -> replacement's boot began", ws.Refill, fmtMs)
+}
+
+// writeWarmNotes lists the warm round's own errors and its jobs that failed
+// or started cold (after the targets: long lines would widen the columns).
+func writeWarmNotes(tw io.Writer, w *WarmRound) {
+	for _, e := range w.Errors {
+		fmt.Fprintf(tw, "WARM ROUND ERROR: %s\n", firstLine(e))
+	}
+	for _, j := range w.Jobs {
+		switch {
+		case !j.OK:
+			fmt.Fprintf(tw, "warm run %d FAILED: %s\n", j.Run, firstLine(j.Error))
+		case !j.Warm:
+			why := j.ColdStart
+			if why == "" {
+				why = "how it started is unknown: " + j.Error
+			}
+			fmt.Fprintf(tw, "warm run %d started COLD (left out of the warm figures): %s\n", j.Run, firstLine(why))
+		}
 	}
 }
 

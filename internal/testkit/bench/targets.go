@@ -5,12 +5,23 @@ package bench
 // under TCG) for a hard limit.
 type Target struct {
 	Name  string  `json:"name"`
-	Stat  string  `json:"stat"` // which statistic is compared: "median" or "max"
+	Stat  string  `json:"stat"` // which statistic is compared: "median", "max", or "medians" (a ratio of two)
 	Limit float64 `json:"limit"`
 	Unit  string  `json:"unit"` // "ratio", "ms" or "bytes"
 	Value float64 `json:"value"`
 	Known bool    `json:"known"` // false: not measured (every sample failed)
 	Pass  bool    `json:"pass"`
+	// AtLeast: the value must reach the limit (value >= limit) rather than
+	// stay within it (value <= limit).
+	AtLeast bool `json:"at_least,omitempty"`
+}
+
+// Op is the comparison the target asks for: "<=" or ">=".
+func (t Target) Op() string {
+	if t.AtLeast {
+		return ">="
+	}
+	return "<="
 }
 
 // Verdict is PASS, MISS, or N/A for a figure that was not measured.
@@ -39,6 +50,16 @@ const (
 	unitBytes         = "bytes"
 )
 
+// The warm start's goals (standby pool): a claimed VM's prepare, how much
+// faster that is than a cold one, and how soon the pool starts replacing
+// the claimed VM.
+const (
+	TargetWarmPrepareMs = 500.0  // warm prepare wall
+	TargetColdWarm      = 10.0   // cold prepare / warm prepare (medians), at least
+	TargetRefillMs      = 1000.0 // claim -> the replacement's boot starts
+	statMedians         = "medians"
+)
+
 func compare(name, stat, unit string, limit float64, s Summary) Target {
 	t := Target{Name: name, Stat: stat, Limit: limit, Unit: unit, Known: s.Known()}
 	if !t.Known {
@@ -62,6 +83,17 @@ func Evaluate(s ImageSummary) []Target {
 	}
 	for _, exe := range Executables {
 		out = append(out, compare("peak RSS libvirt-executor-"+exe, statMax, unitBytes, TargetPeakRSS, s.PeakRSS[exe]))
+	}
+	if w := s.Warm; w != nil {
+		ratio := Target{Name: "cold / warm prepare", Stat: statMedians, Limit: TargetColdWarm, Unit: unitRatio, AtLeast: true}
+		if w.ColdWarm != nil {
+			ratio.Known, ratio.Value = true, *w.ColdWarm
+			ratio.Pass = ratio.Value >= ratio.Limit
+		}
+		out = append(out,
+			compare("warm prepare (standby VM)", statMedian, unitMs, TargetWarmPrepareMs, w.PrepareWall),
+			ratio,
+			compare("refill (claim -> replacement boot)", statMedian, unitMs, TargetRefillMs, w.Refill))
 	}
 	return out
 }

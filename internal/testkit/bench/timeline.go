@@ -18,32 +18,46 @@ import (
 // writes one only when it succeeds; the last one is the attempt that counts.
 func readTimings(path, machine string) (lifecycle.TimingRecord, error) {
 	var rec lifecycle.TimingRecord
-	f, err := os.Open(path)
+	recs, err := timingRecords(path)
 	if errors.Is(err, os.ErrNotExist) {
 		return rec, fmt.Errorf("no timings record of %s: prepare wrote none (%s)", machine, lifecycle.TimingsEnv)
 	}
 	if err != nil {
 		return rec, err
 	}
-	defer f.Close()
 	found := false
-	sc := bufio.NewScanner(f)
-	for n := 1; sc.Scan(); n++ {
-		var r lifecycle.TimingRecord
-		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
-			return rec, fmt.Errorf("timings record %s:%d: %w", path, n, err)
-		}
+	for _, r := range recs {
 		if r.Machine == machine {
 			rec, found = r, true
 		}
-	}
-	if err := sc.Err(); err != nil {
-		return rec, fmt.Errorf("timings record %s: %w", path, err)
 	}
 	if !found {
 		return rec, fmt.Errorf("no timings record of %s in %s", machine, path)
 	}
 	return rec, nil
+}
+
+// timingRecords reads every record of a timings file, in order; a missing
+// file is os.ErrNotExist.
+func timingRecords(path string) ([]lifecycle.TimingRecord, error) {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	var recs []lifecycle.TimingRecord
+	sc := bufio.NewScanner(f)
+	for n := 1; sc.Scan(); n++ {
+		var r lifecycle.TimingRecord
+		if err := json.Unmarshal(sc.Bytes(), &r); err != nil {
+			return nil, fmt.Errorf("timings record %s:%d: %w", path, n, err)
+		}
+		recs = append(recs, r)
+	}
+	if err := sc.Err(); err != nil {
+		return nil, fmt.Errorf("timings record %s: %w", path, err)
+	}
+	return recs, nil
 }
 
 // requiredSteps are the create steps every machine has (seed steps only an
