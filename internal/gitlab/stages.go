@@ -138,6 +138,11 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if err := m.Dial(ctx); err != nil {
 		return err
 	}
+	if name, err := m.RemoveEarlierClaim(ctx, j.name); err != nil {
+		return exitcodes.System(fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err))
+	} else if name != "" {
+		say("Removed VM %s that an earlier attempt of this job claimed", name)
+	}
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.
 	version := imageVersion(img)

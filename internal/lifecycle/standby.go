@@ -124,7 +124,10 @@ func (m *Manager) Standbys() ([]Standby, error) {
 			s.Record = rec
 		}
 		if s.Claim, err = m.Store.ClaimOf(n); err != nil {
-			return nil, err
+			// Unreadable: claimed by nobody known. Never handed out, and
+			// not retired either (Retire cannot read it); the sweep removes
+			// it after its deadline.
+			s.Claim = &state.Claim{Reason: "claim record unreadable: " + err.Error()}
 		}
 		out = append(out, s)
 	}
@@ -227,6 +230,8 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 	if !m.ServiceRunning() {
 		return nil, &ErrNoStandby{Why: "the pool service (libvirt-executor serve) is not running"}
 	}
+	// Every ask counts as demand for the pool's target, met or not.
+	_ = m.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
 	all, err := m.Standbys()
 	if err != nil {
 		return nil, err
@@ -392,8 +397,14 @@ func (m *Manager) retireIdle(ctx context.Context, reason string) string {
 		return ""
 	}
 	slices.SortFunc(all, func(a, b Standby) int {
-		if a.Record == nil || b.Record == nil {
-			return 0
+		// Booting ones (no record) last; they are not idle anyway.
+		switch {
+		case a.Record == nil && b.Record == nil:
+			return strings.Compare(a.Name, b.Name)
+		case a.Record == nil:
+			return 1
+		case b.Record == nil:
+			return -1
 		}
 		return a.Record.Created.Compare(b.Record.Created)
 	})
@@ -442,6 +453,22 @@ func (m *Manager) MachineOf(job string) (JobMachine, error) {
 		}
 	}
 	return JobMachine{Name: job}, nil
+}
+
+// RemoveEarlierClaim removes the standby machine that an earlier attempt
+// of the job claimed (the runner retries a failed prepare), with its
+// mapping, and returns its name; "" if there is none. Without this a retried
+// prepare would map the job to a new machine and leave the first running
+// until its deadline.
+func (m *Manager) RemoveEarlierClaim(ctx context.Context, job string) (string, error) {
+	jm, err := m.MachineOf(job)
+	if err != nil || !jm.Warm {
+		return "", err
+	}
+	if err := m.Teardown(ctx, jm.Name); err != nil {
+		return jm.Name, err
+	}
+	return jm.Name, m.Store.UnmapJob(job)
 }
 
 // TeardownJob removes the job's machine (MachineOf) and its mapping.

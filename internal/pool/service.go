@@ -35,20 +35,17 @@ type Service struct {
 	booting map[string]int
 	// busy names the machines a retirement or health check works on.
 	busy map[string]bool
-	// claims remembers, per claimed machine, its image and claim time: the
-	// demand of the last idle_time.
-	claims map[string]claimSeen
+	// demand is the jobs' asks of the pools (state.Store.TakeDemand), kept
+	// for the longest idle_time: the target of each pool.
+	demand []state.Demand
+	// claimed names the claimed machines already logged.
+	claimed map[string]bool
 	// checked is when each idle machine's health was last checked.
 	checked map[string]time.Time
 	// backoff holds an image's refills after failed boots.
 	backoff map[string]backoff
 	sem     chan struct{}
 	wg      sync.WaitGroup
-}
-
-type claimSeen struct {
-	image string
-	at    time.Time
 }
 
 type backoff struct {
@@ -59,7 +56,7 @@ type backoff struct {
 func (s *Service) init() {
 	s.booting = map[string]int{}
 	s.busy = map[string]bool{}
-	s.claims = map[string]claimSeen{}
+	s.claimed = map[string]bool{}
 	s.checked = map[string]time.Time{}
 	s.backoff = map[string]backoff{}
 	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
@@ -110,6 +107,11 @@ func (s *Service) Tick(ctx context.Context) {
 		return
 	}
 	now := time.Now()
+	if d, err := s.M.Store.TakeDemand(); err == nil {
+		s.mu.Lock()
+		s.demand = append(s.demand, d...)
+		s.mu.Unlock()
+	}
 	bases := map[string]baseOf{}
 	idle := map[string][]lifecycle.Standby{}
 	seen := map[string]bool{}
@@ -212,29 +214,31 @@ func (s *Service) target(img *config.Image, now time.Time) int {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	demand := 0
-	for _, c := range s.claims {
-		if c.image == img.Name && now.Sub(c.at) <= p.IdleTime.D() {
+	for _, d := range s.demand {
+		if d.Image == img.Name && now.Sub(d.At) <= p.IdleTime.D() {
 			demand++
 		}
 	}
 	return min(max(demand, p.IdleCount), max(p.MaxIdle, p.IdleCount))
 }
 
-// noteClaim remembers a claimed machine as demand for its image.
+// noteClaim logs a claimed machine once.
 func (s *Service) noteClaim(sb lifecycle.Standby) {
-	if sb.Record == nil || sb.Record.Standby == nil {
-		return
-	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if _, ok := s.claims[sb.Name]; !ok {
-		s.claims[sb.Name] = claimSeen{image: sb.Record.Standby.Image, at: sb.Claim.At}
-		s.Log.Info("standby VM claimed", "vm", sb.Name, "image", sb.Record.Standby.Image, "by", sb.Claim.Job)
+	if s.claimed[sb.Name] {
+		return
 	}
+	s.claimed[sb.Name] = true
+	image := ""
+	if sb.Record != nil && sb.Record.Standby != nil {
+		image = sb.Record.Standby.Image
+	}
+	s.Log.Info("standby VM claimed", "vm", sb.Name, "image", image, "by", sb.Claim.Job, "note", sb.Claim.Reason)
 }
 
-// forget drops health times of machines that are gone, and claims older
-// than any pool's idle_time.
+// forget drops what it knows of machines that are gone, and demand older
+// than its pool's idle_time.
 func (s *Service) forget(seen map[string]bool, now time.Time) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -243,12 +247,15 @@ func (s *Service) forget(seen map[string]bool, now time.Time) {
 			delete(s.checked, n)
 		}
 	}
-	for n, c := range s.claims {
-		img, ok := s.M.Cfg.Image(c.image)
-		if !ok || img.Pool == nil || now.Sub(c.at) > img.Pool.IdleTime.D() {
-			delete(s.claims, n)
+	for n := range s.claimed {
+		if !seen[n] {
+			delete(s.claimed, n)
 		}
 	}
+	s.demand = slices.DeleteFunc(s.demand, func(d state.Demand) bool {
+		img, ok := s.M.Cfg.Image(d.Image)
+		return !ok || img.Pool == nil || now.Sub(d.At) > img.Pool.IdleTime.D()
+	})
 }
 
 // boot starts one boot for img's pool in the background, at most

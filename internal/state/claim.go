@@ -229,3 +229,53 @@ func (s Store) Age(key string) (time.Duration, bool) {
 	}
 	return time.Since(st.ModTime()), true
 }
+
+// demandDir holds one empty file per job that asked a standby pool for a
+// machine: the pool service counts them as demand and removes them.
+const demandDir = "pool-demand"
+
+// NoteDemand records that a job asked image's pool for a machine now. The
+// image name comes from the configuration (an allowlisted name), never
+// from the job.
+func (s Store) NoteDemand(image string) error {
+	if image == "" || strings.ContainsAny(image, "/\x00") || strings.HasPrefix(image, ".") {
+		return fmt.Errorf("refusing demand record for %q", image)
+	}
+	dir := filepath.Join(s.Dir, demandDir)
+	if err := os.MkdirAll(dir, 0o700); err != nil {
+		return err
+	}
+	f, err := os.CreateTemp(dir, image+".*")
+	if err != nil {
+		return err
+	}
+	return f.Close()
+}
+
+// Demand is one recorded ask of a pool.
+type Demand struct {
+	Image string
+	At    time.Time
+}
+
+// TakeDemand returns the recorded asks and removes their files.
+func (s Store) TakeDemand() ([]Demand, error) {
+	dir := filepath.Join(s.Dir, demandDir)
+	entries, err := os.ReadDir(dir)
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var out []Demand
+	for _, e := range entries {
+		image, _, ok := strings.Cut(e.Name(), ".")
+		info, ierr := e.Info()
+		if ok && ierr == nil {
+			out = append(out, Demand{Image: image, At: info.ModTime()})
+		}
+		_ = os.Remove(filepath.Join(dir, e.Name()))
+	}
+	return out, nil
+}

@@ -26,10 +26,10 @@ import (
 // withPool is the rig with a standby pool of idle tiny VMs and a service
 // that looks often (health checks every second), so faults are noticed
 // quickly.
-func (r *rig) withPool(t *testing.T, idle int, extra string) *rig {
+func (r *rig) withPool(t *testing.T, idle int) *rig {
 	t.Helper()
 	return r.withConfig(t, func(s string) string {
-		return s + fmt.Sprintf("\n[serve]\nhealth_interval = \"1s\"\n\n[images.tiny.pool]\nidle_count = %d\n%s", idle, extra)
+		return s + fmt.Sprintf("\n[serve]\nhealth_interval = \"1s\"\n\n[images.tiny.pool]\nidle_count = %d\n", idle)
 	})
 }
 
@@ -149,7 +149,7 @@ func warmVM(log string) string {
 // afterwards (never reused); the pool is booting a replacement within a
 // second of the claim.
 func TestPoolWarmJob(t *testing.T) {
-	r := setup(t).withPool(t, 1, "")
+	r := setup(t).withPool(t, 1)
 	svc := r.serve(t)
 	first := r.waitIdle(t, 1, 3*time.Minute)
 
@@ -188,7 +188,7 @@ func TestPoolWarmJob(t *testing.T) {
 // outdated VM, every job succeeds, and nothing leaks.
 func TestPoolFaults(t *testing.T) {
 	base := setup(t)
-	r := base.withPool(t, 2, "")
+	r := base.withPool(t, 2)
 	runJob := func(t *testing.T, what string) string {
 		t.Helper()
 		opts, lw := r.options(t)
@@ -275,7 +275,7 @@ func TestPoolFaults(t *testing.T) {
 	})
 
 	t.Run("concurrent claims for the last idle VM", func(t *testing.T) {
-		r1 := base.withPool(t, 1, "")
+		r1 := base.withPool(t, 1)
 		r1.serve(t)
 		last := r1.waitIdle(t, 1, 3*time.Minute)
 		const n = 3
@@ -375,7 +375,7 @@ func TestPoolFaults(t *testing.T) {
 // TestPoolConcurrentJobs: 8 jobs at once on a pool of 4: every job
 // succeeds, at least 4 start warm, and no VM serves two jobs.
 func TestPoolConcurrentJobs(t *testing.T) {
-	r := setup(t).withPool(t, 4, "")
+	r := setup(t).withPool(t, 4)
 	r.serve(t)
 	idle := r.waitIdle(t, 4, 5*time.Minute)
 	const n = 8

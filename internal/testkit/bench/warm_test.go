@@ -223,7 +223,8 @@ func TestParseStart(t *testing.T) {
 
 // claimRecord is a warm prepare's record, as the driver writes it: its
 // machine is the standby VM, not the job's.
-func claimRecord(vm string, began time.Time) lifecycle.TimingRecord {
+func claimRecord(began time.Time) lifecycle.TimingRecord {
+	const vm = "lve-2de26526-sb-0a1b2c3d"
 	return lifecycle.NewClaimRecord(&state.Machine{Name: vm, Image: "tiny"}, &lifecycle.Claimed{Took: 31500 * time.Microsecond, At: began.Add(40 * time.Millisecond)}, began)
 }
 
@@ -232,7 +233,7 @@ func TestReadWarm(t *testing.T) {
 	warmLog := "Warm start: VM " + vm + " (idle for 12s, ...) claimed in 32ms\n"
 
 	t.Run("warm", func(t *testing.T) {
-		path := writeRecords(t, claimRecord(vm, at(20)))
+		path := writeRecords(t, claimRecord(at(20)))
 		var j JobSample
 		require.NoError(t, j.readWarm(path, warmLog, job, launch, at(300)))
 		require.True(t, j.Warm)
@@ -246,14 +247,14 @@ func TestReadWarm(t *testing.T) {
 		require.Positive(t, j.Claim.Ready)
 	})
 	t.Run("the log names another VM", func(t *testing.T) {
-		path := writeRecords(t, claimRecord(vm, at(20)))
+		path := writeRecords(t, claimRecord(at(20)))
 		var j JobSample
 		err := j.readWarm(path, "Warm start: VM lve-2de26526-sb-ffffffff (idle ...\n", job, launch, at(300))
 		require.ErrorContains(t, err, "lve-2de26526-sb-ffffffff")
 		require.True(t, j.Warm, "the record is the driver's word")
 	})
 	t.Run("no warm line", func(t *testing.T) {
-		path := writeRecords(t, claimRecord(vm, at(20)))
+		path := writeRecords(t, claimRecord(at(20)))
 		var j JobSample
 		require.ErrorContains(t, j.readWarm(path, "", job, launch, at(300)), `no "Warm start: VM" line`)
 	})
@@ -282,7 +283,7 @@ func TestReadWarm(t *testing.T) {
 		require.Nil(t, j.Claim)
 	})
 	t.Run("the last record counts", func(t *testing.T) {
-		path := writeRecords(t, lifecycle.NewTimingRecord(ready(job, time.Millisecond), at(-9000)), claimRecord(vm, at(20)))
+		path := writeRecords(t, lifecycle.NewTimingRecord(ready(job, time.Millisecond), at(-9000)), claimRecord(at(20)))
 		rec, err := lastTimings(path)
 		require.NoError(t, err)
 		require.Equal(t, vm, rec.Machine)

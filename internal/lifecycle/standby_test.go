@@ -1,0 +1,1187 @@
+package lifecycle
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"path/filepath"
+	"regexp"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+// bannerServer listens on 127.0.0.1 and greets every connection with an
+// SSH version line, as a guest's sshd does, and returns its port. onConn,
+// if set, runs on each connection before the greeting.
+func bannerServer(t *testing.T, onConn func()) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				if onConn != nil {
+					onConn()
+				}
+				_, _ = io.WriteString(c, "SSH-2.0-test\r\n")
+				_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
+				_, _ = io.Copy(io.Discard, c) // until the prober hangs up
+			}()
+		}
+	}()
+	return ln.Addr().(*net.TCPAddr).Port
+}
+
+// deadPort is a port on 127.0.0.1 where nothing listens.
+func deadPort(t *testing.T) int {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := ln.Addr().(*net.TCPAddr).Port
+	require.NoError(t, ln.Close())
+	return port
+}
+
+// poolManager is manager with standby pools: image tiny (pool idle_count
+// 2), image other (pool idle_count 1, another base file) and image cold (no
+// pool); every VM is 1 vCPU, 256 MiB. extra goes before the tables.
+func poolManager(t *testing.T, hv *vmtest.Fake, sshPort int, extra string) (*Manager, *config.Image, *sayings) {
+	t.Helper()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "tiny.qcow2")
+	otherBase := filepath.Join(dir, "other.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("QFI tiny"), 0o644))
+	require.NoError(t, os.WriteFile(otherBase, []byte("QFI other"), 0o644))
+	cfg, err := config.Parse([]byte(`
+domain_type = "qemu"
+state_dir = "` + filepath.Join(dir, "state") + `"
+storage_pool = "jobs"
+default_image = "tiny"
+` + extra + `
+[timeouts]
+boot = "20s"
+[defaults]
+vcpus = 1
+memory_mib = 256
+[images.tiny]
+base = "` + base + `"
+[images.tiny.pool]
+idle_count = 2
+[images.other]
+base = "` + otherBase + `"
+[images.other.pool]
+idle_count = 1
+[images.cold]
+base = "` + base + `"
+`))
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	s := &sayings{}
+	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
+		SSHPort: sshPort, SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond, Say: s.say}
+	t.Cleanup(func() {
+		if t.Failed() {
+			s.mu.Lock()
+			t.Logf("progress: %q", s.lines)
+			s.mu.Unlock()
+		}
+	})
+	return m, img, s
+}
+
+func mustImage(t *testing.T, m *Manager, name string) *config.Image {
+	t.Helper()
+	img, ok := m.Cfg.Image(name)
+	require.True(t, ok)
+	return img
+}
+
+// addStandby makes what BootStandby leaves of an idle machine of img,
+// created at created, whose guest answers SSH on 127.0.0.1:port: its
+// reservation and record (with the base file's version of now), and a
+// running domain with the standby ownership record and a disk volume.
+func addStandby(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, suffix string, created time.Time, port int) string {
+	t.Helper()
+	name := MachinePrefix("lve", controller) + standbyTag + suffix
+	require.True(t, m.IsStandby(name))
+	size := m.Cfg.ImageSize(img)
+	_, err := m.Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
+	require.NoError(t, err)
+	base, err := state.VersionOf(img.Base)
+	require.NoError(t, err)
+	require.NoError(t, m.Store.Save(state.Machine{
+		Name: name, Image: img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
+	}))
+	x, err := vm.MarshalOwner(vm.Owner{Controller: controller, Frontend: FrontendStandby, Job: img.Name, Created: created.UTC(),
+		Deadline: created.Add(time.Hour + 30*time.Minute).UTC(), Volumes: []string{vm.DiskVolume(name)}})
+	require.NoError(t, err)
+	hv.Lock()
+	hv.Domains[name] = &vmtest.Domain{XML: "<domain/>", OwnerXML: x, Active: true}
+	hv.Volumes["jobs/"+vm.DiskVolume(name)] = nil
+	hv.Unlock()
+	return name
+}
+
+func claimRequest(m *Manager, img *config.Image, job string) ClaimRequest {
+	return ClaimRequest{Job: job, Image: img, Size: m.Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
+}
+
+// lockService plays the running pool service for the rest of the test:
+// its lock held, and a look at its pools just now.
+func lockService(t *testing.T, m *Manager) {
+	t.Helper()
+	unlock, err := m.LockService(context.Background())
+	require.NoError(t, err)
+	t.Cleanup(unlock)
+	require.NoError(t, m.Heartbeat())
+	require.True(t, m.ServiceRunning())
+}
+
+// requireNoStandby asserts that err is an *ErrNoStandby whose reason
+// contains want, and returns the reason.
+func requireNoStandby(t *testing.T, err error, want string) string {
+	t.Helper()
+	var ns *ErrNoStandby
+	require.ErrorAs(t, err, &ns)
+	require.Contains(t, ns.Why, want)
+	return ns.Why
+}
+
+func ownerOf(t *testing.T, hv *vmtest.Fake, name string) vm.Owner {
+	t.Helper()
+	hv.Lock()
+	d, ok := hv.Domains[name]
+	var x string
+	if ok {
+		x = d.OwnerXML
+	}
+	hv.Unlock()
+	require.True(t, ok, "domain %s", name)
+	o, err := vm.ParseOwner(x)
+	require.NoError(t, err)
+	return o
+}
+
+func requireGone(t *testing.T, hv *vmtest.Fake, m *Manager, name string) {
+	t.Helper()
+	hv.Lock()
+	_, dom := hv.Domains[name]
+	_, disk := hv.Volumes["jobs/"+vm.DiskVolume(name)]
+	_, seed := hv.Volumes["jobs/"+vm.SeedVolume(name)]
+	hv.Unlock()
+	require.False(t, dom, "domain %s left", name)
+	require.False(t, disk, "disk of %s left", name)
+	require.False(t, seed, "seed of %s left", name)
+	require.NoDirExists(t, m.Store.MachineDir(name))
+	locks, err := m.Store.LockNames()
+	require.NoError(t, err)
+	require.NotContains(t, locks, name, "lock file left")
+}
+
+func TestStandbyName(t *testing.T) {
+	hv := vmtest.New()
+	m, _, _ := poolManager(t, hv, 22, "")
+	a, err := StandbyName("lve", controller)
+	require.NoError(t, err)
+	b, err := StandbyName("lve", controller)
+	require.NoError(t, err)
+	require.Regexp(t, `^lve-0123abcd-sb-[0-9a-f]{8}$`, a)
+	require.NotEqual(t, a, b)
+	require.NoError(t, vm.CheckName(a))
+	require.True(t, m.IsStandby(a))
+	require.False(t, m.IsStandby("lve-0123abcd-7"), "a job's machine")
+	require.False(t, m.IsStandby("lve-ffffffff-sb-00000000"), "another installation's")
+	other, err := StandbyName("lve", "ffffffff-0000-4000-8000-000000000000")
+	require.NoError(t, err)
+	require.False(t, m.IsStandby(other))
+}
+
+// ServiceRunning is true only while LockService's lock is held and the
+// service has looked at its pools lately; a second service is refused.
+func TestLockServiceAndServiceRunning(t *testing.T) {
+	hv := vmtest.New()
+	m, _, _ := poolManager(t, hv, 22, "")
+	locked, _, looked := m.ServiceStatus()
+	require.False(t, locked)
+	require.False(t, looked)
+	require.False(t, m.ServiceRunning())
+	require.False(t, m.ServiceRunning(), "looking does not take it")
+
+	unlock, err := m.LockService(context.Background())
+	require.NoError(t, err)
+	locked, _, looked = m.ServiceStatus()
+	require.True(t, locked)
+	require.False(t, looked)
+	require.False(t, m.ServiceRunning(), "locked, but it never looked at its pools")
+
+	require.NoError(t, m.Heartbeat())
+	locked, age, looked := m.ServiceStatus()
+	require.True(t, locked)
+	require.True(t, looked)
+	require.Less(t, age, time.Minute)
+	require.True(t, m.ServiceRunning())
+
+	// A service that stopped looking (hung) does not count.
+	old := time.Now().Add(-time.Minute)
+	require.NoError(t, os.Chtimes(filepath.Join(m.Store.Dir, heartbeatKey), old, old))
+	require.False(t, m.ServiceRunning(), "heartbeat a minute old")
+	require.NoError(t, m.Heartbeat())
+	require.True(t, m.ServiceRunning())
+
+	start := time.Now()
+	_, err = m.LockService(context.Background())
+	require.ErrorIs(t, err, state.ErrBusy)
+	require.ErrorContains(t, err, "another libvirt-executor serve runs")
+	require.Less(t, time.Since(start), 5*time.Second)
+	unlock()
+	require.False(t, m.ServiceRunning(), "a fresh heartbeat without the lock: stopped")
+}
+
+// A hung service (lock held, heartbeat stale) sends jobs cold.
+func TestClaimWithHungServiceGoesCold(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	lockService(t, m)
+	old := time.Now().Add(-time.Minute)
+	require.NoError(t, os.Chtimes(filepath.Join(m.Store.Dir, heartbeatKey), old, old))
+	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+	requireNoStandby(t, err, "is not running")
+	cl, err := m.Store.ClaimOf(sb)
+	require.NoError(t, err)
+	require.Nil(t, cl)
+}
+
+// Claim says why it has no machine for the job: each refusal comes from
+// its own cause, and refusing leaves the idle machine unclaimed.
+func TestClaimSaysWhyThereIsNoStandby(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	job := "lve-0123abcd-7"
+
+	c, err := m.Claim(ctx, claimRequest(m, img, job))
+	require.Nil(t, c)
+	requireNoStandby(t, err, "the pool service (libvirt-executor serve) is not running")
+
+	lockService(t, m)
+
+	cold := mustImage(t, m, "cold")
+	_, err = m.Claim(ctx, claimRequest(m, cold, job))
+	requireNoStandby(t, err, "image cold has no standby pool")
+
+	req := claimRequest(m, img, job)
+	req.Size.MemoryMiB = 512
+	_, err = m.Claim(ctx, req)
+	requireNoStandby(t, err, "the job asks for 1 vCPU, 512 MiB, 0 GiB; the pool of tiny keeps 1 vCPU, 256 MiB, 0 GiB")
+
+	_, err = m.Claim(ctx, claimRequest(m, mustImage(t, m, "other"), job))
+	why := requireNoStandby(t, err, "no idle VM of image other in the pool")
+	require.NotContains(t, why, "passed over", "tiny's machine is not other's to pass over")
+
+	cl, err := m.Store.ClaimOf(sb)
+	require.NoError(t, err)
+	require.Nil(t, cl, "no refusal claimed the idle machine")
+	jm, err := m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Nil(t, jm, "no refusal mapped the job")
+
+	// The same job, asking right, gets it.
+	c, err = m.Claim(ctx, claimRequest(m, img, job))
+	require.NoError(t, err)
+	require.Equal(t, sb, c.Machine.Name)
+}
+
+// Claim takes the oldest idle machine of the job's image: not another
+// image's, not a claimed one, not one still booting. The job is recorded
+// in the claim, the mapping and the ownership record.
+func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+	young := addStandby(t, m, hv, img, "0000000b", now.Add(-10*time.Minute), port)
+	oldest := addStandby(t, m, hv, img, "0000000a", now.Add(-30*time.Minute), port)
+	middle := addStandby(t, m, hv, img, "0000000c", now.Add(-20*time.Minute), port)
+	otherImage := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000d", now.Add(-50*time.Minute), port)
+	taken := addStandby(t, m, hv, img, "0000000e", now.Add(-40*time.Minute), port)
+	require.NoError(t, m.Store.Claim(taken, state.Claim{Job: "lve-0123abcd-99", At: now.UTC()}))
+	booting := MachinePrefix("lve", controller) + standbyTag + "0000000f"
+	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	require.NoError(t, err)
+	before := ownerOf(t, hv, oldest)
+	lockService(t, m)
+
+	job := "lve-0123abcd-7"
+	c, err := m.Claim(ctx, claimRequest(m, img, job))
+	require.NoError(t, err)
+	require.Equal(t, oldest, c.Machine.Name)
+	require.Empty(t, c.Skipped)
+	require.InDelta(t, (30 * time.Minute).Seconds(), c.Idle.Seconds(), 60)
+	require.Positive(t, c.Took)
+	require.NotNil(t, c.Machine.Standby)
+
+	cl, err := m.Store.ClaimOf(oldest)
+	require.NoError(t, err)
+	require.Equal(t, job, cl.Job)
+	require.False(t, cl.Retire)
+	require.WithinDuration(t, time.Now(), cl.At, time.Minute)
+
+	jm, err := m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Equal(t, oldest, jm.Machine)
+	require.True(t, jm.Warm)
+	got, err := m.MachineOf(job)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: oldest, Warm: true}, got)
+
+	// The ownership record is the job's now; what says the machine is
+	// ours and what belongs to it are unchanged.
+	o := ownerOf(t, hv, oldest)
+	require.Equal(t, controller, o.Controller)
+	require.Equal(t, "gitlab", o.Frontend)
+	require.Equal(t, "42", o.Job)
+	require.WithinDuration(t, time.Now().Add(time.Hour+30*time.Minute), o.Deadline, time.Minute,
+		"now + the job's lifetime + timeouts.job_slack")
+	require.NotEqual(t, before.Deadline, o.Deadline)
+	require.Equal(t, before.Created, o.Created)
+	require.Equal(t, before.Volumes, o.Volumes)
+
+	for _, n := range []string{young, middle, otherImage, booting} {
+		cl, err := m.Store.ClaimOf(n)
+		require.NoError(t, err)
+		require.Nil(t, cl, "%s untouched", n)
+	}
+	cl, err = m.Store.ClaimOf(taken)
+	require.NoError(t, err)
+	require.Equal(t, "lve-0123abcd-99", cl.Job, "the other job's claim stays")
+
+	// Then the next oldest, then the youngest, then none.
+	c, err = m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-8"))
+	require.NoError(t, err)
+	require.Equal(t, middle, c.Machine.Name)
+	c, err = m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-9"))
+	require.NoError(t, err)
+	require.Equal(t, young, c.Machine.Name)
+	_, err = m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-10"))
+	requireNoStandby(t, err, "no idle VM of image tiny in the pool")
+	jm, err = m.Store.MachineOfJob("lve-0123abcd-10")
+	require.NoError(t, err)
+	require.Nil(t, jm)
+}
+
+// Many jobs claiming at once never get one machine twice, and every idle
+// machine is handed out.
+func TestClaimConcurrentNeverSharesAMachine(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	now := time.Now()
+	var machines []string
+	for i := range 4 {
+		machines = append(machines, addStandby(t, m, hv, img, fmt.Sprintf("0000000%d", i), now.Add(-time.Duration(i+1)*time.Minute), port))
+	}
+	lockService(t, m)
+
+	const jobs = 8
+	got := make([]string, jobs)
+	errs := make([]error, jobs)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range jobs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			<-start
+			c, err := m.Claim(context.Background(), claimRequest(m, img, fmt.Sprintf("lve-0123abcd-%d", 100+i)))
+			errs[i] = err
+			if err == nil {
+				got[i] = c.Machine.Name
+			}
+		}()
+	}
+	close(start)
+	wg.Wait()
+
+	owner := map[string]string{}
+	for i, err := range errs {
+		job := fmt.Sprintf("lve-0123abcd-%d", 100+i)
+		if err != nil {
+			requireNoStandby(t, err, "no idle VM of image tiny")
+			jm, err := m.Store.MachineOfJob(job)
+			require.NoError(t, err)
+			require.Nil(t, jm, "a job without a machine has no mapping")
+			continue
+		}
+		prev, dup := owner[got[i]]
+		require.False(t, dup, "%s handed to %s and %s", got[i], prev, job)
+		owner[got[i]] = job
+		cl, err := m.Store.ClaimOf(got[i])
+		require.NoError(t, err)
+		require.Equal(t, job, cl.Job, "the claim on file names the job that got it")
+		jm, err := m.Store.MachineOfJob(job)
+		require.NoError(t, err)
+		require.Equal(t, got[i], jm.Machine)
+	}
+	require.Len(t, owner, 4, "every idle machine claimed once")
+	for _, n := range machines {
+		require.Contains(t, owner, n)
+	}
+	mapped, err := m.Store.MappedJobs()
+	require.NoError(t, err)
+	require.Len(t, mapped, 4)
+}
+
+// A machine that fails a check is passed over, marked for retirement (never
+// handed out, the service removes it) and the next one is taken.
+func TestClaimPassesOverUnfitMachines(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// age of the unfit machine (it is older than the fit one).
+		age time.Duration
+		// dead makes its SSH port one where nothing listens.
+		dead bool
+		// spoil makes it unfit, before the fit machine is made.
+		spoil func(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, name string)
+		want  string
+	}{
+		{name: "base image changed", age: 5 * time.Minute, want: "changed since it booted",
+			spoil: func(t *testing.T, _ *Manager, _ *vmtest.Fake, img *config.Image, _ string) {
+				later := time.Now().Add(time.Hour)
+				require.NoError(t, os.Chtimes(img.Base, later, later))
+			}},
+		{name: "base image rewritten, same mtime", age: 5 * time.Minute, want: "changed since it booted",
+			spoil: func(t *testing.T, _ *Manager, _ *vmtest.Fake, img *config.Image, _ string) {
+				st, err := os.Stat(img.Base)
+				require.NoError(t, err)
+				require.NoError(t, os.WriteFile(img.Base, []byte("QFI a longer new image"), 0o644))
+				require.NoError(t, os.Chtimes(img.Base, st.ModTime(), st.ModTime()))
+			}},
+		{name: "older than max_age", age: 61 * time.Minute, want: "older than pool.max_age"},
+		{name: "paused", age: 5 * time.Minute, want: "is paused",
+			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+				hv.Lock()
+				hv.Domains[name].State = &vm.DomainState{Summary: "paused"}
+				hv.Unlock()
+			}},
+		{name: "shut off", age: 5 * time.Minute, want: "is shut off",
+			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+				hv.Lock()
+				hv.Domains[name].Active = false
+				hv.Unlock()
+			}},
+		{name: "domain gone", age: 5 * time.Minute, want: "no longer exists",
+			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+				hv.Lock()
+				delete(hv.Domains, name)
+				hv.Unlock()
+			}},
+		{name: "SSH does not answer", age: 5 * time.Minute, dead: true, want: "SSH does not answer"},
+		{name: "size no longer the image's", age: 5 * time.Minute, want: "its size is no longer the image's",
+			spoil: func(t *testing.T, m *Manager, _ *vmtest.Fake, _ *config.Image, name string) {
+				rec, err := m.Store.Record(name)
+				require.NoError(t, err)
+				rec.Standby.MemoryMiB = 512
+				require.NoError(t, m.Store.Save(*rec))
+			}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			hv := vmtest.New()
+			port := bannerServer(t, nil)
+			m, img, _ := poolManager(t, hv, port, "")
+			badPort := port
+			if tc.dead {
+				badPort = deadPort(t)
+			}
+			bad := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-tc.age), badPort)
+			if tc.spoil != nil {
+				tc.spoil(t, m, hv, img, bad)
+			}
+			good := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
+			lockService(t, m)
+
+			c, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+			require.NoError(t, err)
+			require.Equal(t, good, c.Machine.Name)
+			require.Len(t, c.Skipped, 1)
+			require.Contains(t, c.Skipped[0], bad+": ")
+			require.Contains(t, c.Skipped[0], tc.want)
+
+			cl, err := m.Store.ClaimOf(bad)
+			require.NoError(t, err)
+			require.NotNil(t, cl, "marked")
+			require.True(t, cl.Retire)
+			require.Empty(t, cl.Job)
+			require.Contains(t, cl.Reason, tc.want)
+
+			// Never handed out: the next job finds nothing.
+			_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-8"))
+			why := requireNoStandby(t, err, "no idle VM of image tiny in the pool")
+			require.NotContains(t, why, bad)
+			jm, err := m.Store.MachineOfJob("lve-0123abcd-8")
+			require.NoError(t, err)
+			require.Nil(t, jm)
+			got, err := m.MachineOf("lve-0123abcd-8")
+			require.NoError(t, err)
+			require.Equal(t, JobMachine{Name: "lve-0123abcd-8"}, got, "a retire mark is no job's claim")
+		})
+	}
+}
+
+// When every idle machine is unfit, the job learns which and why.
+func TestClaimAllUnfitSaysWhy(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	a := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-2*time.Minute), port)
+	b := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
+	require.NoError(t, os.Remove(img.Base))
+	lockService(t, m)
+	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+	why := requireNoStandby(t, err, "no idle VM of image tiny in the pool (passed over: ")
+	require.Contains(t, why, a+": base image "+img.Base)
+	require.Contains(t, why, b+": base image "+img.Base)
+	require.Contains(t, why, "no such file")
+	for _, n := range []string{a, b} {
+		cl, err := m.Store.ClaimOf(n)
+		require.NoError(t, err)
+		require.True(t, cl.Retire, n)
+	}
+}
+
+// A machine whose lock another process holds (the service retiring it, a
+// sweep) is passed over as busy, not marked.
+func TestClaimPassesOverBusyMachine(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	busy := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-2*time.Minute), port)
+	free := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
+	unlock, err := m.Store.TryLock(busy)
+	require.NoError(t, err)
+	defer unlock()
+	lockService(t, m)
+	c, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+	require.NoError(t, err)
+	require.Equal(t, free, c.Machine.Name)
+	require.Equal(t, []string{busy + ": busy"}, c.Skipped)
+	cl, err := m.Store.ClaimOf(busy)
+	require.NoError(t, err)
+	require.Nil(t, cl, "a busy machine is not marked")
+}
+
+// A cancel that lands after the claim is made (while the ownership record
+// is being changed) removes the machine: it never goes back to the pool,
+// and nothing of it is left, nor the job's mapping.
+func TestClaimCancelledAfterClaimRemovesMachine(t *testing.T) {
+	hv := vmtest.New()
+	hang := make(chan struct{})
+	var once sync.Once
+	// Once the SSH probe connects (the last check before the claim),
+	// libvirt hangs: the claim's ownership update blocks in the fake.
+	port := bannerServer(t, func() {
+		once.Do(func() {
+			hv.Lock()
+			hv.Hang = hang
+			hv.Unlock()
+		})
+	})
+	m, img, _ := poolManager(t, hv, port, "")
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	lockService(t, m)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	job := "lve-0123abcd-7"
+	done := make(chan error, 1)
+	go func() {
+		_, err := m.Claim(ctx, claimRequest(m, img, job))
+		done <- err
+	}()
+	require.Eventually(t, func() bool { return hv.Hung() > 0 }, 10*time.Second, 5*time.Millisecond)
+	// The claim and mapping are made; the ownership record is not yet.
+	cl, err := m.Store.ClaimOf(sb)
+	require.NoError(t, err)
+	require.Equal(t, job, cl.Job)
+	jm, err := m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Equal(t, sb, jm.Machine)
+
+	cancel()
+	hv.Lock()
+	hv.Hang = nil
+	hv.Unlock()
+	close(hang)
+	select {
+	case err = <-done:
+	case <-time.After(20 * time.Second):
+		t.Fatal("Claim did not return after the cancel")
+	}
+	require.ErrorIs(t, err, context.Canceled)
+	require.ErrorContains(t, err, "claim "+sb)
+	requireGone(t, hv, m, sb)
+	jm, err = m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Nil(t, jm, "mapping removed")
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	require.Empty(t, all)
+}
+
+// A failed ownership update after the claim removes the machine likewise.
+func TestClaimFailedOwnerUpdateRemovesMachine(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	hv.FailOn["SetOwner"] = fmt.Errorf("injected metadata failure")
+	lockService(t, m)
+	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+	require.ErrorContains(t, err, "injected metadata failure")
+	var ns *ErrNoStandby
+	require.NotErrorAs(t, err, &ns, "a failure after the claim is no reason to go cold quietly")
+	requireGone(t, hv, m, sb)
+	jm, err := m.Store.MachineOfJob("lve-0123abcd-7")
+	require.NoError(t, err)
+	require.Nil(t, jm)
+}
+
+// A ctx that has ended before Claim looks at a machine claims nothing.
+func TestClaimWithEndedContextClaimsNothing(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	lockService(t, m)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err := m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-7"))
+	require.ErrorIs(t, err, context.Canceled)
+	cl, err := m.Store.ClaimOf(sb)
+	require.NoError(t, err)
+	require.Nil(t, cl)
+	hv.Lock()
+	require.Contains(t, hv.Domains, sb)
+	hv.Unlock()
+}
+
+func TestMachineOf(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	now := time.Now()
+	const job = "lve-0123abcd-7"
+
+	// No mapping, no claim: the cold machine of the job's name.
+	got, err := m.MachineOf(job)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: job}, got)
+
+	// A claim without a mapping (prepare killed between the two) is found.
+	a := addStandby(t, m, hv, img, "0000000a", now, port)
+	require.NoError(t, m.Store.Claim(a, state.Claim{Job: job, At: now.UTC()}))
+	got, err = m.MachineOf(job)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: a, Warm: true}, got)
+	got, err = m.MachineOf("lve-0123abcd-8")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: "lve-0123abcd-8"}, got, "another job's claim is not this job's")
+
+	// A mapping whose machine's claim names another job is not believed.
+	b := addStandby(t, m, hv, img, "0000000b", now, port)
+	require.NoError(t, m.Store.Claim(b, state.Claim{Job: "lve-0123abcd-9", At: now.UTC()}))
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-8", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
+	got, err = m.MachineOf("lve-0123abcd-8")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: "lve-0123abcd-8"}, got)
+
+	// Nor one to a machine without a claim, nor to a machine that is not a
+	// standby machine.
+	c := addStandby(t, m, hv, img, "0000000c", now, port)
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-10", state.JobMachine{Machine: c, Warm: true, At: now.UTC()}))
+	got, err = m.MachineOf("lve-0123abcd-10")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: "lve-0123abcd-10"}, got)
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-11", state.JobMachine{Machine: "lve-0123abcd-12", At: now.UTC()}))
+	_, err = m.Store.Create("lve-0123abcd-12")
+	require.NoError(t, err)
+	require.NoError(t, m.Store.Claim("lve-0123abcd-12", state.Claim{Job: "lve-0123abcd-11"}))
+	got, err = m.MachineOf("lve-0123abcd-11")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: "lve-0123abcd-11"}, got, "only a standby machine is found through the mapping")
+
+	// A mapping that agrees with the claim.
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-9", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
+	got, err = m.MachineOf("lve-0123abcd-9")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: b, Warm: true}, got)
+
+	_, err = m.MachineOf("../x")
+	require.Error(t, err, "a job name with a path is refused")
+}
+
+// TeardownJob removes the job's claimed machine and a cold machine a retried
+// prepare of the job may have left, and the mapping; other machines stay.
+func TestTeardownJob(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+	const job = "lve-0123abcd-7"
+	sb := addStandby(t, m, hv, img, "0000000a", now, port)
+	other := addStandby(t, m, hv, img, "0000000b", now, port)
+	lockService(t, m)
+	c, err := m.Claim(ctx, claimRequest(m, img, job))
+	require.NoError(t, err)
+	require.Equal(t, sb, c.Machine.Name)
+	// A cold attempt of the same job left its machine.
+	hv.Lock()
+	hv.Domains[job] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Volumes["jobs/"+vm.DiskVolume(job)] = nil
+	hv.Unlock()
+	_, err = m.Store.Create(job)
+	require.NoError(t, err)
+
+	got, err := m.TeardownJob(ctx, job)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: sb, Warm: true}, got)
+	requireGone(t, hv, m, sb)
+	requireGone(t, hv, m, job)
+	jm, err := m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Nil(t, jm)
+	hv.Lock()
+	require.Contains(t, hv.Domains, other, "the idle machine stays")
+	hv.Unlock()
+
+	// Again: nothing left to do, and no error.
+	got, err = m.TeardownJob(ctx, job)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: job}, got)
+
+	// A cold job: its machine of its own name.
+	const cold = "lve-0123abcd-8"
+	hv.Lock()
+	hv.Domains[cold] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Unlock()
+	_, err = m.Store.Create(cold)
+	require.NoError(t, err)
+	got, err = m.TeardownJob(ctx, cold)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: cold}, got)
+	requireGone(t, hv, m, cold)
+}
+
+func TestRetire(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+
+	err := m.Retire(ctx, "lve-0123abcd-7", "x")
+	require.ErrorIs(t, err, vm.ErrNotOurs, "a job's machine is not a standby machine")
+
+	claimed := addStandby(t, m, hv, img, "0000000a", now, port)
+	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-7", At: now.UTC()}))
+	err = m.Retire(ctx, claimed, "x")
+	require.ErrorIs(t, err, state.ErrClaimed)
+	require.ErrorContains(t, err, "lve-0123abcd-7")
+	hv.Lock()
+	require.True(t, hv.Domains[claimed].Active, "a job's machine is left alone")
+	hv.Unlock()
+
+	busy := addStandby(t, m, hv, img, "0000000b", now, port)
+	unlock, err := m.Store.TryLock(busy)
+	require.NoError(t, err)
+	require.ErrorIs(t, m.Retire(ctx, busy, "x"), state.ErrBusy)
+	unlock()
+	cl, err := m.Store.ClaimOf(busy)
+	require.NoError(t, err)
+	require.Nil(t, cl, "not marked while busy")
+
+	idle := addStandby(t, m, hv, img, "0000000c", now, port)
+	require.NoError(t, m.Retire(ctx, idle, "too many"))
+	requireGone(t, hv, m, idle)
+
+	marked := addStandby(t, m, hv, img, "0000000d", now, port)
+	require.NoError(t, m.Store.Claim(marked, state.Claim{Retire: true, Reason: "dead"}))
+	require.NoError(t, m.Retire(ctx, marked, "again"))
+	requireGone(t, hv, m, marked)
+
+	// A boot cut off: a directory without a record, and a volume.
+	cut := MachinePrefix("lve", controller) + standbyTag + "0000000e"
+	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	require.NoError(t, err)
+	hv.Lock()
+	hv.Volumes["jobs/"+vm.DiskVolume(cut)] = nil
+	hv.Unlock()
+	require.NoError(t, m.Retire(ctx, cut, "boot cut off"))
+	requireGone(t, hv, m, cut)
+
+	// A machine already gone: nothing to do.
+	require.NoError(t, m.Retire(ctx, MachinePrefix("lve", controller)+standbyTag+"0000000f", "gone"))
+}
+
+// When an idle machine is marked for retirement before its removal fails,
+// the mark stays: no job claims it meanwhile.
+func TestRetireMarksBeforeRemoving(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	sb := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	hv.FailOn["Destroy"] = fmt.Errorf("injected destroy failure")
+	require.ErrorContains(t, m.Retire(context.Background(), sb, "excess"), "injected destroy failure")
+	cl, err := m.Store.ClaimOf(sb)
+	require.NoError(t, err)
+	require.True(t, cl.Retire)
+	require.Equal(t, "excess", cl.Reason)
+	lockService(t, m)
+	_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
+	requireNoStandby(t, err, "no idle VM")
+}
+
+// Standbys lists this installation's standby machines only, with record and
+// claim; Idle is booted and unclaimed.
+func TestStandbys(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	now := time.Now()
+	idle := addStandby(t, m, hv, img, "0000000a", now, port)
+	claimed := addStandby(t, m, hv, img, "0000000b", now, port)
+	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "j", At: now.UTC()}))
+	booting := MachinePrefix("lve", controller) + standbyTag + "0000000c"
+	_, err := m.Store.Create(booting)
+	require.NoError(t, err)
+	_, err = m.Store.Create("lve-0123abcd-7") // a job's
+	require.NoError(t, err)
+	_, err = m.Store.Create("lve-ffffffff-sb-00000000") // another installation's
+	require.NoError(t, err)
+
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	byName := map[string]Standby{}
+	for _, s := range all {
+		byName[s.Name] = s
+	}
+	require.Len(t, byName, 3)
+	require.True(t, byName[idle].Idle())
+	require.False(t, byName[claimed].Idle())
+	require.Equal(t, "j", byName[claimed].Claim.Job)
+	require.False(t, byName[booting].Idle())
+	require.Nil(t, byName[booting].Record)
+}
+
+// BootStandby makes a machine through the whole provision (fake guest):
+// named as a standby machine, recorded with its image, size and base file,
+// owned as "standby" until max_age + job_slack; a job then claims it.
+func TestBootStandbyThenClaim(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, _ := poolManager(t, hv, g.port(), "")
+	ctx := context.Background()
+	ready, err := m.BootStandby(ctx, img)
+	require.NoError(t, err)
+	require.NoError(t, ready.Client.Close())
+	name := ready.Machine.Name
+	require.Regexp(t, regexp.MustCompile(`^lve-0123abcd-sb-[0-9a-f]{8}$`), name)
+	base, err := state.VersionOf(img.Base)
+	require.NoError(t, err)
+	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base}, ready.Machine.Standby)
+	o := ownerOf(t, hv, name)
+	require.Equal(t, FrontendStandby, o.Frontend)
+	require.Equal(t, "tiny", o.Job)
+	require.WithinDuration(t, time.Now().Add(time.Hour+30*time.Minute), o.Deadline, time.Minute)
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	require.True(t, all[0].Idle())
+	res, err := m.Store.Reservations(state.Reservation{})
+	require.NoError(t, err)
+	require.Equal(t, state.Reservation{VCPUs: 1, MemoryMiB: 256}, res[name])
+
+	lockService(t, m)
+	c, err := m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-7"))
+	require.NoError(t, err, "the guest's sshd answers the probe")
+	require.Equal(t, name, c.Machine.Name)
+	o = ownerOf(t, hv, name)
+	require.Equal(t, "gitlab", o.Frontend)
+	require.Equal(t, "42", o.Job)
+
+	// run's view: connect from the recorded state with the pinned key.
+	_, client, err := m.Connect(ctx, name)
+	require.NoError(t, err)
+	_ = client.Close()
+
+	_, err = m.TeardownJob(ctx, "lve-0123abcd-7")
+	require.NoError(t, err)
+	requireGone(t, hv, m, name)
+}
+
+func TestBootStandbyRefusals(t *testing.T) {
+	hv := vmtest.New()
+	m, img, _ := poolManager(t, hv, 22, "")
+	_, err := m.BootStandby(context.Background(), mustImage(t, m, "cold"))
+	require.ErrorContains(t, err, "image cold has no pool")
+	require.NoError(t, os.Remove(img.Base))
+	_, err = m.BootStandby(context.Background(), img)
+	require.ErrorContains(t, err, "base image of tiny")
+	require.ErrorIs(t, err, os.ErrNotExist)
+	hv.Lock()
+	require.Empty(t, hv.Domains)
+	hv.Unlock()
+	names, err := m.Store.Names()
+	require.NoError(t, err)
+	require.Empty(t, names)
+}
+
+// On a full host a standby machine never waits and never makes room: it
+// fails at once with ErrNoRoom, touches nothing, and holds no refills.
+func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "[capacity]\nmax_vms = 1\n")
+	idle := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000a", time.Now(), port)
+	start := time.Now()
+	_, err := m.BootStandby(context.Background(), img)
+	require.ErrorIs(t, err, ErrNoRoom)
+	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
+	require.Less(t, time.Since(start), 5*time.Second, "capacity.wait is 30m: it did not wait")
+	require.False(t, m.UnderPressure(), "a standby machine is no job waiting")
+	names, err := m.Store.Names()
+	require.NoError(t, err)
+	require.Equal(t, []string{idle}, names, "no reservation left, the idle machine not retired")
+	hv.Lock()
+	require.Len(t, hv.Domains, 1)
+	hv.Unlock()
+	locks, err := m.Store.LockNames()
+	require.NoError(t, err)
+	for _, l := range locks {
+		require.False(t, m.IsStandby(l) && l != idle, "lock file %s of the failed boot left", l)
+	}
+}
+
+// A job on a host full of idle standby machines retires the oldest idle one
+// and proceeds; it tells the job log, and holds the pool's refills.
+func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	port := bannerServer(t, nil)
+	m, img, s := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 2\nwait = \"10s\"\n")
+	now := time.Now()
+	older := addStandby(t, m, hv, img, "0000000a", now.Add(-5*time.Minute), port)
+	newer := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
+	require.False(t, m.UnderPressure())
+
+	start := time.Now()
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	require.Less(t, time.Since(start), 15*time.Second)
+	require.True(t, s.has("Retired idle standby VM %s to make room"))
+	require.True(t, m.UnderPressure(), "the pool holds its refills")
+
+	requireGone(t, hv, m, older)
+	hv.Lock()
+	require.Contains(t, hv.Domains, newer, "one retired is room enough")
+	hv.Unlock()
+	names, err := m.Store.Names()
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{newer, "lve-0123abcd-7"}, names)
+
+	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+}
+
+// A job's admission never takes a machine another job claimed: it waits
+// (and here, gives up after capacity.wait).
+func TestAdmissionLeavesClaimedStandby(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 1\nwait = \"700ms\"\n")
+	claimed := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-99", At: time.Now().UTC()}))
+	_, err := m.Provision(context.Background(), request(img))
+	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
+	require.ErrorContains(t, err, "capacity.wait")
+	require.True(t, m.UnderPressure())
+	hv.Lock()
+	require.True(t, hv.Domains[claimed].Active, "the other job's machine stays")
+	require.NotContains(t, hv.Domains, "lve-0123abcd-7")
+	hv.Unlock()
+	require.DirExists(t, m.Store.MachineDir(claimed))
+}
+
+// Sweep removes a standby machine marked for retirement, keeps an idle and
+// a claimed one, and removes the job mappings whose machine is gone.
+func TestSweepStandbyMachines(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+	idle := addStandby(t, m, hv, img, "0000000a", now.Add(-time.Minute), port)
+	retired := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
+	require.NoError(t, m.Store.Claim(retired, state.Claim{Retire: true, Reason: "paused", At: now.UTC()}))
+	claimed := addStandby(t, m, hv, img, "0000000c", now.Add(-time.Minute), port)
+	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-70", At: now.UTC()}))
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-70", state.JobMachine{Machine: claimed, Warm: true, At: now.UTC()}))
+	booting := MachinePrefix("lve", controller) + standbyTag + "0000000d"
+	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	require.NoError(t, err)
+	unlock, err := m.Store.TryLock(booting)
+	require.NoError(t, err)
+	defer unlock()
+	// Mappings: to a machine that is gone (its cleanup did not finish), and
+	// to one that is gone while a cold machine of the job's name is there.
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-71", state.JobMachine{Machine: MachinePrefix("lve", controller) + standbyTag + "00000999", Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-72", state.JobMachine{Machine: MachinePrefix("lve", controller) + standbyTag + "00000998", Warm: true, At: now.UTC()}))
+	_, err = m.Store.Create("lve-0123abcd-72")
+	require.NoError(t, err)
+	hv.Lock()
+	hv.Domains["lve-0123abcd-72"] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Unlock()
+
+	items, err := m.Inventory(ctx, now)
+	require.NoError(t, err)
+	got := map[string][2]string{}
+	for _, it := range items {
+		got[it.Name] = [2]string{it.Verdict, it.Pool()}
+	}
+	require.Equal(t, map[string][2]string{
+		idle:              {VerdictKeep, "idle"},
+		retired:           {VerdictRetired, "retiring"},
+		claimed:           {VerdictKeep, "claimed"},
+		booting:           {VerdictOrphan, "booting"},
+		"lve-0123abcd-72": {VerdictKeep, ""},
+	}, got)
+	for _, it := range items {
+		if it.Name == retired {
+			require.Contains(t, it.Reason, "paused")
+		}
+	}
+
+	// A dry run changes nothing, mappings included.
+	rep, err := m.Sweep(ctx, now, true)
+	require.NoError(t, err)
+	require.Empty(t, rep.Removed)
+	jobs, err := m.Store.MappedJobs()
+	require.NoError(t, err)
+	require.Len(t, jobs, 3)
+
+	rep, err = m.Sweep(ctx, now, false)
+	require.NoError(t, err)
+	require.Equal(t, []string{retired}, rep.Removed)
+	requireGone(t, hv, m, retired)
+	hv.Lock()
+	for _, keep := range []string{idle, claimed, "lve-0123abcd-72"} {
+		require.True(t, hv.Domains[keep].Active, "%s kept", keep)
+	}
+	hv.Unlock()
+	require.DirExists(t, m.Store.MachineDir(booting), "a boot in progress is left alone")
+	jobs, err = m.Store.MappedJobs()
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"lve-0123abcd-70", "lve-0123abcd-72"}, jobs, "only the mapping to nothing goes")
+}
+
+// A retried prepare removes the machine an earlier attempt of the same job
+// claimed, before it claims (or boots) another: the first would otherwise
+// run, unmapped, until its deadline.
+func TestRemoveEarlierClaim(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+	const job = "lve-0123abcd-9"
+	first := addStandby(t, m, hv, img, "0000000a", now.Add(-2*time.Minute), port)
+	second := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
+	lockService(t, m)
+
+	name, err := m.RemoveEarlierClaim(ctx, job)
+	require.NoError(t, err)
+	require.Empty(t, name, "no earlier attempt: nothing removed")
+
+	c, err := m.Claim(ctx, claimRequest(m, img, job))
+	require.NoError(t, err)
+	require.Equal(t, first, c.Machine.Name)
+	// The attempt dies after its claim; the runner retries prepare.
+	name, err = m.RemoveEarlierClaim(ctx, job)
+	require.NoError(t, err)
+	require.Equal(t, first, name)
+	requireGone(t, hv, m, first)
+	jm, err := m.Store.MachineOfJob(job)
+	require.NoError(t, err)
+	require.Nil(t, jm, "the mapping went with it")
+	c, err = m.Claim(ctx, claimRequest(m, img, job))
+	require.NoError(t, err)
+	require.Equal(t, second, c.Machine.Name, "the retry claims afresh")
+
+	// Killed between the claim and the mapping: found by the claim alone.
+	require.NoError(t, m.Store.UnmapJob(job))
+	name, err = m.RemoveEarlierClaim(ctx, job)
+	require.NoError(t, err)
+	require.Equal(t, second, name)
+	requireGone(t, hv, m, second)
+}
+
+// Every ask of a pool is recorded as demand for the service, met or not.
+func TestClaimRecordsDemand(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	lockService(t, m)
+	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-10"))
+	requireNoStandby(t, err, "no idle VM")
+	addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-11"))
+	require.NoError(t, err)
+	d, err := m.Store.TakeDemand()
+	require.NoError(t, err)
+	require.Len(t, d, 2)
+	for _, x := range d {
+		require.Equal(t, "tiny", x.Image)
+		require.WithinDuration(t, time.Now(), x.At, time.Minute)
+	}
+}
+
+// A claim record that cannot be read counts as a claim by nobody known: the
+// machine is listed, never handed out, and the listing does not fail.
+func TestUnreadableClaimIsNeverHandedOut(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t, nil)
+	m, img, _ := poolManager(t, hv, port, "")
+	n := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	// A directory in its place: unreadable as a file, even for root.
+	require.NoError(t, os.Mkdir(filepath.Join(m.Store.MachineDir(n), "claim.json"), 0o700))
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	require.False(t, all[0].Idle())
+	require.Contains(t, all[0].Claim.Reason, "unreadable")
+	lockService(t, m)
+	_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-12"))
+	requireNoStandby(t, err, "no idle VM")
+}
