@@ -206,16 +206,22 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 	}
 	// The guest tool check: remembered per image version, so a claim
 	// normally costs no SSH session here.
-	err = checkGuestToolsOf(ctx, m, mach.Name, e.say, img, version)
+	connErr, err := checkGuestToolsOf(ctx, m, mach.Name, e.say, img, version)
 	if err == nil {
 		err = ctx.Err()
 	}
-	if err != nil {
+	if err != nil || connErr != nil {
 		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), j.cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		_, terr := m.TeardownJob(tctx, j.name)
-		if ctx.Err() != nil {
+		switch {
+		case ctx.Err() != nil:
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+		case err == nil && terr == nil:
+			// The claimed VM does not take the SSH connection every stage
+			// needs: it is gone, and the job can still start cold.
+			e.say("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
+			return false, nil
 		}
 		return true, exitcodes.System(errors.Join(err, terr))
 	}
@@ -227,24 +233,29 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 
 // checkGuestToolsOf runs the guest tool check for a claimed machine: from
 // the answer remembered for this image version, or over an SSH connection
-// made only when there is none.
-func checkGuestToolsOf(ctx context.Context, m *lifecycle.Manager, name string, say func(string, ...any), img *config.Image, version *toolCheck) error {
+// made only when there is none. connErr is that connection's failure.
+func checkGuestToolsOf(ctx context.Context, m *lifecycle.Manager, name string, say func(string, ...any), img *config.Image, version *toolCheck) (connErr, err error) {
 	g := &guestOnDemand{m: m, name: name}
 	defer g.close()
-	return checkGuestTools(ctx, g, say, m.Store, img, version)
+	err = checkGuestTools(ctx, g, say, m.Store, img, version)
+	return g.connErr, err
 }
 
 // guestOnDemand is an outputter that connects to the machine on first use.
 type guestOnDemand struct {
-	m    *lifecycle.Manager
-	name string
-	c    *sshexec.Client
+	m       *lifecycle.Manager
+	name    string
+	c       *sshexec.Client
+	connErr error
 }
 
 func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
 	if g.c == nil {
 		_, c, err := g.m.Connect(ctx, g.name)
 		if err != nil {
+			if ctx.Err() == nil {
+				g.connErr = err
+			}
 			return nil, err
 		}
 		g.c = c

@@ -1,8 +1,12 @@
 package lifecycle
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -75,4 +79,22 @@ func CloudInitSeed(name string, img *config.Image, keys *guestinit.Keys, dir str
 	}
 	ci := guestinit.CloudInit{InstanceID: name, Hostname: name, User: img.User}
 	return ci.SeedISO(keys, name, dir)
+}
+
+// SpecFingerprint identifies everything of cfg that goes into a machine of
+// img besides its size and base file (which a standby record keeps on its
+// own): the image's table without its pool, the network, storage pool,
+// isolation, domain type and host key policy, and the driver's version. A
+// standby machine built under another fingerprint is never handed out.
+func SpecFingerprint(cfg *config.Config, img *config.Image) string {
+	i := *img
+	i.Pool = nil
+	b, _ := json.Marshal(struct {
+		Version, Network, StoragePool, DomainType, HostKeyPolicy, NamePrefix string
+		Isolated                                                             bool
+		Image                                                                config.Image
+	}{buildinfo.Version, cfg.Network, cfg.StoragePool, cfg.DomainType, cfg.HostKeyPolicy, cfg.NamePrefix,
+		cfg.IsolateGuests == nil || *cfg.IsolateGuests, i})
+	h := sha256.Sum256(b)
+	return hex.EncodeToString(h[:8])
 }

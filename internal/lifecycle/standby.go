@@ -78,13 +78,11 @@ func (m *Manager) heartbeatStale() time.Duration {
 
 // ServiceStatus says whether the pool service holds its lock, and how long
 // ago it last looked at its pools (ok false: never).
+// It creates nothing (doctor may look as another user than the service's).
 func (m *Manager) ServiceStatus() (locked bool, lastLook time.Duration, ok bool) {
-	unlock, err := m.Store.TryLock(serveLock)
-	if err == nil {
-		unlock()
-	}
+	locked, _ = m.Store.Held(serveLock)
 	lastLook, ok = m.Store.Age(heartbeatKey)
-	return errors.Is(err, state.ErrBusy), lastLook, ok
+	return locked, lastLook, ok
 }
 
 // ServiceRunning reports whether the pool service runs: it holds its lock
@@ -155,7 +153,8 @@ func (m *Manager) BootStandby(ctx context.Context, img *config.Image) (*Ready, e
 	ready, err := m.Provision(ctx, Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
-		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base,
+			Spec: SpecFingerprint(m.Cfg, img)},
 	})
 	if err != nil {
 		// Nothing of the machine is left (Provision undid it); its lock file
@@ -234,7 +233,7 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 	_ = m.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
 	all, err := m.Standbys()
 	if err != nil {
-		return nil, err
+		return nil, &ErrNoStandby{Why: "cannot list the standby VMs: " + err.Error()}
 	}
 	var idle []Standby
 	for _, s := range all {
@@ -274,25 +273,38 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 // retirement); err is a failure after the claim (the machine is then
 // removed again).
 func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
+	// Until the claim file exists nothing is this job's: a failure is
+	// only a reason to pass the machine over (the job can still start
+	// cold).
 	unlock, err := m.Store.TryLock(name)
 	if errors.Is(err, state.ErrBusy) {
 		return nil, "busy", nil
 	}
 	if err != nil {
-		return nil, "", err
+		return nil, "lock: " + err.Error(), nil
 	}
 	defer unlock()
 	// Judged again under the lock: another job may have claimed it, the
 	// service retired it, a sweep removed it.
 	if cl, err := m.Store.ClaimOf(name); err != nil || cl != nil {
-		return nil, "claimed meanwhile", err
+		return nil, "claimed meanwhile", nil
 	}
 	rec, err := m.Store.Record(name)
 	if err != nil || rec.Standby == nil {
+		if has, herr := m.Store.Has(name); herr == nil && !has {
+			m.Store.RemoveLock(name) // gone meanwhile: the lock file was ours to make
+		}
 		return nil, "no record", nil
 	}
-	if unfit := m.unfit(ctx, rec, req.Image, base, baseErr); unfit != "" {
-		_ = m.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
+	unfit, retire := m.unfit(ctx, rec, req.Image, base, baseErr)
+	if err := ctx.Err(); err != nil {
+		// A stopped prepare says nothing about the machine.
+		return nil, "", context.Cause(ctx)
+	}
+	if unfit != "" {
+		if retire {
+			_ = m.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
+		}
 		return nil, unfit, nil
 	}
 	if err := m.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
@@ -324,34 +336,54 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 }
 
 // unfit says why an idle machine must not be handed out, or "" if it may:
-// its image is no longer pooled or has changed (file, size, mtime), it is
-// too old, libvirt does not run it, or its SSH server does not answer.
-func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
-	sb := rec.Standby
-	if img.Pool == nil || sb.Image != img.Name {
-		return "its image is no longer pooled"
-	}
-	if size := m.Cfg.ImageSize(img); (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != size {
-		return "its size is no longer the image's"
-	}
-	if baseErr != nil {
-		return fmt.Sprintf("base image %s: %v", img.Base, baseErr)
-	}
-	if sb.Base != base {
-		return fmt.Sprintf("base image %s changed since it booted", img.Base)
-	}
-	if age := time.Since(rec.Created); age > img.Pool.MaxAge.D() {
-		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(age))
+// its image is no longer pooled or its configuration changed (size, the
+// base file's path, size or mtime, anything else the machine was built
+// from, or the driver's version), it is too old, libvirt does not run it,
+// or its guest does not accept a TCP connection on the SSH port (refused:
+// sshd or the network is gone). retire says the machine is done for; a
+// probe that only timed out (a loaded host) passes it over without that
+// verdict, which the service's own health check makes.
+func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) (why string, retire bool) {
+	if why := m.outdated(rec, img, base, baseErr); why != "" {
+		return why, true
 	}
 	if why := m.Explain(ctx, rec.Name); why != "" {
-		return why
+		return why, true
 	}
 	pctx, cancel := context.WithTimeout(ctx, probeWait)
 	defer cancel()
-	if err := sshexec.Probe(pctx, net.JoinHostPort(rec.Address, strconv.Itoa(rec.Port))); err != nil {
-		return fmt.Sprintf("SSH does not answer: %v", err)
+	if err := sshexec.ProbeTCP(pctx, net.JoinHostPort(rec.Address, strconv.Itoa(rec.Port))); err != nil {
+		return fmt.Sprintf("its SSH port does not answer: %v", err), pctx.Err() == nil
+	}
+	return "", false
+}
+
+// outdated says why a standby machine no longer matches the configuration
+// of img now (base is the base file's version now, or baseErr), or "".
+// It looks at nothing but the record.
+func (m *Manager) outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
+	sb := rec.Standby
+	switch {
+	case img == nil || img.Pool == nil || sb.Image != img.Name:
+		return "its image is no longer pooled"
+	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != m.Cfg.ImageSize(img):
+		return "its size is no longer the image's"
+	case baseErr != nil:
+		return fmt.Sprintf("base image %s: %v", img.Base, baseErr)
+	case sb.Base != base:
+		return fmt.Sprintf("base image %s changed since it booted", img.Base)
+	case sb.Spec != SpecFingerprint(m.Cfg, img):
+		return "the configuration it was built from (or the driver's version) changed since it booted"
+	case time.Since(rec.Created) > img.Pool.MaxAge.D():
+		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
 	}
 	return ""
+}
+
+// Outdated is outdated for the pool service: img may be nil (the image is
+// no longer configured).
+func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
+	return m.outdated(rec, img, base, baseErr)
 }
 
 // Retire removes an unclaimed standby machine (or one already marked for
@@ -434,7 +466,9 @@ type JobMachine struct {
 func (m *Manager) MachineOf(job string) (JobMachine, error) {
 	jm, err := m.Store.MachineOfJob(job)
 	if err != nil {
-		return JobMachine{}, err
+		// Unreadable (cut short by a host crash): as if there were none;
+		// the claims still name the job's standby machine.
+		jm = nil
 	}
 	if jm != nil && jm.Machine != job {
 		if cl, err := m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && m.IsStandby(jm.Machine) {

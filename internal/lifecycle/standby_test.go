@@ -21,9 +21,8 @@ import (
 )
 
 // bannerServer listens on 127.0.0.1 and greets every connection with an
-// SSH version line, as a guest's sshd does, and returns its port. onConn,
-// if set, runs on each connection before the greeting.
-func bannerServer(t *testing.T, onConn func()) int {
+// SSH version line, as a guest's sshd does, and returns its port.
+func bannerServer(t *testing.T) int {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
@@ -36,9 +35,6 @@ func bannerServer(t *testing.T, onConn func()) int {
 			}
 			go func() {
 				defer c.Close()
-				if onConn != nil {
-					onConn()
-				}
 				_, _ = io.WriteString(c, "SSH-2.0-test\r\n")
 				_ = c.SetReadDeadline(time.Now().Add(10 * time.Second))
 				_, _ = io.Copy(io.Discard, c) // until the prober hangs up
@@ -127,7 +123,7 @@ func addStandby(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, su
 	require.NoError(t, err)
 	require.NoError(t, m.Store.Save(state.Machine{
 		Name: name, Image: img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
-		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: SpecFingerprint(m.Cfg, img)},
 	}))
 	x, err := vm.MarshalOwner(vm.Owner{Controller: controller, Frontend: FrontendStandby, Job: img.Name, Created: created.UTC(),
 		Deadline: created.Add(time.Hour + 30*time.Minute).UTC(), Volumes: []string{vm.DiskVolume(name)}})
@@ -257,7 +253,7 @@ func TestLockServiceAndServiceRunning(t *testing.T) {
 // A hung service (lock held, heartbeat stale) sends jobs cold.
 func TestClaimWithHungServiceGoesCold(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
 	lockService(t, m)
@@ -274,7 +270,7 @@ func TestClaimWithHungServiceGoesCold(t *testing.T) {
 // its own cause, and refusing leaves the idle machine unclaimed.
 func TestClaimSaysWhyThereIsNoStandby(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
@@ -317,7 +313,7 @@ func TestClaimSaysWhyThereIsNoStandby(t *testing.T) {
 // in the claim, the mapping and the ownership record.
 func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	now := time.Now()
@@ -395,7 +391,7 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 // machine is handed out.
 func TestClaimConcurrentNeverSharesAMachine(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	now := time.Now()
 	var machines []string
@@ -497,7 +493,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 				delete(hv.Domains, name)
 				hv.Unlock()
 			}},
-		{name: "SSH does not answer", age: 5 * time.Minute, dead: true, want: "SSH does not answer"},
+		{name: "SSH does not answer", age: 5 * time.Minute, dead: true, want: "its SSH port does not answer"},
 		{name: "size no longer the image's", age: 5 * time.Minute, want: "its size is no longer the image's",
 			spoil: func(t *testing.T, m *Manager, _ *vmtest.Fake, _ *config.Image, name string) {
 				rec, err := m.Store.Record(name)
@@ -508,7 +504,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			hv := vmtest.New()
-			port := bannerServer(t, nil)
+			port := bannerServer(t)
 			m, img, _ := poolManager(t, hv, port, "")
 			badPort := port
 			if tc.dead {
@@ -552,7 +548,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 // When every idle machine is unfit, the job learns which and why.
 func TestClaimAllUnfitSaysWhy(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	a := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-2*time.Minute), port)
 	b := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
@@ -574,7 +570,7 @@ func TestClaimAllUnfitSaysWhy(t *testing.T) {
 // sweep) is passed over as busy, not marked.
 func TestClaimPassesOverBusyMachine(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	busy := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-2*time.Minute), port)
 	free := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
@@ -598,15 +594,18 @@ func TestClaimCancelledAfterClaimRemovesMachine(t *testing.T) {
 	hv := vmtest.New()
 	hang := make(chan struct{})
 	var once sync.Once
-	// Once the SSH probe connects (the last check before the claim),
-	// libvirt hangs: the claim's ownership update blocks in the fake.
-	port := bannerServer(t, func() {
-		once.Do(func() {
-			hv.Lock()
-			hv.Hang = hang
-			hv.Unlock()
-		})
-	})
+	// After the claim and the mapping, libvirt hangs: the claim's ownership
+	// update blocks in the fake.
+	hv.BeforeCall = func(method string) {
+		if method == "SetOwner" {
+			once.Do(func() {
+				hv.Lock()
+				hv.Hang = hang
+				hv.Unlock()
+			})
+		}
+	}
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
 	lockService(t, m)
@@ -651,7 +650,7 @@ func TestClaimCancelledAfterClaimRemovesMachine(t *testing.T) {
 // A failed ownership update after the claim removes the machine likewise.
 func TestClaimFailedOwnerUpdateRemovesMachine(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
 	hv.FailOn["SetOwner"] = fmt.Errorf("injected metadata failure")
@@ -669,7 +668,7 @@ func TestClaimFailedOwnerUpdateRemovesMachine(t *testing.T) {
 // A ctx that has ended before Claim looks at a machine claims nothing.
 func TestClaimWithEndedContextClaimsNothing(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
 	lockService(t, m)
@@ -687,7 +686,7 @@ func TestClaimWithEndedContextClaimsNothing(t *testing.T) {
 
 func TestMachineOf(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	now := time.Now()
 	const job = "lve-0123abcd-7"
@@ -736,15 +735,16 @@ func TestMachineOf(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: b, Warm: true}, got)
 
-	_, err = m.MachineOf("../x")
-	require.Error(t, err, "a job name with a path is refused")
+	got, err = m.MachineOf("../x")
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: "../x"}, got, "a job name with a path has no mapping (Teardown refuses the name)")
 }
 
 // TeardownJob removes the job's claimed machine and a cold machine a retried
 // prepare of the job may have left, and the mapping; other machines stay.
 func TestTeardownJob(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	now := time.Now()
@@ -795,7 +795,7 @@ func TestTeardownJob(t *testing.T) {
 
 func TestRetire(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	now := time.Now()
@@ -848,7 +848,7 @@ func TestRetire(t *testing.T) {
 // the mark stays: no job claims it meanwhile.
 func TestRetireMarksBeforeRemoving(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	hv.FailOn["Destroy"] = fmt.Errorf("injected destroy failure")
@@ -866,7 +866,7 @@ func TestRetireMarksBeforeRemoving(t *testing.T) {
 // claim; Idle is booted and unclaimed.
 func TestStandbys(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	now := time.Now()
 	idle := addStandby(t, m, hv, img, "0000000a", now, port)
@@ -909,7 +909,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.Regexp(t, regexp.MustCompile(`^lve-0123abcd-sb-[0-9a-f]{8}$`), name)
 	base, err := state.VersionOf(img.Base)
 	require.NoError(t, err)
-	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base}, ready.Machine.Standby)
+	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base, Spec: SpecFingerprint(m.Cfg, mustImage(t, m, "tiny"))}, ready.Machine.Standby)
 	o := ownerOf(t, hv, name)
 	require.Equal(t, FrontendStandby, o.Frontend)
 	require.Equal(t, "tiny", o.Job)
@@ -961,7 +961,7 @@ func TestBootStandbyRefusals(t *testing.T) {
 // fails at once with ErrNoRoom, touches nothing, and holds no refills.
 func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "[capacity]\nmax_vms = 1\n")
 	idle := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000a", time.Now(), port)
 	start := time.Now()
@@ -988,7 +988,7 @@ func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, s := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 2\nwait = \"10s\"\n")
 	now := time.Now()
 	older := addStandby(t, m, hv, img, "0000000a", now.Add(-5*time.Minute), port)
@@ -1019,7 +1019,7 @@ func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
 func TestAdmissionLeavesClaimedStandby(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 1\nwait = \"700ms\"\n")
 	claimed := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-99", At: time.Now().UTC()}))
@@ -1038,7 +1038,7 @@ func TestAdmissionLeavesClaimedStandby(t *testing.T) {
 // a claimed one, and removes the job mappings whose machine is gone.
 func TestSweepStandbyMachines(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	now := time.Now()
@@ -1111,7 +1111,7 @@ func TestSweepStandbyMachines(t *testing.T) {
 // run, unmapped, until its deadline.
 func TestRemoveEarlierClaim(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	ctx := context.Background()
 	now := time.Now()
@@ -1150,7 +1150,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 // Every ask of a pool is recorded as demand for the service, met or not.
 func TestClaimRecordsDemand(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	lockService(t, m)
 	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-10"))
@@ -1171,7 +1171,7 @@ func TestClaimRecordsDemand(t *testing.T) {
 // machine is listed, never handed out, and the listing does not fail.
 func TestUnreadableClaimIsNeverHandedOut(t *testing.T) {
 	hv := vmtest.New()
-	port := bannerServer(t, nil)
+	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "")
 	n := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	// A directory in its place: unreadable as a file, even for root.

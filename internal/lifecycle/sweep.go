@@ -316,7 +316,12 @@ func (m *Manager) sweepJobMappings() error {
 	var errs []error
 	for _, j := range jobs {
 		jm, err := m.Store.MachineOfJob(j)
-		if err != nil || jm == nil {
+		if err != nil {
+			// Unreadable: MachineOf ignores it anyway.
+			errs = append(errs, m.Store.UnmapJob(j))
+			continue
+		}
+		if jm == nil {
 			continue
 		}
 		if has, err := m.Store.Has(jm.Machine); err == nil && !has {

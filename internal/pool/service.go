@@ -44,13 +44,27 @@ type Service struct {
 	checked map[string]time.Time
 	// backoff holds an image's refills after failed boots.
 	backoff map[string]backoff
-	sem     chan struct{}
-	wg      sync.WaitGroup
+	// unhealthy counts each idle machine's failed SSH probes in a row.
+	unhealthy map[string]int
+	// failing holds back retrying the removal of a machine whose last
+	// removal failed, and remembers its error (logged when it changes).
+	failing map[string]failure
+	// boots cancels the boots in progress, by a number of their own.
+	boots  map[int]context.CancelFunc
+	bootID int
+	sem    chan struct{}
+	wg     sync.WaitGroup
 }
 
 type backoff struct {
 	failures int
 	until    time.Time
+}
+
+type failure struct {
+	err   string
+	n     int
+	until time.Time
 }
 
 func (s *Service) init() {
@@ -59,6 +73,9 @@ func (s *Service) init() {
 	s.claimed = map[string]bool{}
 	s.checked = map[string]time.Time{}
 	s.backoff = map[string]backoff{}
+	s.unhealthy = map[string]int{}
+	s.failing = map[string]failure{}
+	s.boots = map[int]context.CancelFunc{}
 	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
 }
 
@@ -82,18 +99,37 @@ func (s *Service) Run(ctx context.Context) error {
 		s.Log.Info("keeping standby pool", "image", img.Name, "idle_count", p.IdleCount, "max_idle", p.MaxIdle,
 			"idle_time", p.IdleTime.D().String(), "max_age", p.MaxAge.D().String())
 	}
+	cfgVersion, _ := state.VersionOf(s.M.Cfg.Path)
 	t := time.NewTicker(s.M.Cfg.Serve.Interval.D())
 	defer t.Stop()
 	for {
 		s.Tick(ctx)
+		if v, err := state.VersionOf(s.M.Cfg.Path); s.M.Cfg.Path != "" && (err != nil || v != cfgVersion) {
+			// Exit to be restarted (systemd: Restart=on-failure) with the
+			// new file: VMs built under the old one no longer match it and
+			// are drained by the next service (lifecycle.SpecFingerprint).
+			s.Log.Warn("configuration file changed: stopping to be restarted with it", "config", s.M.Cfg.Path)
+			s.stop()
+			return ErrConfigChanged
+		}
 		select {
 		case <-ctx.Done():
-			s.Log.Info("pool service stopping: undoing boots in progress; idle VMs stay for the next start")
-			s.wg.Wait()
+			s.stop()
 			return nil
 		case <-t.C:
 		}
 	}
+}
+
+// ErrConfigChanged ends Run when the configuration file changed under it.
+var ErrConfigChanged = errors.New("configuration file changed; restart the service to use it")
+
+// stop undoes the boots in progress and waits for the work in the
+// background.
+func (s *Service) stop() {
+	s.Log.Info("pool service stopping: undoing boots in progress; idle VMs stay for the next start")
+	s.cancelBoots()
+	s.wg.Wait()
 }
 
 // Tick looks at every standby machine once and acts: retires what must go,
@@ -127,7 +163,7 @@ func (s *Service) Tick(ctx context.Context) {
 			// cut off by an earlier service's end (removed now).
 			s.retire(ctx, sb.Name, "boot cut off")
 		default:
-			if why := s.judge(sb, now, bases); why != "" {
+			if why := s.judge(sb, bases); why != "" {
 				s.retire(ctx, sb.Name, why)
 				continue
 			}
@@ -136,6 +172,13 @@ func (s *Service) Tick(ctx context.Context) {
 		}
 	}
 	s.forget(seen, now)
+	if s.M.UnderPressure() {
+		// A job waits for room: boots in progress give theirs back (their
+		// undo removes what they made); the job retires idle machines.
+		if n := s.cancelBoots(); n > 0 {
+			s.Log.Info("a job waits for room: cancelled standby boots in progress", "boots", n)
+		}
+	}
 	for _, img := range s.M.Cfg.Pooled() {
 		s.keep(ctx, img, idle[img.Name], now)
 	}
@@ -147,30 +190,20 @@ type baseOf struct {
 	err error
 }
 
-// judge says why an idle machine must be retired, or "".
-func (s *Service) judge(sb lifecycle.Standby, now time.Time, bases map[string]baseOf) string {
+// judge says why an idle machine must be retired, or "": it no longer
+// matches the configuration (lifecycle.Manager.Outdated).
+func (s *Service) judge(sb lifecycle.Standby, bases map[string]baseOf) string {
 	rec := sb.Record.Standby
 	img, ok := s.M.Cfg.Image(rec.Image)
-	switch {
-	case !ok || img.Pool == nil:
-		return fmt.Sprintf("image %s no longer has a pool", rec.Image)
-	case (config.Size{VCPUs: rec.VCPUs, MemoryMiB: rec.MemoryMiB, DiskGiB: rec.DiskGiB}) != s.M.Cfg.ImageSize(img):
-		return "the image's size changed"
+	if !ok {
+		return s.M.Outdated(sb.Record, nil, state.FileVersion{}, nil)
 	}
 	b, ok := bases[img.Name]
 	if !ok {
 		b.v, b.err = state.VersionOf(img.Base)
 		bases[img.Name] = b
 	}
-	switch {
-	case b.err != nil:
-		return fmt.Sprintf("base image %s: %v", img.Base, b.err)
-	case b.v != rec.Base:
-		return fmt.Sprintf("base image %s changed", img.Base)
-	case now.Sub(sb.Record.Created) > img.Pool.MaxAge.D():
-		return fmt.Sprintf("older than pool.max_age %s", img.Pool.MaxAge.D())
-	}
-	return ""
+	return s.M.Outdated(sb.Record, img, b.v, b.err)
 }
 
 // keep retires idle machines beyond the pool's target that waited longer
@@ -200,7 +233,7 @@ func (s *Service) keep(ctx context.Context, img *config.Image, idle []lifecycle.
 		return
 	}
 	if s.M.UnderPressure() {
-		return // a job waited for room: jobs first
+		return // a job waited for room: jobs first (Tick cancels the boots)
 	}
 	for range need {
 		s.boot(ctx, img, len(idle), target)
@@ -252,6 +285,16 @@ func (s *Service) forget(seen map[string]bool, now time.Time) {
 			delete(s.claimed, n)
 		}
 	}
+	for n := range s.unhealthy {
+		if !seen[n] {
+			delete(s.unhealthy, n)
+		}
+	}
+	for n := range s.failing {
+		if !seen[n] {
+			delete(s.failing, n)
+		}
+	}
 	s.demand = slices.DeleteFunc(s.demand, func(d state.Demand) bool {
 		img, ok := s.M.Cfg.Image(d.Image)
 		return !ok || img.Pool == nil || now.Sub(d.At) > img.Pool.IdleTime.D()
@@ -261,8 +304,12 @@ func (s *Service) forget(seen map[string]bool, now time.Time) {
 // boot starts one boot for img's pool in the background, at most
 // serve.boot_parallelism at once.
 func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int) {
+	bctx, cancel := context.WithCancel(ctx)
 	s.mu.Lock()
 	s.booting[img.Name]++
+	s.bootID++
+	id := s.bootID
+	s.boots[id] = cancel
 	s.mu.Unlock()
 	s.wg.Add(1)
 	go func() {
@@ -270,14 +317,20 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 		defer func() {
 			s.mu.Lock()
 			s.booting[img.Name]--
+			delete(s.boots, id)
 			s.mu.Unlock()
+			cancel()
 		}()
 		select {
 		case s.sem <- struct{}{}:
-		case <-ctx.Done():
+		case <-bctx.Done():
 			return
 		}
 		defer func() { <-s.sem }()
+		if s.M.UnderPressure() {
+			return // a job began to wait for room meanwhile
+		}
+		ctx := bctx
 		s.Log.Info("booting standby VM", "image", img.Name, "idle", idle, "target", target)
 		t0 := time.Now()
 		ready, err := s.M.BootStandby(ctx, img)
@@ -286,6 +339,7 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 		bo := s.backoff[img.Name]
 		if err != nil {
 			if ctx.Err() != nil {
+				s.Log.Info("standby boot cancelled and undone", "image", img.Name)
 				return
 			}
 			wait := 5 * time.Second
@@ -308,11 +362,24 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 	}()
 }
 
+// cancelBoots cancels every boot in progress and returns how many.
+func (s *Service) cancelBoots() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, c := range s.boots {
+		c()
+	}
+	return len(s.boots)
+}
+
 // retire removes a standby machine in the background (once at a time per
 // machine). A machine a job claimed meanwhile, or whose lock another
 // process holds (a boot in progress), is left alone.
 func (s *Service) retire(ctx context.Context, name, reason string) {
-	if !s.take(name) {
+	s.mu.Lock()
+	f := s.failing[name]
+	s.mu.Unlock()
+	if time.Now().Before(f.until) || !s.take(name) {
 		return
 	}
 	s.wg.Add(1)
@@ -324,12 +391,25 @@ func (s *Service) retire(ctx context.Context, name, reason string) {
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.M.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		err := s.M.Retire(rctx, name, reason)
+		s.mu.Lock()
+		defer s.mu.Unlock()
 		switch {
 		case err == nil:
+			delete(s.failing, name)
+			delete(s.unhealthy, name)
 			s.Log.Info("retired standby VM", "vm", name, "reason", reason)
 		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed):
 		default:
-			s.Log.Error("could not retire standby VM", "vm", name, "reason", reason, "err", err)
+			// Tried again after 5 s, doubling to 5 min; logged when the
+			// error changes, not on every look.
+			f := s.failing[name]
+			f.n++
+			f.until = time.Now().Add(min(5*time.Second<<min(f.n-1, 6), 5*time.Minute))
+			if f.err != err.Error() {
+				f.err = err.Error()
+				s.Log.Error("could not retire standby VM", "vm", name, "reason", reason, "err", err, "retry_in", time.Until(f.until).Round(time.Second).String())
+			}
+			s.failing[name] = f
 		}
 	}()
 }
@@ -356,9 +436,17 @@ func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now tim
 			pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			err := sshexec.Probe(pctx, net.JoinHostPort(sb.Record.Address, strconv.Itoa(sb.Record.Port)))
 			cancel()
+			s.mu.Lock()
 			if err != nil && ctx.Err() == nil {
-				why = "SSH does not answer: " + err.Error()
+				// Twice in a row: one slow answer on a loaded host is no
+				// reason to throw a VM away (and load the host with a boot).
+				if s.unhealthy[sb.Name]++; s.unhealthy[sb.Name] >= 2 {
+					why = "SSH does not answer: " + err.Error()
+				}
+			} else if err == nil {
+				delete(s.unhealthy, sb.Name)
 			}
+			s.mu.Unlock()
 		}
 		s.release(sb.Name)
 		if why != "" {

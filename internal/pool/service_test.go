@@ -243,7 +243,7 @@ func (e *env) addStandby(suffix string, created time.Time, port int) string {
 	require.NoError(t, err)
 	require.NoError(t, e.m.Store.Save(state.Machine{
 		Name: name, Image: e.img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
-		Standby: &state.Standby{Image: e.img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base},
+		Standby: &state.Standby{Image: e.img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Cfg, e.img)},
 	}))
 	x, err := vm.MarshalOwner(vm.Owner{Controller: e.m.Controller, Frontend: lifecycle.FrontendStandby, Job: e.img.Name,
 		Created: created.UTC(), Deadline: created.Add(3 * time.Hour).UTC(), Volumes: []string{vm.DiskVolume(name)}})
@@ -286,7 +286,7 @@ func TestTickBootsUpToIdleCount(t *testing.T) {
 	require.NoError(t, err)
 	for _, n := range idle {
 		rec := e.standbys()[n].Record
-		require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, Base: base}, rec.Standby)
+		require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Cfg, e.img)}, rec.Standby)
 		e.hv.Lock()
 		o, err := vm.ParseOwner(e.hv.Domains[n].OwnerXML)
 		active := e.hv.Domains[n].Active
@@ -364,14 +364,14 @@ func TestTickRetiresWhenPoolOrSizeChanged(t *testing.T) {
 	require.NoError(t, e.m.Store.Save(*rec))
 	e.tick()
 	e.requireGone(resized)
-	require.Contains(t, e.log.String(), "the image's size changed")
+	require.Contains(t, e.log.String(), "its size is no longer the image's")
 	idle := e.idle()
 	require.Len(t, idle, 1, "replaced by one of the image's size")
 
 	e.img.Pool = nil
 	e.tick()
 	e.requireGone(idle[0])
-	require.Contains(t, e.log.String(), "image tiny no longer has a pool")
+	require.Contains(t, e.log.String(), "its image is no longer pooled")
 	e.tick()
 	require.Empty(t, e.standbys())
 	require.Empty(t, e.domains())
@@ -619,6 +619,11 @@ func TestTickRetiresUnhealthy(t *testing.T) {
 	silent := e.addStandby("0000000b", time.Now().Add(-time.Minute), deadPort(t))
 	e.tick()
 	e.requireGone(paused)
+	require.Contains(t, e.standbys(), silent, "one failed probe is not enough (a loaded host)")
+	e.s.mu.Lock()
+	e.s.checked[silent] = time.Now().Add(-time.Hour) // the next check is due
+	e.s.mu.Unlock()
+	e.tick()
 	e.requireGone(silent)
 	log := e.log.String()
 	require.Contains(t, log, "is paused")
@@ -755,4 +760,72 @@ func TestRunKeepsPoolAndStops(t *testing.T) {
 	require.False(t, e.m.ServiceRunning())
 	require.Len(t, e.idle(), 2, "idle machines stay for the next start")
 	require.Len(t, e.domains(), 3)
+}
+
+// A job that waits for room cancels the boots in progress: their undo
+// gives the room back.
+func TestPressureCancelsBootsInProgress(t *testing.T) {
+	e := newEnv(t, "idle_count = 1\n", "", "")
+	e.hv.Lock()
+	e.hv.OnStart = nil // no lease: the boot waits for its address
+	e.hv.Unlock()
+	e.s.Tick(context.Background()) // a look, without waiting for its boot
+	require.Eventually(t, func() bool { return e.calls("Start") == 1 }, 10*time.Second, 10*time.Millisecond)
+	require.NoError(t, e.m.Store.Touch("pool-pressure"))
+	t0 := time.Now()
+	e.tick()
+	require.Less(t, time.Since(t0), 10*time.Second, "cancelled, not run into the boot timeout")
+	require.Contains(t, e.log.String(), "cancelled standby boots in progress")
+	e.s.wg.Wait()
+	require.Empty(t, e.domains(), "the cancelled boot was undone")
+	require.Empty(t, e.standbys())
+	e.s.mu.Lock()
+	require.Zero(t, e.s.booting["tiny"])
+	e.s.mu.Unlock()
+}
+
+// When its configuration file changes, Run stops (to be restarted with the
+// new file) and says why.
+func TestRunStopsWhenConfigChanges(t *testing.T) {
+	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "interval = \"50ms\"\n", "")
+	path := filepath.Join(t.TempDir(), "config.toml")
+	require.NoError(t, os.WriteFile(path, []byte("# v1\n"), 0o600))
+	e.m.Cfg.Path = path
+	done := make(chan error, 1)
+	go func() { done <- e.s.Run(context.Background()) }()
+	require.Eventually(t, func() bool { return e.m.ServiceRunning() }, 5*time.Second, 10*time.Millisecond)
+	require.NoError(t, os.WriteFile(path, []byte("# v2, longer\n"), 0o600))
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, ErrConfigChanged)
+	case <-time.After(10 * time.Second):
+		t.Fatal("Run did not stop after the configuration changed")
+	}
+	require.Contains(t, e.log.String(), "configuration file changed")
+}
+
+// A removal that keeps failing is retried with backoff and logged once per
+// distinct error, not on every look.
+func TestRetireFailureBacksOff(t *testing.T) {
+	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
+	n := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
+	require.NoError(t, e.m.Store.Claim(n, state.Claim{Retire: true, Reason: "test", At: time.Now().UTC()}))
+	e.hv.Lock()
+	e.hv.FailOn["Destroy"] = errors.New("injected destroy failure")
+	e.hv.Unlock()
+	for range 5 {
+		e.tick()
+	}
+	require.Equal(t, 1, strings.Count(e.log.String(), "could not retire standby VM"), "logged once")
+	require.Equal(t, 1, e.calls("Destroy"), "not retried before its backoff")
+	e.hv.Lock()
+	delete(e.hv.FailOn, "Destroy")
+	e.hv.Unlock()
+	e.s.mu.Lock()
+	f := e.s.failing[n]
+	f.until = time.Now()
+	e.s.failing[n] = f
+	e.s.mu.Unlock()
+	e.tick()
+	e.requireGone(n)
 }

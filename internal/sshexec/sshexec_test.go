@@ -3,6 +3,8 @@ package sshexec
 import (
 	"context"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -523,4 +525,41 @@ func TestWithoutSetsid(t *testing.T) {
 	pid := readPid(t, marker)
 	require.Eventually(t, func() bool { return !pidAlive(pid) }, 5*time.Second, 20*time.Millisecond,
 		"a cancel stops the script's children without setsid too")
+}
+
+// Probe wants an SSH version line and reads at most a few lines of junk
+// before it; ProbeTCP only wants the connection.
+func TestProbe(t *testing.T) {
+	serve := func(greeting string) string {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = ln.Close() })
+		go func() {
+			for {
+				c, err := ln.Accept()
+				if err != nil {
+					return
+				}
+				go func() {
+					defer c.Close()
+					_, _ = io.WriteString(c, greeting)
+					time.Sleep(time.Second)
+				}()
+			}
+		}()
+		return ln.Addr().String()
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	require.NoError(t, Probe(ctx, serve("SSH-2.0-OpenSSH_9.2\r\n")))
+	require.NoError(t, Probe(ctx, serve("hello\r\nSSH-2.0-x\r\n")), "lines before the version line are allowed")
+	require.Error(t, Probe(ctx, serve("HTTP/1.0 200 OK\r\n\r\n")))
+	require.Error(t, Probe(ctx, serve(strings.Repeat("x", 100000))), "an endless line is cut off")
+	require.NoError(t, ProbeTCP(ctx, serve("")))
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	require.Error(t, ProbeTCP(ctx, addr), "nothing listens")
+	require.Error(t, Probe(ctx, addr))
 }

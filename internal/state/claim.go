@@ -22,6 +22,9 @@ type Standby struct {
 	// Base identifies the base image file the machine was cloned from: a
 	// job is never given a machine of an older file.
 	Base FileVersion `json:"base"`
+	// Spec fingerprints the rest of the configuration the machine was
+	// built from, and the driver's version (lifecycle.SpecFingerprint).
+	Spec string `json:"spec"`
 }
 
 // FileVersion identifies one version of a file: path, size and
@@ -270,7 +273,9 @@ func (s Store) TakeDemand() ([]Demand, error) {
 	}
 	var out []Demand
 	for _, e := range entries {
-		image, _, ok := strings.Cut(e.Name(), ".")
+		// image.<random>: image names may hold dots themselves.
+		i := strings.LastIndex(e.Name(), ".")
+		image, ok := e.Name()[:max(i, 0)], i > 0
 		info, ierr := e.Info()
 		if ok && ierr == nil {
 			out = append(out, Demand{Image: image, At: info.ModTime()})

@@ -226,3 +226,42 @@ func TestVersionOf(t *testing.T) {
 	require.NotEqual(t, v1, v2, "a new mtime is a new version")
 	require.Greater(t, v2.ModTime, v1.ModTime)
 }
+
+// Demand of an image whose name holds dots is the image's, not a prefix's.
+func TestDemandOfDottedImageName(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	require.NoError(t, s.NoteDemand("ubuntu.24.04"))
+	require.NoError(t, s.NoteDemand("tiny"))
+	d, err := s.TakeDemand()
+	require.NoError(t, err)
+	var images []string
+	for _, x := range d {
+		images = append(images, x.Image)
+	}
+	require.ElementsMatch(t, []string{"ubuntu.24.04", "tiny"}, images)
+	require.Error(t, s.NoteDemand("../x"))
+	require.Error(t, s.NoteDemand(".hidden"))
+}
+
+// Held looks at a lock without creating anything (an administrator's look
+// as another user must not leave files that user owns).
+func TestHeldCreatesNothing(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	held, err := s.Held("_serve")
+	require.NoError(t, err)
+	require.False(t, held)
+	_, err = os.Stat(filepath.Join(s.Dir, "locks"))
+	require.ErrorIs(t, err, os.ErrNotExist, "no lock directory made")
+	unlock, err := s.TryLock("_serve")
+	require.NoError(t, err)
+	held, err = s.Held("_serve")
+	require.NoError(t, err)
+	require.True(t, held)
+	unlock()
+	held, err = s.Held("_serve")
+	require.NoError(t, err)
+	require.False(t, held)
+	unlock, err = s.TryLock("_serve")
+	require.NoError(t, err, "Held's look left the lock free")
+	unlock()
+}

@@ -133,3 +133,27 @@ func (s Store) LockNames() ([]string, error) {
 	}
 	return out, nil
 }
+
+// Held reports whether a process holds name's lock, without creating
+// anything: no lock file (or no lock directory) means nobody holds it. For
+// looking from another user (an administrator's doctor as root), where
+// TryLock would leave files that user owns.
+func (s Store) Held(name string) (bool, error) {
+	f, err := os.Open(filepath.Join(s.Dir, "locks", name+".lock"))
+	if errors.Is(err, os.ErrNotExist) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer f.Close()
+	err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+	if errors.Is(err, syscall.EWOULDBLOCK) {
+		return true, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	_ = syscall.Flock(int(f.Fd()), syscall.LOCK_UN)
+	return false, nil
+}

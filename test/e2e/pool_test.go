@@ -55,6 +55,11 @@ func (r *rig) serve(t *testing.T) *service {
 		if t.Failed() {
 			t.Logf("service log:\n%s", s.log.String())
 		}
+		// A stopped service leaves idle VMs for its next start, and
+		// nothing else: no boot, no claimed or retiring VM.
+		_, other := r.standbys(t)
+		figures.addLeaks(len(other))
+		require.Empty(t, other, "standby VMs left by the stopped service other than idle ones")
 		r.removeStandbys(t)
 	})
 	return s
@@ -381,21 +386,24 @@ func TestPoolConcurrentJobs(t *testing.T) {
 	const n = 8
 	logs := make([]string, n)
 	results := make([]*harness.Result, n)
+	errs := make([]error, n)
 	var wg sync.WaitGroup
 	for i := range n {
 		opts, lw := r.options(t)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			res, err := harness.RunJob(context.Background(), opts, harness.Job{Script: []string{fmt.Sprintf("echo job-%d-ran", i), "sleep 2"}})
-			require.NoError(t, err)
-			results[i], logs[i] = res, lw.buf.String()
+			results[i], errs[i] = harness.RunJob(context.Background(), opts, harness.Job{Script: []string{fmt.Sprintf("echo job-%d-ran", i), "sleep 2"}})
+			logs[i] = lw.buf.String()
 		}()
 	}
 	wg.Wait()
 	seen := map[string]int{}
 	warm := 0
 	for i := range n {
+		require.NoError(t, errs[i], "job %d", i)
+		figures.fault()
+		figures.class(stageExit(t, results[i], "prepare").ExitCode, 0)
 		require.Equal(t, harness.StateSuccess, results[i].State, "job %d: %s %s", i, results[i].FailureReason, results[i].Message)
 		require.Contains(t, logs[i], fmt.Sprintf("job-%d-ran", i))
 		if v := warmVM(logs[i]); v != "" {

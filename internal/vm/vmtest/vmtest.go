@@ -38,6 +38,9 @@ type Fake struct {
 	// Hang, if set, stands for a hung libvirtd: every call but Close blocks
 	// until Hang is closed, whatever its ctx says, as libvirt's C calls do.
 	Hang chan struct{}
+	// BeforeCall, if set, runs first in every call but Close, with the
+	// method's name (a test sets Hang from it to hang one particular call).
+	BeforeCall func(method string)
 	// hung counts the calls that Hang blocked.
 	hung int
 }
@@ -62,8 +65,14 @@ func New() *Fake {
 var _ vm.Hypervisor = (*Fake)(nil)
 
 // wait blocks while Hang says libvirtd hangs; it is the first thing every
-// call but Close does, before it takes f.mu.
-func (f *Fake) wait() {
+// call but Close does, before it takes f.mu, after BeforeCall.
+func (f *Fake) wait(method string) {
+	f.mu.Lock()
+	before := f.BeforeCall
+	f.mu.Unlock()
+	if before != nil {
+		before(method)
+	}
 	f.mu.Lock()
 	hang := f.Hang
 	if hang != nil {
@@ -94,13 +103,13 @@ func (f *Fake) Lock()   { f.mu.Lock() }
 func (f *Fake) Unlock() { f.mu.Unlock() }
 
 func (f *Fake) KVMAvailable(ctx context.Context) (bool, error) {
-	f.wait()
+	f.wait("KVMAvailable")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return false, f.call("KVMAvailable")
 }
 func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
-	f.wait()
+	f.wait("CreateVolume")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("CreateVolume"); err != nil {
@@ -114,7 +123,7 @@ func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.St
 	return "/pool/" + key, nil
 }
 func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
-	f.wait()
+	f.wait("UploadVolume")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("UploadVolume"); err != nil {
@@ -124,7 +133,7 @@ func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte)
 	return nil
 }
 func (f *Fake) DeleteVolume(ctx context.Context, pool, name string) error {
-	f.wait()
+	f.wait("DeleteVolume")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("DeleteVolume"); err != nil {
@@ -137,7 +146,7 @@ func (f *Fake) DeleteVolume(ctx context.Context, pool, name string) error {
 	return nil
 }
 func (f *Fake) VolumeNames(ctx context.Context, pool string) ([]string, error) {
-	f.wait()
+	f.wait("VolumeNames")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	var out []string
@@ -150,13 +159,13 @@ func (f *Fake) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	return out, nil
 }
 func (f *Fake) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
-	f.wait()
+	f.wait("VolumeCapacity")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return 1 << 30, f.call("VolumeCapacity")
 }
 func (f *Fake) Define(ctx context.Context, x string) error {
-	f.wait()
+	f.wait("Define")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Define"); err != nil {
@@ -173,7 +182,7 @@ func (f *Fake) Define(ctx context.Context, x string) error {
 	return nil
 }
 func (f *Fake) Start(ctx context.Context, name string) error {
-	f.wait()
+	f.wait("Start")
 	f.mu.Lock()
 	if err := f.call("Start"); err != nil {
 		f.mu.Unlock()
@@ -197,7 +206,7 @@ func (f *Fake) Start(ctx context.Context, name string) error {
 	return nil
 }
 func (f *Fake) Destroy(ctx context.Context, name string) error {
-	f.wait()
+	f.wait("Destroy")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Destroy"); err != nil {
@@ -214,7 +223,7 @@ func (f *Fake) Destroy(ctx context.Context, name string) error {
 	return nil
 }
 func (f *Fake) Undefine(ctx context.Context, name string) error {
-	f.wait()
+	f.wait("Undefine")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Undefine"); err != nil {
@@ -234,7 +243,7 @@ func (f *Fake) Undefine(ctx context.Context, name string) error {
 	return nil
 }
 func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
-	f.wait()
+	f.wait("Owner")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("Owner"); err != nil {
@@ -252,7 +261,7 @@ func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
 
 // SetOwner implements vm.Hypervisor.
 func (f *Fake) SetOwner(ctx context.Context, name, ownerXML string) error {
-	f.wait()
+	f.wait("SetOwner")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("SetOwner"); err != nil {
@@ -268,7 +277,7 @@ func (f *Fake) SetOwner(ctx context.Context, name, ownerXML string) error {
 
 // DomainNames implements vm.Hypervisor.
 func (f *Fake) DomainNames(ctx context.Context) ([]string, error) {
-	f.wait()
+	f.wait("DomainNames")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("DomainNames"); err != nil {
@@ -281,7 +290,7 @@ func (f *Fake) DomainNames(ctx context.Context) ([]string, error) {
 	return out, nil
 }
 func (f *Fake) IsActive(ctx context.Context, name string) (bool, error) {
-	f.wait()
+	f.wait("IsActive")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("IsActive"); err != nil {
@@ -296,7 +305,7 @@ func (f *Fake) IsActive(ctx context.Context, name string) (bool, error) {
 
 // Addresses implements vm.Hypervisor; FailOn["Addresses"] injects an error.
 func (f *Fake) Addresses(ctx context.Context, name string, source vm.AddressSource) ([]vm.Lease, error) {
-	f.wait()
+	f.wait("Addresses")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if _, ok := f.Domains[name]; !ok {
@@ -308,7 +317,7 @@ func (f *Fake) Addresses(ctx context.Context, name string, source vm.AddressSour
 	return f.LeaseMap[name], nil
 }
 func (f *Fake) NetworkLeaseMACs(ctx context.Context, _ string) ([]string, error) {
-	f.wait()
+	f.wait("NetworkLeaseMACs")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return append([]string(nil), f.NetMACs...), nil
@@ -324,7 +333,7 @@ func (f *Fake) SetLeases(name string, l ...vm.Lease) {
 
 // State implements vm.Hypervisor.
 func (f *Fake) State(ctx context.Context, name string) (vm.DomainState, error) {
-	f.wait()
+	f.wait("State")
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if err := f.call("State"); err != nil {
