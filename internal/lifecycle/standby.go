@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"slices"
 	"strconv"
@@ -368,10 +369,14 @@ func (m *Manager) outdated(rec *state.Machine, img *config.Image, base state.Fil
 		return "its image is no longer pooled"
 	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != m.Cfg.ImageSize(img):
 		return "its size is no longer the image's"
+	// The job log shows these reasons: the image's name, never the host's
+	// paths.
+	case baseErr != nil && errors.Is(baseErr, fs.ErrNotExist):
+		return fmt.Sprintf("the base image file of image %s is missing", img.Name)
 	case baseErr != nil:
-		return fmt.Sprintf("base image %s: %v", img.Base, baseErr)
+		return fmt.Sprintf("the base image file of image %s cannot be read", img.Name)
 	case sb.Base != base:
-		return fmt.Sprintf("base image %s changed since it booted", img.Base)
+		return fmt.Sprintf("the base image file of image %s changed since it booted", img.Name)
 	case sb.Spec != SpecFingerprint(m.Cfg, img):
 		return "the configuration it was built from (or the driver's version) changed since it booted"
 	case time.Since(rec.Created) > img.Pool.MaxAge.D():
