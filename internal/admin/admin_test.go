@@ -223,3 +223,41 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	require.Contains(t, hv.Volumes, "jobs/"+p+"3.qcow2")
 	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")
 }
+
+// doctor checks the pool service only when an image has a pool: not
+// running, hung (stale heartbeat), running; and its look creates nothing.
+func TestServiceCheck(t *testing.T) {
+	cfg := testConfig(t, "")
+	_, ok := serviceCheck(cfg)
+	require.False(t, ok, "no pool: nothing to check")
+
+	img, _ := cfg.Image("ok")
+	img.Pool = &config.Pool{IdleCount: 1, MaxIdle: 1, IdleTime: config.Duration(time.Minute), MaxAge: config.Duration(time.Hour)}
+	c, ok := serviceCheck(cfg)
+	require.True(t, ok)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "not running")
+	_, err := os.Stat(cfg.StateDir)
+	require.ErrorIs(t, err, os.ErrNotExist, "doctor's look made no state directory or lock file")
+
+	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	require.NoError(t, err)
+	defer m.Close()
+	unlock, err := m.LockService(context.Background())
+	require.NoError(t, err)
+	defer unlock()
+	c, _ = serviceCheck(cfg)
+	require.False(t, c.OK, "holds its lock but never looked")
+	require.Contains(t, c.Info, "hung?")
+
+	require.NoError(t, m.Heartbeat())
+	c, _ = serviceCheck(cfg)
+	require.True(t, c.OK, c.Info)
+	require.Contains(t, c.Info, "running")
+
+	old := time.Now().Add(-time.Hour)
+	require.NoError(t, os.Chtimes(filepath.Join(cfg.StateDir, "serve-heartbeat"), old, old))
+	c, _ = serviceCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "has not looked at its pools for 1h")
+}
