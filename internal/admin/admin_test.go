@@ -227,12 +227,10 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 // doctor checks the pool service only when an image has a pool: not
 // running, hung (stale heartbeat), running; and its look creates nothing.
 func TestServiceCheck(t *testing.T) {
-	cfg := testConfig(t, "")
-	_, ok := serviceCheck(cfg)
+	_, ok := serviceCheck(testConfig(t, ""))
 	require.False(t, ok, "no pool: nothing to check")
 
-	img, _ := cfg.Image("ok")
-	img.Pool = &config.Pool{IdleCount: 1, MaxIdle: 1, IdleTime: config.Duration(time.Minute), MaxAge: config.Duration(time.Hour)}
+	cfg := testConfig(t, "[images.ok.pool]\nidle_count = 1\n")
 	c, ok := serviceCheck(cfg)
 	require.True(t, ok)
 	require.False(t, c.OK)
