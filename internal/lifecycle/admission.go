@@ -40,7 +40,7 @@ func (m *Manager) UnderPressure() bool {
 func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
 	if req.NoWait {
-		dir, why, err := m.tryAdmit(ctx, req.Name, want)
+		dir, why, _, err := m.tryAdmit(ctx, req.Name, want)
 		if err == nil && why != "" {
 			err = fmt.Errorf("%w: %s", ErrNoRoom, why)
 		}
@@ -54,7 +54,7 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 	swept := false
 	lastSay := time.Time{}
 	for {
-		dir, why, err := m.tryAdmit(ctx, req.Name, want)
+		dir, why, short, err := m.tryAdmit(ctx, req.Name, want)
 		if err != nil || why == "" {
 			if err == nil && !lastSay.IsZero() {
 				m.say("Room on the host after %s", vm.Round(time.Since(start)))
@@ -62,9 +62,14 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 			return dir, err
 		}
 		_ = m.Store.Touch(pressureKey) // a lost touch costs one refill too early
-		if n := m.retireIdle(ctx, "room for job "+req.Name); n != "" {
-			m.say("Retired idle standby VM %s to make room (jobs come first)", n)
-			continue
+		// Idle standby machines go first, if removing them can make the
+		// room: otherwise the job waits for running jobs anyway, and the
+		// pool would be lost for nothing.
+		if m.idleCanCover(short) {
+			if n := m.retireIdle(ctx, "room for job "+req.Name); n != "" {
+				m.say("Retired idle standby VM %s to make room (jobs come first)", n)
+				continue
+			}
 		}
 		if !swept {
 			swept = true
@@ -85,32 +90,64 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 	}
 }
 
-// tryAdmit returns the new directory, or why there is no room.
-func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, err error) {
+// shortfall is what the host lacks for a machine: VMs (capacity.max_vms)
+// and memory in MiB (capacity.memory_budget_mib) to free.
+type shortfall struct{ vms, memoryMiB int }
+
+// tryAdmit returns the new directory, or why there is no room and what is
+// short.
+func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, short shortfall, err error) {
 	unlock, err := m.Store.Lock(ctx, admissionLock)
 	if err != nil {
-		return "", "", err
+		return "", "", short, err
 	}
 	defer unlock()
 	capCfg := m.Cfg.Capacity
 	if capCfg.MaxVMs > 0 || capCfg.MemoryBudgetMiB > 0 {
 		held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
 		if err != nil {
-			return "", "", err
+			return "", "", short, err
 		}
 		delete(held, name)
 		mem := 0
 		for _, r := range held {
 			mem += r.MemoryMiB
 		}
+		if capCfg.MaxVMs > 0 {
+			short.vms = max(len(held)+1-capCfg.MaxVMs, 0)
+		}
+		if capCfg.MemoryBudgetMiB > 0 {
+			short.memoryMiB = max(mem+want.MemoryMiB-capCfg.MemoryBudgetMiB, 0)
+		}
 		switch {
-		case capCfg.MaxVMs > 0 && len(held)+1 > capCfg.MaxVMs:
-			return "", fmt.Sprintf("%d of %d VMs in use (capacity.max_vms)", len(held), capCfg.MaxVMs), nil
-		case capCfg.MemoryBudgetMiB > 0 && mem+want.MemoryMiB > capCfg.MemoryBudgetMiB:
+		case short.vms > 0:
+			return "", fmt.Sprintf("%d of %d VMs in use (capacity.max_vms)", len(held), capCfg.MaxVMs), short, nil
+		case short.memoryMiB > 0:
 			return "", fmt.Sprintf("%d MiB of %d MiB in use, this job needs %d MiB (capacity.memory_budget_mib)",
-				mem, capCfg.MemoryBudgetMiB, want.MemoryMiB), nil
+				mem, capCfg.MemoryBudgetMiB, want.MemoryMiB), short, nil
 		}
 	}
 	dir, err = m.Store.Reserve(name, want)
-	return dir, "", err
+	return dir, "", short, err
+}
+
+// idleCanCover reports whether removing every idle (or retiring) standby
+// machine would make up for short.
+func (m *Manager) idleCanCover(short shortfall) bool {
+	all, err := m.Standbys()
+	if err != nil {
+		return false
+	}
+	held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
+	if err != nil {
+		return false
+	}
+	vms, mem := 0, 0
+	for _, s := range all {
+		if s.Idle() || (s.Claim != nil && s.Claim.Retire) {
+			vms++
+			mem += held[s.Name].MemoryMiB
+		}
+	}
+	return vms > 0 && vms >= short.vms && mem >= short.memoryMiB
 }

@@ -1034,6 +1034,34 @@ func TestAdmissionLeavesClaimedStandby(t *testing.T) {
 	require.DirExists(t, m.Store.MachineDir(claimed))
 }
 
+// Idle standby machines are retired for a job only when that can make the
+// room: with memory held by another job's machine that the idle ones cannot
+// make up for, the pool stays and the job waits.
+func TestAdmissionKeepsPoolWhenRetiringCannotHelp(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	port := bannerServer(t)
+	m, img, s := poolManager(t, hv, g.port(), "[capacity]\nmemory_budget_mib = 768\nwait = \"700ms\"\n[limits]\nmax_memory_mib = 768\n")
+	idle := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	// Another job's machine holds 512 MiB; the idle one 256 MiB; this job
+	// asks for 768 MiB: even without the idle one there is no room.
+	_, err := m.Store.Reserve("lve-0123abcd-50", state.Reservation{VCPUs: 1, MemoryMiB: 512})
+	require.NoError(t, err)
+	hv.Lock()
+	hv.Domains["lve-0123abcd-50"] = &vmtest.Domain{OwnerXML: owned(t, controller, time.Now().Add(time.Hour)), Active: true}
+	hv.Unlock()
+	req := request(img)
+	req.MemoryMiB = 768
+	_, err = m.Provision(context.Background(), req)
+	require.ErrorContains(t, err, "capacity.memory_budget_mib")
+	require.False(t, s.has("Retired idle standby VM %s to make room"))
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	require.Equal(t, idle, all[0].Name)
+	require.True(t, all[0].Idle(), "the pool was not thrown away for nothing")
+}
+
 // Sweep removes a standby machine marked for retirement, keeps an idle and
 // a claimed one, and removes the job mappings whose machine is gone.
 func TestSweepStandbyMachines(t *testing.T) {
