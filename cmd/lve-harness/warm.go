@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
-	"syscall"
 	"time"
 
 	"github.com/urfave/cli/v2"
@@ -15,6 +13,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // demoColdThenWarm runs the demo job twice: first cold (the pool service is
@@ -46,8 +45,7 @@ func demoColdThenWarm(c *cli.Context, opts harness.Options, job harness.Job, bin
 	}
 	defer func() { _ = os.RemoveAll(dir) }()
 	poolCfg := filepath.Join(dir, "config.toml")
-	text = fmt.Appendf(text, "\n[images.%s.pool]\nidle_count = 1\n", image)
-	if err := os.WriteFile(poolCfg, text, 0o600); err != nil {
+	if err := os.WriteFile(poolCfg, []byte(poolsvc.WithPool(string(text), image, 1)), 0o600); err != nil {
 		return err
 	}
 	if cfg, err = config.Load(poolCfg); err != nil {
@@ -72,15 +70,26 @@ func demoColdThenWarm(c *cli.Context, opts harness.Options, job harness.Job, bin
 	}
 	defer m.Close()
 	fmt.Printf("\ndemo: starting libvirt-executor serve with a pool of one idle %s VM\n", image)
-	svc := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", poolCfg, "serve")
-	svc.Stdout, svc.Stderr = debugLog(c), debugLog(c)
-	svc.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := svc.Start(); err != nil {
+	svc, err := poolsvc.Start(filepath.Join(bin, "libvirt-executor"), poolCfg)
+	if err != nil {
 		return err
 	}
-	defer stopService(svc, m)
+	defer func() {
+		if _, err := svc.Stop(poolsvc.StopWait); err != nil {
+			fmt.Fprintln(os.Stderr, "demo:", err)
+		}
+		rctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		_, errs := poolsvc.RemoveStandbys(rctx, m, time.Minute, "demo over")
+		for _, err := range errs {
+			fmt.Fprintln(os.Stderr, "demo:", err)
+		}
+		if c.Bool("debug") {
+			fmt.Fprintf(os.Stderr, "[debug] pool service log:\n%s", svc.Log())
+		}
+	}()
 	t0 := time.Now()
-	if err := waitIdle(ctx, m, 10*time.Minute); err != nil {
+	if _, err := svc.WaitIdle(ctx, m, 1, 10*time.Minute); err != nil {
 		return err
 	}
 	fmt.Printf("demo: idle VM ready after %s\n\n", time.Since(t0).Round(100*time.Millisecond))
@@ -105,54 +114,4 @@ func demoColdThenWarm(c *cli.Context, opts harness.Options, job harness.Job, bin
 		return errJobFailed
 	}
 	return nil
-}
-
-// waitIdle waits until the pool has an idle VM.
-func waitIdle(ctx context.Context, m *lifecycle.Manager, within time.Duration) error {
-	deadline := time.Now().Add(within)
-	for {
-		all, err := m.Standbys()
-		if err != nil {
-			return err
-		}
-		for _, s := range all {
-			if s.Idle() {
-				return nil
-			}
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("no idle VM within %s (run with --debug for the service's log)", within)
-		}
-		select {
-		case <-ctx.Done():
-			return ctx.Err()
-		case <-time.After(200 * time.Millisecond):
-		}
-	}
-}
-
-// stopService stops the pool service (SIGTERM, as systemd does) and removes
-// the idle VMs it leaves for its next start.
-func stopService(svc *exec.Cmd, m *lifecycle.Manager) {
-	_ = svc.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { _ = svc.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(3 * time.Minute):
-		_ = syscall.Kill(-svc.Process.Pid, syscall.SIGKILL)
-		<-done
-	}
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	all, err := m.Standbys()
-	if err != nil {
-		fmt.Fprintln(os.Stderr, "demo: standby VMs:", err)
-		return
-	}
-	for _, s := range all {
-		if err := m.Retire(ctx, s.Name, "demo over"); err != nil {
-			fmt.Fprintf(os.Stderr, "demo: removing standby VM %s: %v\n", s.Name, err)
-		}
-	}
 }

@@ -191,22 +191,7 @@ func (s Store) UnmapJob(job string) error {
 }
 
 // MappedJobs lists the jobs that have mapping entries.
-func (s Store) MappedJobs() ([]string, error) {
-	entries, err := os.ReadDir(filepath.Join(s.Dir, "jobs"))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
-	var out []string
-	for _, e := range entries {
-		if n, ok := strings.CutSuffix(e.Name(), ".json"); ok && !strings.HasPrefix(n, ".") {
-			out = append(out, n)
-		}
-	}
-	return out, nil
-}
+func (s Store) MappedJobs() ([]string, error) { return s.namesIn("jobs", ".json") }
 
 // Touch sets the modification time of the store's file key to now
 // (creating it); Age tells how long ago that was.

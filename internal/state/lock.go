@@ -117,8 +117,13 @@ func (s Store) RemoveLock(name string) {
 }
 
 // LockNames lists machines that have lock files (they may be stale).
-func (s Store) LockNames() ([]string, error) {
-	entries, err := os.ReadDir(filepath.Join(s.Dir, "locks"))
+func (s Store) LockNames() ([]string, error) { return s.namesIn("locks", ".lock") }
+
+// namesIn lists the names of the files in the store's directory dir that
+// end in suffix, without it; hidden files (a write in progress) are left
+// out. A missing directory holds none.
+func (s Store) namesIn(dir, suffix string) ([]string, error) {
+	entries, err := os.ReadDir(filepath.Join(s.Dir, dir))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
@@ -127,7 +132,7 @@ func (s Store) LockNames() ([]string, error) {
 	}
 	var out []string
 	for _, e := range entries {
-		if n, ok := strings.CutSuffix(e.Name(), ".lock"); ok {
+		if n, ok := strings.CutSuffix(e.Name(), suffix); ok && !strings.HasPrefix(n, ".") {
 			out = append(out, n)
 		}
 	}

@@ -6,7 +6,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -21,6 +20,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // withPool is the rig with a standby pool of idle tiny VMs and a service
@@ -28,32 +28,27 @@ import (
 // quickly.
 func (r *rig) withPool(t *testing.T, idle int) *rig {
 	t.Helper()
-	return r.withConfig(t, func(s string) string {
-		return s + fmt.Sprintf("\n[serve]\nhealth_interval = \"1s\"\n\n[images.tiny.pool]\nidle_count = %d\n", idle)
-	})
+	return r.withConfig(t, func(s string) string { return poolsvc.WithPool(s, "tiny", idle) })
 }
 
 // service is a libvirt-executor serve process started by a test.
-type service struct {
-	cmd  *exec.Cmd
-	log  lockedBuffer
-	done chan struct{}
-}
+type service struct{ *poolsvc.Service }
 
-// serve starts the pool service; the test's cleanup stops it and removes
-// every standby VM (requireNoLeftovers runs after that).
+// serve starts the pool service; the test's cleanup stops it, checks that it
+// left only idle VMs, and removes them (requireNoLeftovers runs after that).
 func (r *rig) serve(t *testing.T) *service {
 	t.Helper()
-	s := &service{done: make(chan struct{})}
-	s.cmd = exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "serve")
-	s.cmd.Stdout, s.cmd.Stderr = &s.log, &s.log
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	require.NoError(t, s.cmd.Start())
-	go func() { _ = s.cmd.Wait(); close(s.done) }()
+	s, err := poolsvc.Start(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath)
+	require.NoError(t, err)
 	t.Cleanup(func() {
-		s.stop(t)
+		select {
+		case <-s.Done(): // killed by the test, or ended by itself
+		default:
+			_, err := s.Stop(poolsvc.StopWait)
+			require.NoError(t, err, "the service stops on SIGTERM")
+		}
 		if t.Failed() {
-			t.Logf("service log:\n%s", s.log.String())
+			t.Logf("service log:\n%s", s.Log())
 		}
 		// A stopped service leaves idle VMs for its next start, and
 		// nothing else: no boot, no claimed or retiring VM.
@@ -62,32 +57,11 @@ func (r *rig) serve(t *testing.T) *service {
 		require.Empty(t, other, "standby VMs left by the stopped service other than idle ones")
 		r.removeStandbys(t)
 	})
-	return s
-}
-
-// stop ends the service with SIGTERM (as systemd does) and waits.
-func (s *service) stop(t *testing.T) {
-	t.Helper()
-	select {
-	case <-s.done:
-		return
-	default:
-	}
-	_ = syscall.Kill(s.cmd.Process.Pid, syscall.SIGTERM)
-	select {
-	case <-s.done:
-	case <-time.After(3 * time.Minute):
-		_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
-		<-s.done
-		t.Errorf("serve did not stop within 3 minutes of SIGTERM")
-	}
+	return &service{s}
 }
 
 // kill ends the service with SIGKILL: nothing of it runs afterwards.
-func (s *service) kill() {
-	_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
-	<-s.done
-}
+func (s *service) kill() { s.Kill() }
 
 // manager opens the installation the way the executables do, for looking
 // at standby machines and removing them.
@@ -126,17 +100,11 @@ func (r *rig) waitIdle(t *testing.T, n int, within time.Duration) []string {
 	return idle
 }
 
-// removeStandbys retires every standby machine (the service is stopped).
+// removeStandbys removes every standby VM (the service is stopped).
 func (r *rig) removeStandbys(t *testing.T) {
 	t.Helper()
-	m := r.manager(t)
-	all, err := m.Standbys()
-	require.NoError(t, err)
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	for _, s := range all {
-		require.NoError(t, m.Retire(ctx, s.Name, "test over"), s.Name)
-	}
+	_, errs := poolsvc.RemoveStandbys(context.Background(), r.manager(t), 2*time.Minute, "test over")
+	require.Empty(t, errs)
 }
 
 var warmRE = regexp.MustCompile(`Warm start: VM (\S+) `)
@@ -174,7 +142,7 @@ func TestPoolWarmJob(t *testing.T) {
 	// The claimed VM is gone with the job; a replacement booted at once.
 	exists, _ := r.domainState(vmName)
 	require.False(t, exists, "the job's VM is destroyed after the job")
-	require.Regexp(t, `standby VM claimed.*`+regexp.QuoteMeta(vmName)+`(?s).*booting standby VM`, svc.log.String())
+	require.Regexp(t, `standby VM claimed.*`+regexp.QuoteMeta(vmName)+`(?s).*booting standby VM`, svc.Log())
 	second := r.waitIdle(t, 1, 3*time.Minute)
 	require.NotEqual(t, vmName, second[0])
 
@@ -228,7 +196,7 @@ func TestPoolFaults(t *testing.T) {
 		idle, other := r.standbys(t)
 		require.ElementsMatch(t, before, idle, "the restarted service adopts the idle VMs")
 		require.Empty(t, other, "and boots none")
-		require.NotContains(t, svc.log.String(), "booting standby VM")
+		require.NotContains(t, svc.Log(), "booting standby VM")
 		require.Contains(t, before, warmVM(runJob(t, "adopted")))
 	})
 
@@ -275,7 +243,7 @@ func TestPoolFaults(t *testing.T) {
 			return !slices.ContainsFunc(append(idle, other...), func(n string) bool { return slices.Contains(before, n) })
 		})
 		after := r.waitIdle(t, 2, 3*time.Minute)
-		require.Contains(t, svc.log.String(), "changed")
+		require.Contains(t, svc.Log(), "changed")
 		require.Contains(t, after, warmVM(runJob(t, "new-image")), "the next job gets a VM of the new image")
 	})
 
@@ -372,7 +340,7 @@ func TestPoolFaults(t *testing.T) {
 		r.conn, base.conn = c, c
 		r.waitIdle(t, 2, 3*time.Minute)
 		figures.fault()
-		require.Contains(t, svc.log.String(), "standby VM ready")
+		require.Contains(t, svc.Log(), "standby VM ready")
 		runJob(t, "after-libvirtd-restart")
 	})
 }

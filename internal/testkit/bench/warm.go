@@ -5,18 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // The warm round: after an image's cold jobs, the benchmark starts the pool
@@ -27,34 +25,6 @@ import (
 // claim (from the job's timings record) and how soon the service began
 // booting the claimed VM's replacement. At the end it stops the service and
 // removes every standby VM, so the benchmark leaves nothing behind.
-
-// serviceStopWait is how long the service gets to stop after SIGTERM
-// before its process group is killed.
-const serviceStopWait = 3 * time.Minute
-
-// derivedConfig is the configuration text of the warm round: the given one
-// with a standby pool of one idle VM for image and, unless it configures the
-// service itself, health checks every second (as the end-to-end tests use).
-func derivedConfig(text, image string) string {
-	out := text + "\n[images." + tomlKey(image) + ".pool]\nidle_count = 1\n"
-	if !serveTable.MatchString(text) {
-		out += "\n[serve]\nhealth_interval = \"1s\"\n"
-	}
-	return out
-}
-
-// serveTable matches a [serve] table header.
-var serveTable = regexp.MustCompile(`(?m)^[ \t]*\[[ \t]*"?serve"?[ \t]*\]`)
-
-var bareKey = regexp.MustCompile(`^[A-Za-z0-9_-]+$`)
-
-// tomlKey writes a key as TOML wants it: bare when it can be.
-func tomlKey(k string) string {
-	if bareKey.MatchString(k) {
-		return k
-	}
-	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(k) + `"`
-}
 
 var (
 	warmStartLine = regexp.MustCompile(`Warm start: VM (\S+) `)
@@ -210,97 +180,6 @@ func (w *standbyWatch) snapshot() map[string]time.Time {
 	return out
 }
 
-// service is a libvirt-executor serve process the benchmark started, in
-// its own process group.
-type service struct {
-	cmd  *exec.Cmd
-	log  lockedBuffer
-	done chan struct{}
-	err  error // Wait's, once done is closed
-}
-
-func startService(exe, configPath string) (*service, error) {
-	if _, err := os.Stat(exe); err != nil {
-		return nil, fmt.Errorf("pool service: %w (build it first: make build)", err)
-	}
-	s := &service{done: make(chan struct{})}
-	s.cmd = exec.Command(exe, "--config", configPath, "serve")
-	s.cmd.Stdout, s.cmd.Stderr = &s.log, &s.log
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
-	if err := s.cmd.Start(); err != nil {
-		return nil, fmt.Errorf("pool service: %w", err)
-	}
-	go func() {
-		s.err = s.cmd.Wait()
-		close(s.done)
-	}()
-	return s, nil
-}
-
-// exitedError describes a service that ended by itself.
-func (s *service) exitedError() error {
-	why := "exit status 0"
-	if s.err != nil {
-		why = s.err.Error()
-	}
-	return fmt.Errorf("the pool service exited (%s): %s", why, tail(s.log.String(), 10))
-}
-
-// stop ends the service with SIGTERM (as systemd does) and waits for it;
-// after wait it kills its process group.
-func (s *service) stop(wait time.Duration) (time.Duration, error) {
-	select {
-	case <-s.done:
-		return 0, s.exitedError()
-	default:
-	}
-	t0 := time.Now()
-	_ = s.cmd.Process.Signal(syscall.SIGTERM)
-	select {
-	case <-s.done:
-		if s.err != nil {
-			return time.Since(t0), fmt.Errorf("the pool service ended with %v after SIGTERM: %s", s.err, tail(s.log.String(), 10))
-		}
-		return time.Since(t0), nil
-	case <-time.After(wait):
-		_ = syscall.Kill(-s.cmd.Process.Pid, syscall.SIGKILL)
-		<-s.done
-		return time.Since(t0), fmt.Errorf("the pool service did not stop within %s of SIGTERM: killed: %s", wait, tail(s.log.String(), 10))
-	}
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
-}
-
-// describeStandbys says what each standby VM is doing.
-func describeStandbys(all []lifecycle.Standby) string {
-	if len(all) == 0 {
-		return "no standby VM"
-	}
-	var out []string
-	for _, s := range all {
-		what := "idle"
-		switch {
-		case s.Claim != nil && s.Claim.Retire:
-			what = "retiring (" + s.Claim.Reason + ")"
-		case s.Claim != nil:
-			what = "claimed by " + s.Claim.Job
-		case s.Record == nil:
-			what = "booting"
-		case s.Record.Standby == nil:
-			what = "no standby record"
-		default:
-			what += " (" + s.Record.Standby.Image + ")"
-		}
-		out = append(out, s.Name+" "+what)
-	}
-	slices.Sort(out)
-	return strings.Join(out, ", ")
-}
-
 // atRest reports whether the pool is exactly one idle standby VM of image:
 // nothing booting, claimed or retiring.
 func atRest(all []lifecycle.Standby, image string) (string, bool) {
@@ -311,7 +190,7 @@ func atRest(all []lifecycle.Standby, image string) (string, bool) {
 }
 
 // waitPool waits until the pool is at rest and returns its idle VM.
-func (b *bench) waitPool(ctx context.Context, m *lifecycle.Manager, svc *service, watch *standbyWatch, image string, within time.Duration) (string, error) {
+func (b *bench) waitPool(ctx context.Context, m *lifecycle.Manager, svc *poolsvc.Service, watch *standbyWatch, image string, within time.Duration) (string, error) {
 	deadline := time.Now().Add(within)
 	t := time.NewTicker(b.opts.Poll)
 	defer t.Stop()
@@ -324,16 +203,16 @@ func (b *bench) waitPool(ctx context.Context, m *lifecycle.Manager, svc *service
 			}
 		}
 		if time.Now().After(deadline) {
-			now := describeStandbys(all)
+			now := poolsvc.Describe(all)
 			if err != nil {
 				now = err.Error()
 			}
 			return "", fmt.Errorf("the pool did not come to rest (one idle standby VM of %s) within %s: %s; service log: %s",
-				image, within, now, tail(svc.log.String(), 5))
+				image, within, now, tail(svc.Log(), 5))
 		}
 		select {
-		case <-svc.done:
-			return "", svc.exitedError()
+		case <-svc.Done():
+			return "", svc.ExitedError()
 		case <-ctx.Done():
 			return "", ctx.Err()
 		case <-t.C:
@@ -377,7 +256,7 @@ func (b *bench) warmRound(ctx context.Context, image string) (w WarmRound) {
 		return w
 	}
 	path := filepath.Join(dir, "config.toml")
-	if err := os.WriteFile(path, []byte(derivedConfig(string(text), image)), 0o600); err != nil {
+	if err := os.WriteFile(path, []byte(poolsvc.WithPool(string(text), image, 1)), 0o600); err != nil {
 		fail(err)
 		return w
 	}
@@ -403,19 +282,19 @@ func (b *bench) warmRound(ctx context.Context, image string) (w WarmRound) {
 	if all, err := m.Standbys(); err != nil || len(all) > 0 {
 		if err == nil {
 			err = fmt.Errorf("standby VMs of this installation exist before the warm round (%s): remove them first (libvirt-executor list, rm NAME)",
-				describeStandbys(all))
+				poolsvc.Describe(all))
 		}
 		fail(err)
 		return w
 	}
 
 	t0 := time.Now()
-	svc, err := startService(filepath.Join(b.opts.BinDir, "libvirt-executor"), path)
+	svc, err := poolsvc.Start(filepath.Join(b.opts.BinDir, "libvirt-executor"), path)
 	if err != nil {
 		fail(err)
 		return w
 	}
-	b.progress("%s warm: pool service started (pid %d), waiting for its first idle standby VM", image, svc.cmd.Process.Pid)
+	b.progress("%s warm: pool service started (pid %d), waiting for its first idle standby VM", image, svc.Pid())
 	watch := newStandbyWatch(m)
 	wctx, stopWatch := context.WithCancel(ctx)
 	var wwg sync.WaitGroup
@@ -427,17 +306,17 @@ func (b *bench) warmRound(ctx context.Context, image string) (w WarmRound) {
 	defer func() {
 		stopWatch()
 		wwg.Wait()
-		took, err := svc.stop(serviceStopWait)
+		took, err := svc.Stop(poolsvc.StopWait)
 		if err != nil && !slices.Contains(w.Errors, err.Error()) { // an exit waitPool has reported
 			fail(err)
 		}
-		removed, errs := removeStandbys(context.WithoutCancel(ctx), m, cfg.Timeouts.Cleanup.D()+time.Minute)
+		removed, errs := poolsvc.RemoveStandbys(context.WithoutCancel(ctx), m, cfg.Timeouts.Cleanup.D()+time.Minute, "lve-bench: warm round over")
 		w.Removed = removed
 		for _, err := range errs {
 			fail(err)
 		}
 		if b.opts.JobLog != nil {
-			fmt.Fprintf(b.opts.JobLog, "=== pool service (%s)\n%s", image, svc.log.String())
+			fmt.Fprintf(b.opts.JobLog, "=== pool service (%s)\n%s", image, svc.Log())
 		}
 		b.progress("%s warm: pool service stopped in %s; removed %d standby VM(s)", image, fmtMs(ms(took)), len(removed))
 	}()
@@ -475,30 +354,4 @@ func (b *bench) warmRound(ctx context.Context, image string) (w WarmRound) {
 		idle = next
 	}
 	return w
-}
-
-// removeStandbys removes every standby VM of the installation (the service
-// has stopped), each within each. One a job claimed and its cleanup left
-// is removed as `libvirt-executor rm` would.
-func removeStandbys(ctx context.Context, m *lifecycle.Manager, each time.Duration) (removed []string, errs []error) {
-	all, err := m.Standbys()
-	if err != nil {
-		return nil, []error{fmt.Errorf("standby VMs after the warm round: %w", err)}
-	}
-	for _, s := range all {
-		rctx, cancel := context.WithTimeout(ctx, each)
-		err := m.Retire(rctx, s.Name, "lve-bench: warm round over")
-		if errors.Is(err, state.ErrClaimed) {
-			if err = m.Teardown(rctx, s.Name); err == nil && s.Claim != nil {
-				_ = m.Store.UnmapJob(s.Claim.Job)
-			}
-		}
-		cancel()
-		if err != nil {
-			errs = append(errs, fmt.Errorf("removing standby VM %s: %w", s.Name, err))
-			continue
-		}
-		removed = append(removed, s.Name)
-	}
-	return removed, errs
 }

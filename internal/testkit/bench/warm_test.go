@@ -10,9 +10,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 func fp(v float64) *float64 { return &v }
@@ -177,38 +177,6 @@ func TestWriteTableWarm(t *testing.T) {
 	require.NotContains(t, out.String(), ">=")
 }
 
-func TestDerivedConfig(t *testing.T) {
-	base, err := os.ReadFile("../../config/testdata/valid.toml")
-	require.NoError(t, err)
-	text := derivedConfig(string(base), "tiny")
-	require.True(t, strings.HasPrefix(text, string(base)), "the given configuration, unchanged, then the pool")
-	require.Contains(t, text, "\n[images.tiny.pool]\nidle_count = 1\n")
-	require.Contains(t, text, "\n[serve]\nhealth_interval = \"1s\"\n")
-	cfg, err := config.Parse([]byte(text))
-	require.NoError(t, err)
-	pooled := cfg.Pooled()
-	require.Len(t, pooled, 1)
-	require.Equal(t, "tiny", pooled[0].Name)
-	require.Equal(t, 1, pooled[0].Pool.IdleCount)
-	require.Equal(t, time.Second, cfg.Serve.HealthInterval.D())
-
-	// A configuration with its own [serve] table keeps it, and gets no second one.
-	own := string(base) + "\n[serve]\nboot_parallelism = 1\n"
-	text = derivedConfig(own, "debian-12")
-	require.Equal(t, 1, strings.Count(text, "[serve]"))
-	require.Contains(t, text, "[images.debian-12.pool]")
-	cfg, err = config.Parse([]byte(text))
-	require.NoError(t, err)
-	require.Equal(t, 1, cfg.Serve.BootParallelism)
-	require.Equal(t, "debian-12", cfg.Pooled()[0].Name)
-
-	require.Contains(t, derivedConfig("", "odd.name"), `[images."odd.name".pool]`)
-	require.Equal(t, "tiny_1-x", tomlKey("tiny_1-x"))
-	require.Equal(t, `"a\"b"`, tomlKey(`a"b`))
-	require.True(t, serveTable.MatchString("x = 1\n  [ serve ]  # the service\n"))
-	require.False(t, serveTable.MatchString("[serve.x]\n# [serve]\n[images.serve]\n"))
-}
-
 func TestParseStart(t *testing.T) {
 	vm, cold := parseStart("Using libvirt-executor\nWarm start: VM lve-2de26526-sb-0a1b2c3d (idle for 12s, booted with its own fresh keys) claimed in 31ms\r\nMachine ready in 40ms (warm)\n")
 	require.Equal(t, "lve-2de26526-sb-0a1b2c3d", vm)
@@ -333,11 +301,11 @@ func TestAtRest(t *testing.T) {
 	require.Equal(t, "sb-a", name)
 	for _, all := range [][]lifecycle.Standby{nil, {booting}, {idle, booting}, {idle, claimed}, {retiring}, {claimed}} {
 		_, ok := atRest(all, "tiny")
-		require.False(t, ok, describeStandbys(all))
+		require.False(t, ok, poolsvc.Describe(all))
 	}
 	_, ok = atRest([]lifecycle.Standby{idle}, "debian")
 	require.False(t, ok, "another image's VM")
 	require.Equal(t, "sb-a idle (tiny), sb-b booting, sb-c claimed by lve-x-1, sb-d retiring (SSH does not answer)",
-		describeStandbys([]lifecycle.Standby{retiring, booting, claimed, idle}))
-	require.Equal(t, "no standby VM", describeStandbys(nil))
+		poolsvc.Describe([]lifecycle.Standby{retiring, booting, claimed, idle}))
+	require.Equal(t, "no standby VM", poolsvc.Describe(nil))
 }
