@@ -397,6 +397,26 @@ func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.Fil
 // job's to remove); one whose lock another process holds returns
 // state.ErrBusy.
 func (m *Manager) Retire(ctx context.Context, name, reason string) error {
+	return m.retire(ctx, name, reason, nil)
+}
+
+// ErrBootCompleted is RemoveCutOffBoot's answer for a machine whose boot
+// completed after the caller looked: nothing was done.
+var ErrBootCompleted = errors.New("its boot completed meanwhile")
+
+// RemoveCutOffBoot removes a standby machine whose boot was cut off (its
+// state directory has no record and nobody holds its lock: the service
+// that booted it ended). A machine whose record exists by the time its
+// lock is taken is left alone with ErrBootCompleted.
+func (m *Manager) RemoveCutOffBoot(ctx context.Context, name string) error {
+	return m.retire(ctx, name, "boot cut off", func() bool {
+		_, err := m.Store.Record(name)
+		return errors.Is(err, state.ErrNoMachine)
+	})
+}
+
+// retire is Retire; when still is set, it must hold under the lock too.
+func (m *Manager) retire(ctx context.Context, name, reason string, still func() bool) error {
 	if !m.IsStandby(name) {
 		return notOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
 	}
@@ -411,6 +431,9 @@ func (m *Manager) Retire(ctx context.Context, name, reason string) error {
 	}
 	if cl != nil && !cl.Retire {
 		return fmt.Errorf("%s: claimed by job %s: %w", name, cl.Job, state.ErrClaimed)
+	}
+	if still != nil && cl == nil && !still() {
+		return fmt.Errorf("%s: %w", name, ErrBootCompleted)
 	}
 	if has, err := m.Store.Has(name); err != nil {
 		return err

@@ -1213,3 +1213,26 @@ func TestUnreadableClaimIsNeverHandedOut(t *testing.T) {
 	_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-12"))
 	requireNoStandby(t, err, "no idle VM")
 }
+
+// A boot that completed after the service looked (no record then, a record
+// by the time the lock is free) is left alone; one cut off is removed.
+func TestRemoveCutOffBootLeavesACompletedBoot(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t)
+	m, img, _ := poolManager(t, hv, port, "")
+	done := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
+	err := m.RemoveCutOffBoot(context.Background(), done)
+	require.ErrorIs(t, err, ErrBootCompleted)
+	all, err := m.Standbys()
+	require.NoError(t, err)
+	require.Len(t, all, 1)
+	require.True(t, all[0].Idle(), "not even marked")
+
+	cut := MachinePrefix("lve", controller) + standbyTag + "0000000b"
+	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	require.NoError(t, err)
+	require.NoError(t, m.RemoveCutOffBoot(context.Background(), cut))
+	has, err := m.Store.Has(cut)
+	require.NoError(t, err)
+	require.False(t, has)
+}

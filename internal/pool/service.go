@@ -159,9 +159,11 @@ func (s *Service) Tick(ctx context.Context) {
 		case sb.Claim != nil:
 			s.noteClaim(sb)
 		case sb.Record == nil:
-			// Booting: by us (its lock is held, Retire finds it busy), or
-			// cut off by an earlier service's end (removed now).
-			s.retire(ctx, sb.Name, "boot cut off")
+			// Booting: by us (its lock is held), or cut off by an earlier
+			// service's end (removed now).
+			s.removeWith(ctx, sb.Name, "boot cut off", s.M.RemoveCutOffBoot)
+		case sb.Record.Standby == nil:
+			s.retire(ctx, sb.Name, "no standby record")
 		default:
 			if why := s.judge(sb, bases); why != "" {
 				s.retire(ctx, sb.Name, why)
@@ -376,6 +378,11 @@ func (s *Service) cancelBoots() int {
 // machine). A machine a job claimed meanwhile, or whose lock another
 // process holds (a boot in progress), is left alone.
 func (s *Service) retire(ctx context.Context, name, reason string) {
+	s.removeWith(ctx, name, reason, func(ctx context.Context, name string) error { return s.M.Retire(ctx, name, reason) })
+}
+
+// removeWith is retire with its own removal (remove).
+func (s *Service) removeWith(ctx context.Context, name, reason string, remove func(ctx context.Context, name string) error) {
 	s.mu.Lock()
 	f := s.failing[name]
 	s.mu.Unlock()
@@ -390,7 +397,7 @@ func (s *Service) retire(ctx context.Context, name, reason string) {
 		// service stops meanwhile.
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.M.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		err := s.M.Retire(rctx, name, reason)
+		err := remove(rctx, name)
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		switch {
@@ -398,7 +405,7 @@ func (s *Service) retire(ctx context.Context, name, reason string) {
 			delete(s.failing, name)
 			delete(s.unhealthy, name)
 			s.Log.Info("retired standby VM", "vm", name, "reason", reason)
-		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed):
+		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed), errors.Is(err, lifecycle.ErrBootCompleted):
 		default:
 			// Tried again after 5 s, doubling to 5 min; logged when the
 			// error changes, not on every look.

@@ -829,3 +829,17 @@ func TestRetireFailureBacksOff(t *testing.T) {
 	e.tick()
 	e.requireGone(n)
 }
+
+// A standby directory whose record lacks the standby part (written by
+// hand, or damaged) is retired, not a crash of the service.
+func TestTickRetiresRecordWithoutStandbyPart(t *testing.T) {
+	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
+	n := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
+	rec, err := e.m.Store.Record(n)
+	require.NoError(t, err)
+	rec.Standby = nil
+	require.NoError(t, e.m.Store.Save(*rec))
+	e.tick()
+	e.requireGone(n)
+	require.Contains(t, e.log.String(), "no standby record")
+}
