@@ -345,7 +345,7 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 // probe that only timed out (a loaded host) passes it over without that
 // verdict, which the service's own health check makes.
 func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) (why string, retire bool) {
-	if why := m.outdated(rec, img, base, baseErr); why != "" {
+	if why := m.Outdated(rec, img, base, baseErr); why != "" {
 		return why, true
 	}
 	if why := m.Explain(ctx, rec.Name); why != "" {
@@ -359,10 +359,11 @@ func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Ima
 	return "", false
 }
 
-// outdated says why a standby machine no longer matches the configuration
-// of img now (base is the base file's version now, or baseErr), or "".
-// It looks at nothing but the record.
-func (m *Manager) outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
+// Outdated says why a standby machine no longer matches the configuration
+// of img now (base is the base file's version now, or baseErr), or "". img
+// is nil when the image is no longer configured. It looks at nothing but
+// the record (the claim and the pool service both judge by it).
+func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
 	sb := rec.Standby
 	switch {
 	case img == nil || img.Pool == nil || sb.Image != img.Name:
@@ -383,12 +384,6 @@ func (m *Manager) outdated(rec *state.Machine, img *config.Image, base state.Fil
 		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
 	}
 	return ""
-}
-
-// Outdated is outdated for the pool service: img may be nil (the image is
-// no longer configured).
-func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
-	return m.outdated(rec, img, base, baseErr)
 }
 
 // Retire removes an unclaimed standby machine (or one already marked for

@@ -113,7 +113,7 @@ func (s Store) Record(name string) (*Machine, error) {
 	path := filepath.Join(s.MachineDir(name), machineFile)
 	b, err := os.ReadFile(path)
 	if errors.Is(err, os.ErrNotExist) {
-		return nil, fmt.Errorf("%w for %s", ErrNoMachine, name)
+		return nil, fmt.Errorf("%w for %s in %s", ErrNoMachine, name, s.MachineDir(name))
 	}
 	if err != nil {
 		return nil, err

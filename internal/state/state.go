@@ -154,19 +154,11 @@ var ErrNoMachine = errors.New("no prepared machine recorded")
 
 // Load reads the machine record, the client key and the pinned host key.
 func (s Store) Load(name string) (*Machine, ssh.Signer, ssh.PublicKey, error) {
-	dir := s.MachineDir(name)
-	b, err := os.ReadFile(filepath.Join(dir, machineFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil, nil, fmt.Errorf("%w for %s in %s", ErrNoMachine, name, dir)
-	}
+	m, err := s.Record(name)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	var m Machine
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, nil, nil, fmt.Errorf("%s: %w", filepath.Join(dir, machineFile), err)
-	}
-	pem, err := os.ReadFile(filepath.Join(dir, keyFile))
+	pem, err := os.ReadFile(filepath.Join(s.MachineDir(name), keyFile))
 	if err != nil {
 		return nil, nil, nil, err
 	}
@@ -180,7 +172,7 @@ func (s Store) Load(name string) (*Machine, ssh.Signer, ssh.PublicKey, error) {
 			return nil, nil, nil, fmt.Errorf("pinned host key: %w", err)
 		}
 	}
-	return &m, signer, hostKey, nil
+	return m, signer, hostKey, nil
 }
 
 // Remove deletes the machine's directory; a missing one is success.
@@ -232,20 +224,10 @@ func writeFileAtomic(path string, data []byte) error {
 // returned true for key, and records now if so. Concurrent callers race
 // harmlessly: at worst two of them both do the work.
 func (s Store) Due(key string, every time.Duration) bool {
-	path := filepath.Join(s.Dir, key)
-	if st, err := os.Stat(path); err == nil && time.Since(st.ModTime()) < every {
+	if age, ok := s.Age(key); ok && age < every {
 		return false
 	}
-	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
-		return false
-	}
-	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY, 0o600)
-	if err != nil {
-		return false
-	}
-	f.Close()
-	now := time.Now()
-	return os.Chtimes(path, now, now) == nil
+	return s.Touch(key) == nil
 }
 
 // Reservation is what a machine holds of the host's capacity. It is written

@@ -318,12 +318,6 @@ func (r *ImageReport) Summarize() ImageSummary {
 			return f(j.Prepare)
 		})
 	}
-	opt := func(p *float64) float64 {
-		if p == nil {
-			return math.NaN()
-		}
-		return *p
-	}
 	optU := func(p *uint64) float64 {
 		if p == nil {
 			return math.NaN()
@@ -364,8 +358,8 @@ func (r *ImageReport) Summarize() ImageSummary {
 		}
 		return j.PrepareWallMs - j.Timeline.StartToSSH
 	})
-	s.BuildGuest = col(func(j *JobSample) float64 { return opt(j.BuildGuestMs) })
-	s.Overhead = col(func(j *JobSample) float64 { return opt(j.BuildOverheadMs) })
+	s.BuildGuest = col(func(j *JobSample) float64 { return orNaN(j.BuildGuestMs) })
+	s.Overhead = col(func(j *JobSample) float64 { return orNaN(j.BuildOverheadMs) })
 	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
 	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
 	s.Overlay = col(func(j *JobSample) float64 { return optU(j.OverlayBytes) })
@@ -383,12 +377,7 @@ func (r *ImageReport) Summarize() ImageSummary {
 	}
 	s.PeakRSS = map[string]Summary{}
 	for _, exe := range Executables {
-		s.PeakRSS[exe] = col(func(j *JobSample) float64 {
-			if v, ok := j.PeakRSS[exe]; ok && v > 0 {
-				return float64(v)
-			}
-			return math.NaN()
-		})
+		s.PeakRSS[exe] = col(peakRSSOf(exe))
 	}
 
 	fcol := func(f func(f *FloorSample) float64) Summary {
@@ -463,12 +452,6 @@ func (w *WarmRound) Summarize(cold Summary) WarmSummary {
 		}
 		return Summarize(v)
 	}
-	opt := func(p *float64) float64 {
-		if p == nil {
-			return math.NaN()
-		}
-		return *p
-	}
 	s.PrepareWall = col(func(j *JobSample) float64 { return j.PrepareWallMs })
 	claim := func(f func(c *ClaimMs) float64) Summary {
 		return col(func(j *JobSample) float64 {
@@ -480,23 +463,36 @@ func (w *WarmRound) Summarize(cold Summary) WarmSummary {
 	}
 	s.Claim = claim(func(c *ClaimMs) float64 { return c.Claim })
 	s.Ready = claim(func(c *ClaimMs) float64 { return c.Ready })
-	s.Refill = claim(func(c *ClaimMs) float64 { return opt(c.Refill) })
-	s.Overhead = col(func(j *JobSample) float64 { return opt(j.BuildOverheadMs) })
+	s.Refill = claim(func(c *ClaimMs) float64 { return orNaN(c.Refill) })
+	s.Overhead = col(func(j *JobSample) float64 { return orNaN(j.BuildOverheadMs) })
 	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
 	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
 	for _, exe := range Executables {
-		s.PeakRSS[exe] = col(func(j *JobSample) float64 {
-			if v, ok := j.PeakRSS[exe]; ok && v > 0 {
-				return float64(v)
-			}
-			return math.NaN()
-		})
+		s.PeakRSS[exe] = col(peakRSSOf(exe))
 	}
 	if cold.Known() && s.PrepareWall.Known() && s.PrepareWall.Median > 0 {
 		r := cold.Median / s.PrepareWall.Median
 		s.ColdWarm = &r
 	}
 	return s
+}
+
+// orNaN is *p, or NaN (a figure not obtained) for nil.
+func orNaN(p *float64) float64 {
+	if p == nil {
+		return math.NaN()
+	}
+	return *p
+}
+
+// peakRSSOf reads a job's peak RSS of executable exe, NaN if not sampled.
+func peakRSSOf(exe string) func(j *JobSample) float64 {
+	return func(j *JobSample) float64 {
+		if v, ok := j.PeakRSS[exe]; ok && v > 0 {
+			return float64(v)
+		}
+		return math.NaN()
+	}
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
