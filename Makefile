@@ -77,11 +77,11 @@ demo: deps build ## run a sample job end to end on a real VM, cold, then again w
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --warm --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round; leaves the rig up: make rig-down)
+bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round, BENCH_DIRECT=N jobs with a connection per stage beside the connection holder's (default BENCH_RUNS, 0 skips); leaves the rig up: make rig-down)
 	@LVE_RIG_IMAGES="$(BENCH_IMAGES)" deploy/rig/start.sh
 	ip netns exec $(RIG_NS) $(BIN)/lve-bench --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) \
 	  $(foreach img,$(subst $(comma), ,$(BENCH_IMAGES)),--image $(img)) \
-	  --runs $(BENCH_RUNS) --concurrency $(BENCH_CONCURRENCY) --warm=$(BENCH_WARM) --json $(BIN)/bench.json
+	  --runs $(BENCH_RUNS) $(if $(BENCH_DIRECT),--direct-runs $(BENCH_DIRECT)) --concurrency $(BENCH_CONCURRENCY) --warm=$(BENCH_WARM) --json $(BIN)/bench.json
 
 rig-up: ## start the private libvirt rig (network namespace, libvirtd, network, pool, images)
 	@deploy/rig/start.sh

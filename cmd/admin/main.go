@@ -20,7 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
 
 func main() {
@@ -111,6 +111,30 @@ func app() *cli.App {
 				},
 			},
 			{
+				// For libvirt-executor-run, which is built without libvirt:
+				// it asks here when a guest stops answering. Manager.Explain
+				// gives up on libvirt after 5 s.
+				Name:      lifecycle.ExplainCommand,
+				Hidden:    true,
+				Usage:     "say in one sentence what became of a job VM whose guest stopped answering (nothing if it runs normally or libvirt cannot tell within 5 s)",
+				ArgsUsage: "NAME",
+				Action: func(c *cli.Context) error {
+					if c.NArg() != 1 {
+						return fmt.Errorf("%s takes one machine name, got %d arguments", lifecycle.ExplainCommand, c.NArg())
+					}
+					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+					if err != nil {
+						return err
+					}
+					m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+					if err != nil {
+						return err
+					}
+					defer m.Close()
+					return admin.ExplainMachine(c.Context, os.Stdout, m, c.Args().First())
+				},
+			},
+			{
 				Name:  "doctor",
 				Usage: "check libvirt, KVM, pool, network, images and permissions, with the fix for each problem",
 				Action: func(c *cli.Context) error {
@@ -119,7 +143,7 @@ func app() *cli.App {
 						fmt.Println("[FAIL] configuration:", err)
 						return err
 					}
-					return admin.PrintChecks(os.Stdout, admin.Doctor(c.Context, cfg, vm.Connect))
+					return admin.PrintChecks(os.Stdout, admin.Doctor(c.Context, cfg, libvirtvm.Connect))
 				},
 			},
 		},

@@ -4,13 +4,20 @@ package main
 
 import (
 	"context"
+	"os"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
+	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // this stage talks to libvirt
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == lifecycle.ReaperCommand {
+		// Started by a cleanup stage to finish removing ended machines.
+		os.Exit(stagecli.Reap(os.Args[2:], os.Stderr))
+	}
 	stagecli.Main("libvirt-executor-cleanup", "remove the job's VM and everything it used", "", 0,
 		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Cleanup(ctx, env, cfg)

@@ -4,10 +4,13 @@
 // ranges per image, the prepare / floor ratio and PASS/MISS per target, and
 // writes the same as JSON. After each image's cold jobs a warm round runs
 // the same jobs on standby VMs that libvirt-executor serve keeps, for warm
-// vs cold prepare (--warm=false skips it). Run it inside the rig's network
-// namespace (make bench). See docs/performance.md.
+// vs cold prepare (--warm=false skips it). Between the cold jobs it runs
+// --direct-runs jobs (default: --runs; 0 skips them) with a copy of the
+// configuration with [ssh] connection_holder = false, for the stages
+// before and after the connection holder side by side. Run it inside the
+// rig's network namespace (make bench). See docs/performance.md.
 //
-//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--concurrency 2] [--warm=false] [--json FILE]
+//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--direct-runs N] [--concurrency 2] [--warm=false] [--json FILE]
 package main
 
 import (
@@ -24,6 +27,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/bench"
+	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // lifecycle.Open's libvirt (bench imports it too)
 )
 
 func main() {
@@ -74,6 +78,7 @@ func flags() []cli.Flag {
 		&cli.StringFlag{Name: "bin", Usage: "directory with libvirt-executor-{config,prepare,run,cleanup} (default: this program's directory)"},
 		&cli.StringSliceFlag{Name: "image", Usage: "image to measure (repeatable; default: the configuration's default image)"},
 		&cli.IntFlag{Name: "runs", Value: 5, Usage: "sequential jobs and floor boots per image"},
+		&cli.IntFlag{Name: "direct-runs", Usage: "jobs per image with [ssh] connection_holder = false (a connection per stage, the path before the holder), interleaved with the cold jobs (default: --runs; 0: skip)"},
 		&cli.IntFlag{Name: "concurrency", Value: 2, Usage: "jobs at once in the concurrent round (0: skip it)"},
 		&cli.BoolFlag{Name: "warm", Value: true, Usage: "after each image's cold jobs, run --runs jobs on standby VMs that a libvirt-executor serve started by the benchmark keeps (--warm=false: skip)"},
 		&cli.DurationFlag{Name: "poll", Value: 50 * time.Millisecond, Usage: "the floor's SSH polling interval"},
@@ -105,6 +110,16 @@ func options(c *cli.Context) (bench.Options, error) {
 	if conc == 0 {
 		conc = -1 // bench.Options: 0 is the default, negative skips
 	}
+	direct := 0 // bench.Options: the default, as many as --runs
+	if c.IsSet("direct-runs") {
+		direct = c.Int("direct-runs")
+		if direct < 0 {
+			return bench.Options{}, fmt.Errorf("--direct-runs %d: want 0 (skip) or more", direct)
+		}
+		if direct == 0 {
+			direct = -1
+		}
+	}
 	o := bench.Options{
 		ConfigPath:  c.String("config"),
 		BinDir:      bin,
@@ -113,6 +128,7 @@ func options(c *cli.Context) (bench.Options, error) {
 		Concurrency: conc,
 		Poll:        c.Duration("poll"),
 		SkipWarm:    !c.Bool("warm"),
+		DirectRuns:  direct,
 		Progress:    c.App.ErrWriter,
 	}
 	if c.Bool("job-logs") {

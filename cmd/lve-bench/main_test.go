@@ -39,6 +39,23 @@ func TestDefaults(t *testing.T) {
 	require.Empty(t, o.Images, "default: the configuration's default image")
 	require.Nil(t, o.JobLog)
 	require.False(t, o.SkipWarm, "the warm round runs by default")
+	require.Zero(t, o.DirectRuns, "the direct round's default: as many jobs as --runs")
+}
+
+func TestDirectRunsFlag(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want int
+	}{
+		{nil, 0},                             // bench's default: --runs
+		{[]string{"--direct-runs", "0"}, -1}, // skip
+		{[]string{"--direct-runs", "3"}, 3},
+		{[]string{"--direct-runs=1", "--runs", "7"}, 1},
+	} {
+		o, err := parse(t, append([]string{"--config", "/c.toml", "--bin", "/b"}, tc.args...)...)
+		require.NoError(t, err, "%v", tc.args)
+		require.Equal(t, tc.want, o.DirectRuns, "%v", tc.args)
+	}
 }
 
 func TestFlags(t *testing.T) {
@@ -75,6 +92,8 @@ func TestBadFlags(t *testing.T) {
 		{"--concurrency", "-1"},
 		{"--concurrency", "9"},
 		{"--poll", "0s"},
+		{"--direct-runs", "-1"},
+		{"--direct-runs", "51"},
 	} {
 		_, err := parse(t, append([]string{"--config", "/c.toml", "--bin", "/b"}, args...)...)
 		require.Error(t, err, "%v", args)

@@ -8,6 +8,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
+	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // this stage talks to libvirt
 )
 
 func main() {

@@ -4,15 +4,21 @@ package main
 
 import (
 	"context"
+	"os"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == lifecycle.HolderCommand {
+		// Started by prepare as the job's connection holder.
+		os.Exit(stagecli.Hold(os.Args[2:], os.Stderr))
+	}
 	stagecli.Main("libvirt-executor-run", "run a stage script in the job's VM", "<script-path> <stage-name>", 2,
 		func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error {
 			return gitlab.Run(ctx, env, cfg, args[0], args[1])
-		})
+		}, stagecli.ExplainViaAdminTool())
 }

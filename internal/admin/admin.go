@@ -21,6 +21,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
 
 // List prints every machine of this installation with its job, age, state,
@@ -89,6 +90,27 @@ func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) err
 	return err
 }
 
+// ExplainMachine prints in one sentence what became of the named machine of
+// this installation whose guest stopped answering (gone, shut off, paused
+// after a failed disk write: lifecycle.Manager.Explain, which gives up on
+// libvirt after 5 s), or nothing when its domain runs normally or libvirt
+// cannot tell. It is the admin tool's hidden explain-machine command, which
+// the run stage (built without libvirt) asks. A name that is not of the
+// engine's shape or not under this installation's prefix is refused.
+func ExplainMachine(ctx context.Context, w io.Writer, m *lifecycle.Manager, name string) error {
+	if err := vm.CheckName(name); err != nil {
+		return err
+	}
+	if p := lifecycle.MachinePrefix(m.Cfg.NamePrefix, m.Controller); !strings.HasPrefix(name, p) {
+		return fmt.Errorf("machine name %q refused: not a machine of this installation (its names start with %q)", name, p)
+	}
+	if why := m.Explain(ctx, name); why != "" {
+		_, err := fmt.Fprintln(w, why)
+		return err
+	}
+	return nil
+}
+
 // Check is one doctor finding.
 type Check struct {
 	Name string
@@ -100,7 +122,7 @@ type Check struct {
 
 // Doctor checks that the host can run jobs with this configuration; it
 // gives up on libvirt when ctx ends.
-func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Context, string) (*vm.Libvirt, error)) []Check {
+func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Context, string) (*libvirtvm.Conn, error)) []Check {
 	var out []Check
 	add := func(c Check) { out = append(out, c) }
 	add(configFileCheck(cfg.Path))

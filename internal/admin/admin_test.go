@@ -14,6 +14,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
@@ -38,8 +39,8 @@ base = "/nonexistent/base.qcow2"
 }
 
 // testDriver connects to libvirt's in-process test driver, whatever the URI.
-func testDriver(ctx context.Context, _ string) (*vm.Libvirt, error) {
-	return vm.Connect(ctx, "test:///default")
+func testDriver(ctx context.Context, _ string) (*libvirtvm.Conn, error) {
+	return libvirtvm.Connect(ctx, "test:///default")
 }
 
 // open is what the admin command does (lifecycle.Open) with hv in place of
@@ -258,4 +259,40 @@ func TestServiceCheck(t *testing.T) {
 	c, _ = serviceCheck(cfg)
 	require.False(t, c.OK)
 	require.Contains(t, c.Info, "has not looked at its pools for 1h")
+}
+
+// explain-machine: one sentence for a machine of this installation that is
+// gone or stopped, nothing for one that runs, and a refusal for a name that
+// is not of this installation.
+func TestExplainMachine(t *testing.T) {
+	cfg := testConfig(t, "")
+	cfg.StoragePool = "jobs"
+	hv := vmtest.New()
+	m := open(t, cfg, hv)
+	ctx := context.Background()
+	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, lifecycle.InstanceTag("x"), 7)
+
+	var out bytes.Buffer
+	require.NoError(t, ExplainMachine(ctx, &out, m, name))
+	require.Equal(t, "VM "+name+" no longer exists\n", out.String())
+
+	hv.Domains[name] = &vmtest.Domain{Active: true}
+	out.Reset()
+	require.NoError(t, ExplainMachine(ctx, &out, m, name))
+	require.Empty(t, out.String(), "a running guest: nothing to say")
+
+	hv.Domains[name].State = &vm.DomainState{Summary: "paused (I/O error)", IOError: true}
+	out.Reset()
+	require.NoError(t, ExplainMachine(ctx, &out, m, name))
+	require.Contains(t, out.String(), "storage pool jobs is probably full")
+	require.Equal(t, 1, strings.Count(out.String(), "\n"), "one line")
+
+	for _, bad := range []string{"--config=/etc/passwd", "Lve-x", "lve-x; reboot", "lve-0000000-7", "other-" + m.Controller[:8] + "-x-7"} {
+		out.Reset()
+		require.Error(t, ExplainMachine(ctx, &out, m, bad), bad)
+		require.Empty(t, out.String())
+	}
+	calls := len(hv.Calls)
+	require.ErrorContains(t, ExplainMachine(ctx, &out, m, "lve-00000000-x-7"), "not a machine of this installation")
+	require.Len(t, hv.Calls, calls, "libvirt not asked about a foreign name")
 }

@@ -185,7 +185,16 @@ type SSH struct {
 	KeepaliveCount int `toml:"keepalive_count"`
 	// ConnectTimeout bounds one TCP connect + handshake attempt. Default "5s".
 	ConnectTimeout Duration `toml:"connect_timeout"`
+	// ConnectionHolder: prepare leaves one SSH connection per job, kept by
+	// a small per-job process, and every run stage uses it instead of a
+	// new connection of its own (docs/design.md, "Connection holder").
+	// Default true; false makes every stage connect directly.
+	ConnectionHolder *bool `toml:"connection_holder"`
 }
+
+// HolderEnabled reports whether stages go through the job's connection
+// holder (SSH.ConnectionHolder, default true).
+func (s SSH) HolderEnabled() bool { return s.ConnectionHolder == nil || *s.ConnectionHolder }
 
 // Image is one base image jobs may use.
 type Image struct {

@@ -20,6 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
@@ -127,6 +128,15 @@ func TestChooseImage(t *testing.T) {
 
 type recorder struct{ connected int }
 
+// testDriver connects to libvirt's in-process test driver.
+func testDriver(ctx context.Context) (vm.Hypervisor, error) {
+	c, err := libvirtvm.Connect(ctx, "test:///default")
+	if err != nil {
+		return nil, err // not a typed nil in the interface
+	}
+	return c, nil
+}
+
 // fake is a Connector that hands out hv.
 func fake(hv vm.Hypervisor) lifecycle.Connector {
 	return func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }
@@ -138,7 +148,7 @@ func (r *recorder) env(vars map[string]string, stdout *bytes.Buffer) Env {
 		Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
 		Connect: func(ctx context.Context, uri string) (vm.Hypervisor, error) {
 			r.connected++
-			return vm.Connect(ctx, "test:///default")
+			return testDriver(ctx)
 		},
 	}
 }

@@ -119,7 +119,7 @@ func ourGoroutines() []string {
 	buf = buf[:runtime.Stack(buf, true)]
 	var out []string
 	for _, g := range strings.Split(string(buf), "\n\n") {
-		if runsOurCode(g) && !strings.Contains(g, "vm.runEventLoop") {
+		if runsOurCode(g) && !strings.Contains(g, "libvirtvm.runEventLoop") {
 			out = append(out, g)
 		}
 	}

@@ -16,6 +16,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -31,9 +32,15 @@ type Env struct {
 	Stdout io.Writer
 	Stderr io.Writer
 	Log    *slog.Logger
-	// Connect opens the hypervisor; nil means libvirt. Tests substitute a
+	// Connect opens the hypervisor; nil means libvirt (vm.Connect, in an
+	// executable that imports internal/vm/libvirtvm). Tests substitute a
 	// fake.
 	Connect lifecycle.Connector
+	// Explain, if set, says in one sentence what became of the named
+	// machine whose guest stopped answering, or "" (the run stage, built
+	// without libvirt, asks the admin tool: stagecli.ExplainViaAdminTool).
+	// nil means the stage's lifecycle.Manager.Explain.
+	Explain func(ctx context.Context, name string) string
 }
 
 // say writes a progress line to the job log.
@@ -178,8 +185,27 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		_, terr := m.TeardownJob(tctx, j.name)
 		return exitcodes.System(errors.Join(err, terr))
 	}
+	startHolder(e, j, j.name)
 	writeTimings(e, j, ready, began)
 	return nil
+}
+
+// startHolder starts the job's connection holder (lifecycle.StartHolder),
+// unless the configuration says every stage connects on its own. Without
+// one the job still runs: each stage connects directly, as the job log
+// says.
+func startHolder(e Env, j *job, name string) {
+	if !j.cfg.SSH.HolderEnabled() {
+		return
+	}
+	t0 := time.Now()
+	until := time.Now().Add(j.job.Timeout + j.cfg.Timeouts.JobSlack.D())
+	if err := j.m.StartHolder(name, until); err != nil {
+		j.log.Warn("no connection holder", "err", err)
+		e.say("Note: the job's stages connect one by one (no connection holder: %v)", err)
+		return
+	}
+	e.say("Connection holder started in %s: the job's stages share one SSH connection", vm.Round(time.Since(t0)))
 }
 
 // prepareWarm tries to give the job an idle VM of img's standby pool. done
@@ -225,6 +251,7 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 		}
 		return true, exitcodes.System(errors.Join(err, terr))
 	}
+	startHolder(e, j, mach.Name)
 	took := time.Since(began)
 	e.say("Machine ready in %s (warm)", vm.Round(took))
 	writeWarmTimings(e, j, mach, c, began)
@@ -429,21 +456,17 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return exitcodes.System(err)
 	}
-	mach, client, err := j.m.Connect(ctx, jm.Name)
-	if err != nil {
-		if !errors.Is(err, state.ErrNoMachine) && ctx.Err() == nil {
-			err = explained(ctx, j, jm.Name, err)
-		}
-		return exitcodes.System(err)
+	err, held := runHeld(ctx, e, j, jm.Name, script)
+	if !held {
+		err = runDirect(ctx, e, j, jm.Name, script, stage)
 	}
-	defer client.Close()
-	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
-	err = client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr})
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
-			fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
-				"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
-				VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
+			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+				fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
+					"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
+					VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
+			}
 		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
 			if werr := os.WriteFile(path, //nolint:gosec // G703: BUILD_EXIT_CODE_FILE is set by the runner, not by the job (CUSTOM_ENV_* is the job's)
@@ -453,9 +476,9 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		}
 		return err
 	}
-	if err != nil && ctx.Err() == nil {
+	if err != nil && ctx.Err() == nil && !errors.Is(err, state.ErrNoMachine) {
 		// The guest stopped answering: say what became of it.
-		err = exitcodes.System(explained(ctx, j, jm.Name, err))
+		err = exitcodes.System(explained(ctx, e, j, jm.Name, err))
 	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
@@ -463,11 +486,72 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	return err
 }
 
+// runHeld runs the stage through the job's connection holder. held is
+// false when the stage did not run there (holders are off, or the holder
+// is gone or could not take it; the job log says which): then nothing of
+// it was started, and the caller connects directly.
+func runHeld(ctx context.Context, e Env, j *job, name string, script []byte) (err error, held bool) {
+	if !j.cfg.SSH.HolderEnabled() {
+		return nil, false
+	}
+	mach, err := j.m.Store.Record(name)
+	if err != nil {
+		return nil, false // the direct path reports it
+	}
+	tag, err := sshexec.NewTag()
+	if err != nil {
+		return exitcodes.System(err), true
+	}
+	err, mid := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
+		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr,
+	})
+	if errors.Is(err, holder.ErrUnavailable) {
+		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
+		j.log.Warn("stage connects directly", "err", err)
+		return nil, false
+	}
+	if mid {
+		// The holder ended during the stage: the script may still run in
+		// the guest. Stop it over a connection of our own (bounded), so
+		// that nothing of the stage outlives it.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+		defer cancel()
+		_, c, cerr := j.m.Connect(sctx, name)
+		if cerr == nil {
+			cerr = c.StopStage(sctx, tag, 5*time.Second)
+			_ = c.Close()
+		}
+		if cerr != nil {
+			err = fmt.Errorf("%w; stopping the stage in the guest failed: %v", err, cerr)
+		} else {
+			err = fmt.Errorf("%w; the stage was stopped in the guest", err)
+		}
+		err = exitcodes.System(err)
+	}
+	return err, true
+}
+
+// runDirect runs the stage over a connection of its own.
+func runDirect(ctx context.Context, e Env, j *job, name string, script []byte, stage string) error {
+	mach, client, err := j.m.Connect(ctx, name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	defer client.Close()
+	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
+	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr})
+}
+
 // explained adds to err what libvirt says became of the job's machine
 // (gone, shut off, paused after a failed disk write), if it can tell within
-// a few seconds and before ctx ends (lifecycle.Manager.Explain).
-func explained(ctx context.Context, j *job, name string, err error) error {
-	if why := j.m.Explain(ctx, name); why != "" {
+// a few seconds and before ctx ends: through e.Explain if set, else
+// lifecycle.Manager.Explain.
+func explained(ctx context.Context, e Env, j *job, name string, err error) error {
+	explain := j.m.Explain
+	if e.Explain != nil {
+		explain = e.Explain
+	}
+	if why := explain(ctx, name); why != "" {
 		return fmt.Errorf("%w; %s", err, why)
 	}
 	return err
@@ -502,29 +586,28 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		}
 	}
 	t0 := time.Now()
-	jm, err := m.TeardownJob(ctx, j.name)
+	jm, ended, err := m.EndJob(ctx, j.name)
 	if err != nil {
 		j.log.Error("cleanup incomplete", "vm", jm.Name, "err", err)
 		return exitcodes.System(err)
 	}
-	j.log.Info("cleaned up", "vm", jm.Name, "warm", jm.Warm, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
-	opportunisticSweep(ctx, m, j.log)
+	// The machine runs nothing any more and nothing of the job can reach
+	// it; the slow rest (QEMU's exit, undefine, volumes) goes to a reaper
+	// of its own, so the job ends now.
+	reaper := len(ended) > 0
+	if reaper {
+		if err := m.StartReaper(ended); err != nil {
+			j.log.Warn("no reaper; removing the VM here", "err", err)
+			reaper = false
+			if err := m.Reap(ctx, ended); err != nil {
+				j.log.Error("cleanup incomplete", "vm", jm.Name, "err", err)
+				return exitcodes.System(err)
+			}
+		}
+	}
+	j.log.Info("cleaned up", "vm", jm.Name, "warm", jm.Warm, "reaper", reaper, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
+	if !reaper {
+		m.OpportunisticSweep(ctx, j.log)
+	}
 	return nil
-}
-
-// sweepEvery limits the opportunistic sweeps that cleanup runs after the
-// job's own teardown (the job is over: nobody waits for it).
-const sweepEvery = 5 * time.Minute
-
-func opportunisticSweep(ctx context.Context, m *lifecycle.Manager, log *slog.Logger) {
-	if !m.Store.Due("last-sweep", sweepEvery) {
-		return
-	}
-	rep, err := m.Sweep(ctx, time.Now(), false)
-	if rep != nil && len(rep.Removed) > 0 {
-		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
-	}
-	if err != nil {
-		log.Warn("sweep incomplete", "err", err)
-	}
 }

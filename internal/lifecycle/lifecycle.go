@@ -31,12 +31,19 @@ type Manager struct {
 	Controller string
 	// Say receives progress lines meant for the person watching the job.
 	Say func(format string, args ...any)
-	// SSHPollInterval is the pause between SSH readiness attempts (default
-	// 100ms); AddressPollInterval likewise for DHCP leases.
+	// SSHPollInterval is how often an SSH readiness attempt starts, at a
+	// fixed rate (default sshexec.DefaultPollInterval, 50ms);
+	// AddressPollInterval likewise for DHCP leases (default 50ms).
 	SSHPollInterval     time.Duration
 	AddressPollInterval time.Duration
 	// SSHPort is the guest's SSH port (default 22).
 	SSHPort int
+	// HolderExe is the connection holder's executable (StartHolder);
+	// empty means HolderExecutable next to the running executable.
+	HolderExe string
+	// ReaperExe is the reaper's executable (StartReaper); empty means
+	// ReaperExecutable next to the running executable.
+	ReaperExe string
 	// hv is the hypervisor connection (from Open: one that connects on
 	// first use and reconnects after libvirtd restarts).
 	hv vm.Hypervisor
@@ -232,6 +239,7 @@ func (m *Manager) teardown(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("state of %s: %w", name, err)
 	}
+	m.stopHolder(name)
 	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool, recorded); err != nil {
 		return err
 	}

@@ -11,13 +11,14 @@ import (
 )
 
 // Connector opens one connection to the hypervisor at uri, giving up when
-// ctx ends.
-type Connector func(ctx context.Context, uri string) (vm.Hypervisor, error)
+// ctx ends (vm.Connector).
+type Connector = vm.Connector
 
 // Options are what a front end chooses when it opens a Manager.
 type Options struct {
-	// Connect opens the hypervisor connections; nil means libvirt
-	// (vm.Connect). Tests pass a fake.
+	// Connect opens the hypervisor connections; nil means vm.Connect: the
+	// libvirt implementation in an executable that imports
+	// internal/vm/libvirtvm, else vm.ErrNoConnector. Tests pass a fake.
 	Connect Connector
 	// Log, if set, is told about lost and re-made connections.
 	Log *slog.Logger
@@ -28,9 +29,11 @@ type Options struct {
 // Open is how every front end gets a Manager for the installation that cfg
 // describes: its state store, its controller id (made on first use), and
 // its hypervisor connection. The connection is opened when first needed (or
-// by Dial), so a caller that needs libvirt only now and then (the run stage,
-// to explain a guest that stopped answering) does not connect otherwise; it
-// reconnects when libvirtd restarts. Close releases it.
+// by Dial), so a caller that needs libvirt only now and then does not
+// connect otherwise, and the config and run stages, which never do, are
+// built without libvirt (run asks the admin tool's explain-machine when it
+// wants an explanation); it reconnects when libvirtd restarts. Close
+// releases it.
 func Open(cfg *config.Config, o Options) (*Manager, error) {
 	store := state.Store{Dir: cfg.StateDir}
 	ctrl, err := store.ControllerID()
@@ -45,7 +48,7 @@ func Open(cfg *config.Config, o Options) (*Manager, error) {
 func reconnecting(uri string, o Options) *vm.Reconnecting {
 	connect := o.Connect
 	if connect == nil {
-		connect = connectLibvirt
+		connect = vm.Connect
 	}
 	r := vm.NewReconnecting(func(ctx context.Context) (vm.Hypervisor, error) { return connect(ctx, uri) })
 	if o.Log != nil {
@@ -54,15 +57,6 @@ func reconnecting(uri string, o Options) *vm.Reconnecting {
 		}
 	}
 	return r
-}
-
-// connectLibvirt is the default Connector.
-func connectLibvirt(ctx context.Context, uri string) (vm.Hypervisor, error) {
-	l, err := vm.Connect(ctx, uri)
-	if err != nil {
-		return nil, err // not a typed nil in the interface
-	}
-	return l, nil
 }
 
 // dialer is a connection that can be made before its first call (the one
@@ -89,6 +83,16 @@ func (m *Manager) Close() error {
 	}
 	return m.hv.Close()
 }
+
+// AdminExecutable is the admin tool's executable (cmd/admin), installed
+// next to the stage executables.
+const AdminExecutable = "libvirt-executor"
+
+// ExplainCommand is the admin tool's hidden command that prints Explain's
+// sentence for a machine of this installation, or nothing:
+// `libvirt-executor --config=PATH explain-machine -- NAME`. The run stage,
+// built without libvirt, asks it when a guest stops answering.
+const ExplainCommand = "explain-machine"
 
 // explainWait bounds Explain: an explanation is worth a few seconds, not
 // the rest of a stage's deadline.

@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"libvirt.org/go/libvirt"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -33,7 +32,7 @@ base = "/img/tiny.qcow2"
 func TestOpenConnectsWhenNeededAndReconnects(t *testing.T) {
 	cfg := openConfig(t)
 	first, second := vmtest.New(), vmtest.New()
-	first.FailOn["State"] = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC, Message: "Cannot recv data"}
+	first.FailOn["State"] = vmtest.LostConnection("Cannot recv data")
 	var uris []string
 	connect := func(_ context.Context, uri string) (vm.Hypervisor, error) {
 		uris = append(uris, uri)
@@ -87,4 +86,16 @@ func TestExplainAndDialEndWithCtx(t *testing.T) {
 	ctx, cancel = context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	require.ErrorIs(t, m.Dial(ctx), context.DeadlineExceeded)
+}
+
+// In an executable built without libvirt (config, run: nothing imports
+// internal/vm/libvirtvm) the default connection fails, saying so; Open
+// itself, and everything that needs no hypervisor, works.
+func TestOpenWithoutLibvirt(t *testing.T) {
+	m, err := Open(openConfig(t), Options{})
+	require.NoError(t, err)
+	defer m.Close()
+	err = m.Dial(context.Background())
+	require.ErrorIs(t, err, vm.ErrNoConnector)
+	require.ErrorContains(t, err, "built without libvirt")
 }

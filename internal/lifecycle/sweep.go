@@ -26,6 +26,10 @@ const (
 	// VerdictRetired: an unclaimed standby machine marked for removal
 	// (dead, too old, of an old base image, or its room taken by a job).
 	VerdictRetired = "retired"
+	// VerdictEnded: a machine whose job's cleanup stopped it and left the
+	// rest to its reaper, which has not finished (it died, or is about to
+	// take the machine's lock).
+	VerdictEnded = "ended"
 )
 
 // Item is one machine name found on the host.
@@ -40,6 +44,8 @@ type Item struct {
 	// Standby is set for a machine of a standby pool: its record (nil
 	// while booting) and claim.
 	Standby *Standby
+	// Ended is the machine's ended mark (EndJob), if it has one.
+	Ended   *state.Ended
 	Verdict string
 	Reason  string
 }
@@ -165,6 +171,7 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 		if mach, err := m.Store.Record(name); err == nil {
 			it.Address = mach.Address
 		}
+		it.Ended, _ = m.Store.EndedOf(name)
 		if m.IsStandby(name) {
 			sb := &Standby{Name: name}
 			sb.Record, _ = m.Store.Record(name)
@@ -180,6 +187,9 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 	m.judge(&it, ownerXML, ownerErr, now)
 	if it.Verdict == VerdictKeep && it.Pool() == "retiring" {
 		it.Verdict, it.Reason = VerdictRetired, "standby VM marked for removal: "+it.Standby.Claim.Reason
+	}
+	if it.Verdict == VerdictKeep && it.Ended != nil {
+		it.Verdict, it.Reason = VerdictEnded, "its job ended ("+it.Ended.Reason+"); its reaper did not remove it"
 	}
 	return it, nil
 }
@@ -303,7 +313,7 @@ func (m *Manager) sweepOne(ctx context.Context, rep *SweepReport, seen Item, now
 
 // Removable reports whether a sweep would remove the item.
 func (it Item) Removable() bool {
-	return slices.Contains([]string{VerdictExpired, VerdictOrphan, VerdictRetired}, it.Verdict)
+	return slices.Contains([]string{VerdictExpired, VerdictOrphan, VerdictRetired, VerdictEnded}, it.Verdict)
 }
 
 // sweepJobMappings removes the job -> machine mappings whose machine has no

@@ -39,13 +39,35 @@ type Target struct {
 	HostKey ssh.PublicKey
 	// InsecureIgnoreHostKey disables host key verification (opt-in only).
 	InsecureIgnoreHostKey bool
-	// ConnectTimeout bounds one TCP connect plus handshake. Default 5s.
+	// ConnectTimeout bounds the TCP connect of Dial, and then the SSH
+	// handshake and login. Default 5s. WaitReady bounds its attempts' TCP
+	// connects by PollConnectTimeout instead.
 	ConnectTimeout time.Duration
+	// PollConnectTimeout bounds the TCP connect of each WaitReady attempt
+	// (default DefaultPollConnectTimeout; never more than ConnectTimeout).
+	PollConnectTimeout time.Duration
 	// KeepaliveInterval and KeepaliveCount: the connection is declared dead
 	// when no keepalive reply arrived for Interval*Count. Defaults 5s and 3.
 	KeepaliveInterval time.Duration
 	KeepaliveCount    int
+
+	// dialTCP, if set, replaces the TCP connect (tests stand a guest that
+	// drops SYNs in with it). It must give up when its ctx ends.
+	dialTCP func(ctx context.Context, network, addr string) (net.Conn, error)
 }
+
+// DefaultPollInterval is how often WaitReady starts an attempt by default:
+// the rate the benchmark's floor polls at (docs/performance.md). A refused
+// connect costs the host and the guest next to nothing.
+const DefaultPollInterval = 50 * time.Millisecond
+
+// DefaultPollConnectTimeout bounds each WaitReady attempt's TCP connect by
+// default. A guest's address is known from its DHCP lease before the guest
+// has configured it, so the first SYN is often lost, and the kernel would
+// resend it only after its 1 s initial retransmission timeout. Abandoning
+// the connect after 250 ms and starting a new one is quicker; a guest that
+// answers at all answers a SYN within a few ms.
+const DefaultPollConnectTimeout = 250 * time.Millisecond
 
 // ErrHostKeyMismatch means the server presented a key other than the pinned one.
 var ErrHostKeyMismatch = errors.New("host key mismatch: the server is not the expected guest")
@@ -98,14 +120,31 @@ type Client struct {
 	deadErr error
 }
 
-// Dial makes one connection attempt.
+// Dial makes one connection attempt: a TCP connect, then the SSH handshake
+// and login, each bounded by t.ConnectTimeout and by ctx.
 func Dial(ctx context.Context, t Target) (*Client, error) {
+	return dialWith(ctx, t, 0)
+}
+
+// dialWith is Dial with the TCP connect bounded by connectTimeout instead, when
+// that is set and shorter than t.ConnectTimeout.
+func dialWith(ctx context.Context, t Target, connectTimeout time.Duration) (*Client, error) {
 	cfg, err := t.config()
 	if err != nil {
 		return nil, err
 	}
-	d := net.Dialer{Timeout: cfg.Timeout}
-	conn, err := d.DialContext(ctx, "tcp", t.Addr)
+	if connectTimeout <= 0 || connectTimeout > cfg.Timeout {
+		connectTimeout = cfg.Timeout
+	}
+	dialTCP := t.dialTCP
+	if dialTCP == nil {
+		var d net.Dialer
+		dialTCP = d.DialContext
+	}
+	// A connection, once made, outlives dctx.
+	dctx, cancel := context.WithTimeout(ctx, connectTimeout)
+	conn, err := dialTCP(dctx, "tcp", t.Addr)
+	cancel()
 	if err != nil {
 		return nil, err
 	}
@@ -183,19 +222,32 @@ func (c *Client) Close() error {
 }
 
 // WaitReady dials until the SSH handshake with the pinned host key and the
-// public-key authentication both succeed, retrying every interval, until ctx
-// ends. A host key mismatch is retried only for mismatchGrace (a guest may
-// still be installing its per-job key), then reported.
+// public-key authentication both succeed, or ctx ends, and returns the
+// number of attempts made. An attempt starts every interval (default
+// DefaultPollInterval), at a fixed rate: not an interval after the last one
+// failed; one that took longer is followed by the next at once. Each
+// attempt's TCP connect is bounded by t.PollConnectTimeout (a lost SYN costs
+// that, not the kernel's 1 s retransmission), its handshake and login by
+// t.ConnectTimeout. A host key mismatch is retried only for mismatchGrace
+// (a guest may still be installing its per-job key), then reported. When
+// ctx ends, the error carries the last answer that came from the guest's
+// side rather than the abort.
 func WaitReady(ctx context.Context, t Target, interval, mismatchGrace time.Duration) (*Client, int, error) {
 	if interval <= 0 {
-		interval = 100 * time.Millisecond
+		interval = DefaultPollInterval
 	}
+	connect := t.PollConnectTimeout
+	if connect <= 0 {
+		connect = DefaultPollConnectTimeout
+	}
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
 	var lastErr error
 	var firstMismatch time.Time
 	attempts := 0
 	for {
 		attempts++
-		c, err := Dial(ctx, t)
+		c, err := dialWith(ctx, t, connect)
 		if err == nil {
 			return c, attempts, nil
 		}
@@ -213,9 +265,12 @@ func WaitReady(ctx context.Context, t Target, interval, mismatchGrace time.Durat
 		}
 		select {
 		case <-ctx.Done():
-			return nil, attempts, fmt.Errorf("SSH not ready at %s after %d attempts: last error: %v (%w)", t.Addr, attempts, lastErr, context.Cause(ctx))
-		case <-time.After(interval):
+		case <-tick.C:
+			if ctx.Err() == nil { // both are ready after a slow attempt: ctx wins
+				continue
+			}
 		}
+		return nil, attempts, fmt.Errorf("SSH not ready at %s after %d attempts: last error: %v (%w)", t.Addr, attempts, lastErr, context.Cause(ctx))
 	}
 }
 
@@ -280,6 +335,27 @@ type RunOptions struct {
 	// script's exit status, for the rest of its output before it stops
 	// listening. Default 2s.
 	DrainGrace time.Duration
+	// Tag names the stage's files in the guest (16 hex digits; NewTag). A
+	// caller that may have to stop the stage from another connection
+	// (StopStage) chooses it; empty means a random one.
+	Tag string
+}
+
+// NewTag returns a fresh stage tag for RunOptions.Tag.
+func NewTag() (string, error) { return randomHex(8) }
+
+// validTag reports whether tag is a stage tag (it becomes part of file
+// names in the guest's shell commands).
+func validTag(tag string) bool {
+	if len(tag) != 16 {
+		return false
+	}
+	for _, r := range tag {
+		if !strings.ContainsRune("0123456789abcdef", r) {
+			return false
+		}
+	}
+	return true
 }
 
 // Run copies script into the guest over the connection, runs it with the
@@ -293,11 +369,16 @@ type RunOptions struct {
 //   - a system failure: anything else, including ctx cancellation, after the
 //     script's whole process group in the guest was terminated.
 func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
-	tag, err := randomHex(8)
-	if err != nil {
-		return exitcodes.System(err)
+	tag := o.Tag
+	if tag == "" {
+		var err error
+		if tag, err = NewTag(); err != nil {
+			return exitcodes.System(err)
+		}
+	} else if !validTag(tag) {
+		return exitcodes.System(fmt.Errorf("invalid stage tag %q (16 lowercase hex digits)", tag))
 	}
-	w := wrapper{base: "/tmp/lve-run-" + tag, size: len(script), shell: o.Shell,
+	w := wrapper{base: stageBase(tag), size: len(script), shell: o.Shell,
 		leftoverGrace: orDefault(o.LeftoverGrace, 2*time.Second)}
 	// Nothing reaches the caller's writers once Run has returned, even if
 	// the guest still sends output on a channel that is being closed.
@@ -564,6 +645,31 @@ func (c *Client) classify(res exitResult) error {
 	}
 	return &exitcodes.ScriptError{Code: res.status}
 }
+
+// stageBase is where a stage's files are in the guest.
+func stageBase(tag string) string { return "/tmp/lve-run-" + tag }
+
+// StopStage stops the stage with tag that another connection started
+// (whose connection ended mid-stage): its process group gets SIGTERM, and
+// SIGKILL after grace if it is still there; its files are removed. Nothing
+// happens if that stage has already ended.
+func (c *Client) StopStage(ctx context.Context, tag string, grace time.Duration) error {
+	if !validTag(tag) {
+		return fmt.Errorf("invalid stage tag %q (16 lowercase hex digits)", tag)
+	}
+	w := wrapper{base: stageBase(tag)}
+	pid, sh, out := w.pidfile(), w.script(), w.fifo()
+	ticks := int(orDefault(grace, 5*time.Second) / (100 * time.Millisecond))
+	cmd := strings.NewReplacer("{pid}", pid, "{sh}", sh, "{out}", out, "{ticks}", strconv.Itoa(ticks)).Replace(
+		`if test -s {pid}; then g=$(cat {pid}); kill -TERM -$g 2>/dev/null; ` +
+			`i=0; while kill -0 -$g 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
+			`kill -KILL -$g 2>/dev/null; fi; rm -f {pid} {pid}.new {sh} {out}; exit 0`)
+	_, err := c.Output(ctx, cmd)
+	return err
+}
+
+// Wait blocks until the connection has ended, for whatever reason.
+func (c *Client) Wait() error { return c.c.Wait() }
 
 // killGroup sends SIGTERM to the script's process group through a new
 // session, waits up to grace for the script to end, then sends SIGKILL.

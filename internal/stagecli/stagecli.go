@@ -34,7 +34,7 @@ type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []
 // Option changes how a stage treats signals.
 type Option func(*options)
 
-type options struct{ toCompletion bool }
+type options struct{ toCompletion, explainViaAdmin bool }
 
 // RunsToCompletion marks a stage that finishes its work after SIGTERM, on
 // its own deadline, and then reports how that went (cleanup). Every other
@@ -86,11 +86,15 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			if c.NArg() != nargs {
 				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, nargs, argsUsage, c.NArg())
 			}
-			cfg, err := config.Load(config.Resolve(c.String("config"), getenv))
+			cfgPath := config.Resolve(c.String("config"), getenv)
+			cfg, err := config.Load(cfgPath)
 			if err != nil {
 				return err
 			}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger}
+			if o.explainViaAdmin {
+				env.Explain = newAdminExplainer(cfgPath, logger).Explain
+			}
 			stageErr = stage(c.Context, env, cfg, c.Args().Slice())
 			if !o.toCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {
 				// Signalled: the job was stopped, whatever the work's own

@@ -296,3 +296,47 @@ func (s Store) Recall(name string, v any) bool {
 	b, err := os.ReadFile(filepath.Join(s.Dir, "cache", name+".json"))
 	return err == nil && json.Unmarshal(b, v) == nil
 }
+
+// reapFile marks a machine whose job has ended: the machine is stopped and
+// waits to be removed (by its reaper, or else by a sweep).
+const reapFile = "ended.json"
+
+// Ended is the mark of a machine whose job has ended.
+type Ended struct {
+	At     time.Time `json:"at"`
+	Reason string    `json:"reason"`
+}
+
+// MarkEnded marks the machine as ended and deletes its client key: nothing
+// of the job may connect to it any more. The record stays, as proof that
+// what is left of the machine is this installation's.
+func (s Store) MarkEnded(name string, e Ended) error {
+	b, err := json.Marshal(e)
+	if err != nil {
+		return err
+	}
+	if err := writeFileAtomic(filepath.Join(s.MachineDir(name), reapFile), b); err != nil {
+		return err
+	}
+	if err := os.Remove(filepath.Join(s.MachineDir(name), keyFile)); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return err
+	}
+	return nil
+}
+
+// EndedOf returns the machine's ended mark, or nil if it has none.
+func (s Store) EndedOf(name string) (*Ended, error) {
+	b, err := os.ReadFile(filepath.Join(s.MachineDir(name), reapFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, err
+	}
+	var e Ended
+	if err := json.Unmarshal(b, &e); err != nil {
+		// Cut short by a crash: the mark was being made, so it stands.
+		return &Ended{Reason: "ended (unreadable mark)"}, nil //nolint:nilerr // an unreadable mark still marks the machine
+	}
+	return &e, nil
+}

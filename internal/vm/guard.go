@@ -6,7 +6,7 @@ import (
 	"fmt"
 )
 
-// guard runs call in a goroutine of its own and returns its result, or, as
+// Guard runs call in a goroutine of its own and returns its result, or, as
 // soon as ctx ends, ctx's error (see abandoned). It is for calls that nothing
 // can interrupt: libvirt's C calls wait for libvirtd however long it takes.
 // The abandoned call goes on in its goroutine; if it later succeeds, release
@@ -14,7 +14,7 @@ import (
 // stays blocked until the connection's keepalive gives up on it or the
 // process exits; a stage process exits soon after its deadline, so nothing
 // waits for it. A call is not started at all when ctx has already ended.
-func guard[T any](ctx context.Context, call func() (T, error), release func(T)) (T, error) {
+func Guard[T any](ctx context.Context, call func() (T, error), release func(T)) (T, error) {
 	var zero T
 	if ctx.Err() != nil {
 		return zero, abandoned(ctx)
@@ -47,6 +47,10 @@ func guard[T any](ctx context.Context, call func() (T, error), release func(T)) 
 	}
 	return zero, abandoned(ctx)
 }
+
+// ErrClosed is the error of a call on a hypervisor connection after its
+// Close.
+var ErrClosed = errors.New("libvirt connection already closed")
 
 // abandoned is the error of a hypervisor call that ctx ended first. It
 // matches ctx.Err() and ctx's cause.

@@ -9,15 +9,15 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// guard returns when ctx ends, whatever the call does; a result the call
-// returns later is released, and nothing of guard's waits after that.
+// Guard returns when ctx ends, whatever the call does; a result the call
+// returns later is released, and nothing of Guard's waits after that.
 func TestGuardAbandonsACallThatOutlivesCtx(t *testing.T) {
 	unblock := make(chan struct{})
 	released := make(chan int, 1)
 	ctx, cancel := context.WithTimeoutCause(context.Background(), 20*time.Millisecond, errors.New("cleanup timeout reached"))
 	defer cancel()
 	start := time.Now()
-	_, err := guard(ctx, func() (int, error) { <-unblock; return 7, nil }, func(v int) { released <- v })
+	_, err := Guard(ctx, func() (int, error) { <-unblock; return 7, nil }, func(v int) { released <- v })
 	require.Less(t, time.Since(start), 5*time.Second)
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	require.ErrorContains(t, err, "cleanup timeout reached")
@@ -33,48 +33,17 @@ func TestGuardAbandonsACallThatOutlivesCtx(t *testing.T) {
 }
 
 func TestGuardPassesResultsAndSkipsCallsAfterCtx(t *testing.T) {
-	v, err := guard(context.Background(), func() (string, error) { return "ok", nil }, nil)
+	v, err := Guard(context.Background(), func() (string, error) { return "ok", nil }, nil)
 	require.NoError(t, err)
 	require.Equal(t, "ok", v)
 	boom := errors.New("boom")
-	_, err = guard(context.Background(), func() (string, error) { return "", boom }, nil)
+	_, err = Guard(context.Background(), func() (string, error) { return "", boom }, nil)
 	require.ErrorIs(t, err, boom)
 
 	ctx, cancel := context.WithCancel(context.Background())
 	cancel()
 	called := false
-	_, err = guard(ctx, func() (string, error) { called = true; return "", nil }, nil)
+	_, err = Guard(ctx, func() (string, error) { called = true; return "", nil }, nil)
 	require.ErrorIs(t, err, context.Canceled)
 	require.False(t, called, "not started once ctx has ended")
-}
-
-// Close waits for the calls that use the connection (an abandoned one may
-// still run in C): the connection goes when the last one leaves, and no
-// call starts after Close.
-func TestLibvirtCloseWaitsForCallsInFlight(t *testing.T) {
-	l, err := Connect(context.Background(), "test:///default")
-	require.NoError(t, err)
-	require.NoError(t, l.enter())
-	require.NoError(t, l.Close())
-	alive, err := l.conn.IsAlive()
-	require.NoError(t, err, "still open for the call in flight")
-	require.True(t, alive)
-	_, err = l.DomainNames(context.Background())
-	require.ErrorIs(t, err, errClosed)
-	l.leave()
-	_, err = l.conn.IsAlive()
-	require.Error(t, err, "closed when the last call left")
-	require.NoError(t, l.Close(), "closing twice")
-}
-
-func TestLibvirtGivesUpWhenCtxHasEnded(t *testing.T) {
-	l, err := Connect(context.Background(), "test:///default")
-	require.NoError(t, err)
-	defer l.Close()
-	ctx, cancel := context.WithCancel(context.Background())
-	cancel()
-	_, err = l.DomainNames(ctx)
-	require.ErrorIs(t, err, context.Canceled)
-	_, err = Connect(ctx, "test:///default")
-	require.ErrorIs(t, err, context.Canceled)
 }

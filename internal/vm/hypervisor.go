@@ -15,12 +15,18 @@ var ErrNotFound = errors.New("not found")
 // ownership record of ours.
 var ErrNoOwner = errors.New("domain has no libvirt-executor ownership metadata")
 
+// ErrAgentNotReady is returned by Hypervisor.Addresses with SourceAgent
+// while the guest agent does not answer yet.
+var ErrAgentNotReady = errors.New("guest agent not answering yet")
+
 // Hypervisor holds only the libvirt operations the engine uses, so that the
 // engine's logic is testable with a fake.
 //
 // Every method returns by the time its ctx ends, with an error that matches
 // ctx.Err(), even when the operation underneath cannot be interrupted (see
-// Libvirt); what such an operation still does then is not waited for.
+// Guard, and internal/vm/libvirtvm, the libvirt implementation); what such
+// an operation still does then is not waited for. An error that means the
+// connection itself is gone matches ErrConnectionLost.
 type Hypervisor interface {
 	// KVMAvailable reports whether the host offers the kvm domain type.
 	KVMAvailable(ctx context.Context) (bool, error)
@@ -41,6 +47,10 @@ type Hypervisor interface {
 	// Destroy stops a domain at once (nil if it is not running, ErrNotFound
 	// if it does not exist).
 	Destroy(ctx context.Context, name string) error
+	// Suspend pauses a running domain's vCPUs: the guest runs nothing
+	// more, at once (nil if it is not running, ErrNotFound if it does not
+	// exist).
+	Suspend(ctx context.Context, name string) error
 	// Undefine removes a domain's definition with its nvram, managed save
 	// and snapshot metadata (ErrNotFound if absent).
 	Undefine(ctx context.Context, name string) error

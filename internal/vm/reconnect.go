@@ -6,29 +6,15 @@ import (
 	"fmt"
 	"time"
 
-	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
 )
 
 // ErrConnectionLost marks an error caused by a broken hypervisor connection
-// (libvirtd restarted or died).
+// (libvirtd restarted or died, or the connection's keepalive gave up on it).
+// A Hypervisor implementation wraps such errors with it (the libvirt one,
+// internal/vm/libvirtvm, classifies libvirt's error codes); Reconnecting
+// reconnects on them.
 var ErrConnectionLost = errors.New("libvirt connection lost")
-
-// connectionLost reports whether err means the connection itself is gone.
-func connectionLost(err error) bool {
-	if errors.Is(err, ErrConnectionLost) {
-		return true
-	}
-	var lerr libvirt.Error
-	if errors.As(err, &lerr) {
-		switch lerr.Code {
-		case libvirt.ERR_NO_CONNECT, libvirt.ERR_INVALID_CONN, libvirt.ERR_RPC, libvirt.ERR_SYSTEM_ERROR:
-			return lerr.Domain == libvirt.FROM_RPC || lerr.Domain == libvirt.FROM_REMOTE ||
-				lerr.Code == libvirt.ERR_NO_CONNECT || lerr.Code == libvirt.ERR_INVALID_CONN
-		}
-	}
-	return false
-}
 
 // Reconnecting wraps a Hypervisor connection: it dials the first one on the
 // first call (or Dial), and when a call fails because the connection broke
@@ -36,7 +22,7 @@ func connectionLost(err error) bool {
 // reconnects, redialling until the daemon answers again for at most Wait,
 // and repeats the call once. A second failure is returned as is.
 //
-// Every call, dial and wait ends when its ctx does: calls run under guard, so
+// Every call, dial and wait ends when its ctx does: calls run under Guard, so
 // a connection whose own call cannot be interrupted is abandoned too.
 type Reconnecting struct {
 	dial func(context.Context) (Hypervisor, error)
@@ -95,7 +81,7 @@ func (r *Reconnecting) connection(ctx context.Context) (Hypervisor, error) {
 	}
 	defer r.unlock()
 	if r.closed {
-		return nil, errClosed
+		return nil, ErrClosed
 	}
 	if r.hv == nil {
 		// A connect to a hung libvirtd blocks before any keepalive
@@ -119,14 +105,14 @@ func retry[T any](ctx context.Context, r *Reconnecting, call func(Hypervisor) (T
 		var zero T
 		return zero, err
 	}
-	v, err := guard(ctx, func() (T, error) { return call(hv) }, nil)
-	if err == nil || !connectionLost(err) || ctx.Err() != nil {
+	v, err := Guard(ctx, func() (T, error) { return call(hv) }, nil)
+	if err == nil || !errors.Is(err, ErrConnectionLost) || ctx.Err() != nil {
 		return v, err
 	}
 	if hv, err = r.replace(ctx, hv, err); err != nil {
 		return v, err
 	}
-	return guard(ctx, func() (T, error) { return call(hv) }, nil)
+	return Guard(ctx, func() (T, error) { return call(hv) }, nil)
 }
 
 // replace returns the connection to use instead of lost, whose call failed
@@ -137,7 +123,7 @@ func (r *Reconnecting) replace(ctx context.Context, lost Hypervisor, cause error
 	}
 	defer r.unlock()
 	if r.closed {
-		return nil, errClosed
+		return nil, ErrClosed
 	}
 	if r.hv != nil && r.hv != lost {
 		return r.hv, nil
@@ -247,6 +233,11 @@ func (r *Reconnecting) Define(ctx context.Context, xml string) error {
 // Start implements Hypervisor.
 func (r *Reconnecting) Start(ctx context.Context, name string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.Start(ctx, name) })
+}
+
+// Suspend implements Hypervisor.
+func (r *Reconnecting) Suspend(ctx context.Context, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.Suspend(ctx, name) })
 }
 
 // Destroy implements Hypervisor.

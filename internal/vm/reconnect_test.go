@@ -8,13 +8,12 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"libvirt.org/go/libvirt"
 
 	. "gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
-var lostConnection = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC, Message: "Cannot recv data: Connection reset by peer"}
+var lostConnection = vmtest.LostConnection("Cannot recv data: Connection reset by peer")
 
 func TestReconnectingRetriesOnceAfterLostConnection(t *testing.T) {
 	ctx := context.Background()
@@ -63,7 +62,7 @@ func TestReconnectingRetriesOnceAfterLostConnection(t *testing.T) {
 
 func TestReconnectingWaitsForTheDaemon(t *testing.T) {
 	first, second := vmtest.New(), vmtest.New()
-	first.FailOn["DomainNames"] = libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC}
+	first.FailOn["DomainNames"] = lostConnection
 	second.Domains["lve-a-1"] = &vmtest.Domain{}
 	dials := 0
 	r := NewReconnecting(func(context.Context) (Hypervisor, error) {
@@ -159,20 +158,25 @@ func TestReconnectingAbandonsAHungCall(t *testing.T) {
 	require.True(t, active)
 }
 
-func TestConnectionLostClassification(t *testing.T) {
-	for _, tc := range []struct {
-		err  error
-		lost bool
-	}{
-		{libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_RPC}, true},
-		{libvirt.Error{Code: libvirt.ERR_INVALID_CONN, Domain: libvirt.FROM_NONE}, true},
-		{fmt.Errorf("wrapped: %w", libvirt.Error{Code: libvirt.ERR_NO_CONNECT}), true},
-		{libvirt.Error{Code: libvirt.ERR_SYSTEM_ERROR, Domain: libvirt.FROM_QEMU}, false},
-		{libvirt.Error{Code: libvirt.ERR_NO_DOMAIN}, false},
-		{errors.New("x"), false},
-	} {
-		require.Equal(t, tc.lost, ConnectionLost(tc.err), "%v", tc.err)
-	}
+// Only errors marked ErrConnectionLost make it reconnect: a failure of
+// the call itself is returned as is, on the same connection.
+func TestReconnectingReconnectsOnlyOnALostConnection(t *testing.T) {
+	hv := vmtest.New()
+	refused := errors.New("operation failed: domain is not running")
+	hv.FailOn["DomainNames"] = refused
+	dials := 0
+	r := NewReconnecting(func(context.Context) (Hypervisor, error) { dials++; return hv, nil })
+	_, err := r.DomainNames(context.Background())
+	require.ErrorIs(t, err, refused)
+	require.NotErrorIs(t, err, ErrConnectionLost)
+	require.Equal(t, 1, dials)
+	require.Zero(t, r.Reconnects())
+
+	hv.FailOn["DomainNames"] = fmt.Errorf("wrapped twice: %w", lostConnection)
+	_, err = r.DomainNames(context.Background())
+	require.ErrorIs(t, err, ErrConnectionLost, "the same fake fails again after the reconnect")
+	require.Equal(t, 2, dials)
+	require.Equal(t, 1, r.Reconnects())
 }
 
 // A connect to a libvirtd that accepts but never answers blocks before any

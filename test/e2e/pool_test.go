@@ -21,6 +21,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
+	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // lifecycle.Open's libvirt
 )
 
 // withPool is the rig with a standby pool of idle tiny VMs and a service
@@ -140,8 +141,10 @@ func TestPoolWarmJob(t *testing.T) {
 	require.NotContains(t, log, "Booted, address", "no boot in the job's prepare")
 
 	// The claimed VM is gone with the job; a replacement booted at once.
-	exists, _ := r.domainState(vmName)
-	require.False(t, exists, "the job's VM is destroyed after the job")
+	waitFor(t, reaperWait, "the job's VM destroyed after the job (by its cleanup's reaper)", func() bool {
+		exists, _ := r.domainState(vmName)
+		return !exists
+	})
 	require.Regexp(t, `standby VM claimed.*`+regexp.QuoteMeta(vmName)+`(?s).*booting standby VM`, svc.Log())
 	second := r.waitIdle(t, 1, 3*time.Minute)
 	require.NotEqual(t, vmName, second[0])

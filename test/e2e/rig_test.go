@@ -23,6 +23,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -108,11 +109,56 @@ func (r *rig) options(t *testing.T) (harness.Options, *logWriter) {
 // requireNoLeftovers asserts that nothing with the project prefix remains:
 // no domain, no volume, no state directory or key file. Each leftover is
 // counted in the suite's figures.
+//
+// Cleanup leaves the slow part of a removal (QEMU's exit, undefine,
+// volumes) to a detached reaper: what is left is looked at again until
+// reaperWait has passed. A connection holder or reaper process of this
+// rig's machines still running then is a leftover too.
 func (r *rig) requireNoLeftovers(t *testing.T, when string) {
 	t.Helper()
-	left := r.leftovers(t)
+	deadline := time.Now().Add(reaperWait)
+	left := append(r.leftovers(t), r.strayProcesses()...)
+	for len(left) > 0 && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Millisecond)
+		left = append(r.leftovers(t), r.strayProcesses()...)
+	}
 	figures.addLeaks(len(left))
 	require.Empty(t, left, "%s: leftovers", when)
+}
+
+// reaperWait bounds how long a reaper may take to remove a machine after
+// its cleanup returned (a destroy takes 1-2 s on these machines; more
+// under load).
+const reaperWait = 60 * time.Second
+
+// strayProcesses lists connection holders and reapers of this rig's
+// machines (by their command lines).
+func (r *rig) strayProcesses() []string {
+	return driverProcesses(r.cfg.NamePrefix + "-")
+}
+
+// driverProcesses lists the driver's helper processes (holders, reapers)
+// whose command line names a machine starting with prefix.
+func driverProcesses(prefix string) []string {
+	var found []string
+	procs, _ := filepath.Glob("/proc/[0-9]*/cmdline")
+	for _, p := range procs {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		args := strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
+		if len(args) < 2 || (args[1] != lifecycle.HolderCommand && args[1] != lifecycle.ReaperCommand) {
+			continue
+		}
+		for _, a := range args[2:] {
+			if strings.HasPrefix(a, prefix) {
+				found = append(found, fmt.Sprintf("process %s (%s %s)", filepath.Base(filepath.Dir(p)), args[1], a))
+				break
+			}
+		}
+	}
+	return found
 }
 
 func (r *rig) leftovers(t *testing.T) []string {

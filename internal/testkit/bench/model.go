@@ -15,8 +15,15 @@ type Report struct {
 	Runs        int       `json:"runs"`
 	Concurrency int       `json:"concurrency"`
 	// WarmRound says each image also got a warm round (ImageReport.Warm).
-	WarmRound bool    `json:"warm_round"`
-	PollMs    float64 `json:"floor_poll_ms"`
+	WarmRound bool `json:"warm_round"`
+	// ConnectionHolder is the configuration's [ssh] connection_holder: the
+	// jobs (cold, concurrent, warm) run their stages through the job's
+	// connection holder. DirectRuns is how many jobs per image ran with a
+	// copy of the configuration that turns it off (ImageReport.Direct), 0
+	// for none.
+	ConnectionHolder bool    `json:"connection_holder"`
+	DirectRuns       int     `json:"direct_runs"`
+	PollMs           float64 `json:"floor_poll_ms"`
 	// Startup is each executable's start on the host (`--version`, run
 	// repeatedly): the fixed cost every stage pays before doing anything.
 	Startup   map[string]Summary `json:"startup_ms"`
@@ -36,6 +43,11 @@ type ImageReport struct {
 	// Warm is the warm round (after the cold jobs above): jobs that claim a
 	// standby VM from a pool that libvirt-executor serve keeps.
 	Warm *WarmRound `json:"warm,omitempty"`
+	// Direct is the direct round: the same cold jobs with a copy of the
+	// configuration with [ssh] connection_holder = false, every stage on
+	// an SSH connection of its own (the path before the connection holder),
+	// interleaved with the jobs above.
+	Direct *DirectRound `json:"direct,omitempty"`
 	// FloorSpec says whether the floor's domain definition matched
 	// prepare's once per-machine values are blanked: "same", "differs" (see
 	// FloorSpecDiff) or why it could not be checked.
@@ -63,7 +75,21 @@ type JobSample struct {
 	// is build_script's run_exec wall time minus it.
 	BuildGuestMs    *float64 `json:"build_guest_ms,omitempty"`
 	BuildOverheadMs *float64 `json:"build_overhead_ms,omitempty"`
-	CleanupMs       float64  `json:"cleanup_ms"`
+	// StageGuestMs is each no-op stage's (NoopStages) own time in the guest,
+	// StageOverheadMs its run_exec wall time minus that: build_script's are
+	// BuildGuestMs and BuildOverheadMs again.
+	StageGuestMs    map[string]float64 `json:"stage_guest_ms,omitempty"`
+	StageOverheadMs map[string]float64 `json:"stage_overhead_ms,omitempty"`
+	// HolderStarted says prepare started the job's connection holder (its
+	// job-log line); DirectStages counts the run stages that connected
+	// directly although the holder was on (run's "this stage connects
+	// directly" line).
+	HolderStarted bool    `json:"holder_started,omitempty"`
+	DirectStages  int     `json:"direct_stages,omitempty"`
+	CleanupMs     float64 `json:"cleanup_ms"`
+	// Gone is how long after cleanup returned the job's VM was really gone:
+	// cleanup leaves the destroy, undefine and volumes to a detached reaper.
+	Gone *GoneMs `json:"vm_gone,omitempty"`
 	// OverlayBytes and SeedBytes are the volumes' allocation (bytes used on
 	// the host) read from libvirt when the first run stage started, i.e.
 	// right after prepare; OverlayCapacity is the overlay's virtual size.
@@ -120,6 +146,31 @@ type WarmRound struct {
 	Errors []string `json:"errors,omitempty"`
 	// Removed names the standby VMs removed after the service stopped.
 	Removed []string `json:"removed,omitempty"`
+}
+
+// GoneMs is how long after the cleanup stage returned its VM was gone, in
+// milliseconds, polled every GonePoll for at most GoneWithin: the domain
+// unknown to libvirt, the machine's state directory (state_dir/machines/VM)
+// removed, and both. A nil figure was not seen within GoneWithin (Error says
+// what was left).
+type GoneMs struct {
+	VM       string   `json:"vm"`
+	Domain   *float64 `json:"domain_ms,omitempty"`
+	StateDir *float64 `json:"state_dir_ms,omitempty"`
+	Gone     *float64 `json:"gone_ms,omitempty"`
+	Polls    int      `json:"polls"`
+	Error    string   `json:"error,omitempty"`
+}
+
+// DirectRound is an image's direct round: DirectRuns cold jobs whose stages
+// each connect to the guest directly ([ssh] connection_holder = false), the
+// path before the connection holder, for the before/after comparison.
+type DirectRound struct {
+	// Config is the configuration copy the round's jobs got.
+	Config string      `json:"config"`
+	Jobs   []JobSample `json:"jobs"`
+	// Errors are the round's own problems (its configuration copy).
+	Errors []string `json:"errors,omitempty"`
 }
 
 // HostLoad is how busy the host was when a sample started: the rig is shared
@@ -255,8 +306,13 @@ type ImageSummary struct {
 	StageWall  map[string]Summary `json:"stage_wall_ms"`
 	BuildGuest Summary            `json:"build_guest_ms"`
 	Overhead   Summary            `json:"run_overhead_ms"`
-	Cleanup    Summary            `json:"cleanup_ms"`
-	JobWall    Summary            `json:"job_wall_ms"`
+	// OverheadAll is the run overhead of every no-op stage (NoopStages) of
+	// every job, pooled: len(NoopStages) samples per job.
+	OverheadAll Summary `json:"run_overhead_all_stages_ms"`
+	Cleanup     Summary `json:"cleanup_ms"`
+	// VMGone is cleanup's return until its VM is gone (GoneMs.Gone).
+	VMGone  Summary `json:"cleanup_to_vm_gone_ms"`
+	JobWall Summary `json:"job_wall_ms"`
 
 	Overlay Summary            `json:"overlay_bytes"`
 	SeedVol Summary            `json:"seed_bytes"`
@@ -267,6 +323,47 @@ type ImageSummary struct {
 
 	// Warm summarizes the warm round; nil when there was none.
 	Warm *WarmSummary `json:"warm,omitempty"`
+
+	// HolderPath summarizes the cold jobs (above) stage by stage, the
+	// configuration's path (the connection holder unless it turns that
+	// off), DirectPath the direct round's jobs the same way; nil when there
+	// was no direct round. Side by side: before and after the holder.
+	HolderPath PathSummary  `json:"holder_path"`
+	DirectPath *PathSummary `json:"direct_path,omitempty"`
+}
+
+// PathSummary is one way of running the stages (connection holder or a
+// connection per stage) over a set of jobs, stage by stage: medians and
+// ranges over the jobs that succeeded, in ms.
+type PathSummary struct {
+	// Jobs is the count; Failures those that failed (left out).
+	Jobs     int `json:"jobs"`
+	Failures int `json:"failures"`
+	// HolderStarted counts the succeeded jobs whose prepare started a
+	// connection holder; DirectStages the run stages of those jobs that
+	// connected directly all the same.
+	HolderStarted int `json:"holder_started"`
+	DirectStages  int `json:"direct_stages"`
+
+	ConfigWall  Summary `json:"config_wall_ms"`
+	PrepareWall Summary `json:"prepare_wall_ms"`
+	// StageWall is each run stage's run_exec wall (RunStages).
+	StageWall map[string]Summary `json:"stage_wall_ms"`
+	// RunStageWall is, per job, the median wall of its run stages;
+	// RunStagesTotal their sum.
+	RunStageWall   Summary `json:"run_stage_wall_ms"`
+	RunStagesTotal Summary `json:"run_stages_total_ms"`
+	// Overhead is build_script's run overhead, OverheadAll every no-op
+	// stage's, pooled.
+	Overhead    Summary `json:"run_overhead_ms"`
+	OverheadAll Summary `json:"run_overhead_all_stages_ms"`
+	Cleanup     Summary `json:"cleanup_ms"`
+	VMGone      Summary `json:"cleanup_to_vm_gone_ms"`
+	JobWall     Summary `json:"job_wall_ms"`
+	// AfterPrepare is the job wall without config and prepare: the run
+	// stages, cleanup and the harness between them, free of the boot's
+	// variance.
+	AfterPrepare Summary `json:"job_wall_after_prepare_ms"`
 }
 
 // WarmSummary holds medians and ranges over the warm round's jobs that
@@ -278,6 +375,7 @@ type WarmSummary struct {
 	Ready       Summary            `json:"ready_ms"`
 	Overhead    Summary            `json:"run_overhead_ms"`
 	Cleanup     Summary            `json:"cleanup_ms"`
+	VMGone      Summary            `json:"cleanup_to_vm_gone_ms"`
 	JobWall     Summary            `json:"job_wall_ms"`
 	PeakRSS     map[string]Summary `json:"peak_rss_bytes"`
 	Refill      Summary            `json:"refill_ms"`
@@ -292,8 +390,16 @@ type WarmSummary struct {
 	Failures   int `json:"failures"`
 }
 
-// RunStages are the run_exec stages of the benchmark job, in order.
-var RunStages = []string{"prepare_script", "get_sources", "build_script"}
+// RunStages are the run_exec stages of the benchmark job, in order: the
+// runner's prepare_script and get_sources (GIT_STRATEGY none), then the
+// no-op stages (NoopStages).
+var RunStages = []string{"prepare_script", "get_sources", "build_script", "after_script", "archive_cache", "upload_artifacts_on_success"}
+
+// NoopStages are the benchmark job's stages that run the no-op
+// (NoopCommandIn), so that each job gives several samples of the run
+// overhead: its script (build_script), its after_script, and two extra
+// stages named like those the runner runs after a successful script.
+var NoopStages = []string{"build_script", "after_script", "archive_cache", "upload_artifacts_on_success"}
 
 // Executables are the driver's programs, in the order they run.
 var Executables = []string{"config", "prepare", "run", "cleanup"}
@@ -362,6 +468,12 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.Overhead = col(func(j *JobSample) float64 { return orNaN(j.BuildOverheadMs) })
 	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
 	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
+	s.HolderPath = SummarizePath(r.Jobs)
+	s.OverheadAll, s.VMGone = s.HolderPath.OverheadAll, s.HolderPath.VMGone
+	if r.Direct != nil {
+		d := SummarizePath(r.Direct.Jobs)
+		s.DirectPath = &d
+	}
 	s.Overlay = col(func(j *JobSample) float64 { return optU(j.OverlayBytes) })
 	s.SeedVol = col(func(j *JobSample) float64 { return optU(j.SeedBytes) })
 	s.StageWall = map[string]Summary{}
@@ -466,6 +578,7 @@ func (w *WarmRound) Summarize(cold Summary) WarmSummary {
 	s.Refill = claim(func(c *ClaimMs) float64 { return orNaN(c.Refill) })
 	s.Overhead = col(func(j *JobSample) float64 { return orNaN(j.BuildOverheadMs) })
 	s.Cleanup = col(func(j *JobSample) float64 { return j.CleanupMs })
+	s.VMGone = col(goneOf)
 	s.JobWall = col(func(j *JobSample) float64 { return j.WallMs })
 	for _, exe := range Executables {
 		s.PeakRSS[exe] = col(peakRSSOf(exe))

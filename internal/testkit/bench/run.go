@@ -28,6 +28,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
 
 // Options configure a benchmark run.
@@ -48,6 +49,11 @@ type Options struct {
 	// SkipWarm skips the warm round (jobs on standby VMs that
 	// libvirt-executor serve keeps) after each image's cold jobs.
 	SkipWarm bool
+	// DirectRuns is how many jobs per image run with a copy of the
+	// configuration with [ssh] connection_holder = false (every stage on
+	// a connection of its own), interleaved with the cold jobs, for the
+	// before/after comparison (default: Runs; negative skips them).
+	DirectRuns int
 	// Progress receives one line per job and floor boot; JobLog, if set,
 	// every job log. Nil discards.
 	Progress, JobLog io.Writer
@@ -59,6 +65,9 @@ func (o *Options) defaults() {
 	}
 	if o.Concurrency == 0 {
 		o.Concurrency = 2
+	}
+	if o.DirectRuns == 0 {
+		o.DirectRuns = o.Runs
 	}
 	if o.Poll == 0 {
 		o.Poll = 50 * time.Millisecond
@@ -81,6 +90,9 @@ func (o Options) Validate() error {
 	if o.Runs < 1 {
 		errs = append(errs, fmt.Errorf("runs = %d: want at least 1", o.Runs))
 	}
+	if o.DirectRuns > 50 {
+		errs = append(errs, fmt.Errorf("direct runs = %d: at most 50", o.DirectRuns))
+	}
 	if o.Concurrency > 8 {
 		errs = append(errs, fmt.Errorf("concurrency = %d: at most 8 VMs at once", o.Concurrency))
 	}
@@ -97,10 +109,14 @@ type bench struct {
 	store state.Store
 	ctrl  string
 	conn  *libvirt.Connect
-	hv    *vm.Libvirt
+	hv    *libvirtvm.Conn
 	exec  harness.Executables
 	// timings holds each job's timings file (lifecycle.TimingsEnv).
 	timings string
+	// startupSum is the executables' start (Report.Startup), for the targets.
+	startupSum map[string]Summary
+	// direct is the direct round's set-up; nil when there is none.
+	direct *directRound
 }
 
 // Run measures every image and returns the report. The error is for setup
@@ -142,7 +158,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		return nil, fmt.Errorf("libvirt at %s: %w", cfg.LibvirtURI, err)
 	}
 	defer b.conn.Close()
-	if b.hv, err = vm.Connect(ctx, cfg.LibvirtURI); err != nil {
+	if b.hv, err = libvirtvm.Connect(ctx, cfg.LibvirtURI); err != nil {
 		return nil, err
 	}
 	defer b.hv.Close()
@@ -154,8 +170,29 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		b.progress("warning: leftovers of this installation before the benchmark: %s", strings.Join(left, ", "))
 	}
 	host, _ := os.Hostname()
-	rep := &Report{Started: time.Now(), Host: host, Config: o.ConfigPath, Runs: o.Runs, Concurrency: max(o.Concurrency, 0), WarmRound: !o.SkipWarm, PollMs: ms(o.Poll)}
+	rep := &Report{Started: time.Now(), Host: host, Config: o.ConfigPath, Runs: o.Runs, Concurrency: max(o.Concurrency, 0), WarmRound: !o.SkipWarm, PollMs: ms(o.Poll),
+		ConnectionHolder: cfg.SSH.HolderEnabled()}
+	switch {
+	case o.DirectRuns < 1:
+	case !rep.ConnectionHolder:
+		b.progress("warning: %s turns the connection holder off ([ssh] connection_holder = false): every job connects per stage, no direct round to compare with", o.ConfigPath)
+	default:
+		// The jobs' reapers read the copy after cleanup: it stays until the
+		// end (each job waits for its VM to be gone).
+		dir, err := os.MkdirTemp("", "lve-bench-direct-")
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = os.RemoveAll(dir) }()
+		b.direct = b.setupDirect(dir)
+		if b.direct.err != nil {
+			b.progress("ERROR: %s", b.direct.err)
+		} else {
+			rep.DirectRuns = o.DirectRuns
+		}
+	}
 	rep.Startup = b.startup(ctx, 15)
+	b.startupSum = rep.Startup
 	for _, name := range images {
 		if ctx.Err() != nil {
 			break
@@ -172,7 +209,9 @@ func (b *bench) progress(format string, args ...any) {
 
 // image measures one image: Runs sequential jobs, each paired with a floor
 // boot (alternating which goes first, so neither always meets a warmer host),
-// then one round of concurrent jobs, then the warm round (warm.go).
+// and DirectRuns jobs of the direct round (direct.go) between them (after
+// the pair in odd runs, before it in even ones), then one round of
+// concurrent jobs, then the warm round (warm.go).
 func (b *bench) image(ctx context.Context, name string) ImageReport {
 	img, _ := b.cfg.Image(name)
 	res, _ := gitlab.ChooseResources(b.cfg, img, func(string) string { return "" })
@@ -183,7 +222,16 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 	r := ImageReport{Image: name, DomainType: dt, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB}
 	fe := floorEnv{cfg: b.cfg, hv: b.hv, store: b.store, controller: b.ctrl, poll: b.opts.Poll, domainXML: b.domainXML,
 		overlay: func(name string) (*uint64, error) { vi := b.volumes(name); return vi.overlay, vi.err }}
-	for run := 1; run <= b.opts.Runs && ctx.Err() == nil; run++ {
+	runs := b.opts.Runs
+	if d := b.direct; d != nil {
+		r.Direct = &DirectRound{Config: d.config}
+		if d.err != nil {
+			r.Direct.Errors = append(r.Direct.Errors, d.err.Error())
+		} else {
+			runs = max(runs, b.opts.DirectRuns)
+		}
+	}
+	for run := 1; run <= runs && ctx.Err() == nil; run++ {
 		job := func() {
 			j := b.job(ctx, name, run)
 			r.Jobs = append(r.Jobs, j)
@@ -196,12 +244,30 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 			r.Floors = append(r.Floors, f)
 			b.progress("%s run %d/%d: %s", name, run, b.opts.Runs, describeFloor(f))
 		}
-		if run%2 == 1 {
-			job()
-			floor()
-		} else {
-			floor()
-			job()
+		direct := func() {
+			j := b.runJob(ctx, name, run, b.direct.mode)
+			r.Direct.Jobs = append(r.Direct.Jobs, j)
+			b.progress("%s run %d/%d: direct (connection per stage) %s", name, run, b.opts.DirectRuns, describeJob(j))
+		}
+		var seq []func()
+		if run <= b.opts.Runs {
+			if run%2 == 1 {
+				seq = append(seq, job, floor)
+			} else {
+				seq = append(seq, floor, job)
+			}
+		}
+		if b.direct != nil && b.direct.err == nil && run <= b.opts.DirectRuns {
+			if run%2 == 1 {
+				seq = append(seq, direct)
+			} else {
+				seq = append([]func(){direct}, seq...)
+			}
+		}
+		for _, step := range seq {
+			if ctx.Err() == nil {
+				step()
+			}
 		}
 	}
 	if b.opts.Concurrency > 0 && ctx.Err() == nil {
@@ -218,7 +284,7 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 		b.progress("%s: WARNING: floor domain vs prepare's: %s %s", name, r.FloorSpec, strings.Join(r.FloorSpecDiff, " "))
 	}
 	r.Summary = r.Summarize()
-	r.Targets = Evaluate(r.Summary)
+	r.Targets = append(Evaluate(r.Summary), EvaluateStartup(b.startupSum)...)
 	return r
 }
 
@@ -262,11 +328,13 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 }
 
 // jobMode is how a job runs: the executables (and their configuration),
-// and whether it belongs to the warm round, where prepare may claim a
-// standby VM instead of booting the job's own.
+// whether it belongs to the warm round, where prepare may claim a
+// standby VM instead of booting the job's own, and whether to the direct
+// round, whose configuration turns the connection holder off.
 type jobMode struct {
-	exec harness.Executables
-	warm bool
+	exec   harness.Executables
+	warm   bool
+	direct bool
 }
 
 // runJob runs one no-op job through the harness and collects its figures.
@@ -278,9 +346,10 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 		wg     sync.WaitGroup
 		vols   volumeInfo
 		domXML string
+		served = machine // the VM that serves the job (a warm job's: the standby VM it claimed)
 	)
 	var debug lockedBuffer
-	var launch time.Time
+	var launch, cleanupLaunch time.Time
 	// The driver's own figures: prepare appends its timings record to the
 	// file the runner host's environment names.
 	timings := filepath.Join(b.timings, fmt.Sprintf("%d.jsonl", id))
@@ -295,8 +364,11 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 		DebugLog:          &debug,
 		SampleRSS:         5 * time.Millisecond,
 		OnStage: func(stage string, _ int) {
-			if stage == "prepare" {
+			switch stage {
+			case "prepare":
 				launch = time.Now() // the last attempt's
+			case "cleanup":
+				cleanupLaunch = time.Now() // the last one's
 			}
 			if stage == RunStages[0] { // prepare has just succeeded
 				wg.Add(1)
@@ -306,6 +378,7 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 					if mode.warm {
 						vmName = b.machineOfJob(machine)
 					}
+					served = vmName
 					vols = b.volumes(vmName)
 					domXML, _ = b.domainXML(vmName)
 				}()
@@ -314,9 +387,20 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 	}
 	j.Host = b.hostLoad()
 	t0 := time.Now()
-	res, err := harness.RunJob(ctx, opts, harness.Job{ID: id, Image: image, Script: []string{NoopCommand}})
+	res, err := harness.RunJob(ctx, opts, benchJob(id, image))
 	j.WallMs = ms(time.Since(t0))
 	wg.Wait()
+	var cleanupExit time.Time
+	if err == nil {
+		if c := res.Stage("cleanup"); len(c) > 0 && !cleanupLaunch.IsZero() {
+			cleanupExit = cleanupLaunch.Add(c[len(c)-1].Duration)
+		}
+	}
+	if !cleanupExit.IsZero() {
+		// Cleanup left the VM to its reaper: wait until it is gone (so that
+		// the next job does not meet the reaper's work, and nothing is left).
+		j.Gone = waitGone(ctx, served, cleanupExit, GonePoll, GoneWithin, b.vmGone(served))
+	}
 	if err != nil {
 		j.Error = err.Error()
 		return j
@@ -362,17 +446,21 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 	if readErr != nil {
 		problems = append(problems, readErr.Error())
 	}
-	if guest, err := ParseNoop(res.Log); err == nil {
-		g := ms(guest)
-		j.BuildGuestMs = &g
-		for _, s := range j.Stages {
-			if s.Name == "build_script" {
-				o := s.WallMs - g
-				j.BuildOverheadMs = &o
-			}
+	noops, nerr := ParseNoops(res.Log)
+	if nerr != nil {
+		problems = append(problems, nerr.Error())
+	}
+	if missing := j.readNoops(noops); len(missing) > 0 && res.State == harness.StateSuccess {
+		problems = append(problems, fmt.Sprintf("no %s line of %s in the job log", NoopMarker, strings.Join(missing, ", ")))
+	}
+	j.readHolder(res.Log)
+	if res.State == harness.StateSuccess {
+		if p := j.holderProblem(mode.direct, b.cfg.SSH.HolderEnabled()); p != "" {
+			problems = append(problems, p)
 		}
-	} else if res.State == harness.StateSuccess {
-		problems = append(problems, err.Error())
+	}
+	if j.Gone != nil && j.Gone.Error != "" {
+		problems = append(problems, j.Gone.Error)
 	}
 	if vols.err != nil {
 		problems = append(problems, vols.err.Error())
@@ -421,7 +509,18 @@ func describeJob(j JobSample) string {
 	if j.BuildOverheadMs != nil {
 		s += ", no-op stage overhead " + fmtMs(*j.BuildOverheadMs)
 	}
+	switch {
+	case j.HolderStarted && j.DirectStages == 0:
+		s += " (holder)"
+	case j.HolderStarted:
+		s += fmt.Sprintf(" (holder, %d stage(s) direct)", j.DirectStages)
+	default:
+		s += " (direct)"
+	}
 	s += ", cleanup " + fmtMs(j.CleanupMs)
+	if g := j.Gone; g != nil && g.Gone != nil {
+		s += ", VM gone +" + fmtMs(*g.Gone)
+	}
 	if c := j.Claim; c != nil && c.Refill != nil {
 		s += ", job " + fmtMs(j.WallMs) + ", refill " + fmtMs(*c.Refill)
 	}

@@ -3,6 +3,7 @@ package bench
 import (
 	"fmt"
 	"io"
+	"math"
 	"strings"
 	"text/tabwriter"
 )
@@ -17,6 +18,14 @@ func (r *Report) WriteTable(w io.Writer) error {
 		warm = "then a warm round (standby pool of 1 idle VM)"
 	}
 	fmt.Fprintf(tw, "%d run(s) per image, floor polled every %s, %d concurrent job(s), %s\n", r.Runs, fmtMs(r.PollMs), r.Concurrency, warm)
+	switch {
+	case !r.ConnectionHolder:
+		fmt.Fprintf(tw, "stages: a connection per stage ([ssh] connection_holder = false in the configuration), no direct round\n")
+	case r.DirectRuns > 0:
+		fmt.Fprintf(tw, "stages: through the connection holder; plus %d direct job(s) per image ([ssh] connection_holder = false), interleaved\n", r.DirectRuns)
+	default:
+		fmt.Fprintf(tw, "stages: through the connection holder; no direct round\n")
+	}
 	if len(r.Startup) > 0 {
 		fmt.Fprintf(tw, "\nexecutable start on the host (--version)\tmedian\tmin - max\tn\n")
 		for _, exe := range Executables {
@@ -79,11 +88,14 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	for _, name := range RunStages {
 		row("  "+name, s.StageWall[name], fmtMs)
 	}
+	row("  run stage wall (median of a job's stages)", s.HolderPath.RunStageWall, fmtMs)
 	row("  no-op's own time in guest", s.BuildGuest, fmtMs)
 	row("  overhead per stage (build_script)", s.Overhead, fmtMs)
+	row(fmt.Sprintf("  overhead per stage (all %d no-op stages)", len(NoopStages)), s.OverheadAll, fmtMs)
 	row("  of which: SSH connect+handshake+login", s.Handshake, fmtMs)
 	row("  of which: one session exec (one per stage)", s.Exec, fmtMs)
 	row("cleanup wall", s.Cleanup, fmtMs)
+	row("  cleanup -> VM gone (domain, state dir)", s.VMGone, fmtMs)
 	row("  floor VM: destroy call", s.FloorDestroy, fmtMs)
 	row("  floor VM: destroy+undefine+volumes", s.FloorRemove, fmtMs)
 	row("job wall (config..cleanup)", s.JobWall, fmtMs)
@@ -102,6 +114,9 @@ func writeImage(tw io.Writer, img *ImageReport) {
 		}
 		fmt.Fprintf(tw, "concurrent: %d jobs at once\t%s\t(sequential: %s)\t%d failed\n", c.N, fmtMs(c.WallMs), seq, c.Failures)
 	}
+	if s.DirectPath != nil {
+		writePaths(tw, *s.DirectPath, s.HolderPath)
+	}
 	if img.Warm != nil && s.Warm != nil {
 		writeWarm(tw, img.Warm, s, row)
 	}
@@ -113,8 +128,79 @@ func writeImage(tw io.Writer, img *ImageReport) {
 		}
 		fmt.Fprintf(tw, "%s\t%s %s\t%s\t%s\n", t.Name, t.Op(), fmtUnit(t.Unit, t.Limit), val, t.Verdict())
 	}
+	if img.Direct != nil {
+		writeDirectNotes(tw, img.Direct)
+	}
 	if img.Warm != nil {
 		writeWarmNotes(tw, img.Warm)
+	}
+}
+
+// writePaths prints the direct round's jobs (a connection per stage, the
+// path before the connection holder) beside the holder jobs of the same
+// run, stage by stage: medians [min - max], and the holder's change.
+func writePaths(tw io.Writer, direct, holder PathSummary) {
+	fmt.Fprintf(tw, "direct vs connection holder (same run)\tdirect (old)\tholder (new)\tholder - direct\n")
+	fmt.Fprintf(tw, "  jobs: succeeded (failed)\t%d (%d)\t%d (%d)\t\n", direct.Jobs-direct.Failures, direct.Failures, holder.Jobs-holder.Failures, holder.Failures)
+	fmt.Fprintf(tw, "  holder started / stages connected directly\t%d / %d\t%d / %d\t\n", direct.HolderStarted, direct.DirectStages, holder.HolderStarted, holder.DirectStages)
+	row := func(label string, d, h Summary) {
+		fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", label, fmtCell(d), fmtCell(h), fmtDelta(d, h))
+	}
+	row("config wall", direct.ConfigWall, holder.ConfigWall)
+	row("prepare wall", direct.PrepareWall, holder.PrepareWall)
+	for _, name := range RunStages {
+		row(name, direct.StageWall[name], holder.StageWall[name])
+	}
+	row("run stage wall (median of a job's stages)", direct.RunStageWall, holder.RunStageWall)
+	row("run stages together", direct.RunStagesTotal, holder.RunStagesTotal)
+	row("overhead per stage (build_script)", direct.Overhead, holder.Overhead)
+	row(fmt.Sprintf("overhead per stage (all %d no-op stages)", len(NoopStages)), direct.OverheadAll, holder.OverheadAll)
+	row("cleanup wall", direct.Cleanup, holder.Cleanup)
+	row("cleanup -> VM gone", direct.VMGone, holder.VMGone)
+	row("job wall (config..cleanup)", direct.JobWall, holder.JobWall)
+	row("job wall without config, prepare", direct.AfterPrepare, holder.AfterPrepare)
+}
+
+// fmtCell is a time's median [min - max], or "-" if not measured.
+func fmtCell(s Summary) string {
+	if !s.Known() {
+		return "-"
+	}
+	if s.N == 1 {
+		return fmtMs(s.Median)
+	}
+	return fmt.Sprintf("%s [%s - %s]", fmtMs(s.Median), fmtMs(s.Min), fmtMs(s.Max))
+}
+
+// fmtDelta is h's median minus d's, signed, or "-".
+func fmtDelta(d, h Summary) string {
+	if !d.Known() || !h.Known() {
+		return "-"
+	}
+	v := h.Median - d.Median
+	sign := "+"
+	switch {
+	case v < 0:
+		sign = "-"
+	case v == 0:
+		sign = ""
+	}
+	return sign + fmtMs(math.Abs(v))
+}
+
+// writeDirectNotes lists the direct round's own errors and its jobs that
+// failed or did not run as they should (after the targets).
+func writeDirectNotes(tw io.Writer, d *DirectRound) {
+	for _, e := range d.Errors {
+		fmt.Fprintf(tw, "DIRECT ROUND ERROR: %s\n", firstLine(e))
+	}
+	for _, j := range d.Jobs {
+		switch {
+		case !j.OK:
+			fmt.Fprintf(tw, "direct run %d FAILED: %s\n", j.Run, firstLine(j.Error))
+		case j.Error != "":
+			fmt.Fprintf(tw, "direct run %d: %s\n", j.Run, firstLine(j.Error))
+		}
 	}
 }
 
@@ -142,6 +228,7 @@ func writeWarm(tw io.Writer, w *WarmRound, s ImageSummary, row func(string, Summ
 	row("  cold job wall (config..cleanup)", s.JobWall, fmtMs)
 	row("  warm overhead per stage (build_script)", ws.Overhead, fmtMs)
 	row("  warm cleanup wall", ws.Cleanup, fmtMs)
+	row("  warm cleanup -> VM gone", ws.VMGone, fmtMs)
 	row("  warm peak RSS libvirt-executor-prepare", ws.PeakRSS["prepare"], fmtBytes)
 	row("refill: claim -> replacement's boot began", ws.Refill, fmtMs)
 }

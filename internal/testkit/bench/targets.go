@@ -41,7 +41,7 @@ func (t Target) Verdict() string {
 const (
 	TargetRatio       = 1.03     // prepare wall <= 1.03 x the floor
 	TargetOverheadMs  = 20.0     // run_exec overhead per stage
-	TargetCleanupMs   = 1000.0   // cleanup wall
+	TargetCleanupMs   = 300.0    // cleanup wall
 	TargetOverlay     = 1 << 20  // overlay bytes allocated at start
 	TargetPeakRSS     = 30 << 20 // each executable's peak RSS
 	statMedian        = "median"
@@ -49,6 +49,13 @@ const (
 	unitRatio, unitMs = "ratio", "ms"
 	unitBytes         = "bytes"
 )
+
+// TargetStartupMs is the goal for the start of the executables that every
+// run stage and every job starts (config, run): `--version`, median.
+const TargetStartupMs = 5.0
+
+// StartupTargets are the executables TargetStartupMs applies to.
+var StartupTargets = []string{"config", "run"}
 
 // The warm start's goals (standby pool): a claimed VM's prepare, how much
 // faster that is than a cold one, and how soon the pool starts replacing
@@ -94,6 +101,16 @@ func Evaluate(s ImageSummary) []Target {
 			compare("warm prepare (standby VM)", statMedian, unitMs, TargetWarmPrepareMs, w.PrepareWall),
 			ratio,
 			compare("refill (claim -> replacement boot)", statMedian, unitMs, TargetRefillMs, w.Refill))
+	}
+	return out
+}
+
+// EvaluateStartup compares the executables' start on the host (the
+// benchmark's `--version` figures, Report.Startup) with TargetStartupMs.
+func EvaluateStartup(startup map[string]Summary) []Target {
+	out := make([]Target, 0, len(StartupTargets))
+	for _, exe := range StartupTargets {
+		out = append(out, compare("executable start libvirt-executor-"+exe+" (--version)", statMedian, unitMs, TargetStartupMs, startup[exe]))
 	}
 	return out
 }

@@ -50,6 +50,8 @@ type Domain struct {
 	XML      string
 	OwnerXML string
 	Active   bool
+	// Paused: Suspend paused it (it still counts as active).
+	Paused bool
 	// Transient: undefined while running; it is gone once destroyed.
 	Transient bool
 	// State, if set, is what State reports (else running or shut off,
@@ -63,6 +65,12 @@ func New() *Fake {
 }
 
 var _ vm.Hypervisor = (*Fake)(nil)
+
+// LostConnection is the error of a call on a connection that broke (libvirtd
+// restarted, or its keepalive gave up), as a Hypervisor reports it: marked
+// vm.ErrConnectionLost. A test puts it in FailOn to make vm.Reconnecting
+// reconnect.
+func LostConnection(detail string) error { return fmt.Errorf("%w: %s", vm.ErrConnectionLost, detail) }
 
 // wait blocks while Hang says libvirtd hangs; it is the first thing every
 // call but Close does, before it takes f.mu, after BeforeCall.
@@ -219,6 +227,22 @@ func (f *Fake) Destroy(ctx context.Context, name string) error {
 	d.Active = false
 	if d.Transient {
 		delete(f.Domains, name)
+	}
+	return nil
+}
+func (f *Fake) Suspend(ctx context.Context, name string) error {
+	f.wait("Suspend")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("Suspend"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if d.Active {
+		d.Paused = true
 	}
 	return nil
 }

@@ -1,4 +1,15 @@
-package vm
+// Package libvirtvm is the libvirt implementation of vm.Hypervisor, over
+// libvirt's cgo binding: the connection with its keepalive on libvirt's event
+// loop, the calls abandoned when their ctx ends, and libvirt's error codes
+// mapped to vm.ErrNotFound, vm.ErrNoOwner, vm.ErrAgentNotReady and
+// vm.ErrConnectionLost.
+//
+// Importing it registers Connect as vm.Connect's Connector (the default of
+// lifecycle.Open). Only the executables that talk to libvirt import it
+// (prepare, cleanup, the admin tool, the test tooling): the config and run
+// stages are built without libvirt's C library and the ~60 shared libraries
+// it loads, and start in a few milliseconds.
+package libvirtvm
 
 import (
 	"context"
@@ -15,17 +26,29 @@ import (
 
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// Libvirt implements Hypervisor over a libvirt connection.
+func init() {
+	vm.RegisterConnector(func(ctx context.Context, uri string) (vm.Hypervisor, error) {
+		c, err := Connect(ctx, uri)
+		if err != nil {
+			return nil, err // not a typed nil in the interface
+		}
+		return c, nil
+	})
+}
+
+// Conn implements vm.Hypervisor over a libvirt connection.
 //
 // libvirt's calls cannot be interrupted: each runs in a goroutine of its own
-// (guard), and a method returns ctx's error as soon as ctx ends, abandoning
+// (vm.Guard), and a method returns ctx's error as soon as ctx ends, abandoning
 // the call. The connection stays open while any call, abandoned or not, still
 // uses it. A dead or hung libvirtd is noticed within seconds: the connection
 // sends keepalives (KeepAliveInterval, KeepAliveCount) and fails its calls
 // when they go unanswered.
-type Libvirt struct {
+type Conn struct {
 	conn *libvirt.Connect
 
 	mu      sync.Mutex
@@ -33,7 +56,7 @@ type Libvirt struct {
 	closing bool // Close was called: conn goes when calls drops to 0
 }
 
-var _ Hypervisor = (*Libvirt)(nil)
+var _ vm.Hypervisor = (*Conn)(nil)
 
 // Keepalive of a libvirt connection: after KeepAliveInterval seconds without
 // a message from libvirtd the client asks whether it is there, and after
@@ -44,16 +67,13 @@ const (
 	KeepAliveCount    = 3
 )
 
-// errClosed is the error of a call on a connection after Close.
-var errClosed = errors.New("libvirt connection already closed")
-
 // Connect opens a libvirt connection with keepalive, giving up when ctx
 // ends.
-func Connect(ctx context.Context, uri string) (*Libvirt, error) {
+func Connect(ctx context.Context, uri string) (*Conn, error) {
 	if err := startEventLoop(); err != nil {
 		return nil, err
 	}
-	conn, err := guard(ctx, func() (*libvirt.Connect, error) { return libvirt.NewConnect(uri) },
+	conn, err := vm.Guard(ctx, func() (*libvirt.Connect, error) { return libvirt.NewConnect(uri) },
 		func(c *libvirt.Connect) { _, _ = c.Close() })
 	if err != nil {
 		return nil, fmt.Errorf("connect to libvirt at %s: %w%s", uri, err, accessHint(err))
@@ -62,7 +82,7 @@ func Connect(ctx context.Context, uri string) (*Libvirt, error) {
 		_, _ = conn.Close()
 		return nil, fmt.Errorf("libvirt at %s: %w", uri, err)
 	}
-	return &Libvirt{conn: conn}, nil
+	return &Conn{conn: conn}, nil
 }
 
 // eventLoop is libvirt's default event loop, registered once per process
@@ -108,11 +128,11 @@ func keepAlive(conn *libvirt.Connect) error {
 	return fmt.Errorf("turn on keepalive: %w", err)
 }
 
-// call runs fn, which uses l.conn, under guard, keeping the connection open
-// until fn returns. An error on a connection that is no longer alive (the
-// keepalive gave up, libvirtd went away) is marked ErrConnectionLost.
-func call[T any](ctx context.Context, l *Libvirt, fn func() (T, error)) (T, error) {
-	return guard(ctx, func() (T, error) {
+// call runs fn, which uses l.conn, under vm.Guard, keeping the connection
+// open until fn returns. An error on a connection that is no longer alive
+// (the keepalive gave up, libvirtd went away) is marked vm.ErrConnectionLost.
+func call[T any](ctx context.Context, l *Conn, fn func() (T, error)) (T, error) {
+	return vm.Guard(ctx, func() (T, error) {
 		var zero T
 		if err := l.enter(); err != nil {
 			return zero, err
@@ -124,24 +144,24 @@ func call[T any](ctx context.Context, l *Libvirt, fn func() (T, error)) (T, erro
 }
 
 // call0 is call for fn without a result.
-func call0(ctx context.Context, l *Libvirt, fn func() error) error {
+func call0(ctx context.Context, l *Conn, fn func() error) error {
 	_, err := call(ctx, l, func() (struct{}, error) { return struct{}{}, fn() })
 	return err
 }
 
 // enter registers a call on the connection; it fails after Close.
-func (l *Libvirt) enter() error {
+func (l *Conn) enter() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closing {
-		return errClosed
+		return vm.ErrClosed
 	}
 	l.calls++
 	return nil
 }
 
 // leave ends a call, and closes the connection if Close is waiting for it.
-func (l *Libvirt) leave() {
+func (l *Conn) leave() {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.calls--
@@ -150,16 +170,35 @@ func (l *Libvirt) leave() {
 	}
 }
 
-// markLost marks err with ErrConnectionLost when the connection is dead,
-// whatever libvirt's error code says.
-func (l *Libvirt) markLost(err error) error {
-	if err == nil || connectionLost(err) {
+// markLost marks err with vm.ErrConnectionLost when it means the connection
+// is gone: by libvirt's error code (connectionLost), or because the
+// connection is no longer alive, whatever the code says. vm.Reconnecting
+// reconnects on that mark alone.
+func (l *Conn) markLost(err error) error {
+	if err == nil || errors.Is(err, vm.ErrConnectionLost) {
 		return err
 	}
+	if connectionLost(err) {
+		return fmt.Errorf("%w: %w", vm.ErrConnectionLost, err)
+	}
 	if alive, aerr := l.conn.IsAlive(); aerr == nil && !alive {
-		return fmt.Errorf("%w: %w", ErrConnectionLost, err)
+		return fmt.Errorf("%w: %w", vm.ErrConnectionLost, err)
 	}
 	return err
+}
+
+// connectionLost reports whether libvirt's error code says that the
+// connection itself is gone (libvirtd restarted or died, the RPC failed).
+func connectionLost(err error) bool {
+	var lerr libvirt.Error
+	if errors.As(err, &lerr) {
+		switch lerr.Code {
+		case libvirt.ERR_NO_CONNECT, libvirt.ERR_INVALID_CONN, libvirt.ERR_RPC, libvirt.ERR_SYSTEM_ERROR:
+			return lerr.Domain == libvirt.FROM_RPC || lerr.Domain == libvirt.FROM_REMOTE ||
+				lerr.Code == libvirt.ERR_NO_CONNECT || lerr.Code == libvirt.ERR_INVALID_CONN
+		}
+	}
+	return false
 }
 
 // accessHint explains a refused connection: on a system libvirtd, an
@@ -178,10 +217,10 @@ func accessHint(err error) string {
 	return ""
 }
 
-// Close implements Hypervisor. The connection is closed now if no call uses
+// Close implements vm.Hypervisor. The connection is closed now if no call uses
 // it, else when the last one returns: closing a libvirt connection under a
 // running call is not safe. Calls made after Close fail.
-func (l *Libvirt) Close() error {
+func (l *Conn) Close() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if l.closing {
@@ -207,14 +246,14 @@ func notFound(err error, codes ...libvirt.ErrorNumber) error {
 	c := code(err)
 	for _, want := range codes {
 		if c == want {
-			return fmt.Errorf("%w: %v", ErrNotFound, err)
+			return fmt.Errorf("%w: %v", vm.ErrNotFound, err)
 		}
 	}
 	return err
 }
 
-// KVMAvailable implements Hypervisor.
-func (l *Libvirt) KVMAvailable(ctx context.Context) (bool, error) {
+// KVMAvailable implements vm.Hypervisor.
+func (l *Conn) KVMAvailable(ctx context.Context) (bool, error) {
 	return call(ctx, l, func() (bool, error) {
 		s, err := l.conn.GetCapabilities()
 		if err != nil {
@@ -238,7 +277,7 @@ func (l *Libvirt) KVMAvailable(ctx context.Context) (bool, error) {
 	})
 }
 
-func (l *Libvirt) pool(name string) (*libvirt.StoragePool, error) {
+func (l *Conn) pool(name string) (*libvirt.StoragePool, error) {
 	p, err := l.conn.LookupStoragePoolByName(name)
 	if err != nil {
 		return nil, fmt.Errorf("storage pool %q: %w", name, err)
@@ -246,8 +285,8 @@ func (l *Libvirt) pool(name string) (*libvirt.StoragePool, error) {
 	return p, nil
 }
 
-// CreateVolume implements Hypervisor.
-func (l *Libvirt) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
+// CreateVolume implements vm.Hypervisor.
+func (l *Conn) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
 	return call(ctx, l, func() (string, error) {
 		p, err := l.pool(pool)
 		if err != nil {
@@ -268,7 +307,7 @@ func (l *Libvirt) CreateVolume(ctx context.Context, pool string, vol *libvirtxml
 }
 
 // volume looks a volume up by pool and name (ErrNotFound if absent).
-func (l *Libvirt) volume(pool, name string) (*libvirt.StorageVol, error) {
+func (l *Conn) volume(pool, name string) (*libvirt.StorageVol, error) {
 	p, err := l.pool(pool)
 	if err != nil {
 		return nil, err
@@ -281,8 +320,8 @@ func (l *Libvirt) volume(pool, name string) (*libvirt.StorageVol, error) {
 	return v, nil
 }
 
-// UploadVolume implements Hypervisor.
-func (l *Libvirt) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
+// UploadVolume implements vm.Hypervisor.
+func (l *Conn) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
 	return call0(ctx, l, func() error {
 		v, err := l.volume(pool, name)
 		if err != nil {
@@ -309,8 +348,8 @@ func (l *Libvirt) UploadVolume(ctx context.Context, pool, name string, data []by
 	})
 }
 
-// DeleteVolume implements Hypervisor.
-func (l *Libvirt) DeleteVolume(ctx context.Context, pool, name string) error {
+// DeleteVolume implements vm.Hypervisor.
+func (l *Conn) DeleteVolume(ctx context.Context, pool, name string) error {
 	return call0(ctx, l, func() error {
 		v, err := l.volume(pool, name)
 		if err != nil {
@@ -321,8 +360,8 @@ func (l *Libvirt) DeleteVolume(ctx context.Context, pool, name string) error {
 	})
 }
 
-// VolumeNames implements Hypervisor.
-func (l *Libvirt) VolumeNames(ctx context.Context, pool string) ([]string, error) {
+// VolumeNames implements vm.Hypervisor.
+func (l *Conn) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	return call(ctx, l, func() ([]string, error) {
 		p, err := l.pool(pool)
 		if err != nil {
@@ -335,10 +374,10 @@ func (l *Libvirt) VolumeNames(ctx context.Context, pool string) ([]string, error
 	})
 }
 
-// VolumeCapacity implements Hypervisor. It asks libvirt first and falls back
+// VolumeCapacity implements vm.Hypervisor. It asks libvirt first and falls back
 // to reading the image header (qcow2) or size (raw) for a base that lives
 // outside any pool.
-func (l *Libvirt) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
+func (l *Conn) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
 	return call(ctx, l, func() (uint64, error) {
 		if v, err := l.conn.LookupStorageVolByPath(path); err == nil {
 			defer v.Free()
@@ -369,7 +408,7 @@ func imageVirtualSize(path string) (uint64, error) {
 	return uint64(max(st.Size(), 0)), nil //nolint:gosec // G115: a file size is never negative
 }
 
-func (l *Libvirt) domain(name string) (*libvirt.Domain, error) {
+func (l *Conn) domain(name string) (*libvirt.Domain, error) {
 	d, err := l.conn.LookupDomainByName(name)
 	if err != nil {
 		return nil, notFound(err, libvirt.ERR_NO_DOMAIN)
@@ -377,8 +416,8 @@ func (l *Libvirt) domain(name string) (*libvirt.Domain, error) {
 	return d, nil
 }
 
-// Define implements Hypervisor.
-func (l *Libvirt) Define(ctx context.Context, xml string) error {
+// Define implements vm.Hypervisor.
+func (l *Conn) Define(ctx context.Context, xml string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.conn.DomainDefineXMLFlags(xml, libvirt.DOMAIN_DEFINE_VALIDATE)
 		if err != nil {
@@ -388,8 +427,8 @@ func (l *Libvirt) Define(ctx context.Context, xml string) error {
 	})
 }
 
-// Start implements Hypervisor.
-func (l *Libvirt) Start(ctx context.Context, name string) error {
+// Start implements vm.Hypervisor.
+func (l *Conn) Start(ctx context.Context, name string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {
@@ -407,8 +446,8 @@ func (l *Libvirt) Start(ctx context.Context, name string) error {
 	})
 }
 
-// Destroy implements Hypervisor.
-func (l *Libvirt) Destroy(ctx context.Context, name string) error {
+// Destroy implements vm.Hypervisor.
+func (l *Conn) Destroy(ctx context.Context, name string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {
@@ -422,8 +461,30 @@ func (l *Libvirt) Destroy(ctx context.Context, name string) error {
 	})
 }
 
-// Undefine implements Hypervisor.
-func (l *Libvirt) Undefine(ctx context.Context, name string) error {
+// Suspend implements vm.Hypervisor.
+func (l *Conn) Suspend(ctx context.Context, name string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		st, _, err := d.GetState()
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		if st != libvirt.DOMAIN_RUNNING && st != libvirt.DOMAIN_BLOCKED {
+			return nil // paused already, or not running
+		}
+		if err := d.Suspend(); err != nil && code(err) != libvirt.ERR_OPERATION_INVALID {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		return nil
+	})
+}
+
+// Undefine implements vm.Hypervisor.
+func (l *Conn) Undefine(ctx context.Context, name string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {
@@ -442,24 +503,24 @@ func (l *Libvirt) Undefine(ctx context.Context, name string) error {
 	})
 }
 
-// Owner implements Hypervisor.
-func (l *Libvirt) Owner(ctx context.Context, name string) (string, error) {
+// Owner implements vm.Hypervisor.
+func (l *Conn) Owner(ctx context.Context, name string) (string, error) {
 	return call(ctx, l, func() (string, error) {
 		d, err := l.domain(name)
 		if err != nil {
 			return "", err
 		}
 		defer d.Free()
-		s, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
+		s, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, vm.OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
 		if code(err) == libvirt.ERR_OPERATION_INVALID {
 			// A transient domain (undefined while running) has no
 			// persistent config; its live definition carries the record.
-			s, err = d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, OwnerNamespace, libvirt.DOMAIN_AFFECT_LIVE)
+			s, err = d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, vm.OwnerNamespace, libvirt.DOMAIN_AFFECT_LIVE)
 		}
 		if err != nil {
 			switch code(err) {
 			case libvirt.ERR_NO_DOMAIN_METADATA:
-				return "", ErrNoOwner
+				return "", vm.ErrNoOwner
 			case libvirt.ERR_NO_DOMAIN:
 				return "", notFound(err, libvirt.ERR_NO_DOMAIN)
 			}
@@ -469,8 +530,8 @@ func (l *Libvirt) Owner(ctx context.Context, name string) (string, error) {
 	})
 }
 
-// SetOwner implements Hypervisor.
-func (l *Libvirt) SetOwner(ctx context.Context, name, ownerXML string) error {
+// SetOwner implements vm.Hypervisor.
+func (l *Conn) SetOwner(ctx context.Context, name, ownerXML string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {
@@ -481,12 +542,12 @@ func (l *Libvirt) SetOwner(ctx context.Context, name, ownerXML string) error {
 		if active, err := d.IsActive(); err == nil && active {
 			flags |= libvirt.DOMAIN_AFFECT_LIVE
 		}
-		return d.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, ownerXML, "lve", OwnerNamespace, flags)
+		return d.SetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, ownerXML, "lve", vm.OwnerNamespace, flags)
 	})
 }
 
-// DomainNames implements Hypervisor.
-func (l *Libvirt) DomainNames(ctx context.Context) ([]string, error) {
+// DomainNames implements vm.Hypervisor.
+func (l *Conn) DomainNames(ctx context.Context) ([]string, error) {
 	return call(ctx, l, func() ([]string, error) {
 		doms, err := l.conn.ListAllDomains(0)
 		if err != nil {
@@ -503,8 +564,8 @@ func (l *Libvirt) DomainNames(ctx context.Context) ([]string, error) {
 	})
 }
 
-// IsActive implements Hypervisor.
-func (l *Libvirt) IsActive(ctx context.Context, name string) (bool, error) {
+// IsActive implements vm.Hypervisor.
+func (l *Conn) IsActive(ctx context.Context, name string) (bool, error) {
 	return call(ctx, l, func() (bool, error) {
 		d, err := l.domain(name)
 		if err != nil {
@@ -515,23 +576,23 @@ func (l *Libvirt) IsActive(ctx context.Context, name string) (bool, error) {
 	})
 }
 
-// State implements Hypervisor.
-func (l *Libvirt) State(ctx context.Context, name string) (DomainState, error) {
-	return call(ctx, l, func() (DomainState, error) {
+// State implements vm.Hypervisor.
+func (l *Conn) State(ctx context.Context, name string) (vm.DomainState, error) {
+	return call(ctx, l, func() (vm.DomainState, error) {
 		d, err := l.domain(name)
 		if err != nil {
-			return DomainState{}, err
+			return vm.DomainState{}, err
 		}
 		defer d.Free()
 		st, reason, err := d.GetState()
 		if err != nil {
-			return DomainState{}, notFound(err, libvirt.ERR_NO_DOMAIN)
+			return vm.DomainState{}, notFound(err, libvirt.ERR_NO_DOMAIN)
 		}
 		return describeState(st, reason), nil
 	})
 }
 
-func describeState(st libvirt.DomainState, reason int) DomainState {
+func describeState(st libvirt.DomainState, reason int) vm.DomainState {
 	why := func(reasons map[int]string) string {
 		if r, ok := reasons[reason]; ok {
 			return " (" + r + ")"
@@ -540,9 +601,9 @@ func describeState(st libvirt.DomainState, reason int) DomainState {
 	}
 	switch st {
 	case libvirt.DOMAIN_RUNNING, libvirt.DOMAIN_BLOCKED:
-		return DomainState{Running: true, Summary: "running"}
+		return vm.DomainState{Running: true, Summary: "running"}
 	case libvirt.DOMAIN_PAUSED:
-		return DomainState{
+		return vm.DomainState{
 			IOError: reason == int(libvirt.DOMAIN_PAUSED_IOERROR),
 			Summary: "paused" + why(map[int]string{
 				int(libvirt.DOMAIN_PAUSED_IOERROR):       "I/O error",
@@ -553,53 +614,50 @@ func describeState(st libvirt.DomainState, reason int) DomainState {
 			}),
 		}
 	case libvirt.DOMAIN_SHUTDOWN:
-		return DomainState{Summary: "shutting down"}
+		return vm.DomainState{Summary: "shutting down"}
 	case libvirt.DOMAIN_SHUTOFF:
-		return DomainState{Summary: "shut off" + why(map[int]string{
+		return vm.DomainState{Summary: "shut off" + why(map[int]string{
 			int(libvirt.DOMAIN_SHUTOFF_SHUTDOWN):  "the guest shut down",
 			int(libvirt.DOMAIN_SHUTOFF_DESTROYED): "destroyed",
 			int(libvirt.DOMAIN_SHUTOFF_CRASHED):   "crashed",
 			int(libvirt.DOMAIN_SHUTOFF_FAILED):    "failed to start",
 		})}
 	case libvirt.DOMAIN_CRASHED:
-		return DomainState{Summary: "crashed" + why(map[int]string{int(libvirt.DOMAIN_CRASHED_PANICKED): "guest kernel panic"})}
+		return vm.DomainState{Summary: "crashed" + why(map[int]string{int(libvirt.DOMAIN_CRASHED_PANICKED): "guest kernel panic"})}
 	case libvirt.DOMAIN_PMSUSPENDED:
-		return DomainState{Summary: "suspended by the guest"}
+		return vm.DomainState{Summary: "suspended by the guest"}
 	}
-	return DomainState{Summary: fmt.Sprintf("state %d, reason %d", st, reason)}
+	return vm.DomainState{Summary: fmt.Sprintf("state %d, reason %d", st, reason)}
 }
 
-// ErrAgentNotReady means the guest agent does not answer yet.
-var ErrAgentNotReady = errors.New("guest agent not answering yet")
-
-// Addresses implements Hypervisor. With SourceLease libvirt matches the
+// Addresses implements vm.Hypervisor. With SourceLease libvirt matches the
 // network's active, unexpired leases against this domain's own MACs.
-func (l *Libvirt) Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error) {
-	return call(ctx, l, func() ([]Lease, error) {
+func (l *Conn) Addresses(ctx context.Context, name string, source vm.AddressSource) ([]vm.Lease, error) {
+	return call(ctx, l, func() ([]vm.Lease, error) {
 		d, err := l.domain(name)
 		if err != nil {
 			return nil, err
 		}
 		defer d.Free()
 		src := libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_LEASE
-		if source == SourceAgent {
+		if source == vm.SourceAgent {
 			src = libvirt.DOMAIN_INTERFACE_ADDRESSES_SRC_AGENT
 		}
 		ifaces, err := d.ListAllInterfaceAddresses(src)
 		if err != nil {
-			if c := code(err); source == SourceAgent && (c == libvirt.ERR_AGENT_UNRESPONSIVE || c == libvirt.ERR_AGENT_UNSYNCED) {
-				return nil, fmt.Errorf("%w: %v", ErrAgentNotReady, err)
+			if c := code(err); source == vm.SourceAgent && (c == libvirt.ERR_AGENT_UNRESPONSIVE || c == libvirt.ERR_AGENT_UNSYNCED) {
+				return nil, fmt.Errorf("%w: %v", vm.ErrAgentNotReady, err)
 			}
 			return nil, err
 		}
-		var out []Lease
+		var out []vm.Lease
 		for _, i := range ifaces {
 			for _, a := range i.Addrs {
 				if a.Type != libvirt.IP_ADDR_TYPE_IPV4 {
 					continue
 				}
 				if ip := net.ParseIP(a.Addr); ip != nil {
-					out = append(out, Lease{MAC: strings.ToLower(i.Hwaddr), IP: ip})
+					out = append(out, vm.Lease{MAC: strings.ToLower(i.Hwaddr), IP: ip})
 				}
 			}
 		}
@@ -607,8 +665,8 @@ func (l *Libvirt) Addresses(ctx context.Context, name string, source AddressSour
 	})
 }
 
-// NetworkLeaseMACs implements Hypervisor.
-func (l *Libvirt) NetworkLeaseMACs(ctx context.Context, network string) ([]string, error) {
+// NetworkLeaseMACs implements vm.Hypervisor.
+func (l *Conn) NetworkLeaseMACs(ctx context.Context, network string) ([]string, error) {
 	return call(ctx, l, func() ([]string, error) {
 		n, err := l.conn.LookupNetworkByName(network)
 		if err != nil {
@@ -627,13 +685,13 @@ func (l *Libvirt) NetworkLeaseMACs(ctx context.Context, network string) ([]strin
 	})
 }
 
-// Host facts for diagnostics (not part of Hypervisor: only the admin
+// Host facts for diagnostics (not part of vm.Hypervisor: only the admin
 // command's doctor uses them). Like the Hypervisor methods, they give up
 // when ctx ends.
 
 // Version returns the libvirt version (the daemon's, over a remote
 // connection) and the hypervisor's (QEMU) version.
-func (l *Libvirt) Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error) {
+func (l *Conn) Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error) {
 	v, err := call(ctx, l, func() ([2]uint32, error) {
 		lv, err := l.conn.GetLibVersion()
 		if err != nil {
@@ -653,7 +711,7 @@ type poolFacts struct {
 
 // PoolActive reports whether the storage pool exists and is active, and its
 // target path.
-func (l *Libvirt) PoolActive(ctx context.Context, name string) (active bool, path string, err error) {
+func (l *Conn) PoolActive(ctx context.Context, name string) (active bool, path string, err error) {
 	f, err := call(ctx, l, func() (poolFacts, error) {
 		var f poolFacts
 		p, err := l.pool(name)
@@ -682,7 +740,7 @@ type networkFacts struct{ active, dhcp bool }
 
 // NetworkActive reports whether the network exists and is active, and
 // whether libvirt serves DHCP on it.
-func (l *Libvirt) NetworkActive(ctx context.Context, name string) (active, dhcp bool, err error) {
+func (l *Conn) NetworkActive(ctx context.Context, name string) (active, dhcp bool, err error) {
 	f, err := call(ctx, l, func() (networkFacts, error) {
 		var f networkFacts
 		n, err := l.conn.LookupNetworkByName(name)

@@ -1,0 +1,91 @@
+package holder
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+)
+
+// Stage is one stage for RunStage.
+type Stage struct {
+	Tag    string
+	Shell  string
+	Script []byte
+	// KillGrace: see Request. Default 5s.
+	KillGrace time.Duration
+	// Stdout and Stderr receive what sshexec.RunOptions' do.
+	Stdout, Stderr io.Writer
+}
+
+// connectWait bounds the connect to the socket. The holder accepts within
+// microseconds; a listening socket nobody accepts on for this long belongs
+// to a holder that hangs.
+const connectWait = 2 * time.Second
+
+// RunStage runs a stage through the holder listening at socket and returns
+// what sshexec.Client.Run would. An error matching ErrUnavailable means
+// nothing of the stage was started in the guest (no holder, or it could not
+// take the stage): the caller may connect directly. Any other failure after
+// the request was sent is a system failure, since the script may have
+// started: mid is then true, and the caller should stop the script in the
+// guest itself (sshexec.Client.StopStage with the stage's Tag).
+func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool) {
+	d := net.Dialer{Timeout: connectWait}
+	conn, err := d.DialContext(ctx, "unix", socket)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrUnavailable, err), false
+	}
+	defer conn.Close()
+	grace := st.KillGrace
+	if grace <= 0 {
+		grace = 5 * time.Second
+	}
+	if err := writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
+		// A holder that died after accepting reads nothing: unless it read
+		// the whole request, nothing ran. A partial request is not run.
+		return fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err), false
+	}
+	// After a cancel the holder stops the script (SIGTERM, the grace,
+	// SIGKILL) and then answers; wait that long and a little more.
+	stop := context.AfterFunc(ctx, func() {
+		_ = writeFrame(conn, frameCancel, nil)
+		_ = conn.SetReadDeadline(time.Now().Add(grace + 10*time.Second))
+	})
+	defer stop()
+	stdout, stderr := orDiscard(st.Stdout), orDiscard(st.Stderr)
+	for {
+		kind, b, err := readFrame(conn, 2*maxScript+maxControl)
+		if err != nil {
+			// The holder ended (or hung past the cancel's wait) after it
+			// may have started the script: the caller stops it in the
+			// guest itself.
+			return exitcodes.System(fmt.Errorf("the connection holder ended during the stage: %v", err)), true
+		}
+		switch kind {
+		case frameStdout:
+			_, _ = stdout.Write(b)
+		case frameStderr:
+			_, _ = stderr.Write(b)
+		case frameResult:
+			var r Result
+			if err := json.Unmarshal(b, &r); err != nil {
+				return exitcodes.System(fmt.Errorf("bad result from the connection holder: %v", err)), true
+			}
+			return r.err(), false
+		default:
+			return exitcodes.System(fmt.Errorf("unexpected frame %q from the connection holder", kind)), true
+		}
+	}
+}
+
+func orDiscard(w io.Writer) io.Writer {
+	if w == nil {
+		return io.Discard
+	}
+	return w
+}

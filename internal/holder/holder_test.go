@@ -1,0 +1,296 @@
+package holder
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+)
+
+// rig is a holder serving an sshtest server (commands run on this host).
+type rig struct {
+	ts     *sshtest.Server
+	sock   string
+	cancel context.CancelFunc
+	done   chan error
+	alive  atomic.Bool
+	dials  atomic.Int32
+}
+
+func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
+	t.Helper()
+	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1)}
+	r.alive.Store(true)
+	dir, err := os.MkdirTemp("", "lveh")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	r.sock = Socket(dir)
+	ln, err := net.Listen("unix", r.sock)
+	require.NoError(t, err)
+	tg := sshexec.Target{Addr: r.ts.Addr(), User: "root", Signer: r.ts.ClientSigner(), HostKey: r.ts.HostKey(),
+		KeepaliveInterval: time.Second, KeepaliveCount: 10}
+	if tune != nil {
+		tune(&tg)
+	}
+	s := &Server{
+		Dial: func(ctx context.Context) (*sshexec.Client, error) {
+			r.dials.Add(1)
+			return sshexec.Dial(ctx, tg)
+		},
+		Alive:      r.alive.Load,
+		CheckEvery: 50 * time.Millisecond,
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	r.cancel = cancel
+	go func() { r.done <- s.Serve(ctx, ln) }()
+	t.Cleanup(func() {
+		cancel()
+		select {
+		case err := <-r.done:
+			require.NoError(t, err)
+		case <-time.After(10 * time.Second):
+			t.Error("the holder did not end")
+		}
+	})
+	return r
+}
+
+func (r *rig) stage(ctx context.Context, script string) (string, error, bool) {
+	var out, errb sshtest.Buffer
+	tag, _ := sshexec.NewTag()
+	err, mid := RunStage(ctx, r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte(script), Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
+	return out.String(), err, mid
+}
+
+func TestStagesShareOneConnection(t *testing.T) {
+	r := startHolder(t, nil)
+	for i, code := range []int{0, 3, 0, 42} {
+		out, err, mid := r.stage(context.Background(), fmt.Sprintf("echo stage %d\necho to-stderr >&2\nexit %d\n", i, code))
+		require.False(t, mid)
+		require.Equal(t, fmt.Sprintf("stage %d\nto-stderr\n", i), out, "output in order, stderr merged as with a direct connection")
+		if code == 0 {
+			require.NoError(t, err)
+			continue
+		}
+		got, ok := exitcodes.ScriptCode(err)
+		require.True(t, ok, "a script's exit is a build failure: %v", err)
+		require.Equal(t, code, got)
+	}
+	require.Equal(t, 1, r.ts.Logins(), "four stages, one SSH login")
+	require.EqualValues(t, 1, r.dials.Load())
+}
+
+func TestLargeScriptAndOutput(t *testing.T) {
+	r := startHolder(t, nil)
+	big := strings.Repeat("x", 1<<20)
+	out, err, _ := r.stage(context.Background(), "# "+big+"\nhead -c 3000000 /dev/zero | tr '\\0' y\n")
+	require.NoError(t, err)
+	require.Len(t, out, 3000000)
+}
+
+func TestCancelStopsTheScriptInTheGuest(t *testing.T) {
+	r := startHolder(t, nil)
+	marker := filepath.Join(t.TempDir(), "child.pid")
+	ctx, cancel := context.WithCancel(context.Background())
+	go waitFileThen(marker, cancel)
+	start := time.Now()
+	_, err, mid := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.False(t, mid)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
+	require.Less(t, time.Since(start), 10*time.Second)
+	requireGone(t, marker)
+}
+
+func TestStageProcessGoneStopsTheScript(t *testing.T) {
+	r := startHolder(t, nil)
+	marker := filepath.Join(t.TempDir(), "child.pid")
+	conn, err := net.Dial("unix", r.sock)
+	require.NoError(t, err)
+	tag, _ := sshexec.NewTag()
+	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: tag, Shell: "bash",
+		Script: []byte(fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker)), KillGrace: time.Second}))
+	waitFileThen(marker, func() {})
+	require.NoError(t, conn.Close()) // as if the run stage were SIGKILLed
+	requireGone(t, marker)
+}
+
+func TestNoHolderIsUnavailable(t *testing.T) {
+	dir := t.TempDir()
+	err, mid := RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.False(t, mid)
+	// A socket left by a holder that died between stages.
+	ln, err := net.Listen("unix", Socket(dir))
+	require.NoError(t, err)
+	ln.(*net.UnixListener).SetUnlinkOnClose(false)
+	require.NoError(t, ln.Close())
+	err, mid = RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.False(t, mid)
+}
+
+func TestHolderThatCannotConnectIsUnavailable(t *testing.T) {
+	r := startHolder(t, func(tg *sshexec.Target) { tg.HostKey = sshtest.NewSigner(t).PublicKey() })
+	_, err, mid := r.stage(context.Background(), "true\n")
+	require.ErrorIs(t, err, ErrUnavailable, "nothing ran: the stage may connect directly")
+	require.ErrorContains(t, err, "host key mismatch")
+	require.False(t, mid)
+	require.Empty(t, r.ts.Commands())
+}
+
+func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
+	dir := t.TempDir()
+	ln, err := net.Listen("unix", Socket(dir))
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		_, _, _ = readFrame(c, 1<<20)
+		_ = writeFrame(c, frameStdout, []byte("half"))
+		_ = c.Close() // SIGKILLed after it started the stage
+	}()
+	var out sshtest.Buffer
+	err, mid := RunStage(context.Background(), Socket(dir), Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
+	require.True(t, mid, "the caller must stop the script in the guest itself")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.NotErrorIs(t, err, ErrUnavailable, "it may have run: never retried as if it had not")
+	require.Equal(t, "half", out.String())
+}
+
+func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
+	r := startHolder(t, func(tg *sshexec.Target) { tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3 })
+	_, err, _ := r.stage(context.Background(), "true\n")
+	require.NoError(t, err)
+	r.ts.Freeze(true) // the guest dies while only the holder is connected
+	time.Sleep(time.Second)
+	start := time.Now()
+	_, err, mid := r.stage(context.Background(), "true\n")
+	require.False(t, mid)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "stopped answering SSH keepalives")
+	require.Less(t, time.Since(start), time.Second, "no new connect timeout to wait for")
+}
+
+func TestLostConnectionIsMadeAgain(t *testing.T) {
+	r := startHolder(t, nil)
+	r.ts.DropOn("DROP-NOW")
+	_, err, _ := r.stage(context.Background(), "echo DROP-NOW\nsleep 5\n")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	r.ts.DropOn("")
+	out, err, _ := r.stage(context.Background(), "echo again\n")
+	require.NoError(t, err)
+	require.Equal(t, "again\n", out)
+	require.EqualValues(t, 2, r.dials.Load())
+}
+
+func TestHolderEndsWithItsMachine(t *testing.T) {
+	r := startHolder(t, nil)
+	r.alive.Store(false)
+	select {
+	case err := <-r.done:
+		require.NoError(t, err)
+		r.done <- err // for the cleanup
+	case <-time.After(5 * time.Second):
+		t.Fatal("the holder outlived its machine")
+	}
+	_, err, _ := r.stage(context.Background(), "true\n")
+	require.ErrorIs(t, err, ErrUnavailable)
+}
+
+func TestBadRequestsAreRefused(t *testing.T) {
+	r := startHolder(t, nil)
+	conn, err := net.Dial("unix", r.sock)
+	require.NoError(t, err)
+	defer conn.Close()
+	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: 99, Script: []byte("touch /tmp/never")}))
+	kind, b, err := readFrame(conn, maxControl)
+	require.NoError(t, err)
+	require.Equal(t, frameResult, kind)
+	require.Contains(t, string(b), classUnavailable)
+	// An oversized frame header is refused without reading it.
+	conn2, err := net.Dial("unix", r.sock)
+	require.NoError(t, err)
+	defer conn2.Close()
+	_, err = conn2.Write([]byte{frameRequest, 0xff, 0xff, 0xff, 0xff})
+	require.NoError(t, err)
+	_ = conn2.SetReadDeadline(time.Now().Add(5 * time.Second))
+	_, _, err = readFrame(conn2, maxControl)
+	require.Error(t, err, "the holder closes the connection")
+	require.Empty(t, r.ts.Commands())
+}
+
+func TestStartRecordsAndStopProvesTheProcess(t *testing.T) {
+	dir := t.TempDir()
+	sleep, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	pid, err := Start(dir, sleep, []string{"300"})
+	require.NoError(t, err)
+	require.Equal(t, pid, Running(dir))
+	fi, err := os.Stat(Socket(dir))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm(), "owner-only socket")
+	// Its own session: not in the caller's process group.
+	pgid, err := syscall.Getpgid(pid)
+	require.NoError(t, err)
+	require.Equal(t, pid, pgid)
+
+	// A record naming the pid with another start time (a reused pid) is
+	// not that process: never signalled.
+	require.NoError(t, os.WriteFile(filepath.Join(dir, PidFile), []byte(fmt.Sprintf("%d 1\n", pid)), 0o600))
+	require.Zero(t, Running(dir))
+	require.False(t, Stop(dir))
+	require.NoError(t, syscall.Kill(pid, 0), "a process not proven to be the holder is left alone")
+
+	start, _, err := startTime(pid)
+	require.NoError(t, err)
+	require.NoError(t, writePid(dir, pid, start))
+	require.True(t, Stop(dir))
+	require.Zero(t, Running(dir))
+	require.NoFileExists(t, Socket(dir))
+	require.NoFileExists(t, filepath.Join(dir, PidFile))
+}
+
+func TestStartRefusesTooLongSocketPath(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), strings.Repeat("d", 120))
+	require.NoError(t, os.MkdirAll(dir, 0o700))
+	_, err := Start(dir, "/bin/true", nil)
+	require.ErrorContains(t, err, "unix socket allows")
+}
+
+func waitFileThen(path string, then func()) {
+	for range 500 {
+		if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
+			then()
+			return
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func requireGone(t *testing.T, pidFile string) {
+	t.Helper()
+	b, err := os.ReadFile(pidFile)
+	require.NoError(t, err)
+	pid := strings.TrimSpace(string(b))
+	require.Eventually(t, func() bool {
+		_, err := os.Stat("/proc/" + pid)
+		return errors.Is(err, os.ErrNotExist)
+	}, 10*time.Second, 50*time.Millisecond, "the script's background child %s must be stopped", pid)
+}

@@ -1,0 +1,153 @@
+// Package holder keeps one SSH connection to a machine's guest for the
+// whole life of a job and runs every stage of the job over it, in the
+// spirit of OpenSSH's ControlMaster. The holder is a small process of its
+// own per machine (a crash of one holder touches one job), started when the
+// machine is ready and listening on a unix socket in the machine's 0700
+// state directory; a stage connects to the socket, sends its script and
+// streams the script's output back. It knows nothing of GitLab.
+//
+// The wire format on the socket is a sequence of frames: one type byte, a
+// 4-byte big-endian length and the payload. A stage sends one request frame
+// and, if it is stopped, a cancel frame; the holder answers with output
+// frames and one result frame.
+package holder
+
+import (
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+)
+
+// Files of the holder in the machine's state directory.
+const (
+	// SocketFile is the unix socket stages connect to (0600, in the 0700
+	// machine directory).
+	SocketFile = "holder.sock"
+	// PidFile records the holder's process (pid and start time), so that
+	// only that very process is ever signalled.
+	PidFile = "holder.pid"
+	// LogFile receives the holder's own log (no secrets); it goes with
+	// the machine's directory.
+	LogFile = "holder.log"
+)
+
+// protocolVersion is the request format; a holder refuses another one as
+// unavailable, and the stage connects directly.
+const protocolVersion = 1
+
+// maxScript bounds a stage's script (GitLab's are kilobytes; the biggest
+// seen are a few hundred).
+const maxScript = 64 << 20
+
+// maxControl bounds a request's or a result's JSON apart from the script.
+const maxControl = 1 << 20
+
+const (
+	frameRequest byte = 'R' // stage -> holder: Request (JSON)
+	frameCancel  byte = 'C' // stage -> holder: stop the stage
+	frameStdout  byte = 'O' // holder -> stage: script output
+	frameStderr  byte = 'E' // holder -> stage: the wrapper's own messages
+	frameResult  byte = 'X' // holder -> stage: Result (JSON), the last frame
+)
+
+// Request is one stage.
+type Request struct {
+	Version int `json:"version"`
+	// Tag names the stage's files in the guest (sshexec.RunOptions.Tag),
+	// so that the stage can stop the script itself if the holder dies.
+	Tag    string `json:"tag"`
+	Shell  string `json:"shell"`
+	Script []byte `json:"script"`
+	// KillGrace is how long a cancelled script gets between SIGTERM and
+	// SIGKILL (sshexec.RunOptions.KillGrace).
+	KillGrace time.Duration `json:"kill_grace"`
+}
+
+// Result classes.
+const (
+	classOK          = "ok"
+	classScript      = "script"
+	classSystem      = "system"
+	classUnavailable = "unavailable"
+)
+
+// Result is how a stage ended.
+type Result struct {
+	// Class is ok, script (the script's own non-zero exit: Code), system
+	// (anything else: Error), or unavailable: nothing was started in the
+	// guest, and the stage may connect directly instead.
+	Class string `json:"class"`
+	Code  int    `json:"code,omitempty"`
+	Error string `json:"error,omitempty"`
+}
+
+// resultOf is the Result for what sshexec.Client.Run returned.
+func resultOf(err error) Result {
+	if err == nil {
+		return Result{Class: classOK}
+	}
+	if code, ok := exitcodes.ScriptCode(err); ok {
+		return Result{Class: classScript, Code: code}
+	}
+	return Result{Class: classSystem, Error: err.Error()}
+}
+
+// ErrUnavailable means the holder could not take the stage and nothing of
+// it was started in the guest: the stage may connect directly.
+var ErrUnavailable = errors.New("connection holder unavailable")
+
+// err turns a received Result back into the error sshexec.Client.Run
+// would have returned.
+func (r Result) err() error {
+	switch r.Class {
+	case classOK:
+		return nil
+	case classScript:
+		return &exitcodes.ScriptError{Code: r.Code}
+	case classUnavailable:
+		return fmt.Errorf("%w: %s", ErrUnavailable, r.Error)
+	case classSystem:
+		return exitcodes.System(errors.New(r.Error))
+	}
+	return exitcodes.System(fmt.Errorf("the connection holder answered with an unknown result %q", r.Class))
+}
+
+func writeFrame(w io.Writer, kind byte, payload []byte) error {
+	var h [5]byte
+	h[0] = kind
+	binary.BigEndian.PutUint32(h[1:], uint32(len(payload))) //nolint:gosec // G115: payloads are bounded far below 4 GiB
+	if _, err := w.Write(append(h[:], payload...)); err != nil {
+		return err
+	}
+	return nil
+}
+
+func writeJSON(w io.Writer, kind byte, v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	return writeFrame(w, kind, b)
+}
+
+// readFrame reads one frame of at most limit bytes.
+func readFrame(r io.Reader, limit int) (byte, []byte, error) {
+	var h [5]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return 0, nil, err
+	}
+	n := binary.BigEndian.Uint32(h[1:])
+	if int64(n) > int64(limit) {
+		return 0, nil, fmt.Errorf("frame of %d bytes exceeds the limit of %d", n, limit)
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(r, b); err != nil {
+		return 0, nil, err
+	}
+	return h[0], b, nil
+}

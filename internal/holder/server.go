@@ -1,0 +1,298 @@
+package holder
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+)
+
+// Server is the holder: it owns the connection and serves stages.
+type Server struct {
+	// Dial opens the connection to the guest (with the pinned host key).
+	Dial func(ctx context.Context) (*sshexec.Client, error)
+	// Alive reports whether the machine still exists (its state
+	// directory); when it does not, the holder ends: it never outlives
+	// its machine.
+	Alive func() bool
+	// Until is when the holder ends at the latest (the job's deadline).
+	Until time.Time
+	// Log receives the holder's own messages (never a script or its
+	// output).
+	Log *slog.Logger
+	// CheckEvery is how often Alive is asked. Default 1s.
+	CheckEvery time.Duration
+
+	mu      sync.Mutex
+	ready   chan struct{} // closed once the first dial ended
+	client  *sshexec.Client
+	dialErr error
+	broken  chan struct{} // closed when client's connection ended
+}
+
+// Serve dials the guest and serves stages on ln until ctx ends, the
+// machine is gone or Until passes. It closes ln.
+func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
+	if s.CheckEvery <= 0 {
+		s.CheckEvery = time.Second
+	}
+	if s.Log == nil {
+		s.Log = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	if !s.Until.IsZero() {
+		var stop context.CancelFunc
+		ctx, stop = context.WithDeadline(ctx, s.Until)
+		defer stop()
+	}
+	s.ready = make(chan struct{})
+	go func() {
+		s.connect(ctx)
+		close(s.ready)
+	}()
+	go s.watch(ctx, cancel)
+	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
+	defer stopAccept()
+	var stages sync.WaitGroup
+	defer stages.Wait()
+	defer s.closeClient()
+	for {
+		conn, err := ln.Accept()
+		if err != nil {
+			if ctx.Err() != nil {
+				s.Log.Info("holder ends", "why", context.Cause(ctx))
+				return nil
+			}
+			return fmt.Errorf("accept: %w", err)
+		}
+		stages.Add(1)
+		go func() {
+			defer stages.Done()
+			s.serve(ctx, conn)
+		}()
+	}
+}
+
+// watch ends the holder when the machine is gone.
+func (s *Server) watch(ctx context.Context, cancel context.CancelFunc) {
+	t := time.NewTicker(s.CheckEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			if s.Alive != nil && !s.Alive() {
+				s.Log.Info("the machine is gone")
+				cancel()
+				return
+			}
+		}
+	}
+}
+
+// connect (re)makes the connection.
+func (s *Server) connect(ctx context.Context) {
+	t0 := time.Now()
+	c, err := s.Dial(ctx)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.client, s.dialErr = c, err
+	if err != nil {
+		s.Log.Warn("connecting to the guest failed", "err", err, "took", time.Since(t0))
+		return
+	}
+	s.Log.Info("connected to the guest", "took", time.Since(t0))
+	s.broken = make(chan struct{})
+	broken := s.broken
+	go func() {
+		_ = c.Wait()
+		close(broken)
+	}()
+}
+
+func (s *Server) closeClient() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.client != nil {
+		_ = s.client.Close()
+	}
+}
+
+// clientFor returns the connection for a stage: the held one, or a new
+// one if the held one ended without the keepalive declaring the guest dead
+// (an sshd restarted in the guest). A dead guest is reported at once: a
+// stage must not wait for a new connection's timeout to learn it.
+func (s *Server) clientFor(ctx context.Context) (*sshexec.Client, Result) {
+	select {
+	case <-s.ready:
+	case <-ctx.Done():
+		return nil, Result{Class: classUnavailable, Error: "the holder is ending"}
+	}
+	s.mu.Lock()
+	c, dialErr, broken := s.client, s.dialErr, s.broken
+	s.mu.Unlock()
+	if c == nil {
+		return nil, Result{Class: classUnavailable, Error: fmt.Sprintf("it could not connect to the guest: %v", dialErr)}
+	}
+	select {
+	case <-broken:
+	default:
+		return c, Result{}
+	}
+	if dead := c.Dead(); dead != nil {
+		return nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost: %v", dead)}
+	}
+	s.Log.Warn("the connection to the guest ended; connecting again")
+	s.connect(ctx)
+	s.mu.Lock()
+	c, dialErr = s.client, s.dialErr
+	s.mu.Unlock()
+	if c == nil {
+		return nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost, and connecting again failed: %v", dialErr)}
+	}
+	return c, Result{}
+}
+
+// serve runs one stage.
+func (s *Server) serve(ctx context.Context, conn net.Conn) {
+	defer conn.Close()
+	if err := samePeer(conn); err != nil {
+		s.Log.Warn("refused a connection", "err", err)
+		return
+	}
+	// The stage sends its request at once.
+	_ = conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	kind, b, err := readFrame(conn, 2*maxScript+maxControl)
+	_ = conn.SetReadDeadline(time.Time{})
+	if err != nil || kind != frameRequest {
+		s.Log.Warn("bad request", "err", err, "frame", kind)
+		return
+	}
+	var req Request
+	out := &frameWriter{w: conn}
+	if err := json.Unmarshal(b, &req); err != nil || req.Version != protocolVersion {
+		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("the holder speaks protocol %d (request: %d, %v)", protocolVersion, req.Version, err)})
+		return
+	}
+	if len(req.Script) > maxScript {
+		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("script of %d bytes exceeds the holder's limit of %d", len(req.Script), maxScript)})
+		return
+	}
+	c, res := s.clientFor(ctx)
+	if c == nil {
+		s.Log.Warn("stage not run", "class", res.Class, "err", res.Error)
+		_ = out.result(res)
+		return
+	}
+	// The stage is cancelled by a cancel frame, by the stage's process
+	// going away (its end of the socket closes), or by the holder ending.
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	go func() {
+		kind, _, err := readFrame(conn, 0)
+		switch {
+		case err == nil && kind == frameCancel:
+			cancel(errors.New("the stage was stopped"))
+		case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed):
+			cancel(errors.New("the stage's process went away"))
+		default:
+			cancel(fmt.Errorf("the stage's connection to the holder failed: %v", err))
+		}
+	}()
+	t0 := time.Now()
+	err = c.Run(sctx, req.Script, sshexec.RunOptions{
+		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
+		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr),
+	})
+	res = resultOf(err)
+	s.Log.Info("stage ended", "class", res.Class, "code", res.Code, "took", time.Since(t0), "err", logErr(err))
+	if err := out.result(res); err != nil && sctx.Err() == nil {
+		s.Log.Warn("the stage did not receive its result", "err", err)
+	}
+}
+
+// logErr is err for the log, unless it is the script's own exit.
+func logErr(err error) any {
+	if _, ok := exitcodes.ScriptCode(err); ok || err == nil {
+		return nil
+	}
+	return err.Error()
+}
+
+// samePeer refuses a peer running as another user (the socket's 0600 mode
+// and the 0700 directory already keep others out; this does not depend on
+// them).
+func samePeer(conn net.Conn) error {
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return errors.New("not a unix socket")
+	}
+	raw, err := uc.SyscallConn()
+	if err != nil {
+		return err
+	}
+	var cred *syscall.Ucred
+	var credErr error
+	if err := raw.Control(func(fd uintptr) {
+		cred, credErr = syscall.GetsockoptUcred(int(fd), syscall.SOL_SOCKET, syscall.SO_PEERCRED)
+	}); err != nil {
+		return err
+	}
+	if credErr != nil {
+		return credErr
+	}
+	if int(cred.Uid) != os.Geteuid() {
+		return fmt.Errorf("peer uid %d is not the holder's (%d)", cred.Uid, os.Geteuid())
+	}
+	return nil
+}
+
+// frameWriter serialises the frames of one stage.
+type frameWriter struct {
+	mu     sync.Mutex
+	w      io.Writer
+	failed error
+}
+
+func (f *frameWriter) frame(kind byte, p []byte) error {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.failed != nil {
+		return f.failed
+	}
+	f.failed = writeFrame(f.w, kind, p)
+	return f.failed
+}
+
+func (f *frameWriter) result(r Result) error {
+	b, err := json.Marshal(r)
+	if err != nil {
+		return err
+	}
+	return f.frame(frameResult, b)
+}
+
+// stream is an io.Writer of frames of one kind. A failed write is dropped
+// (the stage went away; the script still gets to its end or its cancel).
+func (f *frameWriter) stream(kind byte) io.Writer {
+	return writerFunc(func(p []byte) (int, error) {
+		_ = f.frame(kind, p)
+		return len(p), nil
+	})
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (w writerFunc) Write(p []byte) (int, error) { return w(p) }

@@ -1,0 +1,84 @@
+package lifecycle
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+)
+
+// HolderCommand is the first argument that makes the run executable a
+// connection holder (HolderArgs).
+const HolderCommand = "hold-connection"
+
+// HolderExecutable is the executable that serves as connection holder:
+// the run stage's, found next to the running executable.
+const HolderExecutable = "libvirt-executor-run"
+
+// holderExe is where StartHolder finds HolderExecutable.
+func holderExe() (string, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return "", err
+	}
+	exe := filepath.Join(filepath.Dir(self), HolderExecutable)
+	if _, err := os.Stat(exe); err != nil {
+		return "", fmt.Errorf("%s not found next to %s: %w", HolderExecutable, self, err)
+	}
+	return exe, nil
+}
+
+// StartHolder starts the connection holder of a ready machine (package
+// holder): one SSH connection that every stage of the job uses. It ends by
+// until at the latest, when the machine is torn down, or when its state
+// directory disappears. It does not wait for the holder's connection:
+// the first stage does, if it comes before the connection is made.
+func (m *Manager) StartHolder(name string, until time.Time) error {
+	exe := m.HolderExe
+	if exe == "" {
+		var err error
+		if exe, err = holderExe(); err != nil {
+			return err
+		}
+	}
+	args := []string{HolderCommand, "--config", m.Cfg.Path, "--until", strconv.FormatInt(until.Unix(), 10), name}
+	_, err := holder.Start(m.Store.MachineDir(name), exe, args)
+	return err
+}
+
+// HolderSocket is where the machine's holder listens.
+func (m *Manager) HolderSocket(name string) string { return holder.Socket(m.Store.MachineDir(name)) }
+
+// Hold is the connection holder's body (HolderCommand): it connects to the
+// machine name and serves stages on the socket StartHolder passed, until
+// ctx ends, the machine's state directory is gone, or until passes.
+func (m *Manager) Hold(ctx context.Context, name string, until time.Time, log *slog.Logger) error {
+	ln, err := holder.Listener()
+	if err != nil {
+		return err
+	}
+	dir := m.Store.MachineDir(name)
+	s := &holder.Server{
+		Dial: func(ctx context.Context) (*sshexec.Client, error) {
+			_, c, err := m.Connect(ctx, name)
+			return c, err
+		},
+		Alive: func() bool {
+			_, err := os.Stat(dir)
+			return !errors.Is(err, os.ErrNotExist)
+		},
+		Until: until,
+		Log:   log,
+	}
+	return s.Serve(ctx, ln)
+}
+
+// stopHolder ends the machine's holder, if it runs.
+func (m *Manager) stopHolder(name string) { holder.Stop(m.Store.MachineDir(name)) }

@@ -1,0 +1,193 @@
+package lifecycle
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+)
+
+// ReaperCommand is the first argument that makes the cleanup executable a
+// reaper (StartReaper).
+const ReaperCommand = "reap-machines"
+
+// ReaperExecutable is the executable that serves as reaper: the cleanup
+// stage's, found next to the running executable.
+const ReaperExecutable = "libvirt-executor-cleanup"
+
+// reaperLog is the reapers' log in the state directory (owner-only, cut
+// back to its last part when it grows past reaperLogMax).
+const (
+	reaperLog    = "reaper.log"
+	reaperLogMax = 1 << 20
+)
+
+// EndJob ends the job's machine (MachineOf; and the job's own name if a
+// retried prepare left a machine under it too) as fast as that can be
+// proven: under the machine's lock it stops its connection holder, marks
+// the machine ended and deletes its client key (nothing of the job
+// connects to it any more), and pauses the guest (Engine.Halt: it runs
+// nothing from then on). What takes long, QEMU's exit, the undefine and the
+// volumes, is left to Reap. It returns the names it ended that way, and
+// removes the job's mapping. A machine without a state directory has
+// nothing that proves its volumes ours to a later process: it is removed
+// here, the slow way.
+func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string, error) {
+	jm, err := m.MachineOf(job)
+	if err != nil {
+		return jm, nil, err
+	}
+	names := []string{jm.Name}
+	if jm.Name != job {
+		// A cold attempt of the same job (a retried prepare) may have left
+		// its own machine too.
+		names = append(names, job)
+	}
+	var ended []string
+	for _, name := range names {
+		done, err := m.end(ctx, name)
+		if err != nil {
+			return jm, ended, err
+		}
+		if done {
+			ended = append(ended, name)
+		}
+	}
+	return jm, ended, m.Store.UnmapJob(job)
+}
+
+// end is EndJob for one machine: true if it was ended and awaits Reap,
+// false if there was nothing to end or it was removed at once.
+func (m *Manager) end(ctx context.Context, name string) (bool, error) {
+	if err := m.checkOurName(name); err != nil {
+		return false, err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return false, err
+	}
+	defer unlock()
+	has, err := m.Store.Has(name)
+	if err != nil {
+		return false, fmt.Errorf("state of %s: %w", name, err)
+	}
+	if !has {
+		if err := m.teardown(ctx, name); err != nil {
+			return false, err
+		}
+		m.Store.RemoveLock(name)
+		return false, nil
+	}
+	m.stopHolder(name)
+	// The mark first: if this process dies now, a sweep removes the
+	// machine at once instead of at its deadline.
+	if err := m.Store.MarkEnded(name, state.Ended{At: time.Now().UTC(), Reason: "job ended"}); err != nil {
+		return false, fmt.Errorf("mark %s ended: %w", name, err)
+	}
+	if err := m.engine().Halt(ctx, name); err != nil {
+		return false, fmt.Errorf("stop %s: %w", name, err)
+	}
+	return true, nil
+}
+
+// Reap removes machines that EndJob ended: under each one's lock, and only
+// if it carries the ended mark (the proof that its job is over), the
+// domain, its volumes and its state (Teardown). A machine already gone is
+// success.
+func (m *Manager) Reap(ctx context.Context, names []string) error {
+	var errs []error
+	for _, name := range names {
+		if err := m.reapOne(ctx, name); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (m *Manager) reapOne(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	has, err := m.Store.Has(name)
+	if err != nil || !has {
+		return err // removed already (by a sweep)
+	}
+	e, err := m.Store.EndedOf(name)
+	if err != nil {
+		return err
+	}
+	if e == nil {
+		return notOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
+	}
+	if err := m.teardown(ctx, name); err != nil {
+		return err
+	}
+	m.Store.RemoveLock(name)
+	return nil
+}
+
+// StartReaper starts, detached (a session of its own, not waited for), a
+// process that reaps names (Reap) and then runs the opportunistic sweep:
+// ReaperExecutable ReaperCommand --config PATH NAME... Its log goes to
+// reaper.log in the state directory. If the reaper dies, the ended marks
+// make the next sweep remove the machines.
+func (m *Manager) StartReaper(names []string) error {
+	exe := m.ReaperExe
+	if exe == "" {
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		exe = filepath.Join(filepath.Dir(self), ReaperExecutable)
+	}
+	logPath := filepath.Join(m.Store.Dir, reaperLog)
+	if st, err := os.Stat(logPath); err == nil && st.Size() > reaperLogMax {
+		_ = os.Rename(logPath, logPath+".1")
+	}
+	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	if err != nil {
+		return err
+	}
+	defer logf.Close()
+	args := append([]string{ReaperCommand, "--config", m.Cfg.Path, "--"}, names...)
+	cmd := exec.Command(exe, args...) //nolint:gosec // G204: exe is the driver's own executable; args are the configuration path and machine names
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+	cmd.Stderr = logf
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	return cmd.Process.Release()
+}
+
+// sweepEvery limits the opportunistic sweeps that run after a job's
+// machine is removed (the job is over: nobody waits for them).
+const sweepEvery = 5 * time.Minute
+
+// OpportunisticSweep sweeps (Sweep) if no sweep ran for sweepEvery, and
+// logs what it removed.
+func (m *Manager) OpportunisticSweep(ctx context.Context, log *slog.Logger) {
+	if !m.Store.Due("last-sweep", sweepEvery) {
+		return
+	}
+	rep, err := m.Sweep(ctx, time.Now(), false)
+	if rep != nil && len(rep.Removed) > 0 {
+		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
+	}
+	if err != nil {
+		log.Warn("sweep incomplete", "err", err)
+	}
+}

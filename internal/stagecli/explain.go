@@ -1,0 +1,139 @@
+package stagecli
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// explainWait bounds the admin tool's explanation, start-up included (the
+// tool gives up on libvirt after 5 s: lifecycle.Manager.Explain).
+const explainWait = 6 * time.Second
+
+// maxExplanation caps what is read of the admin tool's output.
+const maxExplanation = 4096
+
+// ExplainViaAdminTool marks a stage built without libvirt (run): when a
+// guest stops answering, the stage asks the admin tool
+// (lifecycle.AdminExecutable, next to the running executable, else on PATH)
+// in a child process what became of the machine (gitlab.Env.Explain,
+// lifecycle.ExplainCommand) instead of asking libvirt itself. The child
+// gets the stage's configuration file as a flag and the stage's environment
+// without the job's variables (CUSTOM_ENV_*); it runs from its argv, never
+// through a shell, for at most 6 s. When the tool is not found, the stage's
+// error says so in place of the explanation.
+func ExplainViaAdminTool() Option { return func(o *options) { o.explainViaAdmin = true } }
+
+// adminExplainer asks the admin tool what became of a machine.
+type adminExplainer struct {
+	// exeDir is the running executable's directory ("" if unknown).
+	exeDir string
+	// lookPath finds an executable on PATH (exec.LookPath).
+	lookPath func(file string) (string, error)
+	// configPath is the configuration file the stage read.
+	configPath string
+	// environ is the child's environment.
+	environ []string
+	// timeout bounds the child (explainWait).
+	timeout time.Duration
+	log     *slog.Logger
+}
+
+// newAdminExplainer is the explainer of a stage that read configPath.
+func newAdminExplainer(configPath string, log *slog.Logger) *adminExplainer {
+	a := &adminExplainer{lookPath: exec.LookPath, configPath: configPath, environ: withoutJobVariables(os.Environ()),
+		timeout: explainWait, log: log}
+	if exe, err := os.Executable(); err == nil {
+		a.exeDir = filepath.Dir(exe)
+	}
+	return a
+}
+
+// withoutJobVariables drops the job's variables (CUSTOM_ENV_*, which may
+// hold its secrets) from environ: the admin tool reads only the runner
+// host's environment.
+func withoutJobVariables(environ []string) []string {
+	out := make([]string, 0, len(environ))
+	for _, kv := range environ {
+		if !strings.HasPrefix(kv, "CUSTOM_ENV_") {
+			out = append(out, kv)
+		}
+	}
+	return out
+}
+
+// find returns the admin tool's path: next to the running executable, else
+// on PATH.
+func (a *adminExplainer) find() (string, error) {
+	if a.exeDir != "" {
+		p := filepath.Join(a.exeDir, lifecycle.AdminExecutable)
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode().Perm()&0o111 != 0 {
+			return p, nil
+		}
+	}
+	return a.lookPath(lifecycle.AdminExecutable)
+}
+
+// Explain implements gitlab.Env.Explain: the admin tool's one sentence, ""
+// when it has nothing to say or fails (logged), or a note that the tool was
+// not found.
+func (a *adminExplainer) Explain(ctx context.Context, name string) string {
+	if err := vm.CheckName(name); err != nil {
+		a.log.Warn("no explanation of what became of the VM", "err", err)
+		return ""
+	}
+	path, err := a.find()
+	if err != nil {
+		where := "on PATH"
+		if a.exeDir != "" {
+			where = "in " + a.exeDir + " or on PATH"
+		}
+		// The stage's error carries the note: no log line of its own.
+		return fmt.Sprintf("what became of VM %s is not known: the admin tool %s, which asks libvirt, was not found %s", name, lifecycle.AdminExecutable, where)
+	}
+	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, path, "--config="+a.configPath, lifecycle.ExplainCommand, "--", name)
+	cmd.Env = a.environ
+	var stdout, stderr capped
+	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	// Its own process group, all of which is killed when ctx ends: nothing
+	// it started outlives the bound or holds its output open.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	cmd.Cancel = func() error { return syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL) }
+	cmd.WaitDelay = time.Second
+	t0 := time.Now()
+	if err := cmd.Run(); err != nil {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("stopped after %s: %w (%v)", vm.Round(time.Since(t0)), context.Cause(ctx), err)
+		}
+		a.log.Warn("no explanation of what became of the VM: the admin tool failed", "tool", path, "err", err,
+			"stderr", strings.TrimSpace(stderr.String()), "took", vm.Round(time.Since(t0)).String())
+		return ""
+	}
+	why, _, _ := strings.Cut(strings.TrimSpace(stdout.String()), "\n")
+	return strings.TrimSpace(why)
+}
+
+// capped keeps the first maxExplanation bytes written to it and discards
+// the rest.
+type capped struct{ buf bytes.Buffer }
+
+func (c *capped) Write(p []byte) (int, error) {
+	if room := maxExplanation - c.buf.Len(); room > 0 {
+		c.buf.Write(p[:min(len(p), room)])
+	}
+	return len(p), nil
+}
+
+func (c *capped) String() string { return c.buf.String() }

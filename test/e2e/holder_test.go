@@ -1,0 +1,219 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+)
+
+// holderPID is the running connection holder of the job's machine.
+func (s *stageRunner) holderPID(t *testing.T) int {
+	t.Helper()
+	pid := holder.Running(filepath.Join(s.r.cfg.StateDir, "machines", s.name(t)))
+	require.NotZero(t, pid, "the job has a connection holder")
+	return pid
+}
+
+func killHolder(t *testing.T, pid int) {
+	t.Helper()
+	require.NoError(t, syscall.Kill(pid, syscall.SIGKILL))
+	waitFor(t, 5*time.Second, "the holder gone", func() bool {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		return err != nil || strings.Contains(string(b), ") Z ")
+	})
+}
+
+// TestHolderServesEveryStage: every stage of a job runs through the one
+// holder prepare started (none falls back to a connection of its own), and
+// the holder ends with the job.
+func TestHolderServesEveryStage(t *testing.T) {
+	r := setup(t)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	res := s.run(t, "prepare")
+	require.Equal(t, 0, res.code)
+	require.Contains(t, res.stdout, "Connection holder started")
+	pid := s.holderPID(t)
+	for i := range 3 {
+		res := s.runScript(t, "build_script", fmt.Sprintf("echo stage-%d\n", i))
+		require.Equal(t, 0, res.code)
+		require.Contains(t, res.stdout, fmt.Sprintf("stage-%d", i))
+		require.NotContains(t, res.stderr, "connects directly")
+	}
+	res = s.runScript(t, "build_script", "exit 3\n")
+	require.Equal(t, 1, res.code, "the script's own failure through the holder is a build failure")
+	require.Equal(t, pid, s.holderPID(t), "one holder for the whole job")
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+	_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
+	require.True(t, os.IsNotExist(err) || procZombie(pid), "cleanup stopped the holder")
+}
+
+func procZombie(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	return err == nil && strings.Contains(string(b), ") Z ")
+}
+
+// TestFaultHolderKilledMidStage: the holder is SIGKILLed while a stage's
+// script runs. The stage is a system failure (never the script's), the
+// script is stopped in the guest, and the next stage connects directly.
+func TestFaultHolderKilledMidStage(t *testing.T) {
+	r := setup(t)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	pid := s.holderPID(t)
+	path := filepath.Join(s.dir, "script.")
+	require.NoError(t, os.WriteFile(path, []byte("#!/usr/bin/env bash\necho $$ > /tmp/lve-mid-stage.pid\necho started\nsleep 600\necho never\n"), 0o700))
+	rn := s.start(t, "run", path, "build_script")
+	waitFor(t, 60*time.Second, "script started", func() bool { return strings.Contains(rn.out.String(), "started") })
+	killHolder(t, pid)
+	res := rn.wait(t, 60*time.Second)
+	figures.fault()
+	figures.class(res.code, 2)
+	require.Equal(t, 2, res.code, "SYSTEM_FAILURE: the holder died, not the script")
+	require.NotContains(t, res.stdout, "never")
+	require.Contains(t, res.stderr, "the stage was stopped in the guest")
+
+	next := s.runScript(t, "after_script", "if kill -0 $(cat /tmp/lve-mid-stage.pid) 2>/dev/null; then echo still-running; else echo stopped; fi\n")
+	require.Equal(t, 0, next.code)
+	require.Contains(t, next.stdout, "stopped", "nothing of the interrupted stage runs on")
+	require.Contains(t, next.stderr, "connects directly", "the job log says the stage fell back")
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+}
+
+// TestFaultHolderKilledBetweenStages: with the holder gone, every later
+// stage connects directly, with the right exit class, and says so.
+func TestFaultHolderKilledBetweenStages(t *testing.T) {
+	r := setup(t)
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	require.Equal(t, 0, s.runScript(t, "prepare_script", "echo one\n").code)
+	killHolder(t, s.holderPID(t))
+	figures.fault()
+	res := s.runScript(t, "build_script", "echo two\n")
+	figures.class(res.code, 0)
+	require.Equal(t, 0, res.code)
+	require.Contains(t, res.stdout, "two")
+	require.Contains(t, res.stderr, "connects directly")
+	res = s.runScript(t, "build_script", "exit 3\n")
+	figures.class(res.code, 1)
+	require.Equal(t, 1, res.code, "the script's failure stays a build failure on the fallback path")
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+}
+
+// TestFaultGuestDiesWhileOnlyHolderConnected: the guest dies between
+// stages. Once the holder's keepalive noticed, the next stage fails at once;
+// a stage that starts before that fails within the keepalive bound. Both
+// are system failures that say what became of the VM.
+func TestFaultGuestDiesWhileOnlyHolderConnected(t *testing.T) {
+	r := setup(t)
+	for _, tc := range []struct {
+		name   string
+		wait   time.Duration // between the guest's death and the stage
+		within time.Duration
+	}{
+		{"stage right after", 0, 20 * time.Second},
+		{"stage after the holder noticed", 15 * time.Second, 5 * time.Second},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			s := newStageRunner(t, r)
+			require.Equal(t, 0, s.run(t, "config").code)
+			require.Equal(t, 0, s.run(t, "prepare").code)
+			require.Equal(t, 0, s.runScript(t, "prepare_script", "echo alive\n").code)
+			require.NoError(t, r.destroyJobDomain())
+			time.Sleep(tc.wait)
+			t0 := time.Now()
+			res := s.runScript(t, "build_script", "echo never\n")
+			took := time.Since(t0)
+			figures.fault()
+			figures.class(res.code, 2)
+			figures.detected(took)
+			require.Equal(t, 2, res.code)
+			require.Less(t, took, tc.within)
+			require.Contains(t, res.stderr, s.name(t)+" is shut off", "the stage says what became of the VM")
+			require.Equal(t, 0, s.run(t, "cleanup").code)
+		})
+	}
+}
+
+// reaperPID finds the reaper of the machine name (0 if none runs).
+func reaperPID(name string) int {
+	for _, p := range driverProcesses(name) {
+		var pid int
+		if _, err := fmt.Sscanf(p, "process %d (reap-machines", &pid); err == nil {
+			return pid
+		}
+	}
+	return 0
+}
+
+// TestFaultReaperKilled: cleanup returns once the VM runs nothing any more
+// and hands the rest to a reaper. The reaper is SIGKILLed at three points;
+// the VM keeps counting against the host's capacity and the next sweep
+// (gc) removes it at once, long before its deadline.
+func TestFaultReaperKilled(t *testing.T) {
+	r := setup(t)
+	for _, tc := range []struct {
+		point   string
+		reached func(name string) bool
+	}{
+		{"at its start", func(string) bool { return true }},
+		{"during the destroy", func(name string) bool { time.Sleep(300 * time.Millisecond); e, _ := r.domainState(name); return e }},
+		{"after the domain is gone", func(name string) bool { e, _ := r.domainState(name); return !e }},
+	} {
+		t.Run(tc.point, func(t *testing.T) {
+			s := newStageRunner(t, r)
+			require.Equal(t, 0, s.run(t, "config").code)
+			require.Equal(t, 0, s.run(t, "prepare").code)
+			name := s.name(t)
+			t0 := time.Now()
+			res := s.run(t, "cleanup")
+			took := time.Since(t0)
+			require.Equal(t, 0, res.code)
+			var pid int
+			deadline := time.Now().Add(5 * time.Second)
+			for pid == 0 && time.Now().Before(deadline) {
+				pid = reaperPID(name)
+			}
+			if pid == 0 {
+				t.Logf("the reaper had finished within %s of cleanup (%s): point not reached", time.Since(t0), took)
+				r.requireNoLeftovers(t, "after the reaper")
+				return
+			}
+			for !tc.reached(name) && reaperPID(name) == pid {
+				time.Sleep(2 * time.Millisecond)
+			}
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+			figures.fault()
+			t.Logf("cleanup took %s; reaper %d killed %s", took, pid, tc.point)
+			// What is left runs nothing, and nothing of the job reaches it.
+			if e, active := r.domainState(name); e && active {
+				d, err := r.conn.LookupDomainByName(name)
+				require.NoError(t, err)
+				st, _, err := d.GetState()
+				_ = d.Free()
+				require.NoError(t, err)
+				require.EqualValues(t, 3, st, "paused (VIR_DOMAIN_PAUSED) until it is removed")
+			}
+			require.NoFileExists(t, filepath.Join(r.cfg.StateDir, "machines", name, "id_ed25519"))
+			out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+			t.Logf("gc: %s", out)
+			require.NoError(t, err)
+			left := r.leftovers(t)
+			figures.addLeaks(len(left))
+			require.Empty(t, left, "gc removes what the killed reaper left, at once")
+		})
+	}
+}
