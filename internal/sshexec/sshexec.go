@@ -423,7 +423,7 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 //     USR1 to its process group is still judged by its exit code.
 //   - The script runs with stdin closed in a session of its own (setsid, if
 //     the guest has it), so everything it leaves in its process group can be
-//     stopped as a group, and the pidfile now names that group for a cancel.
+//     stopped as a group, and {pid}.g now names that group for a cancel.
 //     Its stdout and stderr both go into one FIFO, in order, and a relay
 //     (cat) copies the FIFO to the SSH channel: nothing the script starts
 //     holds the channel itself.
@@ -450,8 +450,9 @@ func (w wrapper) fifo() string    { return w.base + ".out" }
 func (w wrapper) command() string {
 	// Group signals are sent as "kill -SIG -PGID": dash rejects
 	// "kill -SIG -- -PGID" and busybox ash fails it, and any of them may be
-	// the guest's login shell. The pidfile is replaced atomically, so a
-	// cancel never reads it half-written.
+	// the guest's login shell. The script's group goes into a file of its
+	// own, never rewritten (no mv: one process less per stage), and a
+	// cancel reads it again while it is still empty (groupOf).
 	ticks := int(w.leftoverGrace / (100 * time.Millisecond))
 	lines := []string{
 		`echo $$ > {pid}`,
@@ -460,7 +461,7 @@ func (w wrapper) command() string {
 		`cat {out} & r=$!`,
 		`if command -v setsid >/dev/null 2>&1; then`,
 		`  setsid {shell} {sh} < /dev/null > {out} 2>&1 & s=$! g=$s`,
-		`  echo $s > {pid}.new && mv -f {pid}.new {pid}`,
+		`  echo $s > {pid}.g`,
 		`else`,
 		`  {shell} {sh} < /dev/null > {out} 2>&1 & s=$! g=`,
 		`fi`,
@@ -480,7 +481,7 @@ func (w wrapper) command() string {
 		`  echo "libvirt-executor: a detached process still writes to the stage's output; the stage ends without it" >&2`,
 		`fi`,
 		`wait $r 2>/dev/null`,
-		`rm -f {pid} {out}`,
+		`rm -f {pid} {pid}.g {out}`,
 		`exit $rc`,
 	}
 	return strings.NewReplacer(
@@ -661,15 +662,23 @@ func (c *Client) StopStage(ctx context.Context, tag string, grace time.Duration)
 	pid, sh, out := w.pidfile(), w.script(), w.fifo()
 	ticks := int(orDefault(grace, 5*time.Second) / (100 * time.Millisecond))
 	cmd := strings.NewReplacer("{pid}", pid, "{sh}", sh, "{out}", out, "{ticks}", strconv.Itoa(ticks)).Replace(
-		`if test -s {pid}; then g=$(cat {pid}); kill -TERM -$g 2>/dev/null; ` +
-			`i=0; while kill -0 -$g 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
-			`kill -KILL -$g 2>/dev/null; fi; rm -f {pid} {pid}.new {sh} {out}; exit 0`)
+		groupOf+`; if [ -n "$g" ]; then kill -TERM -$g 2>/dev/null; `+
+			`i=0; while kill -0 -$g 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; `+
+			`kill -KILL -$g 2>/dev/null; fi; rm -f {pid} {pid}.g {sh} {out}; exit 0`)
 	_, err := c.Output(ctx, cmd)
 	return err
 }
 
 // Wait blocks until the connection has ended, for whatever reason.
 func (c *Client) Wait() error { return c.c.Wait() }
+
+// groupOf sets g to the process group of the stage whose pidfile is {pid}:
+// the script's own group ({pid}.g, written once the script runs in a session
+// of its own), else the session shell's ({pid}, written first). A {pid}.g
+// that exists but is still empty is being written: it is read again.
+const groupOf = `g=; i=0; while [ $i -lt 20 ]; do ` +
+	`if [ -s {pid}.g ]; then g=$(cat {pid}.g); elif [ ! -e {pid}.g ] && [ -s {pid} ]; then g=$(cat {pid}); fi; ` +
+	`[ -n "$g" ] && break; [ -e {pid}.g ] || [ -e {pid} ] || break; i=$((i+1)); sleep 0.01; done; true`
 
 // killGroup sends SIGTERM to the script's process group through a new
 // session, waits up to grace for the script to end, then sends SIGKILL.
@@ -680,7 +689,7 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, exited <-chan ex
 	kill := func(sig string) error {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 		defer cancel()
-		_, err := c.Output(ctx, fmt.Sprintf("test -s %s && kill -%s -$(cat %s)", pidfile, sig, pidfile))
+		_, err := c.Output(ctx, strings.ReplaceAll(groupOf, "{pid}", pidfile)+` && [ -n "$g" ] && kill -`+sig+` -$g`)
 		return err
 	}
 	if err := kill("TERM"); err != nil {
@@ -696,7 +705,7 @@ func (c *Client) killGroup(pidfile string, grace time.Duration, exited <-chan ex
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	base := strings.TrimSuffix(pidfile, ".pid")
-	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+pidfile+".new "+base+".sh "+base+".out")
+	_, _ = c.Output(ctx, "rm -f "+pidfile+" "+pidfile+".g "+base+".sh "+base+".out")
 	return nil
 }
 

@@ -16,6 +16,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -199,6 +200,30 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 		ex = append(ex, ms(time.Since(t)))
 	}
 	fs.HandshakeMs, fs.ExecMs = Summarize(hs).Median, Summarize(ex).Median
+	// The stage wrapper (sshexec.Client.Run, what run_exec and the
+	// connection holder use) around an empty script, with sh and with bash:
+	// the guest's share of a stage beyond the bare session.
+	st := sshexec.Target{Addr: target, User: img.User, Signer: keys.Client, HostKey: keys.Host,
+		InsecureIgnoreHostKey: e.cfg.HostKeyPolicy == config.HostKeyInsecureIgnore}
+	if wc, err := sshexec.Dial(ctx, st); err == nil {
+		for _, sh := range []struct {
+			shell string
+			into  *float64
+		}{{"sh", &fs.WrapperShMs}, {"bash", &fs.WrapperBashMs}} {
+			var w []float64
+			for range 5 {
+				t := time.Now()
+				if err := wc.Run(ctx, []byte("exit 0\n"), sshexec.RunOptions{Shell: sh.shell}); err != nil {
+					break
+				}
+				w = append(w, ms(time.Since(t)))
+			}
+			if len(w) > 0 {
+				*sh.into = Summarize(w).Median
+			}
+		}
+		_ = wc.Close()
+	}
 	fs.OK = true
 	return fs
 }

@@ -246,6 +246,11 @@ type FloorSample struct {
 	// (medians of a few): what every run_exec pays.
 	HandshakeMs float64 `json:"handshake_ms"`
 	ExecMs      float64 `json:"exec_ms"`
+	// WrapperShMs and WrapperBashMs: the stage wrapper (sshexec.Client.Run)
+	// around the script `exit 0` run by sh and by bash, on an open
+	// connection (medians of five; 0 if not measured).
+	WrapperShMs   float64 `json:"wrapper_sh_ms,omitempty"`
+	WrapperBashMs float64 `json:"wrapper_bash_ms,omitempty"`
 	// DestroyMs is the destroy call alone, RemoveMs the whole removal
 	// (destroy, undefine, volumes).
 	DestroyMs float64 `json:"destroy_ms"`
@@ -289,6 +294,8 @@ type ImageSummary struct {
 	FloorStartCall Summary `json:"floor_start_call_ms"`
 	Handshake      Summary `json:"handshake_ms"`
 	Exec           Summary `json:"exec_ms"`
+	WrapperSh      Summary `json:"wrapper_sh_ms"`
+	WrapperBash    Summary `json:"wrapper_bash_ms"`
 	FloorDestroy   Summary `json:"floor_destroy_ms"`
 	FloorRemove    Summary `json:"floor_remove_ms"`
 	// Ratio is prepare wall / floor, paired run by run.
@@ -506,6 +513,8 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.FloorStartCall = fcol(func(f *FloorSample) float64 { return f.StartCallMs })
 	s.Handshake = fcol(func(f *FloorSample) float64 { return f.HandshakeMs })
 	s.Exec = fcol(func(f *FloorSample) float64 { return f.ExecMs })
+	s.WrapperSh = fcol(func(f *FloorSample) float64 { return zeroNaN(f.WrapperShMs) })
+	s.WrapperBash = fcol(func(f *FloorSample) float64 { return zeroNaN(f.WrapperBashMs) })
 	s.FloorDestroy = fcol(func(f *FloorSample) float64 { return f.DestroyMs })
 	s.FloorRemove = fcol(func(f *FloorSample) float64 { return f.RemoveMs })
 	s.FloorOverlayAtCreate = fcol(func(f *FloorSample) float64 {
@@ -591,6 +600,14 @@ func (w *WarmRound) Summarize(cold Summary) WarmSummary {
 }
 
 // orNaN is *p, or NaN (a figure not obtained) for nil.
+// zeroNaN is x, or NaN for 0 (not measured).
+func zeroNaN(x float64) float64 {
+	if x == 0 {
+		return math.NaN()
+	}
+	return x
+}
+
 func orNaN(p *float64) float64 {
 	if p == nil {
 		return math.NaN()

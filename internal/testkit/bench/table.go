@@ -94,6 +94,8 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	row(fmt.Sprintf("  overhead per stage (all %d no-op stages)", len(NoopStages)), s.OverheadAll, fmtMs)
 	row("  of which: SSH connect+handshake+login", s.Handshake, fmtMs)
 	row("  of which: one session exec (one per stage)", s.Exec, fmtMs)
+	row("  the stage wrapper, script `exit 0` by sh (session included)", s.WrapperSh, fmtMs)
+	row("  the stage wrapper, script `exit 0` by bash (session included)", s.WrapperBash, fmtMs)
 	row("cleanup wall", s.Cleanup, fmtMs)
 	row("  cleanup -> VM gone (domain, state dir)", s.VMGone, fmtMs)
 	row("  floor VM: destroy call", s.FloorDestroy, fmtMs)
