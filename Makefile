@@ -4,6 +4,9 @@ export PATH := /usr/local/go/bin:$(PATH)
 GO ?= go
 VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
 LDFLAGS := -X gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo.Version=$(VERSION)
+# urfave/cli without its man/markdown generators (and their markdown library):
+# nothing here uses them, and every stage start paid for their initialisation.
+BUILD_TAGS := urfave_cli_no_docs
 BIN := bin
 PREFIX ?= /usr/local
 STAGES := config prepare run cleanup
@@ -34,8 +37,8 @@ deps: ## install what build, lint and the tests need: Debian packages, shellchec
 
 build: build-prereqs ## build the four stage executables, the admin tool, the test harness and the benchmark into bin/ (needs Go: make deps)
 	@mkdir -p $(BIN)
-	@for s in $(STAGES); do $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
-	@$(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
+	@for s in $(STAGES); do $(GO) build -trimpath -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
+	@$(GO) build -trimpath -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
 	@$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness
 	@$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench
 	@echo "built: $$(ls $(BIN) | tr '\n' ' ')"

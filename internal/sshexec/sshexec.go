@@ -662,8 +662,8 @@ func (c *Client) StopStage(ctx context.Context, tag string, grace time.Duration)
 	pid, sh, out := w.pidfile(), w.script(), w.fifo()
 	ticks := int(orDefault(grace, 5*time.Second) / (100 * time.Millisecond))
 	cmd := strings.NewReplacer("{pid}", pid, "{sh}", sh, "{out}", out, "{ticks}", strconv.Itoa(ticks)).Replace(
-		groupOf+`; if [ -n "$g" ]; then kill -TERM -$g 2>/dev/null; `+
-			`i=0; while kill -0 -$g 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; `+
+		groupOf + `; if [ -n "$g" ]; then kill -TERM -$g 2>/dev/null; ` +
+			`i=0; while kill -0 -$g 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
 			`kill -KILL -$g 2>/dev/null; fi; rm -f {pid} {pid}.g {sh} {out}; exit 0`)
 	_, err := c.Output(ctx, cmd)
 	return err
