@@ -16,7 +16,7 @@ import (
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == lifecycle.ReaperCommand {
 		// Started by a cleanup stage to finish removing ended machines.
-		os.Exit(stagecli.Reap(os.Args[2:], os.Stderr))
+		os.Exit(stagecli.Reap(os.Args[2:], os.Stdin, os.Stderr))
 	}
 	stagecli.Main("libvirt-executor-cleanup", "remove the job's VM and everything it used", "", 0,
 		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {

@@ -15,7 +15,7 @@ import (
 func main() {
 	if len(os.Args) > 1 && os.Args[1] == lifecycle.HolderCommand {
 		// Started by prepare as the job's connection holder.
-		os.Exit(stagecli.Hold(os.Args[2:], os.Stderr))
+		os.Exit(stagecli.Hold(os.Args[2:], os.Stdin, os.Stderr))
 	}
 	stagecli.Main("libvirt-executor-run", "run a stage script in the job's VM", "<script-path> <stage-name>", 2,
 		func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error {

@@ -109,6 +109,10 @@ type Config struct {
 
 	// Path is the file the configuration was read from (not a TOML key).
 	Path string `toml:"-"`
+	// Text is the TOML it was parsed from: the driver's helper processes
+	// (connection holder, reaper) get it on stdin, so they work with the
+	// very configuration of the stage that started them.
+	Text []byte `toml:"-"`
 }
 
 // Defaults are the resources a job VM gets.
@@ -336,6 +340,7 @@ func Parse(data []byte) (*Config, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
+	c.Text = data
 	return &c, nil
 }
 

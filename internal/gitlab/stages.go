@@ -587,23 +587,22 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	t0 := time.Now()
 	jm, ended, err := m.EndJob(ctx, j.name)
-	if err != nil {
-		j.log.Error("cleanup incomplete", "vm", jm.Name, "err", err)
-		return exitcodes.System(err)
-	}
 	// The machine runs nothing any more and nothing of the job can reach
 	// it; the slow rest (QEMU's exit, undefine, volumes) goes to a reaper
-	// of its own, so the job ends now.
+	// of its own, so the job ends now. A machine marked ended goes to the
+	// reaper also when ending the job failed after that (its pause, or
+	// another machine of the job): it destroys what still runs.
 	reaper := len(ended) > 0
 	if reaper {
-		if err := m.StartReaper(ended); err != nil {
-			j.log.Warn("no reaper; removing the VM here", "err", err)
+		if serr := m.StartReaper(ended); serr != nil {
+			j.log.Warn("no reaper; removing the VM here", "err", serr)
 			reaper = false
-			if err := m.Reap(ctx, ended); err != nil {
-				j.log.Error("cleanup incomplete", "vm", jm.Name, "err", err)
-				return exitcodes.System(err)
-			}
+			err = errors.Join(err, m.Reap(ctx, ended))
 		}
+	}
+	if err != nil {
+		j.log.Error("cleanup incomplete", "vm", jm.Name, "reaper", reaper, "err", err)
+		return exitcodes.System(err)
 	}
 	j.log.Info("cleaned up", "vm", jm.Name, "warm", jm.Warm, "reaper", reaper, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
 	if !reaper {

@@ -22,9 +22,9 @@ type Stage struct {
 	Stdout, Stderr io.Writer
 }
 
-// connectWait bounds the connect to the socket. The holder accepts within
-// microseconds; a listening socket nobody accepts on for this long belongs
-// to a holder that hangs.
+// connectWait bounds the connect to the socket (a connection to a listening
+// socket completes in its backlog even before the holder accepts it; a
+// holder that died leaves a socket nobody listens on, refused at once).
 const connectWait = 2 * time.Second
 
 // RunStage runs a stage through the holder listening at socket and returns
@@ -45,28 +45,40 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 	if grace <= 0 {
 		grace = 5 * time.Second
 	}
-	if err := writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
-		// A holder that died after accepting reads nothing: unless it read
-		// the whole request, nothing ran. A partial request is not run.
-		return fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err), false
-	}
-	// After a cancel the holder stops the script (SIGTERM, the grace,
-	// SIGKILL) and then answers; wait that long and a little more.
+	// A cancel (the runner's SIGTERM) reaches the holder as a frame; the
+	// holder then stops the script (SIGTERM, the grace, SIGKILL) and
+	// answers: the answer is waited for that long and a little more. The
+	// hook is in place before the request goes out, so a holder that does
+	// not read cannot make the stage ignore its cancel.
 	stop := context.AfterFunc(ctx, func() {
+		_ = conn.SetWriteDeadline(time.Now().Add(time.Second))
 		_ = writeFrame(conn, frameCancel, nil)
-		_ = conn.SetReadDeadline(time.Now().Add(grace + 10*time.Second))
+		_ = conn.SetDeadline(time.Now().Add(grace + 10*time.Second))
 	})
 	defer stop()
+	if err := writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
+		// The holder starts a script only after it read the whole request
+		// and said so (frameStarted): nothing ran.
+		return fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err), false
+	}
 	stdout, stderr := orDiscard(st.Stdout), orDiscard(st.Stderr)
+	started := false
 	for {
 		kind, b, err := readFrame(conn, 2*maxScript+maxControl)
 		if err != nil {
+			if !started {
+				// Ended before it said it starts the script (a holder that
+				// exited before it took the stage, or could not start it).
+				return fmt.Errorf("%w: it ended before it took the stage: %v", ErrUnavailable, err), false
+			}
 			// The holder ended (or hung past the cancel's wait) after it
 			// may have started the script: the caller stops it in the
 			// guest itself.
 			return exitcodes.System(fmt.Errorf("the connection holder ended during the stage: %v", err)), true
 		}
 		switch kind {
+		case frameStarted:
+			started = true
 		case frameStdout:
 			_, _ = stdout.Write(b)
 		case frameStderr:

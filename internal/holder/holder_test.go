@@ -163,6 +163,7 @@ func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
 			return
 		}
 		_, _, _ = readFrame(c, 1<<20)
+		_ = writeFrame(c, frameStarted, nil)
 		_ = writeFrame(c, frameStdout, []byte("half"))
 		_ = c.Close() // SIGKILLed after it started the stage
 	}()
@@ -172,6 +173,54 @@ func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.NotErrorIs(t, err, ErrUnavailable, "it may have run: never retried as if it had not")
 	require.Equal(t, "half", out.String())
+}
+
+// A holder that ends after it read the request but before it said it
+// starts the script (it was still connecting; it was stopped): nothing ran,
+// and the stage may connect directly.
+func TestHolderEndingBeforeItStartedIsUnavailable(t *testing.T) {
+	dir := t.TempDir()
+	ln, err := net.Listen("unix", Socket(dir))
+	require.NoError(t, err)
+	defer ln.Close()
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		_, _, _ = readFrame(c, 1<<20)
+		_ = c.Close()
+	}()
+	err, mid := RunStage(context.Background(), Socket(dir), Stage{Tag: "0123456789abcdef", Script: []byte("true")})
+	require.ErrorIs(t, err, ErrUnavailable)
+	require.False(t, mid)
+}
+
+// A holder that does not read: the stage's cancel still ends it (a large
+// script fills the socket's buffer).
+func TestCancelWhileTheHolderDoesNotRead(t *testing.T) {
+	dir := t.TempDir()
+	ln, err := net.Listen("unix", Socket(dir))
+	require.NoError(t, err)
+	defer ln.Close()
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			accepted <- c
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	start := time.Now()
+	err, _ = RunStage(ctx, Socket(dir), Stage{Tag: "0123456789abcdef", Script: make([]byte, 8<<20), KillGrace: time.Second})
+	require.Error(t, err)
+	require.Less(t, time.Since(start), 15*time.Second, "bounded by the cancel")
+	select {
+	case c := <-accepted:
+		_ = c.Close()
+	default:
+	}
 }
 
 func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
@@ -240,7 +289,7 @@ func TestStartRecordsAndStopProvesTheProcess(t *testing.T) {
 	dir := t.TempDir()
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
-	pid, err := Start(dir, sleep, []string{"300"})
+	pid, err := Start(dir, sleep, []string{"300"}, nil)
 	require.NoError(t, err)
 	require.Equal(t, pid, Running(dir))
 	fi, err := os.Stat(Socket(dir))
@@ -270,7 +319,7 @@ func TestStartRecordsAndStopProvesTheProcess(t *testing.T) {
 func TestStartRefusesTooLongSocketPath(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), strings.Repeat("d", 120))
 	require.NoError(t, os.MkdirAll(dir, 0o700))
-	_, err := Start(dir, "/bin/true", nil)
+	_, err := Start(dir, "/bin/true", nil, nil)
 	require.ErrorContains(t, err, "unix socket allows")
 }
 

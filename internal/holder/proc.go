@@ -5,12 +5,13 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
 	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detach"
 )
 
 // maxSocketPath is the longest path a unix socket can be bound at on
@@ -25,10 +26,10 @@ func Socket(dir string) string { return filepath.Join(dir, SocketFile) }
 // connection waits in the backlog until the holder accepts), then starts
 // exe with args in a session of its own (a signal to the caller's process
 // group does not reach it), with the listening socket as file descriptor 3,
-// stdin and stdout on /dev/null, stderr on LogFile in dir, and an
-// environment of PATH only (the caller's may hold a job's variables). It
+// stdin as given (the configuration), stdout on /dev/null, stderr on
+// LogFile in dir, and an environment of PATH only (package detach). It
 // records the process in PidFile and does not wait for it.
-func Start(dir, exe string, args []string) (int, error) {
+func Start(dir, exe string, args []string, stdin []byte) (int, error) {
 	sock := Socket(dir)
 	if len(sock) > maxSocketPath {
 		return 0, fmt.Errorf("socket path %s is %d bytes long, more than the %d a unix socket allows (shorten state_dir)", sock, len(sock), maxSocketPath)
@@ -50,23 +51,11 @@ func Start(dir, exe string, args []string) (int, error) {
 		return 0, err
 	}
 	defer lf.Close()
-	logf, err := os.OpenFile(filepath.Join(dir, LogFile), os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
+	pid, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: stdin, Extra: []*os.File{lf}, Log: filepath.Join(dir, LogFile)})
 	if err != nil {
 		_ = os.Remove(sock)
 		return 0, err
 	}
-	defer logf.Close()
-	cmd := exec.Command(exe, args...) //nolint:gosec // G204: exe is the driver's own executable; args are the machine's name and the configuration path
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	cmd.Stderr = logf
-	cmd.ExtraFiles = []*os.File{lf}
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		_ = os.Remove(sock)
-		return 0, err
-	}
-	pid := cmd.Process.Pid
-	_ = cmd.Process.Release()
 	start, _, err := startTime(pid)
 	if err == nil {
 		err = writePid(dir, pid, start)

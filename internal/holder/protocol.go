@@ -50,6 +50,7 @@ const maxControl = 1 << 20
 const (
 	frameRequest byte = 'R' // stage -> holder: Request (JSON)
 	frameCancel  byte = 'C' // stage -> holder: stop the stage
+	frameStarted byte = 'S' // holder -> stage: the script may start from now on
 	frameStdout  byte = 'O' // holder -> stage: script output
 	frameStderr  byte = 'E' // holder -> stage: the wrapper's own messages
 	frameResult  byte = 'X' // holder -> stage: Result (JSON), the last frame

@@ -34,6 +34,7 @@ type Server struct {
 	CheckEvery time.Duration
 
 	mu      sync.Mutex
+	redial  sync.Mutex    // one reconnection at a time
 	ready   chan struct{} // closed once the first dial ended
 	client  *sshexec.Client
 	dialErr error
@@ -65,8 +66,18 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
 	defer stopAccept()
 	var stages sync.WaitGroup
-	defer stages.Wait()
-	defer s.closeClient()
+	defer func() {
+		// Stages cancelled by the holder's end stop their scripts in the
+		// guest over the connection: it is closed only after them (bounded).
+		done := make(chan struct{})
+		go func() { stages.Wait(); close(done) }()
+		select {
+		case <-done:
+		case <-time.After(stopStagesWait):
+			s.Log.Warn("stages did not end in time; closing the connection under them")
+		}
+		s.closeClient()
+	}()
 	for {
 		conn, err := ln.Accept()
 		if err != nil {
@@ -83,6 +94,14 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 		}()
 	}
 }
+
+// stopStagesWait bounds how long an ending holder waits for its stages to
+// stop their scripts (SIGTERM, the kill grace, SIGKILL).
+const stopStagesWait = 20 * time.Second
+
+// frameWriteWait bounds one frame's write to a stage: a stage that stops
+// reading for this long is dropped (its script is stopped in the guest).
+const frameWriteWait = 60 * time.Second
 
 // watch ends the holder when the machine is gone.
 func (s *Server) watch(ctx context.Context, cancel context.CancelFunc) {
@@ -154,8 +173,17 @@ func (s *Server) clientFor(ctx context.Context) (*sshexec.Client, Result) {
 	if dead := c.Dead(); dead != nil {
 		return nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost: %v", dead)}
 	}
-	s.Log.Warn("the connection to the guest ended; connecting again")
-	s.connect(ctx)
+	s.redial.Lock()
+	defer s.redial.Unlock()
+	s.mu.Lock()
+	same := s.client == c
+	s.mu.Unlock()
+	if same {
+		// Not yet made again by a stage that came at the same time.
+		s.Log.Warn("the connection to the guest ended; connecting again")
+		_ = c.Close()
+		s.connect(ctx)
+	}
 	s.mu.Lock()
 	c, dialErr = s.client, s.dialErr
 	s.mu.Unlock()
@@ -181,7 +209,7 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		return
 	}
 	var req Request
-	out := &frameWriter{w: conn}
+	out := &frameWriter{conn: conn}
 	if err := json.Unmarshal(b, &req); err != nil || req.Version != protocolVersion {
 		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("the holder speaks protocol %d (request: %d, %v)", protocolVersion, req.Version, err)})
 		return
@@ -211,6 +239,12 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 			cancel(fmt.Errorf("the stage's connection to the holder failed: %v", err))
 		}
 	}()
+	// From here on the script may start: the stage must not run it again
+	// elsewhere.
+	if err := out.frame(frameStarted, nil); err != nil {
+		s.Log.Warn("the stage went away before it started", "err", err)
+		return
+	}
 	t0 := time.Now()
 	err = c.Run(sctx, req.Script, sshexec.RunOptions{
 		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
@@ -259,10 +293,13 @@ func samePeer(conn net.Conn) error {
 	return nil
 }
 
-// frameWriter serialises the frames of one stage.
+// frameWriter serialises the frames of one stage. A frame the stage does
+// not take within frameWriteWait ends the stage's connection (the stage
+// then sees it end mid-stage, and the holder stops the script: its
+// context ends with the connection).
 type frameWriter struct {
 	mu     sync.Mutex
-	w      io.Writer
+	conn   net.Conn
 	failed error
 }
 
@@ -272,7 +309,10 @@ func (f *frameWriter) frame(kind byte, p []byte) error {
 	if f.failed != nil {
 		return f.failed
 	}
-	f.failed = writeFrame(f.w, kind, p)
+	_ = f.conn.SetWriteDeadline(time.Now().Add(frameWriteWait))
+	if f.failed = writeFrame(f.conn, kind, p); f.failed != nil {
+		_ = f.conn.Close()
+	}
 	return f.failed
 }
 

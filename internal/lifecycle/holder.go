@@ -48,8 +48,8 @@ func (m *Manager) StartHolder(name string, until time.Time) error {
 			return err
 		}
 	}
-	args := []string{HolderCommand, "--config", m.Cfg.Path, "--until", strconv.FormatInt(until.Unix(), 10), name}
-	_, err := holder.Start(m.Store.MachineDir(name), exe, args)
+	args := []string{HolderCommand, "--config", m.Cfg.Path, "--config-stdin", "--until", strconv.FormatInt(until.Unix(), 10), name}
+	_, err := holder.Start(m.Store.MachineDir(name), exe, args, m.Cfg.Text)
 	return err
 }
 

@@ -218,14 +218,19 @@ func (m *Manager) Teardown(ctx context.Context, name string) error {
 }
 
 // Keep leaves the machine running for debugging until the given time, after
-// which a sweep removes it like any expired machine.
+// which a sweep removes it like any expired machine. Its job is over: its
+// connection holder is stopped.
 func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error {
 	unlock, err := m.Store.Lock(ctx, name)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	return m.engine().Extend(ctx, name, until)
+	if err := m.engine().Extend(ctx, name, until); err != nil {
+		return err
+	}
+	m.stopHolder(name)
+	return nil
 }
 
 // teardown is Teardown for a caller that holds the lock. The state directory

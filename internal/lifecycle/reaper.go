@@ -6,12 +6,11 @@ import (
 	"fmt"
 	"log/slog"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detach"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
@@ -36,10 +35,11 @@ const (
 // the machine ended and deletes its client key (nothing of the job
 // connects to it any more), and pauses the guest (Engine.Halt: it runs
 // nothing from then on). What takes long, QEMU's exit, the undefine and the
-// volumes, is left to Reap. It returns the names it ended that way, and
-// removes the job's mapping. A machine without a state directory has
-// nothing that proves its volumes ours to a later process: it is removed
-// here, the slow way.
+// volumes, is left to Reap. It returns the names it marked ended, also
+// with an error (the caller starts their reaper all the same: a machine that
+// could not be paused is destroyed there), and removes the job's mapping. A
+// machine without a state directory has nothing that proves its volumes
+// ours to a later process: it is removed here, the slow way.
 func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string, error) {
 	jm, err := m.MachineOf(job)
 	if err != nil {
@@ -52,20 +52,25 @@ func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string,
 		names = append(names, job)
 	}
 	var ended []string
+	var errs []error
 	for _, name := range names {
-		done, err := m.end(ctx, name)
-		if err != nil {
-			return jm, ended, err
-		}
-		if done {
+		marked, err := m.end(ctx, name)
+		if marked {
 			ended = append(ended, name)
 		}
+		if err != nil {
+			errs = append(errs, err)
+		}
+	}
+	if len(errs) > 0 {
+		return jm, ended, errors.Join(errs...)
 	}
 	return jm, ended, m.Store.UnmapJob(job)
 }
 
-// end is EndJob for one machine: true if it was ended and awaits Reap,
-// false if there was nothing to end or it was removed at once.
+// end is EndJob for one machine: true once it is marked ended (it awaits
+// Reap, also when an error follows), false if there was nothing to end or
+// it was removed at once.
 func (m *Manager) end(ctx context.Context, name string) (bool, error) {
 	if err := m.checkOurName(name); err != nil {
 		return false, err
@@ -93,7 +98,7 @@ func (m *Manager) end(ctx context.Context, name string) (bool, error) {
 		return false, fmt.Errorf("mark %s ended: %w", name, err)
 	}
 	if err := m.engine().Halt(ctx, name); err != nil {
-		return false, fmt.Errorf("stop %s: %w", name, err)
+		return true, fmt.Errorf("stop %s: %w", name, err)
 	}
 	return true, nil
 }
@@ -141,9 +146,10 @@ func (m *Manager) reapOne(ctx context.Context, name string) error {
 
 // StartReaper starts, detached (a session of its own, not waited for), a
 // process that reaps names (Reap) and then runs the opportunistic sweep:
-// ReaperExecutable ReaperCommand --config PATH NAME... Its log goes to
-// reaper.log in the state directory. If the reaper dies, the ended marks
-// make the next sweep remove the machines.
+// ReaperExecutable ReaperCommand --config PATH --config-stdin -- NAME... Its log goes to
+// reaper.log in the state directory; it gets the stage's configuration on
+// stdin (package detach). If the reaper dies, the ended marks make the next
+// sweep remove the machines.
 func (m *Manager) StartReaper(names []string) error {
 	exe := m.ReaperExe
 	if exe == "" {
@@ -157,20 +163,9 @@ func (m *Manager) StartReaper(names []string) error {
 	if st, err := os.Stat(logPath); err == nil && st.Size() > reaperLogMax {
 		_ = os.Rename(logPath, logPath+".1")
 	}
-	logf, err := os.OpenFile(logPath, os.O_WRONLY|os.O_CREATE|os.O_APPEND, 0o600)
-	if err != nil {
-		return err
-	}
-	defer logf.Close()
-	args := append([]string{ReaperCommand, "--config", m.Cfg.Path, "--"}, names...)
-	cmd := exec.Command(exe, args...) //nolint:gosec // G204: exe is the driver's own executable; args are the configuration path and machine names
-	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
-	cmd.Stderr = logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	return cmd.Process.Release()
+	args := append([]string{ReaperCommand, "--config", m.Cfg.Path, "--config-stdin", "--"}, names...)
+	_, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: m.Cfg.Text, Log: logPath})
+	return err
 }
 
 // sweepEvery limits the opportunistic sweeps that run after a job's

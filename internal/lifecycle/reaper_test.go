@@ -2,6 +2,7 @@ package lifecycle
 
 import (
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -30,7 +31,7 @@ func TestEndJobThenReap(t *testing.T) {
 	dir := m.Store.MachineDir(req.Name)
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
-	pid, err := holder.Start(dir, sleep, []string{"300"})
+	pid, err := holder.Start(dir, sleep, []string{"300"}, nil)
 	require.NoError(t, err)
 
 	jm, ended, err := m.EndJob(ctx, req.Name)
@@ -132,15 +133,66 @@ func TestStartReaperRunsDetached(t *testing.T) {
 	m, _ := manager(t, hv, newGuest(t, hv))
 	out := filepath.Join(t.TempDir(), "argv")
 	script := filepath.Join(t.TempDir(), "reaper")
-	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\necho \"$@\" > "+out+"\n"), 0o700))
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\ncat > "+out+".stdin\necho \"$@\" > "+out+"\n"), 0o700))
 	m.ReaperExe = script
 	m.Cfg.Path = "/etc/x.toml"
 	require.NoError(t, m.StartReaper([]string{"lve-0123abcd-7"}))
 	require.Eventually(t, func() bool {
 		b, err := os.ReadFile(out)
-		return err == nil && string(b) == ReaperCommand+" --config /etc/x.toml -- lve-0123abcd-7\n"
+		return err == nil && string(b) == ReaperCommand+" --config /etc/x.toml --config-stdin -- lve-0123abcd-7\n"
 	}, 5*time.Second, 20*time.Millisecond)
+	stdin, err := os.ReadFile(out + ".stdin")
+	require.NoError(t, err)
+	require.Equal(t, string(m.Cfg.Text), string(stdin), "the reaper gets the stage's very configuration")
+	require.NotEmpty(t, stdin)
 	fi, err := os.Stat(filepath.Join(m.Store.Dir, reaperLog))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
+}
+
+// A pause that fails leaves the machine marked ended and keyless: EndJob
+// reports it among the ended ones with the error, so its reaper destroys it.
+func TestEndJobReportsMarkedMachineWhenThePauseFails(t *testing.T) {
+	ctx := context.Background()
+	hv := vmtest.New()
+	m, img := manager(t, hv, newGuest(t, hv))
+	ready, err := m.Provision(ctx, request(img))
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	name := ready.Machine.Name
+	hv.Lock()
+	hv.FailOn["Suspend"] = errors.New("suspend refused")
+	hv.Unlock()
+	_, ended, err := m.EndJob(ctx, name)
+	require.ErrorContains(t, err, "suspend refused")
+	require.Equal(t, []string{name}, ended)
+	e, err := m.Store.EndedOf(name)
+	require.NoError(t, err)
+	require.NotNil(t, e)
+	hv.Lock()
+	delete(hv.FailOn, "Suspend")
+	hv.Unlock()
+	require.NoError(t, m.Reap(ctx, ended))
+	requireNothingLeft(t, hv, m)
+}
+
+// A VM kept for debugging keeps its keys; its job is over, so its holder
+// is stopped.
+func TestKeepStopsTheHolder(t *testing.T) {
+	ctx := context.Background()
+	hv := vmtest.New()
+	m, img := manager(t, hv, newGuest(t, hv))
+	ready, err := m.Provision(ctx, request(img))
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	name := ready.Machine.Name
+	dir := m.Store.MachineDir(name)
+	sleep, err := exec.LookPath("sleep")
+	require.NoError(t, err)
+	_, err = holder.Start(dir, sleep, []string{"300"}, nil)
+	require.NoError(t, err)
+	require.NoError(t, m.Keep(ctx, name, time.Now().Add(time.Hour)))
+	require.Zero(t, holder.Running(dir))
+	require.FileExists(t, filepath.Join(dir, "id_ed25519"), "the debugging login needs the key")
+	require.NoError(t, m.Teardown(ctx, name))
 }

@@ -460,6 +460,7 @@ func (w wrapper) command() string {
 		`trap : USR1`,
 		`cat {out} & r=$!`,
 		`if command -v setsid >/dev/null 2>&1; then`,
+		`  : > {pid}.g`,
 		`  setsid {shell} {sh} < /dev/null > {out} 2>&1 & s=$! g=$s`,
 		`  echo $s > {pid}.g`,
 		`else`,

@@ -17,14 +17,16 @@ import (
 )
 
 // Hold is the run executable as a job's connection holder
-// (lifecycle.HolderCommand): `hold-connection --config PATH --until UNIX
-// NAME`, started by prepare with the listening socket as fd 3. It logs to
+// (lifecycle.HolderCommand): `hold-connection --config PATH [--config-stdin]
+// --until UNIX NAME`, started by prepare with the listening socket as fd 3
+// and the configuration's text on stdin. It logs to
 // stderr (the holder's log file) and returns the process's exit code.
-func Hold(args []string, stderr io.Writer) int {
+func Hold(args []string, stdin io.Reader, stderr io.Writer) int {
 	log := slog.New(slog.NewTextHandler(stderr, nil)).With("exe", "connection-holder")
 	fs := flag.NewFlagSet(lifecycle.HolderCommand, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfgPath := fs.String("config", "", "driver configuration file")
+	cfgStdin := fs.Bool("config-stdin", false, "read the configuration's text from stdin (--config names it)")
 	until := fs.String("until", "", "end at this time (Unix seconds) at the latest")
 	if err := fs.Parse(args); err != nil {
 		return 2
@@ -49,7 +51,7 @@ func Hold(args []string, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT, syscall.SIGHUP)
 	defer stop()
-	cfg, err := config.Load(*cfgPath)
+	cfg, err := helperConfig(*cfgPath, *cfgStdin, stdin)
 	if err != nil {
 		log.Error("configuration", "err", err)
 		return 1
@@ -67,4 +69,29 @@ func Hold(args []string, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// maxConfigText bounds a configuration read from stdin.
+const maxConfigText = 4 << 20
+
+// helperConfig is the configuration of a helper process (holder, reaper):
+// the text its starter gave it on stdin (the very configuration that stage
+// used, even if the file changed or went since), else the file at path.
+func helperConfig(path string, fromStdin bool, stdin io.Reader) (*config.Config, error) {
+	if !fromStdin {
+		return config.Load(path)
+	}
+	text, err := io.ReadAll(io.LimitReader(stdin, maxConfigText+1))
+	if err != nil {
+		return nil, fmt.Errorf("read the configuration from stdin: %w", err)
+	}
+	if len(text) > maxConfigText {
+		return nil, fmt.Errorf("configuration on stdin exceeds %d bytes", maxConfigText)
+	}
+	cfg, err := config.Parse(text)
+	if err != nil {
+		return nil, fmt.Errorf("config %s (from stdin): %w", path, err)
+	}
+	cfg.Path = path
+	return cfg, nil
 }

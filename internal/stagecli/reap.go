@@ -11,21 +11,22 @@ import (
 	"syscall"
 	"time"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // Reap is the cleanup executable as the reaper of machines whose job
-// ended (lifecycle.ReaperCommand): `reap-machines --config PATH -- NAME...`,
-// started detached by the cleanup stage. It removes them (lifecycle.Reap),
+// ended (lifecycle.ReaperCommand): `reap-machines --config PATH
+// [--config-stdin] -- NAME...`, started detached by the cleanup stage with
+// the configuration's text on stdin. It removes them (lifecycle.Reap),
 // then runs the opportunistic sweep, logs to stderr (the reaper's log
 // file) and returns the process's exit code.
-func Reap(args []string, stderr io.Writer) int {
+func Reap(args []string, stdin io.Reader, stderr io.Writer) int {
 	log := slog.New(slog.NewTextHandler(stderr, nil)).With("exe", "reaper")
 	fs := flag.NewFlagSet(lifecycle.ReaperCommand, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfgPath := fs.String("config", "", "driver configuration file")
+	cfgStdin := fs.Bool("config-stdin", false, "read the configuration's text from stdin (--config names it)")
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
@@ -42,7 +43,7 @@ func Reap(args []string, stderr io.Writer) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	cfg, err := config.Load(*cfgPath)
+	cfg, err := helperConfig(*cfgPath, *cfgStdin, stdin)
 	if err != nil {
 		log.Error("configuration", "err", err)
 		return 1
