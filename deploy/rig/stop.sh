@@ -45,6 +45,26 @@ stop_pid() {
 	wait_gone "$1" 5
 }
 
+# reapers: pids of cleanup's reapers (libvirt-executor-cleanup reap-machines) still
+# removing machines of this prefix.
+reapers() {
+	local f args a
+	for f in /proc/[0-9]*/cmdline; do
+		mapfile -d '' a <"$f" 2>/dev/null || continue
+		args=" ${a[*]} "
+		case $args in
+		*" reap-machines "*" $prefix-"*) f=${f#/proc/}; echo "${f%/cmdline}" ;;
+		esac
+	done
+}
+# A job's cleanup returns before its VM is gone; its reaper finishes the removal. Let
+# the reapers of this rig finish (30 s at most) before anything left counts as a leak.
+for ((i = 0; i < 300; i++)); do
+	[ -z "$(reapers)" ] && break
+	[ "$i" = 0 ] && rig_log "waiting for cleanup's reapers to finish"
+	sleep 0.1
+done
+
 if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
 	for dom in $(rig_virsh list --all --name | grep -- "^$prefix-" || true); do
 		rig_log "LEAK: domain $dom: destroying and undefining it"

@@ -21,6 +21,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -260,17 +261,17 @@ func TestFaultSIGTERM(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "config").code)
 		require.Equal(t, 0, s.run(t, "prepare").code)
 		// Cleanup takes tens of milliseconds now (the reaper finishes the
-		// removal): the signal goes out the moment it catches SIGTERM.
+		// removal). The test holds the machine's lock, so cleanup waits for
+		// it mid-work when the signal comes; then lets it go.
+		unlock, err := state.Store{Dir: r.cfg.StateDir}.TryLock(s.name(t))
+		require.NoError(t, err)
 		rn := s.start(t, "cleanup")
-		deadline := time.Now().Add(10 * time.Second)
-		for !rn.catches(syscall.SIGTERM) && !rn.ended() && time.Now().Before(deadline) {
-			time.Sleep(200 * time.Microsecond)
-		}
-		if rn.ended() {
-			t.Logf("cleanup ended before it could be signalled")
-		} else {
-			rn.signal(syscall.SIGTERM)
-		}
+		waitFor(t, 10*time.Second, "cleanup to catch SIGTERM", func() bool { return rn.catches(syscall.SIGTERM) })
+		time.Sleep(300 * time.Millisecond) // well into its wait for the lock
+		require.False(t, rn.ended(), "cleanup waits for the machine's lock")
+		rn.signal(syscall.SIGTERM)
+		time.Sleep(300 * time.Millisecond)
+		unlock()
 		res := rn.wait(t, 60*time.Second)
 		figures.fault()
 		figures.class(res.code, 0)
