@@ -198,7 +198,14 @@ func RemoveStandbys(ctx context.Context, m *lifecycle.Manager, each time.Duratio
 	}
 	for _, s := range all {
 		rctx, cancel := context.WithTimeout(ctx, each)
-		err := m.Retire(rctx, s.Name, reason)
+		var err error
+		if e, _ := m.Store.EndedOf(s.Name); e != nil {
+			// Its job ended: its reaper removes it. Wait for that under
+			// the VM's lock, or do it if the reaper is gone.
+			err = m.Reap(rctx, []string{s.Name})
+		} else {
+			err = m.Retire(rctx, s.Name, reason)
+		}
 		if errors.Is(err, state.ErrClaimed) {
 			if err = m.Teardown(rctx, s.Name); err == nil && s.Claim != nil {
 				_ = m.Store.UnmapJob(s.Claim.Job)
