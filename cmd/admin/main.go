@@ -33,14 +33,21 @@ func main() {
 	}
 }
 
+// openManager opens this installation's lifecycle manager; it connects to
+// libvirt on first use.
+func openManager(c *cli.Context) (*config.Config, *lifecycle.Manager, error) {
+	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+	if err != nil {
+		return nil, nil, err
+	}
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	return cfg, m, err
+}
+
 // withManager opens this installation's lifecycle manager, connected to
 // libvirt, for fn.
 func withManager(c *cli.Context, fn func(*config.Config, *lifecycle.Manager) error) error {
-	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
-	if err != nil {
-		return err
-	}
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	cfg, m, err := openManager(c)
 	if err != nil {
 		return err
 	}
@@ -122,11 +129,9 @@ func app() *cli.App {
 					if c.NArg() != 1 {
 						return fmt.Errorf("%s takes one machine name, got %d arguments", lifecycle.ExplainCommand, c.NArg())
 					}
-					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
-					if err != nil {
-						return err
-					}
-					m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+					// No eager Dial: a hung libvirtd must not hold the
+					// explanation past Manager.Explain's own bound.
+					_, m, err := openManager(c)
 					if err != nil {
 						return err
 					}

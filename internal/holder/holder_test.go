@@ -153,22 +153,14 @@ func TestHolderThatCannotConnectIsUnavailable(t *testing.T) {
 }
 
 func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
-	dir := t.TempDir()
-	ln, err := net.Listen("unix", Socket(dir))
-	require.NoError(t, err)
-	defer ln.Close()
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
+	sock := fakeHolder(t, func(c net.Conn) {
 		_, _, _ = readFrame(c, 1<<20)
 		_ = writeFrame(c, frameStarted, nil)
 		_ = writeFrame(c, frameStdout, []byte("half"))
 		_ = c.Close() // SIGKILLed after it started the stage
-	}()
+	})
 	var out sshtest.Buffer
-	err, mid := RunStage(context.Background(), Socket(dir), Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
+	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
 	require.True(t, mid, "the caller must stop the script in the guest itself")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.NotErrorIs(t, err, ErrUnavailable, "it may have run: never retried as if it had not")
@@ -179,19 +171,11 @@ func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
 // starts the script (it was still connecting; it was stopped): nothing ran,
 // and the stage may connect directly.
 func TestHolderEndingBeforeItStartedIsUnavailable(t *testing.T) {
-	dir := t.TempDir()
-	ln, err := net.Listen("unix", Socket(dir))
-	require.NoError(t, err)
-	defer ln.Close()
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
+	sock := fakeHolder(t, func(c net.Conn) {
 		_, _, _ = readFrame(c, 1<<20)
 		_ = c.Close()
-	}()
-	err, mid := RunStage(context.Background(), Socket(dir), Stage{Tag: "0123456789abcdef", Script: []byte("true")})
+	})
+	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
 	require.False(t, mid)
 }
@@ -321,6 +305,22 @@ func TestStartRefusesTooLongSocketPath(t *testing.T) {
 	require.NoError(t, os.MkdirAll(dir, 0o700))
 	_, err := Start(dir, "/bin/true", nil, nil)
 	require.ErrorContains(t, err, "unix socket allows")
+}
+
+// fakeHolder listens on a holder socket of a fresh directory and hands the
+// first connection to serve (a holder that misbehaves in a given way).
+func fakeHolder(t *testing.T, serve func(net.Conn)) string {
+	t.Helper()
+	sock := Socket(t.TempDir())
+	ln, err := net.Listen("unix", sock)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = ln.Close() })
+	go func() {
+		if c, err := ln.Accept(); err == nil {
+			serve(c)
+		}
+	}()
+	return sock
 }
 
 func waitFileThen(path string, then func()) {

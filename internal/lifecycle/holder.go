@@ -22,15 +22,16 @@ const HolderCommand = "hold-connection"
 // the run stage's, found next to the running executable.
 const HolderExecutable = "libvirt-executor-run"
 
-// holderExe is where StartHolder finds HolderExecutable.
-func holderExe() (string, error) {
+// siblingExe is the driver's executable name next to the running one (the
+// holder's and the reaper's are the run and cleanup stages' own).
+func siblingExe(name string) (string, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return "", err
 	}
-	exe := filepath.Join(filepath.Dir(self), HolderExecutable)
+	exe := filepath.Join(filepath.Dir(self), name)
 	if _, err := os.Stat(exe); err != nil {
-		return "", fmt.Errorf("%s not found next to %s: %w", HolderExecutable, self, err)
+		return "", fmt.Errorf("%s not found next to %s: %w", name, self, err)
 	}
 	return exe, nil
 }
@@ -44,7 +45,7 @@ func (m *Manager) StartHolder(name string, until time.Time) error {
 	exe := m.HolderExe
 	if exe == "" {
 		var err error
-		if exe, err = holderExe(); err != nil {
+		if exe, err = siblingExe(HolderExecutable); err != nil {
 			return err
 		}
 	}

@@ -198,6 +198,13 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 // outside its prefix, a domain of that name that is not ours, and volumes
 // with neither a domain nor a state record.
 func (m *Manager) Teardown(ctx context.Context, name string) error {
+	return m.teardownIf(ctx, name, nil)
+}
+
+// teardownIf is Teardown; when still is set it is asked under the lock,
+// and the machine is removed only if it says so (still returns an error to
+// refuse, or false for nothing to do).
+func (m *Manager) teardownIf(ctx context.Context, name string, still func() (bool, error)) error {
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
@@ -210,6 +217,11 @@ func (m *Manager) Teardown(ctx context.Context, name string) error {
 		return err
 	}
 	defer unlock()
+	if still != nil {
+		if ok, err := still(); err != nil || !ok {
+			return err
+		}
+	}
 	if err := m.teardown(ctx, name); err != nil {
 		return err
 	}

@@ -118,30 +118,17 @@ func (m *Manager) Reap(ctx context.Context, names []string) error {
 }
 
 func (m *Manager) reapOne(ctx context.Context, name string) error {
-	if err := m.checkOurName(name); err != nil {
-		return err
-	}
-	unlock, err := m.Store.Lock(ctx, name)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	has, err := m.Store.Has(name)
-	if err != nil || !has {
-		return err // removed already (by a sweep)
-	}
-	e, err := m.Store.EndedOf(name)
-	if err != nil {
-		return err
-	}
-	if e == nil {
-		return notOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
-	}
-	if err := m.teardown(ctx, name); err != nil {
-		return err
-	}
-	m.Store.RemoveLock(name)
-	return nil
+	return m.teardownIf(ctx, name, func() (bool, error) {
+		has, err := m.Store.Has(name)
+		if err != nil || !has {
+			return false, err // removed already (by a sweep)
+		}
+		e, err := m.Store.EndedOf(name)
+		if err == nil && e == nil {
+			err = notOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
+		}
+		return err == nil, err
+	})
 }
 
 // StartReaper starts, detached (a session of its own, not waited for), a
@@ -153,11 +140,10 @@ func (m *Manager) reapOne(ctx context.Context, name string) error {
 func (m *Manager) StartReaper(names []string) error {
 	exe := m.ReaperExe
 	if exe == "" {
-		self, err := os.Executable()
-		if err != nil {
+		var err error
+		if exe, err = siblingExe(ReaperExecutable); err != nil {
 			return err
 		}
-		exe = filepath.Join(filepath.Dir(self), ReaperExecutable)
 	}
 	logPath := filepath.Join(m.Store.Dir, reaperLog)
 	if st, err := os.Stat(logPath); err == nil && st.Size() > reaperLogMax {

@@ -64,15 +64,11 @@ func TestEndJobThenReap(t *testing.T) {
 // A machine that is not marked ended is never reaped.
 func TestReapRefusesUnmarkedMachine(t *testing.T) {
 	ctx := context.Background()
-	hv := vmtest.New()
-	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(ctx, request(img))
-	require.NoError(t, err)
-	_ = ready.Client.Close()
-	err = m.Reap(ctx, []string{ready.Machine.Name})
+	hv, m, name := provisioned(t)
+	err := m.Reap(ctx, []string{name})
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, "not marked ended")
-	require.True(t, hv.Domains[ready.Machine.Name].Active)
+	require.True(t, hv.Domains[name].Active)
 	require.NoError(t, m.Reap(ctx, []string{"lve-0123abcd-404"}), "one already gone is done")
 }
 
@@ -80,12 +76,7 @@ func TestReapRefusesUnmarkedMachine(t *testing.T) {
 // removes the machine at once, long before its deadline.
 func TestSweepRemovesEndedMachineWhoseReaperDied(t *testing.T) {
 	ctx := context.Background()
-	hv := vmtest.New()
-	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(ctx, request(img))
-	require.NoError(t, err)
-	_ = ready.Client.Close()
-	name := ready.Machine.Name
+	hv, m, name := provisioned(t)
 
 	rep, err := m.Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
@@ -154,12 +145,7 @@ func TestStartReaperRunsDetached(t *testing.T) {
 // reports it among the ended ones with the error, so its reaper destroys it.
 func TestEndJobReportsMarkedMachineWhenThePauseFails(t *testing.T) {
 	ctx := context.Background()
-	hv := vmtest.New()
-	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(ctx, request(img))
-	require.NoError(t, err)
-	_ = ready.Client.Close()
-	name := ready.Machine.Name
+	hv, m, name := provisioned(t)
 	hv.Lock()
 	hv.FailOn["Suspend"] = errors.New("suspend refused")
 	hv.Unlock()
@@ -180,12 +166,7 @@ func TestEndJobReportsMarkedMachineWhenThePauseFails(t *testing.T) {
 // is stopped.
 func TestKeepStopsTheHolder(t *testing.T) {
 	ctx := context.Background()
-	hv := vmtest.New()
-	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(ctx, request(img))
-	require.NoError(t, err)
-	_ = ready.Client.Close()
-	name := ready.Machine.Name
+	_, m, name := provisioned(t)
 	dir := m.Store.MachineDir(name)
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
@@ -195,4 +176,16 @@ func TestKeepStopsTheHolder(t *testing.T) {
 	require.Zero(t, holder.Running(dir))
 	require.FileExists(t, filepath.Join(dir, "id_ed25519"), "the debugging login needs the key")
 	require.NoError(t, m.Teardown(ctx, name))
+}
+
+// provisioned is a machine provisioned on a fake hypervisor and guest, its
+// SSH connection closed (as prepare leaves it).
+func provisioned(t *testing.T) (*vmtest.Fake, *Manager, string) {
+	t.Helper()
+	hv := vmtest.New()
+	m, img := manager(t, hv, newGuest(t, hv))
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	return hv, m, ready.Machine.Name
 }
