@@ -137,6 +137,16 @@ func TestHostKeyMismatchSendsNoScript(t *testing.T) {
 	require.Equal(t, 0, s.run(t, "prepare").code)
 	defer func() { require.Equal(t, 0, s.run(t, "cleanup").code) }()
 
+	// The job's connection holder verified the pinned key when it connected;
+	// its connection stays trusted whatever the record says later (the
+	// holder's own check of a mismatching key is a unit test of
+	// internal/holder). So the holder is connected first (one stage through
+	// it) and then stopped: the stage below connects on its own and checks
+	// the key it reads from the record. Without this the test raced the
+	// holder's start-up.
+	require.Equal(t, 0, s.runScript(t, "prepare_script", "true\n").code)
+	killHolder(t, s.holderPID(t))
+
 	// Pin a different host key: the guest now presents a key other than the
 	// expected one, as an impostor at the recorded address would.
 	recPath := filepath.Join(r.cfg.StateDir, "machines", s.name(t), "machine.json")
@@ -154,6 +164,7 @@ func TestHostKeyMismatchSendsNoScript(t *testing.T) {
 	res := s.runScript(t, "build_script", "#!/usr/bin/env bash\ntouch /tmp/script-was-sent\necho SENT\n")
 	require.Equal(t, 2, res.code, "host-key mismatch is a system failure")
 	require.Contains(t, res.stderr, "host key mismatch")
+	require.Contains(t, res.stderr, "connects directly", "the stage took the direct path this test is about")
 	require.NotContains(t, res.stdout, "SENT")
 
 	// With the right key back, the guest shows the script never arrived.
