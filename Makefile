@@ -57,13 +57,17 @@ test: deps build ## all tests: unit tests, then end-to-end tests on real VMs (ro
 	@$(MAKE) --no-print-directory test-unit
 	@$(MAKE) --no-print-directory test-e2e
 
-test-unit: ## unit tests (race detector, no VMs)
-	$(GO) test -race -count=1 ./...
+# The gitlab-runner of the real-runner tests (empty: those tests skip; see deploy/rig/test-runner.sh).
+TEST_RUNNER = $$(deploy/rig/test-runner.sh $(BIN))
+
+test-unit: ## unit tests (race detector, no VMs; the fake job API's tests with a real gitlab-runner when there is one)
+	@mkdir -p $(BIN)
+	runner=$(TEST_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner $(GO) test -race -count=1 ./...
 
 test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd and cloud-init guests)
-	@LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
-	@set -o pipefail; rc=0; \
-	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
+	@runner=$(TEST_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
+	@set -o pipefail; rc=0; runner=$(TEST_RUNNER) || exit 1; \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner \
 	    $(GO) test -tags e2e -count=1 -timeout 40m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 

@@ -22,8 +22,9 @@
 set -euo pipefail
 
 # busybox-static and dash: the unit tests run the guest-side wrapper under the
-# login shells guests have (bash, dash, busybox ash). shellcheck: make lint.
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck)
+# login shells guests have (bash, dash, busybox ash). shellcheck: make lint. xz-utils:
+# unpacks the gitlab-runner release binary of the real-runner tests (deploy/rig/test-runner.sh).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 log() { printf 'install-deps: %s\n' "$*" >&2; }

@@ -194,6 +194,15 @@ for img in $images; do
 	case $img in debian | cloud) fragments+=$'memory_mib = 768\n' ;; esac
 	rig_log "image $img: $dir"
 done
+# gitlab-runner for the guests' tools disk (caches and artifacts): LVE_RIG_GITLAB_RUNNER, an
+# absolute path (the Makefile passes the test binary of deploy/rig/test-runner.sh), else none
+guest_runner=none
+if [ -n "${LVE_RIG_GITLAB_RUNNER:-}" ]; then
+	case $LVE_RIG_GITLAB_RUNNER in /*) ;; *) rig_die "LVE_RIG_GITLAB_RUNNER must be an absolute path" ;; esac
+	[ -x "$LVE_RIG_GITLAB_RUNNER" ] || rig_die "LVE_RIG_GITLAB_RUNNER=$LVE_RIG_GITLAB_RUNNER is not executable"
+	guest_runner=$LVE_RIG_GITLAB_RUNNER
+	rig_log "guests get gitlab-runner $guest_runner on their tools disk"
+fi
 cat >"$LVE_RIG_CONFIG.tmp" <<T
 # libvirt-executor config for the private rig (written by deploy/rig/start.sh).
 # Guests live in network namespace "$LVE_RIG_NS": reach them with ip netns exec $LVE_RIG_NS ...
@@ -216,6 +225,9 @@ boot = "3m"
 [ssh]
 keepalive_interval = "2s"
 keepalive_count = 3
+
+[guest_tools]
+gitlab_runner = "$guest_runner"
 $fragments
 T
 mv -f "$LVE_RIG_CONFIG.tmp" "$LVE_RIG_CONFIG"

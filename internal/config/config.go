@@ -102,6 +102,8 @@ type Config struct {
 	SSH      SSH      `toml:"ssh"`
 	// Serve configures libvirt-executor serve (the standby pool service).
 	Serve PoolService `toml:"serve"`
+	// GuestTools are host programs every job VM gets on a read-only disk.
+	GuestTools GuestTools `toml:"guest_tools"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -195,6 +197,24 @@ type SSH struct {
 	// Default true; false makes every stage connect directly.
 	ConnectionHolder *bool `toml:"connection_holder"`
 }
+
+// GuestTools are host programs made available, read-only, in every job VM
+// (docs/images.md, "The guest tools disk").
+type GuestTools struct {
+	// GitLabRunner is the gitlab-runner binary the guests get at
+	// /opt/libvirt-executor/bin/gitlab-runner (the images link
+	// /usr/local/bin/gitlab-runner to it): the runner's scripts call it in
+	// the guest for caches and artifacts. "auto" (default): the
+	// gitlab-runner on the stage's PATH, if there is one; "none": no
+	// binary; else the absolute path of a linux/amd64 gitlab-runner.
+	GitLabRunner string `toml:"gitlab_runner"`
+}
+
+// Guest tools settings.
+const (
+	GuestToolsAuto = "auto"
+	GuestToolsNone = "none"
+)
 
 // HolderEnabled reports whether stages go through the job's connection
 // holder (SSH.ConnectionHolder, default true).
@@ -379,6 +399,7 @@ func (c *Config) applyDefaults() {
 	def(&c.NamePrefix, "lve")
 	def(&c.StateDir, "/var/lib/libvirt-executor")
 	def(&c.HostKeyPolicy, HostKeyPinned)
+	def(&c.GuestTools.GitLabRunner, GuestToolsAuto)
 	if c.IsolateGuests == nil {
 		yes := true
 		c.IsolateGuests = &yes
@@ -504,6 +525,9 @@ func (c *Config) Validate() error {
 	}
 	if !filepath.IsAbs(c.StateDir) || filepath.Clean(c.StateDir) == "/" {
 		bad("state_dir", "%q must be an absolute path other than /", c.StateDir)
+	}
+	if g := c.GuestTools.GitLabRunner; g != GuestToolsAuto && g != GuestToolsNone && !filepath.IsAbs(g) {
+		bad("guest_tools.gitlab_runner", "%q is not allowed; use \"auto\" (the gitlab-runner on PATH), \"none\" or the absolute path of a gitlab-runner binary", g)
 	}
 	rangeCheck := func(key string, v, lo, hi int) {
 		if v < lo || v > hi {

@@ -114,3 +114,17 @@ func TestInsecureJobIDFromEnv(t *testing.T) {
 	_, err = Parse([]byte("insecure_job_id_from_environment = true\n" + base))
 	require.ErrorContains(t, err, "unknown key", "a misspelt key does not silently stay off")
 }
+
+func TestGuestToolsSetting(t *testing.T) {
+	base := "default_image = \"tiny\"\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\n"
+	c, err := Parse([]byte(base))
+	require.NoError(t, err)
+	require.Equal(t, GuestToolsAuto, c.GuestTools.GitLabRunner, "default: the gitlab-runner on PATH")
+	for _, ok := range []string{"none", "auto", "/usr/bin/gitlab-runner"} {
+		_, err := Parse([]byte(base + "[guest_tools]\ngitlab_runner = \"" + ok + "\"\n"))
+		require.NoError(t, err, ok)
+	}
+	_, err = Parse([]byte(base + "[guest_tools]\ngitlab_runner = \"gitlab-runner\"\n"))
+	require.ErrorContains(t, err, `guest_tools.gitlab_runner: "gitlab-runner" is not allowed`)
+	require.ErrorContains(t, err, `"auto"`)
+}

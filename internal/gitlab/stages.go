@@ -16,6 +16,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -163,8 +164,8 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
 		Lifetime: j.job.Timeout,
-		Check: func(ctx context.Context, c *sshexec.Client) error {
-			return checkGuestTools(ctx, c, say, m.Store, img, version)
+		Check: func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
+			return checkGuestTools(ctx, c, say, m.Store, img, version.withTools(tools), tools)
 		},
 	}
 	ready, err := m.Provision(ctx, req)
@@ -232,7 +233,10 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 	}
 	// The guest tool check: remembered per image version, so a claim
 	// normally costs no SSH session here.
-	connErr, err := checkGuestToolsOf(ctx, m, mach.Name, e.say, img, version)
+	if mach.Tools != nil {
+		e.say("%s", lifecycle.DescribeTools(mach.Tools, 0))
+	}
+	connErr, err := checkGuestToolsOf(ctx, m, mach.Name, e.say, img, version.withTools(mach.Tools), mach.Tools)
 	if err == nil {
 		err = ctx.Err()
 	}
@@ -261,10 +265,10 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 // checkGuestToolsOf runs the guest tool check for a claimed machine: from
 // the answer remembered for this image version, or over an SSH connection
 // made only when there is none. connErr is that connection's failure.
-func checkGuestToolsOf(ctx context.Context, m *lifecycle.Manager, name string, say func(string, ...any), img *config.Image, version *toolCheck) (connErr, err error) {
+func checkGuestToolsOf(ctx context.Context, m *lifecycle.Manager, name string, say func(string, ...any), img *config.Image, version *toolCheck, tools *state.Tools) (connErr, err error) {
 	g := &guestOnDemand{m: m, name: name}
 	defer g.close()
-	err = checkGuestTools(ctx, g, say, m.Store, img, version)
+	err = checkGuestTools(ctx, g, say, m.Store, img, version, tools)
 	return g.connErr, err
 }
 
@@ -332,17 +336,20 @@ type outputter interface {
 type toolCheck struct {
 	// Format is toolCheckFormat when the entry was made: entries of an
 	// older check (which did not look for the image's shell) are asked again.
-	Format  int      `json:"format"`
-	Base    string   `json:"base"`
-	Size    int64    `json:"size"`
-	ModTime int64    `json:"mtime_ns"`
-	User    string   `json:"user"`
-	Shell   string   `json:"shell"`
+	Format  int    `json:"format"`
+	Base    string `json:"base"`
+	Size    int64  `json:"size"`
+	ModTime int64  `json:"mtime_ns"`
+	User    string `json:"user"`
+	Shell   string `json:"shell"`
+	// Tools is the guest tools disk's volume the machine had ("" for
+	// none): it decides whether gitlab-runner is there.
+	Tools   string   `json:"tools"`
 	Missing []string `json:"missing"`
 }
 
 // toolCheckFormat is the version of what the check looks for.
-const toolCheckFormat = 3
+const toolCheckFormat = 4
 
 // missingShell stands in the check's answer for the image's configured
 // shell (no tool has this name).
@@ -359,7 +366,21 @@ func imageVersion(img *config.Image) *toolCheck {
 }
 
 func (a *toolCheck) sameVersion(b *toolCheck) bool {
-	return a.Format == b.Format && a.Base == b.Base && a.Size == b.Size && a.ModTime == b.ModTime && a.User == b.User && a.Shell == b.Shell
+	return a.Format == b.Format && a.Base == b.Base && a.Size == b.Size && a.ModTime == b.ModTime && a.User == b.User && a.Shell == b.Shell && a.Tools == b.Tools
+}
+
+// withTools is the version of a machine of the image with the guest tools
+// disk tools (nil for none); nil stays nil.
+func (a *toolCheck) withTools(tools *state.Tools) *toolCheck {
+	if a == nil {
+		return nil
+	}
+	v := *a
+	v.Tools = ""
+	if tools != nil {
+		v.Tools = tools.Volume
+	}
+	return &v
 }
 
 // toolCheckCommand lists, one a line, what the guest lacks: the tools
@@ -381,12 +402,12 @@ func toolCheckCommand(shell string) string {
 // (file, size, modification time, user, shell): every job of an unchanged
 // image would get the same answer, and asking costs an SSH session. version
 // is nil when the image cannot be identified: then the guest is always asked.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck) error {
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck, tools *state.Tools) error {
 	key := "tools-" + img.Name
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
-			reportMissingTools(old.Missing, say)
+			reportMissingTools(old.Missing, tools != nil, say)
 			return shellMissing(img, old.Missing)
 		}
 	}
@@ -406,7 +427,7 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		found.Missing = missing
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
-	reportMissingTools(missing, say)
+	reportMissingTools(missing, tools != nil, say)
 	return shellMissing(img, missing)
 }
 
@@ -423,7 +444,10 @@ func shellMissing(img *config.Image, missing []string) error {
 		img.Name, img.Shell, img.User, img.Name))
 }
 
-func reportMissingTools(missing []string, say func(string, ...any)) {
+// reportMissingTools says what the guest lacks. hasToolsDisk: the machine
+// got the guest tools disk, so a missing gitlab-runner means the image does
+// not mount it.
+func reportMissingTools(missing []string, hasToolsDisk bool, say func(string, ...any)) {
 	for _, t := range missing {
 		switch t {
 		case "git":
@@ -431,7 +455,11 @@ func reportMissingTools(missing []string, say func(string, ...any)) {
 		case "git-lfs":
 			say("Note: git-lfs is not installed in the guest (needed only for LFS repositories)")
 		case "gitlab-runner":
-			say("Note: gitlab-runner is not on the guest's PATH: caches and artifacts will not work (see docs/images.md)")
+			if hasToolsDisk {
+				say("Warning: gitlab-runner is not on the guest's PATH although the VM has the guest tools disk: the image does not mount it (serial %s at %s, see docs/images.md); caches and artifacts will not work", guestinit.ToolsDiskSerial, guestinit.ToolsMountPoint)
+			} else {
+				say("Note: gitlab-runner is not on the guest's PATH: caches and artifacts will not work (see docs/images.md)")
+			}
 		case "setsid":
 			say("Warning: setsid is not installed in the guest (util-linux or busybox): processes a stage leaves running in the background are not stopped when it ends")
 		case "bash":

@@ -85,8 +85,9 @@ type Request struct {
 	Lifetime time.Duration
 	// Check, if set, is the front end's last look at the machine once SSH
 	// answers (for example: are the tools its jobs need installed?). An
-	// error undoes everything, like any failed step.
-	Check func(ctx context.Context, c *sshexec.Client) error
+	// error undoes everything, like any failed step. tools is the guest
+	// tools disk the machine got (nil for none).
+	Check func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error
 	// Standby, if set, makes a machine for a standby pool (BootStandby).
 	// Such a machine never waits for room (NoWait) nor makes room by
 	// retiring others.

@@ -2,12 +2,14 @@ package lifecycle
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"time"
 
 	"golang.org/x/crypto/ssh"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -35,6 +37,7 @@ type provision struct {
 	// from the domain's start on (create); endBoot releases it.
 	bootCtx context.Context
 	endBoot context.CancelFunc
+	tools   *Tools          // attachTools: nil for none
 	addr    string          // waitAddress
 	client  *sshexec.Client // waitSSH
 	timings Timings
@@ -62,6 +65,7 @@ func (p *provision) list() []steps.Step {
 		// could never remove what a failed undo left.
 		{Name: "admission", Do: p.admit, Undo: p.teardown},
 		{Name: "keys", Do: p.makeKeys},
+		{Name: "tools", Do: p.attachTools},
 		// What is there under this name now, this call made.
 		{Name: "create", Do: p.create, Undo: p.remove},
 		{Name: "address", Do: p.waitAddress},
@@ -151,6 +155,28 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	return err
 }
 
+// attachTools finds (or builds, once per binary) the guest tools disk with
+// this host's gitlab-runner. Without one the machine boots all the same and
+// the log says why; a binary the admin named that cannot be used fails the
+// boot (artifacts and caches would silently not work), one found on PATH
+// only warns.
+func (p *provision) attachTools(ctx context.Context) error {
+	t, err := p.m.GuestTools(ctx)
+	switch {
+	case err == nil:
+		p.tools = t
+		p.m.say("%s", t.Describe())
+		return nil
+	case errors.Is(err, ErrNoTools):
+		p.m.say("Note: %v: the guest needs its own for caches and artifacts (see docs/images.md)", err)
+		return nil
+	case ctx.Err() == nil && p.m.Cfg.GuestTools.GitLabRunner == config.GuestToolsAuto:
+		p.m.say("Warning: the gitlab-runner found on this host's PATH cannot go to the guest: %v", err)
+		return nil
+	}
+	return fmt.Errorf("guest tools disk: %w", err)
+}
+
 // create creates and starts the domain of MachineSpec, then starts the boot
 // deadline.
 func (p *provision) create(ctx context.Context) error {
@@ -163,6 +189,7 @@ func (p *provision) create(ctx context.Context) error {
 	spec := MachineSpec(p.m.Cfg, SpecInput{
 		Request: p.req, Controller: p.m.Controller, DomainType: p.domainType,
 		Keys: p.keys, CloudInitSeed: p.seed, MAC: p.mac, Created: p.created, ConsoleLog: p.consoleLog,
+		Shared: p.tools.Disk(),
 	})
 	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
 	t0 := time.Now()
@@ -233,7 +260,7 @@ func (p *provision) check(ctx context.Context) error {
 		return nil
 	}
 	t0 := time.Now()
-	err := p.req.Check(ctx, p.client)
+	err := p.req.Check(ctx, p.client, p.tools.record())
 	p.timings.Check = time.Since(t0)
 	return err
 }
@@ -245,5 +272,6 @@ func (p *provision) record(context.Context) error {
 		Name: p.req.Name, Image: img.Name, Address: p.addr, Port: p.m.sshPort(), User: img.User, Shell: img.Shell,
 		HostKey: p.keys.HostPublicLine(), MAC: p.mac, Created: p.created,
 		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Standby: p.req.Standby,
+		Tools: p.tools.record(),
 	})
 }

@@ -36,6 +36,9 @@ type SpecInput struct {
 	Created time.Time
 	// ConsoleLog is the file that receives the serial console.
 	ConsoleLog string
+	// Shared are the read-only disks shared between machines (the guest
+	// tools disk: Tools.Disk).
+	Shared []vm.SharedDisk
 }
 
 // MachineSpec is the machine that Provision creates for in: a pure function
@@ -52,6 +55,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		// nil only in a Config not made by config.Parse: the default, on.
 		Isolated:   cfg.IsolateGuests == nil || *cfg.IsolateGuests,
 		ConsoleLog: in.ConsoleLog,
+		Shared:     in.Shared,
 		Owner: vm.Owner{
 			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job,
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),

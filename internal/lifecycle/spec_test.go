@@ -78,11 +78,13 @@ func TestMachineSpecGolden(t *testing.T) {
 		name, image, domainType string
 		isolate                 bool
 		diskGiB                 int
+		tools                   bool
 	}{
-		{"kernel-smbios-isolated", "tiny", "qemu", true, 0},
-		{"kernel-smbios-not-isolated", "tiny", "qemu", false, 0},
-		{"cloud-init-seed-kvm", "debian", "kvm", true, 20},
-		{"guest-agent-address", "bridged", "qemu", true, 0},
+		{"kernel-smbios-isolated", "tiny", "qemu", true, 0, false},
+		{"kernel-smbios-not-isolated", "tiny", "qemu", false, 0, false},
+		{"cloud-init-seed-kvm", "debian", "kvm", true, 20, false},
+		{"guest-agent-address", "bridged", "qemu", true, 0, false},
+		{"tools-disk", "tiny", "qemu", true, 0, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			cfg := specConfig(t, tc.isolate)
@@ -94,6 +96,9 @@ func TestMachineSpecGolden(t *testing.T) {
 				Controller: controller, DomainType: tc.domainType, Keys: fixedKeys(t),
 				CloudInitSeed: []byte("a NoCloud seed image"), MAC: "52:54:00:aa:bb:cc",
 				Created: created, ConsoleLog: "/state/lve-0123abcd-7/console.log",
+			}
+			if tc.tools {
+				in.Shared = (&Tools{Path: "/pool/lve-0123abcd-tools-0011223344556677.iso"}).Disk()
 			}
 			got := goldenView(t, MachineSpec(cfg, in))
 			path := filepath.Join("testdata", tc.name+".golden")

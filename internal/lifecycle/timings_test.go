@@ -24,7 +24,10 @@ func TestProvisionReturnsTimings(t *testing.T) {
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	req := request(img)
-	req.Check = func(context.Context, *sshexec.Client) error { time.Sleep(20 * time.Millisecond); return nil }
+	req.Check = func(context.Context, *sshexec.Client, *state.Tools) error {
+		time.Sleep(20 * time.Millisecond)
+		return nil
+	}
 	began := time.Now()
 	ready, err := m.Provision(context.Background(), req)
 	require.NoError(t, err)

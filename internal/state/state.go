@@ -39,6 +39,17 @@ type Machine struct {
 	// Standby is set on a machine booted for a standby pool: it waits,
 	// idle, for a job to claim it.
 	Standby *Standby `json:"standby,omitempty"`
+	// Tools is the guest tools disk the machine was booted with; nil for
+	// none.
+	Tools *Tools `json:"tools,omitempty"`
+}
+
+// Tools is a machine's guest tools disk: its volume and the host binary
+// it carries.
+type Tools struct {
+	Volume string `json:"volume"`
+	Source string `json:"source"`
+	SHA256 string `json:"sha256"`
 }
 
 const (

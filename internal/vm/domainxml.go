@@ -66,6 +66,19 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 			Serial:   s.SeedSerial,
 		})
 	}
+	for i, sd := range s.Shared {
+		if i >= 20 {
+			return "", fmt.Errorf("%d shared disks: at most 20", len(s.Shared))
+		}
+		dev.Disks = append(dev.Disks, libvirtxml.DomainDisk{
+			Device:   "disk",
+			Driver:   &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
+			Source:   &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: sd.Path}},
+			Target:   &libvirtxml.DomainDiskTarget{Dev: fmt.Sprintf("vd%c", 'c'+i), Bus: "virtio"},
+			ReadOnly: &libvirtxml.DomainDiskReadOnly{},
+			Serial:   sd.Serial,
+		})
+	}
 	dev.Interfaces = []libvirtxml.DomainInterface{{
 		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
 		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},

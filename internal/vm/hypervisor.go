@@ -36,6 +36,9 @@ type Hypervisor interface {
 	UploadVolume(ctx context.Context, pool, name string, data []byte) error
 	// DeleteVolume removes a volume (ErrNotFound if absent).
 	DeleteVolume(ctx context.Context, pool, name string) error
+	// VolumePath returns the path of a volume in pool (ErrNotFound if
+	// absent).
+	VolumePath(ctx context.Context, pool, name string) (string, error)
 	// VolumeNames lists the volumes in pool.
 	VolumeNames(ctx context.Context, pool string) ([]string, error)
 	// VolumeCapacity returns the virtual size of the volume at path.

@@ -215,6 +215,11 @@ func (r *Reconnecting) DeleteVolume(ctx context.Context, pool, name string) erro
 	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteVolume(ctx, pool, name) })
 }
 
+// VolumePath implements Hypervisor.
+func (r *Reconnecting) VolumePath(ctx context.Context, pool, name string) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.VolumePath(ctx, pool, name) })
+}
+
 // VolumeNames implements Hypervisor.
 func (r *Reconnecting) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.VolumeNames(ctx, pool) })

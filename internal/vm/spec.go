@@ -41,6 +41,10 @@ type Spec struct {
 	// SeedSerial is the seed disk's serial number (the guest finds it as
 	// /dev/disk/by-id/virtio-SERIAL); empty for none.
 	SeedSerial string
+	// Shared are read-only disks that many machines attach at once (such
+	// as the guest tools disk). They are not the machine's: Remove never
+	// deletes them.
+	Shared []SharedDisk
 	// Isolated sets the interface's bridge port isolated: isolated ports on
 	// one bridge cannot talk to each other, only to the uplink (the host side
 	// of the network: DHCP, DNS, NAT to the outside).
@@ -52,6 +56,14 @@ type Spec struct {
 	ConsoleLog string
 	// Owner is stored in the domain's metadata.
 	Owner Owner
+}
+
+// SharedDisk is a read-only raw disk image shared between machines.
+type SharedDisk struct {
+	// Path of the image (a volume in the storage pool).
+	Path string
+	// Serial is the disk's serial number (/dev/disk/by-id/virtio-SERIAL).
+	Serial string
 }
 
 // NewMAC returns a random locally administered unicast MAC in QEMU's

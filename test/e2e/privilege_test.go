@@ -201,6 +201,13 @@ func (r *rig) privateConfig(t *testing.T, top, tag string, u testUser) (*rig, st
 	require.NoError(t, os.Mkdir(state, 0o700))
 	require.NoError(t, os.Chown(state, int(u.cred.Uid), int(u.cred.Gid)))
 	rv := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", state)))
+	if src := rv.cfg.GuestTools.GitLabRunner; filepath.IsAbs(src) {
+		// The guest tools disk's binary, where u can read it (the
+		// checkout may not be).
+		runner := filepath.Join(top, "gitlab-runner-"+tag)
+		copyFile(t, src, runner, 0o755)
+		rv = rv.withConfig(t, setKey("gitlab_runner", fmt.Sprintf("%q", runner)))
+	}
 	cfgPath := filepath.Join(top, "config-"+tag+".toml")
 	copyFile(t, rv.cfgPath, cfgPath, 0o644)
 	return rv, cfgPath

@@ -24,6 +24,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -174,14 +175,9 @@ func (r *rig) leftovers(t *testing.T) []string {
 			left = append(left, "domain "+name)
 		}
 	}
-	pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
-	require.NoError(t, err)
-	defer pool.Free()
-	require.NoError(t, pool.Refresh(0))
-	vols, err := pool.ListStorageVolumes()
-	require.NoError(t, err)
-	for _, v := range vols {
-		if strings.HasPrefix(v, prefix) {
+	for _, v := range r.poolVolumes(t) {
+		// The guest tools disk is shared by every job and kept.
+		if strings.HasPrefix(v, prefix) && !lifecycle.IsToolsVolume(r.cfg.NamePrefix, r.controller(t), v) {
 			left = append(left, "volume "+v)
 		}
 	}
@@ -267,4 +263,24 @@ func stageExit(t *testing.T, res *harness.Result, name string) harness.StageResu
 	st := res.Stage(name)
 	require.NotEmpty(t, st, "stage %s ran; stages: %v", name, res.StageNames())
 	return st[len(st)-1]
+}
+
+// controller is the installation id of the rig's state directory.
+func (r *rig) controller(t *testing.T) string {
+	t.Helper()
+	id, err := state.Store{Dir: r.cfg.StateDir}.ControllerID()
+	require.NoError(t, err)
+	return id
+}
+
+// poolVolumes lists the volumes of the rig's storage pool.
+func (r *rig) poolVolumes(t *testing.T) []string {
+	t.Helper()
+	pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	require.NoError(t, err)
+	defer pool.Free()
+	require.NoError(t, pool.Refresh(0))
+	vols, err := pool.ListStorageVolumes()
+	require.NoError(t, err)
+	return vols
 }

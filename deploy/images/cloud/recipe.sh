@@ -24,6 +24,7 @@ lve_deb_install_kernel cloud-init
 
 lve_log "cloud: configuring"
 lve_deb_configure_base
+lve_deb_guest_tools
 # cloud-init: NoCloud seed only, no network config, only the "init" stage's modules
 install -m 0644 "$here/cloud.cfg.d-libvirt-executor.cfg" "$root/etc/cloud/cloud.cfg.d/99-libvirt-executor.cfg"
 # per-job SSH host key from cloud-init; no image host keys; ssh only after cloud-init and

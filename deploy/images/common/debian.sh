@@ -110,6 +110,16 @@ lve_deb_configure_base() {
 		"$root/etc/systemd/journald.conf.d/libvirt-executor.conf"
 }
 
+# lve_deb_guest_tools: mount libvirt-executor's guest tools disk (serial lve-tools) at
+# /opt/libvirt-executor when the VM has one, and link its gitlab-runner into
+# /usr/local/bin (dangling without the disk: then "command -v" does not find it).
+lve_deb_guest_tools() {
+	install -m 0644 "$lve_deb_dir/90-libvirt-executor-tools.rules" "$root/etc/udev/rules.d/"
+	install -m 0644 "$lve_deb_dir/libvirt-executor-tools.service" "$root/etc/systemd/system/"
+	install -d -m 0755 "$root/opt/libvirt-executor" "$root/usr/local/bin"
+	ln -sf /opt/libvirt-executor/bin/gitlab-runner "$root/usr/local/bin/gitlab-runner"
+}
+
 # lve_deb_mask [UNIT...]: mask what waits for or runs in the background of a short-lived
 # CI guest, and the UNITs (getty-static would start gettys on tty2..6; the serial console
 # keeps its getty).

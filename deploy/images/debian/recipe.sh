@@ -23,6 +23,7 @@ lve_deb_install_kernel
 
 lve_log "debian: configuring"
 lve_deb_configure_base
+lve_deb_guest_tools
 # per-job SSH host key from the credential; no image host keys; ssh only with that key
 install -D -m 0755 "$here/install-ssh-hostkey" "$root/usr/libexec/libvirt-executor/install-ssh-hostkey"
 install -m 0644 "$here/libvirt-executor-hostkey.service" "$root/etc/systemd/system/"

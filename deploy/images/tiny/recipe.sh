@@ -24,7 +24,9 @@ kx=$work/kernel/x
 cp "$kx/boot/vmlinuz-$kver" "$out/vmlinuz"
 mkdir -p "$ird/lib/modules" "$ird/bin" "$ird/proc" "$ird/sys" "$ird/dev" "$ird/newroot"
 : >"$ird/lib/modules/load.list"
-for m in virtio_pci virtio_blk virtio_net virtio_rng; do
+# isofs: the guest tools disk (an ISO 9660 image; see rcS); modprobe lists nothing for a
+# built-in module
+for m in virtio_pci virtio_blk virtio_net virtio_rng isofs; do
 	# load order with dependencies first, each module once
 	modprobe -d "$kx" -S "$kver" --show-depends "$m" | awk '$1 == "insmod" {print $2}' |
 		while read -r ko; do
@@ -48,7 +50,10 @@ ln -s usr/bin "$root/bin"
 ln -s usr/sbin "$root/sbin"
 ln -s usr/lib "$root/lib"
 ln -s usr/lib64 "$root/lib64"
-mkdir -p "$root"/{dev,proc,sys,run,etc/init.d,root,builds,cache,tmp,var/tmp,var/log,mnt,home,usr/share/udhcpc}
+mkdir -p "$root"/{dev,proc,sys,run,etc/init.d,root,builds,cache,tmp,var/tmp,var/log,mnt,home,usr/share/udhcpc} \
+	"$root"/opt/libvirt-executor "$root"/usr/local/bin
+# the guest tools disk's gitlab-runner (mounted by rcS) on PATH; dangling without the disk
+ln -s /opt/libvirt-executor/bin/gitlab-runner "$root/usr/local/bin/gitlab-runner"
 chmod 0700 "$root/root"
 chmod 1777 "$root/tmp" "$root/var/tmp"
 ln -s /run "$root/var/run"

@@ -336,8 +336,11 @@ func (l *Conn) UploadVolume(ctx context.Context, pool, name string, data []byte)
 		if err := v.Upload(st, 0, uint64(len(data)), 0); err != nil {
 			return err
 		}
+		// In pieces: libvirt refuses a stream message of more than 32 MiB
+		// (and the connection with it).
+		const piece = 1 << 20
 		for off := 0; off < len(data); {
-			n, err := st.Send(data[off:])
+			n, err := st.Send(data[off:min(off+piece, len(data))])
 			if err != nil {
 				_ = st.Abort()
 				return err
@@ -357,6 +360,18 @@ func (l *Conn) DeleteVolume(ctx context.Context, pool, name string) error {
 		}
 		defer v.Free()
 		return notFound(v.Delete(0), libvirt.ERR_NO_STORAGE_VOL)
+	})
+}
+
+// VolumePath implements vm.Hypervisor.
+func (l *Conn) VolumePath(ctx context.Context, pool, name string) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		v, err := l.volume(pool, name)
+		if err != nil {
+			return "", err
+		}
+		defer v.Free()
+		return v.GetPath()
 	})
 }
 

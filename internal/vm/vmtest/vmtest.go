@@ -140,6 +140,19 @@ func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte)
 	f.Volumes[pool+"/"+name] = data
 	return nil
 }
+func (f *Fake) VolumePath(ctx context.Context, pool, name string) (string, error) {
+	f.wait("VolumePath")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("VolumePath"); err != nil {
+		return "", err
+	}
+	key := pool + "/" + name
+	if _, ok := f.Volumes[key]; !ok {
+		return "", vm.ErrNotFound
+	}
+	return "/pool/" + key, nil
+}
 func (f *Fake) DeleteVolume(ctx context.Context, pool, name string) error {
 	f.wait("DeleteVolume")
 	f.mu.Lock()

@@ -1,0 +1,301 @@
+package lifecycle
+
+import (
+	"context"
+	"crypto/sha256"
+	"debug/elf"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Tools is the guest tools disk every machine gets: a read-only ISO volume
+// in the storage pool, built once per gitlab-runner binary (by content) and
+// shared by all machines (guestinit.ToolsISO).
+type Tools struct {
+	// Volume is the volume's name: <prefix>-<controller>-tools-<sha256
+	// prefix>.iso (ToolsVolumeName).
+	Volume string
+	// Path is the volume's path, attached to each machine.
+	Path string
+	// Source is the host binary it holds, SHA256 its content's hash.
+	Source, SHA256 string
+	// Built is how long building and uploading took; 0 when the volume
+	// was there already.
+	Built time.Duration
+}
+
+// Describe says, in a line of the job log, where the guest's gitlab-runner
+// comes from.
+func (t *Tools) Describe() string {
+	if t == nil {
+		return ""
+	}
+	return DescribeTools(t.record(), t.Built)
+}
+
+// DescribeTools says where a machine's gitlab-runner comes from (built: how
+// long making its tools disk took, 0 if it was there).
+func DescribeTools(t *state.Tools, built time.Duration) string {
+	sha := t.SHA256
+	if len(sha) > 12 {
+		sha = sha[:12]
+	}
+	s := fmt.Sprintf("gitlab-runner for the guest: %s (sha256 %s), read-only at %s", t.Source, sha, guestinit.GuestRunnerPath)
+	if built > 0 {
+		s += fmt.Sprintf("; its tools disk was built in %s", vm.Round(built))
+	}
+	return s
+}
+
+// Disk is the shared disk to attach (none for a nil Tools).
+func (t *Tools) Disk() []vm.SharedDisk {
+	if t == nil {
+		return nil
+	}
+	return []vm.SharedDisk{{Path: t.Path, Serial: guestinit.ToolsDiskSerial}}
+}
+
+// record is what the machine's state keeps of its tools disk (nil for
+// none).
+func (t *Tools) record() *state.Tools {
+	if t == nil {
+		return nil
+	}
+	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256}
+}
+
+// toolsSuffix ends every tools volume's name.
+const toolsSuffix = ".iso"
+
+// ToolsVolumeName names the tools disk of the binary with content hash
+// sha (hex): the installation's machine prefix, "tools-", 16 hex digits of
+// the hash. It never has the shape of a machine's volume, so the sweep
+// leaves it alone.
+func ToolsVolumeName(prefix, controller, sha string) string {
+	return MachinePrefix(prefix, controller) + "tools-" + sha[:16] + toolsSuffix
+}
+
+// IsToolsVolume reports whether vol is a tools volume of this naming.
+func IsToolsVolume(prefix, controller, vol string) bool {
+	rest, ok := strings.CutPrefix(vol, MachinePrefix(prefix, controller)+"tools-")
+	if !ok {
+		return false
+	}
+	hexPart, ok := strings.CutSuffix(rest, toolsSuffix)
+	if !ok || len(hexPart) != 16 {
+		return false
+	}
+	_, err := hex.DecodeString(hexPart)
+	return err == nil
+}
+
+// ErrNoTools says the configuration or the host gives the guests no
+// gitlab-runner; the error says why. It is not a failure of the job:
+// caches and artifacts then need a binary in the image.
+var ErrNoTools = errors.New("no gitlab-runner for the guests")
+
+// toolsSource is the host binary guest_tools.gitlab_runner names, or
+// ErrNoTools.
+func toolsSource(cfg *config.Config) (string, error) {
+	switch v := cfg.GuestTools.GitLabRunner; v {
+	case config.GuestToolsNone:
+		return "", fmt.Errorf("%w: guest_tools.gitlab_runner = \"none\"", ErrNoTools)
+	case config.GuestToolsAuto, "":
+		p, err := exec.LookPath("gitlab-runner")
+		if err != nil {
+			return "", fmt.Errorf("%w: no gitlab-runner on this host's PATH (guest_tools.gitlab_runner = \"auto\")", ErrNoTools)
+		}
+		return filepath.Abs(p)
+	default:
+		return v, nil
+	}
+}
+
+// toolsLock serialises building a tools volume between processes. It has
+// no machine's name, so the sweep never takes it for a machine's lock.
+const toolsLock = "guest-tools"
+
+// sourceStat identifies a file's version cheaply (no hash of 70 MB per
+// job): a change of content changes at least its ctime.
+type sourceStat struct {
+	Path    string `json:"path"`
+	Size    int64  `json:"size"`
+	Inode   uint64 `json:"inode"`
+	ModNs   int64  `json:"mtime_ns"`
+	CtimeNs int64  `json:"ctime_ns"`
+	SHA256  string `json:"sha256"`
+}
+
+// toolsRecord is the state record of a tools volume: it proves the volume
+// of that name is this installation's, and says whether it is complete.
+type toolsRecord struct {
+	Volume string    `json:"volume"`
+	Source string    `json:"source"`
+	SHA256 string    `json:"sha256"`
+	Ready  bool      `json:"ready"`
+	At     time.Time `json:"at"`
+}
+
+// GuestTools returns the tools disk for this host's gitlab-runner, building
+// it (once per binary, under a lock) when there is none yet. It returns
+// ErrNoTools (wrapped, saying why) when the configuration or the host gives
+// no binary, and other errors when the binary the admin named is unusable
+// or the volume cannot be made.
+func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
+	src, err := toolsSource(m.Cfg)
+	if err != nil {
+		return nil, err
+	}
+	sum, err := m.sourceHash(src)
+	if err != nil {
+		return nil, fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
+	}
+	t := &Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum), Source: src, SHA256: sum}
+	recKey := "guest-tools-" + t.Volume
+	var rec toolsRecord
+	if m.Store.Recall(recKey, &rec) && rec.Ready {
+		path, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
+		if err == nil {
+			t.Path = path
+			return t, nil
+		}
+		if !errors.Is(err, vm.ErrNotFound) {
+			return nil, fmt.Errorf("tools volume %s: %w", t.Volume, err)
+		}
+	}
+	unlock, err := m.Store.Lock(ctx, toolsLock)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	start := time.Now()
+	built, err := m.buildTools(ctx, t, recKey)
+	if err != nil {
+		return nil, err
+	}
+	if built {
+		t.Built = time.Since(start)
+	}
+	return t, nil
+}
+
+// buildTools makes t's volume and sets t.Path, under the tools lock; it
+// reports false when another process made it meanwhile.
+func (m *Manager) buildTools(ctx context.Context, t *Tools, recKey string) (bool, error) {
+	pool := m.Cfg.StoragePool
+	var rec toolsRecord
+	had := m.Store.Recall(recKey, &rec)
+	path, err := m.hv.VolumePath(ctx, pool, t.Volume)
+	switch {
+	case err == nil && had && rec.Ready:
+		t.Path = path
+		return false, nil
+	case err == nil && !had:
+		return false, fmt.Errorf("a volume %s is in storage pool %s but no record of this installation says it made it: left alone; remove it if it is not in use", t.Volume, pool)
+	case err == nil:
+		// A build that did not finish (its process was killed): ours, by
+		// its record; made again.
+		if err := m.hv.DeleteVolume(ctx, pool, t.Volume); err != nil && !errors.Is(err, vm.ErrNotFound) {
+			return false, fmt.Errorf("delete the unfinished tools volume %s: %w", t.Volume, err)
+		}
+	case !errors.Is(err, vm.ErrNotFound):
+		return false, fmt.Errorf("tools volume %s: %w", t.Volume, err)
+	}
+	rec = toolsRecord{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, At: time.Now().UTC()}
+	if err := m.Store.Remember(recKey, rec); err != nil {
+		return false, err
+	}
+	work, err := os.MkdirTemp(m.Store.Dir, "tools-work-")
+	if err != nil {
+		return false, err
+	}
+	defer func() { _ = os.RemoveAll(work) }() // best effort: a private temp dir
+	iso := filepath.Join(work, "tools.iso")
+	st, err := os.Stat(t.Source)
+	if err != nil {
+		return false, err
+	}
+	man := guestinit.ToolsManifest{Programs: map[string]guestinit.ToolOrigin{
+		"gitlab-runner": {Source: t.Source, SHA256: t.SHA256, Size: st.Size()},
+	}}
+	if err := guestinit.ToolsISO(iso, map[string]string{"gitlab-runner": t.Source}, man, work); err != nil {
+		return false, err
+	}
+	data, err := os.ReadFile(iso)
+	if err != nil {
+		return false, err
+	}
+	if t.Path, err = m.engine().CreateSharedVolume(ctx, pool, t.Volume, data); err != nil {
+		return false, err
+	}
+	rec.Ready, rec.At = true, time.Now().UTC()
+	return true, m.Store.Remember(recKey, rec)
+}
+
+// sourceHash returns the SHA-256 of the binary at path, from the cache
+// while the file is unchanged. The file must be a linux/amd64 executable.
+func (m *Manager) sourceHash(path string) (string, error) {
+	st, err := os.Stat(path)
+	if err != nil {
+		return "", err
+	}
+	if !st.Mode().IsRegular() {
+		return "", fmt.Errorf("not a regular file")
+	}
+	cur := sourceStat{Path: path, Size: st.Size(), ModNs: st.ModTime().UnixNano()}
+	if sys, ok := st.Sys().(*syscall.Stat_t); ok {
+		cur.Inode, cur.CtimeNs = sys.Ino, sys.Ctim.Nano()
+	}
+	var cached sourceStat
+	if m.Store.Recall("guest-tools-source", &cached) && cached.SHA256 != "" {
+		sum := cached.SHA256
+		cached.SHA256 = ""
+		if cached == cur {
+			return sum, nil
+		}
+	}
+	if err := checkGuestBinary(path); err != nil {
+		return "", err
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return "", err
+	}
+	defer func() { _ = f.Close() }()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return "", err
+	}
+	cur.SHA256 = hex.EncodeToString(h.Sum(nil))
+	_ = m.Store.Remember("guest-tools-source", cur) // a cache: the next job hashes again without it
+	return cur.SHA256, nil
+}
+
+// checkGuestBinary refuses what cannot run in an x86_64 Linux guest.
+func checkGuestBinary(path string) error {
+	f, err := elf.Open(path)
+	if err != nil {
+		return fmt.Errorf("not an ELF executable (%v); want a linux/amd64 gitlab-runner binary", err)
+	}
+	defer func() { _ = f.Close() }()
+	if f.Machine != elf.EM_X86_64 || f.Class != elf.ELFCLASS64 {
+		return fmt.Errorf("built for %s, not x86_64; want a linux/amd64 gitlab-runner binary", f.Machine)
+	}
+	if f.Type != elf.ET_EXEC && f.Type != elf.ET_DYN {
+		return fmt.Errorf("ELF type %s is not an executable", f.Type)
+	}
+	return nil
+}

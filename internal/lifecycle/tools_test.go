@@ -1,0 +1,172 @@
+package lifecycle
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+// fakeRunnerBinary is a copy of an ELF x86-64 executable of this host
+// standing in for gitlab-runner.
+func fakeRunnerBinary(t *testing.T) string {
+	t.Helper()
+	b, err := os.ReadFile("/bin/true")
+	require.NoError(t, err)
+	p := filepath.Join(t.TempDir(), "gitlab-runner")
+	require.NoError(t, os.WriteFile(p, b, 0o755))
+	return p
+}
+
+func toolsVolumes(hv *vmtest.Fake) map[string]int {
+	hv.Lock()
+	defer hv.Unlock()
+	out := map[string]int{}
+	for k, v := range hv.Volumes {
+		if filepath.Ext(k) == ".iso" {
+			out[filepath.Base(k)] = len(v)
+		}
+	}
+	return out
+}
+
+func TestGuestToolsBuiltOncePerBinary(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+	bin := fakeRunnerBinary(t)
+	m.Cfg.GuestTools.GitLabRunner = bin
+
+	t1, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.Positive(t, t1.Built, "the first call builds the volume")
+	require.True(t, IsToolsVolume(m.Cfg.NamePrefix, m.Controller, t1.Volume), t1.Volume)
+	require.Equal(t, bin, t1.Source)
+	require.Contains(t, t1.Describe(), bin)
+	require.Contains(t, t1.Describe(), guestinit.GuestRunnerPath)
+	vols := toolsVolumes(hv)
+	require.Len(t, vols, 1)
+	require.Positive(t, vols[t1.Volume], "the ISO was uploaded")
+	_, isMachine := machineOfVolume(t1.Volume)
+	require.False(t, isMachine, "the sweep never takes it for a machine's volume")
+
+	t2, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, t2.Built, "the second call reuses it")
+	require.Equal(t, t1.Volume, t2.Volume)
+	require.Equal(t, t1.Path, t2.Path)
+
+	// A new binary at the same path (an upgrade): a volume of its own.
+	f, err := os.OpenFile(bin, os.O_APPEND|os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, err = f.WriteString("v2")
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	t3, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.NotEqual(t, t1.SHA256, t3.SHA256)
+	require.NotEqual(t, t1.Volume, t3.Volume)
+	require.Positive(t, t3.Built)
+	require.Len(t, toolsVolumes(hv), 2)
+}
+
+func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
+	t1, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	// As if the building process had been killed after creating the
+	// volume: the record says "not ready", the volume holds junk.
+	recKey := "guest-tools-" + t1.Volume
+	var rec toolsRecord
+	require.True(t, m.Store.Recall(recKey, &rec))
+	rec.Ready = false
+	require.NoError(t, m.Store.Remember(recKey, rec))
+	hv.Lock()
+	hv.Volumes["jobs/"+t1.Volume] = []byte("partial")
+	hv.Unlock()
+
+	t2, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.Positive(t, t2.Built, "made again")
+	require.Greater(t, toolsVolumes(hv)[t1.Volume], len("partial"))
+}
+
+func TestGuestToolsLeavesAVolumeWithoutRecordAlone(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
+	sum, err := m.sourceHash(m.Cfg.GuestTools.GitLabRunner)
+	require.NoError(t, err)
+	name := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
+	hv.Lock()
+	hv.Volumes["jobs/"+name] = []byte("someone else's")
+	hv.Unlock()
+	_, err = m.GuestTools(context.Background())
+	require.ErrorContains(t, err, "no record of this installation says it made it")
+	require.Equal(t, len("someone else's"), toolsVolumes(hv)[name], "not touched")
+}
+
+func TestGuestToolsNoneOrUnusable(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+
+	m.Cfg.GuestTools.GitLabRunner = "none"
+	_, err := m.GuestTools(context.Background())
+	require.ErrorIs(t, err, ErrNoTools)
+	require.ErrorContains(t, err, `"none"`)
+
+	t.Setenv("PATH", t.TempDir())
+	m.Cfg.GuestTools.GitLabRunner = "auto"
+	_, err = m.GuestTools(context.Background())
+	require.ErrorIs(t, err, ErrNoTools)
+	require.ErrorContains(t, err, "no gitlab-runner on this host's PATH")
+
+	script := filepath.Join(t.TempDir(), "gitlab-runner")
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755))
+	m.Cfg.GuestTools.GitLabRunner = script
+	_, err = m.GuestTools(context.Background())
+	require.NotErrorIs(t, err, ErrNoTools)
+	require.ErrorContains(t, err, "want a linux/amd64 gitlab-runner binary")
+
+	m.Cfg.GuestTools.GitLabRunner = "/nonexistent/gitlab-runner"
+	_, err = m.GuestTools(context.Background())
+	require.ErrorContains(t, err, "/nonexistent/gitlab-runner")
+	require.Empty(t, toolsVolumes(hv))
+}
+
+func TestProvisionAttachesToolsDiskAndTeardownKeepsIt(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err)
+	ready.Client.Close()
+
+	hv.Lock()
+	var d libvirtxml.Domain
+	require.NoError(t, d.Unmarshal(hv.Domains["lve-0123abcd-7"].XML))
+	hv.Unlock()
+	var serials []string
+	for _, disk := range d.Devices.Disks {
+		serials = append(serials, disk.Serial)
+		if disk.Serial == guestinit.ToolsDiskSerial {
+			require.NotNil(t, disk.ReadOnly, "the tools disk is read-only")
+		}
+	}
+	require.Contains(t, serials, guestinit.ToolsDiskSerial)
+	rec, err := m.Store.Record("lve-0123abcd-7")
+	require.NoError(t, err)
+	require.NotNil(t, rec.Tools)
+	require.Equal(t, m.Cfg.GuestTools.GitLabRunner, rec.Tools.Source)
+
+	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.Len(t, toolsVolumes(hv), 1, "the shared tools volume outlives the machine")
+}
