@@ -1,0 +1,324 @@
+// Package jobapi is a small fake of the GitLab job API: just enough of
+// /api/v4/jobs for an unmodified `gitlab-runner run-single` to request jobs,
+// stream their logs, report their final state, and upload and download
+// artifacts. End-to-end tests and `libvirt-executor selftest` use it to drive
+// the Custom executor with a real runner and no GitLab instance.
+//
+// The server hands out jobs queued with Enqueue, one per POST
+// /api/v4/jobs/request, and records what the runner reports back; Wait returns
+// the result. Every job has its own random job token, checked on every call
+// made for that job; the runner token is checked when the runner asks for work.
+package jobapi
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"log/slog"
+	mrand "math/rand/v2"
+	"net"
+	"net/http"
+	"slices"
+	"sync"
+	"time"
+)
+
+// Options configure a Server.
+type Options struct {
+	// Listen is the TCP address to listen on: "127.0.0.1:0" (the default) for
+	// a local test, or an address a guest can reach, e.g. "10.213.7.1:20100".
+	Listen string
+	// Logger receives the server's logs; nil discards them.
+	Logger *slog.Logger
+	// RunnerToken is the token `gitlab-runner run-single` must present when it
+	// asks for a job. Empty: a random one is generated (see Server.RunnerToken).
+	RunnerToken string
+}
+
+// Variable is one CI/CD variable of a job.
+type Variable struct {
+	Key, Value string
+	// Masked asks the runner to hide the value in the job log.
+	Masked bool
+	// File makes the runner write Value to a file and set the variable to its path.
+	File bool
+	// Public marks a variable that is not a secret.
+	Public bool
+}
+
+// Artifacts is a job's `artifacts:` keyword.
+type Artifacts struct {
+	Name      string
+	Paths     []string
+	Untracked bool
+	// When is on_success (default), on_failure or always.
+	When string
+	// ExpireIn is passed to the upload as is ("1 day"); empty: never.
+	ExpireIn string
+}
+
+// Cache is a job's `cache:` keyword.
+type Cache struct {
+	Key       string
+	Paths     []string
+	Untracked bool
+	// Policy is pull-push (default), pull or push.
+	Policy string
+	// When is on_success (default), on_failure or always.
+	When string
+}
+
+// Job is what Enqueue hands to the runner.
+type Job struct {
+	Name, Stage         string
+	Script, AfterScript []string
+	Variables           []Variable
+	// TimeoutSeconds is the job timeout; 0 means one hour.
+	TimeoutSeconds int
+	// GitURL is the repository the runner clones, at SHA (required with a
+	// GitURL) on branch Ref (default "main"). Empty: GIT_STRATEGY=none.
+	GitURL, SHA, Ref string
+	Artifacts        *Artifacts
+	Cache            *Cache
+	// Dependencies are the ids of earlier jobs of this server whose artifacts
+	// the runner downloads before the script.
+	Dependencies []int64
+	// Image is the job's `image:` name, if any.
+	Image string
+}
+
+// Job states as reported in Result.State.
+const (
+	StateSuccess  = "success"
+	StateFailed   = "failed"
+	StateCanceled = "canceled"
+)
+
+// Result is what the runner reported for a finished job.
+type Result struct {
+	// State is success, failed or canceled.
+	State string
+	// FailureReason is the runner's reason for a failed or canceled job
+	// (script_failure, job_execution_timeout, runner_system_failure, ...).
+	FailureReason string
+	// ExitCode is the exit code the runner reported (0 when it sent none).
+	ExitCode int
+	// Trace is the job log as the runner sent it (masked values hidden).
+	Trace string
+	// Duration runs from the runner picking the job up to its final update.
+	Duration time.Duration
+	// Artifacts is the uploaded archive (zip); nil if none.
+	Artifacts []byte
+}
+
+// ErrClosed is returned by Wait when the server is closed before the job ends.
+var ErrClosed = errors.New("jobapi: server closed")
+
+type jobStatus int
+
+const (
+	statusQueued jobStatus = iota
+	statusRunning
+	statusDone
+)
+
+// job is the server's record of one enqueued job. Guarded by Server.mu.
+type job struct {
+	id      int64
+	token   string
+	spec    Job
+	status  jobStatus
+	started time.Time
+	// cancel is set by Cancel: the runner is told the job is canceling.
+	cancel     bool
+	trace      []byte
+	artifacts  []byte
+	mismatches int // final updates refused because the trace did not match
+	result     Result
+	done       chan struct{}
+}
+
+// Server is a running fake job API. Its methods are safe for concurrent use.
+type Server struct {
+	log         *slog.Logger
+	runnerToken string
+	url         string
+	srv         *http.Server
+	serveErr    chan error
+	closed      chan struct{}
+	closeOnce   sync.Once
+
+	mu     sync.Mutex
+	nextID int64
+	queue  []int64
+	jobs   map[int64]*job
+}
+
+// Start listens on o.Listen and serves until Close is called or ctx ends.
+func Start(ctx context.Context, o Options) (*Server, error) {
+	log := o.Logger
+	if log == nil {
+		log = slog.New(slog.DiscardHandler)
+	}
+	token := o.RunnerToken
+	if token == "" {
+		// The runner prints the first 8 characters of its token in every job
+		// log: let those be the prefix, not the secret.
+		token = "lve-runner-" + randomHex(16)
+	}
+	if o.Listen == "" {
+		o.Listen = "127.0.0.1:0"
+	}
+	ln, err := net.Listen("tcp", o.Listen)
+	if err != nil {
+		return nil, fmt.Errorf("jobapi: listen on %q: %w", o.Listen, err)
+	}
+	s := &Server{
+		log:         log,
+		runnerToken: token,
+		url:         "http://" + ln.Addr().String() + "/",
+		serveErr:    make(chan error, 1),
+		closed:      make(chan struct{}),
+		// Ids start at a random point so that two servers (two selftests at
+		// once) do not hand out the same job ids, which name resources.
+		nextID: 1_000_000 + mrand.Int64N(1_000_000_000),
+		jobs:   make(map[int64]*job),
+	}
+	s.srv = &http.Server{
+		Handler:           s.handler(),
+		ReadHeaderTimeout: 30 * time.Second,
+		ErrorLog:          slog.NewLogLogger(log.Handler(), slog.LevelDebug),
+	}
+	go func() { s.serveErr <- s.srv.Serve(ln) }()
+	go func() {
+		select {
+		case <-ctx.Done():
+			_ = s.Close()
+		case <-s.closed:
+		}
+	}()
+	log.Info("job API listening", "url", s.url)
+	return s, nil
+}
+
+// URL is the base URL to give `gitlab-runner --url`, e.g. "http://127.0.0.1:4321/".
+func (s *Server) URL() string { return s.url }
+
+// RunnerToken is the token the runner must present (Options.RunnerToken or a
+// generated one). It is a secret: do not log it.
+func (s *Server) RunnerToken() string { return s.runnerToken }
+
+// Close stops the server. Jobs still waited for end Wait with ErrClosed.
+func (s *Server) Close() error {
+	var err error
+	s.closeOnce.Do(func() {
+		close(s.closed)
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		defer cancel()
+		err = s.srv.Shutdown(ctx)
+		if serr := <-s.serveErr; serr != nil && !errors.Is(serr, http.ErrServerClosed) {
+			err = errors.Join(err, serr)
+		}
+	})
+	return err
+}
+
+// Enqueue queues j for the next job request and returns its id. An empty
+// Name or Stage becomes "job" or "test".
+func (s *Server) Enqueue(j Job) int64 {
+	j.Name, j.Stage = orDefault(j.Name, "job"), orDefault(j.Stage, "test")
+	j.Script = slices.Clone(j.Script)
+	j.AfterScript = slices.Clone(j.AfterScript)
+	j.Variables = slices.Clone(j.Variables)
+	j.Dependencies = slices.Clone(j.Dependencies)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	id := s.nextID
+	s.nextID++
+	s.jobs[id] = &job{
+		id:    id,
+		token: "lve-job-" + randomHex(20),
+		spec:  j,
+		done:  make(chan struct{}),
+	}
+	s.queue = append(s.queue, id)
+	s.log.Info("job queued", "job", id, "name", j.Name)
+	return id
+}
+
+// Wait blocks until the runner has reported a final state for job id (or the
+// job was canceled before a runner took it), ctx ends, or the server closes.
+func (s *Server) Wait(ctx context.Context, id int64) (Result, error) {
+	s.mu.Lock()
+	j := s.jobs[id]
+	s.mu.Unlock()
+	if j == nil {
+		return Result{}, fmt.Errorf("jobapi: no job %d", id)
+	}
+	select {
+	case <-j.done:
+	case <-ctx.Done():
+		return Result{}, fmt.Errorf("jobapi: waiting for job %d: %w", id, context.Cause(ctx))
+	case <-s.closed:
+		select {
+		case <-j.done: // a result that came before the close still counts
+		default:
+			return Result{}, ErrClosed
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r := j.result
+	r.Artifacts = slices.Clone(j.artifacts)
+	return r, nil
+}
+
+// Cancel cancels job id. A queued job ends at once as canceled; for a running
+// job, the next trace or status response tells the runner "canceling", which
+// makes it stop the script, run after_script and report the job. A finished
+// job is left alone.
+func (s *Server) Cancel(id int64) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	j := s.jobs[id]
+	if j == nil {
+		return
+	}
+	switch j.status {
+	case statusQueued:
+		s.queue = slices.DeleteFunc(s.queue, func(q int64) bool { return q == id })
+		s.finish(j, Result{State: StateCanceled})
+	case statusRunning:
+		j.cancel = true
+	}
+	s.log.Info("job cancel requested", "job", id)
+}
+
+// Trace returns the job log received so far for job id.
+func (s *Server) Trace(id int64) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if j := s.jobs[id]; j != nil {
+		return string(j.trace)
+	}
+	return ""
+}
+
+// finish records the final result of j. Called with s.mu held.
+func (s *Server) finish(j *job, r Result) {
+	r.Trace = string(j.trace)
+	if !j.started.IsZero() {
+		r.Duration = time.Since(j.started)
+	}
+	j.result = r
+	j.status = statusDone
+	close(j.done)
+}
+
+func randomHex(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b) // never fails (crypto/rand: it crashes the program instead)
+	return hex.EncodeToString(b)
+}
