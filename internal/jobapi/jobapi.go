@@ -17,7 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	mrand "math/rand/v2"
+	"math/big"
 	"net"
 	"net/http"
 	"slices"
@@ -183,7 +183,7 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		closed:      make(chan struct{}),
 		// Ids start at a random point so that two servers (two selftests at
 		// once) do not hand out the same job ids, which name resources.
-		nextID: 1_000_000 + mrand.Int64N(1_000_000_000),
+		nextID: 1_000_000 + randomInt64(1_000_000_000),
 		jobs:   make(map[int64]*job),
 	}
 	s.srv = &http.Server{
@@ -321,4 +321,13 @@ func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b) // never fails (crypto/rand: it crashes the program instead)
 	return hex.EncodeToString(b)
+}
+
+// randomInt64 is a random number in [0, n) from crypto/rand.
+func randomInt64(n int64) int64 {
+	v, err := rand.Int(rand.Reader, big.NewInt(n))
+	if err != nil {
+		panic(fmt.Sprintf("jobapi: crypto/rand: %v", err))
+	}
+	return v.Int64()
 }
