@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"time"
 )
 
@@ -37,12 +38,20 @@ func (s *Server) handler() http.Handler {
 	mux.HandleFunc("PATCH /api/v4/jobs/{id}/trace", s.patchTrace)
 	mux.HandleFunc("POST /api/v4/jobs/{id}/artifacts", s.uploadArtifacts)
 	mux.HandleFunc("GET /api/v4/jobs/{id}/artifacts", s.downloadArtifacts)
+	if s.cache != nil {
+		mux.Handle("/"+s.cache.bucket+"/", s.cache)
+	}
 	mux.HandleFunc("/", http.NotFound)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, code: http.StatusOK}
 		mux.ServeHTTP(rec, r)
-		// The query is logged too: the runner puts no secrets there.
-		s.log.Debug("request", "method", r.Method, "uri", r.URL.RequestURI(), "status", rec.code)
+		// The job API's queries carry no secrets; a cache URL's does (its
+		// signature): only its path is logged.
+		uri := r.URL.RequestURI()
+		if s.cache != nil && strings.HasPrefix(r.URL.Path, "/"+s.cache.bucket+"/") {
+			uri = r.URL.Path
+		}
+		s.log.Debug("request", "method", r.Method, "uri", uri, "status", rec.code)
 	})
 }
 

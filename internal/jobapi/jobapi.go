@@ -35,6 +35,9 @@ type Options struct {
 	// RunnerToken is the token `gitlab-runner run-single` must present when it
 	// asks for a job. Empty: a random one is generated (see Server.RunnerToken).
 	RunnerToken string
+	// CacheBucket, if set, also serves an S3 endpoint with this one bucket
+	// for the runner's distributed cache (see Server.CacheEnv).
+	CacheBucket string
 }
 
 // Variable is one CI/CD variable of a job.
@@ -150,6 +153,8 @@ type Server struct {
 	closed      chan struct{}
 	closeOnce   sync.Once
 
+	cache *cacheStore // nil without Options.CacheBucket
+
 	mu     sync.Mutex
 	nextID int64
 	queue  []int64
@@ -185,6 +190,9 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		// once) do not hand out the same job ids, which name resources.
 		nextID: 1_000_000 + randomInt64(1_000_000_000),
 		jobs:   make(map[int64]*job),
+	}
+	if o.CacheBucket != "" {
+		s.cache = newCacheStore(o.CacheBucket)
 	}
 	s.srv = &http.Server{
 		Handler:           s.handler(),

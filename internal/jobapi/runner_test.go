@@ -6,6 +6,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -62,13 +63,15 @@ type rig struct {
 	out      *syncBuffer
 }
 
-func newRig(t *testing.T) *rig {
+func newRig(t *testing.T) *rig { return newRigWith(t, "") }
+
+func newRigWith(t *testing.T, cacheBucket string) *rig {
 	t.Helper()
 	bin := requireRunnerBinary(t)
 	// Not t.Context(): it ends before the cleanups, and the server must
 	// outlive the runner, whose cleanup (registered later) runs first.
 	srv, err := Start(context.Background(), Options{
-		Listen: "127.0.0.1:0",
+		Listen: "127.0.0.1:0", CacheBucket: cacheBucket,
 		Logger: slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug})),
 	})
 	require.NoError(t, err)
@@ -92,7 +95,7 @@ func (r *rig) runnerWith(maxBuilds int, custom *CustomConfig) {
 		Binary: r.bin, URL: r.srv.URL(), Token: r.srv.RunnerToken(),
 		Executor: "shell", BuildsDir: t.TempDir(), CacheDir: r.cacheDir,
 		MaxBuilds: maxBuilds, WaitTimeout: 20 * time.Second,
-		Env:    []string{"HOME=" + r.home, "PATH=" + os.Getenv("PATH"), "TMPDIR=" + t.TempDir()},
+		Env:    append([]string{"HOME=" + r.home, "PATH=" + os.Getenv("PATH"), "TMPDIR=" + t.TempDir()}, r.srv.CacheEnv()...),
 		Stdout: r.out, Stderr: r.out,
 	}
 	if custom != nil {
@@ -231,6 +234,53 @@ func TestRealRunnerArtifactsAndCache(t *testing.T) {
 	assert.Equal(t, StateSuccess, res.State, res.Trace)
 	assert.Contains(t, res.Trace, "artifact-payload-42")
 	assert.Contains(t, res.Trace, "cached-payload-7")
+}
+
+// The distributed cache: two runners with cache directories of their own
+// share a cache through the server's S3 endpoint (as job VMs do, whose
+// cache directories die with them).
+func TestRealRunnerDistributedCache(t *testing.T) {
+	t.Parallel()
+	r := newRigWith(t, "lve-cache")
+	cache := &Cache{Key: "deps", Paths: []string{"vendor/"}}
+	fill := r.srv.Enqueue(Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo from-s3-cache > vendor/c.txt"}})
+	r.runner(1)
+	res := r.wait(fill)
+	require.Equal(t, StateSuccess, res.State, res.Trace)
+	require.Equal(t, 1, r.srv.CacheObjects(), "the archive was uploaded to the cache server")
+
+	r.cacheDir = t.TempDir() // nothing local to restore from
+	use := r.srv.Enqueue(Job{Name: "use", Cache: cache, Script: []string{"cat vendor/c.txt"}})
+	r.runner(1)
+	res = r.wait(use)
+	require.Equal(t, StateSuccess, res.State, res.Trace)
+	require.Contains(t, res.Trace, "from-s3-cache")
+}
+
+func TestCacheEndpointRefusesUnsignedRequests(t *testing.T) {
+	srv, err := Start(context.Background(), Options{CacheBucket: "b"})
+	require.NoError(t, err)
+	defer func() { _ = srv.Close() }()
+	put := func(query string) int {
+		req, err := http.NewRequest(http.MethodPut, srv.URL()+"b/k/cache.zip"+query, strings.NewReader("x"))
+		require.NoError(t, err)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err)
+		_ = resp.Body.Close()
+		return resp.StatusCode
+	}
+	require.Equal(t, http.StatusForbidden, put(""))
+	require.Equal(t, http.StatusForbidden, put("?X-Amz-Credential=OTHER/20260101/us-east-1/s3/aws4_request"))
+	require.Zero(t, srv.CacheObjects())
+	var key string
+	for _, e := range srv.CacheEnv() {
+		if v, ok := strings.CutPrefix(e, "CACHE_S3_ACCESS_KEY="); ok {
+			key = v
+		}
+	}
+	require.NotEmpty(t, key)
+	require.Equal(t, http.StatusOK, put("?X-Amz-Credential="+key+"/20260101/us-east-1/s3/aws4_request"))
+	require.Equal(t, 1, srv.CacheObjects())
 }
 
 func TestRealRunnerCancelAndTimeout(t *testing.T) {

@@ -179,17 +179,7 @@ func TestHostKeyMismatchSendsNoScript(t *testing.T) {
 // credential import; a cloud-init guest through the NoCloud seed).
 func TestImages(t *testing.T) {
 	r := setup(t)
-	var others []string
-	for _, name := range r.cfg.ImageNames() {
-		if name != r.cfg.DefaultImage {
-			others = append(others, name)
-		}
-	}
-	if want := os.Getenv("LVE_E2E_IMAGES"); want != "" {
-		for _, img := range strings.Split(want, ",") {
-			require.Contains(t, r.cfg.ImageNames(), img, "LVE_E2E_IMAGES names an image the rig did not configure")
-		}
-	}
+	others := otherImages(t, r)
 	if len(others) == 0 {
 		t.Skip("the rig configured only the default image")
 	}
@@ -211,4 +201,22 @@ func TestImages(t *testing.T) {
 			require.Contains(t, lw.buf.String(), "SSH ready as "+img.User+"@")
 		})
 	}
+}
+
+// otherImages are the images the rig configured besides the default one;
+// every image LVE_E2E_IMAGES names must be among them.
+func otherImages(t *testing.T, r *rig) []string {
+	t.Helper()
+	var others []string
+	for _, name := range r.cfg.ImageNames() {
+		if name != r.cfg.DefaultImage {
+			others = append(others, name)
+		}
+	}
+	if want := os.Getenv("LVE_E2E_IMAGES"); want != "" {
+		for _, img := range strings.Split(want, ",") {
+			require.Contains(t, others, img, "LVE_E2E_IMAGES names an image the rig did not configure")
+		}
+	}
+	return others
 }

@@ -1,0 +1,309 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"archive/zip"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+)
+
+// The real-runner tier: an unmodified gitlab-runner (run-single) drives
+// the four executables against the project's fake GitLab job API, served
+// on the host side of the rig network where the guests reach it (artifacts
+// and caches go from the guest's own gitlab-runner straight to it).
+
+// realRunner is one test's fake GitLab with what its jobs need.
+type realRunner struct {
+	r       *rig
+	bin     string
+	api     *jobapi.Server
+	repo    string // git URL the guests clone from
+	sha     string
+	home    string
+	workDir string
+}
+
+func newRealRunner(t *testing.T) *realRunner {
+	t.Helper()
+	r := setup(t)
+	bin := runnerBinary(t)
+	requireGuestRunner(t, r)
+	ln := r.serviceListener(t)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	ctx, cancel := context.WithCancel(context.Background())
+	api, err := jobapi.Start(ctx, jobapi.Options{Listen: addr, CacheBucket: "lve-cache"})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = api.Close(); cancel() })
+	repo, sha := r.repo(t)
+	return &realRunner{r: r, bin: bin, api: api, repo: repo, sha: sha, home: t.TempDir(), workDir: t.TempDir()}
+}
+
+// start runs one `gitlab-runner run-single` for n jobs in the background;
+// wait returns its error and output.
+func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
+	t.Helper()
+	exe := func(stage string) string { return rr.r.exe(stage) }
+	args := []string{"--config", rr.r.cfgPath}
+	var out bytes.Buffer
+	var mu sync.Mutex
+	w := writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return out.Write(p) })
+	done := make(chan error, 1)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	go func() {
+		done <- jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
+			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
+			Custom: &jobapi.CustomConfig{
+				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+			},
+			BuildsDir: "/builds", CacheDir: "/cache",
+			MaxBuilds: n, WaitTimeout: 5 * time.Minute,
+			Env: append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home}, rr.api.CacheEnv()...),
+			Dir: rr.workDir, Stdout: w, Stderr: w,
+		})
+	}()
+	return func() (string, error) {
+		defer cancel()
+		err := <-done
+		mu.Lock()
+		defer mu.Unlock()
+		return out.String(), err
+	}
+}
+
+type writerFunc func([]byte) (int, error)
+
+func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
+
+// runJobs queues jobs, runs them one after another through one runner and
+// returns their results in order.
+func (rr *realRunner) runJobs(t *testing.T, jobs ...jobapi.Job) []jobapi.Result {
+	t.Helper()
+	ids := make([]int64, len(jobs))
+	for i, j := range jobs {
+		ids[i] = rr.api.Enqueue(j)
+	}
+	wait := rr.start(t, len(jobs))
+	return rr.results(t, wait, ids)
+}
+
+func (rr *realRunner) results(t *testing.T, wait func() (string, error), ids []int64) []jobapi.Result {
+	t.Helper()
+	out, err := wait()
+	t.Logf("gitlab-runner run-single:\n%s", out)
+	require.NoError(t, err)
+	res := make([]jobapi.Result, len(ids))
+	for i, id := range ids {
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		res[i], err = rr.api.Wait(ctx, id)
+		cancel()
+		require.NoError(t, err, "job %d got no final state", id)
+		t.Logf("job %d: %s %s exit %d in %s\n%s", id, res[i].State, res[i].FailureReason, res[i].ExitCode, res[i].Duration, res[i].Trace)
+	}
+	return res
+}
+
+// zipFiles lists the files of an artifacts archive with their content.
+func zipFiles(t *testing.T, b []byte) map[string]string {
+	t.Helper()
+	require.NotEmpty(t, b, "an artifacts archive was uploaded")
+	z, err := zip.NewReader(bytes.NewReader(b), int64(len(b)))
+	require.NoError(t, err)
+	out := map[string]string{}
+	for _, f := range z.File {
+		if f.FileInfo().IsDir() {
+			continue
+		}
+		rc, err := f.Open()
+		require.NoError(t, err)
+		c, err := io.ReadAll(rc)
+		require.NoError(t, err)
+		_ = rc.Close()
+		out[f.Name] = string(c)
+	}
+	return out
+}
+
+// TestRealRunnerPassingJob: a job clones the repository over HTTP from the
+// host side, gets a file variable and a masked one, and passes; the job log
+// carries no caches/artifacts note and never the masked value.
+func TestRealRunnerPassingJob(t *testing.T) {
+	rr := newRealRunner(t)
+	const secret = "s3cr3t-M4sked-value"
+	res := rr.runJobs(t, jobapi.Job{
+		Name: "build", GitURL: rr.repo, SHA: rr.sha,
+		Variables: []jobapi.Variable{
+			{Key: "MY_SECRET", Value: secret, Masked: true},
+			{Key: "MY_FILE", Value: "file-variable-content\n", File: true},
+		},
+		Script: []string{
+			"test -f README.md && echo CLONED $(git rev-parse HEAD)",
+			`echo "secret is $MY_SECRET"`,
+			`echo "file at $MY_FILE: $(cat "$MY_FILE")"`,
+		},
+	})[0]
+	require.Equal(t, jobapi.StateSuccess, res.State, res.Trace)
+	require.Contains(t, res.Trace, "CLONED "+rr.sha)
+	require.Contains(t, res.Trace, "file-variable-content")
+	require.Contains(t, res.Trace, "secret is [MASKED]")
+	require.NotContains(t, res.Trace, secret)
+	require.Contains(t, res.Trace, "gitlab-runner for the guest:")
+	require.NotContains(t, res.Trace, "caches and artifacts will not work")
+	require.NotContains(t, res.Trace, "glcbt-", "no job token in the log")
+}
+
+// TestRealRunnerScriptFailure: `exit 3` is a script_failure with exit code
+// 3; after_script and the on_failure artifacts still run.
+func TestRealRunnerScriptFailure(t *testing.T) {
+	rr := newRealRunner(t)
+	res := rr.runJobs(t, jobapi.Job{
+		Name:        "fails",
+		Script:      []string{"echo failing > report.txt", "exit 3"},
+		AfterScript: []string{"echo AFTER-SCRIPT-RAN"},
+		Artifacts:   &jobapi.Artifacts{Name: "report", Paths: []string{"report.txt"}, When: "on_failure"},
+	})[0]
+	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
+	require.Equal(t, "script_failure", res.FailureReason)
+	require.Equal(t, 3, res.ExitCode, "the script's own exit code (BUILD_EXIT_CODE_FILE)")
+	require.Contains(t, res.Trace, "AFTER-SCRIPT-RAN")
+	require.Equal(t, "failing\n", zipFiles(t, res.Artifacts)["report.txt"], "on_failure artifacts were uploaded from the guest")
+}
+
+// TestRealRunnerArtifactsBetweenJobs: a job's artifacts, uploaded by the
+// guest's gitlab-runner, are downloaded by a second job (dependencies) in
+// another VM.
+func TestRealRunnerArtifactsBetweenJobs(t *testing.T) {
+	rr := newRealRunner(t)
+	first := rr.api.Enqueue(jobapi.Job{
+		Name: "produce", Stage: "build",
+		Script:    []string{"mkdir -p out", "echo artifact-from-$CI_JOB_ID > out/result.txt"},
+		Artifacts: &jobapi.Artifacts{Name: "out", Paths: []string{"out/"}},
+	})
+	second := rr.api.Enqueue(jobapi.Job{
+		Name: "consume", Stage: "test", Dependencies: []int64{first},
+		Script: []string{`echo "got: $(cat out/result.txt)"`},
+	})
+	res := rr.results(t, rr.start(t, 2), []int64{first, second})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Equal(t, fmt.Sprintf("artifact-from-%d\n", first), zipFiles(t, res[0].Artifacts)["out/result.txt"])
+	require.Equal(t, jobapi.StateSuccess, res[1].State, res[1].Trace)
+	require.Contains(t, res[1].Trace, fmt.Sprintf("got: artifact-from-%d", first))
+}
+
+// TestRealRunnerCacheBetweenJobs: a cache archived by one job is restored
+// in the next job's fresh VM through the runner's distributed cache (an S3
+// endpoint of the fake; docs/images.md says why not a host directory).
+func TestRealRunnerCacheBetweenJobs(t *testing.T) {
+	rr := newRealRunner(t)
+	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
+	res := rr.runJobs(t,
+		jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt"}},
+		jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}},
+	)
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Contains(t, res[0].Trace, "Created cache")
+	require.Equal(t, jobapi.StateSuccess, res[1].State, res[1].Trace)
+	require.Regexp(t, `restored: cached-\d+`, res[1].Trace)
+	require.NotZero(t, rr.api.CacheObjects(), "the archive went to the cache server")
+}
+
+// TestRealRunnerCancel: a job cancelled in GitLab while its script runs
+// ends as canceled, and nothing of it is left (the rig checks).
+func TestRealRunnerCancel(t *testing.T) {
+	rr := newRealRunner(t)
+	id := rr.api.Enqueue(jobapi.Job{Name: "long", Script: []string{"for i in $(seq 1 600); do echo tick $i; sleep 1; done"}})
+	wait := rr.start(t, 1)
+	waitFor(t, 3*time.Minute, "the script ticking", func() bool { return strings.Contains(rr.api.Trace(id), "tick 3") })
+	t0 := time.Now()
+	rr.api.Cancel(id)
+	res := rr.results(t, wait, []int64{id})[0]
+	require.Equal(t, jobapi.StateCanceled, res.State, res.Trace)
+	require.NotContains(t, res.Trace, "tick 60\n")
+	t.Logf("canceled: the runner was done %s after the cancel", time.Since(t0).Round(time.Millisecond))
+}
+
+// TestRealRunnerJobTimeout: a job that outlives its timeout fails as
+// job_execution_timeout, at the timeout.
+func TestRealRunnerJobTimeout(t *testing.T) {
+	rr := newRealRunner(t)
+	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 40, Script: []string{"echo sleeping", "sleep 600"}})[0]
+	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
+	require.Equal(t, "job_execution_timeout", res.FailureReason)
+	require.Less(t, res.Duration, 90*time.Second, "ended at the timeout, not at the sleep's end")
+}
+
+// TestRealRunnerTwoRunnersAtOnce: two runners run a job each at the same
+// time, each in its own VM.
+func TestRealRunnerTwoRunnersAtOnce(t *testing.T) {
+	rr := newRealRunner(t)
+	ids := []int64{
+		rr.api.Enqueue(jobapi.Job{Name: "a", Script: []string{`echo "job-a on boot $(cat /proc/sys/kernel/random/boot_id)"`, "sleep 5"}}),
+		rr.api.Enqueue(jobapi.Job{Name: "b", Script: []string{`echo "job-b on boot $(cat /proc/sys/kernel/random/boot_id)"`, "sleep 5"}}),
+	}
+	t0 := time.Now()
+	waitA, waitB := rr.start(t, 1), rr.start(t, 1)
+	outA, errA := waitA()
+	outB, errB := waitB()
+	wall := time.Since(t0)
+	both := func() (string, error) { return outA + outB, errors.Join(errA, errB) }
+	res := rr.results(t, both, ids)
+	for _, x := range res {
+		require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
+	}
+	hostA := regexp.MustCompile(`job-a on boot ([0-9a-f-]{36})`).FindStringSubmatch(res[0].Trace)
+	hostB := regexp.MustCompile(`job-b on boot ([0-9a-f-]{36})`).FindStringSubmatch(res[1].Trace)
+	require.Len(t, hostA, 2)
+	require.Len(t, hostB, 2)
+	require.NotEqual(t, hostA[1], hostB[1], "each job in a VM of its own (boot ids)")
+	require.Less(t, wall, res[0].Duration+res[1].Duration, "the two jobs ran at the same time")
+}
+
+
+// TestRealRunnerImages: artifacts and caches work on every image the rig
+// configured besides the default one (the Debian systemd guest mounts the
+// tools disk through udev and a unit; the cloud-init guest likewise, as its
+// user "debian"). One job per image: the cache is archived to the cache
+// server and the artifacts uploaded by the guest's gitlab-runner, also
+// after the script failed.
+func TestRealRunnerImages(t *testing.T) {
+	rr := newRealRunner(t)
+	others := otherImages(t, rr.r)
+	if len(others) == 0 {
+		t.Skip("the rig configured no image besides the default one")
+	}
+	var ids []int64
+	for _, name := range others {
+		ids = append(ids, rr.api.Enqueue(jobapi.Job{
+			Name: "on-" + name, Image: name,
+			Script:    []string{"mkdir -p out vendor", "echo built-on-" + name + " > out/r.txt", "echo dep > vendor/d.txt", "exit 2"},
+			Artifacts: &jobapi.Artifacts{Paths: []string{"out/"}, When: "always"},
+			Cache:     &jobapi.Cache{Key: "img-" + name, Paths: []string{"vendor/"}, When: "always"},
+		}))
+	}
+	res := rr.results(t, rr.start(t, len(ids)), ids)
+	for i, name := range others {
+		require.Equal(t, jobapi.StateFailed, res[i].State, res[i].Trace)
+		require.Equal(t, 2, res[i].ExitCode)
+		require.Contains(t, res[i].Trace, "VM lve-", name)
+		require.Contains(t, res[i].Trace, "gitlab-runner for the guest:", name)
+		require.NotContains(t, res[i].Trace, "gitlab-runner is not on the guest's PATH", name)
+		require.Contains(t, res[i].Trace, "Created cache", name)
+		require.Equal(t, "built-on-"+name+"\n", zipFiles(t, res[i].Artifacts)["out/r.txt"], name)
+	}
+	require.Equal(t, len(others), rr.api.CacheObjects())
+}
