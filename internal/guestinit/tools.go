@@ -25,6 +25,9 @@ const (
 	ToolsMountPoint = "/opt/libvirt-executor"
 	// ToolsLabel is the ISO volume identifier.
 	ToolsLabel = "LVE_TOOLS"
+	// ToolsLayout versions the disk's layout: a change of it makes a new
+	// volume even for the same binaries.
+	ToolsLayout = "2"
 	// GuestRunnerPath is the gitlab-runner binary in the guest; the images
 	// link /usr/local/bin/gitlab-runner to it.
 	GuestRunnerPath = ToolsMountPoint + "/bin/gitlab-runner"
@@ -55,7 +58,15 @@ func ToolsISO(out string, programs map[string]string, manifest ToolsManifest, wo
 		return err
 	}
 	defer func() { _ = os.RemoveAll(stage) }() // best effort: a private temp dir
+	// The staging directory is the disk's root (Rock Ridge keeps modes):
+	// every guest user must get in, not only root.
+	if err := os.Chmod(stage, 0o755); err != nil {
+		return err
+	}
 	if err := os.Mkdir(filepath.Join(stage, "bin"), 0o755); err != nil {
+		return err
+	}
+	if err := os.Chmod(filepath.Join(stage, "bin"), 0o755); err != nil { // whatever the umask
 		return err
 	}
 	var total int64

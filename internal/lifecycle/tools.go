@@ -82,10 +82,11 @@ const toolsSuffix = ".iso"
 
 // ToolsVolumeName names the tools disk of the binary with content hash
 // sha (hex): the installation's machine prefix, "tools-", 16 hex digits of
-// the hash. It never has the shape of a machine's volume, so the sweep
-// leaves it alone.
+// a hash over the disk's layout version and sha. It never has the shape of
+// a machine's volume, so the sweep leaves it alone.
 func ToolsVolumeName(prefix, controller, sha string) string {
-	return MachinePrefix(prefix, controller) + "tools-" + sha[:16] + toolsSuffix
+	h := sha256.Sum256([]byte("libvirt-executor tools disk layout " + guestinit.ToolsLayout + "\n" + sha))
+	return MachinePrefix(prefix, controller) + "tools-" + hex.EncodeToString(h[:8]) + toolsSuffix
 }
 
 // IsToolsVolume reports whether vol is a tools volume of this naming.
