@@ -273,7 +273,6 @@ func TestRealRunnerTwoRunnersAtOnce(t *testing.T) {
 	require.Less(t, wall, res[0].Duration+res[1].Duration, "the two jobs ran at the same time")
 }
 
-
 // TestRealRunnerImages: artifacts and caches work on every image the rig
 // configured besides the default one (the Debian systemd guest mounts the
 // tools disk through udev and a unit; the cloud-init guest likewise, as its
