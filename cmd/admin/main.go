@@ -8,8 +8,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"os"
+	"os/exec"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
@@ -20,6 +24,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
 
@@ -140,6 +145,18 @@ func app() *cli.App {
 				},
 			},
 			{
+				Name:  "selftest",
+				Usage: "run two sample jobs through gitlab-runner and this host's configuration (no GitLab needed): VMs, stages, artifacts and a cache; prints a verdict",
+				Flags: []cli.Flag{
+					&cli.StringFlag{Name: "runner", Usage: "the gitlab-runner binary (default: gitlab-runner on PATH)"},
+					&cli.StringFlag{Name: "listen", Usage: "host:port for the fake GitLab job API, reachable from the guests (default: this host's address on the configured network, a free port)"},
+					&cli.StringFlag{Name: "image", Usage: "the image the jobs ask for (default: the configuration's default image)"},
+					&cli.DurationFlag{Name: "timeout", Value: 15 * time.Minute, Usage: "give up after this long"},
+					&cli.BoolFlag{Name: "verbose", Usage: "print the job logs also when all passed"},
+				},
+				Action: runSelftest,
+			},
+			{
 				Name:  "doctor",
 				Usage: "check libvirt, KVM, pool, network, images and permissions, with the fix for each problem",
 				Action: func(c *cli.Context) error {
@@ -153,4 +170,57 @@ func app() *cli.App {
 			},
 		},
 	}
+}
+
+// runSelftest is the selftest command.
+func runSelftest(c *cli.Context) error {
+	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+	if err != nil {
+		return err
+	}
+	runner := c.String("runner")
+	if runner == "" {
+		if runner, err = exec.LookPath("gitlab-runner"); err != nil {
+			return fmt.Errorf("no gitlab-runner on PATH: pass --runner /path/to/gitlab-runner")
+		}
+	}
+	if c.String("image") != "" {
+		if _, ok := cfg.Image(c.String("image")); !ok {
+			return fmt.Errorf("--image %q: not an image of the configuration (%s)", c.String("image"), strings.Join(cfg.ImageNames(), ", "))
+		}
+	}
+	listen := c.String("listen")
+	if listen == "" {
+		conn, err := libvirtvm.Connect(c.Context, cfg.LibvirtURI)
+		if err != nil {
+			return err
+		}
+		addr, err := conn.NetworkAddress(c.Context, cfg.Network)
+		_ = conn.Close()
+		if err != nil {
+			return fmt.Errorf("%w (or pass --listen)", err)
+		}
+		listen = net.JoinHostPort(addr, "0")
+	}
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	rep, err := selftest.Run(c.Context, selftest.Options{
+		Config: cfg.Path, BinDir: filepath.Dir(exe), Runner: runner, Listen: listen,
+		Image: c.String("image"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
+	})
+	if err != nil {
+		return err
+	}
+	rep.Print(os.Stdout)
+	if c.Bool("verbose") && rep.OK() {
+		for _, j := range rep.Jobs {
+			fmt.Printf("\n--- %s ---\n%s\n", j.Name, j.Trace)
+		}
+	}
+	if !rep.OK() {
+		return errors.New("selftest failed")
+	}
+	return nil
 }

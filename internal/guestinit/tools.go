@@ -60,13 +60,13 @@ func ToolsISO(out string, programs map[string]string, manifest ToolsManifest, wo
 	defer func() { _ = os.RemoveAll(stage) }() // best effort: a private temp dir
 	// The staging directory is the disk's root (Rock Ridge keeps modes):
 	// every guest user must get in, not only root.
-	if err := os.Chmod(stage, 0o755); err != nil {
+	if err := os.Chmod(stage, 0o755); err != nil { //nolint:gosec // G30x: the modes the guest sees (Rock Ridge); on the host it sits in the caller's private work dir
 		return err
 	}
-	if err := os.Mkdir(filepath.Join(stage, "bin"), 0o755); err != nil {
+	if err := os.Mkdir(filepath.Join(stage, "bin"), 0o755); err != nil { //nolint:gosec // G30x: the modes the guest sees (Rock Ridge); on the host it sits in the caller's private work dir
 		return err
 	}
-	if err := os.Chmod(filepath.Join(stage, "bin"), 0o755); err != nil { // whatever the umask
+	if err := os.Chmod(filepath.Join(stage, "bin"), 0o755); err != nil { //nolint:gosec // G30x: the modes the guest sees (Rock Ridge); on the host it sits in the caller's private work dir
 		return err
 	}
 	var total int64
@@ -84,7 +84,7 @@ func ToolsISO(out string, programs map[string]string, manifest ToolsManifest, wo
 	if err != nil {
 		return err
 	}
-	if err := os.WriteFile(filepath.Join(stage, "tools.json"), append(mb, '\n'), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(stage, "tools.json"), append(mb, '\n'), 0o644); err != nil { //nolint:gosec // G30x: the modes the guest sees (Rock Ridge); on the host it sits in the caller's private work dir
 		return err
 	}
 	// Room for the data plus ISO 9660's descriptors, directories and

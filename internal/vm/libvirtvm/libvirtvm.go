@@ -750,6 +750,32 @@ func (l *Conn) PoolActive(ctx context.Context, name string) (active bool, path s
 	return f.active, f.path, err
 }
 
+// NetworkAddress returns the host's IPv4 address on the network (its
+// <ip address=...>): where the guests reach the host.
+func (l *Conn) NetworkAddress(ctx context.Context, name string) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		n, err := l.conn.LookupNetworkByName(name)
+		if err != nil {
+			return "", err
+		}
+		defer n.Free()
+		x, err := n.GetXMLDesc(0)
+		if err != nil {
+			return "", err
+		}
+		var nx libvirtxml.Network
+		if err := nx.Unmarshal(x); err != nil {
+			return "", err
+		}
+		for _, ip := range nx.IPs {
+			if a := net.ParseIP(ip.Address); a != nil && a.To4() != nil {
+				return a.String(), nil
+			}
+		}
+		return "", fmt.Errorf("network %s has no IPv4 address of the host (a bridge of the host's LAN?): pass the address the guests reach this host at", name)
+	})
+}
+
 // networkFacts is what NetworkActive reports.
 type networkFacts struct{ active, dhcp bool }
 

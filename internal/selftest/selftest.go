@@ -1,0 +1,310 @@
+// Package selftest runs sample jobs through an installed gitlab-runner and
+// this host's driver configuration, against an in-process fake GitLab job
+// API (internal/jobapi): no GitLab instance and no runner token needed. It
+// proves what an admin needs before pointing GitLab at the host: the four
+// executables start VMs, run stages and clean up; the guest's gitlab-runner
+// uploads and downloads artifacts and archives and restores a cache. It
+// ends with a short verdict: timings, and what to fix.
+package selftest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"sync"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+)
+
+// Options configure one self test.
+type Options struct {
+	// Config is the driver configuration file the stages get (--config).
+	Config string
+	// BinDir holds libvirt-executor-{config,prepare,run,cleanup}.
+	BinDir string
+	// Runner is the gitlab-runner binary that runs the jobs.
+	Runner string
+	// Listen is where the fake job API listens: an address the guests
+	// reach (artifacts and the cache go from the guest straight to it).
+	Listen string
+	// Image is the job's image ("" for the configuration's default).
+	Image string
+	// Timeout bounds the whole test.
+	Timeout time.Duration
+	// Progress receives one line per step; Log the fake API's logs.
+	Progress io.Writer
+	Log      *slog.Logger
+}
+
+// JobReport is what one sample job did.
+type JobReport struct {
+	Name, State, FailureReason string
+	ExitCode                   int
+	// Took is from the runner picking the job up to its final update;
+	// Ready is prepare's "Machine ready in" (0 if not found).
+	Took, Ready time.Duration
+	Trace       string
+}
+
+// Report is the self test's outcome.
+type Report struct {
+	Runner, Version, Listen string
+	Jobs                    []JobReport
+	// Fixes say what to do about what failed; empty when all passed.
+	Fixes []string
+	// Wall is the whole test's time.
+	Wall time.Duration
+}
+
+// OK is true when every sample job passed.
+func (r *Report) OK() bool { return len(r.Fixes) == 0 }
+
+// The two sample jobs: the first makes an artifact and a cache, the second
+// (a new VM) downloads the artifact (dependencies) and restores the cache.
+const (
+	produceName = "selftest-produce"
+	consumeName = "selftest-consume"
+	cacheKey    = "libvirt-executor-selftest"
+)
+
+// Run runs the self test. An error means it could not run at all (no
+// runner, no listener); a Report with Fixes means it ran and something
+// failed.
+func Run(ctx context.Context, o Options) (*Report, error) {
+	if o.Timeout <= 0 {
+		o.Timeout = 15 * time.Minute
+	}
+	ctx, cancel := context.WithTimeout(ctx, o.Timeout)
+	defer cancel()
+	say := func(format string, args ...any) {
+		if o.Progress != nil {
+			fmt.Fprintf(o.Progress, format+"\n", args...)
+		}
+	}
+	rep := &Report{Runner: o.Runner, Version: runnerVersion(ctx, o.Runner)}
+	for _, s := range []string{"config", "prepare", "run", "cleanup"} {
+		p := filepath.Join(o.BinDir, "libvirt-executor-"+s)
+		if st, err := os.Stat(p); err != nil || st.Mode()&0o111 == 0 {
+			return nil, fmt.Errorf("the %s executable %s is missing or not executable (install the driver: make install)", s, p)
+		}
+	}
+	apiCtx, stopAPI := context.WithCancel(context.WithoutCancel(ctx))
+	defer stopAPI()
+	api, err := jobapi.Start(apiCtx, jobapi.Options{Listen: o.Listen, Logger: o.Log, CacheBucket: "lve-selftest-cache"})
+	if err != nil {
+		return nil, fmt.Errorf("fake job API: %w (pass --listen with an address of this host the guests reach)", err)
+	}
+	defer func() { _ = api.Close() }()
+	rep.Listen = strings.TrimSuffix(strings.TrimPrefix(api.URL(), "http://"), "/")
+	say("fake GitLab job API at %s; gitlab-runner %s (%s)", api.URL(), rep.Version, o.Runner)
+
+	produce := api.Enqueue(jobapi.Job{
+		Name: produceName, Stage: "build", Image: o.Image,
+		Script: []string{
+			`echo "selftest: running in $(uname -srm) as $(id -un) on $(cat /etc/hostname 2>/dev/null)"`,
+			"mkdir -p out vendor",
+			`echo "artifact-of-$CI_JOB_ID" > out/proof.txt`,
+			`echo "cache-of-$CI_JOB_ID" > vendor/proof.txt`,
+		},
+		Artifacts: &jobapi.Artifacts{Name: "selftest", Paths: []string{"out/"}, ExpireIn: "1 hour"},
+		Cache:     &jobapi.Cache{Key: cacheKey, Paths: []string{"vendor/"}, Policy: "push"},
+	})
+	consume := api.Enqueue(jobapi.Job{
+		Name: consumeName, Stage: "test", Image: o.Image, Dependencies: []int64{produce},
+		Script: []string{
+			fmt.Sprintf(`test "$(cat out/proof.txt)" = "artifact-of-%d" && echo "selftest: artifact downloaded"`, produce),
+			fmt.Sprintf(`test "$(cat vendor/proof.txt)" = "cache-of-%d" && echo "selftest: cache restored"`, produce),
+		},
+		Cache: &jobapi.Cache{Key: cacheKey, Paths: []string{"vendor/"}, Policy: "pull"},
+	})
+
+	work, err := os.MkdirTemp("", "libvirt-executor-selftest-")
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = os.RemoveAll(work) }()
+	args := []string{"--config", o.Config}
+	exe := func(s string) string { return filepath.Join(o.BinDir, "libvirt-executor-"+s) }
+	var runnerOut lockedBuffer
+	say("running 2 sample jobs (artifacts and a cache from the first to the second, each in a fresh VM) ...")
+	t0 := time.Now()
+	runErr := jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
+		Binary: o.Runner, URL: api.URL(), Token: api.RunnerToken(), Executor: "custom",
+		Custom: &jobapi.CustomConfig{
+			ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+			ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+		},
+		MaxBuilds: 2, WaitTimeout: o.Timeout,
+		// A curated environment: the runner passes its own to the stages.
+		Env:    append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + work, "TMPDIR=" + work}, api.CacheEnv()...),
+		Dir:    work,
+		Stdout: &runnerOut, Stderr: &runnerOut,
+	})
+	rep.Wall = time.Since(t0)
+	for _, id := range []int64{produce, consume} {
+		wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		res, err := api.Wait(wctx, id)
+		wcancel()
+		name := produceName
+		if id == consume {
+			name = consumeName
+		}
+		jr := JobReport{Name: name, State: "not run"}
+		if err == nil {
+			jr = JobReport{Name: name, State: res.State, FailureReason: res.FailureReason, ExitCode: res.ExitCode,
+				Took: res.Duration, Ready: machineReady(res.Trace), Trace: res.Trace}
+		}
+		rep.Jobs = append(rep.Jobs, jr)
+	}
+	rep.Fixes = diagnose(rep, runErr, runnerOut.String(), ctx.Err())
+	return rep, nil
+}
+
+// unreachableRE: the guest's gitlab-runner could not connect to the job
+// API or the cache endpoint.
+var unreachableRE = regexp.MustCompile(`dial tcp [^ ]+: (connect: )?(connection refused|no route to host|network is unreachable|i/o timeout)`)
+
+var readyRE = regexp.MustCompile(`Machine ready in ([0-9.]+(?:ms|s|m[0-9.]*s?))`)
+
+// machineReady is prepare's "Machine ready in X" from a job log.
+func machineReady(trace string) time.Duration {
+	m := readyRE.FindStringSubmatch(trace)
+	if m == nil {
+		return 0
+	}
+	d, _ := time.ParseDuration(m[1])
+	return d
+}
+
+// diagnose says what to fix, from the jobs' logs and the runner's output.
+func diagnose(rep *Report, runErr error, runnerOut string, ctxErr error) []string {
+	var fixes []string
+	add := func(s string) {
+		for _, f := range fixes {
+			if f == s {
+				return
+			}
+		}
+		fixes = append(fixes, s)
+	}
+	if errors.Is(ctxErr, context.DeadlineExceeded) {
+		add("the self test ran out of time (--timeout): the job logs below show where it stood")
+	}
+	for _, j := range rep.Jobs {
+		if j.State == jobapi.StateSuccess {
+			continue
+		}
+		t := j.Trace
+		switch {
+		case j.State == "not run":
+			add(fmt.Sprintf("%s never ran: gitlab-runner did not take it (its output is below)", j.Name))
+		case strings.Contains(t, "gitlab-runner is not on the guest's PATH") || strings.Contains(t, "Missing gitlab-runner"):
+			add("the guest has no gitlab-runner: set [guest_tools] gitlab_runner to this host's gitlab-runner and use an image that mounts the guest tools disk (docs/images.md, \"The guest tools disk\")")
+		case unreachableRE.MatchString(t):
+			add(fmt.Sprintf("the guest cannot reach this host at %s: let the guests reach it (the network's firewall or guard) or pass --listen with an address and port they reach", rep.Listen))
+		case strings.Contains(t, "Preparation failed") || j.FailureReason == "runner_system_failure" && j.Ready == 0:
+			add("prepare failed (the job log below says why): run libvirt-executor doctor as the runner's user")
+		case j.FailureReason == "script_failure" && j.Name == consumeName:
+			add("the second job did not get the first one's artifact or cache (the job log below shows which)")
+		default:
+			add(fmt.Sprintf("%s: %s %s (the job log below says why)", j.Name, j.State, j.FailureReason))
+		}
+	}
+	if runErr != nil && len(fixes) == 0 {
+		add(fmt.Sprintf("gitlab-runner run-single failed: %v (its output is below)", runErr))
+	}
+	if len(fixes) > 0 && strings.TrimSpace(runnerOut) != "" {
+		rep.Jobs = append(rep.Jobs, JobReport{Name: "gitlab-runner output", State: "log", Trace: runnerOut})
+	}
+	return fixes
+}
+
+// runnerVersion is the runner's "Version:" line, or "(version unknown)".
+func runnerVersion(ctx context.Context, bin string) string {
+	out, err := commandOutput(ctx, bin, "--version")
+	if err != nil {
+		return "(version unknown)"
+	}
+	for _, l := range strings.Split(out, "\n") {
+		if v, ok := strings.CutPrefix(l, "Version:"); ok {
+			return strings.TrimSpace(v)
+		}
+	}
+	return "(version unknown)"
+}
+
+// Print writes the verdict: one line per job with its timings, then OK or
+// what to fix, with the end of the logs of what failed.
+func (r *Report) Print(w io.Writer) {
+	fmt.Fprintf(w, "\nlibvirt-executor selftest with gitlab-runner %s, job API at %s, %s in all\n", r.Version, r.Listen, r.Wall.Round(100*time.Millisecond))
+	for _, j := range r.Jobs {
+		if j.State == "log" {
+			continue
+		}
+		line := fmt.Sprintf("  %-18s %-8s", j.Name, j.State)
+		if j.FailureReason != "" {
+			line += fmt.Sprintf(" (%s, exit %d)", j.FailureReason, j.ExitCode)
+		}
+		if j.Took > 0 {
+			line += fmt.Sprintf("  job %s", j.Took.Round(100*time.Millisecond))
+		}
+		if j.Ready > 0 {
+			line += fmt.Sprintf(", VM ready in %s", j.Ready)
+		}
+		fmt.Fprintln(w, line)
+	}
+	if r.OK() {
+		fmt.Fprintln(w, "OK: VMs start, run the stages and go; the guest's gitlab-runner uploaded and downloaded an artifact and archived and restored a cache.")
+		return
+	}
+	fmt.Fprintln(w, "FAILED. What to fix:")
+	for _, f := range r.Fixes {
+		fmt.Fprintf(w, "  - %s\n", f)
+	}
+	for _, j := range r.Jobs {
+		if j.State == jobapi.StateSuccess || j.Trace == "" {
+			continue
+		}
+		fmt.Fprintf(w, "\n--- last lines of %s ---\n%s\n", j.Name, lastLines(j.Trace, 40))
+	}
+}
+
+func lastLines(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
+
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  strings.Builder
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+func commandOutput(ctx context.Context, bin string, args ...string) (string, error) {
+	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	out, err := exec.CommandContext(cctx, bin, args...).Output() //nolint:gosec // G204: the admin's gitlab-runner binary
+	return string(out), err
+}

@@ -1,0 +1,53 @@
+package selftest
+
+import (
+	"bytes"
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+)
+
+func TestMachineReady(t *testing.T) {
+	require.Equal(t, 6300*time.Millisecond, machineReady("x\nMachine ready in 6.3s\n"))
+	require.Equal(t, 25*time.Millisecond, machineReady("Machine ready in 25ms (warm)\n"))
+	require.Zero(t, machineReady("no such line"))
+}
+
+func TestDiagnose(t *testing.T) {
+	ok := JobReport{Name: produceName, State: jobapi.StateSuccess}
+	for _, tc := range []struct {
+		name, trace, reason, want string
+		state                     string
+	}{
+		{"no runner in the guest", "Note: gitlab-runner is not on the guest's PATH: caches", "script_failure", "set [guest_tools] gitlab_runner", jobapi.StateFailed},
+		{"runner says missing", "Missing gitlab-runner. Uploading artifacts is disabled.", "script_failure", "mounts the guest tools disk", jobapi.StateFailed},
+		{"unreachable", "Uploading cache.zip to http://10.0.0.1:9/x\nWARNING: Retrying... error=Put \"http://10.0.0.1:9/x\" dial tcp 10.0.0.1:9: connect: connection refused", "script_failure", "cannot reach this host at 10.0.0.1:9", jobapi.StateFailed},
+		{"prepare", "ERROR: Preparation failed: exit status 2", "runner_system_failure", "run libvirt-executor doctor", jobapi.StateFailed},
+		{"not run", "", "", "never ran", "not run"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := &Report{Listen: "10.0.0.1:9", Jobs: []JobReport{ok, {Name: consumeName, State: tc.state, FailureReason: tc.reason, Trace: tc.trace}}}
+			fixes := diagnose(rep, nil, "runner output", nil)
+			require.Len(t, fixes, 1)
+			require.Contains(t, fixes[0], tc.want)
+			rep.Fixes = fixes
+			require.False(t, rep.OK())
+			var out bytes.Buffer
+			rep.Print(&out)
+			require.Contains(t, out.String(), "FAILED. What to fix:")
+			require.Contains(t, out.String(), tc.want)
+		})
+	}
+
+	rep := &Report{Jobs: []JobReport{ok, {Name: consumeName, State: jobapi.StateSuccess}}}
+	require.Empty(t, diagnose(rep, nil, "", nil))
+	var out bytes.Buffer
+	rep.Print(&out)
+	require.Contains(t, out.String(), "OK: VMs start")
+
+	require.NotEmpty(t, diagnose(&Report{Jobs: []JobReport{ok}}, errors.New("exit status 1"), "boom", nil), "a failed runner is reported even when its jobs passed")
+}
