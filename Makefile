@@ -80,7 +80,7 @@ soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; insta
 	  deploy/rig/stop.sh; exit $$rc
 
 demo: deps build ## run a sample job end to end on a real VM, cold, then again warm from a standby pool (root; installs what it needs)
-	@deploy/rig/start.sh
+	@runner=$(TEST_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner deploy/rig/start.sh
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --warm --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
