@@ -380,6 +380,8 @@ func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.Fil
 		return fmt.Sprintf("the base image file of image %s changed since it booted", img.Name)
 	case sb.Spec != SpecFingerprint(m.Cfg, img):
 		return "the configuration it was built from (or the driver's version) changed since it booted"
+	case toolsVolumeOf(rec) != m.toolsVolumeNow():
+		return "the gitlab-runner for the guests changed since it booted"
 	case time.Since(rec.Created) > img.Pool.MaxAge.D():
 		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
 	}

@@ -8,6 +8,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -499,6 +500,14 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 				rec, err := m.Store.Record(name)
 				require.NoError(t, err)
 				rec.Standby.MemoryMiB = 512
+				require.NoError(t, m.Store.Save(*rec))
+			}},
+		{name: "gitlab-runner for the guests changed", age: 5 * time.Minute, want: "the gitlab-runner for the guests changed",
+			spoil: func(t *testing.T, m *Manager, _ *vmtest.Fake, _ *config.Image, name string) {
+				// Booted with the tools disk of an older binary.
+				rec, err := m.Store.Record(name)
+				require.NoError(t, err)
+				rec.Tools = &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, strings.Repeat("0", 64)), Source: "/old", SHA256: strings.Repeat("0", 64)}
 				require.NoError(t, m.Store.Save(*rec))
 			}},
 	} {

@@ -77,6 +77,31 @@ func (t *Tools) record() *state.Tools {
 	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256}
 }
 
+// toolsVolumeOf is the tools volume a machine was booted with ("" for
+// none).
+func toolsVolumeOf(rec *state.Machine) string {
+	if rec.Tools == nil {
+		return ""
+	}
+	return rec.Tools.Volume
+}
+
+// toolsVolumeNow is the tools volume a machine booted now would get, by
+// name, without libvirt ("" for none or when the binary is unusable): a
+// stat and the cached hash, so cheap enough for every look at a standby
+// machine.
+func (m *Manager) toolsVolumeNow() string {
+	src, err := toolsSource(m.Cfg)
+	if err != nil {
+		return ""
+	}
+	sum, err := m.sourceHash(src)
+	if err != nil {
+		return ""
+	}
+	return ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
+}
+
 // toolsSuffix ends every tools volume's name.
 const toolsSuffix = ".iso"
 
