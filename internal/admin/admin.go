@@ -222,10 +222,28 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	}
 
 	add(stateDirCheck(cfg.StateDir))
+	add(guestToolsCheck(cfg))
 	if c, ok := serviceCheck(cfg); ok {
 		add(c)
 	}
 	return out
+}
+
+// guestToolsCheck: the gitlab-runner the guests get on the tools disk
+// (caches and artifacts), or why there is none.
+func guestToolsCheck(cfg *config.Config) Check {
+	c := Check{Name: "guest tools"}
+	src, err := lifecycle.GuestToolsSource(cfg)
+	switch {
+	case errors.Is(err, lifecycle.ErrNoTools):
+		c.OK, c.Warn, c.Info = true, true, err.Error()+": caches and artifacts need a gitlab-runner in the images"
+		c.Fix = "set [guest_tools] gitlab_runner to this host's gitlab-runner (docs/images.md, \"The guest tools disk\")"
+	case err != nil:
+		c.Info, c.Fix = err.Error(), "point [guest_tools] gitlab_runner at a linux/amd64 gitlab-runner binary this user can read"
+	default:
+		c.OK, c.Info = true, "gitlab-runner "+src+" goes read-only into every VM (built into the tools disk at the first job)"
+	}
+	return c
 }
 
 // serviceCheck checks the pool service when an image has a pool: its lock

@@ -296,3 +296,25 @@ func TestExplainMachine(t *testing.T) {
 	require.ErrorContains(t, ExplainMachine(ctx, &out, m, "lve-00000000-x-7"), "not a machine of this installation")
 	require.Len(t, hv.Calls, calls, "libvirt not asked about a foreign name")
 }
+
+func TestGuestToolsCheck(t *testing.T) {
+	cfg := &config.Config{}
+	cfg.GuestTools.GitLabRunner = "none"
+	c := guestToolsCheck(cfg)
+	require.True(t, c.OK)
+	require.True(t, c.Warn, "no binary for the guests: a warning with the fix")
+	require.Contains(t, c.Fix, "[guest_tools] gitlab_runner")
+
+	cfg.GuestTools.GitLabRunner = "/bin/true" // an x86_64 ELF executable stands in for gitlab-runner
+	c = guestToolsCheck(cfg)
+	require.True(t, c.OK)
+	require.False(t, c.Warn)
+	require.Contains(t, c.Info, "/bin/true")
+
+	script := filepath.Join(t.TempDir(), "gitlab-runner")
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755))
+	cfg.GuestTools.GitLabRunner = script
+	c = guestToolsCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "linux/amd64")
+}

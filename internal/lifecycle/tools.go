@@ -150,6 +150,20 @@ func toolsSource(cfg *config.Config) (string, error) {
 	}
 }
 
+// GuestToolsSource is the host binary guest_tools.gitlab_runner gives the
+// guests, checked to be a linux/amd64 executable this user can read; an
+// error matching ErrNoTools when the configuration or the host gives none.
+func GuestToolsSource(cfg *config.Config) (string, error) {
+	src, err := toolsSource(cfg)
+	if err != nil {
+		return "", err
+	}
+	if err := checkGuestBinary(src); err != nil {
+		return "", fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
+	}
+	return src, nil
+}
+
 // toolsLock serialises building a tools volume between processes. It has
 // no machine's name, so the sweep never takes it for a machine's lock.
 const toolsLock = "guest-tools"
