@@ -83,6 +83,13 @@ func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) err
 		for _, n := range rep.Removed {
 			fmt.Fprintf(w, "removed %s\n", n)
 		}
+		for _, v := range rep.Tools {
+			if dryRun {
+				fmt.Fprintf(w, "would remove guest tools volume %s (an earlier gitlab-runner's; no machine uses it)\n", v)
+			} else {
+				fmt.Fprintf(w, "removed guest tools volume %s (an earlier gitlab-runner's; no machine used it)\n", v)
+			}
+		}
 		if len(rep.Items) == 0 {
 			fmt.Fprintf(w, "nothing of controller %s found\n", m.Controller)
 		}

@@ -353,6 +353,9 @@ func TestGuestToolCheckKnowsTheToolsDisk(t *testing.T) {
 	require.Len(t, said, 1)
 	require.Contains(t, said[0], "the image does not mount it")
 	require.Contains(t, said[0], "lve-tools")
+	said = nil
+	require.NoError(t, checkGuestTools(context.Background(), unmounted, say, store, img, imageVersion(img).withTools(tools), tools))
+	require.Equal(t, 2, unmounted.calls, "a missing gitlab-runner despite the disk is asked again, not remembered")
 
 	said = nil
 	mounted := &fakeGuest{out: ""}

@@ -1,6 +1,8 @@
 package guestinit
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"io"
@@ -74,9 +76,14 @@ func ToolsISO(out string, programs map[string]string, manifest ToolsManifest, wo
 		if name == "" || filepath.Base(name) != name || name[0] == '.' {
 			return fmt.Errorf("tools disk: program name %q refused", name)
 		}
-		n, err := copyFile(filepath.Join(stage, "bin", name), src, 0o755)
+		n, sum, err := copyFile(filepath.Join(stage, "bin", name), src, 0o755)
 		if err != nil {
 			return fmt.Errorf("tools disk: copy %s: %w", src, err)
+		}
+		// The copy must be what the disk is named after (the file may be
+		// replaced between hashing and copying: an upgrade in progress).
+		if want := manifest.Programs[name].SHA256; want != "" && want != sum {
+			return fmt.Errorf("tools disk: %s changed while it was being copied (sha256 %s, expected %s): try again", src, sum, want)
 		}
 		total += n
 	}
@@ -113,22 +120,25 @@ func ToolsISO(out string, programs map[string]string, manifest ToolsManifest, wo
 	return nil
 }
 
-func copyFile(dst, src string, mode os.FileMode) (int64, error) {
+// copyFile copies src to a new file dst with mode and returns its size and
+// the SHA-256 (hex) of what it copied.
+func copyFile(dst, src string, mode os.FileMode) (int64, string, error) {
 	in, err := os.Open(src)
 	if err != nil {
-		return 0, err
+		return 0, "", err
 	}
 	defer func() { _ = in.Close() }()
 	out, err := os.OpenFile(dst, os.O_CREATE|os.O_EXCL|os.O_WRONLY, mode)
 	if err != nil {
-		return 0, err
+		return 0, "", err
 	}
-	n, err := io.Copy(out, in)
+	h := sha256.New()
+	n, err := io.Copy(io.MultiWriter(out, h), in)
 	if cerr := out.Close(); err == nil {
 		err = cerr
 	}
 	if err == nil {
 		err = os.Chmod(dst, mode) // the umask does not decide the guest's mode
 	}
-	return n, err
+	return n, hex.EncodeToString(h.Sum(nil)), err
 }

@@ -2,6 +2,8 @@ package guestinit
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -18,7 +20,8 @@ func TestToolsISORoundTrip(t *testing.T) {
 	content := []byte("#!/bin/sh\necho fake runner\n")
 	require.NoError(t, os.WriteFile(src, content, 0o600)) // the disk gives it 0755 anyway
 	out := filepath.Join(dir, "tools.iso")
-	man := ToolsManifest{Programs: map[string]ToolOrigin{"gitlab-runner": {Source: src, SHA256: "abc", Size: int64(len(content))}}}
+	sum := sha256.Sum256(content)
+	man := ToolsManifest{Programs: map[string]ToolOrigin{"gitlab-runner": {Source: src, SHA256: hex.EncodeToString(sum[:]), Size: int64(len(content))}}}
 	require.NoError(t, ToolsISO(out, map[string]string{"gitlab-runner": src}, man, dir))
 
 	st, err := os.Stat(out)
@@ -47,6 +50,15 @@ func TestToolsISORoundTrip(t *testing.T) {
 	left, err := filepath.Glob(filepath.Join(dir, "tools-stage-*"))
 	require.NoError(t, err)
 	require.Empty(t, left, "the staging copy is removed")
+}
+
+func TestToolsISORefusesAProgramThatIsNotWhatItIsNamedAfter(t *testing.T) {
+	dir := t.TempDir()
+	src := filepath.Join(dir, "gitlab-runner")
+	require.NoError(t, os.WriteFile(src, []byte("new content"), 0o755))
+	man := ToolsManifest{Programs: map[string]ToolOrigin{"gitlab-runner": {Source: src, SHA256: strings.Repeat("ab", 32)}}}
+	err := ToolsISO(filepath.Join(dir, "t.iso"), map[string]string{"gitlab-runner": src}, man, dir)
+	require.ErrorContains(t, err, "changed while it was being copied")
 }
 
 func TestToolsISORefusesBadNames(t *testing.T) {

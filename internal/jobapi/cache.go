@@ -14,8 +14,9 @@ import (
 // distributed cache ([runners.cache] Type "s3"): the runner signs URLs for
 // one object with its access key, and the gitlab-runner in the guest PUTs
 // and GETs the cache archive there. It keeps objects in memory, bounded in
-// size, and accepts only requests signed with its access key (the signature
-// itself is not verified: a test endpoint).
+// size (256 MiB an object, 1 GiB in all), and accepts only requests that
+// name its access key; the signature itself is not verified (a test
+// endpoint that lives as long as one test or selftest).
 type cacheStore struct {
 	bucket, accessKey, secretKey string
 
@@ -23,8 +24,11 @@ type cacheStore struct {
 	objects map[string][]byte
 }
 
-// maxCacheObject bounds one cache archive.
-const maxCacheObject = 256 << 20
+// maxCacheObject bounds one cache archive, maxCacheTotal all of them.
+const (
+	maxCacheObject = 256 << 20
+	maxCacheTotal  = 1 << 30
+)
 
 func newCacheStore(bucket string) *cacheStore {
 	return &cacheStore{bucket: bucket, accessKey: "LVEFAKE" + strings.ToUpper(randomHex(6)), secretKey: randomHex(20), objects: map[string][]byte{}}
@@ -65,6 +69,17 @@ func (c *cacheStore) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			return
 		}
 		c.mu.Lock()
+		total := len(b)
+		for k, o := range c.objects {
+			if k != key {
+				total += len(o)
+			}
+		}
+		if total > maxCacheTotal {
+			c.mu.Unlock()
+			http.Error(w, "QuotaExceeded", http.StatusInsufficientStorage)
+			return
+		}
 		c.objects[key] = b
 		c.mu.Unlock()
 		w.WriteHeader(http.StatusOK)

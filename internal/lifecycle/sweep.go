@@ -245,6 +245,9 @@ type SweepReport struct {
 	Items   []Item
 	Removed []string
 	Errors  []error
+	// Tools are the guest tools volumes of earlier binaries that no
+	// machine uses any more: removed, or with dryRun, removable.
+	Tools []string
 }
 
 // Sweep removes this installation's expired machines and orphaned volumes,
@@ -273,6 +276,9 @@ func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*Sweep
 		if err := m.sweepJobMappings(); err != nil {
 			rep.Errors = append(rep.Errors, err)
 		}
+	}
+	if err := m.sweepTools(ctx, rep, dryRun); err != nil {
+		rep.Errors = append(rep.Errors, err)
 	}
 	return rep, errors.Join(rep.Errors...)
 }

@@ -87,9 +87,9 @@ func toolsVolumeOf(rec *state.Machine) string {
 }
 
 // toolsVolumeNow is the tools volume a machine booted now would get, by
-// name, without libvirt ("" for none or when the binary is unusable): a
-// stat and the cached hash, so cheap enough for every look at a standby
-// machine.
+// name, without libvirt ("" for none, when the binary is unusable or its
+// volume was not made): a stat, the cached hash and its record, so cheap
+// enough for every look at a standby machine.
 func (m *Manager) toolsVolumeNow() string {
 	src, err := toolsSource(m.Cfg)
 	if err != nil {
@@ -99,7 +99,14 @@ func (m *Manager) toolsVolumeNow() string {
 	if err != nil {
 		return ""
 	}
-	return ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
+	// Only a volume that is there: when building it failed, machines boot
+	// without one (with a warning), and they are not outdated for that.
+	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
+	var rec toolsRecord
+	if !m.Store.GetTools(vol, &rec) || !rec.Ready {
+		return ""
+	}
+	return vol
 }
 
 // toolsSuffix ends every tools volume's name.
@@ -204,9 +211,8 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 		return nil, fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
 	}
 	t := &Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum), Source: src, SHA256: sum}
-	recKey := "guest-tools-" + t.Volume
 	var rec toolsRecord
-	if m.Store.Recall(recKey, &rec) && rec.Ready {
+	if m.Store.GetTools(t.Volume, &rec) && rec.Ready {
 		path, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
 		if err == nil {
 			t.Path = path
@@ -222,7 +228,7 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 	}
 	defer unlock()
 	start := time.Now()
-	built, err := m.buildTools(ctx, t, recKey)
+	built, err := m.buildTools(ctx, t)
 	if err != nil {
 		return nil, err
 	}
@@ -234,10 +240,10 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 
 // buildTools makes t's volume and sets t.Path, under the tools lock; it
 // reports false when another process made it meanwhile.
-func (m *Manager) buildTools(ctx context.Context, t *Tools, recKey string) (bool, error) {
+func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 	pool := m.Cfg.StoragePool
 	var rec toolsRecord
-	had := m.Store.Recall(recKey, &rec)
+	had := m.Store.GetTools(t.Volume, &rec)
 	path, err := m.hv.VolumePath(ctx, pool, t.Volume)
 	switch {
 	case err == nil && had && rec.Ready:
@@ -255,10 +261,17 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools, recKey string) (bool
 		return false, fmt.Errorf("tools volume %s: %w", t.Volume, err)
 	}
 	rec = toolsRecord{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, At: time.Now().UTC()}
-	if err := m.Store.Remember(recKey, rec); err != nil {
+	if err := m.Store.PutTools(t.Volume, rec); err != nil {
 		return false, err
 	}
-	work, err := os.MkdirTemp(m.Store.Dir, "tools-work-")
+	// Work directories of builds that were killed (a copy of the binary
+	// and an image each); none is in use while the lock is ours.
+	if old, err := filepath.Glob(filepath.Join(m.Store.Dir, toolsWorkPattern)); err == nil {
+		for _, d := range old {
+			_ = os.RemoveAll(d) // best effort: the next build tries again
+		}
+	}
+	work, err := os.MkdirTemp(m.Store.Dir, toolsWorkPrefix)
 	if err != nil {
 		return false, err
 	}
@@ -282,8 +295,14 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools, recKey string) (bool
 		return false, err
 	}
 	rec.Ready, rec.At = true, time.Now().UTC()
-	return true, m.Store.Remember(recKey, rec)
+	return true, m.Store.PutTools(t.Volume, rec)
 }
+
+// The tools build's work directories in state_dir.
+const (
+	toolsWorkPrefix  = "tools-work-"
+	toolsWorkPattern = toolsWorkPrefix + "*"
+)
 
 // sourceHash returns the SHA-256 of the binary at path, from the cache
 // while the file is unchanged. The file must be a linux/amd64 executable.
@@ -338,4 +357,68 @@ func checkGuestBinary(path string) error {
 		return fmt.Errorf("ELF type %s is not an executable", f.Type)
 	}
 	return nil
+}
+
+// sweepTools removes the guest tools volumes of earlier binaries (each
+// ~100 MB) once no machine can use them: a volume of this installation's
+// naming with its record, other than the current binary's, while every
+// machine of the state directory has a record (none is booting: a booting
+// machine's record is not written yet) and none names it. It holds the tools
+// lock (no build meanwhile) and removes the record after the volume.
+func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool) error {
+	unlock, err := m.Store.TryLock(toolsLock)
+	if errors.Is(err, state.ErrBusy) {
+		return nil // a build in progress: the next sweep
+	}
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	vols, err := m.poolVolumes(ctx)
+	if err != nil {
+		return err
+	}
+	current := m.toolsVolumeNow()
+	var old []string
+	for _, v := range vols {
+		var rec toolsRecord
+		if IsToolsVolume(m.Cfg.NamePrefix, m.Controller, v) && v != current && m.Store.GetTools(v, &rec) {
+			old = append(old, v)
+		}
+	}
+	if len(old) == 0 {
+		return nil
+	}
+	names, err := m.Store.Names()
+	if err != nil {
+		return err
+	}
+	inUse := map[string]bool{}
+	for _, n := range names {
+		rec, err := m.Store.Record(n)
+		if err != nil || rec == nil {
+			return nil // a machine still booting (or unreadable): keep them all
+		}
+		inUse[toolsVolumeOf(rec)] = true
+	}
+	var errs []error
+	for _, v := range old {
+		if inUse[v] {
+			continue
+		}
+		if dryRun {
+			rep.Tools = append(rep.Tools, v)
+			continue
+		}
+		if err := m.hv.DeleteVolume(ctx, m.Cfg.StoragePool, v); err != nil && !errors.Is(err, vm.ErrNotFound) {
+			errs = append(errs, fmt.Errorf("delete tools volume %s: %w", v, err))
+			continue
+		}
+		if err := m.Store.DropTools(v); err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		rep.Tools = append(rep.Tools, v)
+	}
+	return errors.Join(errs...)
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
@@ -83,11 +84,13 @@ func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
 	require.NoError(t, err)
 	// As if the building process had been killed after creating the
 	// volume: the record says "not ready", the volume holds junk.
-	recKey := "guest-tools-" + t1.Volume
 	var rec toolsRecord
-	require.True(t, m.Store.Recall(recKey, &rec))
+	require.True(t, m.Store.GetTools(t1.Volume, &rec))
 	rec.Ready = false
-	require.NoError(t, m.Store.Remember(recKey, rec))
+	require.NoError(t, m.Store.PutTools(t1.Volume, rec))
+	// ... and left its work directory behind.
+	stale := filepath.Join(m.Store.Dir, toolsWorkPrefix+"killed")
+	require.NoError(t, os.MkdirAll(stale, 0o700))
 	hv.Lock()
 	hv.Volumes["jobs/"+t1.Volume] = []byte("partial")
 	hv.Unlock()
@@ -96,6 +99,11 @@ func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
 	require.NoError(t, err)
 	require.Positive(t, t2.Built, "made again")
 	require.Greater(t, toolsVolumes(hv)[t1.Volume], len("partial"))
+	_, err = os.Stat(stale)
+	require.True(t, os.IsNotExist(err), "the killed build's work directory is removed")
+	left, err := filepath.Glob(filepath.Join(m.Store.Dir, toolsWorkPattern))
+	require.NoError(t, err)
+	require.Empty(t, left)
 }
 
 func TestGuestToolsLeavesAVolumeWithoutRecordAlone(t *testing.T) {
@@ -169,4 +177,58 @@ func TestProvisionAttachesToolsDiskAndTeardownKeepsIt(t *testing.T) {
 
 	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
 	require.Len(t, toolsVolumes(hv), 1, "the shared tools volume outlives the machine")
+}
+
+// The sweep removes the tools volume of an earlier binary once no machine
+// can use it, never the current one, never one a machine's record names,
+// and none while a machine is booting.
+func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	bin := fakeRunnerBinary(t)
+	m.Cfg.GuestTools.GitLabRunner = bin
+	// A machine booted with the first binary's disk.
+	ready, err := m.Provision(context.Background(), request(img))
+	require.NoError(t, err)
+	ready.Client.Close()
+	first := ready.Machine.Tools.Volume
+
+	// An upgrade: the current binary gets a disk of its own.
+	f, err := os.OpenFile(bin, os.O_APPEND|os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, err = f.WriteString("v2")
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	second, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.Len(t, toolsVolumes(hv), 2)
+
+	sweep := func(dry bool) []string {
+		rep, err := m.Sweep(context.Background(), time.Now(), dry)
+		require.NoError(t, err)
+		return rep.Tools
+	}
+	require.Empty(t, sweep(false), "the machine still uses the first disk")
+
+	// A machine booting (its prepare holds its lock; a state directory, no
+	// record yet) might use either.
+	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	unlock, err := m.Store.Lock(context.Background(), "lve-0123abcd-9")
+	require.NoError(t, err)
+	_, err = m.Store.Create("lve-0123abcd-9")
+	require.NoError(t, err)
+	require.Empty(t, sweep(false))
+	require.NoError(t, m.Store.Remove("lve-0123abcd-9"))
+	unlock()
+
+	require.Equal(t, []string{first}, sweep(true), "dry run")
+	require.Len(t, toolsVolumes(hv), 2)
+	require.Equal(t, []string{first}, sweep(false))
+	vols := toolsVolumes(hv)
+	require.Len(t, vols, 1)
+	require.Contains(t, vols, second.Volume, "the current binary's disk stays")
+	var rec toolsRecord
+	require.False(t, m.Store.GetTools(first, &rec), "its record went with it")
+	require.Empty(t, sweep(false))
 }

@@ -287,24 +287,48 @@ func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
 }
 
 // Remember stores v as JSON under the store's cache directory, for facts
-// that hold across jobs (such as what an image contains). Names are chosen
-// by the caller from configuration, never from job input.
-func (s Store) Remember(name string, v any) error {
+// that hold across jobs (such as what an image contains): safe to delete.
+// Names are chosen by the caller from configuration, never from job input.
+func (s Store) Remember(name string, v any) error { return s.writeJSON("cache", name, v) }
+
+// Recall reads what Remember stored under name into v; false if there is
+// nothing (or nothing readable).
+func (s Store) Recall(name string, v any) bool { return s.readJSON("cache", name, v) }
+
+// ToolsDir holds the records of the guest tools volumes (PutTools): not a
+// cache, a record of what this installation made.
+const ToolsDir = "tools"
+
+// PutTools stores the record of a guest tools volume (by its name).
+func (s Store) PutTools(volume string, v any) error { return s.writeJSON(ToolsDir, volume, v) }
+
+// GetTools reads the record of a guest tools volume into v; false if there
+// is none.
+func (s Store) GetTools(volume string, v any) bool { return s.readJSON(ToolsDir, volume, v) }
+
+// DropTools removes the record of a guest tools volume.
+func (s Store) DropTools(volume string) error {
+	err := os.Remove(filepath.Join(s.Dir, ToolsDir, volume+".json"))
+	if errors.Is(err, os.ErrNotExist) {
+		return nil
+	}
+	return err
+}
+
+func (s Store) writeJSON(sub, name string, v any) error {
 	b, err := json.Marshal(v)
 	if err != nil {
 		return err
 	}
-	dir := filepath.Join(s.Dir, "cache")
+	dir := filepath.Join(s.Dir, sub)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
 	return writeFileAtomic(filepath.Join(dir, name+".json"), b)
 }
 
-// Recall reads what Remember stored under name into v; false if there is
-// nothing (or nothing readable).
-func (s Store) Recall(name string, v any) bool {
-	b, err := os.ReadFile(filepath.Join(s.Dir, "cache", name+".json"))
+func (s Store) readJSON(sub, name string, v any) bool {
+	b, err := os.ReadFile(filepath.Join(s.Dir, sub, name+".json"))
 	return err == nil && json.Unmarshal(b, v) == nil
 }
 

@@ -3,6 +3,9 @@
 package e2e
 
 import (
+	"crypto/sha256"
+	"encoding/hex"
+	"os"
 	"os/exec"
 	"strings"
 	"testing"
@@ -53,11 +56,14 @@ func TestGuestToolsDisk(t *testing.T) {
 		require.Contains(t, res.stdout, "READ-ONLY")
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	}
-	var tools []string
-	for _, v := range r.poolVolumes(t) {
-		if lifecycle.IsToolsVolume(r.cfg.NamePrefix, r.controller(t), v) {
-			tools = append(tools, v)
-		}
-	}
-	require.Len(t, tools, 1, "one tools volume for the binary, kept after the jobs")
+	sum := sha256.Sum256(mustRead(t, r.cfg.GuestTools.GitLabRunner))
+	vol := lifecycle.ToolsVolumeName(r.cfg.NamePrefix, r.controller(t), hex.EncodeToString(sum[:]))
+	require.Contains(t, r.poolVolumes(t), vol, "the binary's tools volume is kept after the jobs")
+}
+
+func mustRead(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	return b
 }
