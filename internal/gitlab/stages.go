@@ -425,7 +425,7 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 	// A VM with the tools disk whose guest lacks gitlab-runner: the image
 	// may mount the disk late or not at all; not remembered, so that one
 	// slow mount does not stand for every later job of the image.
-	if version != nil && !(tools != nil && slices.Contains(missing, "gitlab-runner")) {
+	if unmounted := tools != nil && slices.Contains(missing, "gitlab-runner"); version != nil && !unmounted {
 		found := *version
 		found.Missing = missing
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
