@@ -20,6 +20,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -207,6 +208,9 @@ func (r *rig) privateConfig(t *testing.T, top, tag string, u testUser) (*rig, st
 		runner := filepath.Join(top, "gitlab-runner-"+tag)
 		copyFile(t, src, runner, 0o755)
 		rv = rv.withConfig(t, setKey("gitlab_runner", fmt.Sprintf("%q", runner)))
+		// This installation (its own state directory, so its own
+		// controller id) builds a tools volume of its own: not kept.
+		t.Cleanup(func() { r.removeToolsVolumes(t, state) })
 	}
 	cfgPath := filepath.Join(top, "config-"+tag+".toml")
 	copyFile(t, rv.cfgPath, cfgPath, 0o644)
@@ -257,4 +261,26 @@ func groupName(gid uint32) string {
 		return g.Name
 	}
 	return strconv.Itoa(int(gid))
+}
+
+// removeToolsVolumes deletes the guest tools volumes of the installation
+// whose state directory is stateDir.
+func (r *rig) removeToolsVolumes(t *testing.T, stateDir string) {
+	t.Helper()
+	ctrl, err := os.ReadFile(filepath.Join(stateDir, "controller-id"))
+	if err != nil {
+		return // it never ran a stage
+	}
+	pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	require.NoError(t, err)
+	defer pool.Free()
+	for _, v := range r.poolVolumes(t) {
+		if !lifecycle.IsToolsVolume(r.cfg.NamePrefix, strings.TrimSpace(string(ctrl)), v) {
+			continue
+		}
+		vol, err := pool.LookupStorageVolByName(v)
+		require.NoError(t, err)
+		require.NoError(t, vol.Delete(0), "delete %s", v)
+		_ = vol.Free()
+	}
 }
