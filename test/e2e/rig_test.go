@@ -13,6 +13,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -176,8 +177,9 @@ func (r *rig) leftovers(t *testing.T) []string {
 		}
 	}
 	for _, v := range r.poolVolumes(t) {
-		// The guest tools disk is shared by every job and kept.
-		if strings.HasPrefix(v, prefix) && !lifecycle.IsToolsVolume(r.cfg.NamePrefix, r.controller(t), v) {
+		// The guest tools disk is shared by every job and kept (this
+		// installation's, or the rig's when r is a test's own installation).
+		if strings.HasPrefix(v, prefix) && !toolsVolumeRE.MatchString(strings.TrimPrefix(v, prefix)) {
 			left = append(left, "volume "+v)
 		}
 	}
@@ -284,3 +286,7 @@ func (r *rig) poolVolumes(t *testing.T) []string {
 	require.NoError(t, err)
 	return vols
 }
+
+// toolsVolumeRE is the name of a guest tools volume after "<prefix>-"
+// (lifecycle.ToolsVolumeName), whatever the controller.
+var toolsVolumeRE = regexp.MustCompile(`^[0-9a-f]{8}-tools-[0-9a-f]{16}\.iso$`)
