@@ -103,7 +103,7 @@ func (m *Manager) toolsVolumeNow() string {
 	// without one (with a warning), and they are not outdated for that.
 	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
 	var rec toolsRecord
-	if !m.Store.GetTools(vol, &rec) || !rec.Ready {
+	if !m.Store.GetTools(m.toolsRecordKey(vol), &rec) || !rec.Ready {
 		return ""
 	}
 	return vol
@@ -171,6 +171,12 @@ func GuestToolsSource(cfg *config.Config) (string, error) {
 	return src, nil
 }
 
+// toolsRecordKey names the record of a tools volume in the configured
+// storage pool: one per pool (a configuration with another pool builds its
+// own volume, and must not take the other pool's record for its own).
+// Neither part can hold '@' (config and CheckName shapes).
+func (m *Manager) toolsRecordKey(vol string) string { return m.Cfg.StoragePool + "@" + vol }
+
 // toolsLock serialises building a tools volume between processes. It has
 // no machine's name, so the sweep never takes it for a machine's lock.
 const toolsLock = "guest-tools"
@@ -212,7 +218,7 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 	}
 	t := &Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum), Source: src, SHA256: sum}
 	var rec toolsRecord
-	if m.Store.GetTools(t.Volume, &rec) && rec.Ready {
+	if m.Store.GetTools(m.toolsRecordKey(t.Volume), &rec) && rec.Ready {
 		path, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
 		if err == nil {
 			t.Path = path
@@ -243,7 +249,7 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 	pool := m.Cfg.StoragePool
 	var rec toolsRecord
-	had := m.Store.GetTools(t.Volume, &rec)
+	had := m.Store.GetTools(m.toolsRecordKey(t.Volume), &rec)
 	path, err := m.hv.VolumePath(ctx, pool, t.Volume)
 	switch {
 	case err == nil && had && rec.Ready:
@@ -261,7 +267,7 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 		return false, fmt.Errorf("tools volume %s: %w", t.Volume, err)
 	}
 	rec = toolsRecord{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, At: time.Now().UTC()}
-	if err := m.Store.PutTools(t.Volume, rec); err != nil {
+	if err := m.Store.PutTools(m.toolsRecordKey(t.Volume), rec); err != nil {
 		return false, err
 	}
 	// Work directories of builds that were killed (a copy of the binary
@@ -295,7 +301,7 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 		return false, err
 	}
 	rec.Ready, rec.At = true, time.Now().UTC()
-	return true, m.Store.PutTools(t.Volume, rec)
+	return true, m.Store.PutTools(m.toolsRecordKey(t.Volume), rec)
 }
 
 // The tools build's work directories in state_dir.
@@ -382,7 +388,7 @@ func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool)
 	var old []string
 	for _, v := range vols {
 		var rec toolsRecord
-		if IsToolsVolume(m.Cfg.NamePrefix, m.Controller, v) && v != current && m.Store.GetTools(v, &rec) {
+		if IsToolsVolume(m.Cfg.NamePrefix, m.Controller, v) && v != current && m.Store.GetTools(m.toolsRecordKey(v), &rec) {
 			old = append(old, v)
 		}
 	}
@@ -414,7 +420,7 @@ func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool)
 			errs = append(errs, fmt.Errorf("delete tools volume %s: %w", v, err))
 			continue
 		}
-		if err := m.Store.DropTools(v); err != nil {
+		if err := m.Store.DropTools(m.toolsRecordKey(v)); err != nil {
 			errs = append(errs, err)
 			continue
 		}

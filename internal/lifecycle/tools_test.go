@@ -2,6 +2,7 @@ package lifecycle
 
 import (
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
@@ -85,9 +86,9 @@ func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
 	// As if the building process had been killed after creating the
 	// volume: the record says "not ready", the volume holds junk.
 	var rec toolsRecord
-	require.True(t, m.Store.GetTools(t1.Volume, &rec))
+	require.True(t, m.Store.GetTools(m.toolsRecordKey(t1.Volume), &rec))
 	rec.Ready = false
-	require.NoError(t, m.Store.PutTools(t1.Volume, rec))
+	require.NoError(t, m.Store.PutTools(m.toolsRecordKey(t1.Volume), rec))
 	// ... and left its work directory behind.
 	stale := filepath.Join(m.Store.Dir, toolsWorkPrefix+"killed")
 	require.NoError(t, os.MkdirAll(stale, 0o700))
@@ -229,6 +230,33 @@ func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
 	require.Len(t, vols, 1)
 	require.Contains(t, vols, second.Volume, "the current binary's disk stays")
 	var rec toolsRecord
-	require.False(t, m.Store.GetTools(first, &rec), "its record went with it")
+	require.False(t, m.Store.GetTools(m.toolsRecordKey(first), &rec), "its record went with it")
 	require.Empty(t, sweep(false))
+}
+
+// Another storage pool (another configuration on the same state directory)
+// gets a volume and a record of its own: a build there does not touch the
+// first pool's.
+func TestGuestToolsPerStoragePool(t *testing.T) {
+	hv := vmtest.New()
+	m, _ := manager(t, hv, newGuest(t, hv))
+	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
+	t1, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+
+	m.Cfg.StoragePool = "small"
+	hv.Lock()
+	hv.FailOn["CreateVolume"] = errors.New("No space left on device")
+	hv.Unlock()
+	_, err = m.GuestTools(context.Background())
+	require.ErrorContains(t, err, "No space left on device")
+
+	hv.Lock()
+	delete(hv.FailOn, "CreateVolume")
+	hv.Unlock()
+	m.Cfg.StoragePool = "jobs"
+	t2, err := m.GuestTools(context.Background())
+	require.NoError(t, err)
+	require.Zero(t, t2.Built, "the first pool's volume is still ready: not rebuilt")
+	require.Equal(t, t1.Path, t2.Path)
 }
