@@ -12,12 +12,13 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
 // These tests run jobs with a real, unmodified gitlab-runner (shell and
@@ -36,31 +37,13 @@ func requireRunnerBinary(t *testing.T) string {
 	return bin
 }
 
-// syncBuffer collects the runner's output from its goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
 type rig struct {
 	t        *testing.T
 	srv      *Server
 	bin      string
 	home     string
 	cacheDir string
-	out      *syncBuffer
+	out      *sshtest.Buffer
 }
 
 func newRig(t *testing.T) *rig { return newRigWith(t, "") }
@@ -76,7 +59,7 @@ func newRigWith(t *testing.T, cacheBucket string) *rig {
 	})
 	require.NoError(t, err)
 	t.Cleanup(func() { assert.NoError(t, srv.Close()) })
-	r := &rig{t: t, srv: srv, bin: bin, home: t.TempDir(), cacheDir: t.TempDir(), out: &syncBuffer{}}
+	r := &rig{t: t, srv: srv, bin: bin, home: t.TempDir(), cacheDir: t.TempDir(), out: &sshtest.Buffer{}}
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("gitlab-runner output:\n%s", r.out.String())

@@ -12,13 +12,13 @@ import (
 	"os"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
 // The real-runner tier: an unmodified gitlab-runner (run-single) drives
@@ -59,9 +59,7 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 	t.Helper()
 	exe := func(stage string) string { return rr.r.exe(stage) }
 	args := []string{"--config", rr.r.cfgPath}
-	var out bytes.Buffer
-	var mu sync.Mutex
-	w := writerFunc(func(p []byte) (int, error) { mu.Lock(); defer mu.Unlock(); return out.Write(p) })
+	var out sshtest.Buffer
 	done := make(chan error, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	go func() {
@@ -74,21 +72,15 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 			BuildsDir: "/builds", CacheDir: "/cache",
 			MaxBuilds: n, WaitTimeout: 5 * time.Minute,
 			Env: append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home}, rr.api.CacheEnv()...),
-			Dir: rr.workDir, Stdout: w, Stderr: w,
+			Dir: rr.workDir, Stdout: &out, Stderr: &out,
 		})
 	}()
 	return func() (string, error) {
 		defer cancel()
 		err := <-done
-		mu.Lock()
-		defer mu.Unlock()
 		return out.String(), err
 	}
 }
-
-type writerFunc func([]byte) (int, error)
-
-func (f writerFunc) Write(p []byte) (int, error) { return f(p) }
 
 // runJobs queues jobs, runs them one after another through one runner and
 // returns their results in order.
