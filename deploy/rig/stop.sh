@@ -75,14 +75,22 @@ if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
 	done
 	if rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then
 		rig_virsh pool-refresh "$LVE_RIG_POOL" >/dev/null 2>&1 || true
-		# (the guest tools disk, <prefix>-<controller>-tools-<hash>.iso, is shared by all
-		# jobs and kept like the images: not a leak)
-		for vol in $(rig_virsh vol-list "$LVE_RIG_POOL" 2>/dev/null |
-			awk -v p="$prefix-" 'index($1, p) == 1 && $1 !~ /-tools-[0-9a-f]+[.]iso$/ {print $1}'); do
-			rig_log "LEAK: volume $LVE_RIG_POOL/$vol: deleting it"
-			leaks=$((leaks + 1))
-			rig_virsh vol-delete --pool "$LVE_RIG_POOL" "$vol" >/dev/null || rig_log "cannot delete volume $vol"
+		# The guest tools disk (<prefix>-<controller>-tools-<hash>.iso) is shared by all jobs
+		# and lives as long as the rig: not a leak. It goes with its records (state_dir/tools),
+		# so the next rig start (maybe of another checkout) builds its own.
+		for vol in $(rig_virsh vol-list "$LVE_RIG_POOL" 2>/dev/null | awk '{print $1}'); do
+			case $vol in
+			"$prefix"-*-tools-*.iso)
+				rig_virsh vol-delete --pool "$LVE_RIG_POOL" "$vol" >/dev/null || rig_log "cannot delete volume $vol"
+				;;
+			"$prefix"-*)
+				rig_log "LEAK: volume $LVE_RIG_POOL/$vol: deleting it"
+				leaks=$((leaks + 1))
+				rig_virsh vol-delete --pool "$LVE_RIG_POOL" "$vol" >/dev/null || rig_log "cannot delete volume $vol"
+				;;
+			esac
 		done
+		rm -rf "$LVE_RIG_DIR/state/tools"
 		rig_virsh pool-destroy "$LVE_RIG_POOL" >/dev/null 2>&1 || true
 		rig_virsh pool-undefine "$LVE_RIG_POOL" >/dev/null 2>&1 || true
 		rig_log "removed storage pool $LVE_RIG_POOL (its directory is kept)"

@@ -242,7 +242,10 @@ func TestFaultSIGTERM(t *testing.T) {
 		// A state directory of its own: the guest tool check, the step
 		// after SSH answers, is remembered per image in the state directory
 		// and would otherwise be skipped.
-		r := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", t.TempDir())))
+		stateDir := t.TempDir()
+		r := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", stateDir)))
+		// Another installation (controller id): its own tools volume, not kept.
+		t.Cleanup(func() { r.removeToolsVolumes(t, stateDir) })
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
 		rn := s.start(t, "prepare")
