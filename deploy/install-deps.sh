@@ -24,7 +24,10 @@ set -euo pipefail
 # busybox-static and dash: the unit tests run the guest-side wrapper under the
 # login shells guests have (bash, dash, busybox ash). shellcheck: make lint. xz-utils:
 # unpacks the gitlab-runner release binary of the real-runner tests (deploy/rig/test-runner.sh).
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils)
+# prometheus: the observability e2e tests scrape the service with a real Prometheus server
+# (started by the test in the rig's namespace; the package's own service is not started)
+# and check the endpoint and the shipped rules with promtool.
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 log() { printf 'install-deps: %s\n' "$*" >&2; }
@@ -39,7 +42,29 @@ install_packages() {
 	log "installing ${missing[*]}"
 	export DEBIAN_FRONTEND=noninteractive
 	apt-get update -qq || log "apt-get update reported errors (unreachable extra repositories?); continuing"
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+	# No package may start its service here (prometheus would listen on
+	# :9090 in the root namespace): a policy-rc.d that refuses every start,
+	# unless the host has one of its own; removed again whatever happens.
+	local policy=/usr/sbin/policy-rc.d ours=
+	if [ ! -e "$policy" ]; then
+		trap 'rm -f /usr/sbin/policy-rc.d' EXIT INT TERM
+		printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 0755 "$policy" && ours=1
+	fi
+	local rc=0
+	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+	if [ -n "$ours" ]; then
+		rm -f "$policy"
+		trap - EXIT INT TERM
+	fi
+	# The tests start their own Prometheus: the package's service is not
+	# left enabled for the next boot either (only when installed here).
+	if [[ " ${missing[*]} " == *" prometheus "* ]]; then
+		if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+			systemctl disable prometheus.service >/dev/null 2>&1 || true
+		fi
+		update-rc.d prometheus disable >/dev/null 2>&1 || true
+	fi
+	return "$rc"
 }
 
 # go_version GO: print GO's version without the "go" prefix (fails for Go < 1.16).

@@ -23,7 +23,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
@@ -75,8 +74,12 @@ func app() *cli.App {
 			{
 				Name:  "list",
 				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
+				Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print one JSON array (for scripts) instead of the table"}},
 				Action: func(c *cli.Context) error {
 					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+						if c.Bool("json") {
+							return admin.ListJSON(c.Context, os.Stdout, m, time.Now())
+						}
 						return admin.List(c.Context, os.Stdout, m, time.Now())
 					})
 				},
@@ -114,12 +117,13 @@ func app() *cli.App {
 			},
 			{
 				Name:  "serve",
-				Usage: "keep the standby pools (images with a [images.NAME.pool] table) booted for warm starts, until SIGTERM",
+				Usage: "keep the standby pools (images with a [images.NAME.pool] table) booted for warm starts, and serve Prometheus metrics (serve.metrics_listen), until SIGTERM",
 				Action: func(c *cli.Context) error {
-					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
-						log := slog.New(slog.NewTextHandler(os.Stderr, nil))
-						return (&pool.Service{M: m, Log: log}).Run(c.Context)
-					})
+					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+					if err != nil {
+						return err
+					}
+					return admin.Serve(c.Context, cfg, slog.New(slog.NewTextHandler(os.Stderr, nil)), nil)
 				},
 			},
 			{

@@ -4,9 +4,12 @@ package admin
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/user"
 	"path/filepath"
@@ -66,9 +69,68 @@ func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time)
 	return nil
 }
 
+// ListItem is one machine of `list --json`.
+type ListItem struct {
+	Name string `json:"name"`
+	// Frontend and Job: the owner's front end and job id ("" without
+	// ownership metadata).
+	Frontend string `json:"frontend"`
+	Job      string `json:"job"`
+	// Pool is the standby state (idle, booting, claimed, retiring) and
+	// PoolImage its image, for standby machines.
+	Pool      string     `json:"pool,omitempty"`
+	PoolImage string     `json:"pool_image,omitempty"`
+	Created   *time.Time `json:"created,omitempty"`
+	Deadline  *time.Time `json:"deadline,omitempty"`
+	AgeSec    float64    `json:"age_seconds,omitempty"`
+	// State is running, shutoff or "no domain" (volumes or state only).
+	State   string   `json:"state"`
+	Address string   `json:"address,omitempty"`
+	Volumes []string `json:"volumes"`
+	Verdict string   `json:"verdict"`
+	Reason  string   `json:"reason"`
+}
+
+// ListJSON prints what List prints as one JSON array, for scripts.
+func ListJSON(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time) error {
+	items, err := m.Inventory(ctx, now)
+	if err != nil {
+		return err
+	}
+	out := make([]ListItem, 0, len(items))
+	for _, it := range items {
+		li := ListItem{Name: it.Name, State: "no domain", Address: it.Address, Volumes: it.Volumes, Verdict: it.Verdict, Reason: it.Reason, Pool: it.Pool()}
+		if li.Volumes == nil {
+			li.Volumes = []string{}
+		}
+		if it.Owner != nil {
+			li.Frontend, li.Job = it.Owner.Frontend, it.Owner.Job
+			created, deadline := it.Owner.Created, it.Owner.Deadline
+			li.Created, li.Deadline = &created, &deadline
+			li.AgeSec = now.Sub(created).Seconds()
+		}
+		if r := it.Standby; r != nil && r.Record != nil && r.Record.Standby != nil {
+			li.PoolImage = r.Record.Standby.Image
+		}
+		if it.Domain {
+			li.State = "shutoff"
+			if it.Active {
+				li.State = "running"
+			}
+		}
+		out = append(out, li)
+	}
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	return enc.Encode(out)
+}
+
 // GC sweeps (or with dryRun, shows what a sweep would remove).
 func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) error {
 	rep, err := m.Sweep(ctx, time.Now(), dryRun)
+	if !dryRun {
+		m.RecordSweep(nil, lifecycle.SweepByGC, rep)
+	}
 	if rep != nil {
 		for _, it := range rep.Items {
 			switch {
@@ -230,10 +292,62 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 
 	add(stateDirCheck(cfg.StateDir))
 	add(guestToolsCheck(cfg))
-	if c, ok := serviceCheck(cfg); ok {
-		add(c)
+	svc := serviceCheck(cfg)
+	add(svc)
+	if svc.OK && !svc.Warn {
+		add(metricsCheck(ctx, cfg.Serve.MetricsListen))
 	}
 	return out
+}
+
+// metricsCheck asks the running service's metrics endpoint for its
+// metrics.
+func metricsCheck(ctx context.Context, listen string) Check {
+	c := Check{Name: "metrics endpoint", Fix: "check serve.metrics_listen and the service's log (journalctl -u libvirt-executor)"}
+	if listen == config.MetricsOff {
+		c.OK, c.Warn, c.Info = true, true, `serve.metrics_listen = "off": no metrics endpoint`
+		return c
+	}
+	url := MetricsURL(listen)
+	ctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		c.Info = err.Error()
+		return c
+	}
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		c.Info = fmt.Sprintf("%s does not answer: %v", url, err)
+		return c
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(io.LimitReader(resp.Body, 8<<20))
+	switch {
+	case err != nil:
+		c.Info = fmt.Sprintf("%s: reading the answer failed: %v", url, err)
+	case resp.StatusCode != http.StatusOK:
+		c.Info = fmt.Sprintf("%s answered %s", url, resp.Status)
+	case !strings.Contains(string(body), "libvirt_executor_build_info"):
+		c.Info = fmt.Sprintf("%s answers, but not with this service's metrics (another program on that port?)", url)
+	default:
+		c.OK = true
+		c.Info = fmt.Sprintf("%s answers", url)
+	}
+	return c
+}
+
+// MetricsURL is the URL of the metrics endpoint that listen
+// (serve.metrics_listen) serves; an unspecified host means loopback.
+func MetricsURL(listen string) string {
+	host, port, err := net.SplitHostPort(listen)
+	if err != nil {
+		return "http://" + listen + "/metrics"
+	}
+	if ip := net.ParseIP(host); host == "" || (ip != nil && ip.IsUnspecified()) {
+		host = "127.0.0.1"
+	}
+	return "http://" + net.JoinHostPort(host, port) + "/metrics"
 }
 
 // guestToolsCheck: the gitlab-runner the guests get on the tools disk
@@ -253,31 +367,33 @@ func guestToolsCheck(cfg *config.Config) Check {
 	return c
 }
 
-// serviceCheck checks the pool service when an image has a pool: its lock
-// is held and it looked at its pools lately. ok is false when no image has
-// a pool (nothing to check).
-func serviceCheck(cfg *config.Config) (Check, bool) {
+// serviceCheck checks the service (libvirt-executor serve): its lock is
+// held and it looked at its pools lately. Not running is a failure when an
+// image has a pool (every job goes cold), else a warning (no metrics).
+func serviceCheck(cfg *config.Config) Check {
 	pooled := cfg.Pooled()
-	if len(pooled) == 0 {
-		return Check{}, false
-	}
-	c := Check{Name: "pool service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
+	c := Check{Name: "service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
 	m := &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}
 	locked, age, looked := m.ServiceStatus()
 	if !locked {
-		c.Info = fmt.Sprintf("libvirt-executor serve is not running: %d image(s) with a pool, every job takes the cold path", len(pooled))
-		return c, true
+		if len(pooled) == 0 {
+			c.OK, c.Warn = true, true
+			c.Info = "libvirt-executor serve is not running: no metrics (the stages' event records wait in the spool, up to serve.event_spool_mib)"
+			return c
+		}
+		c.Info = fmt.Sprintf("libvirt-executor serve is not running: %d image(s) with a pool, every job takes the cold path; no metrics", len(pooled))
+		return c
 	}
 	if !m.ServiceRunning() {
 		c.Info = "libvirt-executor serve holds its lock but has not looked at its pools lately: hung? Jobs take the cold path"
 		if looked {
 			c.Info = fmt.Sprintf("libvirt-executor serve holds its lock but has not looked at its pools for %s: hung? Jobs take the cold path", age.Round(time.Second))
 		}
-		return c, true
+		return c
 	}
 	c.OK = true
 	c.Info = fmt.Sprintf("running, last look %s ago", vm.Round(age))
-	return c, true
+	return c
 }
 
 // polkitRuleDirs are where polkit reads JavaScript rules.

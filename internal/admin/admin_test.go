@@ -3,6 +3,10 @@ package admin
 import (
 	"bytes"
 	"context"
+	"encoding/json"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,6 +17,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -115,6 +120,28 @@ func TestListAndGC(t *testing.T) {
 	require.Contains(t, out.String(), "foreign (no ownership metadata)")
 
 	out.Reset()
+	require.NoError(t, ListJSON(context.Background(), &out, m, time.Now()))
+	var items []ListItem
+	require.NoError(t, json.Unmarshal(out.Bytes(), &items), out.String())
+	require.Len(t, items, 2)
+	byName := map[string]ListItem{}
+	for _, it := range items {
+		byName[it.Name] = it
+	}
+	j := byName[p+"9"]
+	require.Equal(t, "gitlab", j.Frontend)
+	require.Equal(t, "9", j.Job)
+	require.Equal(t, "running", j.State)
+	require.Equal(t, "expired", j.Verdict)
+	require.Equal(t, []string{p + "9.qcow2"}, j.Volumes)
+	require.InDelta(t, 3600, j.AgeSec, 60)
+	require.NotNil(t, j.Deadline)
+	f := byName[p+"10"]
+	require.Equal(t, "foreign", f.Verdict)
+	require.Empty(t, f.Frontend)
+	require.Nil(t, f.Created)
+
+	out.Reset()
 	require.NoError(t, GC(context.Background(), &out, m, true))
 	require.Contains(t, out.String(), "would remove "+p+"9")
 	require.Contains(t, hv.Domains, p+"9")
@@ -125,6 +152,16 @@ func TestListAndGC(t *testing.T) {
 	require.True(t, strings.Contains(out.String(), "keep "+p+"10"))
 	require.NotContains(t, hv.Domains, p+"9")
 	require.Contains(t, hv.Domains, p+"10")
+
+	// The sweep left its record for the metrics: a gc removing one
+	// expired machine (the dry run left none).
+	var sweeps []obs.Event
+	_, err = m.Events().Fold(obs.Cursor{}, obs.Reader{Apply: func(e obs.Event) { sweeps = append(sweeps, e) }, Invalid: func() {}, Save: func(obs.Cursor) error { return nil }})
+	require.NoError(t, err)
+	require.Len(t, sweeps, 1)
+	require.Equal(t, obs.KindSweep, sweeps[0].Kind)
+	require.Equal(t, "gc", sweeps[0].Trigger)
+	require.Equal(t, map[string]int{"expired": 1}, sweeps[0].Removed)
 }
 
 func TestPolkitCheck(t *testing.T) {
@@ -225,15 +262,16 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")
 }
 
-// doctor checks the pool service only when an image has a pool: not
-// running, hung (stale heartbeat), running; and its look creates nothing.
+// doctor checks the service: not running (a warning without pools, a
+// failure with them), hung (stale heartbeat), running; and its look
+// creates nothing.
 func TestServiceCheck(t *testing.T) {
-	_, ok := serviceCheck(testConfig(t, ""))
-	require.False(t, ok, "no pool: nothing to check")
+	c := serviceCheck(testConfig(t, ""))
+	require.True(t, c.OK && c.Warn, "no pool: only the metrics are missing")
+	require.Contains(t, c.Info, "no metrics")
 
 	cfg := testConfig(t, "[images.ok.pool]\nidle_count = 1\n")
-	c, ok := serviceCheck(cfg)
-	require.True(t, ok)
+	c = serviceCheck(cfg)
 	require.False(t, c.OK)
 	require.Contains(t, c.Info, "not running")
 	_, err := os.Stat(cfg.StateDir)
@@ -245,18 +283,18 @@ func TestServiceCheck(t *testing.T) {
 	unlock, err := m.LockService(context.Background())
 	require.NoError(t, err)
 	defer unlock()
-	c, _ = serviceCheck(cfg)
+	c = serviceCheck(cfg)
 	require.False(t, c.OK, "holds its lock but never looked")
 	require.Contains(t, c.Info, "hung?")
 
 	require.NoError(t, m.Heartbeat())
-	c, _ = serviceCheck(cfg)
+	c = serviceCheck(cfg)
 	require.True(t, c.OK, c.Info)
 	require.Contains(t, c.Info, "running")
 
 	old := time.Now().Add(-time.Hour)
 	require.NoError(t, os.Chtimes(filepath.Join(cfg.StateDir, "serve-heartbeat"), old, old))
-	c, _ = serviceCheck(cfg)
+	c = serviceCheck(cfg)
 	require.False(t, c.OK)
 	require.Contains(t, c.Info, "has not looked at its pools for 1h")
 }
@@ -317,4 +355,34 @@ func TestGuestToolsCheck(t *testing.T) {
 	c = guestToolsCheck(cfg)
 	require.False(t, c.OK)
 	require.Contains(t, c.Info, "linux/amd64")
+}
+
+// doctor asks the metrics endpoint: this service's metrics, another
+// program's answer, nobody listening.
+func TestMetricsCheck(t *testing.T) {
+	body := "# TYPE libvirt_executor_build_info gauge\nlibvirt_executor_build_info{version=\"x\"} 1\n"
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			http.NotFound(w, r)
+			return
+		}
+		_, _ = io.WriteString(w, body)
+	}))
+	defer srv.Close()
+	listen := strings.TrimPrefix(srv.URL, "http://")
+	c := metricsCheck(context.Background(), listen)
+	require.True(t, c.OK, c.Info)
+	body = "something else\n"
+	c = metricsCheck(context.Background(), listen)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "not with this service's metrics")
+	srv.Close()
+	c = metricsCheck(context.Background(), listen)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "does not answer")
+	c = metricsCheck(context.Background(), "off")
+	require.True(t, c.OK && c.Warn)
+	require.Equal(t, "http://127.0.0.1:9451/metrics", MetricsURL("0.0.0.0:9451"))
+	require.Equal(t, "http://127.0.0.1:9451/metrics", MetricsURL(":9451"))
+	require.Equal(t, "http://[::1]:9451/metrics", MetricsURL("[::1]:9451"))
 }

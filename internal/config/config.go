@@ -7,9 +7,11 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -104,6 +106,10 @@ type Config struct {
 	Serve PoolService `toml:"serve"`
 	// GuestTools are host programs every job VM gets on a read-only disk.
 	GuestTools GuestTools `toml:"guest_tools"`
+	// Log configures the stages' structured log on the host.
+	Log Log `toml:"log"`
+	// Garm configures the garm external provider (libvirt-executor-garm).
+	Garm Garm `toml:"garm"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -302,7 +308,54 @@ type PoolService struct {
 	// HealthInterval is how often each idle VM's libvirt state is checked.
 	// Default "5s".
 	HealthInterval Duration `toml:"health_interval"`
+	// MetricsListen is the host:port the service serves Prometheus metrics
+	// on (/metrics). Default "127.0.0.1:9451" (loopback only); "off" serves
+	// none.
+	MetricsListen string `toml:"metrics_listen"`
+	// EventSpoolMiB bounds the spool of event records the stages leave for
+	// the service (state_dir/events): when the service is down that long,
+	// the oldest records go (counted as lost). Default 16, allowed 1-1024.
+	EventSpoolMiB int `toml:"event_spool_mib"`
 }
+
+// Garm configures the garm external provider: what garm pools may ask for.
+type Garm struct {
+	// Images are the images a garm pool may name (its "image"); empty
+	// means every configured image.
+	Images []string `toml:"images"`
+	// Flavors are the sizes a garm pool may name (its "flavor"). Without
+	// any, the only flavor is "default": the image's default size.
+	Flavors map[string]Size `toml:"flavors"`
+	// ExtraSpecs are the extra_specs keys a pool may set: "vcpus",
+	// "memory_mib", "disk_gib", each within limits.max_*. Default none.
+	ExtraSpecs []string `toml:"extra_specs"`
+	// MaxAge is how long a garm instance may live before the sweep removes
+	// it (garm normally deletes it after its one job). Default "24h".
+	MaxAge Duration `toml:"max_age"`
+}
+
+// GarmExtraSpecKeys are the extra_specs keys an admin may permit.
+var GarmExtraSpecKeys = []string{"vcpus", "memory_mib", "disk_gib"}
+
+// MetricsOff is serve.metrics_listen's value for no metrics endpoint.
+const MetricsOff = "off"
+
+// Log configures the host-side structured log of the stages: one record
+// per step (internal/obs.StepLog).
+type Log struct {
+	// Steps is where step records go: "auto" (default: the systemd journal
+	// when its socket exists, else nowhere), "journald", "file" or "none".
+	Steps string `toml:"steps"`
+	// StepsFile is the JSON-lines file for Steps = "file". Default
+	// state_dir/log/steps.jsonl.
+	StepsFile string `toml:"steps_file"`
+	// StepsFileMiB is when the file is rotated (one older file, .1, is
+	// kept). Default 64, allowed 1-4096.
+	StepsFileMiB int `toml:"steps_file_mib"`
+}
+
+// StepLogKinds are the allowed values of log.steps.
+var StepLogKinds = []string{"auto", "journald", "file", "none"}
 
 // Duration is a time.Duration written as a Go duration string ("90s", "5m").
 type Duration time.Duration
@@ -452,6 +505,18 @@ func (c *Config) applyDefaults() {
 	if c.Serve.HealthInterval == 0 {
 		c.Serve.HealthInterval = Duration(5 * time.Second)
 	}
+	def(&c.Serve.MetricsListen, "127.0.0.1:9451")
+	if c.Serve.EventSpoolMiB == 0 {
+		c.Serve.EventSpoolMiB = 16
+	}
+	if c.Garm.MaxAge == 0 {
+		c.Garm.MaxAge = Duration(24 * time.Hour)
+	}
+	def(&c.Log.Steps, "auto")
+	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
+	if c.Log.StepsFileMiB == 0 {
+		c.Log.StepsFileMiB = 64
+	}
 	for name, img := range c.Images {
 		if img == nil {
 			continue
@@ -562,6 +627,40 @@ func (c *Config) Validate() error {
 		bad("serve.interval", "%s is out of range 50ms-10s", d)
 	}
 	positive("serve.health_interval", c.Serve.HealthInterval)
+	if l := c.Serve.MetricsListen; l != MetricsOff {
+		if _, port, err := net.SplitHostPort(l); err != nil || port == "" {
+			bad("serve.metrics_listen", "%q is not host:port (e.g. \"127.0.0.1:9451\"), or \"off\"", l)
+		}
+	}
+	rangeCheck("serve.event_spool_mib", c.Serve.EventSpoolMiB, 1, 1024)
+	if !slices.Contains(StepLogKinds, c.Log.Steps) {
+		bad("log.steps", "%q is not allowed: use %s", c.Log.Steps, quoteList(StepLogKinds))
+	}
+	if !filepath.IsAbs(c.Log.StepsFile) {
+		bad("log.steps_file", "%q must be an absolute path", c.Log.StepsFile)
+	}
+	rangeCheck("log.steps_file_mib", c.Log.StepsFileMiB, 1, 4096)
+	positive("garm.max_age", c.Garm.MaxAge)
+	for _, name := range c.Garm.Images {
+		if _, ok := c.Images[name]; !ok {
+			bad("garm.images", "%q is not a configured image; use one of %s", name, quoteList(c.ImageNames()))
+		}
+	}
+	for _, k := range c.Garm.ExtraSpecs {
+		if !slices.Contains(GarmExtraSpecKeys, k) {
+			bad("garm.extra_specs", "%q is not allowed: use %s", k, quoteList(GarmExtraSpecKeys))
+		}
+	}
+	for _, name := range sortedKeys(c.Garm.Flavors) {
+		f := c.Garm.Flavors[name]
+		key := "garm.flavors." + name
+		if !imageNameRE.MatchString(name) {
+			bad(key, "flavor name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-'", name)
+		}
+		rangeCheck(key+".vcpus", f.VCPUs, 1, 64)
+		rangeCheck(key+".memory_mib", f.MemoryMiB, 128, 262144)
+		rangeCheck(key+".disk_gib", f.DiskGiB, 0, 4096)
+	}
 
 	if len(c.Images) == 0 {
 		bad("images", "at least one [images.NAME] table is required")
@@ -667,9 +766,9 @@ func quoteList(items []string) string {
 
 // Size is what a VM gets: vCPUs, memory and disk.
 type Size struct {
-	VCPUs     int
-	MemoryMiB int
-	DiskGiB   int
+	VCPUs     int `toml:"vcpus"`
+	MemoryMiB int `toml:"memory_mib"`
+	DiskGiB   int `toml:"disk_gib"`
 }
 
 // ImageSize is the size of img's VMs when a job asks for nothing else: the
@@ -694,4 +793,13 @@ func (c *Config) Pooled() []*Image {
 		}
 	}
 	return out
+}
+
+func sortedKeys[V any](m map[string]V) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	sort.Strings(keys)
+	return keys
 }

@@ -67,6 +67,10 @@ func TestValidateMessages(t *testing.T) {
 		{"two images no default", base + "[images.b]\nbase = \"/b\"\n", `default_image: must name one of the configured images: "a", "b"`},
 		{"address source", "[images.a]\nbase = \"/a\"\naddress_source = \"arp\"\n", `images.a.address_source: "arp" is not allowed; use one of "lease", "agent"`},
 		{"host key policy", "host_key_policy = \"tofu\"\n" + base, `host_key_policy: "tofu" is not allowed`},
+		{"metrics listen", "[serve]\nmetrics_listen = \"9451\"\n" + base, `serve.metrics_listen: "9451" is not host:port (e.g. "127.0.0.1:9451"), or "off"`},
+		{"event spool", "[serve]\nevent_spool_mib = 5000\n" + base, "serve.event_spool_mib: 5000 is out of range 1-1024"},
+		{"step log", "[log]\nsteps = \"syslog\"\n" + base, `log.steps: "syslog" is not allowed: use "auto", "journald", "file", "none"`},
+		{"step log file", "[log]\nsteps_file = \"steps.jsonl\"\n" + base, `log.steps_file: "steps.jsonl" must be an absolute path`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

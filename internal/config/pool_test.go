@@ -47,6 +47,8 @@ func TestPoolAndServeExplicitValues(t *testing.T) {
 boot_parallelism = 5
 interval = "1s"
 health_interval = "30s"
+metrics_listen = "[::1]:9999"
+event_spool_mib = 3
 [images.a]
 base = "/a.qcow2"
 [images.a.pool]
@@ -58,7 +60,8 @@ max_age = "3h"
 	require.NoError(t, err)
 	a, _ := c.Image("a")
 	require.Equal(t, Pool{IdleCount: 1, MaxIdle: 6, IdleTime: Duration(2 * time.Minute), MaxAge: Duration(3 * time.Hour)}, *a.Pool)
-	require.Equal(t, PoolService{BootParallelism: 5, Interval: Duration(time.Second), HealthInterval: Duration(30 * time.Second)}, c.Serve)
+	require.Equal(t, PoolService{BootParallelism: 5, Interval: Duration(time.Second), HealthInterval: Duration(30 * time.Second),
+		MetricsListen: "[::1]:9999", EventSpoolMiB: 3}, c.Serve)
 }
 
 // Pooled lists only the images with a pool table, sorted by name.

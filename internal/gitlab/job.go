@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"net/url"
 	"os"
 	"strconv"
 	"time"
@@ -30,6 +31,9 @@ type Job struct {
 	Instance string
 	// FromPayload says whether the identity came from JOB_RESPONSE_FILE.
 	FromPayload bool
+	// Server is the GitLab instance (CI_SERVER_URL's scheme and host only,
+	// as instanceOf chooses it) for the host's logs.
+	Server string
 }
 
 // ImageRequest is the job's `image:` name: as written, and after expansion.
@@ -105,7 +109,8 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		// The runner has expanded CI_JOB_IMAGE already.
 		image := getenv("CUSTOM_ENV_CI_JOB_IMAGE")
 		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: ImageRequest{Name: image, Written: image},
-			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID"))}, nil
+			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID")),
+			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL"))}, nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -124,7 +129,17 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		return nil, fmt.Errorf("JOB_RESPONSE_FILE %s has no positive job id", path)
 	}
 	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: expandImage(p.Image.Name, p.Variables),
-		Instance: instanceOf(p.Variables), FromPayload: true}, nil
+		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL"))}, nil
+}
+
+// serverOf is a GitLab URL's scheme and host, nothing else (no user info,
+// no path), or "" if it is not an http(s) URL.
+func serverOf(u string) string {
+	p, err := url.Parse(u)
+	if err != nil || (p.Scheme != "https" && p.Scheme != "http") || p.Host == "" {
+		return ""
+	}
+	return p.Scheme + "://" + p.Host
 }
 
 // instanceOf tags the GitLab instance and runner of a payload: its
@@ -136,15 +151,17 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 // the payload's id). Never the payload's token, nor git_info.repo_url: it
 // embeds the job token.
 func instanceOf(vars []jobVariable) string {
-	first := func(key string) string {
-		for _, v := range vars {
-			if v.Key == key {
-				return v.Value
-			}
+	return InstanceOf(firstVar(vars, "CI_SERVER_URL"), firstVar(vars, "CI_RUNNER_ID"))
+}
+
+// firstVar is the value of key's first entry in vars, or "".
+func firstVar(vars []jobVariable, key string) string {
+	for _, v := range vars {
+		if v.Key == key {
+			return v.Value
 		}
-		return ""
 	}
-	return InstanceOf(first("CI_SERVER_URL"), first("CI_RUNNER_ID"))
+	return ""
 }
 
 // InstanceOf is the instance tag of a GitLab server URL and runner id, as

@@ -19,6 +19,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -42,6 +43,9 @@ type Env struct {
 	// without libvirt, asks the admin tool: stagecli.ExplainViaAdminTool).
 	// nil means the stage's lifecycle.Manager.Explain.
 	Explain func(ctx context.Context, name string) string
+	// Report, if set, is told what the stage did, step by step, for the
+	// host's metrics and structured log (the stage shell records it).
+	Report *obs.Report
 }
 
 // say writes a progress line to the job log.
@@ -68,6 +72,7 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 		return nil, err
 	}
 	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, j.Instance, j.ID)
+	e.Report.Identify(strconv.FormatInt(j.ID, 10), j.Server, name)
 	return &job{cfg: cfg, job: j, m: m, name: name, log: e.Log.With("job", j.ID, "domain", name)}, nil
 }
 
@@ -101,6 +106,7 @@ func (e Env) plan(cfg *config.Config) (*job, *config.Image, Resources, error) {
 		_ = j.m.Close()
 		return nil, nil, Resources{}, err
 	}
+	e.Report.Machine(j.name, img.Name)
 	res, err := ChooseResources(cfg, img, e.Getenv)
 	if err != nil {
 		_ = j.m.Close()
@@ -130,6 +136,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	defer j.m.Close()
+	defer func() { e.Report.Reconnects(j.m.Reconnects()) }()
 	say := e.say
 	began := time.Now()
 	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
@@ -163,7 +170,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	req := lifecycle.Request{
 		Name: j.name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB,
 		DiskGiB: res.DiskGiB, Frontend: "gitlab", Job: strconv.FormatInt(j.job.ID, 10),
-		Lifetime: j.job.Timeout,
+		Lifetime: j.job.Timeout, OnStep: e.Report.Step,
 		Check: func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
 			return checkGuestTools(ctx, c, say, m.Store, img, version.withTools(tools), tools)
 		},
@@ -188,6 +195,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	startHolder(e, j, j.name)
 	writeTimings(e, j, ready, began)
+	e.Report.Path(obs.PathCold)
 	return nil
 }
 
@@ -214,19 +222,25 @@ func startHolder(e Env, j *job, name string) {
 // log says why not and prepare takes the cold path.
 func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Resources, version *toolCheck, began time.Time) (done bool, err error) {
 	m := j.m
+	t0 := time.Now()
 	c, err := m.Claim(ctx, lifecycle.ClaimRequest{
 		Job: j.name, Image: img, Size: res, Frontend: "gitlab", JobID: strconv.FormatInt(j.job.ID, 10), Lifetime: j.job.Timeout,
 	})
 	var none *lifecycle.ErrNoStandby
 	if errors.As(err, &none) {
+		e.Report.Pool("miss", none.Code)
 		e.say("Cold start: %s", none.Why)
 		return false, nil
 	}
+	e.Report.Step("claim", time.Since(t0), err)
 	if err != nil {
+		e.Report.Pool("miss", lifecycle.MissError)
 		j.log.Error("claiming a standby VM failed", "err", err)
 		return true, exitcodes.System(err)
 	}
+	e.Report.Pool("hit", "")
 	mach := c.Machine
+	e.Report.Machine(mach.Name, img.Name)
 	e.say("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
 	for _, s := range c.Skipped {
 		e.say("  passed over %s", s)
@@ -251,11 +265,14 @@ func prepareWarm(ctx context.Context, e Env, j *job, img *config.Image, res Reso
 			// The claimed VM does not take the SSH connection every stage
 			// needs: it is gone, and the job can still start cold.
 			e.say("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
+			e.Report.Pool("miss", lifecycle.MissError)
+			e.Report.Machine(j.name, img.Name)
 			return false, nil
 		}
 		return true, exitcodes.System(errors.Join(err, terr))
 	}
 	startHolder(e, j, mach.Name)
+	e.Report.Path(obs.PathWarm)
 	took := time.Since(began)
 	e.say("Machine ready in %s (warm)", vm.Round(took))
 	writeWarmTimings(e, j, mach, c, began)
@@ -483,14 +500,20 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
 	}
+	e.Report.SetStage(stage)
 	jm, err := j.m.MachineOf(j.name)
 	if err != nil {
 		return exitcodes.System(err)
 	}
-	err, held := runHeld(ctx, e, j, jm.Name, script)
-	if !held {
-		err = runDirect(ctx, e, j, jm.Name, script, stage)
+	if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+		e.Report.Machine(jm.Name, mach.Image)
 	}
+	var span time.Duration
+	err, held := runHeld(ctx, e, j, jm.Name, script, &span)
+	if !held {
+		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
+	}
+	e.Report.GuestSpan(span)
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
@@ -521,7 +544,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 // false when the stage did not run there (holders are off, or the holder
 // is gone or could not take it; the job log says which): then nothing of
 // it was started, and the caller connects directly.
-func runHeld(ctx context.Context, e Env, j *job, name string, script []byte) (err error, held bool) {
+func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, span *time.Duration) (err error, held bool) {
 	if !j.cfg.SSH.HolderEnabled() {
 		return nil, false
 	}
@@ -534,7 +557,7 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte) (er
 		return exitcodes.System(err), true
 	}
 	err, mid := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
-		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr,
+		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
 	})
 	if errors.Is(err, holder.ErrUnavailable) {
 		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
@@ -563,14 +586,14 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte) (er
 }
 
 // runDirect runs the stage over a connection of its own.
-func runDirect(ctx context.Context, e Env, j *job, name string, script []byte, stage string) error {
+func runDirect(ctx context.Context, e Env, j *job, name string, script []byte, stage string, span *time.Duration) error {
 	mach, client, err := j.m.Connect(ctx, name)
 	if err != nil {
 		return exitcodes.System(err)
 	}
 	defer client.Close()
 	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
-	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr})
+	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
 }
 
 // explained adds to err what libvirt says became of the job's machine
@@ -596,6 +619,7 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	defer j.m.Close()
+	defer func() { e.Report.Reconnects(j.m.Reconnects()) }()
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
 	defer cancel()
 	m := j.m
@@ -618,6 +642,12 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	t0 := time.Now()
 	jm, ended, err := m.EndJob(ctx, j.name)
+	e.Report.Step("stop", time.Since(t0), err)
+	if jm.Name != "" {
+		if mach, rerr := m.Store.Record(jm.Name); rerr == nil {
+			e.Report.Machine(jm.Name, mach.Image)
+		}
+	}
 	// The machine runs nothing any more and nothing of the job can reach
 	// it; the slow rest (QEMU's exit, undefine, volumes) goes to a reaper
 	// of its own, so the job ends now. A machine marked ended goes to the
@@ -625,7 +655,10 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	// another machine of the job): it destroys what still runs.
 	reaper := len(ended) > 0
 	if reaper {
-		if serr := m.StartReaper(ended); serr != nil {
+		t1 := time.Now()
+		serr := m.StartReaper(ended)
+		e.Report.Step("start reaper", time.Since(t1), serr)
+		if serr != nil {
 			j.log.Warn("no reaper; removing the VM here", "err", serr)
 			reaper = false
 			err = errors.Join(err, m.Reap(ctx, ended))

@@ -1,6 +1,7 @@
 package guestinit
 
 import (
+	"encoding/base64"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -20,6 +21,24 @@ type CloudInit struct {
 	Hostname string
 	// User receives the authorized key.
 	User string
+	// ExtraKeys are more authorized keys for User (a front end's own).
+	ExtraKeys []string
+	// Files are written before RunCmd runs (cloud-init write_files).
+	Files []File
+	// BootCmd are commands cloud-init runs early in every boot (its "init"
+	// stage, before Files are written), each an argument vector (never a
+	// shell string).
+	BootCmd [][]string
+	// Packages are Debian packages to install on first boot.
+	Packages []string
+}
+
+// File is one file of the seed's write_files; Content travels base64
+// encoded (no YAML quoting question).
+type File struct {
+	Path        string
+	Content     []byte
+	Permissions string // e.g. "0600"
 }
 
 // UserData renders #cloud-config. JSON is valid YAML, so every value is
@@ -32,7 +51,7 @@ func (c CloudInit) UserData(k *Keys, comment string) ([]byte, error) {
 		SSHAuthorizedKeys []string `json:"ssh_authorized_keys"`
 		LockPasswd        bool     `json:"lock_passwd"`
 	}
-	u := user{Name: c.User, Shell: "/bin/bash", SSHAuthorizedKeys: []string{k.AuthorizedKey(comment)}, LockPasswd: true}
+	u := user{Name: c.User, Shell: "/bin/bash", SSHAuthorizedKeys: append([]string{k.AuthorizedKey(comment)}, c.ExtraKeys...), LockPasswd: true}
 	if c.User != "root" {
 		u.Sudo = "ALL=(ALL) NOPASSWD:ALL"
 	}
@@ -54,6 +73,22 @@ func (c CloudInit) UserData(k *Keys, comment string) ([]byte, error) {
 			"ed25519_private": string(k.HostPEM),
 			"ed25519_public":  k.HostPublicLine(),
 		},
+	}
+	if len(c.Files) > 0 {
+		var files []map[string]string
+		for _, f := range c.Files {
+			files = append(files, map[string]string{
+				"path": f.Path, "encoding": "b64", "content": base64.StdEncoding.EncodeToString(f.Content),
+				"permissions": f.Permissions, "owner": "root:root",
+			})
+		}
+		doc["write_files"] = files
+	}
+	if len(c.BootCmd) > 0 {
+		doc["bootcmd"] = c.BootCmd
+	}
+	if len(c.Packages) > 0 {
+		doc["packages"] = c.Packages
 	}
 	b, err := json.MarshalIndent(doc, "", "  ")
 	if err != nil {

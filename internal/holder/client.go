@@ -3,6 +3,7 @@ package holder
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -20,7 +21,14 @@ type Stage struct {
 	KillGrace time.Duration
 	// Stdout and Stderr receive what sshexec.RunOptions' do.
 	Stdout, Stderr io.Writer
+	// Span, if set, receives how long the script ran in the guest, as the
+	// holder measured it (0 from a holder that does not say).
+	Span *time.Duration
 }
+
+// ErrEnded means the holder ended during the stage, after the script may
+// have started.
+var ErrEnded = errors.New("the connection holder ended during the stage")
 
 // connectWait bounds the connect to the socket (a connection to a listening
 // socket completes in its backlog even before the holder accepts it; a
@@ -74,7 +82,7 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 			// The holder ended (or hung past the cancel's wait) after it
 			// may have started the script: the caller stops it in the
 			// guest itself.
-			return exitcodes.System(fmt.Errorf("the connection holder ended during the stage: %v", err)), true
+			return exitcodes.System(fmt.Errorf("%w: %v", ErrEnded, err)), true
 		}
 		switch kind {
 		case frameStarted:
@@ -87,6 +95,9 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 			var r Result
 			if err := json.Unmarshal(b, &r); err != nil {
 				return exitcodes.System(fmt.Errorf("bad result from the connection holder: %v", err)), true
+			}
+			if st.Span != nil {
+				*st.Span = time.Duration(r.SpanNs)
 			}
 			return r.err(), false
 		default:

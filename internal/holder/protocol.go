@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
 // Files of the holder in the machine's state directory.
@@ -85,6 +86,11 @@ type Result struct {
 	Class string `json:"class"`
 	Code  int    `json:"code,omitempty"`
 	Error string `json:"error,omitempty"`
+	// SpanNs is how long the script ran in the guest (sshexec.RunOptions.
+	// Span); DeadAfterNs, for a guest that died, how long it had been
+	// silent (sshexec.DeadAfter). Older holders send neither.
+	SpanNs      int64 `json:"span_ns,omitempty"`
+	DeadAfterNs int64 `json:"dead_after_ns,omitempty"`
 }
 
 // resultOf is the Result for what sshexec.Client.Run returned.
@@ -95,7 +101,11 @@ func resultOf(err error) Result {
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		return Result{Class: classScript, Code: code}
 	}
-	return Result{Class: classSystem, Error: err.Error()}
+	r := Result{Class: classSystem, Error: err.Error()}
+	if d, ok := sshexec.DeadAfter(err); ok {
+		r.DeadAfterNs = int64(d)
+	}
+	return r
 }
 
 // ErrUnavailable means the holder could not take the stage and nothing of
@@ -113,6 +123,9 @@ func (r Result) err() error {
 	case classUnavailable:
 		return fmt.Errorf("%w: %s", ErrUnavailable, r.Error)
 	case classSystem:
+		if r.DeadAfterNs > 0 {
+			return exitcodes.System(&deadGuest{msg: r.Error, dead: &sshexec.DeadGuestError{Silent: time.Duration(r.DeadAfterNs)}})
+		}
 		return exitcodes.System(errors.New(r.Error))
 	}
 	return exitcodes.System(fmt.Errorf("the connection holder answered with an unknown result %q", r.Class))
@@ -152,3 +165,14 @@ func readFrame(r io.Reader, limit int) (byte, []byte, error) {
 	}
 	return h[0], b, nil
 }
+
+// deadGuest is the holder's message of a guest that died, carrying the
+// sshexec.DeadGuestError (errors.Is ErrDeadGuest, sshexec.DeadAfter)
+// without repeating it in the message.
+type deadGuest struct {
+	msg  string
+	dead *sshexec.DeadGuestError
+}
+
+func (e *deadGuest) Error() string { return e.msg }
+func (e *deadGuest) Unwrap() error { return e.dead }

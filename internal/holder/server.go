@@ -171,7 +171,9 @@ func (s *Server) clientFor(ctx context.Context) (*sshexec.Client, Result) {
 		return c, Result{}
 	}
 	if dead := c.Dead(); dead != nil {
-		return nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost: %v", dead)}
+		r := resultOf(dead)
+		r.Error = fmt.Sprintf("connection to guest lost: %v", dead)
+		return nil, r
 	}
 	s.redial.Lock()
 	defer s.redial.Unlock()
@@ -246,11 +248,13 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		return
 	}
 	t0 := time.Now()
+	var span time.Duration
 	err = c.Run(sctx, req.Script, sshexec.RunOptions{
 		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
-		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr),
+		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr), Span: &span,
 	})
 	res = resultOf(err)
+	res.SpanNs = int64(span)
 	s.Log.Info("stage ended", "class", res.Class, "code", res.Code, "took", time.Since(t0), "err", logErr(err))
 	if err := out.result(res); err != nil && sctx.Err() == nil {
 		s.Log.Warn("the stage did not receive its result", "err", err)

@@ -73,7 +73,9 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 		}
 		if !swept {
 			swept = true
-			if rep, err := m.Sweep(ctx, time.Now(), false); err == nil && len(rep.Removed) > 0 {
+			rep, err := m.Sweep(ctx, time.Now(), false)
+			m.RecordSweep(nil, SweepByRoom, rep)
+			if err == nil && len(rep.Removed) > 0 {
 				m.say("Removed %d leftover machine(s) to make room", len(rep.Removed))
 				continue
 			}
@@ -150,4 +152,18 @@ func (m *Manager) idleCanCover(short shortfall) bool {
 		}
 	}
 	return vms > 0 && vms >= short.vms && mem >= short.memoryMiB
+}
+
+// CapacityUsed is what the machines of this installation hold of the
+// host now: VMs and memory (MiB) by their reservations, as admission
+// counts them.
+func (m *Manager) CapacityUsed() (vms, memoryMiB int, err error) {
+	held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
+	if err != nil {
+		return 0, 0, err
+	}
+	for _, r := range held {
+		memoryMiB += r.MemoryMiB
+	}
+	return len(held), memoryMiB, nil
 }

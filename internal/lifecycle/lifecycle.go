@@ -18,6 +18,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -88,6 +89,9 @@ type Request struct {
 	// error undoes everything, like any failed step. tools is the guest
 	// tools disk the machine got (nil for none).
 	Check func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error
+	// OnStep, if set, is told about each step of the provisioning as it
+	// ends: its name, how long it took, its error (nil when it succeeded).
+	OnStep func(name string, took time.Duration, err error)
 	// Standby, if set, makes a machine for a standby pool (BootStandby).
 	// Such a machine never waits for room (NoWait) nor makes room by
 	// retiring others.
@@ -95,6 +99,15 @@ type Request struct {
 	// NoWait fails admission at once (ErrNoRoom) when the host is full,
 	// instead of waiting for room.
 	NoWait bool
+	// Detached starts the machine and returns without waiting for its
+	// address or SSH (Launch): a front end whose guest reports back by
+	// itself (garm's runners). No guest tools disk, no Check.
+	Detached bool
+	// Seed, if set, builds the machine's cloud-init seed instead of the
+	// image's default one (CloudInitSeed): a front end's own user-data.
+	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
+	// Tags are the front end's marks in the ownership metadata.
+	Tags []vm.Tag
 }
 
 // Ready is a provisioned machine with an open SSH connection.
@@ -137,12 +150,26 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	m.say("Machine ready in %s", vm.Round(p.timings.Ready))
 	mach, _, _, err := m.Store.Load(req.Name)
 	if err != nil {
-		_ = p.client.Close()
+		if p.client != nil {
+			_ = p.client.Close()
+		}
 		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		return nil, errors.Join(err, m.teardown(tctx, req.Name))
 	}
 	return &Ready{Machine: mach, Client: p.client, Timings: p.timings}, nil
+}
+
+// Launch makes and starts a machine of req (Detached) and returns without
+// waiting for its boot: its guest reports back by itself. Everything made is
+// undone when a step fails, as in Provision.
+func (m *Manager) Launch(ctx context.Context, req Request) (*state.Machine, error) {
+	req.Detached = true
+	r, err := m.Provision(ctx, req)
+	if err != nil {
+		return nil, err
+	}
+	return r.Machine, nil
 }
 
 // touchPrivate creates an empty 0600 file owned by this process's user.

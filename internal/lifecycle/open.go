@@ -24,6 +24,8 @@ type Options struct {
 	Log *slog.Logger
 	// Say receives progress lines meant for the person watching the job.
 	Say func(format string, args ...any)
+	// OnReconnect, if set, is told about each re-made connection.
+	OnReconnect func(cause error)
 }
 
 // Open is how every front end gets a Manager for the installation that cfg
@@ -51,9 +53,12 @@ func reconnecting(uri string, o Options) *vm.Reconnecting {
 		connect = vm.Connect
 	}
 	r := vm.NewReconnecting(func(ctx context.Context) (vm.Hypervisor, error) { return connect(ctx, uri) })
-	if o.Log != nil {
-		r.OnReconnect = func(cause error) {
+	r.OnReconnect = func(cause error) {
+		if o.Log != nil {
 			o.Log.Warn("libvirt connection lost; reconnected", "uri", uri, "cause", cause)
+		}
+		if o.OnReconnect != nil {
+			o.OnReconnect(cause)
 		}
 	}
 	return r

@@ -59,6 +59,14 @@ func (m *Manager) newProvision(ctx context.Context, req Request) (*provision, er
 
 // list is the steps, in order, with their undos.
 func (p *provision) list() []steps.Step {
+	if p.req.Detached {
+		return []steps.Step{
+			{Name: "admission", Do: p.admit, Undo: p.teardown},
+			{Name: "keys", Do: p.makeKeys},
+			{Name: "create", Do: p.create, Undo: p.remove},
+			{Name: "record", Do: p.record},
+		}
+	}
 	return []steps.Step{
 		// The state directory is the record that volumes of this name are
 		// ours: it goes only once they are gone (teardown), else a sweep
@@ -81,6 +89,12 @@ func (p *provision) list() []steps.Step {
 func (p *provision) run(ctx context.Context) error {
 	r := steps.Runner{
 		UndoTimeout: p.m.Cfg.Timeouts.Cleanup.D(),
+		OnDone: func(name string, took time.Duration) {
+			if p.req.OnStep != nil {
+				p.req.OnStep(name, took, nil)
+			}
+		},
+		OnFailed: p.req.OnStep,
 		OnUndo: func(name string, err error) {
 			if err != nil {
 				p.m.say("Undo %s failed: %v", name, err)
@@ -148,7 +162,12 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	if err := p.m.Store.SaveKey(p.req.Name, p.keys.ClientPEM); err != nil {
 		return err
 	}
-	if p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir); err != nil {
+	if p.req.Seed != nil {
+		p.seed, err = p.req.Seed(p.keys, p.dir)
+	} else {
+		p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir)
+	}
+	if err != nil {
 		return err
 	}
 	p.mac, err = p.eng.FreshMAC(ctx, p.m.Cfg.Network)
@@ -203,7 +222,7 @@ func (p *provision) create(ctx context.Context) error {
 	p.m.say("Created %s from image %s (%s, %d vCPU, %d MiB) in %s", req.Name, req.Image.Name, p.domainType, req.VCPUs, req.MemoryMiB, vm.Round(p.timings.Created))
 	boot := p.m.Cfg.Timeouts.Boot.D()
 	p.bootCtx, p.endBoot = context.WithTimeoutCause(ctx, boot,
-		fmt.Errorf("boot timeout %s (timeouts.boot) reached", boot))
+		fmt.Errorf("%w %s (timeouts.boot) reached", ErrBootTimeout, boot))
 	return nil
 }
 

@@ -118,7 +118,8 @@ func (m *Manager) Reap(ctx context.Context, names []string) error {
 }
 
 func (m *Manager) reapOne(ctx context.Context, name string) error {
-	return m.teardownIf(ctx, name, func() (bool, error) {
+	var ended *state.Ended
+	err := m.teardownIf(ctx, name, func() (bool, error) {
 		has, err := m.Store.Has(name)
 		if err != nil || !has {
 			return false, err // removed already (by a sweep)
@@ -127,8 +128,13 @@ func (m *Manager) reapOne(ctx context.Context, name string) error {
 		if err == nil && e == nil {
 			err = notOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
 		}
+		ended = e
 		return err == nil, err
 	})
+	if err == nil && ended != nil {
+		m.recordReaped(name, ended.At)
+	}
+	return err
 }
 
 // StartReaper starts, detached (a session of its own, not waited for), a
@@ -165,6 +171,7 @@ func (m *Manager) OpportunisticSweep(ctx context.Context, log *slog.Logger) {
 		return
 	}
 	rep, err := m.Sweep(ctx, time.Now(), false)
+	m.RecordSweep(log, SweepByCleanup, rep)
 	if rep != nil && len(rep.Removed) > 0 {
 		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
 	}

@@ -57,7 +57,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		ConsoleLog: in.ConsoleLog,
 		Shared:     in.Shared,
 		Owner: vm.Owner{
-			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job,
+			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job, Tags: req.Tags,
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),
 		},
 	}

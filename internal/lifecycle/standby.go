@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -199,7 +200,20 @@ type Claimed struct {
 
 // ErrNoStandby means no idle standby machine could serve the request; its
 // message says why (the job takes the cold path).
-type ErrNoStandby struct{ Why string }
+type ErrNoStandby struct {
+	Why string
+	// Code is Why as a bounded word (Miss*) for metrics.
+	Code string
+}
+
+// Why a claim missed (ErrNoStandby.Code).
+const (
+	MissNoPool      = "no_pool"
+	MissSize        = "size"
+	MissServiceDown = "service_down"
+	MissEmpty       = "empty"
+	MissError       = "error"
+)
 
 func (e *ErrNoStandby) Error() string { return e.Why }
 
@@ -221,20 +235,20 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 	t0 := time.Now()
 	p := req.Image.Pool
 	if p == nil {
-		return nil, &ErrNoStandby{Why: fmt.Sprintf("image %s has no standby pool", req.Image.Name)}
+		return nil, &ErrNoStandby{Code: MissNoPool, Why: fmt.Sprintf("image %s has no standby pool", req.Image.Name)}
 	}
 	if want := m.Cfg.ImageSize(req.Image); req.Size != want {
-		return nil, &ErrNoStandby{Why: fmt.Sprintf("the job asks for %d vCPU, %d MiB, %d GiB; the pool of %s keeps %d vCPU, %d MiB, %d GiB",
+		return nil, &ErrNoStandby{Code: MissSize, Why: fmt.Sprintf("the job asks for %d vCPU, %d MiB, %d GiB; the pool of %s keeps %d vCPU, %d MiB, %d GiB",
 			req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB, req.Image.Name, want.VCPUs, want.MemoryMiB, want.DiskGiB)}
 	}
 	if !m.ServiceRunning() {
-		return nil, &ErrNoStandby{Why: "the pool service (libvirt-executor serve) is not running"}
+		return nil, &ErrNoStandby{Code: MissServiceDown, Why: "the pool service (libvirt-executor serve) is not running"}
 	}
 	// Every ask counts as demand for the pool's target, met or not.
 	_ = m.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
 	all, err := m.Standbys()
 	if err != nil {
-		return nil, &ErrNoStandby{Why: "cannot list the standby VMs: " + err.Error()}
+		return nil, &ErrNoStandby{Code: MissError, Why: "cannot list the standby VMs: " + err.Error()}
 	}
 	var idle []Standby
 	for _, s := range all {
@@ -266,7 +280,7 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 	if len(c.Skipped) > 0 {
 		why += " (passed over: " + strings.Join(c.Skipped, "; ") + ")"
 	}
-	return nil, &ErrNoStandby{Why: why}
+	return nil, &ErrNoStandby{Code: MissEmpty, Why: why}
 }
 
 // claimOne tries to claim one idle machine: why is non-empty when it was
@@ -470,6 +484,11 @@ func (m *Manager) retireIdle(ctx context.Context, reason string) string {
 			continue
 		}
 		if err := m.Retire(ctx, s.Name, reason); err == nil {
+			image := ""
+			if s.Record != nil && s.Record.Standby != nil {
+				image = s.Record.Standby.Image
+			}
+			m.Record(nil, obs.Event{Kind: obs.KindRetired, Job: s.Name, Image: image, Reason: "room"})
 			return s.Name
 		}
 	}

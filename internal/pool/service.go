@@ -15,11 +15,14 @@ import (
 	"net"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -29,6 +32,10 @@ import (
 type Service struct {
 	M   *lifecycle.Manager
 	Log *slog.Logger
+	// Started, if set, runs once the service holds its lock (only one
+	// service runs per installation): the metrics endpoint starts there.
+	// stop runs when the service ends.
+	Started func(ctx context.Context) (stop func(), err error)
 
 	mu sync.Mutex
 	// booting counts the boots started per image and not yet ended.
@@ -90,6 +97,13 @@ func (s *Service) Run(ctx context.Context) error {
 	}
 	defer unlock()
 	s.init()
+	if s.Started != nil {
+		stop, err := s.Started(ctx)
+		if err != nil {
+			return err
+		}
+		defer stop()
+	}
 	pools := s.M.Cfg.Pooled()
 	if len(pools) == 0 {
 		s.Log.Warn("no image has a pool table ([images.NAME.pool]): nothing to keep")
@@ -155,18 +169,18 @@ func (s *Service) Tick(ctx context.Context) {
 		seen[sb.Name] = true
 		switch {
 		case sb.Claim != nil && sb.Claim.Retire:
-			s.retire(ctx, sb.Name, sb.Claim.Reason)
+			s.retire(ctx, sb, sb.Claim.Reason)
 		case sb.Claim != nil:
 			s.noteClaim(sb)
 		case sb.Record == nil:
 			// Booting: by us (its lock is held), or cut off by an earlier
 			// service's end (removed now).
-			s.removeWith(ctx, sb.Name, "boot cut off", s.M.RemoveCutOffBoot)
+			s.removeWith(ctx, sb, "boot cut off", s.M.RemoveCutOffBoot)
 		case sb.Record.Standby == nil:
-			s.retire(ctx, sb.Name, "no standby record")
+			s.retire(ctx, sb, "no standby record")
 		default:
 			if why := s.judge(sb, bases); why != "" {
-				s.retire(ctx, sb.Name, why)
+				s.retire(ctx, sb, why)
 				continue
 			}
 			s.checkHealth(ctx, sb, now)
@@ -225,7 +239,7 @@ func (s *Service) keep(ctx context.Context, img *config.Image, idle []lifecycle.
 				break
 			}
 			if now.Sub(sb.Record.Created) > p.IdleTime.D() {
-				s.retire(ctx, sb.Name, fmt.Sprintf("idle longer than pool.idle_time %s above the pool's target %d", p.IdleTime.D(), target))
+				s.retire(ctx, sb, fmt.Sprintf("idle longer than pool.idle_time %s above the pool's target %d", p.IdleTime.D(), target))
 				excess--
 			}
 		}
@@ -377,12 +391,13 @@ func (s *Service) cancelBoots() int {
 // retire removes a standby machine in the background (once at a time per
 // machine). A machine a job claimed meanwhile, or whose lock another
 // process holds (a boot in progress), is left alone.
-func (s *Service) retire(ctx context.Context, name, reason string) {
-	s.removeWith(ctx, name, reason, func(ctx context.Context, name string) error { return s.M.Retire(ctx, name, reason) })
+func (s *Service) retire(ctx context.Context, sb lifecycle.Standby, reason string) {
+	s.removeWith(ctx, sb, reason, func(ctx context.Context, name string) error { return s.M.Retire(ctx, name, reason) })
 }
 
 // removeWith is retire with its own removal (remove).
-func (s *Service) removeWith(ctx context.Context, name, reason string, remove func(ctx context.Context, name string) error) {
+func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason string, remove func(ctx context.Context, name string) error) {
+	name := sb.Name
 	s.mu.Lock()
 	f := s.failing[name]
 	s.mu.Unlock()
@@ -405,6 +420,11 @@ func (s *Service) removeWith(ctx context.Context, name, reason string, remove fu
 			delete(s.failing, name)
 			delete(s.unhealthy, name)
 			s.Log.Info("retired standby VM", "vm", name, "reason", reason)
+			image := ""
+			if sb.Record != nil && sb.Record.Standby != nil {
+				image = sb.Record.Standby.Image
+			}
+			s.M.Record(s.Log, obs.Event{Kind: obs.KindRetired, Job: name, Image: image, Reason: RetireCode(reason)})
 		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed), errors.Is(err, lifecycle.ErrBootCompleted):
 		default:
 			// Tried again after 5 s, doubling to 5 min; logged when the
@@ -457,7 +477,7 @@ func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now tim
 		}
 		s.release(sb.Name)
 		if why != "" {
-			s.retire(ctx, sb.Name, why)
+			s.retire(ctx, sb, why)
 		}
 	}()
 }
@@ -476,4 +496,67 @@ func (s *Service) release(name string) {
 	s.mu.Lock()
 	delete(s.busy, name)
 	s.mu.Unlock()
+}
+
+// RetireCode is a retirement's reason as one of lifecycle.RetireReasons.
+func RetireCode(reason string) string {
+	r := strings.ToLower(reason)
+	has := func(words ...string) bool {
+		for _, w := range words {
+			if strings.Contains(r, w) {
+				return true
+			}
+		}
+		return false
+	}
+	switch {
+	case has("boot cut off"):
+		return "failed_boot"
+	case has("idle longer than"):
+		return "excess"
+	case has("room", "pressure"):
+		return "room"
+	case has("max_age", "older than"):
+		return "aged"
+	case has("paused"):
+		return "paused"
+	case has("changed", "no longer"):
+		return "drained"
+	case has("ssh", "shut off", "gone", "crash", "not running", "dead"):
+		return "dead"
+	}
+	return "other"
+}
+
+// Gauges counts the standby machines of every pooled image now (boots
+// by this service's own count: a booting machine has no record yet).
+func (s *Service) Gauges() ([]metrics.PoolGauge, error) {
+	all, err := s.M.Standbys()
+	if err != nil {
+		return nil, err
+	}
+	now := time.Now()
+	var out []metrics.PoolGauge
+	for _, img := range s.M.Cfg.Pooled() {
+		g := metrics.PoolGauge{Image: img.Name}
+		for _, sb := range all {
+			if sb.Record == nil || sb.Record.Standby == nil || sb.Record.Standby.Image != img.Name {
+				continue
+			}
+			switch {
+			case sb.Claim != nil && sb.Claim.Retire:
+				g.Retiring++
+			case sb.Claim != nil:
+				g.Claimed++
+			default:
+				g.Idle++
+			}
+		}
+		s.mu.Lock()
+		g.Booting = s.booting[img.Name]
+		s.mu.Unlock()
+		g.Target = s.target(img, now)
+		out = append(out, g)
+	}
+	return out, nil
 }

@@ -75,6 +75,27 @@ var ErrHostKeyMismatch = errors.New("host key mismatch: the server is not the ex
 // ErrDeadGuest means keepalive replies stopped arriving.
 var ErrDeadGuest = errors.New("guest stopped answering SSH keepalives")
 
+// DeadGuestError is ErrDeadGuest with how long the guest had been silent
+// when that was noticed: the detection's latency.
+type DeadGuestError struct{ Silent time.Duration }
+
+func (e *DeadGuestError) Error() string {
+	return fmt.Sprintf("%v for %s", ErrDeadGuest, e.Silent.Round(time.Second))
+}
+
+// Is makes errors.Is(err, ErrDeadGuest) hold.
+func (e *DeadGuestError) Is(target error) bool { return target == ErrDeadGuest }
+
+// DeadAfter is how long a dead guest had been silent when err (which
+// wraps a DeadGuestError) was noticed.
+func DeadAfter(err error) (time.Duration, bool) {
+	var d *DeadGuestError
+	if errors.As(err, &d) {
+		return d.Silent, true
+	}
+	return 0, false
+}
+
 func (t Target) config() (*ssh.ClientConfig, error) {
 	if t.Signer == nil {
 		return nil, errors.New("no client key")
@@ -192,7 +213,7 @@ func (c *Client) keepalive(interval, deadAfter time.Duration) {
 		case <-t.C:
 			if time.Since(last) >= deadAfter {
 				c.mu.Lock()
-				c.deadErr = fmt.Errorf("%w for %s", ErrDeadGuest, time.Since(last).Round(time.Second))
+				c.deadErr = &DeadGuestError{Silent: time.Since(last)}
 				c.mu.Unlock()
 				_ = c.c.Close()
 				return
@@ -339,6 +360,10 @@ type RunOptions struct {
 	// caller that may have to stop the stage from another connection
 	// (StopStage) chooses it; empty means a random one.
 	Tag string
+	// Span, if set, receives how long the stage ran in the guest: from the
+	// session's start to the script's exit status (what a stage costs
+	// beyond it is its overhead).
+	Span *time.Duration
 }
 
 // NewTag returns a fresh stage tag for RunOptions.Tag.
@@ -390,8 +415,12 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
 		return err
 	}
 	defer s.close()
+	began := time.Now()
 	select {
 	case res := <-s.exited:
+		if o.Span != nil {
+			*o.Span = time.Since(began)
+		}
 		if !s.drain(orDefault(o.DrainGrace, 2*time.Second)) {
 			fmt.Fprintf(stderr, "libvirt-executor: the stage's script ended but a process it started still holds its output open; not waiting for it\n")
 		}

@@ -137,8 +137,9 @@ func TestExplainFindsTheAdminTool(t *testing.T) {
 // Only a stage marked ExplainViaAdminTool (run) explains through the admin
 // tool; the others leave gitlab.Env.Explain nil (lifecycle.Manager.Explain).
 func TestExplainViaAdminToolOption(t *testing.T) {
-	cfgPath := filepath.Join(t.TempDir(), "c.toml")
-	require.NoError(t, os.WriteFile(cfgPath, []byte("[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "c.toml")
+	require.NoError(t, os.WriteFile(cfgPath, []byte("state_dir = \""+dir+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	for _, via := range []bool{false, true} {
 		var opts []Option
 		if via {

@@ -10,7 +10,10 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"path/filepath"
+	"strings"
 	"syscall"
+	"time"
 
 	"github.com/urfave/cli/v2"
 
@@ -18,6 +21,9 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
 // early receives SIGTERM/SIGINT from the moment the package initialises, so
@@ -54,6 +60,7 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 	for _, opt := range opts {
 		opt(&o)
 	}
+	began := time.Now()
 	codes := exitcodes.FromEnv(getenv)
 	ctx, cancel := context.WithCancelCause(context.Background())
 	defer cancel(nil)
@@ -91,7 +98,8 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			if err != nil {
 				return err
 			}
-			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger}
+			report := &obs.Report{Stage: strings.TrimPrefix(name, lifecycle.AdminExecutable+"-")}
+			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report}
 			if o.explainViaAdmin {
 				env.Explain = newAdminExplainer(cfgPath, logger).Explain
 			}
@@ -108,6 +116,8 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			if stageErr != nil {
 				fmt.Fprintf(stderr, "%s: %v\n", name, stageErr)
 			}
+			cancelled := ctx.Err() != nil && (stageErr != nil || !o.toCompletion)
+			record(cfg, logger, report, stageErr, cancelled, began)
 			return nil
 		},
 	}
@@ -116,4 +126,56 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 		return codes.System
 	}
 	return codes.Resolve(stageErr)
+}
+
+// record ends the stage's report and records it: the event for the
+// service's metrics (the spool in the state directory) and the step
+// records for the host's structured log. Neither can fail the stage; a
+// failure is logged at debug level (stderr is the job log).
+func record(cfg *config.Config, log *slog.Logger, r *obs.Report, err error, cancelled bool, began time.Time) {
+	end := time.Now()
+	dead, _ := sshexec.DeadAfter(err)
+	ev, steps := r.Finish(obs.Outcome{Err: err, Cancelled: cancelled, Took: end.Sub(began), End: end, Classify: Classify, DeadAfter: dead})
+	spool := obs.Spool{Dir: filepath.Join(cfg.StateDir, lifecycle.EventsDir), MaxBytes: int64(cfg.Serve.EventSpoolMiB) << 20}
+	if aerr := spool.Append(ev); aerr != nil {
+		log.Debug("event record not written", "err", aerr)
+	}
+	sl, oerr := obs.OpenStepLog(cfg.Log.Steps, stepLogPath(cfg), int64(cfg.Log.StepsFileMiB)<<20)
+	if oerr != nil {
+		log.Debug("step log not opened", "err", oerr)
+		return
+	}
+	defer func() { _ = sl.Close() }()
+	for _, s := range steps {
+		if lerr := sl.Log(s); lerr != nil {
+			log.Debug("step record not written", "err", lerr)
+			return
+		}
+	}
+}
+
+// stepLogPath is the step log's path for its kind: the file, or for the
+// journal its default socket.
+func stepLogPath(cfg *config.Config) string {
+	if cfg.Log.Steps == "file" {
+		return cfg.Log.StepsFile
+	}
+	return ""
+}
+
+// Classify is a stage error's result class and failure reason, as the
+// metrics and the structured log give them.
+func Classify(err error, cancelled bool) (result, reason string) {
+	switch exitcodes.Classify(err) {
+	case exitcodes.OK:
+		result = obs.ResultSuccess
+	case exitcodes.BuildClass:
+		result = obs.ResultBuild
+	default:
+		result = obs.ResultSystem
+	}
+	if cancelled && result == obs.ResultSuccess {
+		result = obs.ResultSystem
+	}
+	return result, lifecycle.FailureReason(err, cancelled)
 }

@@ -3,23 +3,28 @@ package stagecli
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
 
 func TestExitCodes(t *testing.T) {
 	dir := t.TempDir()
 	good := filepath.Join(dir, "good.toml")
-	require.NoError(t, os.WriteFile(good, []byte("[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	require.NoError(t, os.WriteFile(good, []byte("state_dir = \""+dir+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	broken := filepath.Join(dir, "broken.toml")
 	require.NoError(t, os.WriteFile(broken, []byte("[images.a]\nbase = \"/a.qcow2\"\nbogus = 1\n"), 0o600))
 	env := map[string]string{"BUILD_FAILURE_EXIT_CODE": "11", "SYSTEM_FAILURE_EXIT_CODE": "12"}
@@ -64,7 +69,7 @@ func TestExitCodes(t *testing.T) {
 func TestConfigFromEnvironment(t *testing.T) {
 	dir := t.TempDir()
 	good := filepath.Join(dir, "good.toml")
-	require.NoError(t, os.WriteFile(good, []byte("name_prefix = \"envcfg\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	require.NoError(t, os.WriteFile(good, []byte("name_prefix = \"envcfg\"\nstate_dir = \""+dir+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	env := map[string]string{config.EnvPath: good}
 	t.Setenv(config.EnvPath, good) // urfave/cli reads EnvVars from the process
 	var got string
@@ -83,7 +88,7 @@ func TestConfigFromEnvironment(t *testing.T) {
 func TestSignalledStageIsSystemFailure(t *testing.T) {
 	dir := t.TempDir()
 	cfgPath := filepath.Join(dir, "c.toml")
-	require.NoError(t, os.WriteFile(cfgPath, []byte("[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	require.NoError(t, os.WriteFile(cfgPath, []byte("state_dir = \""+dir+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	env := map[string]string{"BUILD_FAILURE_EXIT_CODE": "1", "SYSTEM_FAILURE_EXIT_CODE": "2"}
 	endsAnyway := func(result error) Stage {
 		return func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
@@ -111,4 +116,61 @@ func TestSignalledStageIsSystemFailure(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Every stage leaves one event record for the metrics and its step
+// records in the step log: the stage's own name, the outcome's class and
+// reason; a signalled stage is "cancelled".
+func TestStageRecordsItsOutcome(t *testing.T) {
+	dir := t.TempDir()
+	cfgPath := filepath.Join(dir, "c.toml")
+	steps := filepath.Join(dir, "steps.jsonl")
+	require.NoError(t, os.WriteFile(cfgPath, []byte("state_dir = \""+dir+"\"\n[log]\nsteps = \"file\"\nsteps_file = \""+steps+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
+	env := map[string]string{"BUILD_FAILURE_EXIT_CODE": "1", "SYSTEM_FAILURE_EXIT_CODE": "2"}
+	stage := func(result error, signal bool) Stage {
+		return func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+			e.Report.Identify("42", "https://gitlab.example", "lve-x-y-42")
+			e.Report.SetStage(args[1])
+			e.Report.Machine("lve-x-y-42", "a")
+			e.Report.Step("inner", time.Millisecond, nil)
+			if signal {
+				early <- syscall.SIGTERM
+				<-ctx.Done()
+			}
+			return result
+		}
+	}
+	run := func(result error, signal bool, stageName string, want int) {
+		code := Run([]string{"libvirt-executor-run", "--config", cfgPath, "script", stageName}, func(k string) string { return env[k] },
+			&bytes.Buffer{}, &bytes.Buffer{}, "libvirt-executor-run", "", "", 2, stage(result, signal))
+		require.Equal(t, want, code)
+	}
+	run(&exitcodes.ScriptError{Code: 3}, false, "step_script", 1)
+	run(nil, true, "after_script", 2)
+	run(nil, false, "get_sources", 0)
+	var got []obs.Event
+	_, err := (obs.Spool{Dir: filepath.Join(dir, lifecycle.EventsDir)}).Fold(obs.Cursor{}, obs.Reader{
+		Apply: func(e obs.Event) { got = append(got, e) }, Invalid: func() { t.Error("invalid record") },
+		Save: func(obs.Cursor) error { return nil },
+	})
+	require.NoError(t, err)
+	require.Len(t, got, 3)
+	require.Equal(t, []string{"step_script", "after_script", "get_sources"}, []string{got[0].Stage, got[1].Stage, got[2].Stage})
+	require.Equal(t, []string{obs.ResultBuild, obs.ResultSystem, obs.ResultSuccess}, []string{got[0].Result, got[1].Result, got[2].Result})
+	require.Equal(t, []string{lifecycle.ReasonScript, lifecycle.ReasonCancelled, lifecycle.ReasonNone}, []string{got[0].Reason, got[1].Reason, got[2].Reason})
+	require.Equal(t, "lve-x-y-42", got[0].Job)
+	require.Equal(t, "a", got[0].Image)
+	b, err := os.ReadFile(steps)
+	require.NoError(t, err)
+	lines := strings.Split(strings.TrimSpace(string(b)), "\n")
+	require.Len(t, lines, 6, "two records per stage: its step and the whole stage")
+	var last map[string]any
+	require.NoError(t, json.Unmarshal([]byte(lines[1]), &last))
+	require.Equal(t, "stage", last["step"])
+	require.Equal(t, "step_script", last["stage"])
+	require.Equal(t, "failed", last["outcome"])
+	require.Equal(t, "build_failure", last["class"])
+	require.Equal(t, "script", last["reason"])
+	require.Equal(t, "42", last["job_id"])
+	require.Equal(t, "https://gitlab.example", last["instance"])
 }

@@ -154,7 +154,7 @@ func (s Store) MapJob(job string, jm JobMachine) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(path, b)
+	return WriteFileAtomic(path, b)
 }
 
 // MachineOfJob returns the job's mapping entry, or nil when it has none

@@ -148,7 +148,7 @@ func (s Store) Create(name string) (string, error) {
 
 // SaveKey writes the client key (0600).
 func (s Store) SaveKey(name string, pem []byte) error {
-	return writeFileAtomic(filepath.Join(s.MachineDir(name), keyFile), pem)
+	return WriteFileAtomic(filepath.Join(s.MachineDir(name), keyFile), pem)
 }
 
 // Save writes the machine record (0600).
@@ -157,7 +157,7 @@ func (s Store) Save(m Machine) error {
 	if err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(s.MachineDir(m.Name), machineFile), b)
+	return WriteFileAtomic(filepath.Join(s.MachineDir(m.Name), machineFile), b)
 }
 
 // ErrNoMachine means no prepared machine is recorded under that name.
@@ -212,7 +212,15 @@ func (s Store) Names() ([]string, error) {
 	return names, nil
 }
 
-func writeFileAtomic(path string, data []byte) error {
+// WriteFileAtomic replaces the file at path with data (mode 0600) by a
+// rename, so that a reader sees the old content or the new, never a part.
+func WriteFileAtomic(path string, data []byte) error { return writeFile(path, data, false) }
+
+// WriteFileDurable is WriteFileAtomic that also survives a power loss: the
+// data and the rename reach the disk before it returns.
+func WriteFileDurable(path string, data []byte) error { return writeFile(path, data, true) }
+
+func writeFile(path string, data []byte, durable bool) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+"-*")
 	if err != nil {
 		return err
@@ -225,10 +233,24 @@ func writeFileAtomic(path string, data []byte) error {
 		tmp.Close()
 		return err
 	}
+	if durable {
+		if err := tmp.Sync(); err != nil {
+			tmp.Close()
+			return err
+		}
+	}
 	if err := tmp.Close(); err != nil {
 		return err
 	}
-	return os.Rename(tmp.Name(), path)
+	if err := os.Rename(tmp.Name(), path); err != nil || !durable {
+		return err
+	}
+	d, err := os.Open(filepath.Dir(path))
+	if err != nil {
+		return err
+	}
+	defer d.Close()
+	return d.Sync()
 }
 
 // Due reports whether at least every has passed since the last time Due
@@ -261,7 +283,7 @@ func (s Store) Reserve(name string, r Reservation) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if err := writeFileAtomic(filepath.Join(dir, reservationFile), b); err != nil {
+	if err := WriteFileAtomic(filepath.Join(dir, reservationFile), b); err != nil {
 		_ = s.Remove(name)
 		return "", err
 	}
@@ -324,7 +346,7 @@ func (s Store) writeJSON(sub, name string, v any) error {
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
 	}
-	return writeFileAtomic(filepath.Join(dir, name+".json"), b)
+	return WriteFileAtomic(filepath.Join(dir, name+".json"), b)
 }
 
 func (s Store) readJSON(sub, name string, v any) bool {
@@ -350,7 +372,7 @@ func (s Store) MarkEnded(name string, e Ended) error {
 	if err != nil {
 		return err
 	}
-	if err := writeFileAtomic(filepath.Join(s.MachineDir(name), reapFile), b); err != nil {
+	if err := WriteFileAtomic(filepath.Join(s.MachineDir(name), reapFile), b); err != nil {
 		return err
 	}
 	if err := os.Remove(filepath.Join(s.MachineDir(name), keyFile)); err != nil && !errors.Is(err, os.ErrNotExist) {

@@ -27,6 +27,9 @@ type Runner struct {
 	UndoTimeout time.Duration
 	// OnDone, if set, is told how long each successful step took.
 	OnDone func(name string, took time.Duration)
+	// OnFailed, if set, is told how long the step that failed took, and its
+	// error.
+	OnFailed func(name string, took time.Duration, err error)
 	// OnUndo, if set, is told about each undo and its error (nil on success).
 	OnUndo func(name string, err error)
 }
@@ -44,6 +47,9 @@ func (r Runner) Run(ctx context.Context, steps []Step) error {
 		}
 		start := time.Now()
 		if err := s.Do(ctx); err != nil {
+			if r.OnFailed != nil {
+				r.OnFailed(s.Name, time.Since(start), err)
+			}
 			return r.undo(ctx, done, fmt.Errorf("%s: %w", s.Name, err))
 		}
 		if r.OnDone != nil {

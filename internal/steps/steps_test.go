@@ -59,8 +59,12 @@ func TestCancelledContextStillUndoes(t *testing.T) {
 func TestUndoErrorsAreReported(t *testing.T) {
 	bad := Step{Name: "x", Do: func(context.Context) error { return nil }, Undo: func(context.Context) error { return errors.New("stuck") }}
 	fail := Step{Name: "y", Do: func(context.Context) error { return errors.New("nope") }}
-	var undone []string
-	err := Runner{OnUndo: func(n string, err error) { undone = append(undone, n) }}.Run(context.Background(), []Step{bad, fail})
+	var undone, failed []string
+	err := Runner{
+		OnUndo:   func(n string, err error) { undone = append(undone, n) },
+		OnFailed: func(n string, _ time.Duration, err error) { failed = append(failed, n+": "+err.Error()) },
+	}.Run(context.Background(), []Step{bad, fail})
+	require.Equal(t, []string{"y: nope"}, failed)
 	require.ErrorContains(t, err, "y: nope")
 	require.ErrorContains(t, err, "undo x: stuck")
 	require.Equal(t, []string{"x"}, undone)

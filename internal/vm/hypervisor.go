@@ -11,6 +11,13 @@ import (
 // does not exist.
 var ErrNotFound = errors.New("not found")
 
+// HypervisorError is an error the hypervisor (libvirt) itself reported;
+// its message is the hypervisor's. Metrics and logs class failures by it.
+type HypervisorError struct{ Err error }
+
+func (e *HypervisorError) Error() string { return e.Err.Error() }
+func (e *HypervisorError) Unwrap() error { return e.Err }
+
 // ErrNoOwner is returned by Hypervisor.Owner for a domain that carries no
 // ownership record of ours.
 var ErrNoOwner = errors.New("domain has no libvirt-executor ownership metadata")

@@ -25,6 +25,26 @@ type Owner struct {
 	Deadline time.Time `xml:"deadline"`
 	// Volumes are the storage volumes that belong to the machine.
 	Volumes []string `xml:"volume"`
+	// Tags are the front end's own marks (garm: its controller and pool
+	// ids and the instance name), so that it can list and remove its
+	// machines by them.
+	Tags []Tag `xml:"tag" json:",omitempty"`
+}
+
+// Tag is one front-end mark of a machine.
+type Tag struct {
+	Key   string `xml:"key,attr"`
+	Value string `xml:",chardata"`
+}
+
+// Tag is the value of the tag key ("" without one).
+func (o Owner) Tag(key string) string {
+	for _, t := range o.Tags {
+		if t.Key == key {
+			return t.Value
+		}
+	}
+	return ""
 }
 
 // MarshalOwner renders the record as an XML element (encoding/xml escapes

@@ -184,6 +184,10 @@ func (l *Conn) markLost(err error) error {
 	if alive, aerr := l.conn.IsAlive(); aerr == nil && !alive {
 		return fmt.Errorf("%w: %w", vm.ErrConnectionLost, err)
 	}
+	var lerr libvirt.Error
+	if errors.As(err, &lerr) {
+		return &vm.HypervisorError{Err: err}
+	}
 	return err
 }
 

@@ -1,0 +1,73 @@
+package admin
+
+import (
+	"context"
+	"log/slog"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
+)
+
+// Serve is libvirt-executor serve: the standby pools (internal/pool) and,
+// once the service holds its lock, the metrics endpoint
+// (serve.metrics_listen), until ctx ends. connect opens libvirt (nil: the
+// linked-in default).
+func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect lifecycle.Connector) error {
+	var m *lifecycle.Manager
+	m, err := lifecycle.Open(cfg, lifecycle.Options{
+		Connect: connect, Log: log,
+		OnReconnect: func(error) { m.Record(log, obs.Event{Kind: obs.KindReconnect}) },
+	})
+	if err != nil {
+		return err
+	}
+	defer m.Close()
+	if err := m.Dial(ctx); err != nil {
+		return err
+	}
+	svc := &pool.Service{M: m, Log: log}
+	svc.Started = func(context.Context) (func(), error) {
+		if cfg.Serve.MetricsListen == config.MetricsOff {
+			log.Info("no metrics endpoint (serve.metrics_listen = \"off\")")
+			return func() {}, nil
+		}
+		col := NewCollector(m, svc, log)
+		h, err := metrics.Handler(col)
+		if err != nil {
+			return nil, err
+		}
+		stop, err := metrics.Serve(ctx, cfg.Serve.MetricsListen, h, log)
+		if err != nil {
+			return nil, err
+		}
+		lctx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		go func() { defer close(done); col.Run(lctx, liveEvery) }()
+		return func() { stop(); cancel(); <-done }, nil
+	}
+	return svc.Run(ctx)
+}
+
+// liveEvery is how often the service looks at the live gauges (VMs in
+// libvirt, pools, capacity); a scrape serves the latest look.
+const liveEvery = 2 * time.Second
+
+// NewCollector is the metrics collector of this installation: the event
+// spool's folder and the live gauges of libvirt, the pools and capacity.
+func NewCollector(m *lifecycle.Manager, svc *pool.Service, log *slog.Logger) *metrics.Collector {
+	return &metrics.Collector{
+		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
+		Live: metrics.Live{
+			VMs:   m.CountMachines,
+			Pools: svc.Gauges,
+			Capacity: func() (int, int, int, int, error) {
+				vms, mem, err := m.CapacityUsed()
+				return vms, mem, m.Cfg.Capacity.MaxVMs, m.Cfg.Capacity.MemoryBudgetMiB, err
+			},
+		},
+	}
+}

@@ -1,0 +1,328 @@
+package garm
+
+import (
+	"bytes"
+	"context"
+	"encoding/base64"
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+const (
+	ctrlA = "11111111-2222-3333-4444-555555555555"
+	ctrlB = "99999999-2222-3333-4444-555555555555"
+	poolA = "aaaaaaaa-0000-0000-0000-000000000001"
+	poolB = "bbbbbbbb-0000-0000-0000-000000000002"
+	token = "eyJhbGciOiJIUzI1NiJ9.secret-instance-token.sig"
+)
+
+func testConfig(t *testing.T) *config.Config {
+	t.Helper()
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("QFI"), 0o644))
+	cfg, err := config.Parse([]byte(`
+storage_pool = "default-pool"
+network = "default"
+domain_type = "qemu"
+state_dir = "` + filepath.Join(dir, "state") + `"
+default_image = "cloud"
+[limits]
+max_vcpus = 4
+max_memory_mib = 4096
+max_disk_gib = 40
+[garm]
+images = ["cloud"]
+extra_specs = ["disk_gib"]
+[garm.flavors.small]
+vcpus = 1
+memory_mib = 768
+[images.cloud]
+base = "` + base + `"
+key_injection = "cloud-init"
+user = "debian"
+[images.tiny]
+base = "` + base + `"
+`))
+	require.NoError(t, err)
+	return cfg
+}
+
+type rig struct {
+	t   *testing.T
+	cfg *config.Config
+	hv  *vmtest.Fake
+	m   *lifecycle.Manager
+}
+
+func newRig(t *testing.T) *rig {
+	cfg := testConfig(t)
+	hv := vmtest.New()
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Close() })
+	return &rig{t: t, cfg: cfg, hv: hv, m: m}
+}
+
+// call runs one command as garm would: env, stdin; stdout and the exit code.
+func (r *rig) call(env map[string]string, stdin string) (string, int) {
+	r.t.Helper()
+	full := map[string]string{"GARM_PROVIDER_CONFIG_FILE": "/unused", "GARM_INTERFACE_VERSION": V011}
+	for k, v := range env {
+		full[k] = v
+	}
+	e, err := ReadEnv(func(k string) string { return full[k] })
+	if err != nil {
+		return err.Error(), ExitCode(err)
+	}
+	var out bytes.Buffer
+	p := &Provider{M: r.m, Cfg: r.cfg, Env: e, Out: &out}
+	if err := p.Run(context.Background(), strings.NewReader(stdin)); err != nil {
+		return err.Error(), ExitCode(err)
+	}
+	return out.String(), ExitOK
+}
+
+func bootstrap(name string, mutate func(map[string]any)) string {
+	b := map[string]any{
+		"name": name, "os_type": "linux", "arch": "amd64", "image": "cloud", "flavor": "small",
+		"callback-url": "http://10.0.0.1:20100/api/v1/callbacks", "metadata-url": "http://10.0.0.1:20100/api/v1/metadata",
+		"instance-token": token, "repo_url": "https://github.com/o/r", "labels": []string{"a", "b"},
+		"tools": []map[string]any{{"os": "linux", "architecture": "x64", "download_url": "http://10.0.0.1:20100/runner.tar.gz",
+			"filename": "runner.tar.gz", "sha256_checksum": strings.Repeat("ab", 32)}},
+		"ssh-keys":    []string{"ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIB garm@example"},
+		"extra_specs": map[string]any{},
+	}
+	if mutate != nil {
+		mutate(b)
+	}
+	out, _ := json.Marshal(b)
+	return string(out)
+}
+
+func create(r *rig, ctrl, pool, name string) Instance {
+	r.t.Helper()
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrl, "GARM_POOL_ID": pool}, bootstrap(name, nil))
+	require.Equal(r.t, ExitOK, code, out)
+	var in Instance
+	require.NoError(r.t, json.Unmarshal([]byte(out), &in))
+	return in
+}
+
+func TestCreateListGetDelete(t *testing.T) {
+	r := newRig(t)
+	a1 := create(r, ctrlA, poolA, "garm-Abc1")
+	a2 := create(r, ctrlA, poolA, "garm-Abc2")
+	b1 := create(r, ctrlA, poolB, "garm-Bcd1")
+	other := create(r, ctrlB, poolA, "garm-Abc1") // the same name under another garm
+	require.Equal(t, StatusRunning, a1.Status)
+	require.NotEqual(t, a1.ProviderID, other.ProviderID)
+	require.True(t, strings.HasPrefix(a1.ProviderID, lifecycle.MachinePrefix(r.cfg.NamePrefix, r.m.Controller)), a1.ProviderID)
+
+	// The domain: our ownership, garm's tags, the flavor's size, the
+	// token nowhere in its XML.
+	d := r.hv.Domains[a1.ProviderID]
+	require.NotNil(t, d)
+	o, err := vm.ParseOwner(d.OwnerXML)
+	require.NoError(t, err)
+	require.Equal(t, Frontend, o.Frontend)
+	require.Equal(t, ctrlA, o.Tag(TagController))
+	require.Equal(t, poolA, o.Tag(TagPool))
+	require.Equal(t, "garm-Abc1", o.Tag(TagName))
+	require.Contains(t, d.XML, `<memory unit="MiB">768</memory>`)
+	require.NotContains(t, d.XML, token)
+	// The token is in the seed volume only.
+	seed := r.hv.Volumes["default-pool/"+vm.SeedVolume(a1.ProviderID)]
+	require.NotEmpty(t, seed)
+	bs, err := ReadBootstrap(strings.NewReader(bootstrap("garm-Abc1", nil)))
+	require.NoError(t, err)
+	params, err := guestParams(bs)
+	require.NoError(t, err)
+	require.Contains(t, string(params), token)
+	require.True(t, bytes.Contains(seed, []byte(base64.StdEncoding.EncodeToString(params))), "the seed's user-data carries the parameters with the token")
+	files, _ := filepath.Glob(filepath.Join(r.cfg.StateDir, "*", "*", "*"))
+	for _, f := range files {
+		b, err := os.ReadFile(f)
+		if err == nil {
+			require.NotContains(t, string(b), token, "no file of the state directory holds the token: %s", f)
+		}
+	}
+
+	// List: pool A of controller A only.
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdList, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, "")
+	require.Equal(t, ExitOK, code, out)
+	var list []Instance
+	require.NoError(t, json.Unmarshal([]byte(out), &list))
+	ids := []string{}
+	for _, in := range list {
+		ids = append(ids, in.ProviderID)
+	}
+	require.ElementsMatch(t, []string{a1.ProviderID, a2.ProviderID}, ids)
+
+	// Get by provider id and by garm's name (after a failed create garm
+	// only has the name).
+	for _, id := range []string{a1.ProviderID, "garm-Abc1"} {
+		out, code = r.call(map[string]string{"GARM_COMMAND": CmdGet, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": id}, "")
+		require.Equal(t, ExitOK, code, out)
+		var in Instance
+		require.NoError(t, json.Unmarshal([]byte(out), &in))
+		require.Equal(t, a1.ProviderID, in.ProviderID)
+		require.Equal(t, "garm-Abc1", in.Name)
+	}
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdGet, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": "garm-Nope"}, "")
+	require.Equal(t, ExitNotFound, code)
+
+	// Stop and start.
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdStop, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a1.ProviderID}, "")
+	require.Equal(t, ExitOK, code)
+	require.False(t, r.hv.Domains[a1.ProviderID].Active)
+	out, _ = r.call(map[string]string{"GARM_COMMAND": CmdGet, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a1.ProviderID}, "")
+	require.Contains(t, out, `"status":"stopped"`)
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdStart, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a1.ProviderID}, "")
+	require.Equal(t, ExitOK, code)
+	require.True(t, r.hv.Domains[a1.ProviderID].Active)
+
+	// Delete, then delete again, and delete a name that never existed.
+	for range 2 {
+		_, code = r.call(map[string]string{"GARM_COMMAND": CmdDelete, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a1.ProviderID}, "")
+		require.Equal(t, ExitOK, code)
+	}
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdDelete, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": "garm-NeverMade"}, "")
+	require.Equal(t, ExitOK, code)
+	require.NotContains(t, r.hv.Domains, a1.ProviderID)
+	require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.SeedVolume(a1.ProviderID), "the seed volume (with the token) goes with the VM")
+
+	// RemoveAll of controller A leaves controller B's instance.
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdRemoveAll, "GARM_CONTROLLER_ID": ctrlA}, "")
+	require.Equal(t, ExitOK, code)
+	require.NotContains(t, r.hv.Domains, a2.ProviderID)
+	require.NotContains(t, r.hv.Domains, b1.ProviderID)
+	require.Contains(t, r.hv.Domains, other.ProviderID)
+
+	// A domain without our metadata is never touched.
+	r.hv.Domains[lifecycle.MachinePrefix(r.cfg.NamePrefix, r.m.Controller)+"garm-foreign"] = &vmtest.Domain{Active: true}
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdRemoveAll, "GARM_CONTROLLER_ID": ctrlB}, "")
+	require.Equal(t, ExitOK, code)
+	require.Contains(t, r.hv.Domains, lifecycle.MachinePrefix(r.cfg.NamePrefix, r.m.Controller)+"garm-foreign")
+	require.NotContains(t, r.hv.Domains, other.ProviderID)
+}
+
+func TestCreateDuplicate(t *testing.T) {
+	r := newRig(t)
+	create(r, ctrlA, poolA, "garm-Dup")
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Dup", nil))
+	require.Equal(t, ExitDuplicate, code, out)
+}
+
+// Hostile or wrong input: a clear error, exit 1, nothing made.
+func TestCreateRefusesBadInput(t *testing.T) {
+	r := newRig(t)
+	cases := []struct {
+		name   string
+		stdin  string
+		expect string
+	}{
+		{"not json", "{", "not valid JSON"},
+		{"wrong type", `{"name": 5}`, `field "name" must be string`},
+		{"oversized", strings.Repeat(" ", maxBootstrap+10), "exceed"},
+		{"name with xml", bootstrap("<x>&", nil), "instance name"},
+		{"name with path", bootstrap("../../etc", nil), "instance name"},
+		{"windows", bootstrap("garm-W", func(b map[string]any) { b["os_type"] = "windows" }), "linux only"},
+		{"arch", bootstrap("garm-A", func(b map[string]any) { b["arch"] = "s390x" }), `arch "s390x"`},
+		{"image", bootstrap("garm-I", func(b map[string]any) { b["image"] = "tiny" }), `image "tiny" is not offered to garm pools: use one of cloud`},
+		{"flavor", bootstrap("garm-F", func(b map[string]any) { b["flavor"] = "huge" }), `flavor "huge" is not defined: use one of default, small`},
+		{"extra spec key", bootstrap("garm-E", func(b map[string]any) { b["extra_specs"] = map[string]any{"vcpus": 2} }), `extra_specs key "vcpus" is not permitted: this provider permits disk_gib`},
+		{"extra spec range", bootstrap("garm-R", func(b map[string]any) { b["extra_specs"] = map[string]any{"disk_gib": 4000} }), "out of range 1-40"},
+		{"checksum", bootstrap("garm-C", func(b map[string]any) {
+			b["tools"] = []map[string]any{{"os": "linux", "architecture": "x64", "download_url": "http://h/x", "sha256_checksum": "x; rm -rf /"}}
+		}), "not 64 hex digits"},
+		{"no tool", bootstrap("garm-T", func(b map[string]any) { b["tools"] = []map[string]any{} }), "no runner tool"},
+		{"callback url", bootstrap("garm-U", func(b map[string]any) { b["callback-url"] = "file:///etc/passwd" }), "not an http(s) URL"},
+		{"package", bootstrap("garm-P", func(b map[string]any) {
+			b["user_data_options"] = map[string]any{"extra_packages": []string{"git; curl evil"}}
+		}), "not a Debian package name"},
+	}
+	for _, tc := range cases {
+		t.Run(tc.name, func(t *testing.T) {
+			out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, tc.stdin)
+			require.Equal(t, ExitError, code, out)
+			require.Contains(t, out, tc.expect)
+			require.Empty(t, r.hv.Domains, "nothing made")
+		})
+	}
+}
+
+func TestEnv(t *testing.T) {
+	env := func(kv ...string) func(string) string {
+		m := map[string]string{}
+		for i := 0; i < len(kv); i += 2 {
+			m[kv[i]] = kv[i+1]
+		}
+		return func(k string) string { return m[k] }
+	}
+	_, err := ReadEnv(env("GARM_COMMAND", "GetVersion", "GARM_INTERFACE_VERSION", "v0.2.0"))
+	require.ErrorContains(t, err, `GARM_INTERFACE_VERSION "v0.2.0" is not supported: use v0.1.0 or v0.1.1`)
+	_, err = ReadEnv(env("GARM_COMMAND", "ValidatePoolInfo"))
+	require.ErrorContains(t, err, "is not a command of interface v0.1.0")
+	_, err = ReadEnv(env("GARM_COMMAND", "Bogus", "GARM_INTERFACE_VERSION", "v0.1.1"))
+	require.ErrorContains(t, err, "GetSupportedInterfaceVersions")
+	_, err = ReadEnv(env("GARM_COMMAND", "ListInstances", "GARM_CONTROLLER_ID", ctrlA, "GARM_POOL_ID", poolA))
+	require.ErrorContains(t, err, "GARM_PROVIDER_CONFIG_FILE is not set")
+	_, err = ReadEnv(env("GARM_COMMAND", "ListInstances", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", "x", "GARM_POOL_ID", poolA))
+	require.ErrorContains(t, err, `GARM_CONTROLLER_ID "x" is not a UUID`)
+	_, err = ReadEnv(env("GARM_COMMAND", "ListInstances", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", ctrlA))
+	require.ErrorContains(t, err, "GARM_POOL_ID")
+	_, err = ReadEnv(env("GARM_COMMAND", "GetInstance", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", ctrlA, "GARM_INSTANCE_ID", "a/../b"))
+	require.ErrorContains(t, err, "GARM_INSTANCE_ID")
+	// v0.1.0 GetInstance needs no pool; v0.1.1 does.
+	_, err = ReadEnv(env("GARM_COMMAND", "GetInstance", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", ctrlA, "GARM_INSTANCE_ID", "garm-X"))
+	require.NoError(t, err)
+	_, err = ReadEnv(env("GARM_COMMAND", "GetInstance", "GARM_INTERFACE_VERSION", "v0.1.1", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", ctrlA, "GARM_INSTANCE_ID", "garm-X"))
+	require.ErrorContains(t, err, "GARM_POOL_ID")
+	e, err := ReadEnv(env("GARM_COMMAND", "ValidatePoolInfo", "GARM_INTERFACE_VERSION", "v0.1.1", "GARM_PROVIDER_CONFIG_FILE", "/c", "GARM_CONTROLLER_ID", ctrlA,
+		"GARM_POOL_ID", poolA, "GARM_POOL_EXTRASPECS", base64.StdEncoding.EncodeToString([]byte(`{"disk_gib": 8}`))))
+	require.NoError(t, err)
+	require.JSONEq(t, `{"disk_gib": 8}`, string(e.ExtraSpecs))
+	require.Equal(t, 1, ExitCode(err2()))
+}
+
+func err2() error { return os.ErrInvalid }
+
+func TestInfoCommands(t *testing.T) {
+	r := newRig(t)
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdVersions}, "")
+	require.Equal(t, ExitOK, code)
+	require.JSONEq(t, `["v0.1.0","v0.1.1"]`, out)
+	for _, c := range []string{CmdConfigSchema, CmdExtraSpecSchema} {
+		out, code = r.call(map[string]string{"GARM_COMMAND": c}, "")
+		require.Equal(t, ExitOK, code)
+		var v map[string]any
+		require.NoError(t, json.Unmarshal([]byte(out), &v), c)
+		require.Equal(t, "object", v["type"])
+	}
+	out, code = r.call(map[string]string{"GARM_COMMAND": CmdVersion}, "")
+	require.Equal(t, ExitOK, code)
+	require.NotEmpty(t, strings.TrimSpace(out))
+	// ValidatePoolInfo: the pool's image, flavor, extra specs.
+	spec := func(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA,
+		"GARM_POOL_IMAGE": "cloud", "GARM_POOL_FLAVOR": "small", "GARM_POOL_EXTRASPECS": spec(`{"disk_gib": 10}`)}, "")
+	require.Equal(t, ExitOK, code)
+	out, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA,
+		"GARM_POOL_EXTRASPECS": spec(`{"memory_mib": 1024}`)}, "")
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, `"memory_mib" is not permitted`)
+	out, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_POOL_IMAGE": "tiny"}, "")
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, "not offered to garm pools")
+}

@@ -1,0 +1,419 @@
+package garm
+
+import (
+	"context"
+	"crypto/sha256"
+	_ "embed" // the guest's bootstrap script
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/url"
+	"regexp"
+	"slices"
+	"strings"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Frontend is the ownership record's front end of garm's instances.
+const Frontend = "garm"
+
+// Tag keys of the ownership record.
+const (
+	TagController = "garm-controller-id"
+	TagPool       = "garm-pool-id"
+	TagName       = "garm-instance-name"
+)
+
+//go:embed bootstrap.py
+var bootstrapScript []byte
+
+// Paths in the guest.
+const (
+	bootstrapPath = "/usr/local/sbin/lve-garm-bootstrap"
+	paramsPath    = "/etc/libvirt-executor-garm/bootstrap.json"
+	caPath        = "/usr/local/share/ca-certificates/garm-ca-bundle.crt"
+)
+
+// Provider runs one garm command on the engine.
+type Provider struct {
+	M   *lifecycle.Manager
+	Cfg *config.Config
+	Env Env
+	Out io.Writer
+}
+
+// Run runs the command of p.Env; stdin is CreateInstance's input.
+func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
+	switch p.Env.Command {
+	case CmdVersion:
+		_, err := fmt.Fprintln(p.Out, buildinfo.Version)
+		return err
+	case CmdVersions:
+		return p.json(Versions)
+	case CmdConfigSchema:
+		_, err := io.WriteString(p.Out, ConfigSchema)
+		return err
+	case CmdExtraSpecSchema:
+		_, err := io.WriteString(p.Out, ExtraSpecsSchema)
+		return err
+	case CmdValidate:
+		if p.Env.PoolImage == "" {
+			// Without the pool's image only its extra specs can be checked.
+			_, err := p.resolve(ValidateInput{Image: p.anyImage(), Flavor: p.Env.PoolFlavor, ExtraSpecs: p.Env.ExtraSpecs})
+			return err
+		}
+		_, err := p.resolve(ValidateInput{Image: p.Env.PoolImage, Flavor: p.Env.PoolFlavor, ExtraSpecs: p.Env.ExtraSpecs})
+		return err
+	case CmdCreate:
+		bs, err := ReadBootstrap(stdin)
+		if err != nil {
+			return err
+		}
+		inst, err := p.create(ctx, bs)
+		if err != nil {
+			return err
+		}
+		return p.json(inst)
+	case CmdGet:
+		o, err := p.find(ctx)
+		if err != nil {
+			return err
+		}
+		return p.json(instanceOf(o))
+	case CmdList:
+		all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool {
+			return o.Tag(TagController) == p.Env.ControllerID && o.Tag(TagPool) == p.Env.PoolID
+		})
+		if err != nil {
+			return err
+		}
+		out := make([]Instance, 0, len(all))
+		for _, o := range all {
+			out = append(out, instanceOf(o))
+		}
+		return p.json(out)
+	case CmdDelete:
+		o, err := p.find(ctx)
+		if errors.Is(err, ErrNotFound) {
+			return nil // gone already, or never made: success
+		}
+		if err != nil {
+			return err
+		}
+		return p.M.Teardown(ctx, o.Name)
+	case CmdRemoveAll:
+		all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool { return o.Tag(TagController) == p.Env.ControllerID })
+		if err != nil {
+			return err
+		}
+		var errs []error
+		for _, o := range all {
+			if err := p.M.Teardown(ctx, o.Name); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %w", o.Name, err))
+			}
+		}
+		return errors.Join(errs...)
+	case CmdStart, CmdStop:
+		o, err := p.find(ctx)
+		if err != nil {
+			return err
+		}
+		if p.Env.Command == CmdStart {
+			if o.State.Running {
+				return nil
+			}
+			return p.M.StartMachine(ctx, o.Name)
+		}
+		if !o.State.Running {
+			return nil
+		}
+		return p.M.StopMachine(ctx, o.Name)
+	}
+	return fmt.Errorf("command %q not implemented", p.Env.Command)
+}
+
+// anyImage is an image garm pools may use (for checking extra specs alone).
+func (p *Provider) anyImage() string {
+	if len(p.Cfg.Garm.Images) > 0 {
+		return p.Cfg.Garm.Images[0]
+	}
+	return p.Cfg.ImageNames()[0]
+}
+
+func (p *Provider) json(v any) error {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(p.Out, "%s\n", b)
+	return err
+}
+
+// MachineName is the provider id of garm's instance name under controller:
+// this installation's machine prefix and a hash (garm's names have capitals;
+// domain names of this installation do not).
+func MachineName(cfg *config.Config, controller, garmController, name string) string {
+	h := sha256.Sum256([]byte(garmController + "\x00" + name))
+	return lifecycle.MachinePrefix(cfg.NamePrefix, controller) + "garm-" + hex.EncodeToString(h[:6])
+}
+
+// find is the instance GARM_INSTANCE_ID names (a provider id or, after a
+// failed create, garm's instance name) of this garm controller (and, from
+// v0.1.1 on, of GARM_POOL_ID).
+func (p *Provider) find(ctx context.Context) (lifecycle.Owned, error) {
+	id := p.Env.InstanceID
+	all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool {
+		if o.Tag(TagController) != p.Env.ControllerID {
+			return false
+		}
+		return p.Env.PoolID == "" || o.Tag(TagPool) == p.Env.PoolID
+	})
+	if err != nil {
+		return lifecycle.Owned{}, err
+	}
+	for _, o := range all {
+		if o.Name == id || o.Owner.Tag(TagName) == id {
+			return o, nil
+		}
+	}
+	return lifecycle.Owned{}, fmt.Errorf("%w: %s", ErrNotFound, id)
+}
+
+// instanceOf is what garm is told of a machine.
+func instanceOf(o lifecycle.Owned) Instance {
+	in := Instance{ProviderID: o.Name, Name: o.Owner.Tag(TagName), OSType: "linux", OSArch: "amd64"}
+	switch {
+	case o.State.Running:
+		in.Status = StatusRunning
+	case strings.HasPrefix(o.State.Summary, "shut off"):
+		in.Status = StatusStopped
+	case strings.HasPrefix(o.State.Summary, "paused"), strings.HasPrefix(o.State.Summary, "crashed"):
+		in.Status = StatusError
+		in.ProviderFault = []byte("libvirt: " + o.State.Summary)
+	default:
+		in.Status = StatusUnknown
+	}
+	if o.Address != "" {
+		in.Addresses = []Address{{Address: o.Address, Type: "private"}}
+	}
+	return in
+}
+
+// nameRE bounds garm's instance names.
+var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
+
+// create launches the instance of bs and returns at once.
+func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error) {
+	if !nameRE.MatchString(bs.Name) {
+		return nil, fmt.Errorf("instance name %q refused: 1-63 letters, digits, '.', '_' or '-'", cut(bs.Name))
+	}
+	if bs.OSType != "linux" {
+		return nil, fmt.Errorf("os_type %q is not supported: linux only (Windows guests are not supported yet)", cut(bs.OSType))
+	}
+	if bs.Arch != "amd64" {
+		return nil, fmt.Errorf("arch %q is not supported on this host: amd64", cut(bs.Arch))
+	}
+	if bs.PoolID != "" && !strings.EqualFold(bs.PoolID, p.Env.PoolID) {
+		return nil, fmt.Errorf("pool_id %q differs from GARM_POOL_ID %q", cut(bs.PoolID), p.Env.PoolID)
+	}
+	r, err := p.resolve(ValidateInput{Image: bs.Image, Flavor: bs.Flavor, ExtraSpecs: bs.ExtraSpecs})
+	if err != nil {
+		return nil, err
+	}
+	if r.Image.KeyInjection != config.InjectCloudInit {
+		return nil, fmt.Errorf("image %q does not take a cloud-init seed (key_injection = %q): garm's bootstrap needs cloud-init", r.Image.Name, r.Image.KeyInjection)
+	}
+	params, err := guestParams(bs)
+	if err != nil {
+		return nil, err
+	}
+	name := MachineName(p.Cfg, p.M.Controller, p.Env.ControllerID, bs.Name)
+	if _, err := p.find2(ctx, name); err == nil {
+		return nil, fmt.Errorf("%w: %s (%s)", ErrDuplicate, bs.Name, name)
+	}
+	ci := guestinit.CloudInit{
+		InstanceID: name, Hostname: name, User: r.Image.User, ExtraKeys: sshKeys(bs.SSHKeys),
+		Files: []guestinit.File{
+			{Path: bootstrapPath, Content: bootstrapScript, Permissions: "0755"},
+			{Path: paramsPath, Content: params, Permissions: "0600"},
+		},
+		// cloud-init's "init" stage runs in every image (runcmd needs its
+		// "final" stage, which lean images mask): bootcmd starts the
+		// bootstrap as a unit of its own a few seconds later, once
+		// write_files has written it (it retries until the network
+		// answers). On later boots it finds no parameters (it removes them
+		// when it ends) and does nothing. --no-block: cloud-init runs before
+		// sysinit.target, which the timer's start waits for. python3 runs
+		// the script: systemd-run looks for its executable at once, and
+		// write_files comes after bootcmd.
+		BootCmd:  [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap", "--on-active=3", "python3", bootstrapPath, paramsPath}},
+		Packages: bs.UserDataOptions.ExtraPackages,
+	}
+	if len(bs.CACertBundle) > 0 {
+		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
+	}
+	req := lifecycle.Request{
+		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
+		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
+		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name}},
+		Seed: func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
+	}
+	if _, err := p.M.Launch(ctx, req); err != nil {
+		return nil, err
+	}
+	return &Instance{ProviderID: name, Name: bs.Name, OSType: "linux", OSArch: "amd64", Status: StatusRunning}, nil
+}
+
+// find2 finds the machine name of this controller.
+func (p *Provider) find2(ctx context.Context, name string) (lifecycle.Owned, error) {
+	all, err := p.M.OwnedBy(ctx, Frontend, nil)
+	if err != nil {
+		return lifecycle.Owned{}, err
+	}
+	for _, o := range all {
+		if o.Name == name {
+			return o, nil
+		}
+	}
+	return lifecycle.Owned{}, ErrNotFound
+}
+
+var pkgRE = regexp.MustCompile(`^[a-z0-9][a-z0-9+.-]{0,99}$`)
+
+// sshKeys are the authorized keys garm asks for, each one line.
+func sshKeys(keys []string) []string {
+	var out []string
+	for _, k := range keys {
+		if k = strings.TrimSpace(k); k != "" && !strings.ContainsAny(k, "\r\n") {
+			out = append(out, k)
+		}
+	}
+	return out
+}
+
+// guestParams is the bootstrap's parameter file: garm's instance token and
+// the rest of what the guest needs. It travels only inside the seed volume.
+func guestParams(bs *Bootstrap) ([]byte, error) {
+	arch := map[string]string{"amd64": "x64"}[bs.Arch]
+	var tool *Tool
+	for i, t := range bs.Tools {
+		if t.OS == "linux" && (t.Architecture == arch || t.Architecture == bs.Arch) {
+			tool = &bs.Tools[i]
+			break
+		}
+	}
+	if tool == nil {
+		return nil, fmt.Errorf("no runner tool for linux/%s among the %d garm offered", arch, len(bs.Tools))
+	}
+	for _, u := range []struct{ what, v string }{{"callback-url", bs.CallbackURL}, {"metadata-url", bs.MetadataURL}, {"tool download_url", tool.DownloadURL}} {
+		if pu, err := url.Parse(u.v); err != nil || (pu.Scheme != "http" && pu.Scheme != "https") || pu.Host == "" {
+			return nil, fmt.Errorf("%s %q is not an http(s) URL", u.what, cut(u.v))
+		}
+	}
+	if !regexp.MustCompile(`^[0-9a-fA-F]{64}$`).MatchString(tool.SHA256) {
+		return nil, fmt.Errorf("the runner tool's sha256_checksum %q is not 64 hex digits", cut(tool.SHA256))
+	}
+	if bs.InstanceToken == "" {
+		return nil, errors.New("instance-token is empty")
+	}
+	for _, p := range bs.UserDataOptions.ExtraPackages {
+		if !pkgRE.MatchString(p) {
+			return nil, fmt.Errorf("extra package %q is not a Debian package name", cut(p))
+		}
+	}
+	proxy := map[string]string{"HTTP_PROXY": bs.ProxyConfig.HTTPProxy, "HTTPS_PROXY": bs.ProxyConfig.HTTPSProxy, "NO_PROXY": bs.ProxyConfig.NoProxy}
+	return json.Marshal(map[string]any{
+		"name": bs.Name, "token": bs.InstanceToken, "callback_url": bs.CallbackURL, "metadata_url": bs.MetadataURL,
+		"tool": tool, "repo_url": bs.RepoURL, "labels": bs.Labels, "runner_group": bs.RunnerGroup,
+		"jit": bs.JITConfigEnabled, "ca_bundle": len(bs.CACertBundle) > 0, "proxy": proxy,
+		"debug": bs.UserDataOptions.EnableBootDebug,
+	})
+}
+
+// ValidateInput is what a pool asks for.
+type ValidateInput struct {
+	Image, Flavor string
+	ExtraSpecs    json.RawMessage
+}
+
+// Resolved is what a pool gets.
+type Resolved struct {
+	Image *config.Image
+	Size  config.Size
+}
+
+// resolve maps a pool's image, flavor and extra specs to an allowed image
+// and size, or says what is not allowed and what is.
+func (p *Provider) resolve(in ValidateInput) (Resolved, error) {
+	cfg := p.Cfg
+	allowed := cfg.Garm.Images
+	if len(allowed) == 0 {
+		allowed = cfg.ImageNames()
+	}
+	img, ok := cfg.Image(in.Image)
+	if !ok || !slices.Contains(allowed, in.Image) {
+		return Resolved{}, fmt.Errorf("image %q is not offered to garm pools: use one of %s", cut(in.Image), strings.Join(allowed, ", "))
+	}
+	size := cfg.ImageSize(img)
+	flavors := []string{"default"}
+	for n := range cfg.Garm.Flavors {
+		flavors = append(flavors, n)
+	}
+	slices.Sort(flavors)
+	switch f, ok := cfg.Garm.Flavors[in.Flavor]; {
+	case ok:
+		size = f
+		if size.DiskGiB == 0 {
+			size.DiskGiB = cfg.ImageSize(img).DiskGiB
+		}
+	case in.Flavor == "" || in.Flavor == "default":
+	default:
+		return Resolved{}, fmt.Errorf("flavor %q is not defined: use one of %s ([garm.flavors])", cut(in.Flavor), strings.Join(flavors, ", "))
+	}
+	if len(in.ExtraSpecs) > 0 && string(in.ExtraSpecs) != "null" {
+		var specs map[string]json.RawMessage
+		if err := json.Unmarshal(in.ExtraSpecs, &specs); err != nil {
+			return Resolved{}, fmt.Errorf("extra_specs must be a JSON object: %v", err)
+		}
+		keys := make([]string, 0, len(specs))
+		for k := range specs {
+			keys = append(keys, k)
+		}
+		slices.Sort(keys)
+		for _, k := range keys {
+			if !slices.Contains(cfg.Garm.ExtraSpecs, k) {
+				return Resolved{}, fmt.Errorf("extra_specs key %q is not permitted: this provider permits %s (garm.extra_specs)", cut(k), orNone(cfg.Garm.ExtraSpecs))
+			}
+			var n int
+			if err := json.Unmarshal(specs[k], &n); err != nil {
+				return Resolved{}, fmt.Errorf("extra_specs %q must be an integer", k)
+			}
+			lo, hi, dst := 1, cfg.Limits.MaxVCPUs, &size.VCPUs
+			switch k {
+			case "memory_mib":
+				lo, hi, dst = 128, cfg.Limits.MaxMemoryMiB, &size.MemoryMiB
+			case "disk_gib":
+				lo, hi, dst = 1, cfg.Limits.MaxDiskGiB, &size.DiskGiB
+			}
+			if n < lo || n > hi {
+				return Resolved{}, fmt.Errorf("extra_specs %q = %d is out of range %d-%d (limits)", k, n, lo, hi)
+			}
+			*dst = n
+		}
+	}
+	return Resolved{Image: img, Size: size}, nil
+}
+
+func orNone(s []string) string {
+	if len(s) == 0 {
+		return "none"
+	}
+	return strings.Join(s, ", ")
+}

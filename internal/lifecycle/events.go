@@ -1,0 +1,116 @@
+package lifecycle
+
+import (
+	"context"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// EventsDir is the event spool's directory in the state directory
+// (internal/obs.Spool): the stages' records for the service's metrics.
+const EventsDir = "events"
+
+// Sweep triggers (obs.Event.Trigger).
+const (
+	SweepByGC      = "gc"
+	SweepByCleanup = "cleanup"
+	// SweepByRoom is the sweep of a prepare that found the host full.
+	SweepByRoom = "room"
+)
+
+// SweepTriggers lists the sweep triggers.
+var SweepTriggers = []string{SweepByGC, SweepByCleanup, SweepByRoom}
+
+// RetireReasons are the bounded reasons of a standby retirement
+// (obs.Event.Reason of obs.KindRetired).
+var RetireReasons = []string{"dead", "paused", "aged", "drained", "excess", "failed_boot", "room", "other"}
+
+// Events is the installation's event spool.
+func (m *Manager) Events() obs.Spool {
+	return obs.Spool{Dir: filepath.Join(m.Store.Dir, EventsDir), MaxBytes: int64(m.Cfg.Serve.EventSpoolMiB) << 20}
+}
+
+// Record appends e to the event spool; a failure is only logged (log may
+// be nil): an event never fails what it reports on.
+func (m *Manager) Record(log *slog.Logger, e obs.Event) {
+	if err := m.Events().Append(e); err != nil && log != nil {
+		log.Warn("event record not written", "kind", e.Kind, "err", err)
+	}
+}
+
+// RecordSweep records a sweep (not a dry run) and what it removed, by
+// verdict.
+func (m *Manager) RecordSweep(log *slog.Logger, trigger string, rep *SweepReport) {
+	if rep == nil {
+		return
+	}
+	removed := map[string]int{}
+	gone := map[string]bool{}
+	for _, n := range rep.Removed {
+		gone[n] = true
+	}
+	for _, it := range rep.Items {
+		if gone[it.Name] {
+			removed[it.Verdict]++
+		}
+	}
+	m.Record(log, obs.Event{Kind: obs.KindSweep, Trigger: trigger, Removed: removed})
+}
+
+// Reconnects is how often the Manager's libvirt connection was made again.
+func (m *Manager) Reconnects() int {
+	if r, ok := m.hv.(*vm.Reconnecting); ok {
+		return r.Reconnects()
+	}
+	return 0
+}
+
+// recordReaped records a machine its reaper removed, ended at ended.
+func (m *Manager) recordReaped(name string, ended time.Time) {
+	m.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended).Seconds()})
+}
+
+// CountMachines counts this installation's domains by owner kind (job,
+// standby, garm, other: no readable ownership) and state (running, paused,
+// shutoff, other), for the metrics.
+func (m *Manager) CountMachines(ctx context.Context) (map[[2]string]int, error) {
+	items, err := m.Inventory(ctx, time.Now())
+	if err != nil {
+		return nil, err
+	}
+	out := map[[2]string]int{}
+	for _, it := range items {
+		if !it.Domain {
+			continue
+		}
+		owner := "other"
+		if it.Owner != nil {
+			switch it.Owner.Frontend {
+			case FrontendStandby:
+				owner = "standby"
+			case "garm":
+				owner = "garm"
+			case "":
+			default:
+				owner = "job"
+			}
+		}
+		st := "shutoff"
+		if it.Active {
+			st = "running"
+			if ds, err := m.hv.State(ctx, it.Name); err == nil && !ds.Running {
+				st = "other"
+				if strings.HasPrefix(ds.Summary, "paused") {
+					st = "paused"
+				}
+			}
+		}
+		out[[2]string{owner, st}]++
+	}
+	return out, nil
+}

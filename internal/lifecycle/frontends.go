@@ -1,0 +1,97 @@
+package lifecycle
+
+import (
+	"context"
+	"errors"
+	"strings"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Owned is a machine of this installation as a front end sees it: its
+// ownership record and what libvirt says of it now.
+type Owned struct {
+	Name  string
+	Owner vm.Owner
+	State vm.DomainState
+	// Address is its IPv4 address from the network's DHCP leases ("" when
+	// it has none yet, or is stopped).
+	Address string
+}
+
+// OwnedBy lists the domains of this installation whose ownership record
+// names frontend and satisfies match (nil: all of them). Domains without a
+// readable record, or of another controller, are never listed.
+func (m *Manager) OwnedBy(ctx context.Context, frontend string, match func(vm.Owner) bool) ([]Owned, error) {
+	names, err := m.hv.DomainNames(ctx)
+	if err != nil {
+		return nil, err
+	}
+	prefix := m.namePrefix()
+	var out []Owned
+	for _, name := range names {
+		if !strings.HasPrefix(name, prefix) {
+			continue
+		}
+		x, err := m.hv.Owner(ctx, name)
+		if errors.Is(err, vm.ErrNotFound) || errors.Is(err, vm.ErrNoOwner) {
+			continue // gone meanwhile, or not ours
+		}
+		if err != nil {
+			return nil, err
+		}
+		o, err := vm.ParseOwner(x)
+		if err != nil || o.Controller != m.Controller || o.Frontend != frontend || (match != nil && !match(o)) {
+			continue
+		}
+		st, err := m.hv.State(ctx, name)
+		if errors.Is(err, vm.ErrNotFound) {
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		it := Owned{Name: name, Owner: o, State: st}
+		if st.Running {
+			it.Address = m.leaseAddress(ctx, name)
+		}
+		out = append(out, it)
+	}
+	return out, nil
+}
+
+// leaseAddress is the machine's IPv4 address from the DHCP leases of its
+// MAC (the state record's), or "".
+func (m *Manager) leaseAddress(ctx context.Context, name string) string {
+	mach, err := m.Store.Record(name)
+	if err != nil {
+		return ""
+	}
+	leases, err := m.hv.Addresses(ctx, name, vm.SourceLease)
+	if err != nil {
+		return ""
+	}
+	for _, l := range leases {
+		if strings.EqualFold(l.MAC, mach.MAC) && l.IP.To4() != nil {
+			return l.IP.String()
+		}
+	}
+	return ""
+}
+
+// StartMachine starts a stopped machine of this installation.
+func (m *Manager) StartMachine(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	return m.hv.Start(ctx, name)
+}
+
+// StopMachine stops a machine of this installation at once (its disk and
+// definition stay; StartMachine starts it again).
+func (m *Manager) StopMachine(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	return m.hv.Destroy(ctx, name)
+}

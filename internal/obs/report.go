@@ -1,0 +1,175 @@
+package obs
+
+import (
+	"sync"
+	"time"
+)
+
+// Report is what a stage tells about itself as it goes (its machine, the
+// path it took, each step with its time); the stage shell ends it with the
+// outcome (Finish) and records it. The zero value works; a nil *Report
+// ignores everything, so code that runs without one need not check.
+type Report struct {
+	mu sync.Mutex
+	// Stage is the stage's name.
+	Stage                string
+	jobID, instance, key string
+	vm, image, path      string
+	pool, poolReason     string
+	span                 *time.Duration
+	reconnects           int
+	steps                []step
+}
+
+// Identify names the job: the front end's job id, its instance (GitLab's
+// URL) and key, the name that ties the job's stages together.
+func (r *Report) Identify(jobID, instance, key string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.jobID, r.instance, r.key = jobID, instance, key
+}
+
+// SetStage names the stage (a run stage learns its name from its
+// arguments).
+func (r *Report) SetStage(name string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.Stage = name
+}
+
+type step struct {
+	name string
+	took time.Duration
+	err  error
+	at   time.Time
+}
+
+// Machine names the stage's machine and its image.
+func (r *Report) Machine(vm, image string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.vm, r.image = vm, image
+}
+
+// Path says whether a prepare took a standby machine (PathWarm) or booted
+// one (PathCold).
+func (r *Report) Path(path string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.path = path
+}
+
+// Pool says how a prepare of an image with a standby pool fared: "hit",
+// or "miss" and why.
+func (r *Report) Pool(result, reason string) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.pool, r.poolReason = result, reason
+}
+
+// GuestSpan records how long a run stage's script ran in the guest; the
+// rest of the stage's wall time is its overhead.
+func (r *Report) GuestSpan(d time.Duration) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.span = &d
+}
+
+// Reconnects records how often the stage reconnected to libvirt.
+func (r *Report) Reconnects(n int) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.reconnects = n
+}
+
+// Step records one step: its name, how long it took and its error.
+func (r *Report) Step(name string, took time.Duration, err error) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.steps = append(r.steps, step{name: name, took: took, err: err, at: time.Now()})
+}
+
+// Outcome is how a stage ended, as the stage shell decided it.
+type Outcome struct {
+	Err       error
+	Cancelled bool
+	Took      time.Duration
+	End       time.Time
+	// Classify gives an error's result class (Result*) and reason
+	// (lifecycle.FailureReason).
+	Classify func(err error, cancelled bool) (result, reason string)
+	// DeadAfter is, when Err says the guest died, how long it had been
+	// silent (sshexec.DeadAfter).
+	DeadAfter time.Duration
+}
+
+// Finish ends the report: the stage's event record and its step records,
+// the whole stage last (step "stage").
+func (r *Report) Finish(o Outcome) (Event, []StepRecord) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	result, reason := o.Classify(o.Err, o.Cancelled)
+	ev := Event{
+		Time: o.End, Kind: KindStage, Stage: r.Stage, Job: r.key, Image: r.image,
+		Result: result, Reason: reason, Seconds: o.Took.Seconds(),
+		Pool: r.pool, PoolReason: r.poolReason, Reconnects: r.reconnects,
+	}
+	if o.Err == nil {
+		ev.Path = r.path
+	}
+	if r.span != nil && *r.span > 0 {
+		ev.Overhead, ev.OverheadSeconds = true, max(0, (o.Took-*r.span).Seconds())
+	}
+	ev.DeadAfterSeconds = o.DeadAfter.Seconds()
+	rec := func(name string, took time.Duration, err error, at time.Time, cancelled bool) StepRecord {
+		res, why := o.Classify(err, cancelled)
+		out := "ok"
+		switch {
+		case cancelled:
+			out = "cancelled"
+		case err != nil:
+			out = "failed"
+		}
+		s := StepRecord{
+			Time: at, Stage: r.Stage, Step: name, Job: r.jobID, Instance: r.instance, VM: r.vm,
+			Image: r.image, Path: r.path, Duration: took, Outcome: out, Class: res,
+		}
+		if err != nil || cancelled {
+			s.Reason = why
+		}
+		if err != nil {
+			s.Error = err.Error()
+		}
+		return s
+	}
+	var recs []StepRecord
+	for _, s := range r.steps {
+		recs = append(recs, rec(s.name, s.took, s.err, s.at, false))
+	}
+	recs = append(recs, rec("stage", o.Took, o.Err, o.End, o.Cancelled))
+	return ev, recs
+}
