@@ -21,6 +21,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -58,7 +59,11 @@ func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time)
 		if addr == "" {
 			addr = "-"
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, pool, age, st, addr, it.Verdict, it.Reason)
+		reason := it.Reason
+		if o := garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D()); o != "" {
+			reason += "; ORPHAN: " + o
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, pool, age, st, addr, it.Verdict, reason)
 	}
 	if err := tw.Flush(); err != nil {
 		return err
@@ -89,6 +94,9 @@ type ListItem struct {
 	Volumes []string `json:"volumes"`
 	Verdict string   `json:"verdict"`
 	Reason  string   `json:"reason"`
+	// Orphan says why a garm instance is an orphan (its pool not named by
+	// garm for garm.orphan_after); absent otherwise.
+	Orphan string `json:"orphan,omitempty"`
 }
 
 // ListJSON prints what List prints as one JSON array, for scripts.
@@ -108,6 +116,7 @@ func ListJSON(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.T
 			created, deadline := it.Owner.Created, it.Owner.Deadline
 			li.Created, li.Deadline = &created, &deadline
 			li.AgeSec = now.Sub(created).Seconds()
+			li.Orphan = garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D())
 		}
 		if r := it.Standby; r != nil && r.Record != nil && r.Record.Standby != nil {
 			li.PoolImage = r.Record.Standby.Image
@@ -290,6 +299,12 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			Fix: "make the files readable by this user and by libvirt (see docs/images.md)"})
 	}
 
+	if len(cfg.Garm.Endpoints) > 0 {
+		gw, _ := l.NetworkAddress(ctx, cfg.Network)
+		for _, c := range garmEndpointChecks(ctx, cfg, gw, guardConfPath()) {
+			add(c)
+		}
+	}
 	add(stateDirCheck(cfg.StateDir))
 	add(guestToolsCheck(cfg))
 	svc := serviceCheck(cfg)

@@ -16,6 +16,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -385,4 +386,53 @@ func TestMetricsCheck(t *testing.T) {
 	require.Equal(t, "http://127.0.0.1:9451/metrics", MetricsURL("0.0.0.0:9451"))
 	require.Equal(t, "http://127.0.0.1:9451/metrics", MetricsURL(":9451"))
 	require.Equal(t, "http://[::1]:9451/metrics", MetricsURL("[::1]:9451"))
+}
+
+// TestListReportsGarmOrphans: a garm instance whose pool garm has not
+// named for garm.orphan_after is listed as an orphan (text and JSON), one
+// of a pool garm still names is not; neither is removed for it.
+func TestListReportsGarmOrphans(t *testing.T) {
+	cfg := testConfig(t, "[garm]\norphan_after = \"30m\"\nmax_age = \"24h\"\n")
+	hv := vmtest.New()
+	m := open(t, cfg, hv)
+	p := "lve-" + m.Controller[:8] + "-garm-"
+	const ctrl, live, gone = "11111111-2222-3333-4444-555555555555", "aaaaaaaa-0000-0000-0000-000000000001", "bbbbbbbb-0000-0000-0000-000000000002"
+	now := time.Now()
+	for name, pool := range map[string]string{"live": live, "gone": gone} {
+		x, err := vm.MarshalOwner(vm.Owner{Controller: m.Controller, Frontend: garm.Frontend, Job: "garm-" + name,
+			Created: now.Add(-2 * time.Hour), Deadline: now.Add(22 * time.Hour),
+			Tags: []vm.Tag{{Key: garm.TagController, Value: ctrl}, {Key: garm.TagPool, Value: pool}}})
+		require.NoError(t, err)
+		hv.Domains[p+name] = &vmtest.Domain{OwnerXML: x, Active: true}
+	}
+	require.NoError(t, garm.MarkPoolSeen(cfg.StateDir, ctrl, live, now.Add(-time.Minute)))
+
+	var out bytes.Buffer
+	require.NoError(t, List(context.Background(), &out, m, now))
+	var goneLine, liveLine string
+	for _, l := range strings.Split(out.String(), "\n") {
+		switch {
+		case strings.HasPrefix(l, p+"gone"):
+			goneLine = l
+		case strings.HasPrefix(l, p+"live"):
+			liveLine = l
+		}
+	}
+	require.Contains(t, goneLine, "ORPHAN: garm (controller "+ctrl+") has not named pool "+gone+" for 2h0m0s")
+	require.NotContains(t, liveLine, "ORPHAN")
+
+	out.Reset()
+	require.NoError(t, ListJSON(context.Background(), &out, m, now))
+	var items []ListItem
+	require.NoError(t, json.Unmarshal(out.Bytes(), &items))
+	orphans := map[string]string{}
+	for _, it := range items {
+		orphans[it.Name] = it.Orphan
+	}
+	require.Contains(t, orphans[p+"gone"], "has not named pool")
+	require.Empty(t, orphans[p+"live"])
+
+	out.Reset()
+	require.NoError(t, GC(context.Background(), &out, m, false))
+	require.Contains(t, hv.Domains, p+"gone", "an orphan stays until garm.max_age")
 }

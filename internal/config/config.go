@@ -8,6 +8,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"net/url"
 	"os"
 	"path/filepath"
 	"regexp"
@@ -332,6 +333,34 @@ type Garm struct {
 	// MaxAge is how long a garm instance may live before the sweep removes
 	// it (garm normally deletes it after its one job). Default "24h".
 	MaxAge Duration `toml:"max_age"`
+	// Endpoints are the origins (scheme://host[:port]) of garm's callback
+	// and metadata URLs and of the runner download that the guests must
+	// reach. When set, CreateInstance refuses callback and metadata URLs
+	// of any other origin, and doctor checks that each answers and, for
+	// the network's own address, that the guard lets the guests reach its
+	// port. Default none (not checked).
+	Endpoints []string `toml:"endpoints"`
+	// OrphanAfter is how long garm may stay silent about a pool (no call
+	// naming it: garm lists every pool's instances again and again) before
+	// its instances are reported as orphans: by list, doctor, the sweep's
+	// log and the metrics. They are still removed only at MaxAge. Default
+	// "1h".
+	OrphanAfter Duration `toml:"orphan_after"`
+}
+
+// Origin is the origin (scheme://host:port, lower case, the port always
+// written) of an http(s) URL, for comparing garm's URLs with
+// garm.endpoints.
+func Origin(raw string) (string, error) {
+	u, err := url.Parse(raw)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Hostname() == "" || u.User != nil {
+		return "", fmt.Errorf("%q is not an http(s) URL of a host (like \"http://192.168.122.1:9997\")", raw)
+	}
+	port := u.Port()
+	if port == "" {
+		port = map[string]string{"http": "80", "https": "443"}[u.Scheme]
+	}
+	return u.Scheme + "://" + net.JoinHostPort(strings.ToLower(u.Hostname()), port), nil
 }
 
 // GarmExtraSpecKeys are the extra_specs keys an admin may permit.
@@ -512,6 +541,9 @@ func (c *Config) applyDefaults() {
 	if c.Garm.MaxAge == 0 {
 		c.Garm.MaxAge = Duration(24 * time.Hour)
 	}
+	if c.Garm.OrphanAfter == 0 {
+		c.Garm.OrphanAfter = Duration(time.Hour)
+	}
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -641,6 +673,12 @@ func (c *Config) Validate() error {
 	}
 	rangeCheck("log.steps_file_mib", c.Log.StepsFileMiB, 1, 4096)
 	positive("garm.max_age", c.Garm.MaxAge)
+	positive("garm.orphan_after", c.Garm.OrphanAfter)
+	for _, e := range c.Garm.Endpoints {
+		if _, err := Origin(e); err != nil {
+			bad("garm.endpoints", "%s", err)
+		}
+	}
 	for _, name := range c.Garm.Images {
 		if _, ok := c.Images[name]; !ok {
 			bad("garm.images", "%q is not a configured image; use one of %s", name, quoteList(c.ImageNames()))

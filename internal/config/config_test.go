@@ -71,6 +71,10 @@ func TestValidateMessages(t *testing.T) {
 		{"event spool", "[serve]\nevent_spool_mib = 5000\n" + base, "serve.event_spool_mib: 5000 is out of range 1-1024"},
 		{"step log", "[log]\nsteps = \"syslog\"\n" + base, `log.steps: "syslog" is not allowed: use "auto", "journald", "file", "none"`},
 		{"step log file", "[log]\nsteps_file = \"steps.jsonl\"\n" + base, `log.steps_file: "steps.jsonl" must be an absolute path`},
+		{"garm endpoint", "[garm]\nendpoints = [\"10.0.0.1:9997\"]\n" + base, `garm.endpoints: "10.0.0.1:9997" is not an http(s) URL of a host`},
+		{"garm orphan after", "[garm]\norphan_after = \"-1h\"\n" + base, `garm.orphan_after`},
+		{"garm image", "[garm]\nimages = [\"b\"]\n" + base, `garm.images: "b" is not a configured image; use one of "a"`},
+		{"garm extra spec", "[garm]\nextra_specs = [\"gpus\"]\n" + base, `garm.extra_specs: "gpus" is not allowed: use "vcpus", "memory_mib", "disk_gib"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -78,6 +82,22 @@ func TestValidateMessages(t *testing.T) {
 			require.Error(t, err)
 			require.ErrorContains(t, err, tc.want)
 		})
+	}
+}
+
+func TestOrigin(t *testing.T) {
+	for in, want := range map[string]string{
+		"http://10.0.0.1:9997/api/v1/callbacks": "http://10.0.0.1:9997",
+		"https://GitHub.com":                    "https://github.com:443",
+		"http://[fd00::1]/x":                    "http://[fd00::1]:80",
+	} {
+		got, err := Origin(in)
+		require.NoError(t, err, in)
+		require.Equal(t, want, got, in)
+	}
+	for _, bad := range []string{"", "10.0.0.1:9997", "ftp://x", "http://", "http://u:p@host"} {
+		_, err := Origin(bad)
+		require.Error(t, err, bad)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -325,4 +326,77 @@ func TestInfoCommands(t *testing.T) {
 	out, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_POOL_IMAGE": "tiny"}, "")
 	require.Equal(t, ExitError, code)
 	require.Contains(t, out, "not offered to garm pools")
+}
+
+// TestEndpointsBoundTheCallbackURLs: with garm.endpoints declared, a
+// callback or metadata URL of another origin is refused (naming the
+// endpoints) with nothing made; one of a declared origin is taken.
+func TestEndpointsBoundTheCallbackURLs(t *testing.T) {
+	r := newRig(t)
+	r.cfg.Garm.Endpoints = []string{"http://10.0.0.1:20100", "https://github.com"}
+	env := map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}
+	for _, c := range []struct{ key, url string }{
+		{"callback-url", "http://10.0.0.1:20101/api/v1/callbacks"},
+		{"metadata-url", "http://evil.example:20100/api/v1/metadata"},
+		{"callback-url", "https://10.0.0.1:20100/api/v1/callbacks"},
+	} {
+		out, code := r.call(env, bootstrap("garm-Ep1", func(b map[string]any) { b[c.key] = c.url }))
+		require.Equal(t, ExitError, code, out)
+		require.Contains(t, out, c.key)
+		require.Contains(t, out, "http://10.0.0.1:20100, https://github.com")
+		require.Empty(t, r.hv.Domains, "nothing made for %s", c.url)
+	}
+	// the default port written out or not is the same origin
+	out, code := r.call(env, bootstrap("garm-Ep2", func(b map[string]any) {
+		b["callback-url"] = "http://10.0.0.1:20100/api/v1/callbacks"
+		b["metadata-url"] = "http://10.0.0.1:20100/api/v1/metadata"
+	}))
+	require.Equal(t, ExitOK, code, out)
+	require.Len(t, r.hv.Domains, 1)
+}
+
+// TestOrphansOfASilentPool: every command naming a pool notes it; the
+// instances of a pool garm has not named for orphan_after are orphans,
+// those of a pool it still lists are not; foreign and GitLab machines
+// never are.
+func TestOrphansOfASilentPool(t *testing.T) {
+	r := newRig(t)
+	t0 := time.Now()
+	a := create(r, ctrlA, poolA, "garm-Orph1")
+	b := create(r, ctrlA, poolB, "garm-Orph2")
+	seen, ok := PoolSeen(r.cfg.StateDir, ctrlA, poolA)
+	require.True(t, ok)
+	require.WithinDuration(t, t0, seen, 5*time.Second)
+	fi, err := os.Stat(filepath.Join(r.cfg.StateDir, "garm", "pools"))
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o700), fi.Mode().Perm())
+
+	owner := func(name string) *vm.Owner {
+		o, err := vm.ParseOwner(r.hv.Domains[name].OwnerXML)
+		require.NoError(t, err)
+		return &o
+	}
+	hour := time.Hour
+	require.Empty(t, Orphan(r.cfg.StateDir, owner(a.ProviderID), t0.Add(30*time.Minute), hour))
+	why := Orphan(r.cfg.StateDir, owner(a.ProviderID), t0.Add(2*hour), hour)
+	require.Contains(t, why, "has not named pool "+poolA)
+
+	// garm lists pool A again (later): A's instance is no orphan, B's is.
+	require.NoError(t, MarkPoolSeen(r.cfg.StateDir, ctrlA, poolA, t0.Add(110*time.Minute)))
+	require.Empty(t, Orphan(r.cfg.StateDir, owner(a.ProviderID), t0.Add(2*hour), hour))
+	require.Contains(t, Orphan(r.cfg.StateDir, owner(b.ProviderID), t0.Add(2*hour), hour), poolB)
+
+	// a ListInstances call notes the pool too
+	require.NoError(t, MarkPoolSeen(r.cfg.StateDir, ctrlA, poolB, t0.Add(-hour)))
+	_, code := r.call(map[string]string{"GARM_COMMAND": CmdList, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolB}, "")
+	require.Equal(t, ExitOK, code)
+	seen, _ = PoolSeen(r.cfg.StateDir, ctrlA, poolB)
+	require.WithinDuration(t, time.Now(), seen, 5*time.Second)
+
+	// not garm's: never an orphan
+	require.Empty(t, Orphan(r.cfg.StateDir, &vm.Owner{Frontend: "gitlab", Created: t0.Add(-48 * hour)}, t0, hour))
+	require.Empty(t, Orphan(r.cfg.StateDir, nil, t0, hour))
+	_, ok = PoolSeen(r.cfg.StateDir, "../../etc", poolA)
+	require.False(t, ok, "no path from a non-UUID")
+	require.Error(t, MarkPoolSeen(r.cfg.StateDir, "../x", poolA, t0))
 }

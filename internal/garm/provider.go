@@ -9,10 +9,12 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"log/slog"
 	"net/url"
 	"regexp"
 	"slices"
 	"strings"
+	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
@@ -51,6 +53,12 @@ type Provider struct {
 
 // Run runs the command of p.Env; stdin is CreateInstance's input.
 func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
+	if p.Env.PoolID != "" {
+		// garm named this pool: it is alive (see Orphan).
+		if err := MarkPoolSeen(p.Cfg.StateDir, p.Env.ControllerID, p.Env.PoolID, time.Now()); err != nil {
+			slog.Warn("cannot note that garm named the pool", "pool", p.Env.PoolID, "err", err)
+		}
+	}
 	switch p.Env.Command {
 	case CmdVersion:
 		_, err := fmt.Fprintln(p.Out, buildinfo.Version)
@@ -234,6 +242,9 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 	if err != nil {
 		return nil, err
 	}
+	if err := p.checkEndpoints(bs); err != nil {
+		return nil, err
+	}
 	name := MachineName(p.Cfg, p.M.Controller, p.Env.ControllerID, bs.Name)
 	if _, err := p.find2(ctx, name); err == nil {
 		return nil, fmt.Errorf("%w: %s (%s)", ErrDuplicate, bs.Name, name)
@@ -335,6 +346,29 @@ func guestParams(bs *Bootstrap) ([]byte, error) {
 		"jit": bs.JITConfigEnabled, "ca_bundle": len(bs.CACertBundle) > 0, "proxy": proxy,
 		"debug": bs.UserDataOptions.EnableBootDebug,
 	})
+}
+
+// checkEndpoints refuses callback and metadata URLs outside
+// garm.endpoints, when the admin declared them: the guests may reach only
+// what the guard lets through, and the admin said what that is for garm.
+func (p *Provider) checkEndpoints(bs *Bootstrap) error {
+	allowed := p.Cfg.Garm.Endpoints
+	if len(allowed) == 0 {
+		return nil
+	}
+	var origins []string
+	for _, e := range allowed {
+		if o, err := config.Origin(e); err == nil {
+			origins = append(origins, o)
+		}
+	}
+	for _, u := range []struct{ what, v string }{{"callback-url", bs.CallbackURL}, {"metadata-url", bs.MetadataURL}} {
+		o, err := config.Origin(u.v)
+		if err != nil || !slices.Contains(origins, o) {
+			return fmt.Errorf("%s %q is not at a declared garm endpoint: use one of %s (garm.endpoints)", u.what, cut(u.v), strings.Join(allowed, ", "))
+		}
+	}
+	return nil
 }
 
 // ValidateInput is what a pool asks for.

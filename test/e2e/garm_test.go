@@ -18,6 +18,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -168,10 +169,14 @@ func TestGarmProvider(t *testing.T) {
 		}
 		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
 	}
+	ln := base.serviceListener(t)
+	// garm's endpoint, and one on a port of the network's address that
+	// the guard keeps closed (doctor must say so)
+	closed := "http://" + net.JoinHostPort(base.gateway(t), "19999")
 	r := base.withConfig(t, func(s string) string {
-		return s + "\n[garm]\nimages = [\"cloud\"]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n"
+		return s + fmt.Sprintf("\n[garm]\nimages = [\"cloud\"]\nendpoints = [%q, %q]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n",
+			"http://"+ln.Addr().String(), closed)
 	})
-	ln := r.serviceListener(t)
 	g := &fakeGarm{base: "http://" + ln.Addr().String(), statuses: map[string][]string{}, messages: map[string][]string{},
 		agent: map[string]any{}, info: map[string]map[string]any{}}
 	g.tarball = runnerTarball(t, g.base+"/ran")
@@ -180,6 +185,14 @@ func TestGarmProvider(t *testing.T) {
 	srv := &http.Server{Handler: g.handler(map[string]string{good: "", bad: ""}), ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
+
+	// doctor: garm's endpoint answers and the guard lets the guests reach
+	// it; the closed one is a failure naming the guard's ports.
+	doc := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "doctor")
+	doc.Env = append(os.Environ(), "LIBVIRT_EXECUTOR_GUARD_CONF="+filepath.Join(filepath.Dir(base.cfgPath), "run", "hooks", "libvirt-executor-guard.conf"))
+	docOut, _ := doc.CombinedOutput()
+	require.Contains(t, string(docOut), "[ok  ] garm endpoint http://"+ln.Addr().String()+": answers; the guard lets the guests reach port", string(docOut))
+	require.Contains(t, string(docOut), "[FAIL] garm endpoint "+closed+": the guard keeps the guests of network", string(docOut))
 
 	const (
 		ctrlA = "11111111-2222-3333-4444-555555555555"
@@ -258,9 +271,10 @@ func TestGarmProvider(t *testing.T) {
 	checkNoToken("after create")
 	t.Cleanup(func() {
 		if t.Failed() {
-			for _, name := range []string{inst.ProviderID, badInst.ProviderID} {
+			for i, name := range []string{inst.ProviderID, badInst.ProviderID} {
 				b, _ := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "console.log"))
 				t.Logf("console of %s (last 4 KiB):\n%s", name, b[max(0, len(b)-4096):])
+				t.Logf("guest journal of %s:\n%s", name, guestDebug(t, r, []string{ctrlA, ctrlB}[i], name))
 			}
 			g.mu.Lock()
 			t.Logf("statuses %v messages %v bad auth %v", g.statuses, g.messages, g.badAuth)
@@ -341,4 +355,36 @@ func TestGarmProvider(t *testing.T) {
 	exists, _ = r.domainState(badInst.ProviderID)
 	require.False(t, exists)
 	require.NotContains(t, provOut.String(), good, "the provider never printed the token")
+}
+
+// guestDebug is what a failed bootstrap left in the guest's journal and
+// cloud-init's log, read over SSH with the machine's own key and pinned
+// host key (a diagnostic for a failed test).
+func guestDebug(t *testing.T, r *rig, ctrl, name string) string {
+	dir := filepath.Join(r.cfg.StateDir, "machines", name)
+	b, err := os.ReadFile(filepath.Join(dir, "machine.json"))
+	if err != nil {
+		return "no machine record: " + err.Error()
+	}
+	var m struct {
+		HostKey string `json:"host_key"`
+		User    string `json:"user"`
+	}
+	_ = json.Unmarshal(b, &m)
+	out, _, _ := garmCall(t, r.bin, r.cfgPath, ctrl, "", "GetInstance", name, "")
+	var inst struct {
+		Addresses []struct{ Address string } `json:"addresses"`
+	}
+	_ = json.Unmarshal([]byte(out), &inst)
+	if len(inst.Addresses) == 0 {
+		return "no address: " + out
+	}
+	addr := inst.Addresses[0].Address
+	kh := filepath.Join(t.TempDir(), "known_hosts")
+	_ = os.WriteFile(kh, []byte(addr+" "+strings.TrimSpace(m.HostKey)+"\n"), 0o600)
+	cmd := exec.Command("ssh", "-i", filepath.Join(dir, "id_ed25519"), "-o", "UserKnownHostsFile="+kh, "-o", "BatchMode=yes",
+		"-o", "ConnectTimeout=10", m.User+"@"+addr,
+		"sudo journalctl -b --no-pager -u lve-garm-bootstrap -u lve-garm-bootstrap.timer | tail -60; sudo systemctl list-timers --all --no-pager; sudo systemctl status --no-pager lve-garm-bootstrap.service lve-garm-bootstrap.timer; sudo tail -60 /var/log/cloud-init.log; ls -l /usr/local/sbin /etc/libvirt-executor-garm")
+	o, err := cmd.CombinedOutput()
+	return fmt.Sprintf("%s (ssh: %v)", o, err)
 }
