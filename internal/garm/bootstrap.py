@@ -12,6 +12,7 @@ import json
 import os
 import pwd
 import re
+import shutil
 import ssl
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import urllib.error
 import urllib.request
 
 RUNNER_USER = "runner"
+# How long garm (and the download host) may stay unreachable.
+REACH_SECONDS = 15 * 60
 CA_FILE = "/usr/local/share/ca-certificates/garm-ca-bundle.crt"
 
 
@@ -36,20 +39,25 @@ class Garm:
         self.status_url = cb if cb.endswith("/status") else cb + "/status"
         self.info_url = self.status_url[: -len("/status")] + "/system-info/"
         self.meta = cfg["metadata_url"].rstrip("/")
+        self.deadline = time.monotonic() + REACH_SECONDS
         self.ctx = ssl.create_default_context()
         if cfg.get("ca_bundle"):
             self.ctx.load_verify_locations(CA_FILE)
 
-    def request(self, method, url, body=None, token=None, tries=30):
+    def request(self, method, url, body=None, token=None):
+        # Retried while garm cannot be reached (the network may come up
+        # after this starts) or answers 5xx, until the deadline; a 4xx is
+        # final. The token goes as an unredirected header: a redirect to
+        # another host does not get it.
         data = None if body is None else json.dumps(body).encode()
-        last = None
-        for _ in range(tries):
+        last, delay = None, 1
+        while True:
             req = urllib.request.Request(url, data=data, method=method)
             req.add_header("Accept", "application/json")
             if data is not None:
                 req.add_header("Content-Type", "application/json")
             if token:
-                req.add_header("Authorization", "Bearer " + token)
+                req.add_unredirected_header("Authorization", "Bearer " + token)
             try:
                 with urllib.request.urlopen(req, timeout=30, context=self.ctx) as resp:
                     return resp.read()
@@ -59,31 +67,47 @@ class Garm:
                 last = e
             except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
                 last = e
-            time.sleep(2)
-        raise RuntimeError("%s %s: %s" % (method, url, last))
+            if time.monotonic() + delay > self.deadline:
+                raise RuntimeError("%s %s: %s (gave up after %d s)" % (method, url, last, REACH_SECONDS))
+            log("%s %s: %s; retrying" % (method, url, last))
+            time.sleep(delay)
+            delay = min(delay * 2, 10)
 
     def status(self, status, message, agent_id=None):
+        # Best effort, as in garm's own bootstrap: a status garm does not
+        # take does not stop the runner's installation.
         body = {"status": status, "message": message}
         if agent_id is not None:
             body["agent_id"] = agent_id
-        self.request("POST", self.status_url, body, self.token)
+        try:
+            self.request("POST", self.status_url, body, self.token)
+        except Exception as e:
+            log("status %s not reported: %s" % (status, e))
 
     def metadata(self, path):
         return self.request("GET", self.meta + "/" + path, None, self.token)
 
 
 def runner_home():
+    # The runner user, with passwordless sudo as in garm's own images
+    # (workflows expect it).
     try:
-        return pwd.getpwnam(RUNNER_USER).pw_dir
+        pwd.getpwnam(RUNNER_USER)
     except KeyError:
         subprocess.run(["useradd", "-m", "-s", "/bin/bash", RUNNER_USER], check=True)
-        return pwd.getpwnam(RUNNER_USER).pw_dir
+    sudoers = "/etc/sudoers.d/lve-garm-runner"
+    with open(sudoers + ".tmp", "w") as f:
+        f.write("%s ALL=(ALL) NOPASSWD:ALL\n" % RUNNER_USER)
+    os.chmod(sudoers + ".tmp", 0o440)
+    os.replace(sudoers + ".tmp", sudoers)
+    return pwd.getpwnam(RUNNER_USER).pw_dir
 
 
 def download(g, tool, dest):
     req = urllib.request.Request(tool["download_url"])
     if tool.get("temp_download_token"):
-        req.add_header("Authorization", "Bearer " + tool["temp_download_token"])
+        # not forwarded to a redirect's host (pre-signed storage URLs)
+        req.add_unredirected_header("Authorization", "Bearer " + tool["temp_download_token"])
     h = hashlib.sha256()
     with urllib.request.urlopen(req, timeout=300, context=g.ctx) as resp, open(dest, "wb") as out:
         while True:
@@ -98,7 +122,19 @@ def download(g, tool, dest):
 
 
 def as_runner(args, cwd):
-    subprocess.run(["runuser", "-u", RUNNER_USER, "--"] + args, cwd=cwd, check=True)
+    # The arguments may hold a registration token: a failure names only
+    # the program, never its arguments (they would go to garm and the log).
+    rc = subprocess.run(["runuser", "-u", RUNNER_USER, "--"] + args, cwd=cwd).returncode
+    if rc != 0:
+        raise RuntimeError("%s exited with %d" % (args[0], rc))
+
+
+def install_packages(pkgs):
+    # Debian package names (checked by the provider), as one argument
+    # vector; the package lists first.
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    subprocess.run(["apt-get", "update", "-q"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "--"] + list(pkgs), check=True, env=env)
 
 
 def main():
@@ -106,31 +142,45 @@ def main():
     if not os.path.exists(path):
         log("no parameters (a later boot): nothing to do")
         return
-    with open(path) as f:
-        cfg = json.load(f)
-    g = Garm(cfg)
+    g = None
     try:
-        if cfg.get("ca_bundle"):
-            subprocess.run(["update-ca-certificates"], check=False)
+        with open(path) as f:
+            cfg = json.load(f)
         for k, v in (cfg.get("proxy") or {}).items():
             if v:
                 os.environ[k] = v
                 os.environ[k.lower()] = v
+        if cfg.get("ca_bundle"):
+            subprocess.run(["update-ca-certificates"], check=False)
+        g = Garm(cfg)
         g.status("installing", "downloading and installing the runner")
+        if cfg.get("packages"):
+            log("installing %d extra package(s)" % len(cfg["packages"]))
+            install_packages(cfg["packages"])
         home = runner_home()
         pw = pwd.getpwnam(RUNNER_USER)
         rdir = os.path.join(home, "actions-runner")
         os.makedirs(rdir, exist_ok=True)
         tool = cfg["tool"]
         tarball = os.path.join(home, "runner-download.tar.gz")
+        log("downloading the runner (%s)" % tool.get("filename"))
         download(g, tool, tarball)
         with tarfile.open(tarball) as t:
-            t.extractall(rdir, filter="data") if hasattr(tarfile, "data_filter") else t.extractall(rdir)
+            if hasattr(tarfile, "data_filter"):
+                t.extractall(rdir, filter="data")
+            else:
+                t.extractall(rdir)
         os.remove(tarball)
         for root, dirs, files in os.walk(rdir):
             for n in dirs + files:
-                os.chown(os.path.join(root, n), pw.pw_uid, pw.pw_gid)
-        os.chown(rdir, pw.pw_uid, pw.pw_gid)
+                os.lchown(os.path.join(root, n), pw.pw_uid, pw.pw_gid)
+        os.lchown(rdir, pw.pw_uid, pw.pw_gid)
+        deps = os.path.join(rdir, "bin", "installdependencies.sh")
+        if os.path.exists(deps):
+            log("installing the runner's dependencies")
+            subprocess.run([deps], cwd=rdir, check=True)
+        if os.path.exists(os.path.join(rdir, "env.sh")):
+            as_runner(["./env.sh"], rdir)  # .env and .path for the service
         g.status("installing", "configuring the runner")
         if cfg.get("jit"):
             for remote, local in (("credentials/runner", ".runner"), ("credentials/credentials", ".credentials"),
@@ -146,6 +196,10 @@ def main():
             unit = g.metadata("systemd/unit-file?runAsUser=" + RUNNER_USER)
             if not svc.endswith(".service"):
                 svc += ".service"
+            runsvc = os.path.join(rdir, "bin", "runsvc.sh")
+            if os.path.exists(runsvc):  # garm's unit runs actions-runner/runsvc.sh
+                shutil.copy(runsvc, rdir)
+                os.lchown(os.path.join(rdir, "runsvc.sh"), pw.pw_uid, pw.pw_gid)
             with open(os.path.join("/etc/systemd/system", svc), "wb") as f:
                 f.write(unit)
             subprocess.run(["systemctl", "daemon-reload"], check=True)
@@ -174,16 +228,17 @@ def main():
                     osr[k] = v.strip('"')
         except OSError:
             pass
-        g.request("POST", g.info_url, {"os_name": osr.get("ID", ""), "os_version": osr.get("VERSION_ID", ""),
-                                       "agent_id": agent_id}, g.token)
+        try:  # best effort, as in garm's own bootstrap
+            g.request("POST", g.info_url, {"os_name": osr.get("NAME", ""), "os_version": osr.get("VERSION_ID", ""),
+                                           "agent_id": agent_id}, g.token)
+        except Exception as e:
+            log("system info not reported: %s" % e)
         g.status("idle", "runner successfully installed", agent_id)
         log("runner installed (agent %s)" % agent_id)
     except Exception as e:  # report any failure to garm, then stop
         log("failed: %s" % e)
-        try:
+        if g is not None:
             g.status("failed", str(e)[:1000])
-        except Exception as e2:
-            log("could not report the failure: %s" % e2)
         sys.exit(1)
     finally:
         try:

@@ -220,9 +220,15 @@ func TestCreateListGetDelete(t *testing.T) {
 
 func TestCreateDuplicate(t *testing.T) {
 	r := newRig(t)
-	create(r, ctrlA, poolA, "garm-Dup")
+	in := create(r, ctrlA, poolA, "garm-Dup")
+	d := r.hv.Domains[in.ProviderID]
 	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Dup", nil))
 	require.Equal(t, ExitDuplicate, code, out)
+	// A create racing past the provider's look finds the machine under
+	// its lock: a duplicate, and the live instance is not replaced.
+	_, err := r.m.Launch(context.Background(), lifecycle.Request{Name: in.ProviderID})
+	require.ErrorIs(t, err, lifecycle.ErrExists)
+	require.Same(t, d, r.hv.Domains[in.ProviderID])
 }
 
 // Hostile or wrong input: a clear error, exit 1, nothing made.
@@ -314,18 +320,40 @@ func TestInfoCommands(t *testing.T) {
 	out, code = r.call(map[string]string{"GARM_COMMAND": CmdVersion}, "")
 	require.Equal(t, ExitOK, code)
 	require.NotEmpty(t, strings.TrimSpace(out))
-	// ValidatePoolInfo: the pool's image, flavor, extra specs.
+	// ValidatePoolInfo as garm calls it: no pool id, the extra specs in
+	// GARM_POOL_EXTRASPECS; image and flavor when stdin carries them.
 	spec := func(s string) string { return base64.StdEncoding.EncodeToString([]byte(s)) }
-	_, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA,
-		"GARM_POOL_IMAGE": "cloud", "GARM_POOL_FLAVOR": "small", "GARM_POOL_EXTRASPECS": spec(`{"disk_gib": 10}`)}, "")
-	require.Equal(t, ExitOK, code)
-	out, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA,
-		"GARM_POOL_EXTRASPECS": spec(`{"memory_mib": 1024}`)}, "")
+	validate := func(specs, stdin string) (string, int) {
+		env := map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA}
+		if specs != "" {
+			env["GARM_POOL_EXTRASPECS"] = spec(specs)
+		}
+		return r.call(env, stdin)
+	}
+	out, code = validate(`{"disk_gib": 10}`, `{"image": "cloud", "flavor": "small"}`)
+	require.Equal(t, ExitOK, code, out)
+	out, code = validate(`{"disk_gib": 10}`, "")
+	require.Equal(t, ExitOK, code, out)
+	out, code = validate(`{"memory_mib": 1024}`, "")
 	require.Equal(t, ExitError, code)
 	require.Contains(t, out, `"memory_mib" is not permitted`)
-	out, code = r.call(map[string]string{"GARM_COMMAND": CmdValidate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_POOL_IMAGE": "tiny"}, "")
+	out, code = validate(`{"disk_gib": 400}`, "")
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, `"disk_gib" = 400 is out of range 1-40`)
+	out, code = validate("", `{"image": "tiny"}`)
 	require.Equal(t, ExitError, code)
 	require.Contains(t, out, "not offered to garm pools")
+	out, code = validate("", `{"image": "cloud", "flavor": "huge"}`)
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, `flavor "huge" is not defined: use one of default, small`)
+	out, code = validate("", `{"image": ["cloud"]}`)
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, "stdin is not a JSON object with image and flavor")
+	// an image garm may name must take a cloud-init seed
+	r.cfg.Garm.Images = append(r.cfg.Garm.Images, "tiny")
+	out, code = validate("", `{"image": "tiny"}`)
+	require.Equal(t, ExitError, code)
+	require.Contains(t, out, `image "tiny" does not take a cloud-init seed`)
 }
 
 // TestEndpointsBoundTheCallbackURLs: with garm.endpoints declared, a

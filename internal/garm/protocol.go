@@ -85,10 +85,6 @@ type Env struct {
 	InstanceID   string
 	ConfigFile   string
 	ExtraSpecs   json.RawMessage
-	// PoolImage and PoolFlavor are the pool's image and flavor for
-	// ValidatePoolInfo (GARM_POOL_IMAGE, GARM_POOL_FLAVOR, when garm sets
-	// them).
-	PoolImage, PoolFlavor string
 }
 
 var (
@@ -105,7 +101,6 @@ func ReadEnv(getenv func(string) string) (Env, error) {
 		Command: getenv("GARM_COMMAND"), Version: getenv("GARM_INTERFACE_VERSION"),
 		ControllerID: getenv("GARM_CONTROLLER_ID"), PoolID: getenv("GARM_POOL_ID"),
 		InstanceID: getenv("GARM_INSTANCE_ID"), ConfigFile: getenv("GARM_PROVIDER_CONFIG_FILE"),
-		PoolImage: getenv("GARM_POOL_IMAGE"), PoolFlavor: getenv("GARM_POOL_FLAVOR"),
 	}
 	if e.Version == "" {
 		e.Version = V010
@@ -130,7 +125,7 @@ func ReadEnv(getenv func(string) string) (Env, error) {
 		return e, fmt.Errorf("GARM_CONTROLLER_ID %q is not a UUID", cut(e.ControllerID))
 	}
 	e.ControllerID = strings.ToLower(e.ControllerID)
-	needPool := e.Command == CmdCreate || e.Command == CmdList || e.Command == CmdValidate ||
+	needPool := e.Command == CmdCreate || e.Command == CmdList ||
 		(e.Version == V011 && (e.Command == CmdGet || e.Command == CmdDelete || e.Command == CmdStart || e.Command == CmdStop))
 	if needPool && !uuidRE.MatchString(e.PoolID) {
 		return e, fmt.Errorf("GARM_POOL_ID %q is not a UUID (%s needs it)", cut(e.PoolID), e.Command)

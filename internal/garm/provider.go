@@ -1,6 +1,7 @@
 package garm
 
 import (
+	"bytes"
 	"context"
 	"crypto/sha256"
 	_ "embed" // the guest's bootstrap script
@@ -53,7 +54,7 @@ type Provider struct {
 
 // Run runs the command of p.Env; stdin is CreateInstance's input.
 func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
-	if p.Env.PoolID != "" {
+	if p.Env.PoolID != "" && p.Cfg != nil {
 		// garm named this pool: it is alive (see Orphan).
 		if err := MarkPoolSeen(p.Cfg.StateDir, p.Env.ControllerID, p.Env.PoolID, time.Now()); err != nil {
 			slog.Warn("cannot note that garm named the pool", "pool", p.Env.PoolID, "err", err)
@@ -72,13 +73,26 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		_, err := io.WriteString(p.Out, ExtraSpecsSchema)
 		return err
 	case CmdValidate:
-		if p.Env.PoolImage == "" {
-			// Without the pool's image only its extra specs can be checked.
-			_, err := p.resolve(ValidateInput{Image: p.anyImage(), Flavor: p.Env.PoolFlavor, ExtraSpecs: p.Env.ExtraSpecs})
+		// garm passes the pool's extra specs (GARM_POOL_EXTRASPECS); its
+		// image and flavor only where stdin carries them (as a
+		// BootstrapInstance). Without an image, every image garm pools may
+		// use must take the specs.
+		in, err := readPoolInfo(stdin)
+		if err != nil {
 			return err
 		}
-		_, err := p.resolve(ValidateInput{Image: p.Env.PoolImage, Flavor: p.Env.PoolFlavor, ExtraSpecs: p.Env.ExtraSpecs})
-		return err
+		in.ExtraSpecs = p.Env.ExtraSpecs
+		if in.Image != "" {
+			_, err := p.resolve(in)
+			return err
+		}
+		for _, img := range p.garmImages() {
+			in.Image = img
+			if _, err := p.resolve(in); err != nil {
+				return err
+			}
+		}
+		return nil
 	case CmdCreate:
 		bs, err := ReadBootstrap(stdin)
 		if err != nil {
@@ -147,12 +161,47 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 	return fmt.Errorf("command %q not implemented", p.Env.Command)
 }
 
-// anyImage is an image garm pools may use (for checking extra specs alone).
-func (p *Provider) anyImage() string {
+// garmImages are the images garm pools may use.
+func (p *Provider) garmImages() []string {
 	if len(p.Cfg.Garm.Images) > 0 {
-		return p.Cfg.Garm.Images[0]
+		return p.Cfg.Garm.Images
 	}
-	return p.Cfg.ImageNames()[0]
+	var out []string
+	for _, n := range p.Cfg.ImageNames() {
+		if img, ok := p.Cfg.Image(n); ok && img.KeyInjection == config.InjectCloudInit {
+			out = append(out, n)
+		}
+	}
+	return out
+}
+
+// readPoolInfo reads ValidatePoolInfo's optional stdin: a JSON object
+// with the pool's image and flavor (garm's BootstrapInstance shape), or
+// nothing.
+func readPoolInfo(stdin io.Reader) (ValidateInput, error) {
+	var in ValidateInput
+	if stdin == nil {
+		return in, nil
+	}
+	b, err := io.ReadAll(io.LimitReader(stdin, maxBootstrap+1))
+	if err != nil {
+		return in, fmt.Errorf("reading stdin: %w", err)
+	}
+	if len(b) > maxBootstrap {
+		return in, fmt.Errorf("stdin is larger than %d bytes", maxBootstrap)
+	}
+	if len(bytes.TrimSpace(b)) == 0 {
+		return in, nil
+	}
+	var v struct {
+		Image  string `json:"image"`
+		Flavor string `json:"flavor"`
+	}
+	if err := json.Unmarshal(b, &v); err != nil {
+		return in, fmt.Errorf("stdin is not a JSON object with image and flavor: %v", err)
+	}
+	in.Image, in.Flavor = v.Image, v.Flavor
+	return in, nil
 }
 
 func (p *Provider) json(v any) error {
@@ -177,12 +226,9 @@ func MachineName(cfg *config.Config, controller, garmController, name string) st
 // v0.1.1 on, of GARM_POOL_ID).
 func (p *Provider) find(ctx context.Context) (lifecycle.Owned, error) {
 	id := p.Env.InstanceID
-	all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool {
-		if o.Tag(TagController) != p.Env.ControllerID {
-			return false
-		}
-		return p.Env.PoolID == "" || o.Tag(TagPool) == p.Env.PoolID
-	})
+	// Instance names are unique per controller: the pool is not asked
+	// (a v0.1.1 call with another pool id must still find, and delete, it).
+	all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool { return o.Tag(TagController) == p.Env.ControllerID })
 	if err != nil {
 		return lifecycle.Owned{}, err
 	}
@@ -235,9 +281,6 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 	if err != nil {
 		return nil, err
 	}
-	if r.Image.KeyInjection != config.InjectCloudInit {
-		return nil, fmt.Errorf("image %q does not take a cloud-init seed (key_injection = %q): garm's bootstrap needs cloud-init", r.Image.Name, r.Image.KeyInjection)
-	}
 	params, err := guestParams(bs)
 	if err != nil {
 		return nil, err
@@ -264,8 +307,15 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 		// sysinit.target, which the timer's start waits for. python3 runs
 		// the script: systemd-run looks for its executable at once, and
 		// write_files comes after bootcmd.
-		BootCmd:  [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap", "--on-active=3", "python3", bootstrapPath, paramsPath}},
-		Packages: bs.UserDataOptions.ExtraPackages,
+		// After the network is online (where the image waits for it); its
+		// output also on the console, which the host keeps in the
+		// machine's console.log (it never prints the token). Extra
+		// packages: the bootstrap installs them (cloud-init's packages
+		// module runs in a stage lean images mask).
+		BootCmd: [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap", "--on-active=3",
+			"--property=After=network-online.target", "--property=Wants=network-online.target",
+			"--property=StandardOutput=journal+console", "--property=StandardError=journal+console",
+			"python3", bootstrapPath, paramsPath}},
 	}
 	if len(bs.CACertBundle) > 0 {
 		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
@@ -277,6 +327,9 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 		Seed: func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
 	}
 	if _, err := p.M.Launch(ctx, req); err != nil {
+		if errors.Is(err, lifecycle.ErrExists) {
+			return nil, fmt.Errorf("%w: %s (%s)", ErrDuplicate, bs.Name, name)
+		}
 		return nil, err
 	}
 	return &Instance{ProviderID: name, Name: bs.Name, OSType: "linux", OSArch: "amd64", Status: StatusRunning}, nil
@@ -344,7 +397,7 @@ func guestParams(bs *Bootstrap) ([]byte, error) {
 		"name": bs.Name, "token": bs.InstanceToken, "callback_url": bs.CallbackURL, "metadata_url": bs.MetadataURL,
 		"tool": tool, "repo_url": bs.RepoURL, "labels": bs.Labels, "runner_group": bs.RunnerGroup,
 		"jit": bs.JITConfigEnabled, "ca_bundle": len(bs.CACertBundle) > 0, "proxy": proxy,
-		"debug": bs.UserDataOptions.EnableBootDebug,
+		"packages": bs.UserDataOptions.ExtraPackages,
 	})
 }
 
@@ -394,6 +447,9 @@ func (p *Provider) resolve(in ValidateInput) (Resolved, error) {
 	img, ok := cfg.Image(in.Image)
 	if !ok || !slices.Contains(allowed, in.Image) {
 		return Resolved{}, fmt.Errorf("image %q is not offered to garm pools: use one of %s", cut(in.Image), strings.Join(allowed, ", "))
+	}
+	if img.KeyInjection != config.InjectCloudInit {
+		return Resolved{}, fmt.Errorf("image %q does not take a cloud-init seed (key_injection = %q): garm's bootstrap needs cloud-init", img.Name, img.KeyInjection)
 	}
 	size := cfg.ImageSize(img)
 	flavors := []string{"default"}

@@ -29,8 +29,6 @@ type CloudInit struct {
 	// stage, before Files are written), each an argument vector (never a
 	// shell string).
 	BootCmd [][]string
-	// Packages are Debian packages to install on first boot.
-	Packages []string
 }
 
 // File is one file of the seed's write_files; Content travels base64
@@ -86,9 +84,6 @@ func (c CloudInit) UserData(k *Keys, comment string) ([]byte, error) {
 	}
 	if len(c.BootCmd) > 0 {
 		doc["bootcmd"] = c.BootCmd
-	}
-	if len(c.Packages) > 0 {
-		doc["packages"] = c.Packages
 	}
 	b, err := json.MarshalIndent(doc, "", "  ")
 	if err != nil {

@@ -135,6 +135,15 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		return nil, err
 	}
 	defer unlock()
+	if req.Detached {
+		// A front end's instance of this name that has a domain is alive
+		// (a duplicate create), not the leftover of an earlier attempt.
+		if _, err := m.hv.State(ctx, req.Name); err == nil {
+			return nil, fmt.Errorf("%w: %s", ErrExists, req.Name)
+		} else if !errors.Is(err, vm.ErrNotFound) {
+			return nil, err
+		}
+	}
 	if err := m.teardown(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove leftovers of %s: %w", req.Name, err)
 	}
@@ -159,6 +168,9 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 	}
 	return &Ready{Machine: mach, Client: p.client, Timings: p.timings}, nil
 }
+
+// ErrExists is Launch's refusal of a name whose machine exists.
+var ErrExists = errors.New("a machine of this name exists")
 
 // Launch makes and starts a machine of req (Detached) and returns without
 // waiting for its boot: its guest reports back by itself. Everything made is

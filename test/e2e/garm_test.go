@@ -293,7 +293,7 @@ func TestGarmProvider(t *testing.T) {
 	require.Equal(t, "idle", seq[len(seq)-1], "statuses %v, messages %v", seq, g.messages[good])
 	g.mu.Lock()
 	require.EqualValues(t, 4242, g.agent[good])
-	require.Equal(t, "debian", g.info[good]["os_name"])
+	require.Equal(t, "Debian GNU/Linux", g.info[good]["os_name"])
 	g.mu.Unlock()
 	waitFor(t, 60*time.Second, "the fake runner service runs", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.ran > 0 })
 	waitFor(t, 3*time.Minute, "the bad instance reports failed", func() bool {
