@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -62,7 +63,18 @@ func NewCollector(m *lifecycle.Manager, svc *pool.Service, log *slog.Logger) *me
 	return &metrics.Collector{
 		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
 		Live: metrics.Live{
-			VMs:   m.CountMachines,
+			VMs: m.CountMachines,
+			Orphans: func(ctx context.Context) (int, error) {
+				now := time.Now()
+				items, err := m.Inventory(ctx, now)
+				n := 0
+				for _, it := range items {
+					if garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D()) != "" {
+						n++
+					}
+				}
+				return n, err
+			},
 			Pools: svc.Gauges,
 			Capacity: func() (int, int, int, int, error) {
 				vms, mem, err := m.CapacityUsed()

@@ -137,6 +137,9 @@ type Live struct {
 	Pools func() ([]PoolGauge, error)
 	// Capacity is what is in use, and the limits (0: none).
 	Capacity func() (vms, memoryMiB, maxVMs, memoryBudgetMiB int, err error)
+	// Orphans counts garm instances whose pool garm no longer names (nil:
+	// no such gauge).
+	Orphans func(ctx context.Context) (int, error)
 }
 
 // PoolGauge is one image's standby pool now.
@@ -166,7 +169,8 @@ var (
 	limitDesc    = prometheus.NewDesc("libvirt_executor_capacity_limit", "Host capacity limits (capacity.*), by resource; absent when unlimited.", []string{"resource"}, nil)
 	backlogDesc  = prometheus.NewDesc("libvirt_executor_event_spool_bytes", "Event records waiting in the spool to be folded.", nil, nil)
 	buildDesc    = prometheus.NewDesc("libvirt_executor_build_info", "The running service's version.", []string{"version"}, nil)
-	scrapeErrors = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity): 1 each.", []string{"part"}, nil)
+	orphansDesc  = prometheus.NewDesc("libvirt_executor_garm_orphans", "garm instances whose pool garm has not named for garm.orphan_after (a deleted pool, or a garm that is gone); they stay until garm.max_age.", nil, nil)
+	scrapeErrors = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans): 1 each.", []string{"part"}, nil)
 )
 
 // Describe implements prometheus.Collector (unchecked: the folded series
@@ -195,6 +199,11 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 			}
 		}
 	}
+	if snap.orphansErr != nil {
+		failed("orphans", snap.orphansErr)
+	} else if c.Live.Orphans != nil {
+		ch <- prometheus.MustNewConstMetric(orphansDesc, prometheus.GaugeValue, float64(snap.orphans))
+	}
 	if snap.poolsErr != nil {
 		failed("pools", snap.poolsErr)
 	}
@@ -222,6 +231,8 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 type snapshot struct {
 	vms                               map[[2]string]int
 	vmsErr                            error
+	orphans                           int
+	orphansErr                        error
 	pools                             []PoolGauge
 	poolsErr                          error
 	hasCap                            bool
@@ -240,6 +251,9 @@ func (c *Collector) look() *snapshot {
 	var s snapshot
 	if c.Live.VMs != nil {
 		s.vms, s.vmsErr = c.Live.VMs(ctx)
+	}
+	if c.Live.Orphans != nil {
+		s.orphans, s.orphansErr = c.Live.Orphans(ctx)
 	}
 	if c.Live.Pools != nil {
 		s.pools, s.poolsErr = c.Live.Pools()

@@ -227,6 +227,7 @@ func TestCollectorExposition(t *testing.T) {
 				return []PoolGauge{{Image: "tiny", Idle: 2, Booting: 1, Target: 3}}, nil
 			},
 			Capacity: func() (int, int, int, int, error) { return 6, 3072, 8, 0, nil },
+			Orphans:  func(context.Context) (int, error) { return 2, nil },
 		},
 	}
 	expected := `
@@ -282,6 +283,28 @@ libvirt_executor_capacity_limit{resource="vms"} 8
 	require.Equal(t, 2.0, got["libvirt_executor_pool_vms,image=tiny,state=idle"])
 	require.Equal(t, 1.0, got["libvirt_executor_pool_vms,image=tiny,state=booting"])
 	require.Equal(t, 3.0, got["libvirt_executor_pool_target_vms,image=tiny"])
+	require.Equal(t, 2.0, got["libvirt_executor_garm_orphans"])
+	_, noErrors := got["libvirt_executor_scrape_errors,part=orphans"]
+	require.False(t, noErrors)
+
+	// a failed count is a scrape error, not a zero
+	c.Live.Orphans = func(context.Context) (int, error) { return 0, errors.New("libvirt gone") }
+	c.Folder.Log = slog.New(slog.NewTextHandler(io.Discard, nil))
+	mfs, err = reg.Gather()
+	require.NoError(t, err)
+	var sawErr, sawGauge bool
+	for _, mf := range mfs {
+		switch mf.GetName() {
+		case "libvirt_executor_scrape_errors":
+			for _, m := range mf.GetMetric() {
+				sawErr = sawErr || m.GetLabel()[0].GetValue() == "orphans"
+			}
+		case "libvirt_executor_garm_orphans":
+			sawGauge = true
+		}
+	}
+	require.True(t, sawErr)
+	require.False(t, sawGauge)
 	require.Equal(t, 1.0, got["libvirt_executor_build_info,version="+versionForTest()])
 }
 
