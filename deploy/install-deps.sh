@@ -27,7 +27,8 @@ set -euo pipefail
 # prometheus: the observability e2e tests scrape the service with a real Prometheus server
 # (started by the test in the rig's namespace; the package's own service is not started)
 # and check the endpoint and the shipped rules with promtool.
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus)
+# python3: the unit tests run the garm bootstrap's HTTP code (internal/garm/bootstrap.py).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 log() { printf 'install-deps: %s\n' "$*" >&2; }
