@@ -86,7 +86,7 @@ func TestBootstrapHTTP(t *testing.T) {
 		_, _ = w.Write(payload)
 	})}
 	go func() { _ = otherSrv.Serve(other) }()
-	defer otherSrv.Close()
+	defer func() { _ = otherSrv.Close() }()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -99,7 +99,7 @@ func TestBootstrapHTTP(t *testing.T) {
 		}
 	})}
 	go func() { _ = srv.Serve(ln) }()
-	defer srv.Close()
+	defer func() { _ = srv.Close() }()
 	closed, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	closedPort := fmt.Sprint(closed.Addr().(*net.TCPAddr).Port)

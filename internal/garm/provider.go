@@ -299,21 +299,20 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 			{Path: paramsPath, Content: params, Permissions: "0600"},
 		},
 		// cloud-init's "init" stage runs in every image (runcmd needs its
-		// "final" stage, which lean images mask): bootcmd starts the
-		// bootstrap as a unit of its own a few seconds later, once
-		// write_files has written it (it retries until the network
-		// answers). On later boots it finds no parameters (it removes them
-		// when it ends) and does nothing. --no-block: cloud-init runs before
-		// sysinit.target, which the timer's start waits for. python3 runs
-		// the script: systemd-run looks for its executable at once, and
-		// write_files comes after bootcmd.
-		// After the network is online (where the image waits for it); its
-		// output also on the console, which the host keeps in the
-		// machine's console.log (it never prints the token). Extra
-		// packages: the bootstrap installs them (cloud-init's packages
-		// module runs in a stage lean images mask).
-		BootCmd: [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap", "--on-active=3",
-			"--property=After=network-online.target", "--property=Wants=network-online.target",
+		// "final" stage, which lean images mask): bootcmd queues the
+		// bootstrap as a transient unit of its own (--no-block: cloud-init
+		// runs before sysinit.target, which the unit's start waits for).
+		// It starts once cloud-init's init stage is done (write_files has
+		// written the script and its parameters) and the network is
+		// online. Its output goes to the journal and the console (the host
+		// keeps the console in the machine's console.log; it never prints
+		// a token). On later boots it finds no parameters (it removes them
+		// when it ends) and does nothing. Not a timer (--on-active): a
+		// transient timer queued this early hung the boot (seen on Debian
+		// 12, systemd 252). python3 runs the script: systemd-run resolves
+		// the executable at once, before write_files.
+		BootCmd: [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap",
+			"--property=After=cloud-init.service", "--property=After=network-online.target", "--property=Wants=network-online.target",
 			"--property=StandardOutput=journal+console", "--property=StandardError=journal+console",
 			"python3", bootstrapPath, paramsPath}},
 	}
