@@ -428,3 +428,21 @@ func TestOrphansOfASilentPool(t *testing.T) {
 	require.False(t, ok, "no path from a non-UUID")
 	require.Error(t, MarkPoolSeen(r.cfg.StateDir, "../x", poolA, t0))
 }
+
+// TestCapacityCountsGarmInstances: garm's instances take host capacity
+// like GitLab jobs: with room for two, a third create fails at once
+// (garm retries later) naming the limit, with nothing made; a delete
+// gives the room back.
+func TestCapacityCountsGarmInstances(t *testing.T) {
+	r := newRig(t)
+	r.cfg.Capacity.MaxVMs = 2
+	a := create(r, ctrlA, poolA, "garm-Cap1")
+	create(r, ctrlB, poolB, "garm-Cap2")
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Cap3", nil))
+	require.Equal(t, ExitError, code, out)
+	require.Contains(t, out, "max_vms")
+	require.Len(t, r.hv.Domains, 2, "nothing made for the refused create")
+	_, code = r.call(map[string]string{"GARM_COMMAND": CmdDelete, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a.ProviderID}, "")
+	require.Equal(t, ExitOK, code)
+	create(r, ctrlA, poolA, "garm-Cap3")
+}
