@@ -3,6 +3,7 @@ package config
 import (
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -99,6 +100,23 @@ func TestOrigin(t *testing.T) {
 		_, err := Origin(bad)
 		require.Error(t, err, bad)
 	}
+}
+
+// TestDeployGarmExampleIsValid: the garm example configuration loads, and
+// docs/garm.md shows the same.
+func TestDeployGarmExampleIsValid(t *testing.T) {
+	c, err := Load("../../deploy/garm.example.toml")
+	require.NoError(t, err)
+	require.Equal(t, []string{"debian-12-cloud"}, c.Garm.Images)
+	require.Equal(t, 8192, c.Garm.Flavors["large"].MemoryMiB)
+	require.Len(t, c.Garm.Endpoints, 2)
+	example, err := os.ReadFile("../../deploy/garm.example.toml")
+	require.NoError(t, err)
+	doc, err := os.ReadFile("../../docs/garm.md")
+	require.NoError(t, err)
+	_, body, ok := strings.Cut(string(example), "\nname_prefix")
+	require.True(t, ok)
+	require.Contains(t, string(doc), "```toml\nname_prefix"+body+"```", "docs/garm.md shows deploy/garm.example.toml")
 }
 
 func TestSingleImageIsDefault(t *testing.T) {
