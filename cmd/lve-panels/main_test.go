@@ -62,6 +62,7 @@ var knownMetrics = map[string]string{
 	"libvirt_executor_capacity_limit":    "gauge",
 	"libvirt_executor_event_spool_bytes": "gauge",
 	"libvirt_executor_build_info":        "gauge",
+	"libvirt_executor_garm_orphans":      "gauge",
 }
 
 // knownMetric says whether name is a series of a known metric, and which.

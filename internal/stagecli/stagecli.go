@@ -67,6 +67,16 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 	go func() {
 		select {
 		case sig := <-early:
+			if ctx.Err() != nil {
+				// Run had returned (its cancel ran before anything
+				// after it could signal): the signal is for the next
+				// Run of this process (tests run several); pass it on.
+				select {
+				case early <- sig:
+				default:
+				}
+				return
+			}
 			cancel(fmt.Errorf("%v signal received", sig))
 		case <-ctx.Done(): // Run returned
 		}

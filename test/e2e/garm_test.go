@@ -37,8 +37,8 @@ type fakeGarm struct {
 	messages map[string][]string
 	agent    map[string]any
 	info     map[string]map[string]any
-	ran      int
-	config   []string // config.sh's arguments, as the fake runner got them
+	ran      map[string]int // what the runner services said they ran as
+	config   []string       // config.sh's arguments, as the fake runner got them
 	badAuth  []string
 }
 
@@ -96,10 +96,32 @@ func (g *fakeGarm) handler(tokens map[string]string) http.Handler {
 		g.mu.Unlock()
 	})
 	mux.HandleFunc("POST /ran", func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(io.LimitReader(r.Body, 256))
 		g.mu.Lock()
-		g.ran++
+		g.ran[string(b)]++
 		g.mu.Unlock()
 	})
+	// JIT: the runner's credentials, service name and unit, as garm's
+	// metadata service hands them out
+	jit := map[string]string{
+		"credentials/runner":                `{"agentId": 5151, "agentName": "jit"}`,
+		"credentials/credentials":           `{"scheme": "OAuth"}`,
+		"credentials/credentials_rsaparams": `{"d": "fake"}`,
+		"system/service-name":               "actions.runner.example-repo.garm-Jit1",
+		"systemd/unit-file":                 "[Unit]\nDescription=fake JIT runner\n[Service]\nUser=runner\nWorkingDirectory=/home/runner/actions-runner\nExecStart=/home/runner/actions-runner/run.sh jit\n[Install]\nWantedBy=multi-user.target\n",
+	}
+	for path, body := range jit {
+		mux.HandleFunc("GET /api/v1/metadata/"+path, func(w http.ResponseWriter, r *http.Request) {
+			if _, ok := auth(w, r); !ok {
+				return
+			}
+			if path == "systemd/unit-file" && r.URL.Query().Get("runAsUser") != "runner" {
+				http.Error(w, "runAsUser", http.StatusBadRequest)
+				return
+			}
+			_, _ = io.WriteString(w, body)
+		})
+	}
 	return mux
 }
 
@@ -121,7 +143,7 @@ func runnerTarball(t *testing.T, ranURL, configuredURL string) []byte {
 		"svc.sh": "#!/bin/sh\nset -e\ndir=$(cd \"$(dirname \"$0\")\" && pwd)\ncase \"$1\" in\n" +
 			"install) printf '[Service]\\nUser=%s\\nExecStart=%s/run.sh\\n' \"$2\" \"$dir\" > /etc/systemd/system/actions.runner.fake.service; systemctl daemon-reload ;;\n" +
 			"start) systemctl start actions.runner.fake.service ;;\nesac\n",
-		"run.sh": "#!/bin/sh\nexec python3 -c 'import sys, time, urllib.request; urllib.request.urlopen(sys.argv[1], data=b\"ran\"); time.sleep(1e9)' " + ranURL + "\n",
+		"run.sh": "#!/bin/sh\nexec python3 -c 'import sys, time, urllib.request; urllib.request.urlopen(sys.argv[1], data=\"-\".join([\"ran\"] + sys.argv[2:]).encode()); time.sleep(1e9)' " + ranURL + " \"$@\"\n",
 	}
 	var buf bytes.Buffer
 	gz := gzip.NewWriter(&buf)
@@ -179,11 +201,12 @@ func TestGarmProvider(t *testing.T) {
 			"http://"+ln.Addr().String(), closed)
 	})
 	g := &fakeGarm{base: "http://" + ln.Addr().String(), statuses: map[string][]string{}, messages: map[string][]string{},
-		agent: map[string]any{}, info: map[string]map[string]any{}}
+		agent: map[string]any{}, info: map[string]map[string]any{}, ran: map[string]int{}}
 	g.tarball = runnerTarball(t, g.base+"/ran", g.base+"/configured")
 	sum := sha256.Sum256(g.tarball)
 	good, bad := "garm-token-good-"+fmt.Sprint(time.Now().UnixNano()), "garm-token-bad-"+fmt.Sprint(time.Now().UnixNano())
-	srv := &http.Server{Handler: g.handler(map[string]string{good: "", bad: ""}), ReadHeaderTimeout: 10 * time.Second}
+	jitTok := "garm-token-jit-" + fmt.Sprint(time.Now().UnixNano())
+	srv := &http.Server{Handler: g.handler(map[string]string{good: "", bad: "", jitTok: ""}), ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
 
@@ -200,18 +223,20 @@ func TestGarmProvider(t *testing.T) {
 		ctrlB = "99999999-2222-3333-4444-555555555555"
 		poolA = "aaaaaaaa-0000-0000-0000-000000000001"
 		poolB = "bbbbbbbb-0000-0000-0000-000000000002"
+		poolC = "cccccccc-0000-0000-0000-000000000003"
 	)
-	boot := func(name, token, checksum string) string {
+	bootJIT := func(name, token, checksum string, jit bool) string {
 		b, _ := json.Marshal(map[string]any{
 			"name": name, "os_type": "linux", "arch": "amd64", "image": "cloud", "flavor": "small",
 			"callback-url": g.base + "/api/v1/callbacks", "metadata-url": g.base + "/api/v1/metadata",
 			"instance-token": token, "repo_url": "https://github.com/example/repo", "labels": []string{"lve", "e2e"},
 			"tools": []map[string]any{{"os": "linux", "architecture": "x64", "download_url": g.base + "/runner.tar.gz",
 				"filename": "runner.tar.gz", "sha256_checksum": checksum}},
-			"extra_specs": map[string]any{}, "jit_config_enabled": false,
+			"extra_specs": map[string]any{}, "jit_config_enabled": jit,
 		})
 		return string(b)
 	}
+	boot := func(name, token, checksum string) string { return bootJIT(name, token, checksum, false) }
 	cfg := r.cfgPath
 	var provOut strings.Builder
 	call := func(ctrl, pool, command, instance, stdin string) (string, int) {
@@ -241,17 +266,28 @@ func TestGarmProvider(t *testing.T) {
 		ProviderID string `json:"provider_id"`
 	}
 	require.NoError(t, json.Unmarshal([]byte(out), &badInst))
+	// a JIT runner (credentials from garm's metadata, garm's unit) of a
+	// third pool of controller A
+	out, code = call(ctrlA, poolC, "CreateInstance", "", bootJIT("garm-Jit1", jitTok, hex.EncodeToString(sum[:]), true))
+	require.Equal(t, 0, code, out)
+	var jitInst struct {
+		ProviderID string `json:"provider_id"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &jitInst))
 
 	// The token: not on any command line, not in the domain XML, not in
 	// the state directory.
+	tokens := []string{good, bad, jitTok}
 	checkNoToken := func(where string) {
 		t.Helper()
 		cmdlines, _ := filepath.Glob("/proc/[0-9]*/cmdline")
 		for _, c := range cmdlines {
 			b, _ := os.ReadFile(c)
-			require.NotContains(t, string(b), good, "token on the command line of %s (%s)", c, where)
+			for _, tok := range tokens {
+				require.NotContains(t, string(b), tok, "token on the command line of %s (%s)", c, where)
+			}
 		}
-		for _, name := range []string{inst.ProviderID, badInst.ProviderID} {
+		for _, name := range []string{inst.ProviderID, badInst.ProviderID, jitInst.ProviderID} {
 			d, err := r.conn.LookupDomainByName(name)
 			if err != nil {
 				continue
@@ -259,12 +295,16 @@ func TestGarmProvider(t *testing.T) {
 			x, err := d.GetXMLDesc(libvirt.DOMAIN_XML_SECURE)
 			_ = d.Free()
 			require.NoError(t, err)
-			require.NotContains(t, x, good, "token in the domain XML (%s)", where)
+			for _, tok := range tokens {
+				require.NotContains(t, x, tok, "token in the domain XML (%s)", where)
+			}
 		}
 		_ = filepath.Walk(r.cfg.StateDir, func(p string, fi os.FileInfo, err error) error {
 			if err == nil && fi.Mode().IsRegular() && fi.Size() < 8<<20 {
 				b, _ := os.ReadFile(p)
-				require.NotContains(t, string(b), good, "token in %s (%s)", p, where)
+				for _, tok := range tokens {
+					require.NotContains(t, string(b), tok, "token in %s (%s)", p, where)
+				}
 			}
 			return nil
 		})
@@ -272,10 +312,10 @@ func TestGarmProvider(t *testing.T) {
 	checkNoToken("after create")
 	t.Cleanup(func() {
 		if t.Failed() {
-			for i, name := range []string{inst.ProviderID, badInst.ProviderID} {
+			for i, name := range []string{inst.ProviderID, badInst.ProviderID, jitInst.ProviderID} {
 				b, _ := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "console.log"))
 				t.Logf("console of %s (last 4 KiB):\n%s", name, b[max(0, len(b)-4096):])
-				t.Logf("guest journal of %s:\n%s", name, guestDebug(t, r, []string{ctrlA, ctrlB}[i], []string{poolA, poolB}[i], name))
+				t.Logf("guest journal of %s:\n%s", name, guestDebug(t, r, []string{ctrlA, ctrlB, ctrlA}[i], []string{poolA, poolB, poolC}[i], name))
 			}
 			g.mu.Lock()
 			t.Logf("statuses %v messages %v bad auth %v", g.statuses, g.messages, g.badAuth)
@@ -296,7 +336,7 @@ func TestGarmProvider(t *testing.T) {
 	require.EqualValues(t, 4242, g.agent[good])
 	require.Equal(t, "Debian GNU/Linux", g.info[good]["os_name"])
 	g.mu.Unlock()
-	waitFor(t, 60*time.Second, "the fake runner service runs", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.ran > 0 })
+	waitFor(t, 60*time.Second, "the fake runner service runs", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.ran["ran"] > 0 })
 	// registered as an ephemeral runner of the repository, with garm's
 	// name, labels and registration token
 	g.mu.Lock()
@@ -307,7 +347,16 @@ func TestGarmProvider(t *testing.T) {
 		s := g.seq(bad)
 		return len(s) > 0 && s[len(s)-1] == "failed"
 	})
+	// the JIT runner: garm's credentials and unit, no config.sh; its
+	// service runs (garm's unit passes "jit")
+	waitFor(t, 3*time.Minute, "the JIT instance reports idle", func() bool {
+		s := g.seq(jitTok)
+		return len(s) > 0 && (s[len(s)-1] == "idle" || s[len(s)-1] == "failed")
+	})
+	waitFor(t, 60*time.Second, "the JIT runner service runs", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return g.ran["ran-jit"] > 0 })
 	g.mu.Lock()
+	require.Equal(t, "idle", g.statuses[jitTok][len(g.statuses[jitTok])-1], "JIT statuses %v, messages %v", g.statuses[jitTok], g.messages[jitTok])
+	require.EqualValues(t, 5151, g.agent[jitTok], "the agent id of garm's .runner")
 	require.Contains(t, strings.Join(g.messages[bad], "\n"), "sha256")
 	require.Empty(t, g.badAuth, "every call carried its instance's token")
 	g.mu.Unlock()
@@ -332,6 +381,7 @@ func TestGarmProvider(t *testing.T) {
 		return ids
 	}
 	require.Equal(t, []string{inst.ProviderID}, list(ctrlA, poolA))
+	require.Equal(t, []string{jitInst.ProviderID}, list(ctrlA, poolC))
 	require.Empty(t, list(ctrlA, poolB))
 	require.Equal(t, []string{badInst.ProviderID}, list(ctrlB, poolB))
 
@@ -355,13 +405,17 @@ func TestGarmProvider(t *testing.T) {
 	require.False(t, r.volumeExists(inst.ProviderID+"-seed.img"), "the seed volume (with the token) is gone with the VM")
 	_, code = call(ctrlA, "", "RemoveAllInstances", "", "")
 	require.Equal(t, 0, code)
+	exists, _ = r.domainState(jitInst.ProviderID)
+	require.False(t, exists, "RemoveAll removed controller A's other pool's instance")
 	exists, _ = r.domainState(badInst.ProviderID)
 	require.True(t, exists, "another controller's instance is untouched")
 	_, code = call(ctrlB, "", "RemoveAllInstances", "", "")
 	require.Equal(t, 0, code)
 	exists, _ = r.domainState(badInst.ProviderID)
 	require.False(t, exists)
-	require.NotContains(t, provOut.String(), good, "the provider never printed the token")
+	for _, tok := range tokens {
+		require.NotContains(t, provOut.String(), tok, "the provider never printed a token")
+	}
 }
 
 // guestDebug is what a failed bootstrap left in the guest's journal and
