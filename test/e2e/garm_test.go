@@ -310,6 +310,14 @@ func TestGarmProvider(t *testing.T) {
 		})
 	}
 	checkNoToken("after create")
+	// the seed volume (the one place on the host with the token) is
+	// readable by its owner only
+	_, dir, err := poolPath(r)
+	require.NoError(t, err)
+	require.NotEmpty(t, dir)
+	fi, err := os.Stat(filepath.Join(dir, inst.ProviderID+"-seed.img"))
+	require.NoError(t, err)
+	require.Zero(t, fi.Mode().Perm()&0o077, "seed volume mode %v", fi.Mode())
 	t.Cleanup(func() {
 		if t.Failed() {
 			for i, name := range []string{inst.ProviderID, badInst.ProviderID, jitInst.ProviderID} {
