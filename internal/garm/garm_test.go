@@ -224,8 +224,8 @@ func TestCreateDuplicate(t *testing.T) {
 	d := r.hv.Domains[in.ProviderID]
 	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Dup", nil))
 	require.Equal(t, ExitDuplicate, code, out)
-	// A create racing past the provider's look finds the machine under
-	// its lock: a duplicate, and the live instance is not replaced.
+	// The check is the engine's, under the machine's lock (two creates
+	// racing): a duplicate, and the live instance is not replaced.
 	_, err := r.m.Launch(context.Background(), lifecycle.Request{Name: in.ProviderID})
 	require.ErrorIs(t, err, lifecycle.ErrExists)
 	require.Same(t, d, r.hv.Domains[in.ProviderID])

@@ -211,6 +211,15 @@ const maxBootstrap = 1 << 20
 
 // ReadBootstrap decodes CreateInstance's stdin, bounded.
 func ReadBootstrap(r io.Reader) (*Bootstrap, error) {
+	b, err := readStdin(r)
+	if err != nil {
+		return nil, err
+	}
+	return decodeBootstrap(b)
+}
+
+// readStdin reads stdin, at most maxBootstrap bytes.
+func readStdin(r io.Reader) ([]byte, error) {
 	b, err := io.ReadAll(io.LimitReader(r, maxBootstrap+1))
 	if err != nil {
 		return nil, fmt.Errorf("read the bootstrap parameters: %w", err)
@@ -218,6 +227,12 @@ func ReadBootstrap(r io.Reader) (*Bootstrap, error) {
 	if len(b) > maxBootstrap {
 		return nil, fmt.Errorf("bootstrap parameters on stdin exceed %d bytes", maxBootstrap)
 	}
+	return b, nil
+}
+
+// decodeBootstrap decodes a BootstrapInstance, naming a field of the
+// wrong type.
+func decodeBootstrap(b []byte) (*Bootstrap, error) {
 	var bs Bootstrap
 	if err := json.Unmarshal(b, &bs); err != nil {
 		var te *json.UnmarshalTypeError

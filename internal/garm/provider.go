@@ -183,24 +183,15 @@ func readPoolInfo(stdin io.Reader) (ValidateInput, error) {
 	if stdin == nil {
 		return in, nil
 	}
-	b, err := io.ReadAll(io.LimitReader(stdin, maxBootstrap+1))
+	b, err := readStdin(stdin)
+	if err != nil || len(bytes.TrimSpace(b)) == 0 {
+		return in, err
+	}
+	bs, err := decodeBootstrap(b)
 	if err != nil {
-		return in, fmt.Errorf("reading stdin: %w", err)
-	}
-	if len(b) > maxBootstrap {
-		return in, fmt.Errorf("stdin is larger than %d bytes", maxBootstrap)
-	}
-	if len(bytes.TrimSpace(b)) == 0 {
-		return in, nil
-	}
-	var v struct {
-		Image  string `json:"image"`
-		Flavor string `json:"flavor"`
-	}
-	if err := json.Unmarshal(b, &v); err != nil {
 		return in, fmt.Errorf("stdin is not a JSON object with image and flavor: %v", err)
 	}
-	in.Image, in.Flavor = v.Image, v.Flavor
+	in.Image, in.Flavor = bs.Image, bs.Flavor
 	return in, nil
 }
 
@@ -289,9 +280,6 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 		return nil, err
 	}
 	name := MachineName(p.Cfg, p.M.Controller, p.Env.ControllerID, bs.Name)
-	if _, err := p.find2(ctx, name); err == nil {
-		return nil, fmt.Errorf("%w: %s (%s)", ErrDuplicate, bs.Name, name)
-	}
 	ci := guestinit.CloudInit{
 		InstanceID: name, Hostname: name, User: r.Image.User, ExtraKeys: sshKeys(bs.SSHKeys),
 		Files: []guestinit.File{
@@ -332,20 +320,6 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 		return nil, err
 	}
 	return &Instance{ProviderID: name, Name: bs.Name, OSType: "linux", OSArch: "amd64", Status: StatusRunning}, nil
-}
-
-// find2 finds the machine name of this controller.
-func (p *Provider) find2(ctx context.Context, name string) (lifecycle.Owned, error) {
-	all, err := p.M.OwnedBy(ctx, Frontend, nil)
-	if err != nil {
-		return lifecycle.Owned{}, err
-	}
-	for _, o := range all {
-		if o.Name == name {
-			return o, nil
-		}
-	}
-	return lifecycle.Owned{}, ErrNotFound
 }
 
 var pkgRE = regexp.MustCompile(`^[a-z0-9][a-z0-9+.-]{0,99}$`)
