@@ -22,6 +22,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/admin"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
@@ -39,18 +40,18 @@ func main() {
 
 // openManager opens this installation's lifecycle manager; it connects to
 // libvirt on first use.
-func openManager(c *cli.Context) (*config.Config, *lifecycle.Manager, error) {
+func openManager(c *cli.Context) (*config.Config, *jobvm.Host, error) {
 	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
 	if err != nil {
 		return nil, nil, err
 	}
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
 	return cfg, m, err
 }
 
 // withManager opens this installation's lifecycle manager, connected to
 // libvirt, for fn.
-func withManager(c *cli.Context, fn func(*config.Config, *lifecycle.Manager) error) error {
+func withManager(c *cli.Context, fn func(*config.Config, *jobvm.Host) error) error {
 	cfg, m, err := openManager(c)
 	if err != nil {
 		return err
@@ -76,7 +77,7 @@ func app() *cli.App {
 				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
 				Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print one JSON array (for scripts) instead of the table"}},
 				Action: func(c *cli.Context) error {
-					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
 						if c.Bool("json") {
 							return admin.ListJSON(c.Context, os.Stdout, m, time.Now())
 						}
@@ -89,7 +90,7 @@ func app() *cli.App {
 				Usage: "remove expired job VMs and orphaned volumes, state and locks of this installation",
 				Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 				Action: func(c *cli.Context) error {
-					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
 						return admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
 					})
 				},
@@ -102,7 +103,7 @@ func app() *cli.App {
 					if c.NArg() == 0 {
 						return fmt.Errorf("rm needs at least one machine name (see libvirt-executor list)")
 					}
-					return withManager(c, func(_ *config.Config, m *lifecycle.Manager) error {
+					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
 						var errs []error
 						for _, name := range c.Args().Slice() {
 							if err := m.Teardown(c.Context, name); err != nil {

@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 )
 
@@ -27,7 +28,7 @@ base = "/img/tiny.qcow2"
 `), 0o600))
 	cfg, err := config.Load(cfgPath)
 	require.NoError(t, err)
-	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	m, err := jobvm.Open(cfg, lifecycle.Options{})
 	require.NoError(t, err)
 	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, lifecycle.InstanceTag("x"), 7)
 	require.NoError(t, m.Close())

@@ -8,13 +8,13 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // this stage talks to libvirt
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == lifecycle.ReaperCommand {
+	if len(os.Args) > 1 && os.Args[1] == jobvm.ReaperCommand {
 		// Started by a cleanup stage to finish removing ended machines.
 		os.Exit(stagecli.Reap(os.Args[2:], os.Stdin, os.Stderr))
 	}

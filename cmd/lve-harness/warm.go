@@ -11,6 +11,7 @@ import (
 	"github.com/urfave/cli/v2"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
@@ -65,7 +66,7 @@ func demoColdThenWarm(c *cli.Context, opts harness.Options, job harness.Job, bin
 		return errJobFailed
 	}
 
-	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	m, err := jobvm.Open(cfg, lifecycle.Options{})
 	if err != nil {
 		return err
 	}

@@ -8,12 +8,12 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == lifecycle.HolderCommand {
+	if len(os.Args) > 1 && os.Args[1] == jobvm.HolderCommand {
 		// Started by prepare as the job's connection holder.
 		os.Exit(stagecli.Hold(os.Args[2:], os.Stdin, os.Stderr))
 	}

@@ -22,6 +22,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -30,7 +32,7 @@ import (
 
 // List prints every machine of this installation with its job, age, state,
 // address and what a sweep would do with it.
-func List(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time) error {
+func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error {
 	items, err := m.Inventory(ctx, now)
 	if err != nil {
 		return err
@@ -100,7 +102,7 @@ type ListItem struct {
 }
 
 // ListJSON prints what List prints as one JSON array, for scripts.
-func ListJSON(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.Time) error {
+func ListJSON(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error {
 	items, err := m.Inventory(ctx, now)
 	if err != nil {
 		return err
@@ -135,7 +137,7 @@ func ListJSON(ctx context.Context, w io.Writer, m *lifecycle.Manager, now time.T
 }
 
 // GC sweeps (or with dryRun, shows what a sweep would remove).
-func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) error {
+func GC(ctx context.Context, w io.Writer, m *jobvm.Host, dryRun bool) error {
 	rep, err := m.Sweep(ctx, time.Now(), dryRun)
 	if !dryRun {
 		m.RecordSweep(nil, lifecycle.SweepByGC, rep)
@@ -154,7 +156,7 @@ func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) err
 		for _, n := range rep.Removed {
 			fmt.Fprintf(w, "removed %s\n", n)
 		}
-		for _, v := range rep.Tools {
+		for _, v := range rep.SharedVolumes {
 			if dryRun {
 				fmt.Fprintf(w, "would remove guest tools volume %s (an earlier gitlab-runner's; no machine uses it)\n", v)
 			} else {
@@ -175,7 +177,7 @@ func GC(ctx context.Context, w io.Writer, m *lifecycle.Manager, dryRun bool) err
 // cannot tell. It is the admin tool's hidden explain-machine command, which
 // the run stage (built without libvirt) asks. A name that is not of the
 // engine's shape or not under this installation's prefix is refused.
-func ExplainMachine(ctx context.Context, w io.Writer, m *lifecycle.Manager, name string) error {
+func ExplainMachine(ctx context.Context, w io.Writer, m *jobvm.Host, name string) error {
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
@@ -369,9 +371,9 @@ func MetricsURL(listen string) string {
 // (caches and artifacts), or why there is none.
 func guestToolsCheck(cfg *config.Config) Check {
 	c := Check{Name: "guest tools"}
-	src, err := lifecycle.GuestToolsSource(cfg)
+	src, err := guesttools.GuestToolsSource(cfg)
 	switch {
-	case errors.Is(err, lifecycle.ErrNoTools):
+	case errors.Is(err, guesttools.ErrNoTools):
 		c.OK, c.Warn, c.Info = true, true, err.Error()+": caches and artifacts need a gitlab-runner in the images"
 		c.Fix = "set [guest_tools] gitlab_runner to this host's gitlab-runner (docs/images.md, \"The guest tools disk\")"
 	case err != nil:
@@ -388,7 +390,7 @@ func guestToolsCheck(cfg *config.Config) Check {
 func serviceCheck(cfg *config.Config) Check {
 	pooled := cfg.Pooled()
 	c := Check{Name: "service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
-	m := &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}
+	m := &jobvm.Host{Manager: &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}}
 	locked, age, looked := m.ServiceStatus()
 	if !locked {
 		if len(pooled) == 0 {

@@ -17,6 +17,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -51,9 +52,9 @@ func testDriver(ctx context.Context, _ string) (*libvirtvm.Conn, error) {
 
 // open is what the admin command does (lifecycle.Open) with hv in place of
 // libvirt.
-func open(t *testing.T, cfg *config.Config, hv vm.Hypervisor) *lifecycle.Manager {
+func open(t *testing.T, cfg *config.Config, hv vm.Hypervisor) *jobvm.Host {
 	t.Helper()
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = m.Close() })
 	return m
@@ -278,7 +279,7 @@ func TestServiceCheck(t *testing.T) {
 	_, err := os.Stat(cfg.StateDir)
 	require.ErrorIs(t, err, os.ErrNotExist, "doctor's look made no state directory or lock file")
 
-	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	m, err := jobvm.Open(cfg, lifecycle.Options{})
 	require.NoError(t, err)
 	defer m.Close()
 	unlock, err := m.LockService(context.Background())

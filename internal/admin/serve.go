@@ -7,6 +7,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -18,8 +19,8 @@ import (
 // (serve.metrics_listen), until ctx ends. connect opens libvirt (nil: the
 // linked-in default).
 func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect lifecycle.Connector) error {
-	var m *lifecycle.Manager
-	m, err := lifecycle.Open(cfg, lifecycle.Options{
+	var m *jobvm.Host
+	m, err := jobvm.Open(cfg, lifecycle.Options{
 		Connect: connect, Log: log,
 		OnReconnect: func(error) { m.Record(log, obs.Event{Kind: obs.KindReconnect}) },
 	})
@@ -59,11 +60,11 @@ const liveEvery = 2 * time.Second
 
 // NewCollector is the metrics collector of this installation: the event
 // spool's folder and the live gauges of libvirt, the pools and capacity.
-func NewCollector(m *lifecycle.Manager, svc *pool.Service, log *slog.Logger) *metrics.Collector {
+func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.Collector {
 	return &metrics.Collector{
 		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
 		Live: metrics.Live{
-			VMs: m.CountMachines,
+			VMs: func(ctx context.Context) (map[[2]string]int, error) { return m.CountMachines(ctx, jobvm.OwnerKind) },
 			Orphans: func(ctx context.Context) (int, error) {
 				now := time.Now()
 				items, err := m.Inventory(ctx, now)

@@ -3,9 +3,7 @@ package garm
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
 	_ "embed" // the guest's bootstrap script
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -20,12 +18,13 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // Frontend is the ownership record's front end of garm's instances.
-const Frontend = "garm"
+const Frontend = jobvm.FrontendGarm
 
 // Tag keys of the ownership record.
 const (
@@ -208,8 +207,7 @@ func (p *Provider) json(v any) error {
 // this installation's machine prefix and a hash (garm's names have capitals;
 // domain names of this installation do not).
 func MachineName(cfg *config.Config, controller, garmController, name string) string {
-	h := sha256.Sum256([]byte(garmController + "\x00" + name))
-	return lifecycle.MachinePrefix(cfg.NamePrefix, controller) + "garm-" + hex.EncodeToString(h[:6])
+	return lifecycle.InstanceName(cfg.NamePrefix, controller, "garm", garmController, name)
 }
 
 // find is the instance GARM_INSTANCE_ID names (a provider id or, after a
@@ -307,7 +305,7 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 	if len(bs.CACertBundle) > 0 {
 		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
 	}
-	req := lifecycle.Request{
+	req := lifecycle.LaunchRequest{
 		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
 		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
 		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name}},

@@ -15,6 +15,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
@@ -28,7 +29,7 @@ import (
 type warmJob struct {
 	cfg     *config.Config
 	hv      *vmtest.Fake
-	m       *lifecycle.Manager
+	m       *jobvm.Host
 	e       Env
 	stdout  *sshtest.Buffer
 	standby string
@@ -59,7 +60,7 @@ idle_count = 1
 		Stdout: w.stdout, Stderr: &bytes.Buffer{}, Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)),
 		Connect: fake(w.hv),
 	}
-	w.m, err = lifecycle.Open(cfg, lifecycle.Options{Connect: fake(w.hv)})
+	w.m, err = jobvm.Open(cfg, lifecycle.Options{Connect: fake(w.hv)})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = w.m.Close() })
 
@@ -86,7 +87,7 @@ idle_count = 1
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: bv,
 			Spec: lifecycle.SpecFingerprint(cfg, img)},
 	}))
-	owner, err := vm.MarshalOwner(vm.Owner{Controller: w.m.Controller, Frontend: lifecycle.FrontendStandby, Job: img.Name,
+	owner, err := vm.MarshalOwner(vm.Owner{Controller: w.m.Controller, Frontend: jobvm.FrontendStandby, Job: img.Name,
 		Created: time.Now(), Deadline: time.Now().Add(time.Hour), Volumes: []string{vm.DiskVolume(w.standby)}})
 	require.NoError(t, err)
 	w.hv.Domains[w.standby] = &vmtest.Domain{OwnerXML: owner, Active: true}
@@ -117,7 +118,7 @@ func TestWarmJobThroughTheStages(t *testing.T) {
 	defer j.m.Close()
 	jm, err := w.m.MachineOf(j.name)
 	require.NoError(t, err)
-	require.Equal(t, lifecycle.JobMachine{Name: w.standby, Warm: true}, jm)
+	require.Equal(t, jobvm.JobMachine{Name: w.standby, Warm: true}, jm)
 	o, err := vm.ParseOwner(w.hv.Domains[w.standby].OwnerXML)
 	require.NoError(t, err)
 	require.Equal(t, "gitlab", o.Frontend, "the ownership record names the job now")

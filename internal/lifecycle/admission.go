@@ -37,7 +37,7 @@ func (m *Manager) UnderPressure() bool {
 // then sweeps leftovers once, then waits (polling) until room frees up, ctx
 // ends or capacity.wait passes, telling the job log why it waits. A
 // NoWait request (a standby machine) fails with ErrNoRoom instead.
-func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
+func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
 	if req.NoWait {
 		dir, why, _, err := m.tryAdmit(ctx, req.Name, want)
@@ -62,12 +62,10 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 			return dir, err
 		}
 		_ = m.Store.Touch(pressureKey) // a lost touch costs one refill too early
-		// Idle standby machines go first, if removing them can make the
-		// room: otherwise the job waits for running jobs anyway, and the
-		// pool would be lost for nothing.
-		if m.idleCanCover(short) {
-			if n := m.retireIdle(ctx, "room for job "+req.Name); n != "" {
-				m.say("Retired idle standby VM %s to make room (jobs come first)", n)
+		// What is cheaper to lose than this wait goes first (idle standby
+		// machines, Hooks.MakeRoom).
+		if mk := m.hooks.MakeRoom; mk != nil {
+			if n := mk(ctx, m, short, "room for job "+req.Name); n != "" {
 				continue
 			}
 		}
@@ -92,13 +90,9 @@ func (m *Manager) admit(ctx context.Context, req Request) (string, error) {
 	}
 }
 
-// shortfall is what the host lacks for a machine: VMs (capacity.max_vms)
-// and memory in MiB (capacity.memory_budget_mib) to free.
-type shortfall struct{ vms, memoryMiB int }
-
 // tryAdmit returns the new directory, or why there is no room and what is
 // short.
-func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, short shortfall, err error) {
+func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, short Shortfall, err error) {
 	unlock, err := m.Store.Lock(ctx, admissionLock)
 	if err != nil {
 		return "", "", short, err
@@ -106,7 +100,7 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 	defer unlock()
 	capCfg := m.Cfg.Capacity
 	if capCfg.MaxVMs > 0 || capCfg.MemoryBudgetMiB > 0 {
-		held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
+		held, err := m.Reservations()
 		if err != nil {
 			return "", "", short, err
 		}
@@ -116,15 +110,15 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 			mem += r.MemoryMiB
 		}
 		if capCfg.MaxVMs > 0 {
-			short.vms = max(len(held)+1-capCfg.MaxVMs, 0)
+			short.VMs = max(len(held)+1-capCfg.MaxVMs, 0)
 		}
 		if capCfg.MemoryBudgetMiB > 0 {
-			short.memoryMiB = max(mem+want.MemoryMiB-capCfg.MemoryBudgetMiB, 0)
+			short.MemoryMiB = max(mem+want.MemoryMiB-capCfg.MemoryBudgetMiB, 0)
 		}
 		switch {
-		case short.vms > 0:
+		case short.VMs > 0:
 			return "", fmt.Sprintf("%d of %d VMs in use (capacity.max_vms)", len(held), capCfg.MaxVMs), short, nil
-		case short.memoryMiB > 0:
+		case short.MemoryMiB > 0:
 			return "", fmt.Sprintf("%d MiB of %d MiB in use, this job needs %d MiB (capacity.memory_budget_mib)",
 				mem, capCfg.MemoryBudgetMiB, want.MemoryMiB), short, nil
 		}
@@ -133,32 +127,17 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 	return dir, "", short, err
 }
 
-// idleCanCover reports whether removing every idle (or retiring) standby
-// machine would make up for short.
-func (m *Manager) idleCanCover(short shortfall) bool {
-	all, err := m.Standbys()
-	if err != nil {
-		return false
-	}
-	held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
-	if err != nil {
-		return false
-	}
-	vms, mem := 0, 0
-	for _, s := range all {
-		if s.Idle() || (s.Claim != nil && s.Claim.Retire) {
-			vms++
-			mem += held[s.Name].MemoryMiB
-		}
-	}
-	return vms > 0 && vms >= short.vms && mem >= short.memoryMiB
+// Reservations are the capacity each machine of this installation holds,
+// by name, as admission counts it.
+func (m *Manager) Reservations() (map[string]state.Reservation, error) {
+	return m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
 }
 
 // CapacityUsed is what the machines of this installation hold of the
 // host now: VMs and memory (MiB) by their reservations, as admission
 // counts them.
 func (m *Manager) CapacityUsed() (vms, memoryMiB int, err error) {
-	held, err := m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
+	held, err := m.Reservations()
 	if err != nil {
 		return 0, 0, err
 	}
@@ -167,3 +146,7 @@ func (m *Manager) CapacityUsed() (vms, memoryMiB int, err error) {
 	}
 	return len(held), memoryMiB, nil
 }
+
+// ErrBootTimeout means a machine had no address or no SSH within
+// timeouts.boot.
+var ErrBootTimeout = errors.New("boot timeout")

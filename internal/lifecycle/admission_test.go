@@ -2,54 +2,31 @@ package lifecycle
 
 import (
 	"context"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
-
-type sayings struct {
-	mu    sync.Mutex
-	lines []string
-}
-
-func (s *sayings) say(format string, args ...any) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.lines = append(s.lines, format)
-}
-
-func (s *sayings) has(sub string) bool {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	for _, l := range s.lines {
-		if strings.Contains(l, sub) {
-			return true
-		}
-	}
-	return false
-}
 
 func TestAdmissionWaitsForRoom(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	m.Cfg.Capacity.MaxVMs = 1
-	first := request(img)
+	first := testRequest(img)
 	ready, err := m.Provision(context.Background(), first)
 	require.NoError(t, err)
 	_ = ready.Client.Close()
 
-	var s sayings
+	s := lifecycletest.NewSayings(t)
 	m2 := *m
-	m2.Say = s.say
-	second := request(img)
+	m2.Say = s.Say
+	second := testRequest(img)
 	second.Name = "lve-0123abcd-8"
 	done := make(chan error, 1)
 	go func() {
@@ -59,7 +36,7 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 		}
 		done <- err
 	}()
-	require.Eventually(t, func() bool { return s.has("Waiting for room on the host") }, 5*time.Second, 20*time.Millisecond)
+	require.Eventually(t, func() bool { return s.Has("Waiting for room on the host") }, 5*time.Second, 20*time.Millisecond)
 	select {
 	case err := <-done:
 		t.Fatalf("second machine admitted while the host was full: %v", err)
@@ -77,7 +54,7 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("second machine not admitted after the first left")
 	}
-	require.True(t, s.has("Room on the host after"))
+	require.True(t, s.Has("Room on the host after"))
 	require.NoError(t, m.Teardown(context.Background(), second.Name))
 	requireNothingLeft(t, hv, m)
 }
@@ -96,7 +73,7 @@ func TestAdmissionMemoryBudgetAndTimeout(t *testing.T) {
 	defer unlock()
 
 	start := time.Now()
-	_, err = m.Provision(context.Background(), request(img)) // wants 256 MiB
+	_, err = m.Provision(context.Background(), testRequest(img)) // wants 256 MiB
 	require.Error(t, err)
 	require.ErrorContains(t, err, "200 MiB of 300 MiB in use, this job needs 256 MiB (capacity.memory_budget_mib)")
 	require.ErrorContains(t, err, "capacity.wait")
@@ -116,12 +93,12 @@ func TestAdmissionSweepsStaleReservations(t *testing.T) {
 	// domain, nobody holds its lock.
 	_, err := m.Store.Reserve("lve-0123abcd-50", state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
-	var s sayings
-	m.Say = s.say
-	ready, err := m.Provision(context.Background(), request(img))
+	s := lifecycletest.NewSayings(t)
+	m.Say = s.Say
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	_ = ready.Client.Close()
-	require.True(t, s.has("leftover machine(s) to make room"))
+	require.True(t, s.Has("leftover machine(s) to make room"))
 	require.NoDirExists(t, m.Store.MachineDir("lve-0123abcd-50"))
 	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
 }

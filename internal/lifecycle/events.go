@@ -26,10 +26,6 @@ const (
 // SweepTriggers lists the sweep triggers.
 var SweepTriggers = []string{SweepByGC, SweepByCleanup, SweepByRoom}
 
-// RetireReasons are the bounded reasons of a standby retirement
-// (obs.Event.Reason of obs.KindRetired).
-var RetireReasons = []string{"dead", "paused", "aged", "drained", "excess", "failed_boot", "room", "other"}
-
 // Events is the installation's event spool.
 func (m *Manager) Events() obs.Spool {
 	return obs.Spool{Dir: filepath.Join(m.Store.Dir, EventsDir), MaxBytes: int64(m.Cfg.Serve.EventSpoolMiB) << 20}
@@ -70,15 +66,12 @@ func (m *Manager) Reconnects() int {
 	return 0
 }
 
-// recordReaped records a machine its reaper removed, ended at ended.
-func (m *Manager) recordReaped(name string, ended time.Time) {
-	m.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended).Seconds()})
-}
-
-// CountMachines counts this installation's domains by owner kind (job,
-// standby, garm, other: no readable ownership) and state (running, paused,
-// shutoff, other), for the metrics.
-func (m *Manager) CountMachines(ctx context.Context) (map[[2]string]int, error) {
+// CountMachines counts this installation's domains by owner kind and state
+// (running, paused, shutoff, other), for the metrics. kind names the kind
+// of a domain's owner front end (vm.Owner.Frontend; "" for a domain
+// without a readable ownership record): the callers know the front ends,
+// this package does not.
+func (m *Manager) CountMachines(ctx context.Context, kind func(frontend string) string) (map[[2]string]int, error) {
 	items, err := m.Inventory(ctx, time.Now())
 	if err != nil {
 		return nil, err
@@ -88,18 +81,11 @@ func (m *Manager) CountMachines(ctx context.Context) (map[[2]string]int, error) 
 		if !it.Domain {
 			continue
 		}
-		owner := "other"
+		frontend := ""
 		if it.Owner != nil {
-			switch it.Owner.Frontend {
-			case FrontendStandby:
-				owner = "standby"
-			case "garm":
-				owner = "garm"
-			case "":
-			default:
-				owner = "job"
-			}
+			frontend = it.Owner.Frontend
 		}
+		owner := kind(frontend)
 		st := "shutoff"
 		if it.Active {
 			st = "running"

@@ -1,7 +1,14 @@
-// Package lifecycle provisions and tears down one job machine end to end:
-// keys, linked clone, boot, address, SSH readiness, recorded state. It is the
-// engine's front-end-neutral entry point; GitLab's stages (and later other
-// front ends) call it with a name and an owner.
+// Package lifecycle owns one machine of this installation from its name to
+// its removal: admission to the host's capacity, keys, linked clone, boot,
+// address, SSH readiness and the recorded state (Provision, Launch,
+// Connect, Keep, Teardown, Explain, OwnedBy, Start/StopMachine), the
+// machine's spec, the inventory and sweep of what the installation left on
+// the host, and the event records of what it did. It knows no CI system,
+// no executable and no tool in the guest: what the machines of a kind add
+// comes in through Hooks (room made by a standby pool, shared disks, work
+// to stop when a machine's user is done with it, extra sweeps). The
+// machine of a CI job is internal/jobvm's; the guest tools disk is
+// internal/guesttools'.
 package lifecycle
 
 import (
@@ -39,12 +46,8 @@ type Manager struct {
 	AddressPollInterval time.Duration
 	// SSHPort is the guest's SSH port (default 22).
 	SSHPort int
-	// HolderExe is the connection holder's executable (StartHolder);
-	// empty means HolderExecutable next to the running executable.
-	HolderExe string
-	// ReaperExe is the reaper's executable (StartReaper); empty means
-	// ReaperExecutable next to the running executable.
-	ReaperExe string
+	// hooks are what the kinds of machines add (Options.Hooks).
+	hooks Hooks
 	// hv is the hypervisor connection (from Open: one that connects on
 	// first use and reconnects after libvirtd restarts).
 	hv vm.Hypervisor
@@ -92,22 +95,44 @@ type Request struct {
 	// OnStep, if set, is told about each step of the provisioning as it
 	// ends: its name, how long it took, its error (nil when it succeeded).
 	OnStep func(name string, took time.Duration, err error)
-	// Standby, if set, makes a machine for a standby pool (BootStandby).
-	// Such a machine never waits for room (NoWait) nor makes room by
-	// retiring others.
+	// Standby, if set, is recorded with the machine: it is made for a
+	// standby pool (internal/jobvm's BootStandby).
 	Standby *state.Standby
 	// NoWait fails admission at once (ErrNoRoom) when the host is full,
-	// instead of waiting for room.
+	// instead of waiting for (and making) room.
 	NoWait bool
-	// Detached starts the machine and returns without waiting for its
-	// address or SSH (Launch): a front end whose guest reports back by
-	// itself (garm's runners). No guest tools disk, no Check.
-	Detached bool
+	// Tags are the front end's marks in the ownership metadata.
+	Tags []vm.Tag
+}
+
+// LaunchRequest asks for a machine that is started and left to boot on
+// its own (Launch): a front end whose guest reports back by itself (garm's
+// runners). It gets no shared disks, and nothing waits for its address or
+// SSH.
+type LaunchRequest struct {
+	Name      string
+	Image     *config.Image
+	VCPUs     int
+	MemoryMiB int
+	DiskGiB   int
+	Frontend  string
+	Job       string
+	Lifetime  time.Duration
+	// NoWait fails admission at once (ErrNoRoom) when the host is full.
+	NoWait bool
 	// Seed, if set, builds the machine's cloud-init seed instead of the
 	// image's default one (CloudInitSeed): a front end's own user-data.
 	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
+}
+
+// request is what one provisioning asks for: a Request, or a
+// LaunchRequest (detached).
+type request struct {
+	Request
+	detached bool
+	seed     func(keys *guestinit.Keys, dir string) ([]byte, error)
 }
 
 // Ready is a provisioned machine with an open SSH connection.
@@ -124,6 +149,10 @@ type Ready struct {
 // failure or cancellation everything made by this call is removed before it
 // returns.
 func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
+	return m.provision(ctx, request{Request: req})
+}
+
+func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 	start := time.Now()
 	if err := vm.CheckName(req.Name); err != nil {
 		return nil, err
@@ -135,7 +164,7 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 		return nil, err
 	}
 	defer unlock()
-	if req.Detached {
+	if req.detached {
 		// A front end's instance of this name that has a domain is alive
 		// (a duplicate create), not the leftover of an earlier attempt.
 		if _, err := m.hv.State(ctx, req.Name); err == nil {
@@ -172,12 +201,15 @@ func (m *Manager) Provision(ctx context.Context, req Request) (*Ready, error) {
 // ErrExists is Launch's refusal of a name whose machine exists.
 var ErrExists = errors.New("a machine of this name exists")
 
-// Launch makes and starts a machine of req (Detached) and returns without
-// waiting for its boot: its guest reports back by itself. Everything made is
-// undone when a step fails, as in Provision.
-func (m *Manager) Launch(ctx context.Context, req Request) (*state.Machine, error) {
-	req.Detached = true
-	r, err := m.Provision(ctx, req)
+// Launch makes and starts a machine of req and returns without waiting for
+// its boot: its guest reports back by itself. A machine of that name that
+// exists is refused (ErrExists): a duplicate, not a leftover. Everything
+// made is undone when a step fails, as in Provision.
+func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine, error) {
+	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
+		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
+		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags,
+	}})
 	if err != nil {
 		return nil, err
 	}
@@ -238,13 +270,13 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 // outside its prefix, a domain of that name that is not ours, and volumes
 // with neither a domain nor a state record.
 func (m *Manager) Teardown(ctx context.Context, name string) error {
-	return m.teardownIf(ctx, name, nil)
+	return m.TeardownIf(ctx, name, nil)
 }
 
-// teardownIf is Teardown; when still is set it is asked under the lock,
+// TeardownIf is Teardown; when still is set it is asked under the lock,
 // and the machine is removed only if it says so (still returns an error to
 // refuse, or false for nothing to do).
-func (m *Manager) teardownIf(ctx context.Context, name string, still func() (bool, error)) error {
+func (m *Manager) TeardownIf(ctx context.Context, name string, still func() (bool, error)) error {
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
@@ -270,8 +302,8 @@ func (m *Manager) teardownIf(ctx context.Context, name string, still func() (boo
 }
 
 // Keep leaves the machine running for debugging until the given time, after
-// which a sweep removes it like any expired machine. Its job is over: its
-// connection holder is stopped.
+// which a sweep removes it like any expired machine. Its user is done with
+// it (Hooks.Release runs).
 func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error {
 	unlock, err := m.Store.Lock(ctx, name)
 	if err != nil {
@@ -281,8 +313,13 @@ func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error 
 	if err := m.engine().Extend(ctx, name, until); err != nil {
 		return err
 	}
-	m.stopHolder(name)
+	m.release(name)
 	return nil
+}
+
+// TeardownLocked is Teardown for a caller that holds the machine's lock.
+func (m *Manager) TeardownLocked(ctx context.Context, name string) error {
+	return m.teardown(ctx, name)
 }
 
 // teardown is Teardown for a caller that holds the lock. The state directory
@@ -296,12 +333,16 @@ func (m *Manager) teardown(ctx context.Context, name string) error {
 	if err != nil {
 		return fmt.Errorf("state of %s: %w", name, err)
 	}
-	m.stopHolder(name)
+	m.release(name)
 	if err := m.engine().Remove(ctx, name, m.Cfg.StoragePool, recorded); err != nil {
 		return err
 	}
 	return m.Store.Remove(name)
 }
+
+// CheckOurName refuses a name outside this installation's prefix (an
+// error matching vm.ErrNotOurs).
+func (m *Manager) CheckOurName(name string) error { return m.checkOurName(name) }
 
 // checkOurName refuses a name outside this installation's prefix: whatever
 // has such a name (a base image "debian-12.qcow2" in the same pool, another
@@ -316,6 +357,9 @@ func (m *Manager) checkOurName(name string) error {
 // notOurs is a refusal that says why in its own words and matches
 // vm.ErrNotOurs.
 type notOurs string
+
+// NotOurs is a refusal in its own words that matches vm.ErrNotOurs.
+func NotOurs(msg string) error { return notOurs(msg) }
 
 func (e notOurs) Error() string        { return string(e) }
 func (e notOurs) Is(target error) bool { return target == vm.ErrNotOurs }

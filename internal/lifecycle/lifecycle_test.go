@@ -2,98 +2,28 @@ package lifecycle
 
 import (
 	"context"
-	"encoding/base64"
 	"errors"
-	"net"
 	"os"
-	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/crypto/ssh"
 	"libvirt.org/go/libvirtxml"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
-const controller = "0123abcd-0000-4000-8000-000000000000"
+const controller = lifecycletest.Controller
 
-// fakeGuest "boots" when the fake hypervisor starts a domain: it reads the
-// SMBIOS credentials from the domain XML, as a systemd guest would, and
-// serves SSH on 127.0.0.1 (sshtest) with the delivered host key and
-// authorized key. It runs no commands.
-type fakeGuest struct {
-	*sshtest.Server
-	hv *vmtest.Fake
-	// ownHostKey makes the guest ignore the delivered host key (an image
-	// without the host key unit).
-	ownHostKey bool
-	// noLease makes the guest never get an address.
-	noLease bool
-}
+// fakeGuest is the fake guest every test here boots (lifecycletest.Guest).
+type fakeGuest = lifecycletest.Guest
 
-func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest {
-	g := &fakeGuest{Server: sshtest.Start(t), hv: hv}
-	g.RejectSessions(true)
-	hv.OnStart = func(name string, d *libvirtxml.Domain) { g.boot(t, name, d) }
-	return g
-}
-
-func (g *fakeGuest) port() int { return g.Port() }
-
-func (g *fakeGuest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
-	x, err := d.Marshal()
-	require.NoError(t, err)
-	require.NotContains(t, x, "credential.binary", "no private key material in the domain XML")
-	var authorized, hostPEM []byte
-	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
-		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
-			authorized = []byte(v)
-		}
-	}
-	// The host key comes from the read-only credentials disk, as a guest
-	// reads /dev/disk/by-id/virtio-lve-credentials.
-	require.GreaterOrEqual(t, len(d.Devices.Disks), 2) // a third: the guest tools disk
-	require.Equal(t, guestinit.CredentialDiskSerial, d.Devices.Disks[1].Serial)
-	require.NotNil(t, d.Devices.Disks[1].ReadOnly)
-	g.hv.Lock()
-	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
-	g.hv.Unlock()
-	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
-		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
-			hostPEM, err = base64.StdEncoding.DecodeString(v)
-			require.NoError(t, err)
-		}
-	}
-	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
-	require.NoError(t, err)
-	hostKey, err := ssh.ParsePrivateKey(hostPEM)
-	require.NoError(t, err)
-	if g.ownHostKey {
-		other, err := guestinit.NewKeys("baked")
-		require.NoError(t, err)
-		hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
-		require.NoError(t, err)
-	}
-	// This boot's keys serve every connection from now on.
-	g.SetHostKey(hostKey)
-	g.SetAuthorizedKey(allowed)
-	if !g.noLease {
-		// The address appears a little after boot, as DHCP does.
-		go func() {
-			time.Sleep(50 * time.Millisecond)
-			g.hv.SetLeases(name, vm.Lease{MAC: d.Devices.Interfaces[0].MAC.Address, IP: net.ParseIP("127.0.0.1")})
-		}()
-	}
-}
+func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest { return lifecycletest.NewGuest(t, hv) }
 
 func manager(t *testing.T, hv *vmtest.Fake, g *fakeGuest) (*Manager, *config.Image) {
 	cfg, err := config.Parse([]byte(`
@@ -107,20 +37,14 @@ base = "/img/tiny.qcow2"
 `))
 	require.NoError(t, err)
 	img, _ := cfg.Image("tiny")
-	var lines []string
-	var mu sync.Mutex
+	s := lifecycletest.NewSayings(t)
 	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
-		SSHPort: g.port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,
-		Say: func(f string, a ...any) { mu.Lock(); lines = append(lines, f); mu.Unlock() }}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("progress: %q", lines)
-		}
-	})
+		SSHPort: g.Port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,
+		Say: s.Say}
 	return m, img
 }
 
-func request(img *config.Image) Request {
+func testRequest(img *config.Image) Request {
 	return Request{Name: "lve-0123abcd-7", Image: img, VCPUs: 1, MemoryMiB: 256, Frontend: "test", Job: "7", Lifetime: time.Hour}
 }
 
@@ -138,7 +62,7 @@ func TestProvisionAndTeardown(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	defer ready.Client.Close()
 	require.Equal(t, "127.0.0.1", ready.Machine.Address)
@@ -162,10 +86,10 @@ func TestProvisionAndTeardown(t *testing.T) {
 func TestProvisionRefusesImpostorHostKeyAndUndoes(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	g.ownHostKey = true
+	g.OwnHostKey = true
 	m, img := manager(t, hv, g)
 	m.Cfg.Timeouts.Boot = config.Duration(3 * time.Second)
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.Error(t, err)
 	require.ErrorContains(t, err, "host key mismatch")
 	require.Zero(t, g.Logins(), "never authenticated to the impostor")
@@ -175,11 +99,11 @@ func TestProvisionRefusesImpostorHostKeyAndUndoes(t *testing.T) {
 func TestProvisionBootTimeoutUndoes(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	g.noLease = true
+	g.NoLease = true
 	m, img := manager(t, hv, g)
 	m.Cfg.Timeouts.Boot = config.Duration(time.Second)
 	start := time.Now()
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.ErrorContains(t, err, "boot timeout 1s (timeouts.boot) reached")
 	require.Less(t, time.Since(start), 10*time.Second)
 	requireNothingLeft(t, hv, m)
@@ -188,11 +112,11 @@ func TestProvisionBootTimeoutUndoes(t *testing.T) {
 func TestProvisionCancelUndoes(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	g.noLease = true
+	g.NoLease = true
 	m, img := manager(t, hv, g)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
-	_, err := m.Provision(ctx, request(img))
+	_, err := m.Provision(ctx, testRequest(img))
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	requireNothingLeft(t, hv, m)
 }
@@ -206,7 +130,7 @@ func TestProvisionCancelDuringCheckUndoes(t *testing.T) {
 	m, img := manager(t, hv, g)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	req := request(img)
+	req := testRequest(img)
 	var checked bool
 	req.Check = func(_ context.Context, c *sshexec.Client, _ *state.Tools) error {
 		checked = c != nil
@@ -224,7 +148,7 @@ func TestProvisionFailedCheckUndoes(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
-	req := request(img)
+	req := testRequest(img)
 	req.Check = func(context.Context, *sshexec.Client, *state.Tools) error { return errors.New("guest unusable") }
 	_, err := m.Provision(context.Background(), req)
 	require.ErrorContains(t, err, "check: guest unusable")
@@ -243,7 +167,7 @@ func TestProvisionRemovesLeftoversOfEarlierAttempt(t *testing.T) {
 	_, err = m.Store.Create("lve-0123abcd-7")
 	require.NoError(t, err)
 
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err, "no 'already exists'")
 	_ = ready.Client.Close()
 	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
@@ -255,7 +179,7 @@ func TestProvisionStopsAtForeignDomain(t *testing.T) {
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	hv.Domains["lve-0123abcd-7"] = &vmtest.Domain{XML: "<domain/>", Active: true}
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.True(t, hv.Domains["lve-0123abcd-7"].Active, "foreign domain untouched")
 }
@@ -265,7 +189,7 @@ func TestProvisionStopsAtForeignDomain(t *testing.T) {
 func TestProvisionBootFailureSaysGuestWasPausedByIOError(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	g.noLease = true
+	g.NoLease = true
 	hv.OnStart = func(name string, d *libvirtxml.Domain) {
 		hv.Lock()
 		defer hv.Unlock()
@@ -273,7 +197,7 @@ func TestProvisionBootFailureSaysGuestWasPausedByIOError(t *testing.T) {
 	}
 	m, img := manager(t, hv, g)
 	m.Cfg.Timeouts.Boot = config.Duration(500 * time.Millisecond)
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.ErrorContains(t, err, "boot timeout")
 	require.ErrorContains(t, err, "paused by QEMU after a disk write failed")
 	require.ErrorContains(t, err, "storage pool jobs is probably full")
@@ -350,7 +274,7 @@ func TestProvisionUndoKeepsStateWhileVolumesRemain(t *testing.T) {
 	m, img := manager(t, hv, g)
 	hv.FailOn["Start"] = errors.New("injected start failure")
 	hv.FailOn["DeleteVolume"] = errors.New("injected delete failure")
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.ErrorContains(t, err, "injected start failure")
 	require.Contains(t, hv.Volumes, "jobs/lve-0123abcd-7.qcow2")
 	require.DirExists(t, m.Store.MachineDir("lve-0123abcd-7"), "the record of the volumes left")

@@ -1,9 +1,11 @@
 package lifecycle
 
 import (
+	"crypto/rand"
 	"crypto/sha256"
 	"encoding/hex"
 	"strconv"
+	"strings"
 )
 
 // instanceTagLen is how many hex digits of the instance identity's hash a
@@ -37,4 +39,55 @@ func MachineName(prefix, controller, instance string, jobID int64) string {
 		instance = instance[:instanceTagLen]
 	}
 	return MachinePrefix(prefix, controller) + instance + "-" + strconv.FormatInt(jobID, 10)
+}
+
+// MachinePrefix is how every machine name of this installation starts.
+func MachinePrefix(prefix, controller string) string {
+	short := controller
+	if len(short) > 8 {
+		short = short[:8]
+	}
+	return prefix + "-" + short + "-"
+}
+
+// Every machine name of this installation is MachinePrefix followed by one
+// of these shapes, made here and nowhere else:
+//   - a job's machine: <instance tag>-<job id> (MachineName);
+//   - a standby machine: sb-<8 random hex digits> (StandbyName); "sb-" is
+//     not hex, so it never looks like an instance tag;
+//   - a front end's instance: <kind>-<12 hex digits of a hash of its
+//     identity> (InstanceName; garm's runners: "garm-").
+const standbyTag = "sb-"
+
+// StandbyName is a fresh name for a standby machine:
+// <prefix>-<first 8 of controller>-sb-<8 random hex digits>.
+func StandbyName(prefix, controller string) (string, error) {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return MachinePrefix(prefix, controller) + standbyTag + hex.EncodeToString(b), nil
+}
+
+// IsStandby reports whether name is a standby machine's name of this
+// installation.
+func (m *Manager) IsStandby(name string) bool {
+	return strings.HasPrefix(name, m.namePrefix()+standbyTag)
+}
+
+// InstanceName names the machine of a front end's instance whose
+// identity is parts (garm: its controller id and the instance's name):
+// MachinePrefix, kind (lower case letters, then "-"), and 12 hex digits of
+// a SHA-256 over the parts, separated by NUL bytes. Stable for the same
+// identity; safe whatever the parts hold (garm's names have capitals,
+// machine names do not).
+func InstanceName(prefix, controller, kind string, parts ...string) string {
+	h := sha256.New()
+	for i, p := range parts {
+		if i > 0 {
+			h.Write([]byte{0})
+		}
+		h.Write([]byte(p))
+	}
+	return MachinePrefix(prefix, controller) + kind + "-" + hex.EncodeToString(h.Sum(nil)[:6])
 }

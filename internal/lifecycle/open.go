@@ -26,6 +26,9 @@ type Options struct {
 	Say func(format string, args ...any)
 	// OnReconnect, if set, is told about each re-made connection.
 	OnReconnect func(cause error)
+	// Hooks are what the kinds of machines add (internal/jobvm.Open
+	// fills them).
+	Hooks Hooks
 }
 
 // Open is how every front end gets a Manager for the installation that cfg
@@ -42,8 +45,18 @@ func Open(cfg *config.Config, o Options) (*Manager, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o)}, nil
+	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o), hooks: o.Hooks}, nil
 }
+
+// New is a Manager over a hypervisor connection the caller made (tests
+// and tools: a fake, or a connection of their own); Open is how the
+// executables get one.
+func New(cfg *config.Config, hv vm.Hypervisor, controller string, o Options) *Manager {
+	return &Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}, Controller: controller, Say: o.Say, hv: hv, hooks: o.Hooks}
+}
+
+// SetHooks replaces the Manager's hooks (before its first use).
+func (m *Manager) SetHooks(h Hooks) { m.hooks = h }
 
 // reconnecting is the hypervisor connection of a Manager: made through
 // o.Connect on first use, made again after it breaks.

@@ -2,14 +2,12 @@ package lifecycle
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"path/filepath"
 	"time"
 
 	"golang.org/x/crypto/ssh"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -23,7 +21,7 @@ import (
 // reverse order.
 type provision struct {
 	m          *Manager
-	req        Request
+	req        request
 	eng        *vm.Engine
 	domainType string
 	consoleLog string
@@ -37,14 +35,14 @@ type provision struct {
 	// from the domain's start on (create); endBoot releases it.
 	bootCtx context.Context
 	endBoot context.CancelFunc
-	tools   *Tools          // attachTools: nil for none
+	shared  *Attached       // attachShared: nil for none
 	addr    string          // waitAddress
 	client  *sshexec.Client // waitSSH
 	timings Timings
 }
 
 // newProvision prepares the steps of one Provision call.
-func (m *Manager) newProvision(ctx context.Context, req Request) (*provision, error) {
+func (m *Manager) newProvision(ctx context.Context, req request) (*provision, error) {
 	eng := m.engine()
 	domainType, err := eng.ResolveDomainType(ctx, m.Cfg.DomainType)
 	if err != nil {
@@ -59,7 +57,7 @@ func (m *Manager) newProvision(ctx context.Context, req Request) (*provision, er
 
 // list is the steps, in order, with their undos.
 func (p *provision) list() []steps.Step {
-	if p.req.Detached {
+	if p.req.detached {
 		return []steps.Step{
 			{Name: "admission", Do: p.admit, Undo: p.teardown},
 			{Name: "keys", Do: p.makeKeys},
@@ -73,7 +71,7 @@ func (p *provision) list() []steps.Step {
 		// could never remove what a failed undo left.
 		{Name: "admission", Do: p.admit, Undo: p.teardown},
 		{Name: "keys", Do: p.makeKeys},
-		{Name: "tools", Do: p.attachTools},
+		{Name: "tools", Do: p.attachShared},
 		// What is there under this name now, this call made.
 		{Name: "create", Do: p.create, Undo: p.remove},
 		{Name: "address", Do: p.waitAddress},
@@ -162,8 +160,8 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	if err := p.m.Store.SaveKey(p.req.Name, p.keys.ClientPEM); err != nil {
 		return err
 	}
-	if p.req.Seed != nil {
-		p.seed, err = p.req.Seed(p.keys, p.dir)
+	if p.req.seed != nil {
+		p.seed, err = p.req.seed(p.keys, p.dir)
 	} else {
 		p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir)
 	}
@@ -174,26 +172,17 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	return err
 }
 
-// attachTools finds (or builds, once per binary) the guest tools disk with
-// this host's gitlab-runner. Without one the machine boots all the same and
-// the log says why; a binary the admin named that cannot be used fails the
-// boot (artifacts and caches would silently not work), one found on PATH
-// only warns.
-func (p *provision) attachTools(ctx context.Context) error {
-	t, err := p.m.GuestTools(ctx)
-	switch {
-	case err == nil:
-		p.tools = t
-		p.m.say("%s", t.Describe())
-		return nil
-	case errors.Is(err, ErrNoTools):
-		p.m.say("Note: %v: the guest needs its own for caches and artifacts (see docs/images.md)", err)
-		return nil
-	case ctx.Err() == nil && p.m.Cfg.GuestTools.GitLabRunner == config.GuestToolsAuto:
-		p.m.say("Warning: the gitlab-runner found on this host's PATH cannot go to the guest: %v", err)
+// attachShared attaches the shared disks (Hooks.Shared), if any.
+func (p *provision) attachShared(ctx context.Context) error {
+	if p.m.hooks.Shared == nil {
 		return nil
 	}
-	return fmt.Errorf("guest tools disk: %w", err)
+	a, err := p.m.hooks.Shared.Attach(ctx, p.m)
+	if err != nil {
+		return err
+	}
+	p.shared = a
+	return nil
 }
 
 // create creates and starts the domain of MachineSpec, then starts the boot
@@ -206,9 +195,9 @@ func (p *provision) create(ctx context.Context) error {
 		return err
 	}
 	spec := MachineSpec(p.m.Cfg, SpecInput{
-		Request: p.req, Controller: p.m.Controller, DomainType: p.domainType,
+		Request: p.req.Request, Controller: p.m.Controller, DomainType: p.domainType,
 		Keys: p.keys, CloudInitSeed: p.seed, MAC: p.mac, Created: p.created, ConsoleLog: p.consoleLog,
-		Shared: p.tools.Disk(),
+		Shared: p.shared.disks(),
 	})
 	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
 	t0 := time.Now()
@@ -279,7 +268,7 @@ func (p *provision) check(ctx context.Context) error {
 		return nil
 	}
 	t0 := time.Now()
-	err := p.req.Check(ctx, p.client, p.tools.record())
+	err := p.req.Check(ctx, p.client, p.shared.record())
 	p.timings.Check = time.Since(t0)
 	return err
 }
@@ -291,6 +280,6 @@ func (p *provision) record(context.Context) error {
 		Name: p.req.Name, Image: img.Name, Address: p.addr, Port: p.m.sshPort(), User: img.User, Shell: img.Shell,
 		HostKey: p.keys.HostPublicLine(), MAC: p.mac, Created: p.created,
 		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Standby: p.req.Standby,
-		Tools: p.tools.record(),
+		Tools: p.shared.record(),
 	})
 }

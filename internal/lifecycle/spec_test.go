@@ -98,7 +98,7 @@ func TestMachineSpecGolden(t *testing.T) {
 				Created: created, ConsoleLog: "/state/lve-0123abcd-7/console.log",
 			}
 			if tc.tools {
-				in.Shared = (&Tools{Path: "/pool/lve-0123abcd-tools-0011223344556677.iso"}).Disk()
+				in.Shared = []vm.SharedDisk{{Path: "/pool/lve-0123abcd-tools-0011223344556677.iso", Serial: guestinit.ToolsDiskSerial}}
 			}
 			got := goldenView(t, MachineSpec(cfg, in))
 			path := filepath.Join("testdata", tc.name+".golden")

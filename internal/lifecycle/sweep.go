@@ -50,6 +50,18 @@ type Item struct {
 	Reason  string
 }
 
+// Standby is one standby machine as the state directory shows it.
+type Standby struct {
+	Name string
+	// Record is nil while the machine boots (or when a boot was cut off).
+	Record *state.Machine
+	// Claim is nil while the machine is idle.
+	Claim *state.Claim
+}
+
+// Idle reports whether the machine is booted and unclaimed.
+func (s Standby) Idle() bool { return s.Record != nil && s.Record.Standby != nil && s.Claim == nil }
+
 // Pool says what a standby machine is doing: "booting", "idle",
 // "claimed" (by a job) or "retiring"; "" for a job's own machine.
 func (it Item) Pool() string {
@@ -64,15 +76,6 @@ func (it Item) Pool() string {
 		return "booting"
 	}
 	return "idle"
-}
-
-// MachinePrefix is how every machine name of this installation starts.
-func MachinePrefix(prefix, controller string) string {
-	short := controller
-	if len(short) > 8 {
-		short = short[:8]
-	}
-	return prefix + "-" + short + "-"
 }
 
 func (m *Manager) namePrefix() string { return MachinePrefix(m.Cfg.NamePrefix, m.Controller) }
@@ -126,7 +129,7 @@ func (m *Manager) machineNames(ctx context.Context, vols []string) ([]string, er
 		add(d)
 	}
 	for _, v := range vols {
-		if name, ok := machineOfVolume(v); ok {
+		if name, ok := MachineOfVolume(v); ok {
 			add(name)
 		}
 	}
@@ -144,8 +147,9 @@ func (m *Manager) machineNames(ctx context.Context, vols []string) ([]string, er
 	return slices.Sorted(maps.Keys(found)), nil
 }
 
-// machineOfVolume returns the machine whose disk or seed volume v would be.
-func machineOfVolume(v string) (string, bool) {
+// MachineOfVolume returns the machine whose disk or seed volume v would be
+// (false: v is no machine's volume).
+func MachineOfVolume(v string) (string, bool) {
 	if name, ok := strings.CutSuffix(v, ".qcow2"); ok {
 		return name, true
 	}
@@ -245,9 +249,10 @@ type SweepReport struct {
 	Items   []Item
 	Removed []string
 	Errors  []error
-	// Tools are the guest tools volumes of earlier binaries that no
-	// machine uses any more: removed, or with dryRun, removable.
-	Tools []string
+	// SharedVolumes are shared disks' volumes no machine uses any more
+	// (Hooks.Sweepers: the guest tools of earlier binaries): removed, or
+	// with dryRun, removable.
+	SharedVolumes []string
 }
 
 // Sweep removes this installation's expired machines and orphaned volumes,
@@ -272,13 +277,10 @@ func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*Sweep
 		}
 		m.sweepOne(ctx, rep, it, now, dryRun)
 	}
-	if !dryRun {
-		if err := m.sweepJobMappings(); err != nil {
+	for _, sw := range m.hooks.Sweepers {
+		if err := sw(ctx, m, rep, dryRun); err != nil {
 			rep.Errors = append(rep.Errors, err)
 		}
-	}
-	if err := m.sweepTools(ctx, rep, dryRun); err != nil {
-		rep.Errors = append(rep.Errors, err)
 	}
 	return rep, errors.Join(rep.Errors...)
 }
@@ -320,31 +322,4 @@ func (m *Manager) sweepOne(ctx context.Context, rep *SweepReport, seen Item, now
 // Removable reports whether a sweep would remove the item.
 func (it Item) Removable() bool {
 	return slices.Contains([]string{VerdictExpired, VerdictOrphan, VerdictRetired, VerdictEnded}, it.Verdict)
-}
-
-// sweepJobMappings removes the job -> machine mappings whose machine has no
-// state directory any more (its job's cleanup did not run to the end).
-func (m *Manager) sweepJobMappings() error {
-	jobs, err := m.Store.MappedJobs()
-	if err != nil {
-		return err
-	}
-	var errs []error
-	for _, j := range jobs {
-		jm, err := m.Store.MachineOfJob(j)
-		if err != nil {
-			// Unreadable: MachineOf ignores it anyway.
-			errs = append(errs, m.Store.UnmapJob(j))
-			continue
-		}
-		if jm == nil {
-			continue
-		}
-		if has, err := m.Store.Has(jm.Machine); err == nil && !has {
-			if has, err := m.Store.Has(j); err == nil && !has {
-				errs = append(errs, m.Store.UnmapJob(j))
-			}
-		}
-	}
-	return errors.Join(errs...)
 }

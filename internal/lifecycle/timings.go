@@ -6,7 +6,6 @@ import (
 	"os"
 	"time"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -68,16 +67,6 @@ type TimingRecord struct {
 	Started   time.Time `json:"started"`
 	Addressed time.Time `json:"addressed"`
 	Connected time.Time `json:"connected"`
-}
-
-// NewClaimRecord is the record of a claimed standby machine whose front end
-// began preparing at began; ReadyMs runs until now, Claimed is when the
-// claim was complete.
-func NewClaimRecord(mach *state.Machine, c *Claimed, began time.Time) TimingRecord {
-	return TimingRecord{
-		Machine: mach.Name, Image: mach.Image, Began: began, Warm: true,
-		ClaimMs: ms(c.Took), ReadyMs: ms(time.Since(began)), Claimed: c.At,
-	}
 }
 
 // NewTimingRecord is the record of a provisioned machine whose front end

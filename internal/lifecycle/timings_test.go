@@ -23,7 +23,7 @@ func TestProvisionReturnsTimings(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
-	req := request(img)
+	req := testRequest(img)
 	req.Check = func(context.Context, *sshexec.Client, *state.Tools) error {
 		time.Sleep(20 * time.Millisecond)
 		return nil

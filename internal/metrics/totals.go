@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
@@ -200,7 +201,7 @@ func (f *folder) apply(e obs.Event) {
 			t.add(SweepRemovedTotal, float64(n), oneOf(verdict, []string{lifecycle.VerdictExpired, lifecycle.VerdictOrphan, lifecycle.VerdictEnded, lifecycle.VerdictRetired}))
 		}
 	case obs.KindRetired:
-		t.add(PoolRetiredTotal, 1, f.image(e.Image), oneOf(e.Reason, lifecycle.RetireReasons))
+		t.add(PoolRetiredTotal, 1, f.image(e.Image), oneOf(e.Reason, jobvm.RetireReasons))
 	case obs.KindReconnect:
 		t.add(ReconnectsTotal, 1, "service")
 	}
@@ -210,7 +211,7 @@ func (f *folder) stage(e obs.Event) {
 	t := f.t
 	stage := stageLabel(e.Stage)
 	result := oneOf(e.Result, results)
-	reason := oneOf(e.Reason, lifecycle.Reasons)
+	reason := oneOf(e.Reason, jobvm.Reasons)
 	t.add(StagesTotal, 1, stage, result, reason)
 	img := f.image(e.Image)
 	if e.Reconnects > 0 {
@@ -236,9 +237,9 @@ func (f *folder) stage(e obs.Event) {
 	case "config":
 	case "prepare":
 		if e.Pool != "" {
-			pr := oneOf(e.PoolReason, []string{lifecycle.MissNoPool, lifecycle.MissSize, lifecycle.MissServiceDown, lifecycle.MissEmpty, lifecycle.MissError})
+			pr := oneOf(e.PoolReason, []string{jobvm.MissNoPool, jobvm.MissSize, jobvm.MissServiceDown, jobvm.MissEmpty, jobvm.MissError})
 			if e.Pool == "hit" {
-				pr = lifecycle.ReasonNone
+				pr = jobvm.ReasonNone
 			}
 			t.add(PoolClaimsTotal, 1, img, oneOf(e.Pool, []string{"hit", "miss"}), pr)
 		}
@@ -278,7 +279,7 @@ func (f *folder) stage(e obs.Event) {
 
 // countJob counts a job with what decided it (success without).
 func (t *Totals) countJob(p *pending) {
-	res, why := obs.ResultSuccess, lifecycle.ReasonNone
+	res, why := obs.ResultSuccess, jobvm.ReasonNone
 	if p != nil && p.Result != "" {
 		res, why = p.Result, p.Reason
 	}

@@ -20,6 +20,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -30,7 +31,7 @@ import (
 
 // Service keeps the standby pools of one installation.
 type Service struct {
-	M   *lifecycle.Manager
+	M   *jobvm.Host
 	Log *slog.Logger
 	// Started, if set, runs once the service holds its lock (only one
 	// service runs per installation): the metrics endpoint starts there.
@@ -425,7 +426,7 @@ func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason s
 				image = sb.Record.Standby.Image
 			}
 			s.M.Record(s.Log, obs.Event{Kind: obs.KindRetired, Job: name, Image: image, Reason: RetireCode(reason)})
-		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed), errors.Is(err, lifecycle.ErrBootCompleted):
+		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed), errors.Is(err, jobvm.ErrBootCompleted):
 		default:
 			// Tried again after 5 s, doubling to 5 min; logged when the
 			// error changes, not on every look.
@@ -498,7 +499,7 @@ func (s *Service) release(name string) {
 	s.mu.Unlock()
 }
 
-// RetireCode is a retirement's reason as one of lifecycle.RetireReasons.
+// RetireCode is a retirement's reason as one of jobvm.RetireReasons.
 func RetireCode(reason string) string {
 	r := strings.ToLower(reason)
 	has := func(words ...string) bool {

@@ -21,6 +21,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
@@ -112,7 +113,7 @@ type env struct {
 	t   *testing.T
 	hv  *vmtest.Fake
 	g   *guest
-	m   *lifecycle.Manager
+	m   *jobvm.Host
 	s   *Service
 	img *config.Image
 	log *syncBuffer
@@ -149,7 +150,7 @@ base = "` + base + `"
 	img, _ := cfg.Image("tiny")
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
 	require.NoError(t, err)
 	m.SSHPort = g.Port()
 	m.SSHPollInterval = 20 * time.Millisecond
@@ -245,7 +246,7 @@ func (e *env) addStandby(suffix string, created time.Time, port int) string {
 		Name: name, Image: e.img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
 		Standby: &state.Standby{Image: e.img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Cfg, e.img)},
 	}))
-	x, err := vm.MarshalOwner(vm.Owner{Controller: e.m.Controller, Frontend: lifecycle.FrontendStandby, Job: e.img.Name,
+	x, err := vm.MarshalOwner(vm.Owner{Controller: e.m.Controller, Frontend: jobvm.FrontendStandby, Job: e.img.Name,
 		Created: created.UTC(), Deadline: created.Add(3 * time.Hour).UTC(), Volumes: []string{vm.DiskVolume(name)}})
 	require.NoError(t, err)
 	e.hv.Lock()
@@ -292,7 +293,7 @@ func TestTickBootsUpToIdleCount(t *testing.T) {
 		active := e.hv.Domains[n].Active
 		e.hv.Unlock()
 		require.NoError(t, err)
-		require.Equal(t, lifecycle.FrontendStandby, o.Frontend)
+		require.Equal(t, jobvm.FrontendStandby, o.Frontend)
 		require.True(t, active)
 	}
 	_, age, looked := e.m.ServiceStatus()
@@ -744,7 +745,7 @@ func TestRunKeepsPoolAndStops(t *testing.T) {
 	require.ErrorIs(t, err, state.ErrBusy, "one service per installation")
 
 	// A job claims one; the service refills.
-	c, err := e.m.Claim(context.Background(), lifecycle.ClaimRequest{Job: "lve-x-7", Image: e.img, Size: e.m.Cfg.ImageSize(e.img),
+	c, err := e.m.Claim(context.Background(), jobvm.ClaimRequest{Job: "lve-x-7", Image: e.img, Size: e.m.Cfg.ImageSize(e.img),
 		Frontend: "gitlab", JobID: "7", Lifetime: time.Hour})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return len(e.idle()) == 2 }, 20*time.Second, 20*time.Millisecond)

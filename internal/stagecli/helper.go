@@ -10,6 +10,7 @@ import (
 	"syscall"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -22,7 +23,7 @@ type helper struct {
 	stop  func()
 	log   *slog.Logger
 	cfg   *config.Config
-	m     *lifecycle.Manager
+	m     *jobvm.Host
 	names []string
 }
 
@@ -60,7 +61,7 @@ func startHelper(command, usage string, many bool, args []string, stdin io.Reade
 		log.Error("configuration", "err", err)
 		return nil, 1
 	}
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Log: log})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Log: log})
 	if err != nil {
 		stop()
 		log.Error("open", "err", err)

@@ -6,17 +6,17 @@ import (
 	"strconv"
 	"time"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // Hold is the run executable as a job's connection holder
-// (lifecycle.HolderCommand): `hold-connection --config PATH [--config-stdin]
+// (jobvm.HolderCommand): `hold-connection --config PATH [--config-stdin]
 // --until UNIX NAME`, started by prepare with the listening socket as fd 3
 // and the configuration's text on stdin. It logs to stderr (the holder's
 // log file) and returns the process's exit code.
 func Hold(args []string, stdin io.Reader, stderr io.Writer) int {
 	var until string
-	h, code := startHelper(lifecycle.HolderCommand, "--config PATH [--config-stdin] --until UNIX NAME", false, args, stdin, stderr,
+	h, code := startHelper(jobvm.HolderCommand, "--config PATH [--config-stdin] --until UNIX NAME", false, args, stdin, stderr,
 		func(fs *flag.FlagSet) {
 			fs.StringVar(&until, "until", "", "end at this time (Unix seconds) at the latest")
 		})

@@ -6,17 +6,17 @@ import (
 	"strings"
 	"time"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // Reap is the cleanup executable as the reaper of machines whose job
-// ended (lifecycle.ReaperCommand): `reap-machines --config PATH
+// ended (jobvm.ReaperCommand): `reap-machines --config PATH
 // [--config-stdin] -- NAME...`, started detached by the cleanup stage with
 // the configuration's text on stdin. It removes them (lifecycle.Reap),
 // then runs the opportunistic sweep, logs to stderr (the reaper's log
 // file) and returns the process's exit code.
 func Reap(args []string, stdin io.Reader, stderr io.Writer) int {
-	h, code := startHelper(lifecycle.ReaperCommand, "--config PATH [--config-stdin] -- NAME...", true, args, stdin, stderr, nil)
+	h, code := startHelper(jobvm.ReaperCommand, "--config PATH [--config-stdin] -- NAME...", true, args, stdin, stderr, nil)
 	if h == nil {
 		return code
 	}

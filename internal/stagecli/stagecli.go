@@ -21,6 +21,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -187,5 +188,5 @@ func Classify(err error, cancelled bool) (result, reason string) {
 	if cancelled && result == obs.ResultSuccess {
 		result = obs.ResultSystem
 	}
-	return result, lifecycle.FailureReason(err, cancelled)
+	return result, jobvm.FailureReason(err, cancelled)
 }

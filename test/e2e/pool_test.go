@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirt"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
@@ -66,9 +67,9 @@ func (s *service) kill() { s.Kill() }
 
 // manager opens the installation the way the executables do, for looking
 // at standby machines and removing them.
-func (r *rig) manager(t *testing.T) *lifecycle.Manager {
+func (r *rig) manager(t *testing.T) *jobvm.Host {
 	t.Helper()
-	m, err := lifecycle.Open(r.cfg, lifecycle.Options{})
+	m, err := jobvm.Open(r.cfg, lifecycle.Options{})
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = m.Close() })
 	return m

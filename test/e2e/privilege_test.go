@@ -20,7 +20,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -275,7 +275,7 @@ func (r *rig) removeToolsVolumes(t *testing.T, stateDir string) {
 	require.NoError(t, err)
 	defer pool.Free()
 	for _, v := range r.poolVolumes(t) {
-		if !lifecycle.IsToolsVolume(r.cfg.NamePrefix, strings.TrimSpace(string(ctrl)), v) {
+		if !guesttools.IsToolsVolume(r.cfg.NamePrefix, strings.TrimSpace(string(ctrl)), v) {
 			continue
 		}
 		vol, err := pool.LookupStorageVolByName(v)

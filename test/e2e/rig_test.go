@@ -24,7 +24,7 @@ import (
 	"libvirt.org/go/libvirtxml"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
@@ -150,7 +150,7 @@ func driverProcesses(prefix string) []string {
 			continue
 		}
 		args := strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
-		if len(args) < 2 || (args[1] != lifecycle.HolderCommand && args[1] != lifecycle.ReaperCommand) {
+		if len(args) < 2 || (args[1] != jobvm.HolderCommand && args[1] != jobvm.ReaperCommand) {
 			continue
 		}
 		for _, a := range args[2:] {
@@ -288,5 +288,5 @@ func (r *rig) poolVolumes(t *testing.T) []string {
 }
 
 // toolsVolumeRE is the name of a guest tools volume after "<prefix>-"
-// (lifecycle.ToolsVolumeName), whatever the controller.
+// (guesttools.ToolsVolumeName), whatever the controller.
 var toolsVolumeRE = regexp.MustCompile(`^[0-9a-f]{8}-tools-[0-9a-f]{16}\.iso$`)

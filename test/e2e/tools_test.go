@@ -12,7 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 )
 
 // requireGuestRunner skips a test that needs the guest tools disk's
@@ -57,7 +57,7 @@ func TestGuestToolsDisk(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	}
 	sum := sha256.Sum256(mustRead(t, r.cfg.GuestTools.GitLabRunner))
-	vol := lifecycle.ToolsVolumeName(r.cfg.NamePrefix, r.controller(t), hex.EncodeToString(sum[:]))
+	vol := guesttools.ToolsVolumeName(r.cfg.NamePrefix, r.controller(t), hex.EncodeToString(sum[:]))
 	require.Contains(t, r.poolVolumes(t), vol, "the binary's tools volume is kept after the jobs")
 }
 

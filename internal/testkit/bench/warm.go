@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
@@ -124,12 +125,12 @@ const reservationFile = "reservation.json"
 // is told to look: a replacement whose boot fails is removed again, and
 // must still count.
 type standbyWatch struct {
-	m     *lifecycle.Manager
+	m     *jobvm.Host
 	mu    sync.Mutex
 	began map[string]time.Time
 }
 
-func newStandbyWatch(m *lifecycle.Manager) *standbyWatch {
+func newStandbyWatch(m *jobvm.Host) *standbyWatch {
 	return &standbyWatch{m: m, began: map[string]time.Time{}}
 }
 
@@ -190,7 +191,7 @@ func atRest(all []lifecycle.Standby, image string) (string, bool) {
 }
 
 // waitPool waits until the pool is at rest and returns its idle VM.
-func (b *bench) waitPool(ctx context.Context, m *lifecycle.Manager, svc *poolsvc.Service, watch *standbyWatch, image string, within time.Duration) (string, error) {
+func (b *bench) waitPool(ctx context.Context, m *jobvm.Host, svc *poolsvc.Service, watch *standbyWatch, image string, within time.Duration) (string, error) {
 	deadline := time.Now().Add(within)
 	t := time.NewTicker(b.opts.Poll)
 	defer t.Stop()
@@ -269,7 +270,7 @@ func (b *bench) warmRound(ctx context.Context, image string) (w WarmRound) {
 		fail(fmt.Errorf("the warm round's configuration does not keep exactly one pool of one idle VM of %s", image))
 		return w
 	}
-	m, err := lifecycle.Open(cfg, lifecycle.Options{})
+	m, err := jobvm.Open(cfg, lifecycle.Options{})
 	if err != nil {
 		fail(err)
 		return w

@@ -10,6 +10,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
@@ -193,7 +194,7 @@ func TestParseStart(t *testing.T) {
 // machine is the standby VM, not the job's.
 func claimRecord(began time.Time) lifecycle.TimingRecord {
 	const vm = "lve-2de26526-sb-0a1b2c3d"
-	return lifecycle.NewClaimRecord(&state.Machine{Name: vm, Image: "tiny"}, &lifecycle.Claimed{Took: 31500 * time.Microsecond, At: began.Add(40 * time.Millisecond)}, began)
+	return jobvm.NewClaimRecord(&state.Machine{Name: vm, Image: "tiny"}, &jobvm.Claimed{Took: 31500 * time.Microsecond, At: began.Add(40 * time.Millisecond)}, began)
 }
 
 func TestReadWarm(t *testing.T) {

@@ -17,6 +17,7 @@ import (
 	"syscall"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
@@ -130,7 +131,7 @@ func (s *Service) Kill() {
 // WaitIdle waits until exactly n standby VMs are idle and none boots,
 // is claimed or retires, and returns the idle ones; it gives up when
 // within passes, ctx ends or the service ends.
-func (s *Service) WaitIdle(ctx context.Context, m *lifecycle.Manager, n int, within time.Duration) ([]string, error) {
+func (s *Service) WaitIdle(ctx context.Context, m *jobvm.Host, n int, within time.Duration) ([]string, error) {
 	deadline := time.Now().Add(within)
 	for {
 		all, err := m.Standbys()
@@ -191,7 +192,7 @@ func Describe(all []lifecycle.Standby) string {
 // RemoveStandbys removes every standby VM of the installation once the
 // service has stopped, each within each; one a job claimed and its cleanup
 // left is removed as `libvirt-executor rm` would.
-func RemoveStandbys(ctx context.Context, m *lifecycle.Manager, each time.Duration, reason string) (removed []string, errs []error) {
+func RemoveStandbys(ctx context.Context, m *jobvm.Host, each time.Duration, reason string) (removed []string, errs []error) {
 	all, err := m.Standbys()
 	if err != nil {
 		return nil, []error{fmt.Errorf("standby VMs: %w", err)}

@@ -1,4 +1,4 @@
-package lifecycle
+package jobvm
 
 import (
 	"context"
@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detach"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
@@ -40,8 +42,8 @@ const (
 // could not be paused is destroyed there), and removes the job's mapping. A
 // machine without a state directory has nothing that proves its volumes
 // ours to a later process: it is removed here, the slow way.
-func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string, error) {
-	jm, err := m.MachineOf(job)
+func (h *Host) EndJob(ctx context.Context, job string) (JobMachine, []string, error) {
+	jm, err := h.MachineOf(job)
 	if err != nil {
 		return jm, nil, err
 	}
@@ -54,7 +56,7 @@ func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string,
 	var ended []string
 	var errs []error
 	for _, name := range names {
-		marked, err := m.end(ctx, name)
+		marked, err := h.end(ctx, name)
 		if marked {
 			ended = append(ended, name)
 		}
@@ -65,39 +67,39 @@ func (m *Manager) EndJob(ctx context.Context, job string) (JobMachine, []string,
 	if len(errs) > 0 {
 		return jm, ended, errors.Join(errs...)
 	}
-	return jm, ended, m.Store.UnmapJob(job)
+	return jm, ended, h.Store.UnmapJob(job)
 }
 
 // end is EndJob for one machine: true once it is marked ended (it awaits
 // Reap, also when an error follows), false if there was nothing to end or
 // it was removed at once.
-func (m *Manager) end(ctx context.Context, name string) (bool, error) {
-	if err := m.checkOurName(name); err != nil {
+func (h *Host) end(ctx context.Context, name string) (bool, error) {
+	if err := h.CheckOurName(name); err != nil {
 		return false, err
 	}
-	unlock, err := m.Store.Lock(ctx, name)
+	unlock, err := h.Store.Lock(ctx, name)
 	if err != nil {
 		return false, err
 	}
 	defer unlock()
-	has, err := m.Store.Has(name)
+	has, err := h.Store.Has(name)
 	if err != nil {
 		return false, fmt.Errorf("state of %s: %w", name, err)
 	}
 	if !has {
-		if err := m.teardown(ctx, name); err != nil {
+		if err := h.TeardownLocked(ctx, name); err != nil {
 			return false, err
 		}
-		m.Store.RemoveLock(name)
+		h.Store.RemoveLock(name)
 		return false, nil
 	}
-	m.stopHolder(name)
+	stopHolder(h.Manager, name)
 	// The mark first: if this process dies now, a sweep removes the
 	// machine at once instead of at its deadline.
-	if err := m.Store.MarkEnded(name, state.Ended{At: time.Now().UTC(), Reason: "job ended"}); err != nil {
+	if err := h.Store.MarkEnded(name, state.Ended{At: time.Now().UTC(), Reason: "job ended"}); err != nil {
 		return false, fmt.Errorf("mark %s ended: %w", name, err)
 	}
-	if err := m.engine().Halt(ctx, name); err != nil {
+	if err := h.Engine().Halt(ctx, name); err != nil {
 		return true, fmt.Errorf("stop %s: %w", name, err)
 	}
 	return true, nil
@@ -107,32 +109,32 @@ func (m *Manager) end(ctx context.Context, name string) (bool, error) {
 // if it carries the ended mark (the proof that its job is over), the
 // domain, its volumes and its state (Teardown). A machine already gone is
 // success.
-func (m *Manager) Reap(ctx context.Context, names []string) error {
+func (h *Host) Reap(ctx context.Context, names []string) error {
 	var errs []error
 	for _, name := range names {
-		if err := m.reapOne(ctx, name); err != nil {
+		if err := h.reapOne(ctx, name); err != nil {
 			errs = append(errs, fmt.Errorf("%s: %w", name, err))
 		}
 	}
 	return errors.Join(errs...)
 }
 
-func (m *Manager) reapOne(ctx context.Context, name string) error {
+func (h *Host) reapOne(ctx context.Context, name string) error {
 	var ended *state.Ended
-	err := m.teardownIf(ctx, name, func() (bool, error) {
-		has, err := m.Store.Has(name)
+	err := h.TeardownIf(ctx, name, func() (bool, error) {
+		has, err := h.Store.Has(name)
 		if err != nil || !has {
 			return false, err // removed already (by a sweep)
 		}
-		e, err := m.Store.EndedOf(name)
+		e, err := h.Store.EndedOf(name)
 		if err == nil && e == nil {
-			err = notOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
+			err = lifecycle.NotOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
 		}
 		ended = e
 		return err == nil, err
 	})
 	if err == nil && ended != nil {
-		m.recordReaped(name, ended.At)
+		h.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended.At).Seconds()})
 	}
 	return err
 }
@@ -143,20 +145,20 @@ func (m *Manager) reapOne(ctx context.Context, name string) error {
 // reaper.log in the state directory; it gets the stage's configuration on
 // stdin (package detach). If the reaper dies, the ended marks make the next
 // sweep remove the machines.
-func (m *Manager) StartReaper(names []string) error {
-	exe := m.ReaperExe
+func (h *Host) StartReaper(names []string) error {
+	exe := h.ReaperExe
 	if exe == "" {
 		var err error
 		if exe, err = siblingExe(ReaperExecutable); err != nil {
 			return err
 		}
 	}
-	logPath := filepath.Join(m.Store.Dir, reaperLog)
+	logPath := filepath.Join(h.Store.Dir, reaperLog)
 	if st, err := os.Stat(logPath); err == nil && st.Size() > reaperLogMax {
 		_ = os.Rename(logPath, logPath+".1")
 	}
-	args := append([]string{ReaperCommand, "--config", m.Cfg.Path, "--config-stdin", "--"}, names...)
-	_, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: m.Cfg.Text, Log: logPath})
+	args := append([]string{ReaperCommand, "--config", h.Cfg.Path, "--config-stdin", "--"}, names...)
+	_, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: h.Cfg.Text, Log: logPath})
 	return err
 }
 
@@ -166,12 +168,12 @@ const sweepEvery = 5 * time.Minute
 
 // OpportunisticSweep sweeps (Sweep) if no sweep ran for sweepEvery, and
 // logs what it removed.
-func (m *Manager) OpportunisticSweep(ctx context.Context, log *slog.Logger) {
-	if !m.Store.Due("last-sweep", sweepEvery) {
+func (h *Host) OpportunisticSweep(ctx context.Context, log *slog.Logger) {
+	if !h.Store.Due("last-sweep", sweepEvery) {
 		return
 	}
-	rep, err := m.Sweep(ctx, time.Now(), false)
-	m.RecordSweep(log, SweepByCleanup, rep)
+	rep, err := h.Sweep(ctx, time.Now(), false)
+	h.RecordSweep(log, lifecycle.SweepByCleanup, rep)
 	if rep != nil && len(rep.Removed) > 0 {
 		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
 	}

@@ -1,4 +1,12 @@
-package lifecycle
+// Package guesttools owns the guest tools disk: a read-only ISO volume in
+// the storage pool with this host's gitlab-runner, built once per binary
+// (by content, under a lock, recorded so that only this installation's
+// volumes are ever removed), attached to every machine provisioned
+// (lifecycle.Hooks.Shared: Disk) and swept once no machine uses it
+// (Sweep). The binary "auto" names is resolved once, by the process that
+// builds the disk, and recorded: every later process (reaper, service,
+// gc timer, with PATHs of their own) uses that record.
+package guesttools
 
 import (
 	"context"
@@ -17,6 +25,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -60,12 +69,36 @@ func DescribeTools(t *state.Tools, built time.Duration) string {
 	return s
 }
 
-// Disk is the shared disk to attach (none for a nil Tools).
-func (t *Tools) Disk() []vm.SharedDisk {
+// disks are the shared disks to attach (none for a nil Tools).
+func (t *Tools) disks() []vm.SharedDisk {
 	if t == nil {
 		return nil
 	}
 	return []vm.SharedDisk{{Path: t.Path, Serial: guestinit.ToolsDiskSerial}}
+}
+
+// Disk is the guest tools disk as lifecycle.Hooks.Shared.
+type Disk struct{}
+
+// Attach finds (or builds, once per binary) the guest tools disk with
+// this host's gitlab-runner. Without one the machine boots all the same
+// and the job log says why; a binary the admin named that cannot be used
+// fails the boot (artifacts and caches would silently not work), one found
+// on PATH only warns.
+func (Disk) Attach(ctx context.Context, m *lifecycle.Manager) (*lifecycle.Attached, error) {
+	t, err := Get(ctx, m)
+	switch {
+	case err == nil:
+		m.Sayf("%s", t.Describe())
+		return &lifecycle.Attached{Disks: t.disks(), Record: t.record()}, nil
+	case errors.Is(err, ErrNoTools):
+		m.Sayf("Note: %v: the guest needs its own for caches and artifacts (see docs/images.md)", err)
+		return nil, nil
+	case ctx.Err() == nil && m.Cfg.GuestTools.GitLabRunner == config.GuestToolsAuto:
+		m.Sayf("Warning: the gitlab-runner found on this host's PATH cannot go to the guest: %v", err)
+		return nil, nil
+	}
+	return nil, fmt.Errorf("guest tools disk: %w", err)
 }
 
 // record is what the machine's state keeps of its tools disk (nil for
@@ -77,25 +110,24 @@ func (t *Tools) record() *state.Tools {
 	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256}
 }
 
-// toolsVolumeOf is the tools volume a machine was booted with ("" for
-// none).
-func toolsVolumeOf(rec *state.Machine) string {
+// VolumeOf is the tools volume a machine was booted with ("" for none).
+func VolumeOf(rec *state.Machine) string {
 	if rec.Tools == nil {
 		return ""
 	}
 	return rec.Tools.Volume
 }
 
-// toolsVolumeNow is the tools volume a machine booted now would get, by
+// VolumeNow is the tools volume a machine booted now would get, by
 // name, without libvirt ("" for none, when the binary is unusable or its
 // volume was not made): a stat, the cached hash and its record, so cheap
 // enough for every look at a standby machine.
-func (m *Manager) toolsVolumeNow() string {
+func VolumeNow(m *lifecycle.Manager) string {
 	src, err := toolsSource(m.Cfg)
 	if err != nil {
 		return ""
 	}
-	sum, err := m.sourceHash(src)
+	sum, err := sourceHash(m, src)
 	if err != nil {
 		return ""
 	}
@@ -103,7 +135,7 @@ func (m *Manager) toolsVolumeNow() string {
 	// without one (with a warning), and they are not outdated for that.
 	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
 	var rec toolsRecord
-	if !m.Store.GetTools(m.toolsRecordKey(vol), &rec) || !rec.Ready {
+	if !m.Store.GetTools(recordKey(m, vol), &rec) || !rec.Ready {
 		return ""
 	}
 	return vol
@@ -118,12 +150,12 @@ const toolsSuffix = ".iso"
 // a machine's volume, so the sweep leaves it alone.
 func ToolsVolumeName(prefix, controller, sha string) string {
 	h := sha256.Sum256([]byte("libvirt-executor tools disk layout " + guestinit.ToolsLayout + "\n" + sha))
-	return MachinePrefix(prefix, controller) + "tools-" + hex.EncodeToString(h[:8]) + toolsSuffix
+	return lifecycle.MachinePrefix(prefix, controller) + "tools-" + hex.EncodeToString(h[:8]) + toolsSuffix
 }
 
 // IsToolsVolume reports whether vol is a tools volume of this naming.
 func IsToolsVolume(prefix, controller, vol string) bool {
-	rest, ok := strings.CutPrefix(vol, MachinePrefix(prefix, controller)+"tools-")
+	rest, ok := strings.CutPrefix(vol, lifecycle.MachinePrefix(prefix, controller)+"tools-")
 	if !ok {
 		return false
 	}
@@ -175,7 +207,7 @@ func GuestToolsSource(cfg *config.Config) (string, error) {
 // storage pool: one per pool (a configuration with another pool builds its
 // own volume, and must not take the other pool's record for its own).
 // Neither part can hold '@' (config and CheckName shapes).
-func (m *Manager) toolsRecordKey(vol string) string { return m.Cfg.StoragePool + "@" + vol }
+func recordKey(m *lifecycle.Manager, vol string) string { return m.Cfg.StoragePool + "@" + vol }
 
 // toolsLock serialises building a tools volume between processes. It has
 // no machine's name, so the sweep never takes it for a machine's lock.
@@ -202,24 +234,24 @@ type toolsRecord struct {
 	At     time.Time `json:"at"`
 }
 
-// GuestTools returns the tools disk for this host's gitlab-runner, building
+// Get returns the tools disk for this host's gitlab-runner, building
 // it (once per binary, under a lock) when there is none yet. It returns
 // ErrNoTools (wrapped, saying why) when the configuration or the host gives
 // no binary, and other errors when the binary the admin named is unusable
 // or the volume cannot be made.
-func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
+func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 	src, err := toolsSource(m.Cfg)
 	if err != nil {
 		return nil, err
 	}
-	sum, err := m.sourceHash(src)
+	sum, err := sourceHash(m, src)
 	if err != nil {
 		return nil, fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
 	}
 	t := &Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum), Source: src, SHA256: sum}
 	var rec toolsRecord
-	if m.Store.GetTools(m.toolsRecordKey(t.Volume), &rec) && rec.Ready {
-		path, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
+	if m.Store.GetTools(recordKey(m, t.Volume), &rec) && rec.Ready {
+		path, err := m.Hypervisor().VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
 		if err == nil {
 			t.Path = path
 			return t, nil
@@ -234,7 +266,7 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 	}
 	defer unlock()
 	start := time.Now()
-	built, err := m.buildTools(ctx, t)
+	built, err := build(ctx, m, t)
 	if err != nil {
 		return nil, err
 	}
@@ -246,11 +278,11 @@ func (m *Manager) GuestTools(ctx context.Context) (*Tools, error) {
 
 // buildTools makes t's volume and sets t.Path, under the tools lock; it
 // reports false when another process made it meanwhile.
-func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
+func build(ctx context.Context, m *lifecycle.Manager, t *Tools) (bool, error) {
 	pool := m.Cfg.StoragePool
 	var rec toolsRecord
-	had := m.Store.GetTools(m.toolsRecordKey(t.Volume), &rec)
-	path, err := m.hv.VolumePath(ctx, pool, t.Volume)
+	had := m.Store.GetTools(recordKey(m, t.Volume), &rec)
+	path, err := m.Hypervisor().VolumePath(ctx, pool, t.Volume)
 	switch {
 	case err == nil && had && rec.Ready:
 		t.Path = path
@@ -260,14 +292,14 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 	case err == nil:
 		// A build that did not finish (its process was killed): ours, by
 		// its record; made again.
-		if err := m.hv.DeleteVolume(ctx, pool, t.Volume); err != nil && !errors.Is(err, vm.ErrNotFound) {
+		if err := m.Hypervisor().DeleteVolume(ctx, pool, t.Volume); err != nil && !errors.Is(err, vm.ErrNotFound) {
 			return false, fmt.Errorf("delete the unfinished tools volume %s: %w", t.Volume, err)
 		}
 	case !errors.Is(err, vm.ErrNotFound):
 		return false, fmt.Errorf("tools volume %s: %w", t.Volume, err)
 	}
 	rec = toolsRecord{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, At: time.Now().UTC()}
-	if err := m.Store.PutTools(m.toolsRecordKey(t.Volume), rec); err != nil {
+	if err := m.Store.PutTools(recordKey(m, t.Volume), rec); err != nil {
 		return false, err
 	}
 	// Work directories of builds that were killed (a copy of the binary
@@ -297,11 +329,11 @@ func (m *Manager) buildTools(ctx context.Context, t *Tools) (bool, error) {
 	if err != nil {
 		return false, err
 	}
-	if t.Path, err = m.engine().CreateSharedVolume(ctx, pool, t.Volume, data); err != nil {
+	if t.Path, err = m.Engine().CreateSharedVolume(ctx, pool, t.Volume, data); err != nil {
 		return false, err
 	}
 	rec.Ready, rec.At = true, time.Now().UTC()
-	return true, m.Store.PutTools(m.toolsRecordKey(t.Volume), rec)
+	return true, m.Store.PutTools(recordKey(m, t.Volume), rec)
 }
 
 // The tools build's work directories in state_dir.
@@ -312,7 +344,7 @@ const (
 
 // sourceHash returns the SHA-256 of the binary at path, from the cache
 // while the file is unchanged. The file must be a linux/amd64 executable.
-func (m *Manager) sourceHash(path string) (string, error) {
+func sourceHash(m *lifecycle.Manager, path string) (string, error) {
 	st, err := os.Stat(path)
 	if err != nil {
 		return "", err
@@ -365,13 +397,13 @@ func checkGuestBinary(path string) error {
 	return nil
 }
 
-// sweepTools removes the guest tools volumes of earlier binaries (each
+// Sweep (a lifecycle.Hooks.Sweepers entry) removes the guest tools volumes of earlier binaries (each
 // ~100 MB) once no machine can use them: a volume of this installation's
 // naming with its record, other than the current binary's, while every
 // machine of the state directory has a record (none is booting: a booting
 // machine's record is not written yet) and none names it. It holds the tools
 // lock (no build meanwhile) and removes the record after the volume.
-func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool) error {
+func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport, dryRun bool) error {
 	unlock, err := m.Store.TryLock(toolsLock)
 	if errors.Is(err, state.ErrBusy) {
 		return nil // a build in progress: the next sweep
@@ -380,15 +412,15 @@ func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool)
 		return err
 	}
 	defer unlock()
-	vols, err := m.poolVolumes(ctx)
+	vols, err := m.PoolVolumes(ctx)
 	if err != nil {
 		return err
 	}
-	current := m.toolsVolumeNow()
+	current := VolumeNow(m)
 	var old []string
 	for _, v := range vols {
 		var rec toolsRecord
-		if IsToolsVolume(m.Cfg.NamePrefix, m.Controller, v) && v != current && m.Store.GetTools(m.toolsRecordKey(v), &rec) {
+		if IsToolsVolume(m.Cfg.NamePrefix, m.Controller, v) && v != current && m.Store.GetTools(recordKey(m, v), &rec) {
 			old = append(old, v)
 		}
 	}
@@ -405,7 +437,7 @@ func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool)
 		if err != nil || rec == nil {
 			return nil // a machine still booting (or unreadable): keep them all
 		}
-		inUse[toolsVolumeOf(rec)] = true
+		inUse[VolumeOf(rec)] = true
 	}
 	var errs []error
 	for _, v := range old {
@@ -413,18 +445,18 @@ func (m *Manager) sweepTools(ctx context.Context, rep *SweepReport, dryRun bool)
 			continue
 		}
 		if dryRun {
-			rep.Tools = append(rep.Tools, v)
+			rep.SharedVolumes = append(rep.SharedVolumes, v)
 			continue
 		}
-		if err := m.hv.DeleteVolume(ctx, m.Cfg.StoragePool, v); err != nil && !errors.Is(err, vm.ErrNotFound) {
+		if err := m.Hypervisor().DeleteVolume(ctx, m.Cfg.StoragePool, v); err != nil && !errors.Is(err, vm.ErrNotFound) {
 			errs = append(errs, fmt.Errorf("delete tools volume %s: %w", v, err))
 			continue
 		}
-		if err := m.Store.DropTools(m.toolsRecordKey(v)); err != nil {
+		if err := m.Store.DropTools(recordKey(m, v)); err != nil {
 			errs = append(errs, err)
 			continue
 		}
-		rep.Tools = append(rep.Tools, v)
+		rep.SharedVolumes = append(rep.SharedVolumes, v)
 	}
 	return errors.Join(errs...)
 }

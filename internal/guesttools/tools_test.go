@@ -1,4 +1,4 @@
-package lifecycle
+package guesttools
 
 import (
 	"context"
@@ -11,7 +11,10 @@ import (
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
@@ -44,7 +47,7 @@ func TestGuestToolsBuiltOncePerBinary(t *testing.T) {
 	bin := fakeRunnerBinary(t)
 	m.Cfg.GuestTools.GitLabRunner = bin
 
-	t1, err := m.GuestTools(context.Background())
+	t1, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.Positive(t, t1.Built, "the first call builds the volume")
 	require.True(t, IsToolsVolume(m.Cfg.NamePrefix, m.Controller, t1.Volume), t1.Volume)
@@ -54,10 +57,10 @@ func TestGuestToolsBuiltOncePerBinary(t *testing.T) {
 	vols := toolsVolumes(hv)
 	require.Len(t, vols, 1)
 	require.Positive(t, vols[t1.Volume], "the ISO was uploaded")
-	_, isMachine := machineOfVolume(t1.Volume)
+	_, isMachine := lifecycle.MachineOfVolume(t1.Volume)
 	require.False(t, isMachine, "the sweep never takes it for a machine's volume")
 
-	t2, err := m.GuestTools(context.Background())
+	t2, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.Zero(t, t2.Built, "the second call reuses it")
 	require.Equal(t, t1.Volume, t2.Volume)
@@ -69,7 +72,7 @@ func TestGuestToolsBuiltOncePerBinary(t *testing.T) {
 	_, err = f.WriteString("v2")
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
-	t3, err := m.GuestTools(context.Background())
+	t3, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.NotEqual(t, t1.SHA256, t3.SHA256)
 	require.NotEqual(t, t1.Volume, t3.Volume)
@@ -81,14 +84,14 @@ func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
 	hv := vmtest.New()
 	m, _ := manager(t, hv, newGuest(t, hv))
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
-	t1, err := m.GuestTools(context.Background())
+	t1, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	// As if the building process had been killed after creating the
 	// volume: the record says "not ready", the volume holds junk.
 	var rec toolsRecord
-	require.True(t, m.Store.GetTools(m.toolsRecordKey(t1.Volume), &rec))
+	require.True(t, m.Store.GetTools(recordKey(m, t1.Volume), &rec))
 	rec.Ready = false
-	require.NoError(t, m.Store.PutTools(m.toolsRecordKey(t1.Volume), rec))
+	require.NoError(t, m.Store.PutTools(recordKey(m, t1.Volume), rec))
 	// ... and left its work directory behind.
 	stale := filepath.Join(m.Store.Dir, toolsWorkPrefix+"killed")
 	require.NoError(t, os.MkdirAll(stale, 0o700))
@@ -96,7 +99,7 @@ func TestGuestToolsUnfinishedBuildIsRedone(t *testing.T) {
 	hv.Volumes["jobs/"+t1.Volume] = []byte("partial")
 	hv.Unlock()
 
-	t2, err := m.GuestTools(context.Background())
+	t2, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.Positive(t, t2.Built, "made again")
 	require.Greater(t, toolsVolumes(hv)[t1.Volume], len("partial"))
@@ -111,13 +114,13 @@ func TestGuestToolsLeavesAVolumeWithoutRecordAlone(t *testing.T) {
 	hv := vmtest.New()
 	m, _ := manager(t, hv, newGuest(t, hv))
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
-	sum, err := m.sourceHash(m.Cfg.GuestTools.GitLabRunner)
+	sum, err := sourceHash(m, m.Cfg.GuestTools.GitLabRunner)
 	require.NoError(t, err)
 	name := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
 	hv.Lock()
 	hv.Volumes["jobs/"+name] = []byte("someone else's")
 	hv.Unlock()
-	_, err = m.GuestTools(context.Background())
+	_, err = Get(context.Background(), m)
 	require.ErrorContains(t, err, "no record of this installation says it made it")
 	require.Equal(t, len("someone else's"), toolsVolumes(hv)[name], "not touched")
 }
@@ -127,25 +130,25 @@ func TestGuestToolsNoneOrUnusable(t *testing.T) {
 	m, _ := manager(t, hv, newGuest(t, hv))
 
 	m.Cfg.GuestTools.GitLabRunner = "none"
-	_, err := m.GuestTools(context.Background())
+	_, err := Get(context.Background(), m)
 	require.ErrorIs(t, err, ErrNoTools)
 	require.ErrorContains(t, err, `"none"`)
 
 	t.Setenv("PATH", t.TempDir())
 	m.Cfg.GuestTools.GitLabRunner = "auto"
-	_, err = m.GuestTools(context.Background())
+	_, err = Get(context.Background(), m)
 	require.ErrorIs(t, err, ErrNoTools)
 	require.ErrorContains(t, err, "no gitlab-runner on this host's PATH")
 
 	script := filepath.Join(t.TempDir(), "gitlab-runner")
 	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755))
 	m.Cfg.GuestTools.GitLabRunner = script
-	_, err = m.GuestTools(context.Background())
+	_, err = Get(context.Background(), m)
 	require.NotErrorIs(t, err, ErrNoTools)
 	require.ErrorContains(t, err, "want a linux/amd64 gitlab-runner binary")
 
 	m.Cfg.GuestTools.GitLabRunner = "/nonexistent/gitlab-runner"
-	_, err = m.GuestTools(context.Background())
+	_, err = Get(context.Background(), m)
 	require.ErrorContains(t, err, "/nonexistent/gitlab-runner")
 	require.Empty(t, toolsVolumes(hv))
 }
@@ -155,7 +158,7 @@ func TestProvisionAttachesToolsDiskAndTeardownKeepsIt(t *testing.T) {
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	ready.Client.Close()
 
@@ -190,7 +193,7 @@ func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
 	bin := fakeRunnerBinary(t)
 	m.Cfg.GuestTools.GitLabRunner = bin
 	// A machine booted with the first binary's disk.
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	ready.Client.Close()
 	first := ready.Machine.Tools.Volume
@@ -201,14 +204,14 @@ func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
 	_, err = f.WriteString("v2")
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
-	second, err := m.GuestTools(context.Background())
+	second, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.Len(t, toolsVolumes(hv), 2)
 
 	sweep := func(dry bool) []string {
 		rep, err := m.Sweep(context.Background(), time.Now(), dry)
 		require.NoError(t, err)
-		return rep.Tools
+		return rep.SharedVolumes
 	}
 	require.Empty(t, sweep(false), "the machine still uses the first disk")
 
@@ -230,7 +233,7 @@ func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
 	require.Len(t, vols, 1)
 	require.Contains(t, vols, second.Volume, "the current binary's disk stays")
 	var rec toolsRecord
-	require.False(t, m.Store.GetTools(m.toolsRecordKey(first), &rec), "its record went with it")
+	require.False(t, m.Store.GetTools(recordKey(m, first), &rec), "its record went with it")
 	require.Empty(t, sweep(false))
 }
 
@@ -241,22 +244,50 @@ func TestGuestToolsPerStoragePool(t *testing.T) {
 	hv := vmtest.New()
 	m, _ := manager(t, hv, newGuest(t, hv))
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
-	t1, err := m.GuestTools(context.Background())
+	t1, err := Get(context.Background(), m)
 	require.NoError(t, err)
 
 	m.Cfg.StoragePool = "small"
 	hv.Lock()
 	hv.FailOn["CreateVolume"] = errors.New("No space left on device")
 	hv.Unlock()
-	_, err = m.GuestTools(context.Background())
+	_, err = Get(context.Background(), m)
 	require.ErrorContains(t, err, "No space left on device")
 
 	hv.Lock()
 	delete(hv.FailOn, "CreateVolume")
 	hv.Unlock()
 	m.Cfg.StoragePool = "jobs"
-	t2, err := m.GuestTools(context.Background())
+	t2, err := Get(context.Background(), m)
 	require.NoError(t, err)
 	require.Zero(t, t2.Built, "the first pool's volume is still ready: not rebuilt")
 	require.Equal(t, t1.Path, t2.Path)
+}
+
+// manager is a Manager with one image, tiny, on the fake hypervisor and
+// guest, with the guest tools disk as its shared disk and sweeper.
+func manager(t *testing.T, hv *vmtest.Fake, g *lifecycletest.Guest) (*lifecycle.Manager, *config.Image) {
+	cfg, err := config.Parse([]byte(`
+domain_type = "qemu"
+state_dir = "` + t.TempDir() + `"
+storage_pool = "jobs"
+[timeouts]
+boot = "20s"
+[images.tiny]
+base = "/img/tiny.qcow2"
+`))
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	m := lifecycle.New(cfg, hv, lifecycletest.Controller, lifecycle.Options{Say: lifecycletest.NewSayings(t).Say,
+		Hooks: lifecycle.Hooks{Shared: Disk{}, Sweepers: []lifecycle.Sweeper{Sweep}}})
+	m.SSHPort, m.SSHPollInterval, m.AddressPollInterval = g.Port(), 20*time.Millisecond, 10*time.Millisecond
+	return m, img
+}
+
+func newGuest(t *testing.T, hv *vmtest.Fake) *lifecycletest.Guest {
+	return lifecycletest.NewGuest(t, hv)
+}
+
+func testRequest(img *config.Image) lifecycle.Request {
+	return lifecycle.Request{Name: "lve-0123abcd-7", Image: img, VCPUs: 1, MemoryMiB: 256, Frontend: "test", Job: "7", Lifetime: time.Hour}
 }

@@ -1,4 +1,4 @@
-package lifecycle
+package jobvm
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -24,7 +25,7 @@ func TestEndJobThenReap(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
-	req := request(img)
+	req := testRequest(img)
 	ready, err := m.Provision(ctx, req)
 	require.NoError(t, err)
 	_ = ready.Client.Close()
@@ -87,7 +88,7 @@ func TestSweepRemovesEndedMachineWhoseReaperDied(t *testing.T) {
 	items, err := m.Inventory(ctx, time.Now())
 	require.NoError(t, err)
 	require.Len(t, items, 1)
-	require.Equal(t, VerdictEnded, items[0].Verdict)
+	require.Equal(t, lifecycle.VerdictEnded, items[0].Verdict)
 
 	// The reaper holds the lock: the sweep leaves it to it.
 	unlock, err := m.Store.TryLock(name)
@@ -180,11 +181,11 @@ func TestKeepStopsTheHolder(t *testing.T) {
 
 // provisioned is a machine provisioned on a fake hypervisor and guest, its
 // SSH connection closed (as prepare leaves it).
-func provisioned(t *testing.T) (*vmtest.Fake, *Manager, string) {
+func provisioned(t *testing.T) (*vmtest.Fake, *Host, string) {
 	t.Helper()
 	hv := vmtest.New()
 	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	_ = ready.Client.Close()
 	return hv, m, ready.Machine.Name

@@ -1,17 +1,14 @@
-package lifecycle
+package jobvm
 
 import (
 	"errors"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
-
-// ErrBootTimeout means a machine had no address or no SSH within
-// timeouts.boot.
-var ErrBootTimeout = errors.New("boot timeout")
 
 // Failure reasons: the bounded words metrics and logs give for why
 // something failed (FailureReason).
@@ -53,9 +50,9 @@ func FailureReason(err error, cancelled bool) string {
 	switch {
 	case errors.Is(err, sshexec.ErrDeadGuest):
 		return ReasonDeadGuest
-	case errors.Is(err, ErrBootTimeout):
+	case errors.Is(err, lifecycle.ErrBootTimeout):
 		return ReasonBootTimeout
-	case errors.Is(err, ErrNoRoom):
+	case errors.Is(err, lifecycle.ErrNoRoom):
 		return ReasonNoRoom
 	case errors.Is(err, sshexec.ErrHostKeyMismatch):
 		return ReasonHostKey

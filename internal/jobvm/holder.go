@@ -1,4 +1,4 @@
-package lifecycle
+package jobvm
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
@@ -41,34 +42,34 @@ func siblingExe(name string) (string, error) {
 // until at the latest, when the machine is torn down, or when its state
 // directory disappears. It does not wait for the holder's connection:
 // the first stage does, if it comes before the connection is made.
-func (m *Manager) StartHolder(name string, until time.Time) error {
-	exe := m.HolderExe
+func (h *Host) StartHolder(name string, until time.Time) error {
+	exe := h.HolderExe
 	if exe == "" {
 		var err error
 		if exe, err = siblingExe(HolderExecutable); err != nil {
 			return err
 		}
 	}
-	args := []string{HolderCommand, "--config", m.Cfg.Path, "--config-stdin", "--until", strconv.FormatInt(until.Unix(), 10), name}
-	_, err := holder.Start(m.Store.MachineDir(name), exe, args, m.Cfg.Text)
+	args := []string{HolderCommand, "--config", h.Cfg.Path, "--config-stdin", "--until", strconv.FormatInt(until.Unix(), 10), name}
+	_, err := holder.Start(h.Store.MachineDir(name), exe, args, h.Cfg.Text)
 	return err
 }
 
 // HolderSocket is where the machine's holder listens.
-func (m *Manager) HolderSocket(name string) string { return holder.Socket(m.Store.MachineDir(name)) }
+func (h *Host) HolderSocket(name string) string { return holder.Socket(h.Store.MachineDir(name)) }
 
 // Hold is the connection holder's body (HolderCommand): it connects to the
 // machine name and serves stages on the socket StartHolder passed, until
 // ctx ends, the machine's state directory is gone, or until passes.
-func (m *Manager) Hold(ctx context.Context, name string, until time.Time, log *slog.Logger) error {
+func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog.Logger) error {
 	ln, err := holder.Listener()
 	if err != nil {
 		return err
 	}
-	dir := m.Store.MachineDir(name)
+	dir := h.Store.MachineDir(name)
 	s := &holder.Server{
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			_, c, err := m.Connect(ctx, name)
+			_, c, err := h.Connect(ctx, name)
 			return c, err
 		},
 		Alive: func() bool {
@@ -81,5 +82,6 @@ func (m *Manager) Hold(ctx context.Context, name string, until time.Time, log *s
 	return s.Serve(ctx, ln)
 }
 
-// stopHolder ends the machine's holder, if it runs.
-func (m *Manager) stopHolder(name string) { holder.Stop(m.Store.MachineDir(name)) }
+// stopHolder ends the machine's holder, if it runs: a
+// lifecycle.Hooks.Release of every machine (its user is done with it).
+func stopHolder(m *lifecycle.Manager, name string) { holder.Stop(m.Store.MachineDir(name)) }

@@ -1,4 +1,4 @@
-package lifecycle
+package jobvm
 
 import (
 	"context"
@@ -16,6 +16,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -58,7 +61,7 @@ func deadPort(t *testing.T) int {
 // poolManager is manager with standby pools: image tiny (pool idle_count
 // 2), image other (pool idle_count 1, another base file) and image cold (no
 // pool); every VM is 1 vCPU, 256 MiB. extra goes before the tables.
-func poolManager(t *testing.T, hv *vmtest.Fake, sshPort int, extra string) (*Manager, *config.Image, *sayings) {
+func poolManager(t *testing.T, hv *vmtest.Fake, sshPort int, extra string) (*Host, *config.Image, *lifecycletest.Sayings) {
 	t.Helper()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "tiny.qcow2")
@@ -89,20 +92,11 @@ base = "` + base + `"
 `))
 	require.NoError(t, err)
 	img, _ := cfg.Image("tiny")
-	s := &sayings{}
-	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
-		SSHPort: sshPort, SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond, Say: s.say}
-	t.Cleanup(func() {
-		if t.Failed() {
-			s.mu.Lock()
-			t.Logf("progress: %q", s.lines)
-			s.mu.Unlock()
-		}
-	})
-	return m, img, s
+	s := lifecycletest.NewSayings(t)
+	return newHost(cfg, hv, sshPort, s), img, s
 }
 
-func mustImage(t *testing.T, m *Manager, name string) *config.Image {
+func mustImage(t *testing.T, m *Host, name string) *config.Image {
 	t.Helper()
 	img, ok := m.Cfg.Image(name)
 	require.True(t, ok)
@@ -113,9 +107,9 @@ func mustImage(t *testing.T, m *Manager, name string) *config.Image {
 // created at created, whose guest answers SSH on 127.0.0.1:port: its
 // reservation and record (with the base file's version of now), and a
 // running domain with the standby ownership record and a disk volume.
-func addStandby(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, suffix string, created time.Time, port int) string {
+func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffix string, created time.Time, port int) string {
 	t.Helper()
-	name := MachinePrefix("lve", controller) + standbyTag + suffix
+	name := lifecycle.MachinePrefix("lve", controller) + "sb-" + suffix
 	require.True(t, m.IsStandby(name))
 	size := m.Cfg.ImageSize(img)
 	_, err := m.Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
@@ -124,7 +118,7 @@ func addStandby(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, su
 	require.NoError(t, err)
 	require.NoError(t, m.Store.Save(state.Machine{
 		Name: name, Image: img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
-		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: SpecFingerprint(m.Cfg, img)},
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(m.Cfg, img)},
 	}))
 	x, err := vm.MarshalOwner(vm.Owner{Controller: controller, Frontend: FrontendStandby, Job: img.Name, Created: created.UTC(),
 		Deadline: created.Add(time.Hour + 30*time.Minute).UTC(), Volumes: []string{vm.DiskVolume(name)}})
@@ -136,13 +130,13 @@ func addStandby(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, su
 	return name
 }
 
-func claimRequest(m *Manager, img *config.Image, job string) ClaimRequest {
+func claimRequest(m *Host, img *config.Image, job string) ClaimRequest {
 	return ClaimRequest{Job: job, Image: img, Size: m.Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
 }
 
 // lockService plays the running pool service for the rest of the test:
 // its lock held, and a look at its pools just now.
-func lockService(t *testing.T, m *Manager) {
+func lockService(t *testing.T, m *Host) {
 	t.Helper()
 	unlock, err := m.LockService(context.Background())
 	require.NoError(t, err)
@@ -176,7 +170,7 @@ func ownerOf(t *testing.T, hv *vmtest.Fake, name string) vm.Owner {
 	return o
 }
 
-func requireGone(t *testing.T, hv *vmtest.Fake, m *Manager, name string) {
+func requireGone(t *testing.T, hv *vmtest.Fake, m *Host, name string) {
 	t.Helper()
 	hv.Lock()
 	_, dom := hv.Domains[name]
@@ -195,9 +189,9 @@ func requireGone(t *testing.T, hv *vmtest.Fake, m *Manager, name string) {
 func TestStandbyName(t *testing.T) {
 	hv := vmtest.New()
 	m, _, _ := poolManager(t, hv, 22, "")
-	a, err := StandbyName("lve", controller)
+	a, err := lifecycle.StandbyName("lve", controller)
 	require.NoError(t, err)
-	b, err := StandbyName("lve", controller)
+	b, err := lifecycle.StandbyName("lve", controller)
 	require.NoError(t, err)
 	require.Regexp(t, `^lve-0123abcd-sb-[0-9a-f]{8}$`, a)
 	require.NotEqual(t, a, b)
@@ -205,7 +199,7 @@ func TestStandbyName(t *testing.T) {
 	require.True(t, m.IsStandby(a))
 	require.False(t, m.IsStandby("lve-0123abcd-7"), "a job's machine")
 	require.False(t, m.IsStandby("lve-ffffffff-sb-00000000"), "another installation's")
-	other, err := StandbyName("lve", "ffffffff-0000-4000-8000-000000000000")
+	other, err := lifecycle.StandbyName("lve", "ffffffff-0000-4000-8000-000000000000")
 	require.NoError(t, err)
 	require.False(t, m.IsStandby(other))
 }
@@ -324,7 +318,7 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	otherImage := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000d", now.Add(-50*time.Minute), port)
 	taken := addStandby(t, m, hv, img, "0000000e", now.Add(-40*time.Minute), port)
 	require.NoError(t, m.Store.Claim(taken, state.Claim{Job: "lve-0123abcd-99", At: now.UTC()}))
-	booting := MachinePrefix("lve", controller) + standbyTag + "0000000f"
+	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000f"
 	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	before := ownerOf(t, hv, oldest)
@@ -460,16 +454,16 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 		// dead makes its SSH port one where nothing listens.
 		dead bool
 		// spoil makes it unfit, before the fit machine is made.
-		spoil func(t *testing.T, m *Manager, hv *vmtest.Fake, img *config.Image, name string)
+		spoil func(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, name string)
 		want  string
 	}{
 		{name: "base image changed", age: 5 * time.Minute, want: "changed since it booted",
-			spoil: func(t *testing.T, _ *Manager, _ *vmtest.Fake, img *config.Image, _ string) {
+			spoil: func(t *testing.T, _ *Host, _ *vmtest.Fake, img *config.Image, _ string) {
 				later := time.Now().Add(time.Hour)
 				require.NoError(t, os.Chtimes(img.Base, later, later))
 			}},
 		{name: "base image rewritten, same mtime", age: 5 * time.Minute, want: "changed since it booted",
-			spoil: func(t *testing.T, _ *Manager, _ *vmtest.Fake, img *config.Image, _ string) {
+			spoil: func(t *testing.T, _ *Host, _ *vmtest.Fake, img *config.Image, _ string) {
 				st, err := os.Stat(img.Base)
 				require.NoError(t, err)
 				require.NoError(t, os.WriteFile(img.Base, []byte("QFI a longer new image"), 0o644))
@@ -477,37 +471,37 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 			}},
 		{name: "older than max_age", age: 61 * time.Minute, want: "older than pool.max_age"},
 		{name: "paused", age: 5 * time.Minute, want: "is paused",
-			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+			spoil: func(t *testing.T, _ *Host, hv *vmtest.Fake, _ *config.Image, name string) {
 				hv.Lock()
 				hv.Domains[name].State = &vm.DomainState{Summary: "paused"}
 				hv.Unlock()
 			}},
 		{name: "shut off", age: 5 * time.Minute, want: "is shut off",
-			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+			spoil: func(t *testing.T, _ *Host, hv *vmtest.Fake, _ *config.Image, name string) {
 				hv.Lock()
 				hv.Domains[name].Active = false
 				hv.Unlock()
 			}},
 		{name: "domain gone", age: 5 * time.Minute, want: "no longer exists",
-			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
+			spoil: func(t *testing.T, _ *Host, hv *vmtest.Fake, _ *config.Image, name string) {
 				hv.Lock()
 				delete(hv.Domains, name)
 				hv.Unlock()
 			}},
 		{name: "SSH does not answer", age: 5 * time.Minute, dead: true, want: "its SSH port does not answer"},
 		{name: "size no longer the image's", age: 5 * time.Minute, want: "its size is no longer the image's",
-			spoil: func(t *testing.T, m *Manager, _ *vmtest.Fake, _ *config.Image, name string) {
+			spoil: func(t *testing.T, m *Host, _ *vmtest.Fake, _ *config.Image, name string) {
 				rec, err := m.Store.Record(name)
 				require.NoError(t, err)
 				rec.Standby.MemoryMiB = 512
 				require.NoError(t, m.Store.Save(*rec))
 			}},
 		{name: "gitlab-runner for the guests changed", age: 5 * time.Minute, want: "the gitlab-runner for the guests changed",
-			spoil: func(t *testing.T, m *Manager, _ *vmtest.Fake, _ *config.Image, name string) {
+			spoil: func(t *testing.T, m *Host, _ *vmtest.Fake, _ *config.Image, name string) {
 				// Booted with the tools disk of an older binary.
 				rec, err := m.Store.Record(name)
 				require.NoError(t, err)
-				rec.Tools = &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, strings.Repeat("0", 64)), Source: "/old", SHA256: strings.Repeat("0", 64)}
+				rec.Tools = &state.Tools{Volume: guesttools.ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, strings.Repeat("0", 64)), Source: "/old", SHA256: strings.Repeat("0", 64)}
 				require.NoError(t, m.Store.Save(*rec))
 			}},
 	} {
@@ -840,7 +834,7 @@ func TestRetire(t *testing.T) {
 	requireGone(t, hv, m, marked)
 
 	// A boot cut off: a directory without a record, and a volume.
-	cut := MachinePrefix("lve", controller) + standbyTag + "0000000e"
+	cut := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000e"
 	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	hv.Lock()
@@ -850,7 +844,7 @@ func TestRetire(t *testing.T) {
 	requireGone(t, hv, m, cut)
 
 	// A machine already gone: nothing to do.
-	require.NoError(t, m.Retire(ctx, MachinePrefix("lve", controller)+standbyTag+"0000000f", "gone"))
+	require.NoError(t, m.Retire(ctx, lifecycle.MachinePrefix("lve", controller)+"sb-"+"0000000f", "gone"))
 }
 
 // When an idle machine is marked for retirement before its removal fails,
@@ -881,7 +875,7 @@ func TestStandbys(t *testing.T) {
 	idle := addStandby(t, m, hv, img, "0000000a", now, port)
 	claimed := addStandby(t, m, hv, img, "0000000b", now, port)
 	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "j", At: now.UTC()}))
-	booting := MachinePrefix("lve", controller) + standbyTag + "0000000c"
+	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000c"
 	_, err := m.Store.Create(booting)
 	require.NoError(t, err)
 	_, err = m.Store.Create("lve-0123abcd-7") // a job's
@@ -909,7 +903,7 @@ func TestStandbys(t *testing.T) {
 func TestBootStandbyThenClaim(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	m, img, _ := poolManager(t, hv, g.port(), "")
+	m, img, _ := poolManager(t, hv, g.Port(), "")
 	ctx := context.Background()
 	ready, err := m.BootStandby(ctx, img)
 	require.NoError(t, err)
@@ -918,7 +912,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.Regexp(t, regexp.MustCompile(`^lve-0123abcd-sb-[0-9a-f]{8}$`), name)
 	base, err := state.VersionOf(img.Base)
 	require.NoError(t, err)
-	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base, Spec: SpecFingerprint(m.Cfg, mustImage(t, m, "tiny"))}, ready.Machine.Standby)
+	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base, Spec: lifecycle.SpecFingerprint(m.Cfg, mustImage(t, m, "tiny"))}, ready.Machine.Standby)
 	o := ownerOf(t, hv, name)
 	require.Equal(t, FrontendStandby, o.Frontend)
 	require.Equal(t, "tiny", o.Job)
@@ -967,7 +961,7 @@ func TestBootStandbyRefusals(t *testing.T) {
 }
 
 // On a full host a standby machine never waits and never makes room: it
-// fails at once with ErrNoRoom, touches nothing, and holds no refills.
+// fails at once with lifecycle.ErrNoRoom, touches nothing, and holds no refills.
 func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 	hv := vmtest.New()
 	port := bannerServer(t)
@@ -975,7 +969,7 @@ func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 	idle := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000a", time.Now(), port)
 	start := time.Now()
 	_, err := m.BootStandby(context.Background(), img)
-	require.ErrorIs(t, err, ErrNoRoom)
+	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
 	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
 	require.Less(t, time.Since(start), 5*time.Second, "capacity.wait is 30m: it did not wait")
 	require.False(t, m.UnderPressure(), "a standby machine is no job waiting")
@@ -998,18 +992,18 @@ func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	port := bannerServer(t)
-	m, img, s := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 2\nwait = \"10s\"\n")
+	m, img, s := poolManager(t, hv, g.Port(), "[capacity]\nmax_vms = 2\nwait = \"10s\"\n")
 	now := time.Now()
 	older := addStandby(t, m, hv, img, "0000000a", now.Add(-5*time.Minute), port)
 	newer := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
 	require.False(t, m.UnderPressure())
 
 	start := time.Now()
-	ready, err := m.Provision(context.Background(), request(img))
+	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	_ = ready.Client.Close()
 	require.Less(t, time.Since(start), 15*time.Second)
-	require.True(t, s.has("Retired idle standby VM %s to make room"))
+	require.True(t, s.Has("Retired idle standby VM %s to make room"))
 	require.True(t, m.UnderPressure(), "the pool holds its refills")
 
 	requireGone(t, hv, m, older)
@@ -1029,10 +1023,10 @@ func TestAdmissionLeavesClaimedStandby(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	port := bannerServer(t)
-	m, img, _ := poolManager(t, hv, g.port(), "[capacity]\nmax_vms = 1\nwait = \"700ms\"\n")
+	m, img, _ := poolManager(t, hv, g.Port(), "[capacity]\nmax_vms = 1\nwait = \"700ms\"\n")
 	claimed := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-99", At: time.Now().UTC()}))
-	_, err := m.Provision(context.Background(), request(img))
+	_, err := m.Provision(context.Background(), testRequest(img))
 	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
 	require.ErrorContains(t, err, "capacity.wait")
 	require.True(t, m.UnderPressure())
@@ -1050,7 +1044,7 @@ func TestAdmissionKeepsPoolWhenRetiringCannotHelp(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	port := bannerServer(t)
-	m, img, s := poolManager(t, hv, g.port(), "[capacity]\nmemory_budget_mib = 768\nwait = \"700ms\"\n[limits]\nmax_memory_mib = 768\n")
+	m, img, s := poolManager(t, hv, g.Port(), "[capacity]\nmemory_budget_mib = 768\nwait = \"700ms\"\n[limits]\nmax_memory_mib = 768\n")
 	idle := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	// Another job's machine holds 512 MiB; the idle one 256 MiB; this job
 	// asks for 768 MiB: even without the idle one there is no room.
@@ -1059,11 +1053,11 @@ func TestAdmissionKeepsPoolWhenRetiringCannotHelp(t *testing.T) {
 	hv.Lock()
 	hv.Domains["lve-0123abcd-50"] = &vmtest.Domain{OwnerXML: owned(t, controller, time.Now().Add(time.Hour)), Active: true}
 	hv.Unlock()
-	req := request(img)
+	req := testRequest(img)
 	req.MemoryMiB = 768
 	_, err = m.Provision(context.Background(), req)
 	require.ErrorContains(t, err, "capacity.memory_budget_mib")
-	require.False(t, s.has("Retired idle standby VM %s to make room"))
+	require.False(t, s.Has("Retired idle standby VM %s to make room"))
 	all, err := m.Standbys()
 	require.NoError(t, err)
 	require.Len(t, all, 1)
@@ -1085,7 +1079,7 @@ func TestSweepStandbyMachines(t *testing.T) {
 	claimed := addStandby(t, m, hv, img, "0000000c", now.Add(-time.Minute), port)
 	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-70", At: now.UTC()}))
 	require.NoError(t, m.Store.MapJob("lve-0123abcd-70", state.JobMachine{Machine: claimed, Warm: true, At: now.UTC()}))
-	booting := MachinePrefix("lve", controller) + standbyTag + "0000000d"
+	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000d"
 	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	unlock, err := m.Store.TryLock(booting)
@@ -1093,8 +1087,8 @@ func TestSweepStandbyMachines(t *testing.T) {
 	defer unlock()
 	// Mappings: to a machine that is gone (its cleanup did not finish), and
 	// to one that is gone while a cold machine of the job's name is there.
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-71", state.JobMachine{Machine: MachinePrefix("lve", controller) + standbyTag + "00000999", Warm: true, At: now.UTC()}))
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-72", state.JobMachine{Machine: MachinePrefix("lve", controller) + standbyTag + "00000998", Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-71", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000999", Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Store.MapJob("lve-0123abcd-72", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000998", Warm: true, At: now.UTC()}))
 	_, err = m.Store.Create("lve-0123abcd-72")
 	require.NoError(t, err)
 	hv.Lock()
@@ -1108,11 +1102,11 @@ func TestSweepStandbyMachines(t *testing.T) {
 		got[it.Name] = [2]string{it.Verdict, it.Pool()}
 	}
 	require.Equal(t, map[string][2]string{
-		idle:              {VerdictKeep, "idle"},
-		retired:           {VerdictRetired, "retiring"},
-		claimed:           {VerdictKeep, "claimed"},
-		booting:           {VerdictOrphan, "booting"},
-		"lve-0123abcd-72": {VerdictKeep, ""},
+		idle:              {lifecycle.VerdictKeep, "idle"},
+		retired:           {lifecycle.VerdictRetired, "retiring"},
+		claimed:           {lifecycle.VerdictKeep, "claimed"},
+		booting:           {lifecycle.VerdictOrphan, "booting"},
+		"lve-0123abcd-72": {lifecycle.VerdictKeep, ""},
 	}, got)
 	for _, it := range items {
 		if it.Name == retired {
@@ -1237,7 +1231,7 @@ func TestRemoveCutOffBootLeavesACompletedBoot(t *testing.T) {
 	require.Len(t, all, 1)
 	require.True(t, all[0].Idle(), "not even marked")
 
-	cut := MachinePrefix("lve", controller) + standbyTag + "0000000b"
+	cut := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000b"
 	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	require.NoError(t, m.RemoveCutOffBoot(context.Background(), cut))

@@ -1,9 +1,7 @@
-package lifecycle
+package jobvm
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -14,6 +12,8 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -27,25 +27,9 @@ const (
 	FrontendStandby = "standby"
 )
 
-// standbyTag follows the machine prefix in a standby machine's name; it is
-// not hex, so it never looks like an instance tag of a job's name.
-const standbyTag = "sb-"
-
-// StandbyName is a fresh name for a standby machine:
-// <prefix>-<first 8 of controller>-sb-<8 random hex digits>.
-func StandbyName(prefix, controller string) (string, error) {
-	b := make([]byte, 4)
-	if _, err := rand.Read(b); err != nil {
-		return "", err
-	}
-	return MachinePrefix(prefix, controller) + standbyTag + hex.EncodeToString(b), nil
-}
-
-// IsStandby reports whether name is a standby machine's name of this
-// installation.
-func (m *Manager) IsStandby(name string) bool {
-	return strings.HasPrefix(name, m.namePrefix()+standbyTag)
-}
+// RetireReasons are the bounded reasons of a standby retirement
+// (obs.Event.Reason of obs.KindRetired).
+var RetireReasons = []string{"dead", "paused", "aged", "drained", "excess", "failed_boot", "room", "other"}
 
 // serveLock is held by the running pool service (libvirt-executor serve);
 // no machine name starts with '_'.
@@ -54,12 +38,12 @@ const serveLock = "_serve"
 // LockService takes the pool service's lock: one service per installation.
 // It fails with state.ErrBusy while another holds it (tried for up to a
 // second, so that a prepare's look at the lock does not turn a start away).
-func (m *Manager) LockService(ctx context.Context) (unlock func(), err error) {
+func (h *Host) LockService(ctx context.Context) (unlock func(), err error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	unlock, err = m.Store.Lock(ctx, serveLock)
+	unlock, err = h.Store.Lock(ctx, serveLock)
 	if err != nil && ctx.Err() != nil {
-		return nil, fmt.Errorf("another libvirt-executor serve runs for state_dir %s: %w", m.Cfg.StateDir, state.ErrBusy)
+		return nil, fmt.Errorf("another libvirt-executor serve runs for state_dir %s: %w", h.Cfg.StateDir, state.ErrBusy)
 	}
 	return unlock, err
 }
@@ -69,61 +53,52 @@ func (m *Manager) LockService(ctx context.Context) (unlock func(), err error) {
 const heartbeatKey = "serve-heartbeat"
 
 // Heartbeat records that the pool service is looking at its pools now.
-func (m *Manager) Heartbeat() error { return m.Store.Touch(heartbeatKey) }
+func (h *Host) Heartbeat() error { return h.Store.Touch(heartbeatKey) }
 
 // heartbeatStale is how old the heartbeat may be for a service that holds
 // its lock to count as running: it looks every serve.interval (at most
 // 10 s).
-func (m *Manager) heartbeatStale() time.Duration {
-	return max(10*m.Cfg.Serve.Interval.D(), 10*time.Second)
+func (h *Host) heartbeatStale() time.Duration {
+	return max(10*h.Cfg.Serve.Interval.D(), 10*time.Second)
 }
 
 // ServiceStatus says whether the pool service holds its lock, and how long
 // ago it last looked at its pools (ok false: never).
 // It creates nothing (doctor may look as another user than the service's).
-func (m *Manager) ServiceStatus() (locked bool, lastLook time.Duration, ok bool) {
-	locked, _ = m.Store.Held(serveLock)
-	lastLook, ok = m.Store.Age(heartbeatKey)
+func (h *Host) ServiceStatus() (locked bool, lastLook time.Duration, ok bool) {
+	locked, _ = h.Store.Held(serveLock)
+	lastLook, ok = h.Store.Age(heartbeatKey)
 	return locked, lastLook, ok
 }
 
 // ServiceRunning reports whether the pool service runs: it holds its lock
 // and has looked at its pools lately (a hung or just killed service does
 // not count).
-func (m *Manager) ServiceRunning() bool {
-	locked, age, ok := m.ServiceStatus()
-	return locked && ok && age < m.heartbeatStale()
+func (h *Host) ServiceRunning() bool {
+	locked, age, ok := h.ServiceStatus()
+	return locked && ok && age < h.heartbeatStale()
 }
 
 // Standby is one standby machine as the state directory shows it.
-type Standby struct {
-	Name string
-	// Record is nil while the machine boots (or when a boot was cut off).
-	Record *state.Machine
-	// Claim is nil while the machine is idle.
-	Claim *state.Claim
-}
-
-// Idle reports whether the machine is booted and unclaimed.
-func (s Standby) Idle() bool { return s.Record != nil && s.Record.Standby != nil && s.Claim == nil }
+type Standby = lifecycle.Standby
 
 // Standbys lists this installation's standby machines from their state
 // directories.
-func (m *Manager) Standbys() ([]Standby, error) {
-	names, err := m.Store.Names()
+func (h *Host) Standbys() ([]Standby, error) {
+	names, err := h.Store.Names()
 	if err != nil {
 		return nil, err
 	}
 	var out []Standby
 	for _, n := range names {
-		if !m.IsStandby(n) {
+		if !h.IsStandby(n) {
 			continue
 		}
 		s := Standby{Name: n}
-		if rec, err := m.Store.Record(n); err == nil {
+		if rec, err := h.Store.Record(n); err == nil {
 			s.Record = rec
 		}
-		if s.Claim, err = m.Store.ClaimOf(n); err != nil {
+		if s.Claim, err = h.Store.ClaimOf(n); err != nil {
 			// Unreadable: claimed by nobody known. Never handed out, and
 			// not retired either (Retire cannot read it); the sweep removes
 			// it after its deadline.
@@ -139,7 +114,7 @@ func (m *Manager) Standbys() ([]Standby, error) {
 // the caller closes the client). It never waits for room: a full host
 // fails it with ErrNoRoom. Its deadline is pool.max_age (+ job_slack)
 // after its creation; a job that claims it sets its own.
-func (m *Manager) BootStandby(ctx context.Context, img *config.Image) (*Ready, error) {
+func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.Ready, error) {
 	if img.Pool == nil {
 		return nil, fmt.Errorf("image %s has no pool", img.Name)
 	}
@@ -147,23 +122,23 @@ func (m *Manager) BootStandby(ctx context.Context, img *config.Image) (*Ready, e
 	if err != nil {
 		return nil, fmt.Errorf("base image of %s: %w", img.Name, err)
 	}
-	name, err := StandbyName(m.Cfg.NamePrefix, m.Controller)
+	name, err := lifecycle.StandbyName(h.Cfg.NamePrefix, h.Controller)
 	if err != nil {
 		return nil, err
 	}
-	size := m.Cfg.ImageSize(img)
-	ready, err := m.Provision(ctx, Request{
+	size := h.Cfg.ImageSize(img)
+	ready, err := h.Provision(ctx, lifecycle.Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base,
-			Spec: SpecFingerprint(m.Cfg, img)},
+			Spec: lifecycle.SpecFingerprint(h.Cfg, img)},
 	})
 	if err != nil {
 		// Nothing of the machine is left (Provision undid it); its lock file
 		// would be, under a name never used again.
-		if unlock, lerr := m.Store.TryLock(name); lerr == nil {
-			if has, herr := m.Store.Has(name); herr == nil && !has {
-				m.Store.RemoveLock(name)
+		if unlock, lerr := h.Store.TryLock(name); lerr == nil {
+			if has, herr := h.Store.Has(name); herr == nil && !has {
+				h.Store.RemoveLock(name)
 			}
 			unlock()
 		}
@@ -231,22 +206,22 @@ const probeWait = 2 * time.Second
 // persistent). If ctx ends or a step after the claim fails, the machine is
 // removed, never returned to the pool. *ErrNoStandby says why there is
 // none.
-func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
+func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
 	t0 := time.Now()
 	p := req.Image.Pool
 	if p == nil {
 		return nil, &ErrNoStandby{Code: MissNoPool, Why: fmt.Sprintf("image %s has no standby pool", req.Image.Name)}
 	}
-	if want := m.Cfg.ImageSize(req.Image); req.Size != want {
+	if want := h.Cfg.ImageSize(req.Image); req.Size != want {
 		return nil, &ErrNoStandby{Code: MissSize, Why: fmt.Sprintf("the job asks for %d vCPU, %d MiB, %d GiB; the pool of %s keeps %d vCPU, %d MiB, %d GiB",
 			req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB, req.Image.Name, want.VCPUs, want.MemoryMiB, want.DiskGiB)}
 	}
-	if !m.ServiceRunning() {
+	if !h.ServiceRunning() {
 		return nil, &ErrNoStandby{Code: MissServiceDown, Why: "the pool service (libvirt-executor serve) is not running"}
 	}
 	// Every ask counts as demand for the pool's target, met or not.
-	_ = m.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
-	all, err := m.Standbys()
+	_ = h.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
+	all, err := h.Standbys()
 	if err != nil {
 		return nil, &ErrNoStandby{Code: MissError, Why: "cannot list the standby VMs: " + err.Error()}
 	}
@@ -264,7 +239,7 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 		if err := ctx.Err(); err != nil {
 			return nil, context.Cause(ctx)
 		}
-		rec, why, err := m.claimOne(ctx, s.Name, req, base, baseErr)
+		rec, why, err := h.claimOne(ctx, s.Name, req, base, baseErr)
 		if err != nil {
 			return nil, err
 		}
@@ -287,11 +262,11 @@ func (m *Manager) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error)
 // passed over (taken by another job meanwhile, or found unfit and marked for
 // retirement); err is a failure after the claim (the machine is then
 // removed again).
-func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
+func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
 	// Until the claim file exists nothing is this job's: a failure is
 	// only a reason to pass the machine over (the job can still start
 	// cold).
-	unlock, err := m.Store.TryLock(name)
+	unlock, err := h.Store.TryLock(name)
 	if errors.Is(err, state.ErrBusy) {
 		return nil, "busy", nil
 	}
@@ -301,28 +276,28 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 	defer unlock()
 	// Judged again under the lock: another job may have claimed it, the
 	// service retired it, a sweep removed it.
-	if cl, err := m.Store.ClaimOf(name); err != nil || cl != nil {
+	if cl, err := h.Store.ClaimOf(name); err != nil || cl != nil {
 		return nil, "claimed meanwhile", nil
 	}
-	rec, err := m.Store.Record(name)
+	rec, err := h.Store.Record(name)
 	if err != nil || rec.Standby == nil {
-		if has, herr := m.Store.Has(name); herr == nil && !has {
-			m.Store.RemoveLock(name) // gone meanwhile: the lock file was ours to make
+		if has, herr := h.Store.Has(name); herr == nil && !has {
+			h.Store.RemoveLock(name) // gone meanwhile: the lock file was ours to make
 		}
 		return nil, "no record", nil
 	}
-	unfit, retire := m.unfit(ctx, rec, req.Image, base, baseErr)
+	unfit, retire := h.unfit(ctx, rec, req.Image, base, baseErr)
 	if err := ctx.Err(); err != nil {
 		// A stopped prepare says nothing about the machine.
 		return nil, "", context.Cause(ctx)
 	}
 	if unfit != "" {
 		if retire {
-			_ = m.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
+			_ = h.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
 		}
 		return nil, unfit, nil
 	}
-	if err := m.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
+	if err := h.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
 		if errors.Is(err, state.ErrClaimed) {
 			return nil, "claimed meanwhile", nil
 		}
@@ -330,10 +305,10 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 	}
 	// From here on the machine is this job's: it never goes back to the
 	// pool. What fails now removes it.
-	err = m.Store.MapJob(req.Job, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
+	err = h.Store.MapJob(req.Job, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
 	if err == nil {
-		deadline := time.Now().Add(req.Lifetime + m.Cfg.Timeouts.JobSlack.D()).UTC()
-		err = m.engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
+		deadline := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D()).UTC()
+		err = h.Engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
 			o.Frontend, o.Job, o.Deadline = req.Frontend, req.JobID, deadline
 		})
 	}
@@ -341,10 +316,10 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 		err = ctx.Err()
 	}
 	if err != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), m.teardown(tctx, name), m.Store.UnmapJob(req.Job))
-		m.Store.RemoveLock(name)
+		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.TeardownLocked(tctx, name), h.Store.UnmapJob(req.Job))
+		h.Store.RemoveLock(name)
 		return nil, "", err
 	}
 	return rec, "", nil
@@ -358,11 +333,11 @@ func (m *Manager) claimOne(ctx context.Context, name string, req ClaimRequest, b
 // sshd or the network is gone). retire says the machine is done for; a
 // probe that only timed out (a loaded host) passes it over without that
 // verdict, which the service's own health check makes.
-func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) (why string, retire bool) {
-	if why := m.Outdated(rec, img, base, baseErr); why != "" {
+func (h *Host) unfit(ctx context.Context, rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) (why string, retire bool) {
+	if why := h.Outdated(rec, img, base, baseErr); why != "" {
 		return why, true
 	}
-	if why := m.Explain(ctx, rec.Name); why != "" {
+	if why := h.Explain(ctx, rec.Name); why != "" {
 		return why, true
 	}
 	pctx, cancel := context.WithTimeout(ctx, probeWait)
@@ -377,12 +352,12 @@ func (m *Manager) unfit(ctx context.Context, rec *state.Machine, img *config.Ima
 // of img now (base is the base file's version now, or baseErr), or "". img
 // is nil when the image is no longer configured. It looks at nothing but
 // the record (the claim and the pool service both judge by it).
-func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
+func (h *Host) Outdated(rec *state.Machine, img *config.Image, base state.FileVersion, baseErr error) string {
 	sb := rec.Standby
 	switch {
 	case img == nil || img.Pool == nil || sb.Image != img.Name:
 		return "its image is no longer pooled"
-	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != m.Cfg.ImageSize(img):
+	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != h.Cfg.ImageSize(img):
 		return "its size is no longer the image's"
 	// The job log shows these reasons: the image's name, never the host's
 	// paths.
@@ -392,9 +367,9 @@ func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.Fil
 		return fmt.Sprintf("the base image file of image %s cannot be read", img.Name)
 	case sb.Base != base:
 		return fmt.Sprintf("the base image file of image %s changed since it booted", img.Name)
-	case sb.Spec != SpecFingerprint(m.Cfg, img):
+	case sb.Spec != lifecycle.SpecFingerprint(h.Cfg, img):
 		return "the configuration it was built from (or the driver's version) changed since it booted"
-	case toolsVolumeOf(rec) != m.toolsVolumeNow():
+	case guesttools.VolumeOf(rec) != guesttools.VolumeNow(h.Manager):
 		return "the gitlab-runner for the guests changed since it booted"
 	case time.Since(rec.Created) > img.Pool.MaxAge.D():
 		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
@@ -407,8 +382,8 @@ func (m *Manager) Outdated(rec *state.Machine, img *config.Image, base state.Fil
 // claims it meanwhile. A machine a job has claimed is refused (it is the
 // job's to remove); one whose lock another process holds returns
 // state.ErrBusy.
-func (m *Manager) Retire(ctx context.Context, name, reason string) error {
-	return m.retire(ctx, name, reason, nil)
+func (h *Host) Retire(ctx context.Context, name, reason string) error {
+	return h.retire(ctx, name, reason, nil)
 }
 
 // ErrBootCompleted is RemoveCutOffBoot's answer for a machine whose boot
@@ -419,24 +394,24 @@ var ErrBootCompleted = errors.New("its boot completed meanwhile")
 // state directory has no record and nobody holds its lock: the service
 // that booted it ended). A machine whose record exists by the time its
 // lock is taken is left alone with ErrBootCompleted.
-func (m *Manager) RemoveCutOffBoot(ctx context.Context, name string) error {
-	return m.retire(ctx, name, "boot cut off", func() bool {
-		_, err := m.Store.Record(name)
+func (h *Host) RemoveCutOffBoot(ctx context.Context, name string) error {
+	return h.retire(ctx, name, "boot cut off", func() bool {
+		_, err := h.Store.Record(name)
 		return errors.Is(err, state.ErrNoMachine)
 	})
 }
 
 // retire is Retire; when still is set, it must hold under the lock too.
-func (m *Manager) retire(ctx context.Context, name, reason string, still func() bool) error {
-	if !m.IsStandby(name) {
-		return notOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
+func (h *Host) retire(ctx context.Context, name, reason string, still func() bool) error {
+	if !h.IsStandby(name) {
+		return lifecycle.NotOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
 	}
-	unlock, err := m.Store.TryLock(name)
+	unlock, err := h.Store.TryLock(name)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	cl, err := m.Store.ClaimOf(name)
+	cl, err := h.Store.ClaimOf(name)
 	if err != nil {
 		return err
 	}
@@ -446,24 +421,24 @@ func (m *Manager) retire(ctx context.Context, name, reason string, still func() 
 	if still != nil && cl == nil && !still() {
 		return fmt.Errorf("%s: %w", name, ErrBootCompleted)
 	}
-	if has, err := m.Store.Has(name); err != nil {
+	if has, err := h.Store.Has(name); err != nil {
 		return err
 	} else if has && cl == nil {
-		if err := m.Store.Claim(name, state.Claim{Retire: true, Reason: reason, At: time.Now().UTC()}); err != nil {
+		if err := h.Store.Claim(name, state.Claim{Retire: true, Reason: reason, At: time.Now().UTC()}); err != nil {
 			return err
 		}
 	}
-	if err := m.teardown(ctx, name); err != nil {
+	if err := h.TeardownLocked(ctx, name); err != nil {
 		return err
 	}
-	m.Store.RemoveLock(name)
+	h.Store.RemoveLock(name)
 	return nil
 }
 
 // retireIdle retires one idle standby machine (the oldest) to make room for
 // a job and returns its name, or "" if there was none to retire.
-func (m *Manager) retireIdle(ctx context.Context, reason string) string {
-	all, err := m.Standbys()
+func (h *Host) retireIdle(ctx context.Context, reason string) string {
+	all, err := h.Standbys()
 	if err != nil {
 		return ""
 	}
@@ -483,87 +458,50 @@ func (m *Manager) retireIdle(ctx context.Context, reason string) string {
 		if !s.Idle() && (s.Claim == nil || !s.Claim.Retire) {
 			continue
 		}
-		if err := m.Retire(ctx, s.Name, reason); err == nil {
+		if err := h.Retire(ctx, s.Name, reason); err == nil {
 			image := ""
 			if s.Record != nil && s.Record.Standby != nil {
 				image = s.Record.Standby.Image
 			}
-			m.Record(nil, obs.Event{Kind: obs.KindRetired, Job: s.Name, Image: image, Reason: "room"})
+			h.Record(nil, obs.Event{Kind: obs.KindRetired, Job: s.Name, Image: image, Reason: "room"})
 			return s.Name
 		}
 	}
 	return ""
 }
 
-// JobMachine is the machine that serves a job, found through the job ->
-// machine mapping.
-type JobMachine struct {
-	Name string
-	Warm bool
+// makeRoom is admission's lifecycle.Hooks.MakeRoom: idle standby machines
+// go first, if removing them can make the room a job waits for
+// (otherwise the job waits for running jobs anyway, and the pool would be
+// lost for nothing).
+func (h *Host) makeRoom(ctx context.Context, short lifecycle.Shortfall, reason string) string {
+	if !h.idleCanCover(short) {
+		return ""
+	}
+	n := h.retireIdle(ctx, reason)
+	if n != "" {
+		h.Sayf("Retired idle standby VM %s to make room (jobs come first)", n)
+	}
+	return n
 }
 
-// MachineOf finds the machine of the job known by name job: a standby
-// machine the job claimed (through the mapping, checked against the
-// machine's own claim, which must name this job), else the machine named
-// job (a cold start). A claim without a mapping (a prepare killed between
-// the two) is found by looking at the standby machines' claims.
-func (m *Manager) MachineOf(job string) (JobMachine, error) {
-	jm, err := m.Store.MachineOfJob(job)
+// idleCanCover reports whether removing every idle (or retiring) standby
+// machine would make up for short.
+func (h *Host) idleCanCover(short lifecycle.Shortfall) bool {
+	all, err := h.Standbys()
 	if err != nil {
-		// Unreadable (cut short by a host crash): as if there were none;
-		// the claims still name the job's standby machine.
-		jm = nil
+		return false
 	}
-	if jm != nil && jm.Machine != job {
-		if cl, err := m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && m.IsStandby(jm.Machine) {
-			return JobMachine{Name: jm.Machine, Warm: true}, nil
-		}
-	}
-	if jm == nil {
-		all, err := m.Standbys()
-		if err != nil {
-			return JobMachine{}, err
-		}
-		for _, s := range all {
-			if s.Claim != nil && s.Claim.Job == job {
-				return JobMachine{Name: s.Name, Warm: true}, nil
-			}
-		}
-	}
-	return JobMachine{Name: job}, nil
-}
-
-// RemoveEarlierClaim removes the standby machine that an earlier attempt
-// of the job claimed (the runner retries a failed prepare), with its
-// mapping, and returns its name; "" if there is none. Without this a retried
-// prepare would map the job to a new machine and leave the first running
-// until its deadline.
-func (m *Manager) RemoveEarlierClaim(ctx context.Context, job string) (string, error) {
-	jm, err := m.MachineOf(job)
-	if err != nil || !jm.Warm {
-		return "", err
-	}
-	if err := m.Teardown(ctx, jm.Name); err != nil {
-		return jm.Name, err
-	}
-	return jm.Name, m.Store.UnmapJob(job)
-}
-
-// TeardownJob removes the job's machine (MachineOf) and its mapping.
-func (m *Manager) TeardownJob(ctx context.Context, job string) (JobMachine, error) {
-	jm, err := m.MachineOf(job)
+	held, err := h.Reservations()
 	if err != nil {
-		return jm, err
+		return false
 	}
-	if err := m.Teardown(ctx, jm.Name); err != nil {
-		return jm, err
-	}
-	if jm.Name != job {
-		// A cold attempt of the same job (a retried prepare) may have left
-		// its own machine too.
-		if err := m.Teardown(ctx, job); err != nil {
-			return jm, err
+	vms, mem := 0, 0
+	for _, s := range all {
+		if s.Idle() || (s.Claim != nil && s.Claim.Retire) {
+			vms++
+			mem += held[s.Name].MemoryMiB
 		}
 	}
-	return jm, m.Store.UnmapJob(job)
+	return vms > 0 && vms >= short.VMs && mem >= short.MemoryMiB
 }

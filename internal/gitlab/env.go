@@ -1,0 +1,87 @@
+package gitlab
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log/slog"
+	"strconv"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+)
+
+// DriverName is reported to the runner.
+const DriverName = "libvirt-executor"
+
+// Env is what a stage gets from its process.
+type Env struct {
+	Getenv func(string) string
+	Stdout io.Writer
+	Stderr io.Writer
+	Log    *slog.Logger
+	// Connect opens the hypervisor; nil means libvirt (vm.Connect, in an
+	// executable that imports internal/vm/libvirtvm). Tests substitute a
+	// fake.
+	Connect lifecycle.Connector
+	// Explain, if set, says in one sentence what became of the named
+	// machine whose guest stopped answering, or "" (the run stage, built
+	// without libvirt, asks the admin tool: stagecli.ExplainViaAdminTool).
+	// nil means the stage's lifecycle.Manager.Explain.
+	Explain func(ctx context.Context, name string) string
+	// Report, if set, is told what the stage did, step by step, for the
+	// host's metrics and structured log (the stage shell records it).
+	Report *obs.Report
+}
+
+// say writes a progress line to the job log.
+func (e Env) say(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
+
+// job is the shared start of every stage: configuration, identity, name,
+// and the lifecycle manager (which connects to libvirt only when asked to).
+// The stage closes m when done.
+type job struct {
+	cfg  *config.Config
+	job  *Job
+	m    *jobvm.Host
+	name string
+	log  *slog.Logger
+}
+
+func (e Env) load(cfg *config.Config) (*job, error) {
+	j, err := ReadJob(e.Getenv, cfg.InsecureJobIDFromEnv, func(msg string) { e.Log.Warn(msg) })
+	if err != nil {
+		return nil, err
+	}
+	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
+	if err != nil {
+		return nil, err
+	}
+	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, j.Instance, j.ID)
+	e.Report.Identify(strconv.FormatInt(j.ID, 10), j.Server, name)
+	return &job{cfg: cfg, job: j, m: m, name: name, log: e.Log.With("job", j.ID, "domain", name)}, nil
+}
+
+// plan is what the job gets: its identity, image and resources. Config and
+// prepare both decide it, so a bad request fails already in config (the
+// runner does not retry a config stage that exits with BUILD_FAILURE).
+func (e Env) plan(cfg *config.Config) (*job, *config.Image, Resources, error) {
+	j, err := e.load(cfg)
+	if err != nil {
+		return nil, nil, Resources{}, err
+	}
+	img, err := ChooseImage(cfg, j.job.Image)
+	if err != nil {
+		_ = j.m.Close()
+		return nil, nil, Resources{}, err
+	}
+	e.Report.Machine(j.name, img.Name)
+	res, err := ChooseResources(cfg, img, e.Getenv)
+	if err != nil {
+		_ = j.m.Close()
+		return nil, nil, Resources{}, err
+	}
+	return j, img, res, nil
+}

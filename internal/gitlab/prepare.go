@@ -1,0 +1,85 @@
+package gitlab
+
+import (
+	"context"
+	"strconv"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Frontend is the ownership record's front end of GitLab's job machines.
+const Frontend = "gitlab"
+
+// Prepare is the prepare stage: a fresh machine for the job, ready for SSH
+// (jobvm.Host.Acquire: a claimed standby machine, else one booted cold).
+func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
+	j, img, res, err := e.plan(cfg)
+	if err != nil {
+		return err
+	}
+	defer j.m.Close()
+	defer func() { e.Report.Reconnects(j.m.Reconnects()) }()
+	say := e.say
+	began := time.Now()
+	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
+	if !j.job.FromPayload {
+		say("Warning: job identity taken from CUSTOM_ENV_CI_JOB_ID because JOB_RESPONSE_FILE is not set (insecure_job_id_from_env = true)")
+	}
+	if req := j.job.Image; req.expanded() && !req.Hidden {
+		say("Image %q from the job's variables: %q", cut(req.Written), cut(req.Name))
+	}
+	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
+		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
+	}
+	if err := j.m.Dial(ctx); err != nil {
+		return err
+	}
+	// The image as it is before the clone: what the tool check finds is
+	// remembered for this version of it.
+	version := imageVersion(img)
+	a, err := j.m.Acquire(ctx, jobvm.JobRequest{
+		Job: j.name, Frontend: Frontend, JobID: strconv.FormatInt(j.job.ID, 10),
+		Image: img, Size: res, Lifetime: j.job.Timeout, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
+		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
+			return checkGuestTools(ctx, g, say, j.m.Store, img, version.withTools(tools), tools)
+		},
+		Observe: jobvm.Observer{Step: e.Report.Step, Pool: e.Report.Pool, Machine: e.Report.Machine},
+	})
+	if err != nil {
+		j.log.Error("prepare failed", "err", err)
+		return exitcodes.System(err)
+	}
+	if a.Warm {
+		e.Report.Path(obs.PathWarm)
+		say("Machine ready in %s (warm)", vm.Round(time.Since(began)))
+		writeTimings(e, j, jobvm.NewClaimRecord(a.Claimed.Machine, a.Claimed, began))
+		return nil
+	}
+	writeTimings(e, j, lifecycle.NewTimingRecord(a.Ready, began))
+	e.Report.Path(obs.PathCold)
+	return nil
+}
+
+// writeTimings appends the machine's timing record (lifecycle.TimingRecord)
+// to the file that LIBVIRT_EXECUTOR_TIMINGS (lifecycle.TimingsEnv) names, if
+// it is set. That is a variable of the runner host, which the stage inherits
+// from the runner: never a job's, whose variables arrive as CUSTOM_ENV_*
+// (CUSTOM_ENV_LIBVIRT_EXECUTOR_TIMINGS is not looked at). The job does not
+// depend on the record: a failure to write it is only logged.
+func writeTimings(e Env, j *job, rec lifecycle.TimingRecord) {
+	path := e.Getenv(lifecycle.TimingsEnv)
+	if path == "" {
+		return
+	}
+	if err := lifecycle.AppendTimings(path, rec); err != nil {
+		j.log.Warn("timings record not written", "err", err)
+	}
+}

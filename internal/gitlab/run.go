@@ -1,0 +1,139 @@
+package gitlab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"strconv"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+)
+
+// Run is the run stage: it executes the runner's script for one stage in the
+// job's machine.
+func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage string) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	defer j.m.Close()
+	script, err := os.ReadFile(scriptPath)
+	if err != nil {
+		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
+	}
+	e.Report.SetStage(stage)
+	jm, err := j.m.MachineOf(j.name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+		e.Report.Machine(jm.Name, mach.Image)
+	}
+	var span time.Duration
+	err, held := runHeld(ctx, e, j, jm.Name, script, &span)
+	if !held {
+		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
+	}
+	e.Report.GuestSpan(span)
+	if code, ok := exitcodes.ScriptCode(err); ok {
+		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
+			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+				fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
+					"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
+					VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
+			}
+		}
+		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
+			if werr := os.WriteFile(path, //nolint:gosec // G703: BUILD_EXIT_CODE_FILE is set by the runner, not by the job (CUSTOM_ENV_* is the job's)
+				[]byte(strconv.Itoa(code)+"\n"), 0o600); werr != nil {
+				return exitcodes.System(errors.Join(err, fmt.Errorf("write BUILD_EXIT_CODE_FILE: %w", werr)))
+			}
+		}
+		return err
+	}
+	if err != nil && ctx.Err() == nil && !errors.Is(err, state.ErrNoMachine) {
+		// The guest stopped answering: say what became of it.
+		err = exitcodes.System(explained(ctx, e, j, jm.Name, err))
+	}
+	if err != nil {
+		j.log.Error("stage failed", "stage", stage, "err", err)
+	}
+	return err
+}
+
+// runHeld runs the stage through the job's connection holder. held is
+// false when the stage did not run there (holders are off, or the holder
+// is gone or could not take it; the job log says which): then nothing of
+// it was started, and the caller connects directly.
+func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, span *time.Duration) (err error, held bool) {
+	if !j.cfg.SSH.HolderEnabled() {
+		return nil, false
+	}
+	mach, err := j.m.Store.Record(name)
+	if err != nil {
+		return nil, false // the direct path reports it
+	}
+	tag, err := sshexec.NewTag()
+	if err != nil {
+		return exitcodes.System(err), true
+	}
+	err, mid := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
+		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
+	})
+	if errors.Is(err, holder.ErrUnavailable) {
+		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
+		j.log.Warn("stage connects directly", "err", err)
+		return nil, false
+	}
+	if mid {
+		// The holder ended during the stage: the script may still run in
+		// the guest. Stop it over a connection of our own (bounded), so
+		// that nothing of the stage outlives it.
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+		defer cancel()
+		_, c, cerr := j.m.Connect(sctx, name)
+		if cerr == nil {
+			cerr = c.StopStage(sctx, tag, 5*time.Second)
+			_ = c.Close()
+		}
+		if cerr != nil {
+			err = fmt.Errorf("%w; stopping the stage in the guest failed: %v", err, cerr)
+		} else {
+			err = fmt.Errorf("%w; the stage was stopped in the guest", err)
+		}
+		err = exitcodes.System(err)
+	}
+	return err, true
+}
+
+// runDirect runs the stage over a connection of its own.
+func runDirect(ctx context.Context, e Env, j *job, name string, script []byte, stage string, span *time.Duration) error {
+	mach, client, err := j.m.Connect(ctx, name)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	defer client.Close()
+	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
+	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
+}
+
+// explained adds to err what libvirt says became of the job's machine
+// (gone, shut off, paused after a failed disk write), if it can tell within
+// a few seconds and before ctx ends: through e.Explain if set, else
+// lifecycle.Manager.Explain.
+func explained(ctx context.Context, e Env, j *job, name string, err error) error {
+	explain := j.m.Explain
+	if e.Explain != nil {
+		explain = e.Explain
+	}
+	if why := explain(ctx, name); why != "" {
+		return fmt.Errorf("%w; %s", err, why)
+	}
+	return err
+}

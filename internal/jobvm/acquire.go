@@ -1,0 +1,252 @@
+package jobvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// JobRequest asks for the machine of one job (Acquire).
+type JobRequest struct {
+	// Job is the name the job knows its machine by: the machine name of a
+	// cold start (lifecycle.MachineName), and its mapping key.
+	Job string
+	// Frontend and JobID go into the ownership record.
+	Frontend string
+	JobID    string
+	Image    *config.Image
+	Size     config.Size
+	// Lifetime is how long the job may run (its timeout).
+	Lifetime time.Duration
+	// Check, if set, is the front end's look at the machine before the job
+	// gets it (are the tools its jobs need there?): over the provisioning's
+	// connection for a cold start, over one made on first use for a
+	// claimed standby machine. tools is the guest tools disk the machine
+	// has (nil for none). An error fails the acquisition; the machine is
+	// removed.
+	Check func(ctx context.Context, g Guest, tools *state.Tools) error
+	// Holder starts the job's connection holder (one SSH connection for
+	// all its stages) once the machine is the job's.
+	Holder bool
+	// Observe, if set, is told what the acquisition did, for the host's
+	// metrics and structured log.
+	Observe Observer
+	// Log, if set, gets what the host's admin should know (no holder).
+	Log *slog.Logger
+}
+
+// Observer is told what an acquisition does; every field is optional.
+type Observer struct {
+	// Step is each step as it ends: its name, duration and error.
+	Step func(name string, took time.Duration, err error)
+	// Pool is a standby pool's answer: "hit", or "miss" and why (Miss*).
+	Pool func(result, reason string)
+	// Machine is the machine the job has now (a claim changes it).
+	Machine func(name, image string)
+}
+
+func (o Observer) step(name string, took time.Duration, err error) {
+	if o.Step != nil {
+		o.Step(name, took, err)
+	}
+}
+
+func (o Observer) pool(result, reason string) {
+	if o.Pool != nil {
+		o.Pool(result, reason)
+	}
+}
+
+func (o Observer) machine(name, image string) {
+	if o.Machine != nil {
+		o.Machine(name, image)
+	}
+}
+
+// Guest runs a fixed command in the job's guest (sshexec.Client).
+type Guest interface {
+	Output(ctx context.Context, cmd string) ([]byte, error)
+}
+
+// Acquired is the job's machine, ready for its stages.
+type Acquired struct {
+	// Name is the machine's name.
+	Name string
+	// Warm says it is a claimed standby machine (Claimed); otherwise it
+	// was provisioned for the job (Ready, its connection closed).
+	Warm    bool
+	Claimed *Claimed
+	Ready   *lifecycle.Ready
+}
+
+// Acquire gives the job its machine: it removes what an earlier attempt
+// of the same job claimed, claims an idle standby machine of the image's
+// pool if there is one that passes the front end's check, else provisions
+// one cold; it maps the job to the machine (MachineOf finds it) and starts
+// the connection holder. The job log says which path it took and why. On
+// failure or cancellation nothing of the job is left.
+func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
+	if name, err := h.RemoveEarlierClaim(ctx, req.Job); err != nil {
+		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err)
+	} else if name != "" {
+		h.Sayf("Removed VM %s that an earlier attempt of this job claimed", name)
+	}
+	if req.Image.Pool != nil {
+		a, err := h.acquireWarm(ctx, req)
+		if a != nil || err != nil {
+			return a, err
+		}
+	}
+	return h.acquireCold(ctx, req)
+}
+
+// acquireCold provisions the job's machine.
+func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, error) {
+	lreq := lifecycle.Request{
+		Name: req.Job, Image: req.Image, VCPUs: req.Size.VCPUs, MemoryMiB: req.Size.MemoryMiB,
+		DiskGiB: req.Size.DiskGiB, Frontend: req.Frontend, Job: req.JobID,
+		Lifetime: req.Lifetime, OnStep: req.Observe.Step,
+	}
+	if req.Check != nil {
+		lreq.Check = func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
+			return req.Check(ctx, c, tools)
+		}
+	}
+	ready, err := h.Provision(ctx, lreq)
+	if err != nil {
+		return nil, err
+	}
+	_ = ready.Client.Close()
+	err = h.Store.MapJob(req.Job, state.JobMachine{Machine: req.Job, At: time.Now().UTC()})
+	if err == nil && ctx.Err() != nil {
+		// Stopped just after the machine became ready: a cancelled prepare
+		// leaves nothing behind, whenever the signal came.
+		err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+	}
+	if err != nil {
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		_, terr := h.TeardownJob(tctx, req.Job)
+		return nil, errors.Join(err, terr)
+	}
+	h.startHolder(req, req.Job)
+	return &Acquired{Name: req.Job, Ready: ready}, nil
+}
+
+// acquireWarm tries to give the job an idle machine of its image's
+// standby pool. It returns nil and no error when the job takes the cold
+// path (the job log says why).
+func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, error) {
+	img := req.Image
+	t0 := time.Now()
+	c, err := h.Claim(ctx, ClaimRequest{
+		Job: req.Job, Image: img, Size: req.Size, Frontend: req.Frontend, JobID: req.JobID, Lifetime: req.Lifetime,
+	})
+	var none *ErrNoStandby
+	if errors.As(err, &none) {
+		req.Observe.pool("miss", none.Code)
+		h.Sayf("Cold start: %s", none.Why)
+		return nil, nil
+	}
+	req.Observe.step("claim", time.Since(t0), err)
+	if err != nil {
+		req.Observe.pool("miss", MissError)
+		return nil, fmt.Errorf("claiming a standby VM: %w", err)
+	}
+	req.Observe.pool("hit", "")
+	mach := c.Machine
+	req.Observe.machine(mach.Name, img.Name)
+	h.Sayf("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
+	for _, s := range c.Skipped {
+		h.Sayf("  passed over %s", s)
+	}
+	if mach.Tools != nil {
+		h.Sayf("%s", guesttools.DescribeTools(mach.Tools, 0))
+	}
+	var connErr error
+	if req.Check != nil {
+		g := &guestOnDemand{h: h, name: mach.Name}
+		err = req.Check(ctx, g, mach.Tools)
+		g.close()
+		connErr = g.connErr
+	}
+	if err == nil {
+		err = ctx.Err()
+	}
+	if err != nil || connErr != nil {
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		_, terr := h.TeardownJob(tctx, req.Job)
+		switch {
+		case ctx.Err() != nil:
+			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+		case err == nil && terr == nil:
+			// The claimed VM does not take the SSH connection every stage
+			// needs: it is gone, and the job can still start cold.
+			h.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
+			req.Observe.pool("miss", MissError)
+			req.Observe.machine(req.Job, img.Name)
+			return nil, nil
+		}
+		return nil, errors.Join(err, terr)
+	}
+	h.startHolder(req, mach.Name)
+	return &Acquired{Name: mach.Name, Warm: true, Claimed: c}, nil
+}
+
+// startHolder starts the job's connection holder (StartHolder) if the
+// request asks for one. Without one the job still runs: each stage
+// connects directly, as the job log says.
+func (h *Host) startHolder(req JobRequest, name string) {
+	if !req.Holder {
+		return
+	}
+	t0 := time.Now()
+	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
+	if err := h.StartHolder(name, until); err != nil {
+		if req.Log != nil {
+			req.Log.Warn("no connection holder", "err", err)
+		}
+		h.Sayf("Note: the job's stages connect one by one (no connection holder: %v)", err)
+		return
+	}
+	h.Sayf("Connection holder started in %s: the job's stages share one SSH connection", vm.Round(time.Since(t0)))
+}
+
+// guestOnDemand is a Guest that connects to the machine on first use;
+// connErr is that connection's failure (not a cancellation's).
+type guestOnDemand struct {
+	h       *Host
+	name    string
+	c       *sshexec.Client
+	connErr error
+}
+
+func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
+	if g.c == nil {
+		_, c, err := g.h.Connect(ctx, g.name)
+		if err != nil {
+			if ctx.Err() == nil {
+				g.connErr = err
+			}
+			return nil, err
+		}
+		g.c = c
+	}
+	return g.c.Output(ctx, cmd)
+}
+
+func (g *guestOnDemand) close() {
+	if g.c != nil {
+		_ = g.c.Close()
+	}
+}

@@ -1,0 +1,112 @@
+package jobvm
+
+import (
+	"context"
+	"errors"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+)
+
+// JobMachine is the machine that serves a job, found through the job ->
+// machine mapping.
+type JobMachine struct {
+	Name string
+	Warm bool
+}
+
+// MachineOf finds the machine of the job known by name job: a standby
+// machine the job claimed (through the mapping, checked against the
+// machine's own claim, which must name this job), else the machine named
+// job (a cold start). A claim without a mapping (a prepare killed between
+// the two) is found by looking at the standby machines' claims.
+func (h *Host) MachineOf(job string) (JobMachine, error) {
+	jm, err := h.Store.MachineOfJob(job)
+	if err != nil {
+		// Unreadable (cut short by a host crash): as if there were none;
+		// the claims still name the job's standby machine.
+		jm = nil
+	}
+	if jm != nil && jm.Machine != job {
+		if cl, err := h.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.IsStandby(jm.Machine) {
+			return JobMachine{Name: jm.Machine, Warm: true}, nil
+		}
+	}
+	if jm == nil {
+		all, err := h.Standbys()
+		if err != nil {
+			return JobMachine{}, err
+		}
+		for _, s := range all {
+			if s.Claim != nil && s.Claim.Job == job {
+				return JobMachine{Name: s.Name, Warm: true}, nil
+			}
+		}
+	}
+	return JobMachine{Name: job}, nil
+}
+
+// RemoveEarlierClaim removes the standby machine that an earlier attempt
+// of the job claimed (the runner retries a failed prepare), with its
+// mapping, and returns its name; "" if there is none. Without this a retried
+// prepare would map the job to a new machine and leave the first running
+// until its deadline.
+func (h *Host) RemoveEarlierClaim(ctx context.Context, job string) (string, error) {
+	jm, err := h.MachineOf(job)
+	if err != nil || !jm.Warm {
+		return "", err
+	}
+	if err := h.Teardown(ctx, jm.Name); err != nil {
+		return jm.Name, err
+	}
+	return jm.Name, h.Store.UnmapJob(job)
+}
+
+// TeardownJob removes the job's machine (MachineOf) and its mapping.
+func (h *Host) TeardownJob(ctx context.Context, job string) (JobMachine, error) {
+	jm, err := h.MachineOf(job)
+	if err != nil {
+		return jm, err
+	}
+	if err := h.Teardown(ctx, jm.Name); err != nil {
+		return jm, err
+	}
+	if jm.Name != job {
+		// A cold attempt of the same job (a retried prepare) may have left
+		// its own machine too.
+		if err := h.Teardown(ctx, job); err != nil {
+			return jm, err
+		}
+	}
+	return jm, h.Store.UnmapJob(job)
+}
+
+// sweepJobMappings removes the job -> machine mappings whose machine has no
+// state directory any more (its job's cleanup did not run to the end): a
+// lifecycle.Hooks.Sweepers entry.
+func sweepJobMappings(_ context.Context, m *lifecycle.Manager, _ *lifecycle.SweepReport, dryRun bool) error {
+	if dryRun {
+		return nil
+	}
+	jobs, err := m.Store.MappedJobs()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, j := range jobs {
+		jm, err := m.Store.MachineOfJob(j)
+		if err != nil {
+			// Unreadable: MachineOf ignores it anyway.
+			errs = append(errs, m.Store.UnmapJob(j))
+			continue
+		}
+		if jm == nil {
+			continue
+		}
+		if has, err := m.Store.Has(jm.Machine); err == nil && !has {
+			if has, err := m.Store.Has(j); err == nil && !has {
+				errs = append(errs, m.Store.UnmapJob(j))
+			}
+		}
+	}
+	return errors.Join(errs...)
+}

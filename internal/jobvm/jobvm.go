@@ -1,0 +1,75 @@
+// Package jobvm owns the machine of a CI job (a GitLab job, a garm
+// runner's job) on top of internal/lifecycle's one machine: acquiring it
+// (claim an idle standby machine, else provision one cold), the job ->
+// machine mapping (its only writer and reader), the job's connection
+// holder, and the job's end (stop now, remove in a detached reaper). The
+// standby pool's side is here too: boot, claim, retire, and what makes a
+// standby outdated; the pool service (internal/pool) drives it. Open wires
+// lifecycle's hooks: idle standbys make room for jobs, every machine gets
+// the guest tools disk (internal/guesttools), a machine's holder stops
+// when its user is done with it, and sweeps also remove stale mappings
+// and the tools of earlier binaries.
+package jobvm
+
+import (
+	"context"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+)
+
+// Host is the machines of CI jobs on this host: lifecycle's Manager with
+// the hooks of job machines, standby pools and the guest tools disk.
+type Host struct {
+	*lifecycle.Manager
+	// HolderExe is the connection holder's executable (StartHolder);
+	// empty means HolderExecutable next to the running executable.
+	HolderExe string
+	// ReaperExe is the reaper's executable (StartReaper); empty means
+	// ReaperExecutable next to the running executable.
+	ReaperExe string
+}
+
+// Open opens the installation cfg describes (lifecycle.Open) with the
+// hooks of job machines; o.Hooks is replaced.
+func Open(cfg *config.Config, o lifecycle.Options) (*Host, error) {
+	m, err := lifecycle.Open(cfg, o)
+	if err != nil {
+		return nil, err
+	}
+	return New(m), nil
+}
+
+// New is a Host over m, whose hooks it sets.
+func New(m *lifecycle.Manager) *Host {
+	h := &Host{Manager: m}
+	m.SetHooks(lifecycle.Hooks{
+		MakeRoom: func(ctx context.Context, _ *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
+			return h.makeRoom(ctx, short, reason)
+		},
+		Shared:   guesttools.Disk{},
+		Release:  []func(*lifecycle.Manager, string){stopHolder},
+		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep},
+	})
+	return h
+}
+
+// OwnerKind names the kind of a machine's owner for the metrics, by its
+// ownership record's front end ("" for none readable): standby, garm,
+// other (no record), job (any other front end).
+func OwnerKind(frontend string) string {
+	switch frontend {
+	case FrontendStandby:
+		return "standby"
+	case FrontendGarm:
+		return "garm"
+	case "":
+		return "other"
+	}
+	return "job"
+}
+
+// FrontendGarm is the ownership record's front end of garm's instances
+// (internal/garm.Frontend).
+const FrontendGarm = "garm"

@@ -1,0 +1,113 @@
+// Package lifecycletest has the fakes that tests of internal/lifecycle and
+// of the packages built on it share: a guest that boots on the fake
+// hypervisor (internal/vm/vmtest) with the keys the domain carries, and a
+// recorder of job-log lines.
+package lifecycletest
+
+import (
+	"encoding/base64"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+// Controller is the controller id of the tests' installation.
+const Controller = "0123abcd-0000-4000-8000-000000000000"
+
+// Guest "boots" when the fake hypervisor starts a domain: it reads the
+// SMBIOS credentials from the domain XML, as a systemd guest would, and
+// serves SSH on 127.0.0.1 (sshtest) with the delivered host key and
+// authorized key. It runs no commands.
+type Guest struct {
+	*sshtest.Server
+	hv *vmtest.Fake
+	// OwnHostKey makes the guest ignore the delivered host key (an image
+	// without the host key unit).
+	OwnHostKey bool
+	// NoLease makes the guest never get an address.
+	NoLease bool
+}
+
+func NewGuest(t *testing.T, hv *vmtest.Fake) *Guest {
+	g := &Guest{Server: sshtest.Start(t), hv: hv}
+	g.RejectSessions(true)
+	hv.OnStart = func(name string, d *libvirtxml.Domain) { g.boot(t, name, d) }
+	return g
+}
+
+func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
+	x, err := d.Marshal()
+	require.NoError(t, err)
+	require.NotContains(t, x, "credential.binary", "no private key material in the domain XML")
+	var authorized, hostPEM []byte
+	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
+		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
+			authorized = []byte(v)
+		}
+	}
+	// The host key comes from the read-only credentials disk, as a guest
+	// reads /dev/disk/by-id/virtio-lve-credentials.
+	require.GreaterOrEqual(t, len(d.Devices.Disks), 2) // a third: the guest tools disk
+	require.Equal(t, guestinit.CredentialDiskSerial, d.Devices.Disks[1].Serial)
+	require.NotNil(t, d.Devices.Disks[1].ReadOnly)
+	g.hv.Lock()
+	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
+	g.hv.Unlock()
+	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
+		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
+			hostPEM, err = base64.StdEncoding.DecodeString(v)
+			require.NoError(t, err)
+		}
+	}
+	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
+	require.NoError(t, err)
+	hostKey, err := ssh.ParsePrivateKey(hostPEM)
+	require.NoError(t, err)
+	if g.OwnHostKey {
+		other, err := guestinit.NewKeys("baked")
+		require.NoError(t, err)
+		hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
+		require.NoError(t, err)
+	}
+	// This boot's keys serve every connection from now on.
+	g.SetHostKey(hostKey)
+	g.SetAuthorizedKey(allowed)
+	if !g.NoLease {
+		// The address appears a little after boot, as DHCP does.
+		go func() {
+			time.Sleep(50 * time.Millisecond)
+			g.hv.SetLeases(name, vm.Lease{MAC: d.Devices.Interfaces[0].MAC.Address, IP: net.ParseIP("127.0.0.1")})
+		}()
+	}
+}
+
+// Sayings records the job-log lines (their formats) a Manager says, and
+// logs them when the test fails.
+type Sayings struct{ buf sshtest.Buffer }
+
+// NewSayings is a recorder whose lines the test's log gets if it fails.
+func NewSayings(t *testing.T) *Sayings {
+	s := &Sayings{}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("progress:\n%s", s.buf.String())
+		}
+	})
+	return s
+}
+
+// Say records one line (Manager.Say); the format, not the text.
+func (s *Sayings) Say(format string, _ ...any) { _, _ = s.buf.Write([]byte(format + "\n")) }
+
+// Has reports whether a line recorded so far contains sub.
+func (s *Sayings) Has(sub string) bool { return strings.Contains(s.buf.String(), sub) }
