@@ -1,4 +1,4 @@
-package main
+package panels
 
 import (
 	"bytes"
@@ -27,10 +27,10 @@ import (
 
 // The repository's files under test, relative to this package.
 const (
-	dashboardFile  = "../../deploy/grafana/libvirt-executor.json"
-	alertsFile     = "../../deploy/prometheus/alerts.yml"
-	alertsTestFile = "../../deploy/prometheus/alerts_test.yml"
-	promConfigFile = "../../deploy/prometheus/prometheus.example.yml"
+	dashboardFile  = "../../../deploy/grafana/libvirt-executor.json"
+	alertsFile     = "../../../deploy/prometheus/alerts.yml"
+	alertsTestFile = "../../../deploy/prometheus/alerts_test.yml"
+	promConfigFile = "../../../deploy/prometheus/prometheus.example.yml"
 )
 
 // knownMetrics are the metrics the service exposes (its metrics
@@ -217,21 +217,21 @@ func TestLegend(t *testing.T) {
 
 func TestParseFlags(t *testing.T) {
 	now := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
-	o, err := parseFlags([]string{"-prometheus", "http://127.0.0.1:9999", "-from", "-30m", "-out", "x.svg"}, now)
+	o, err := ParseFlags([]string{"-prometheus", "http://127.0.0.1:9999", "-from", "-30m", "-out", "x.svg"}, now)
 	require.NoError(t, err)
 	require.Equal(t, now.Add(-30*time.Minute), o.From)
 	require.Equal(t, now, o.To)
 	require.Equal(t, 15*time.Second, o.Step, "auto step: at least 15s")
-	o, err = parseFlags([]string{"-from", "now-7d", "-out", "x.svg"}, now)
+	o, err = ParseFlags([]string{"-from", "now-7d", "-out", "x.svg"}, now)
 	require.Error(t, err, "Go durations have no d")
-	o, err = parseFlags([]string{"-from", "-168h", "-out", "x.svg"}, now)
+	o, err = ParseFlags([]string{"-from", "-168h", "-out", "x.svg"}, now)
 	require.NoError(t, err)
 	require.Equal(t, 168*time.Hour/300, o.Step, "auto step: 300 points")
-	_, err = parseFlags([]string{"-from", "-30m"}, now)
+	_, err = ParseFlags([]string{"-from", "-30m"}, now)
 	require.ErrorContains(t, err, "-out is required")
-	_, err = parseFlags([]string{"-from", "-24h", "-step", "1s", "-out", "x"}, now)
+	_, err = ParseFlags([]string{"-from", "-24h", "-step", "1s", "-out", "x"}, now)
 	require.ErrorContains(t, err, "raise -step")
-	_, err = parseFlags([]string{"-prometheus", "127.0.0.1:9090", "-out", "x"}, now)
+	_, err = ParseFlags([]string{"-prometheus", "127.0.0.1:9090", "-out", "x"}, now)
 	require.ErrorContains(t, err, "http(s) URL")
 }
 
@@ -266,12 +266,12 @@ func (f *fakePrometheus) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func fakeOptions(t *testing.T, base string) options {
+func fakeOptions(t *testing.T, base string) Options {
 	t.Helper()
 	u, err := url.Parse(base)
 	require.NoError(t, err)
 	to := time.Unix(1700000052, 0)
-	return options{Prometheus: u, Dashboard: dashboardFile, From: to.Add(-time.Minute), To: to,
+	return Options{Prometheus: u, Dashboard: dashboardFile, From: to.Add(-time.Minute), To: to,
 		Step: 15 * time.Second, Out: filepath.Join(t.TempDir(), "panels.svg")}
 }
 
@@ -280,7 +280,7 @@ func TestRunWithFakePrometheus(t *testing.T) {
 	srv := httptest.NewServer(fake)
 	defer srv.Close()
 	o := fakeOptions(t, srv.URL)
-	require.NoError(t, run(context.Background(), o))
+	require.NoError(t, Run(context.Background(), o, io.Discard))
 
 	doc, err := os.ReadFile(o.Out)
 	require.NoError(t, err)
@@ -313,7 +313,7 @@ func TestRunFailures(t *testing.T) {
 	srv := httptest.NewServer(&fakePrometheus{failOn: "libvirt_executor_jobs_total"})
 	defer srv.Close()
 	o := fakeOptions(t, srv.URL)
-	err := run(context.Background(), o)
+	err := Run(context.Background(), o, io.Discard)
 	require.ErrorContains(t, err, `panel "Jobs per hour by result": query "sum by (result) (rate(libvirt_executor_jobs_total[1m])) * 3600"`)
 	require.ErrorContains(t, err, "HTTP 400: bad_data: 1:10: parse error")
 	require.NoFileExists(t, o.Out, "no half picture")
@@ -321,7 +321,7 @@ func TestRunFailures(t *testing.T) {
 	// Not the API.
 	srv404 := httptest.NewServer(http.NotFoundHandler())
 	defer srv404.Close()
-	err = run(context.Background(), fakeOptions(t, srv404.URL+"/prom"))
+	err = Run(context.Background(), fakeOptions(t, srv404.URL+"/prom"), io.Discard)
 	require.ErrorContains(t, err, "HTTP 404, not a Prometheus API answer")
 
 	// Nobody listening.
@@ -329,7 +329,7 @@ func TestRunFailures(t *testing.T) {
 	require.NoError(t, err)
 	addr := l.Addr().String()
 	require.NoError(t, l.Close())
-	err = run(context.Background(), fakeOptions(t, "http://"+addr))
+	err = Run(context.Background(), fakeOptions(t, "http://"+addr), io.Discard)
 	require.ErrorContains(t, err, "prometheus at http://"+addr+" does not answer queries: unreachable")
 }
 
@@ -592,10 +592,10 @@ func TestDashboardQueriesValid(t *testing.T) {
 	}
 	require.Greater(t, n, 20)
 
-	o, err := parseFlags([]string{"-prometheus", base, "-dashboard", dashboardFile, "-from", "-30m",
+	o, err := ParseFlags([]string{"-prometheus", base, "-dashboard", dashboardFile, "-from", "-30m",
 		"-out", filepath.Join(t.TempDir(), "panels.svg")}, time.Now())
 	require.NoError(t, err)
-	require.NoError(t, run(ctx, o))
+	require.NoError(t, Run(ctx, o, io.Discard))
 	doc, err := os.ReadFile(o.Out)
 	require.NoError(t, err)
 	texts := svgTexts(t, doc)
