@@ -28,7 +28,6 @@ import (
 	"fmt"
 	"io"
 	"math"
-	"net/http"
 	"net/url"
 	"os"
 	"path/filepath"
@@ -127,10 +126,13 @@ func Run(ctx context.Context, o Options, stdout io.Writer) error {
 	if err != nil {
 		return err
 	}
-	c := &client{base: o.Prometheus, hc: &http.Client{Timeout: 30 * time.Second}}
+	c, err := newClient(o.Prometheus)
+	if err != nil {
+		return err
+	}
 	// One trivial query first, so that an unreachable Prometheus is said
 	// once and plainly rather than as the first panel's failure.
-	if _, err := c.query(ctx, "1", o.To); err != nil {
+	if err := c.query(ctx, "1", o.To); err != nil {
 		return fmt.Errorf("prometheus at %s does not answer queries: %w", o.Prometheus.Redacted(), err)
 	}
 	page, err := fetch(ctx, c, d, o)
@@ -295,136 +297,6 @@ func promDuration(d time.Duration) string {
 		return strconv.FormatInt(int64(d/time.Second), 10) + "s"
 	}
 	return strconv.FormatInt(d.Milliseconds(), 10) + "ms"
-}
-
-// --- Prometheus ----------------------------------------------------------
-
-// client asks one Prometheus' HTTP API.
-type client struct {
-	base *url.URL
-	hc   *http.Client
-}
-
-// apiResponse is the envelope of every /api/v1 answer.
-type apiResponse struct {
-	Status    string          `json:"status"`
-	ErrorType string          `json:"errorType"`
-	Error     string          `json:"error"`
-	Data      json.RawMessage `json:"data"`
-}
-
-type queryData struct {
-	ResultType string          `json:"resultType"`
-	Result     json.RawMessage `json:"result"`
-}
-
-// query runs an instant query (/api/v1/query) at t and returns its data.
-func (c *client) query(ctx context.Context, expr string, t time.Time) (*queryData, error) {
-	return c.post(ctx, "api/v1/query", url.Values{"query": {expr}, "time": {promTime(t)}})
-}
-
-// queryRange runs a range query (/api/v1/query_range) and returns its
-// series.
-func (c *client) queryRange(ctx context.Context, expr string, start, end time.Time, step time.Duration) ([]series, error) {
-	d, err := c.post(ctx, "api/v1/query_range", url.Values{
-		"query": {expr}, "start": {promTime(start)}, "end": {promTime(end)},
-		"step": {strconv.FormatFloat(step.Seconds(), 'f', -1, 64)},
-	})
-	if err != nil {
-		return nil, err
-	}
-	return parseMatrix(d)
-}
-
-func promTime(t time.Time) string {
-	return strconv.FormatFloat(float64(t.UnixMilli())/1000, 'f', 3, 64)
-}
-
-// post sends a form to the API and returns the data of a successful
-// answer; a failed one is returned as an error with Prometheus' message.
-func (c *client) post(ctx context.Context, path string, form url.Values) (*queryData, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, c.base.JoinPath(path).String(), strings.NewReader(form.Encode()))
-	if err != nil {
-		return nil, err
-	}
-	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
-	resp, err := c.hc.Do(req)
-	if err != nil {
-		return nil, fmt.Errorf("unreachable: %w", err)
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(io.LimitReader(resp.Body, 256<<20))
-	if err != nil {
-		return nil, fmt.Errorf("reading the answer: %w", err)
-	}
-	return parseResponse(resp.StatusCode, body)
-}
-
-// parseResponse unpacks an API answer: its data, or Prometheus' error.
-func parseResponse(code int, body []byte) (*queryData, error) {
-	var r apiResponse
-	if err := json.Unmarshal(body, &r); err != nil {
-		// Not the API: a proxy's error page, a wrong URL.
-		snippet := strings.TrimSpace(string(body))
-		if len(snippet) > 200 {
-			snippet = snippet[:200] + "..."
-		}
-		return nil, fmt.Errorf("HTTP %d, not a Prometheus API answer: %q", code, snippet)
-	}
-	if r.Status != "success" {
-		return nil, fmt.Errorf("HTTP %d: %s: %s", code, r.ErrorType, r.Error)
-	}
-	var d queryData
-	if err := json.Unmarshal(r.Data, &d); err != nil {
-		return nil, fmt.Errorf("HTTP %d: unreadable data: %w", code, err)
-	}
-	return &d, nil
-}
-
-// series is one line of a panel.
-type series struct {
-	Labels map[string]string
-	Points []point
-}
-
-type point struct {
-	T time.Time
-	V float64 // NaN and ±Inf are drawn as gaps
-}
-
-// parseMatrix reads a range query's result.
-func parseMatrix(d *queryData) ([]series, error) {
-	if d.ResultType != "matrix" {
-		return nil, fmt.Errorf("result type %q, want matrix", d.ResultType)
-	}
-	var raw []struct {
-		Metric map[string]string    `json:"metric"`
-		Values [][2]json.RawMessage `json:"values"`
-	}
-	if err := json.Unmarshal(d.Result, &raw); err != nil {
-		return nil, fmt.Errorf("unreadable matrix: %w", err)
-	}
-	out := make([]series, 0, len(raw))
-	for _, r := range raw {
-		s := series{Labels: r.Metric}
-		for _, v := range r.Values {
-			var ts float64
-			var val string
-			if err := json.Unmarshal(v[0], &ts); err != nil {
-				return nil, fmt.Errorf("unreadable sample time %s: %w", v[0], err)
-			}
-			if err := json.Unmarshal(v[1], &val); err != nil {
-				return nil, fmt.Errorf("unreadable sample value %s: %w", v[1], err)
-			}
-			f, err := strconv.ParseFloat(val, 64)
-			if err != nil {
-				return nil, fmt.Errorf("unreadable sample value %q: %w", val, err)
-			}
-			s.Points = append(s.Points, point{T: time.UnixMilli(int64(math.Round(ts * 1000))), V: f})
-		}
-		out = append(out, s)
-	}
-	return out, nil
 }
 
 // --- What to draw ----------------------------------------------------------

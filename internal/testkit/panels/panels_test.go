@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -89,9 +90,11 @@ const cannedMatrix = `{"status":"success","data":{"resultType":"matrix","result"
   "values":[[1700000000,"0.25"],[1700000015,"+Inf"],[1700000030,"0.5"],[1700000045,"0.75"]]}]}}`
 
 func TestRenderSVG(t *testing.T) {
-	d, err := parseResponse(200, []byte(cannedMatrix))
-	require.NoError(t, err)
-	ss, err := parseMatrix(d)
+	// Read through the client, from a fake Prometheus that answers with it.
+	srv := httptest.NewServer(&fakePrometheus{})
+	defer srv.Close()
+	c := fakeClient(t, srv.URL)
+	ss, err := c.queryRange(context.Background(), "x", time.Unix(1700000000, 0), time.Unix(1700000045, 0), 15*time.Second)
 	require.NoError(t, err)
 	require.Len(t, ss, 2)
 	require.Equal(t, `<script>&"`, ss[0].Labels["image"])
@@ -266,6 +269,24 @@ func (f *fakePrometheus) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
+// unixParam reads a query's time parameter (Unix seconds).
+func unixParam(t *testing.T, f url.Values, name string) float64 {
+	t.Helper()
+	v, err := strconv.ParseFloat(f.Get(name), 64)
+	require.NoError(t, err, "%s=%q", name, f.Get(name))
+	return v
+}
+
+// fakeClient returns a client of the Prometheus at base.
+func fakeClient(t *testing.T, base string) *client {
+	t.Helper()
+	u, err := url.Parse(base)
+	require.NoError(t, err)
+	c, err := newClient(u)
+	require.NoError(t, err)
+	return c
+}
+
 func fakeOptions(t *testing.T, base string) Options {
 	t.Helper()
 	u, err := url.Parse(base)
@@ -300,8 +321,8 @@ func TestRunWithFakePrometheus(t *testing.T) {
 		q := f.Get("query")
 		require.NotContains(t, q, "$", q)
 		require.Equal(t, "15", f.Get("step"))
-		require.Equal(t, "1699999980.000", f.Get("start"), "start aligned to the step")
-		require.Equal(t, "1700000052.000", f.Get("end"))
+		require.Equal(t, 1699999980.0, unixParam(t, f, "start"), "start aligned to the step")
+		require.Equal(t, 1700000052.0, unixParam(t, f, "end"))
 		if strings.Contains(q, "rate(") {
 			require.Regexp(t, `\[(1m|1h)\]`, q)
 		}
@@ -570,14 +591,12 @@ func TestDashboardQueriesValid(t *testing.T) {
 	checkMetricNames(t, d)
 
 	base := startPrometheus(t)
-	u, err := url.Parse(base)
-	require.NoError(t, err)
-	c := &client{base: u, hc: &http.Client{Timeout: 30 * time.Second}}
+	c := fakeClient(t, base)
 	ctx := context.Background()
 	now := time.Now()
 
 	// The check can fail: Prometheus refuses a broken expression.
-	_, err = c.query(ctx, "sum(rate(libvirt_executor_jobs_total[1m])", now)
+	err = c.query(ctx, "sum(rate(libvirt_executor_jobs_total[1m])", now)
 	require.ErrorContains(t, err, "HTTP 400: bad_data")
 
 	n := 0
@@ -585,7 +604,7 @@ func TestDashboardQueriesValid(t *testing.T) {
 		qs, err := p.queries(15 * time.Second)
 		require.NoError(t, err)
 		for _, q := range qs {
-			_, err := c.query(ctx, q.Expr, now)
+			err := c.query(ctx, q.Expr, now)
 			require.NoError(t, err, "panel %q: query %q", p.Title, q.Expr)
 			n++
 		}
