@@ -329,6 +329,26 @@ func TestRunWithFakePrometheus(t *testing.T) {
 	}
 }
 
+func TestRunToStdout(t *testing.T) {
+	srv := httptest.NewServer(&fakePrometheus{})
+	defer srv.Close()
+	o := fakeOptions(t, srv.URL)
+	o.Out = "-"
+	var out bytes.Buffer
+	require.NoError(t, Run(context.Background(), o, &out))
+	require.True(t, strings.HasPrefix(out.String(), `<?xml version="1.0" encoding="UTF-8"?>`), "-out - writes the SVG to the writer")
+	require.Contains(t, svgTexts(t, out.Bytes()), "Jobs per hour by result")
+}
+
+func TestQueryRangeWantsAMatrix(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, `{"status":"success","data":{"resultType":"vector","result":[]}}`)
+	}))
+	defer srv.Close()
+	_, err := fakeClient(t, srv.URL).queryRange(context.Background(), "x", time.Unix(1700000000, 0), time.Unix(1700000060, 0), 15*time.Second)
+	require.EqualError(t, err, `result type "vector", want matrix`)
+}
+
 func TestRunFailures(t *testing.T) {
 	// A query Prometheus refuses: the panel and the expression are named.
 	srv := httptest.NewServer(&fakePrometheus{failOn: "libvirt_executor_jobs_total"})
