@@ -1,4 +1,4 @@
-package main
+package panels
 
 import (
 	"bytes"
@@ -16,6 +16,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -27,10 +28,10 @@ import (
 
 // The repository's files under test, relative to this package.
 const (
-	dashboardFile  = "../../deploy/grafana/libvirt-executor.json"
-	alertsFile     = "../../deploy/prometheus/alerts.yml"
-	alertsTestFile = "../../deploy/prometheus/alerts_test.yml"
-	promConfigFile = "../../deploy/prometheus/prometheus.example.yml"
+	dashboardFile  = "../../../deploy/grafana/libvirt-executor.json"
+	alertsFile     = "../../../deploy/prometheus/alerts.yml"
+	alertsTestFile = "../../../deploy/prometheus/alerts_test.yml"
+	promConfigFile = "../../../deploy/prometheus/prometheus.example.yml"
 )
 
 // knownMetrics are the metrics the service exposes (its metrics
@@ -89,9 +90,11 @@ const cannedMatrix = `{"status":"success","data":{"resultType":"matrix","result"
   "values":[[1700000000,"0.25"],[1700000015,"+Inf"],[1700000030,"0.5"],[1700000045,"0.75"]]}]}}`
 
 func TestRenderSVG(t *testing.T) {
-	d, err := parseResponse(200, []byte(cannedMatrix))
-	require.NoError(t, err)
-	ss, err := parseMatrix(d)
+	// Read through the client, from a fake Prometheus that answers with it.
+	srv := httptest.NewServer(&fakePrometheus{})
+	defer srv.Close()
+	c := fakeClient(t, srv.URL)
+	ss, err := c.queryRange(context.Background(), "x", time.Unix(1700000000, 0), time.Unix(1700000045, 0), 15*time.Second)
 	require.NoError(t, err)
 	require.Len(t, ss, 2)
 	require.Equal(t, `<script>&"`, ss[0].Labels["image"])
@@ -217,21 +220,21 @@ func TestLegend(t *testing.T) {
 
 func TestParseFlags(t *testing.T) {
 	now := time.Date(2025, 1, 2, 3, 4, 5, 0, time.UTC)
-	o, err := parseFlags([]string{"-prometheus", "http://127.0.0.1:9999", "-from", "-30m", "-out", "x.svg"}, now)
+	o, err := ParseFlags([]string{"-prometheus", "http://127.0.0.1:9999", "-from", "-30m", "-out", "x.svg"}, now)
 	require.NoError(t, err)
 	require.Equal(t, now.Add(-30*time.Minute), o.From)
 	require.Equal(t, now, o.To)
 	require.Equal(t, 15*time.Second, o.Step, "auto step: at least 15s")
-	o, err = parseFlags([]string{"-from", "now-7d", "-out", "x.svg"}, now)
+	o, err = ParseFlags([]string{"-from", "now-7d", "-out", "x.svg"}, now)
 	require.Error(t, err, "Go durations have no d")
-	o, err = parseFlags([]string{"-from", "-168h", "-out", "x.svg"}, now)
+	o, err = ParseFlags([]string{"-from", "-168h", "-out", "x.svg"}, now)
 	require.NoError(t, err)
 	require.Equal(t, 168*time.Hour/300, o.Step, "auto step: 300 points")
-	_, err = parseFlags([]string{"-from", "-30m"}, now)
+	_, err = ParseFlags([]string{"-from", "-30m"}, now)
 	require.ErrorContains(t, err, "-out is required")
-	_, err = parseFlags([]string{"-from", "-24h", "-step", "1s", "-out", "x"}, now)
+	_, err = ParseFlags([]string{"-from", "-24h", "-step", "1s", "-out", "x"}, now)
 	require.ErrorContains(t, err, "raise -step")
-	_, err = parseFlags([]string{"-prometheus", "127.0.0.1:9090", "-out", "x"}, now)
+	_, err = ParseFlags([]string{"-prometheus", "127.0.0.1:9090", "-out", "x"}, now)
 	require.ErrorContains(t, err, "http(s) URL")
 }
 
@@ -266,12 +269,30 @@ func (f *fakePrometheus) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-func fakeOptions(t *testing.T, base string) options {
+// unixParam reads a query's time parameter (Unix seconds).
+func unixParam(t *testing.T, f url.Values, name string) float64 {
+	t.Helper()
+	v, err := strconv.ParseFloat(f.Get(name), 64)
+	require.NoError(t, err, "%s=%q", name, f.Get(name))
+	return v
+}
+
+// fakeClient returns a client of the Prometheus at base.
+func fakeClient(t *testing.T, base string) *client {
+	t.Helper()
+	u, err := url.Parse(base)
+	require.NoError(t, err)
+	c, err := newClient(u)
+	require.NoError(t, err)
+	return c
+}
+
+func fakeOptions(t *testing.T, base string) Options {
 	t.Helper()
 	u, err := url.Parse(base)
 	require.NoError(t, err)
 	to := time.Unix(1700000052, 0)
-	return options{Prometheus: u, Dashboard: dashboardFile, From: to.Add(-time.Minute), To: to,
+	return Options{Prometheus: u, Dashboard: dashboardFile, From: to.Add(-time.Minute), To: to,
 		Step: 15 * time.Second, Out: filepath.Join(t.TempDir(), "panels.svg")}
 }
 
@@ -280,7 +301,7 @@ func TestRunWithFakePrometheus(t *testing.T) {
 	srv := httptest.NewServer(fake)
 	defer srv.Close()
 	o := fakeOptions(t, srv.URL)
-	require.NoError(t, run(context.Background(), o))
+	require.NoError(t, Run(context.Background(), o, io.Discard))
 
 	doc, err := os.ReadFile(o.Out)
 	require.NoError(t, err)
@@ -300,12 +321,32 @@ func TestRunWithFakePrometheus(t *testing.T) {
 		q := f.Get("query")
 		require.NotContains(t, q, "$", q)
 		require.Equal(t, "15", f.Get("step"))
-		require.Equal(t, "1699999980.000", f.Get("start"), "start aligned to the step")
-		require.Equal(t, "1700000052.000", f.Get("end"))
+		require.Equal(t, 1699999980.0, unixParam(t, f, "start"), "start aligned to the step")
+		require.Equal(t, 1700000052.0, unixParam(t, f, "end"))
 		if strings.Contains(q, "rate(") {
 			require.Regexp(t, `\[(1m|1h)\]`, q)
 		}
 	}
+}
+
+func TestRunToStdout(t *testing.T) {
+	srv := httptest.NewServer(&fakePrometheus{})
+	defer srv.Close()
+	o := fakeOptions(t, srv.URL)
+	o.Out = "-"
+	var out bytes.Buffer
+	require.NoError(t, Run(context.Background(), o, &out))
+	require.True(t, strings.HasPrefix(out.String(), `<?xml version="1.0" encoding="UTF-8"?>`), "-out - writes the SVG to the writer")
+	require.Contains(t, svgTexts(t, out.Bytes()), "Jobs per hour by result")
+}
+
+func TestQueryRangeWantsAMatrix(t *testing.T) {
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		_, _ = io.WriteString(w, `{"status":"success","data":{"resultType":"vector","result":[]}}`)
+	}))
+	defer srv.Close()
+	_, err := fakeClient(t, srv.URL).queryRange(context.Background(), "x", time.Unix(1700000000, 0), time.Unix(1700000060, 0), 15*time.Second)
+	require.EqualError(t, err, `result type "vector", want matrix`)
 }
 
 func TestRunFailures(t *testing.T) {
@@ -313,7 +354,7 @@ func TestRunFailures(t *testing.T) {
 	srv := httptest.NewServer(&fakePrometheus{failOn: "libvirt_executor_jobs_total"})
 	defer srv.Close()
 	o := fakeOptions(t, srv.URL)
-	err := run(context.Background(), o)
+	err := Run(context.Background(), o, io.Discard)
 	require.ErrorContains(t, err, `panel "Jobs per hour by result": query "sum by (result) (rate(libvirt_executor_jobs_total[1m])) * 3600"`)
 	require.ErrorContains(t, err, "HTTP 400: bad_data: 1:10: parse error")
 	require.NoFileExists(t, o.Out, "no half picture")
@@ -321,7 +362,7 @@ func TestRunFailures(t *testing.T) {
 	// Not the API.
 	srv404 := httptest.NewServer(http.NotFoundHandler())
 	defer srv404.Close()
-	err = run(context.Background(), fakeOptions(t, srv404.URL+"/prom"))
+	err = Run(context.Background(), fakeOptions(t, srv404.URL+"/prom"), io.Discard)
 	require.ErrorContains(t, err, "HTTP 404, not a Prometheus API answer")
 
 	// Nobody listening.
@@ -329,7 +370,7 @@ func TestRunFailures(t *testing.T) {
 	require.NoError(t, err)
 	addr := l.Addr().String()
 	require.NoError(t, l.Close())
-	err = run(context.Background(), fakeOptions(t, "http://"+addr))
+	err = Run(context.Background(), fakeOptions(t, "http://"+addr), io.Discard)
 	require.ErrorContains(t, err, "prometheus at http://"+addr+" does not answer queries: unreachable")
 }
 
@@ -570,14 +611,12 @@ func TestDashboardQueriesValid(t *testing.T) {
 	checkMetricNames(t, d)
 
 	base := startPrometheus(t)
-	u, err := url.Parse(base)
-	require.NoError(t, err)
-	c := &client{base: u, hc: &http.Client{Timeout: 30 * time.Second}}
+	c := fakeClient(t, base)
 	ctx := context.Background()
 	now := time.Now()
 
 	// The check can fail: Prometheus refuses a broken expression.
-	_, err = c.query(ctx, "sum(rate(libvirt_executor_jobs_total[1m])", now)
+	err = c.query(ctx, "sum(rate(libvirt_executor_jobs_total[1m])", now)
 	require.ErrorContains(t, err, "HTTP 400: bad_data")
 
 	n := 0
@@ -585,17 +624,17 @@ func TestDashboardQueriesValid(t *testing.T) {
 		qs, err := p.queries(15 * time.Second)
 		require.NoError(t, err)
 		for _, q := range qs {
-			_, err := c.query(ctx, q.Expr, now)
+			err := c.query(ctx, q.Expr, now)
 			require.NoError(t, err, "panel %q: query %q", p.Title, q.Expr)
 			n++
 		}
 	}
 	require.Greater(t, n, 20)
 
-	o, err := parseFlags([]string{"-prometheus", base, "-dashboard", dashboardFile, "-from", "-30m",
+	o, err := ParseFlags([]string{"-prometheus", base, "-dashboard", dashboardFile, "-from", "-30m",
 		"-out", filepath.Join(t.TempDir(), "panels.svg")}, time.Now())
 	require.NoError(t, err)
-	require.NoError(t, run(ctx, o))
+	require.NoError(t, Run(ctx, o, io.Discard))
 	doc, err := os.ReadFile(o.Out)
 	require.NoError(t, err)
 	texts := svgTexts(t, doc)
