@@ -85,7 +85,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 			_, err := p.resolve(in)
 			return err
 		}
-		for _, img := range p.garmImages() {
+		for _, img := range p.Cfg.GarmImages() {
 			in.Image = img
 			if _, err := p.resolve(in); err != nil {
 				return err
@@ -160,19 +160,6 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 	return fmt.Errorf("command %q not implemented", p.Env.Command)
 }
 
-// garmImages are the images garm pools may use.
-func (p *Provider) garmImages() []string {
-	if len(p.Cfg.Garm.Images) > 0 {
-		return p.Cfg.Garm.Images
-	}
-	var out []string
-	for _, n := range p.Cfg.ImageNames() {
-		if img, ok := p.Cfg.Image(n); ok && img.KeyInjection == config.InjectCloudInit {
-			out = append(out, n)
-		}
-	}
-	return out
-}
 
 // readPoolInfo reads ValidatePoolInfo's optional stdin: a JSON object
 // with the pool's image and flavor (garm's BootstrapInstance shape), or
@@ -411,12 +398,9 @@ type Resolved struct {
 // and size, or says what is not allowed and what is.
 func (p *Provider) resolve(in ValidateInput) (Resolved, error) {
 	cfg := p.Cfg
-	allowed := cfg.Garm.Images
-	if len(allowed) == 0 {
-		allowed = cfg.ImageNames()
-	}
-	img, ok := cfg.Image(in.Image)
-	if !ok || !slices.Contains(allowed, in.Image) {
+	allowed := cfg.GarmImages()
+	img, ok := cfg.OfferedImage(in.Image, allowed)
+	if !ok {
 		return Resolved{}, fmt.Errorf("image %q is not offered to garm pools: use one of %s", cut(in.Image), strings.Join(allowed, ", "))
 	}
 	if img.KeyInjection != config.InjectCloudInit {
@@ -456,15 +440,15 @@ func (p *Provider) resolve(in ValidateInput) (Resolved, error) {
 			if err := json.Unmarshal(specs[k], &n); err != nil {
 				return Resolved{}, fmt.Errorf("extra_specs %q must be an integer", k)
 			}
-			lo, hi, dst := 1, cfg.Limits.MaxVCPUs, &size.VCPUs
+			b, dst := cfg.VCPUBound(), &size.VCPUs
 			switch k {
 			case "memory_mib":
-				lo, hi, dst = 128, cfg.Limits.MaxMemoryMiB, &size.MemoryMiB
+				b, dst = cfg.MemoryBound(), &size.MemoryMiB
 			case "disk_gib":
-				lo, hi, dst = 1, cfg.Limits.MaxDiskGiB, &size.DiskGiB
+				b, dst = cfg.DiskBound(), &size.DiskGiB
 			}
-			if n < lo || n > hi {
-				return Resolved{}, fmt.Errorf("extra_specs %q = %d is out of range %d-%d (limits)", k, n, lo, hi)
+			if !b.Contains(n) {
+				return Resolved{}, fmt.Errorf("extra_specs %q = %d is out of range %d-%d (limits)", k, n, b.Min, b.Max)
 			}
 			*dst = n
 		}

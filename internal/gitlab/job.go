@@ -188,7 +188,7 @@ func ChooseImage(cfg *config.Config, req ImageRequest) (*config.Image, error) {
 		return img, nil
 	}
 	if !req.TooLong {
-		if img, ok := cfg.Image(req.Name); ok {
+		if img, ok := cfg.OfferedImage(req.Name, cfg.ImageNames()); ok {
 			return img, nil
 		}
 	}

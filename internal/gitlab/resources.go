@@ -43,17 +43,15 @@ var sizeRE = regexp.MustCompile(`^([0-9]{1,7})([A-Za-z]{0,3})$`)
 func ChooseResources(cfg *config.Config, img *config.Image, getenv func(string) string) (Resources, error) {
 	r := Resources(cfg.ImageSize(img))
 	type request struct {
-		name    string
-		dst     *int
-		units   map[string]int // unit -> multiplier into the field's unit
-		max     int
-		maxUnit string
-		min     int
+		name  string
+		dst   *int
+		units map[string]int // unit -> multiplier into the field's unit
+		config.SizeBound
 	}
 	reqs := []request{
-		{VarVCPUs, &r.VCPUs, map[string]int{"": 1}, cfg.Limits.MaxVCPUs, "vCPUs", 1},
-		{VarMemory, &r.MemoryMiB, map[string]int{"": 1, "M": 1, "MIB": 1, "G": 1024, "GIB": 1024}, cfg.Limits.MaxMemoryMiB, "MiB", 128},
-		{VarDisk, &r.DiskGiB, map[string]int{"": 1, "G": 1, "GIB": 1, "T": 1024, "TIB": 1024}, cfg.Limits.MaxDiskGiB, "GiB", 1},
+		{VarVCPUs, &r.VCPUs, map[string]int{"": 1}, cfg.VCPUBound()},
+		{VarMemory, &r.MemoryMiB, map[string]int{"": 1, "M": 1, "MIB": 1, "G": 1024, "GIB": 1024}, cfg.MemoryBound()},
+		{VarDisk, &r.DiskGiB, map[string]int{"": 1, "G": 1, "GIB": 1, "T": 1024, "TIB": 1024}, cfg.DiskBound()},
 	}
 	for _, q := range reqs {
 		raw, set := lookup(getenv, "CUSTOM_ENV_"+q.name)
@@ -65,10 +63,10 @@ func ChooseResources(cfg *config.Config, img *config.Image, getenv func(string) 
 		}
 		n, err := parseSize(raw, q.units)
 		if err != nil {
-			return r, exitcodes.Userf("%s = %s: %v; allowed: a whole number%s between %d and %d %s", q.name, shown(raw), err, unitHint(q.units), q.min, q.max, q.maxUnit)
+			return r, exitcodes.Userf("%s = %s: %v; allowed: a whole number%s between %d and %d %s", q.name, shown(raw), err, unitHint(q.units), q.Min, q.Max, q.Unit)
 		}
-		if n < q.min || n > q.max {
-			return r, exitcodes.Userf("%s = %s asks for %d %s; this runner allows %d to %d %s", q.name, shown(raw), n, q.maxUnit, q.min, q.max, q.maxUnit)
+		if !q.Contains(n) {
+			return r, exitcodes.Userf("%s = %s asks for %d %s; this runner allows %d to %d %s", q.name, shown(raw), n, q.Unit, q.Min, q.Max, q.Unit)
 		}
 		*q.dst = n
 	}
