@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -105,7 +104,7 @@ func (m *Manager) CountMachines(ctx context.Context) (map[[2]string]int, error) 
 			st = "running"
 			if ds, err := m.hv.State(ctx, it.Name); err == nil && !ds.Running {
 				st = "other"
-				if strings.HasPrefix(ds.Summary, "paused") {
+				if ds.Code == vm.StatePaused {
 					st = "paused"
 				}
 			}

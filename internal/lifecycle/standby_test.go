@@ -479,7 +479,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 		{name: "paused", age: 5 * time.Minute, want: "is paused",
 			spoil: func(t *testing.T, _ *Manager, hv *vmtest.Fake, _ *config.Image, name string) {
 				hv.Lock()
-				hv.Domains[name].State = &vm.DomainState{Summary: "paused"}
+				hv.Domains[name].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused"}
 				hv.Unlock()
 			}},
 		{name: "shut off", age: 5 * time.Minute, want: "is shut off",
