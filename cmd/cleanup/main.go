@@ -18,8 +18,12 @@ func main() {
 		// Started by a cleanup stage to finish removing ended machines.
 		os.Exit(stagecli.Reap(os.Args[2:], os.Stdin, os.Stderr))
 	}
-	stagecli.Main("libvirt-executor-cleanup", "remove the job's VM and everything it used", "", 0,
-		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
+	stagecli.Main(stagecli.Exe{
+		Name:  "libvirt-executor-cleanup",
+		Usage: "remove the job's VM and everything it used",
+		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Cleanup(ctx, env, cfg)
-		}, stagecli.RunsToCompletion())
+		},
+		RunsToCompletion: true,
+	})
 }

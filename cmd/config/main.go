@@ -11,8 +11,11 @@ import (
 )
 
 func main() {
-	stagecli.Main("libvirt-executor-config", "print the Custom executor configuration JSON", "", 0,
-		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
+	stagecli.Main(stagecli.Exe{
+		Name:  "libvirt-executor-config",
+		Usage: "print the Custom executor configuration JSON",
+		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Config(ctx, env, cfg)
-		})
+		},
+	})
 }

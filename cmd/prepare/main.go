@@ -12,8 +12,11 @@ import (
 )
 
 func main() {
-	stagecli.Main("libvirt-executor-prepare", "create and boot the job's VM", "", 0,
-		func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
+	stagecli.Main(stagecli.Exe{
+		Name:  "libvirt-executor-prepare",
+		Usage: "create and boot the job's VM",
+		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Prepare(ctx, env, cfg)
-		})
+		},
+	})
 }

@@ -17,8 +17,14 @@ func main() {
 		// Started by prepare as the job's connection holder.
 		os.Exit(stagecli.Hold(os.Args[2:], os.Stdin, os.Stderr))
 	}
-	stagecli.Main("libvirt-executor-run", "run a stage script in the job's VM", "<script-path> <stage-name>", 2,
-		func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error {
+	stagecli.Main(stagecli.Exe{
+		Name:      "libvirt-executor-run",
+		Usage:     "run a stage script in the job's VM",
+		ArgsUsage: "<script-path> <stage-name>",
+		NArgs:     2,
+		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error {
 			return gitlab.Run(ctx, env, cfg, args[0], args[1])
-		}, stagecli.ExplainViaAdminTool())
+		},
+		ExplainViaAdminTool: true,
+	})
 }

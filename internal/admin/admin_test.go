@@ -321,7 +321,7 @@ func TestExplainMachine(t *testing.T) {
 	require.NoError(t, ExplainMachine(ctx, &out, m, name))
 	require.Empty(t, out.String(), "a running guest: nothing to say")
 
-	hv.Domains[name].State = &vm.DomainState{Summary: "paused (I/O error)", IOError: true}
+	hv.Domains[name].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused (I/O error)", IOError: true}
 	out.Reset()
 	require.NoError(t, ExplainMachine(ctx, &out, m, name))
 	require.Contains(t, out.String(), "storage pool jobs is probably full")

@@ -592,189 +592,293 @@ var (
 func ValidImageName(s string) bool { return imageNameRE.MatchString(s) }
 
 // Validate checks every value and reports all problems at once, each naming
-// the key and what is allowed.
+// the key and what is allowed. The sections are checked in a fixed order
+// (the top-level keys, then each table, images and default_image last), so
+// the message is the same every time.
+// A configuration with one image and no default_image gets that image as
+// its default.
 func (c *Config) Validate() error {
-	var errs []string
-	bad := func(key, format string, args ...any) {
-		errs = append(errs, fmt.Sprintf("%s: %s", key, fmt.Sprintf(format, args...)))
+	var p problems
+	c.validateTop(&p)
+	c.GuestTools.validate(&p)
+	c.Defaults.validate(&p)
+	c.Limits.validate(&p)
+	c.Capacity.validate(&p, c.Limits)
+	c.Debug.validate(&p)
+	c.Timeouts.validate(&p)
+	c.SSH.validate(&p)
+	c.Serve.validate(&p)
+	c.Log.validate(&p)
+	c.Garm.validate(&p, c)
+	c.validateImages(&p)
+	c.validateDefaultImage(&p)
+	return p.err()
+}
+
+// problems collects what Validate finds, each "key: what is wrong".
+type problems struct{ errs []string }
+
+func (p *problems) bad(key, format string, args ...any) {
+	p.errs = append(p.errs, fmt.Sprintf("%s: %s", key, fmt.Sprintf(format, args...)))
+}
+
+// oneOf reports v unless it is one of allowed.
+func (p *problems) oneOf(key, v string, allowed ...string) {
+	if !slices.Contains(allowed, v) {
+		p.bad(key, "%q is not allowed; use one of %s", v, quoteList(allowed))
 	}
-	oneOf := func(key, v string, allowed ...string) {
-		for _, a := range allowed {
-			if v == a {
-				return
-			}
-		}
-		bad(key, "%q is not allowed; use one of %s", v, quoteList(allowed))
+}
+
+// inRange reports v unless lo <= v <= hi.
+func (p *problems) inRange(key string, v, lo, hi int) {
+	if v < lo || v > hi {
+		p.bad(key, "%d is out of range %d-%d", v, lo, hi)
 	}
+}
+
+// positive reports d unless it is above zero.
+func (p *problems) positive(key string, d Duration) {
+	if d <= 0 {
+		p.bad(key, "must be a positive duration")
+	}
+}
+
+// size checks a VM size (an image's, a flavor's) under key.
+func (p *problems) size(key string, s Size) {
+	p.inRange(key+".vcpus", s.VCPUs, 1, 64)
+	p.inRange(key+".memory_mib", s.MemoryMiB, 128, 262144)
+	p.inRange(key+".disk_gib", s.DiskGiB, 0, 4096)
+}
+
+// err is every problem in one error, or nil for none.
+func (p *problems) err() error {
+	if len(p.errs) == 0 {
+		return nil
+	}
+	return errors.New(strings.Join(p.errs, "; "))
+}
+
+// validateTop checks the top-level keys but default_image (which needs the
+// images checked first).
+func (c *Config) validateTop(p *problems) {
 	if !strings.Contains(c.LibvirtURI, ":") {
-		bad("libvirt_uri", "%q is not a libvirt URI (example: \"qemu:///system\")", c.LibvirtURI)
+		p.bad("libvirt_uri", "%q is not a libvirt URI (example: \"qemu:///system\")", c.LibvirtURI)
 	}
-	oneOf("domain_type", c.DomainType, DomainAuto, DomainKVM, DomainQEMU)
-	oneOf("host_key_policy", c.HostKeyPolicy, HostKeyPinned, HostKeyInsecureIgnore)
+	p.oneOf("domain_type", c.DomainType, DomainAuto, DomainKVM, DomainQEMU)
+	p.oneOf("host_key_policy", c.HostKeyPolicy, HostKeyPinned, HostKeyInsecureIgnore)
 	if !libvirtNameRE.MatchString(c.StoragePool) {
-		bad("storage_pool", "%q is not a valid pool name (letters, digits, '.', '_', '-')", c.StoragePool)
+		p.bad("storage_pool", "%q is not a valid pool name (letters, digits, '.', '_', '-')", c.StoragePool)
 	}
 	if !libvirtNameRE.MatchString(c.Network) {
-		bad("network", "%q is not a valid network name (letters, digits, '.', '_', '-')", c.Network)
+		p.bad("network", "%q is not a valid network name (letters, digits, '.', '_', '-')", c.Network)
 	}
 	if !prefixRE.MatchString(c.NamePrefix) {
-		bad("name_prefix", "%q is not allowed: 1-16 lower-case letters, digits or '-', starting with a letter", c.NamePrefix)
+		p.bad("name_prefix", "%q is not allowed: 1-16 lower-case letters, digits or '-', starting with a letter", c.NamePrefix)
 	}
 	if !filepath.IsAbs(c.StateDir) || filepath.Clean(c.StateDir) == "/" {
-		bad("state_dir", "%q must be an absolute path other than /", c.StateDir)
+		p.bad("state_dir", "%q must be an absolute path other than /", c.StateDir)
 	}
-	if g := c.GuestTools.GitLabRunner; g != GuestToolsAuto && g != GuestToolsNone && !filepath.IsAbs(g) {
-		bad("guest_tools.gitlab_runner", "%q is not allowed; use \"auto\" (the gitlab-runner on PATH), \"none\" or the absolute path of a gitlab-runner binary", g)
+}
+
+// validate checks [guest_tools].
+func (g GuestTools) validate(p *problems) {
+	if r := g.GitLabRunner; r != GuestToolsAuto && r != GuestToolsNone && !filepath.IsAbs(r) {
+		p.bad("guest_tools.gitlab_runner", "%q is not allowed; use \"auto\" (the gitlab-runner on PATH), \"none\" or the absolute path of a gitlab-runner binary", r)
 	}
-	rangeCheck := func(key string, v, lo, hi int) {
-		if v < lo || v > hi {
-			bad(key, "%d is out of range %d-%d", v, lo, hi)
-		}
+}
+
+// validate checks [defaults].
+func (d Defaults) validate(p *problems) {
+	p.size("defaults", Size(d))
+}
+
+// validate checks [limits].
+func (l Limits) validate(p *problems) {
+	p.inRange("limits.max_vcpus", l.MaxVCPUs, 1, 64)
+	p.inRange("limits.max_memory_mib", l.MaxMemoryMiB, 128, 262144)
+	p.inRange("limits.max_disk_gib", l.MaxDiskGiB, 0, 4096)
+}
+
+// validate checks [capacity]: its memory budget must hold the largest job
+// that limits allows.
+func (cp Capacity) validate(p *problems, limits Limits) {
+	p.inRange("capacity.max_vms", cp.MaxVMs, 0, 10000)
+	p.inRange("capacity.memory_budget_mib", cp.MemoryBudgetMiB, 0, 1<<24)
+	if cp.MemoryBudgetMiB != 0 && cp.MemoryBudgetMiB < limits.MaxMemoryMiB {
+		p.bad("capacity.memory_budget_mib", "%d is smaller than one job may ask for (limits.max_memory_mib = %d)", cp.MemoryBudgetMiB, limits.MaxMemoryMiB)
 	}
-	rangeCheck("defaults.vcpus", c.Defaults.VCPUs, 1, 64)
-	rangeCheck("defaults.memory_mib", c.Defaults.MemoryMiB, 128, 262144)
-	rangeCheck("defaults.disk_gib", c.Defaults.DiskGiB, 0, 4096)
-	rangeCheck("limits.max_vcpus", c.Limits.MaxVCPUs, 1, 64)
-	rangeCheck("limits.max_memory_mib", c.Limits.MaxMemoryMiB, 128, 262144)
-	rangeCheck("limits.max_disk_gib", c.Limits.MaxDiskGiB, 0, 4096)
-	rangeCheck("capacity.max_vms", c.Capacity.MaxVMs, 0, 10000)
-	rangeCheck("capacity.memory_budget_mib", c.Capacity.MemoryBudgetMiB, 0, 1<<24)
-	if c.Capacity.MemoryBudgetMiB != 0 && c.Capacity.MemoryBudgetMiB < c.Limits.MaxMemoryMiB {
-		bad("capacity.memory_budget_mib", "%d is smaller than one job may ask for (limits.max_memory_mib = %d)", c.Capacity.MemoryBudgetMiB, c.Limits.MaxMemoryMiB)
+}
+
+// validate checks [debug].
+func (d Debug) validate(p *problems) {
+	p.positive("debug.keep_max_age", d.KeepMaxAge)
+}
+
+// validate checks [timeouts].
+func (t Timeouts) validate(p *problems) {
+	p.positive("timeouts.boot", t.Boot)
+	p.positive("timeouts.cleanup", t.Cleanup)
+	p.positive("timeouts.job_slack", t.JobSlack)
+}
+
+// validate checks [ssh].
+func (s SSH) validate(p *problems) {
+	p.positive("ssh.keepalive_interval", s.KeepaliveInterval)
+	p.positive("ssh.connect_timeout", s.ConnectTimeout)
+	p.inRange("ssh.keepalive_count", s.KeepaliveCount, 1, 100)
+}
+
+// validate checks [serve].
+func (s PoolService) validate(p *problems) {
+	p.inRange("serve.boot_parallelism", s.BootParallelism, 1, 32)
+	if d := s.Interval.D(); d < 50*time.Millisecond || d > 10*time.Second {
+		p.bad("serve.interval", "%s is out of range 50ms-10s", d)
 	}
-	positive := func(key string, d Duration) {
-		if d <= 0 {
-			bad(key, "must be a positive duration")
-		}
-	}
-	positive("debug.keep_max_age", c.Debug.KeepMaxAge)
-	positive("timeouts.boot", c.Timeouts.Boot)
-	positive("timeouts.cleanup", c.Timeouts.Cleanup)
-	positive("timeouts.job_slack", c.Timeouts.JobSlack)
-	positive("ssh.keepalive_interval", c.SSH.KeepaliveInterval)
-	positive("ssh.connect_timeout", c.SSH.ConnectTimeout)
-	rangeCheck("ssh.keepalive_count", c.SSH.KeepaliveCount, 1, 100)
-	rangeCheck("serve.boot_parallelism", c.Serve.BootParallelism, 1, 32)
-	if d := c.Serve.Interval.D(); d < 50*time.Millisecond || d > 10*time.Second {
-		bad("serve.interval", "%s is out of range 50ms-10s", d)
-	}
-	positive("serve.health_interval", c.Serve.HealthInterval)
-	if l := c.Serve.MetricsListen; l != MetricsOff {
+	p.positive("serve.health_interval", s.HealthInterval)
+	if l := s.MetricsListen; l != MetricsOff {
 		if _, port, err := net.SplitHostPort(l); err != nil || port == "" {
-			bad("serve.metrics_listen", "%q is not host:port (e.g. \"127.0.0.1:9451\"), or \"off\"", l)
+			p.bad("serve.metrics_listen", "%q is not host:port (e.g. \"127.0.0.1:9451\"), or \"off\"", l)
 		}
 	}
-	rangeCheck("serve.event_spool_mib", c.Serve.EventSpoolMiB, 1, 1024)
-	if !slices.Contains(StepLogKinds, c.Log.Steps) {
-		bad("log.steps", "%q is not allowed: use %s", c.Log.Steps, quoteList(StepLogKinds))
+	p.inRange("serve.event_spool_mib", s.EventSpoolMiB, 1, 1024)
+}
+
+// validate checks [log].
+func (l Log) validate(p *problems) {
+	if !slices.Contains(StepLogKinds, l.Steps) {
+		p.bad("log.steps", "%q is not allowed: use %s", l.Steps, quoteList(StepLogKinds))
 	}
-	if !filepath.IsAbs(c.Log.StepsFile) {
-		bad("log.steps_file", "%q must be an absolute path", c.Log.StepsFile)
+	if !filepath.IsAbs(l.StepsFile) {
+		p.bad("log.steps_file", "%q must be an absolute path", l.StepsFile)
 	}
-	rangeCheck("log.steps_file_mib", c.Log.StepsFileMiB, 1, 4096)
-	positive("garm.max_age", c.Garm.MaxAge)
-	positive("garm.orphan_after", c.Garm.OrphanAfter)
-	for _, e := range c.Garm.Endpoints {
+	p.inRange("log.steps_file_mib", l.StepsFileMiB, 1, 4096)
+}
+
+// validate checks [garm]; its images must be configured in c.
+func (g Garm) validate(p *problems, c *Config) {
+	p.positive("garm.max_age", g.MaxAge)
+	p.positive("garm.orphan_after", g.OrphanAfter)
+	for _, e := range g.Endpoints {
 		if _, err := Origin(e); err != nil {
-			bad("garm.endpoints", "%s", err)
+			p.bad("garm.endpoints", "%s", err)
 		}
 	}
-	for _, name := range c.Garm.Images {
+	for _, name := range g.Images {
 		if _, ok := c.Images[name]; !ok {
-			bad("garm.images", "%q is not a configured image; use one of %s", name, quoteList(c.ImageNames()))
+			p.bad("garm.images", "%q is not a configured image; use one of %s", name, quoteList(c.ImageNames()))
 		}
 	}
-	for _, k := range c.Garm.ExtraSpecs {
+	for _, k := range g.ExtraSpecs {
 		if !slices.Contains(GarmExtraSpecKeys, k) {
-			bad("garm.extra_specs", "%q is not allowed: use %s", k, quoteList(GarmExtraSpecKeys))
+			p.bad("garm.extra_specs", "%q is not allowed: use %s", k, quoteList(GarmExtraSpecKeys))
 		}
 	}
-	for _, name := range sortedKeys(c.Garm.Flavors) {
-		f := c.Garm.Flavors[name]
+	for _, name := range sortedKeys(g.Flavors) {
 		key := "garm.flavors." + name
 		if !imageNameRE.MatchString(name) {
-			bad(key, "flavor name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-'", name)
+			p.bad(key, "flavor name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-'", name)
 		}
-		rangeCheck(key+".vcpus", f.VCPUs, 1, 64)
-		rangeCheck(key+".memory_mib", f.MemoryMiB, 128, 262144)
-		rangeCheck(key+".disk_gib", f.DiskGiB, 0, 4096)
+		p.size(key, g.Flavors[name])
 	}
+}
 
+// validateImages checks the [images.NAME] tables, in name order.
+func (c *Config) validateImages(p *problems) {
 	if len(c.Images) == 0 {
-		bad("images", "at least one [images.NAME] table is required")
+		p.bad("images", "at least one [images.NAME] table is required")
 	}
 	for _, name := range c.ImageNames() {
-		img := c.Images[name]
 		key := "images." + name
 		if !imageNameRE.MatchString(name) {
-			bad(key, "image name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit", name)
+			p.bad(key, "image name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit", name)
 		}
-		if img == nil {
-			continue
-		}
-		if !filepath.IsAbs(img.Base) {
-			bad(key+".base", "%q must be an absolute path to the base disk image", img.Base)
-		}
-		oneOf(key+".format", img.Format, "qcow2", "raw")
-		if !userRE.MatchString(img.User) {
-			bad(key+".user", "%q is not a valid user name", img.User)
-		}
-		if !shellRE.MatchString(img.Shell) {
-			bad(key+".shell", "%q is not allowed: \"bash\", \"sh\" or an absolute path", img.Shell)
-		}
-		for k, v := range map[string]string{"builds_dir": img.BuildsDir, "cache_dir": img.CacheDir} {
-			if !guestPathRE.MatchString(v) || filepath.Clean(v) == "/" {
-				bad(key+"."+k, "%q must be an absolute guest path other than / (letters, digits, '/', '.', '_', '-')", v)
-			}
-		}
-		oneOf(key+".key_injection", img.KeyInjection, InjectSMBIOS, InjectCloudInit)
-		if img.KeyInjection == InjectSMBIOS && img.User != "root" {
-			bad(key+".user", "%q: key_injection \"smbios\" provisions root's key only; use user = \"root\" or key_injection = \"cloud-init\"", img.User)
-		}
-		oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
-		oneOf(key+".address_source", img.AddressSource, "lease", "agent")
-		if img.Boot == BootKernel {
-			if !filepath.IsAbs(img.Kernel) {
-				bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)
-			}
-			if img.Initrd != "" && !filepath.IsAbs(img.Initrd) {
-				bad(key+".initrd", "%q must be an absolute path", img.Initrd)
-			}
-		} else if img.Kernel != "" || img.Initrd != "" || img.Cmdline != "" {
-			bad(key+".boot", "kernel, initrd and cmdline need boot = \"kernel\"")
-		}
-		if !libvirtNameRE.MatchString(img.Machine) {
-			bad(key+".machine", "%q is not a valid machine type", img.Machine)
-		}
-		if img.VCPUs != 0 {
-			rangeCheck(key+".vcpus", img.VCPUs, 1, 64)
-		}
-		if img.MemoryMiB != 0 {
-			rangeCheck(key+".memory_mib", img.MemoryMiB, 128, 262144)
-		}
-		rangeCheck(key+".disk_gib", img.DiskGiB, 0, 4096)
-		if p := img.Pool; p != nil {
-			rangeCheck(key+".pool.idle_count", p.IdleCount, 0, 64)
-			rangeCheck(key+".pool.max_idle", p.MaxIdle, max(p.IdleCount, 1), 64)
-			positive(key+".pool.idle_time", p.IdleTime)
-			if p.MaxAge.D() < time.Minute {
-				bad(key+".pool.max_age", "%s is too short: at least 1m (an idle VM must live long enough to be claimed)", p.MaxAge.D())
-			}
+		if img := c.Images[name]; img != nil {
+			img.validate(p, key)
 		}
 	}
+}
+
+// validate checks one image's table, named key.
+func (img *Image) validate(p *problems, key string) {
+	if !filepath.IsAbs(img.Base) {
+		p.bad(key+".base", "%q must be an absolute path to the base disk image", img.Base)
+	}
+	p.oneOf(key+".format", img.Format, "qcow2", "raw")
+	img.validateGuest(p, key)
+	img.validateBoot(p, key)
+	if !libvirtNameRE.MatchString(img.Machine) {
+		p.bad(key+".machine", "%q is not a valid machine type", img.Machine)
+	}
+	if img.VCPUs != 0 {
+		p.inRange(key+".vcpus", img.VCPUs, 1, 64)
+	}
+	if img.MemoryMiB != 0 {
+		p.inRange(key+".memory_mib", img.MemoryMiB, 128, 262144)
+	}
+	p.inRange(key+".disk_gib", img.DiskGiB, 0, 4096)
+	if img.Pool != nil {
+		img.Pool.validate(p, key+".pool")
+	}
+}
+
+// validateGuest checks how jobs run in the image's guest: the user, the
+// shell, the guest directories and how the keys get there.
+func (img *Image) validateGuest(p *problems, key string) {
+	if !userRE.MatchString(img.User) {
+		p.bad(key+".user", "%q is not a valid user name", img.User)
+	}
+	if !shellRE.MatchString(img.Shell) {
+		p.bad(key+".shell", "%q is not allowed: \"bash\", \"sh\" or an absolute path", img.Shell)
+	}
+	for _, d := range []struct{ key, path string }{{"builds_dir", img.BuildsDir}, {"cache_dir", img.CacheDir}} {
+		if !guestPathRE.MatchString(d.path) || filepath.Clean(d.path) == "/" {
+			p.bad(key+"."+d.key, "%q must be an absolute guest path other than / (letters, digits, '/', '.', '_', '-')", d.path)
+		}
+	}
+	p.oneOf(key+".key_injection", img.KeyInjection, InjectSMBIOS, InjectCloudInit)
+	if img.KeyInjection == InjectSMBIOS && img.User != "root" {
+		p.bad(key+".user", "%q: key_injection \"smbios\" provisions root's key only; use user = \"root\" or key_injection = \"cloud-init\"", img.User)
+	}
+}
+
+// validateBoot checks how the image boots and where its address comes from.
+func (img *Image) validateBoot(p *problems, key string) {
+	p.oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
+	p.oneOf(key+".address_source", img.AddressSource, "lease", "agent")
+	if img.Boot == BootKernel {
+		if !filepath.IsAbs(img.Kernel) {
+			p.bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)
+		}
+		if img.Initrd != "" && !filepath.IsAbs(img.Initrd) {
+			p.bad(key+".initrd", "%q must be an absolute path", img.Initrd)
+		}
+	} else if img.Kernel != "" || img.Initrd != "" || img.Cmdline != "" {
+		p.bad(key+".boot", "kernel, initrd and cmdline need boot = \"kernel\"")
+	}
+}
+
+// validate checks an image's [images.NAME.pool] table, named key.
+func (pl *Pool) validate(p *problems, key string) {
+	p.inRange(key+".idle_count", pl.IdleCount, 0, 64)
+	p.inRange(key+".max_idle", pl.MaxIdle, max(pl.IdleCount, 1), 64)
+	p.positive(key+".idle_time", pl.IdleTime)
+	if pl.MaxAge.D() < time.Minute {
+		p.bad(key+".max_age", "%s is too short: at least 1m (an idle VM must live long enough to be claimed)", pl.MaxAge.D())
+	}
+}
+
+// validateDefaultImage checks default_image against the images; with one
+// image and no default_image, that image becomes the default.
+func (c *Config) validateDefaultImage(p *problems) {
 	if c.DefaultImage == "" {
 		if len(c.Images) == 1 {
 			c.DefaultImage = c.ImageNames()[0]
 		} else {
-			bad("default_image", "must name one of the configured images: %s", quoteList(c.ImageNames()))
+			p.bad("default_image", "must name one of the configured images: %s", quoteList(c.ImageNames()))
 		}
 	} else if _, ok := c.Images[c.DefaultImage]; !ok {
-		bad("default_image", "%q is not configured; use one of %s", c.DefaultImage, quoteList(c.ImageNames()))
+		p.bad("default_image", "%q is not configured; use one of %s", c.DefaultImage, quoteList(c.ImageNames()))
 	}
-	if len(errs) > 0 {
-		return errors.New(strings.Join(errs, "; "))
-	}
-	return nil
 }
 
 // ImageNames returns the configured image names, sorted.

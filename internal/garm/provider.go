@@ -222,9 +222,9 @@ func instanceOf(o lifecycle.Owned) Instance {
 	switch {
 	case o.State.Running:
 		in.Status = StatusRunning
-	case strings.HasPrefix(o.State.Summary, "shut off"):
+	case o.State.Code == vm.StateShutOff:
 		in.Status = StatusStopped
-	case strings.HasPrefix(o.State.Summary, "paused"), strings.HasPrefix(o.State.Summary, "crashed"):
+	case o.State.Code == vm.StatePaused, o.State.Code == vm.StateCrashed:
 		in.Status = StatusError
 		in.ProviderFault = []byte("libvirt: " + o.State.Summary)
 	default:

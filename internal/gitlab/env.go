@@ -28,7 +28,7 @@ type Env struct {
 	Connect lifecycle.Connector
 	// Explain, if set, says in one sentence what became of the named
 	// machine whose guest stopped answering, or "" (the run stage, built
-	// without libvirt, asks the admin tool: stagecli.ExplainViaAdminTool).
+	// without libvirt, asks the admin tool: stagecli.Exe.ExplainViaAdminTool).
 	// nil means the stage's lifecycle.Manager.Explain.
 	Explain func(ctx context.Context, name string) string
 	// Report, if set, is told what the stage did, step by step, for the

@@ -262,7 +262,7 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 
 	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000"})
 	require.NoError(t, err)
-	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, State: &vm.DomainState{Summary: "shut off (destroyed)"}}
+	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, State: &vm.DomainState{Code: vm.StateShutOff, Summary: "shut off (destroyed)"}}
 	err = Run(context.Background(), e, cfg, script, "build_script")
 	require.ErrorContains(t, err, "VM "+j.name+" is shut off (destroyed)")
 }

@@ -219,7 +219,7 @@ func TestRunStageConnectionLostIsSystemFailure(t *testing.T) {
 	require.NotContains(t, j.stdout.String(), "DROP-NOW\n")
 	j.hv.Lock()
 	require.Contains(t, j.hv.Calls, "State", "run asked the hypervisor (the fake, not libvirt)")
-	j.hv.Domains[j.name].State = &vm.DomainState{Summary: "shut off (crashed)"}
+	j.hv.Domains[j.name].State = &vm.DomainState{Code: vm.StateShutOff, Summary: "shut off (crashed)"}
 	j.hv.Unlock()
 
 	_, err = j.run(t, cmds...)

@@ -59,9 +59,9 @@ func requireNothingLeft(t *testing.T, hv *vmtest.Fake, m *Host) {
 	require.True(t, os.IsNotExist(err), "state dir left")
 }
 
-// owned is an ownership record of controller ctrl with that deadline.
-func owned(t *testing.T, ctrl string, deadline time.Time) string {
-	x, err := vm.MarshalOwner(vm.Owner{Controller: ctrl, Job: "1", Deadline: deadline})
+// owned is an ownership record of this installation with that deadline.
+func owned(t *testing.T, deadline time.Time) string {
+	x, err := vm.MarshalOwner(vm.Owner{Controller: controller, Job: "1", Deadline: deadline})
 	require.NoError(t, err)
 	return x
 }

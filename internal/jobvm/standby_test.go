@@ -473,7 +473,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 		{name: "paused", age: 5 * time.Minute, want: "is paused",
 			spoil: func(t *testing.T, _ *Host, hv *vmtest.Fake, _ *config.Image, name string) {
 				hv.Lock()
-				hv.Domains[name].State = &vm.DomainState{Summary: "paused"}
+				hv.Domains[name].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused"}
 				hv.Unlock()
 			}},
 		{name: "shut off", age: 5 * time.Minute, want: "is shut off",
@@ -760,7 +760,7 @@ func TestTeardownJob(t *testing.T) {
 	require.Equal(t, sb, c.Machine.Name)
 	// A cold attempt of the same job left its machine.
 	hv.Lock()
-	hv.Domains[job] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Domains[job] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Volumes["jobs/"+vm.DiskVolume(job)] = nil
 	hv.Unlock()
 	_, err = m.Store.Create(job)
@@ -786,7 +786,7 @@ func TestTeardownJob(t *testing.T) {
 	// A cold job: its machine of its own name.
 	const cold = "lve-0123abcd-8"
 	hv.Lock()
-	hv.Domains[cold] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Domains[cold] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Unlock()
 	_, err = m.Store.Create(cold)
 	require.NoError(t, err)
@@ -1051,7 +1051,7 @@ func TestAdmissionKeepsPoolWhenRetiringCannotHelp(t *testing.T) {
 	_, err := m.Store.Reserve("lve-0123abcd-50", state.Reservation{VCPUs: 1, MemoryMiB: 512})
 	require.NoError(t, err)
 	hv.Lock()
-	hv.Domains["lve-0123abcd-50"] = &vmtest.Domain{OwnerXML: owned(t, controller, time.Now().Add(time.Hour)), Active: true}
+	hv.Domains["lve-0123abcd-50"] = &vmtest.Domain{OwnerXML: owned(t, time.Now().Add(time.Hour)), Active: true}
 	hv.Unlock()
 	req := testRequest(img)
 	req.MemoryMiB = 768
@@ -1092,7 +1092,7 @@ func TestSweepStandbyMachines(t *testing.T) {
 	_, err = m.Store.Create("lve-0123abcd-72")
 	require.NoError(t, err)
 	hv.Lock()
-	hv.Domains["lve-0123abcd-72"] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(time.Hour)), Active: true}
+	hv.Domains["lve-0123abcd-72"] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Unlock()
 
 	items, err := m.Inventory(ctx, now)

@@ -4,7 +4,6 @@ import (
 	"context"
 	"log/slog"
 	"path/filepath"
-	"strings"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -91,7 +90,7 @@ func (m *Manager) CountMachines(ctx context.Context, kind func(frontend string) 
 			st = "running"
 			if ds, err := m.hv.State(ctx, it.Name); err == nil && !ds.Running {
 				st = "other"
-				if strings.HasPrefix(ds.Summary, "paused") {
+				if ds.Code == vm.StatePaused {
 					st = "paused"
 				}
 			}

@@ -193,7 +193,7 @@ func TestProvisionBootFailureSaysGuestWasPausedByIOError(t *testing.T) {
 	hv.OnStart = func(name string, d *libvirtxml.Domain) {
 		hv.Lock()
 		defer hv.Unlock()
-		hv.Domains[name].State = &vm.DomainState{Summary: "paused (I/O error)", IOError: true}
+		hv.Domains[name].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused (I/O error)", IOError: true}
 	}
 	m, img := manager(t, hv, g)
 	m.Cfg.Timeouts.Boot = config.Duration(500 * time.Millisecond)

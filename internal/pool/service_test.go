@@ -615,7 +615,7 @@ func TestTickRetiresUnhealthy(t *testing.T) {
 	e := newEnv(t, "idle_count = 2\n", "", "")
 	paused := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
 	e.hv.Lock()
-	e.hv.Domains[paused].State = &vm.DomainState{Summary: "paused"}
+	e.hv.Domains[paused].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused"}
 	e.hv.Unlock()
 	silent := e.addStandby("0000000b", time.Now().Add(-time.Minute), deadPort(t))
 	e.tick()
@@ -645,7 +645,7 @@ func TestHealthCheckInterval(t *testing.T) {
 	// Paused now, but the next check is not due: it stays for now (a claim
 	// checks again anyway).
 	e.hv.Lock()
-	e.hv.Domains[n].State = &vm.DomainState{Summary: "paused"}
+	e.hv.Domains[n].State = &vm.DomainState{Code: vm.StatePaused, Summary: "paused"}
 	e.hv.Unlock()
 	e.tick()
 	require.Equal(t, 1, e.calls("State"))

@@ -23,17 +23,6 @@ const explainWait = 6 * time.Second
 // maxExplanation caps what is read of the admin tool's output.
 const maxExplanation = 4096
 
-// ExplainViaAdminTool marks a stage built without libvirt (run): when a
-// guest stops answering, the stage asks the admin tool
-// (lifecycle.AdminExecutable, next to the running executable, else on PATH)
-// in a child process what became of the machine (gitlab.Env.Explain,
-// lifecycle.ExplainCommand) instead of asking libvirt itself. The child
-// gets the stage's configuration file as a flag and the stage's environment
-// without the job's variables (CUSTOM_ENV_*); it runs from its argv, never
-// through a shell, for at most 6 s. When the tool is not found, the stage's
-// error says so in place of the explanation.
-func ExplainViaAdminTool() Option { return func(o *options) { o.explainViaAdmin = true } }
-
 // adminExplainer asks the admin tool what became of a machine.
 type adminExplainer struct {
 	// exeDir is the running executable's directory ("" if unknown).

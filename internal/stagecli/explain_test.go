@@ -141,13 +141,10 @@ func TestExplainViaAdminToolOption(t *testing.T) {
 	cfgPath := filepath.Join(dir, "c.toml")
 	require.NoError(t, os.WriteFile(cfgPath, []byte("state_dir = \""+dir+"\"\n[images.a]\nbase = \"/a.qcow2\"\n"), 0o600))
 	for _, via := range []bool{false, true} {
-		var opts []Option
-		if via {
-			opts = append(opts, ExplainViaAdminTool())
-		}
 		var got gitlab.Env
-		code := Run([]string{"x", "--config", cfgPath}, func(string) string { return "" }, &bytes.Buffer{}, &bytes.Buffer{}, "x", "", "", 0,
-			func(_ context.Context, e gitlab.Env, _ *config.Config, _ []string) error { got = e; return nil }, opts...)
+		code := Run(Process{Args: []string{"x", "--config", cfgPath}, Getenv: func(string) string { return "" }, Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{}},
+			Exe{Name: "x", ExplainViaAdminTool: via,
+				Stage: func(_ context.Context, e gitlab.Env, _ *config.Config, _ []string) error { got = e; return nil }})
 		require.Zero(t, code)
 		require.Equal(t, via, got.Explain != nil)
 	}

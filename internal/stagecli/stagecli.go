@@ -38,29 +38,59 @@ func init() { signal.Notify(early, syscall.SIGTERM, syscall.SIGINT) }
 // Stage is one stage's body.
 type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []string) error
 
-// Option changes how a stage treats signals.
-type Option func(*options)
+// Exe describes a stage executable: its name and help, its arguments, its
+// body, and how it treats signals and unanswering guests.
+type Exe struct {
+	// Name is the executable's name, in its help, errors and log; without
+	// the lifecycle.AdminExecutable+"-" prefix it names the stage in the
+	// records.
+	Name string
+	// Usage is the help's one-line description.
+	Usage string
+	// ArgsUsage describes the arguments in the help ("" for none).
+	ArgsUsage string
+	// NArgs is how many arguments the stage takes, exactly.
+	NArgs int
+	// Stage is the stage's body.
+	Stage Stage
+	// RunsToCompletion marks a stage that finishes its work after SIGTERM,
+	// on its own deadline, and then reports how that went (cleanup). Every
+	// other stage that received SIGTERM or SIGINT exits with
+	// SYSTEM_FAILURE, also when its work happened to finish first: the job
+	// was stopped, and the exit code must not depend on which of the two
+	// came first.
+	RunsToCompletion bool
+	// ExplainViaAdminTool marks a stage built without libvirt (run): when
+	// a guest stops answering, the stage asks the admin tool
+	// (lifecycle.AdminExecutable, next to the running executable, else on
+	// PATH) in a child process what became of the machine
+	// (gitlab.Env.Explain, lifecycle.ExplainCommand) instead of asking
+	// libvirt itself. The child gets the stage's configuration file as a
+	// flag and the stage's environment without the job's variables
+	// (CUSTOM_ENV_*); it runs from its argv, never through a shell, for at
+	// most 6 s. When the tool is not found, the stage's error says so in
+	// place of the explanation.
+	ExplainViaAdminTool bool
+}
 
-type options struct{ toCompletion, explainViaAdmin bool }
-
-// RunsToCompletion marks a stage that finishes its work after SIGTERM, on
-// its own deadline, and then reports how that went (cleanup). Every other
-// stage that received SIGTERM or SIGINT exits with SYSTEM_FAILURE, also when
-// its work happened to finish first: the job was stopped, and the exit code
-// must not depend on which of the two came first.
-func RunsToCompletion() Option { return func(o *options) { o.toCompletion = true } }
+// Process is what a stage executable gets from its process: its argv, its
+// environment, and its output (stdout is the runner's protocol output,
+// stderr the job log).
+type Process struct {
+	Args   []string
+	Getenv func(string) string
+	Stdout io.Writer
+	Stderr io.Writer
+}
 
 // Main runs a stage executable and exits with the code exitcodes decides.
-func Main(name, usage string, argsUsage string, nargs int, stage Stage, opts ...Option) {
-	os.Exit(Run(os.Args, os.Getenv, os.Stdout, os.Stderr, name, usage, argsUsage, nargs, stage, opts...))
+func Main(e Exe) {
+	os.Exit(Run(Process{Args: os.Args, Getenv: os.Getenv, Stdout: os.Stdout, Stderr: os.Stderr}, e))
 }
 
 // Run is Main without os.Exit, for tests.
-func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, name, usage, argsUsage string, nargs int, stage Stage, opts ...Option) int {
-	var o options
-	for _, opt := range opts {
-		opt(&o)
-	}
+func Run(p Process, e Exe) int {
+	name, getenv, stdout, stderr := e.Name, p.Getenv, p.Stdout, p.Stderr
 	began := time.Now()
 	codes := exitcodes.FromEnv(getenv)
 	ctx, cancel := context.WithCancelCause(context.Background())
@@ -85,8 +115,8 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 	var stageErr error
 	app := &cli.App{
 		Name:      name,
-		Usage:     usage,
-		ArgsUsage: argsUsage,
+		Usage:     e.Usage,
+		ArgsUsage: e.ArgsUsage,
 		Version:   buildinfo.Version,
 		Writer:    stderr,
 		ErrWriter: stderr,
@@ -101,8 +131,8 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 				return fmt.Errorf("--log-level %q: use debug, info, warn or error", c.String("log-level"))
 			}
 			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("exe", name)
-			if c.NArg() != nargs {
-				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, nargs, argsUsage, c.NArg())
+			if c.NArg() != e.NArgs {
+				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, e.NArgs, e.ArgsUsage, c.NArg())
 			}
 			cfgPath := config.Resolve(c.String("config"), getenv)
 			cfg, err := config.Load(cfgPath)
@@ -111,11 +141,11 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			}
 			report := &obs.Report{Stage: strings.TrimPrefix(name, lifecycle.AdminExecutable+"-")}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report}
-			if o.explainViaAdmin {
+			if e.ExplainViaAdminTool {
 				env.Explain = newAdminExplainer(cfgPath, logger).Explain
 			}
-			stageErr = stage(c.Context, env, cfg, c.Args().Slice())
-			if !o.toCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {
+			stageErr = e.Stage(c.Context, env, cfg, c.Args().Slice())
+			if !e.RunsToCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {
 				// Signalled: the job was stopped, whatever the work's own
 				// outcome (success or the script's failure) raced it.
 				stopped := fmt.Errorf("stopped: %w", context.Cause(ctx))
@@ -127,12 +157,12 @@ func Run(argv []string, getenv func(string) string, stdout, stderr io.Writer, na
 			if stageErr != nil {
 				fmt.Fprintf(stderr, "%s: %v\n", name, stageErr)
 			}
-			cancelled := ctx.Err() != nil && (stageErr != nil || !o.toCompletion)
+			cancelled := ctx.Err() != nil && (stageErr != nil || !e.RunsToCompletion)
 			record(cfg, logger, report, stageErr, cancelled, began)
 			return nil
 		},
 	}
-	if err := app.RunContext(ctx, argv); err != nil {
+	if err := app.RunContext(ctx, p.Args); err != nil {
 		fmt.Fprintf(stderr, "%s: %v\n", name, err)
 		return codes.System
 	}

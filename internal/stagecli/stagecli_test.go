@@ -52,11 +52,11 @@ func TestExitCodes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			var stdout, stderr bytes.Buffer
 			called := false
-			code := Run(tc.argv, getenv, &stdout, &stderr, "x", "", "", tc.nargs,
-				func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+			code := Run(Process{Args: tc.argv, Getenv: getenv, Stdout: &stdout, Stderr: &stderr}, Exe{Name: "x", NArgs: tc.nargs,
+				Stage: func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
 					called = true
 					return tc.err
-				})
+				}})
 			require.Equal(t, tc.want, code, stderr.String())
 			if tc.msg != "" {
 				require.Contains(t, stderr.String(), tc.msg)
@@ -74,11 +74,11 @@ func TestConfigFromEnvironment(t *testing.T) {
 	env := map[string]string{config.EnvPath: good}
 	t.Setenv(config.EnvPath, good) // urfave/cli reads EnvVars from the process
 	var got string
-	code := Run([]string{"x"}, func(k string) string { return env[k] }, &bytes.Buffer{}, &bytes.Buffer{}, "x", "", "", 0,
-		func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+	code := Run(Process{Args: []string{"x"}, Getenv: func(k string) string { return env[k] }, Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{}}, Exe{Name: "x",
+		Stage: func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
 			got = cfg.NamePrefix
 			return nil
-		})
+		}})
 	require.Equal(t, 0, code)
 	require.Equal(t, "envcfg", got)
 }
@@ -101,16 +101,17 @@ func TestSignalledStageIsSystemFailure(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		result error
-		opts   []Option
+		toEnd  bool
 		want   int
 	}{
-		{"ordinary stage, work done", nil, nil, 2},
-		{"ordinary stage, script failed", &exitcodes.ScriptError{Code: 3}, nil, 2},
-		{"runs to completion", nil, []Option{RunsToCompletion()}, 0},
+		{"ordinary stage, work done", nil, false, 2},
+		{"ordinary stage, script failed", &exitcodes.ScriptError{Code: 3}, false, 2},
+		{"runs to completion", nil, true, 0},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var stderr bytes.Buffer
-			code := Run([]string{"x", "--config", cfgPath}, func(k string) string { return env[k] }, &bytes.Buffer{}, &stderr, "x", "", "", 0, endsAnyway(tc.result), tc.opts...)
+			code := Run(Process{Args: []string{"x", "--config", cfgPath}, Getenv: func(k string) string { return env[k] }, Stdout: &bytes.Buffer{}, Stderr: &stderr},
+				Exe{Name: "x", Stage: endsAnyway(tc.result), RunsToCompletion: tc.toEnd})
 			require.Equal(t, tc.want, code, stderr.String())
 			if tc.want == 2 {
 				require.Contains(t, stderr.String(), "stopped: terminated signal received")
@@ -142,8 +143,8 @@ func TestStageRecordsItsOutcome(t *testing.T) {
 		}
 	}
 	run := func(result error, signal bool, stageName string, want int) {
-		code := Run([]string{"libvirt-executor-run", "--config", cfgPath, "script", stageName}, func(k string) string { return env[k] },
-			&bytes.Buffer{}, &bytes.Buffer{}, "libvirt-executor-run", "", "", 2, stage(result, signal))
+		code := Run(Process{Args: []string{"libvirt-executor-run", "--config", cfgPath, "script", stageName}, Getenv: func(k string) string { return env[k] },
+			Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{}}, Exe{Name: "libvirt-executor-run", NArgs: 2, Stage: stage(result, signal)})
 		require.Equal(t, want, code)
 	}
 	run(&exitcodes.ScriptError{Code: 3}, false, "step_script", 1)

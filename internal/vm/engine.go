@@ -60,107 +60,18 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 	if s.Owner.Controller == "" || s.Owner.Controller != e.Controller {
 		return nil, fmt.Errorf("spec owner controller %q does not match engine controller %q", s.Owner.Controller, e.Controller)
 	}
-	m := &Machine{Name: s.Name, MAC: s.MAC}
-	disk := DiskVolume(s.Name)
-	seed := ""
+	c := &creation{e: e, s: s, m: &Machine{Name: s.Name, MAC: s.MAC}, disk: DiskVolume(s.Name)}
 	if s.Seed != nil {
-		seed = SeedVolume(s.Name)
+		c.seed = SeedVolume(s.Name)
 	}
-	s.Owner.Volumes = []string{disk}
-	if seed != "" {
-		s.Owner.Volumes = append(s.Owner.Volumes, seed)
+	c.s.Owner.Volumes = []string{c.disk}
+	if c.seed != "" {
+		c.s.Owner.Volumes = append(c.s.Owner.Volumes, c.seed)
 	}
-	var seedPath string
-	deleteVolume := func(name string) func(context.Context) error {
-		return func(ctx context.Context) error {
-			return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.DeleteVolume(ctx, s.Pool, name) }))
-		}
-	}
-	list := []steps.Step{
-		{
-			Name: "clone disk",
-			Do: func(ctx context.Context) error {
-				baseSize, err := e.HV.VolumeCapacity(ctx, s.Base)
-				if err != nil {
-					return fmt.Errorf("base image %s: %w", s.Base, err)
-				}
-				capacity := max(s.DiskBytes, baseSize)
-				vol := &libvirtxml.StorageVolume{
-					Name:     disk,
-					Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: capacity},
-					Target: &libvirtxml.StorageVolumeTarget{
-						Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "qcow2"},
-						Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
-					},
-					BackingStore: &libvirtxml.StorageVolumeBackingStore{
-						Path:   s.Base,
-						Format: &libvirtxml.StorageVolumeTargetFormat{Type: s.BaseFormat},
-					},
-				}
-				m.DiskPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return e.HV.CreateVolume(ctx, s.Pool, vol) })
-				return err
-			},
-			Undo: deleteVolume(disk),
-		},
-	}
-	if seed != "" {
-		list = append(list, steps.Step{
-			Name: "create seed volume",
-			Do: func(ctx context.Context) error {
-				vol := &libvirtxml.StorageVolume{
-					Name:     seed,
-					Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64(len(s.Seed))},
-					Target: &libvirtxml.StorageVolumeTarget{
-						Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "raw"},
-						Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
-					},
-				}
-				var err error
-				seedPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return e.HV.CreateVolume(ctx, s.Pool, vol) })
-				return err
-			},
-			Undo: deleteVolume(seed),
-		}, steps.Step{
-			Name: "upload seed",
-			Do: func(ctx context.Context) error {
-				return change(ctx, func(ctx context.Context) error { return e.HV.UploadVolume(ctx, s.Pool, seed, s.Seed) })
-			},
-		})
-	}
-	list = append(list,
-		steps.Step{
-			Name: "define",
-			Do: func(ctx context.Context) error {
-				x, err := DomainXML(s, m.DiskPath, seedPath)
-				if err != nil {
-					return err
-				}
-				return change(ctx, func(ctx context.Context) error { return e.HV.Define(ctx, x) })
-			},
-			Undo: func(ctx context.Context) error {
-				// A start whose outcome is unknown (it outlived
-				// MutationGrace) may have happened: destroy first, or the
-				// undefine would leave a running transient domain.
-				if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, s.Name) })); err != nil {
-					return err
-				}
-				return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Undefine(ctx, s.Name) }))
-			},
-		},
-		steps.Step{
-			Name: "start",
-			Do: func(ctx context.Context) error {
-				return change(ctx, func(ctx context.Context) error { return e.HV.Start(ctx, s.Name) })
-			},
-			Undo: func(ctx context.Context) error {
-				return ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, s.Name) }))
-			},
-		},
-	)
 	r := steps.Runner{
 		UndoTimeout: e.UndoTimeout,
 		OnDone: func(name string, took time.Duration) {
-			m.Steps = append(m.Steps, StepTime{Name: name, Took: took})
+			c.m.Steps = append(c.m.Steps, StepTime{Name: name, Took: took})
 			e.progress("%s done in %s", name, Round(took))
 		},
 		OnUndo: func(name string, err error) {
@@ -169,10 +80,119 @@ func (e *Engine) Create(ctx context.Context, s Spec) (*Machine, error) {
 			}
 		},
 	}
-	if err := r.Run(ctx, list); err != nil {
+	if err := r.Run(ctx, c.steps()); err != nil {
 		return nil, err
 	}
-	return m, nil
+	return c.m, nil
+}
+
+// creation is one Create in progress: its spec (with the volumes recorded
+// in its owner), the machine it fills in, and the volumes' names and paths.
+type creation struct {
+	e *Engine
+	s Spec
+	m *Machine
+	// disk and seed are the volumes' names; seed is "" without a seed.
+	disk, seed string
+	// seedPath is the seed volume's path once it is created.
+	seedPath string
+}
+
+// steps are the creation's steps in order, each with its undo: clone disk,
+// create seed volume and upload seed (with a seed only), define, start.
+func (c *creation) steps() []steps.Step {
+	list := []steps.Step{{Name: "clone disk", Do: c.cloneDisk, Undo: c.deleteVolume(c.disk)}}
+	if c.seed != "" {
+		list = append(list,
+			steps.Step{Name: "create seed volume", Do: c.createSeedVolume, Undo: c.deleteVolume(c.seed)},
+			steps.Step{Name: "upload seed", Do: c.uploadSeed},
+		)
+	}
+	return append(list,
+		steps.Step{Name: "define", Do: c.define, Undo: c.undefine},
+		steps.Step{Name: "start", Do: c.start, Undo: c.destroy},
+	)
+}
+
+// cloneDisk creates the job disk: a qcow2 overlay on the base image, at
+// least as large as the base.
+func (c *creation) cloneDisk(ctx context.Context) error {
+	s := c.s
+	baseSize, err := c.e.HV.VolumeCapacity(ctx, s.Base)
+	if err != nil {
+		return fmt.Errorf("base image %s: %w", s.Base, err)
+	}
+	vol := &libvirtxml.StorageVolume{
+		Name:     c.disk,
+		Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: max(s.DiskBytes, baseSize)},
+		Target: &libvirtxml.StorageVolumeTarget{
+			Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "qcow2"},
+			Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
+		},
+		BackingStore: &libvirtxml.StorageVolumeBackingStore{
+			Path:   s.Base,
+			Format: &libvirtxml.StorageVolumeTargetFormat{Type: s.BaseFormat},
+		},
+	}
+	c.m.DiskPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return c.e.HV.CreateVolume(ctx, s.Pool, vol) })
+	return err
+}
+
+// createSeedVolume creates the raw volume the seed is uploaded to.
+func (c *creation) createSeedVolume(ctx context.Context) error {
+	vol := &libvirtxml.StorageVolume{
+		Name:     c.seed,
+		Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64(len(c.s.Seed))},
+		Target: &libvirtxml.StorageVolumeTarget{
+			Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "raw"},
+			Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
+		},
+	}
+	var err error
+	c.seedPath, err = changeV(ctx, func(ctx context.Context) (string, error) { return c.e.HV.CreateVolume(ctx, c.s.Pool, vol) })
+	return err
+}
+
+// uploadSeed writes the seed into its volume. Its undo is the volume's.
+func (c *creation) uploadSeed(ctx context.Context) error {
+	return change(ctx, func(ctx context.Context) error { return c.e.HV.UploadVolume(ctx, c.s.Pool, c.seed, c.s.Seed) })
+}
+
+// deleteVolume is the undo of a step that created the volume name.
+func (c *creation) deleteVolume(name string) func(context.Context) error {
+	return func(ctx context.Context) error {
+		return ignoreNotFound(change(ctx, func(ctx context.Context) error { return c.e.HV.DeleteVolume(ctx, c.s.Pool, name) }))
+	}
+}
+
+// define defines the domain on the volumes made before.
+func (c *creation) define(ctx context.Context) error {
+	x, err := DomainXML(c.s, c.m.DiskPath, c.seedPath)
+	if err != nil {
+		return err
+	}
+	return change(ctx, func(ctx context.Context) error { return c.e.HV.Define(ctx, x) })
+}
+
+// undefine is define's undo. A start whose outcome is unknown (it outlived
+// MutationGrace) may have happened: it destroys first, or the undefine
+// would leave a running transient domain.
+func (c *creation) undefine(ctx context.Context) error {
+	if err := c.destroy(ctx); err != nil {
+		return err
+	}
+	return ignoreNotFound(change(ctx, func(ctx context.Context) error { return c.e.HV.Undefine(ctx, c.s.Name) }))
+}
+
+// start starts the defined domain.
+func (c *creation) start(ctx context.Context) error {
+	return change(ctx, func(ctx context.Context) error { return c.e.HV.Start(ctx, c.s.Name) })
+}
+
+// destroy is start's undo (and the first half of define's): the domain
+// stops at once; one already stopped or gone is fine.
+func (c *creation) destroy(ctx context.Context) error {
+	return ignoreNotFound(change(ctx, func(ctx context.Context) error { return c.e.HV.Destroy(ctx, c.s.Name) }))
 }
 
 // FreshMAC returns a MAC that holds no lease on network right now.

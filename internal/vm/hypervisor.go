@@ -88,12 +88,62 @@ type Hypervisor interface {
 
 // DomainState is a domain's state with libvirt's reason for it.
 type DomainState struct {
-	// Running is true for a running (or blocked) guest.
+	// Code is the state, for comparing: StateRunning, StatePaused,
+	// StateShutOff, ...
+	Code StateCode
+	// Running is true for a running (or blocked) guest: Code is
+	// StateRunning.
 	Running bool
-	// Summary reads like "running", "paused (I/O error)" or "shut off
-	// (destroyed)".
+	// Summary is the state with its reason, for people: it reads like
+	// "running", "paused (I/O error)" or "shut off (destroyed)". Compare
+	// Code, not Summary.
 	Summary string
 	// IOError: QEMU paused the guest because a disk write failed,
 	// typically because the filesystem under the storage pool is full.
 	IOError bool
+}
+
+// StateCode is a domain's state (libvirt's virDomainState) without its
+// reason.
+type StateCode int
+
+// Domain states. The zero value is StateUnknown.
+const (
+	// StateUnknown: libvirt reports no state, or one this package does not
+	// know.
+	StateUnknown StateCode = iota
+	// StateRunning: the guest runs (or is blocked on a resource).
+	StateRunning
+	// StatePaused: the guest is paused (by a user, or by QEMU after an I/O
+	// error, a crash, a watchdog ...).
+	StatePaused
+	// StateShuttingDown: the guest is being shut down.
+	StateShuttingDown
+	// StateShutOff: the domain is defined but not running.
+	StateShutOff
+	// StateCrashed: the guest crashed (and libvirt did not restart it).
+	StateCrashed
+	// StateSuspended: the guest suspended itself (power management).
+	StateSuspended
+)
+
+// String names the state as DomainState.Summary begins: "running",
+// "paused", "shutting down", "shut off", "crashed", "suspended by the
+// guest", or "unknown".
+func (c StateCode) String() string {
+	switch c {
+	case StateRunning:
+		return "running"
+	case StatePaused:
+		return "paused"
+	case StateShuttingDown:
+		return "shutting down"
+	case StateShutOff:
+		return "shut off"
+	case StateCrashed:
+		return "crashed"
+	case StateSuspended:
+		return "suspended by the guest"
+	}
+	return "unknown"
 }

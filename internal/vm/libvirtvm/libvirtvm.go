@@ -620,9 +620,10 @@ func describeState(st libvirt.DomainState, reason int) vm.DomainState {
 	}
 	switch st {
 	case libvirt.DOMAIN_RUNNING, libvirt.DOMAIN_BLOCKED:
-		return vm.DomainState{Running: true, Summary: "running"}
+		return vm.DomainState{Code: vm.StateRunning, Running: true, Summary: "running"}
 	case libvirt.DOMAIN_PAUSED:
 		return vm.DomainState{
+			Code:    vm.StatePaused,
 			IOError: reason == int(libvirt.DOMAIN_PAUSED_IOERROR),
 			Summary: "paused" + why(map[int]string{
 				int(libvirt.DOMAIN_PAUSED_IOERROR):       "I/O error",
@@ -633,20 +634,20 @@ func describeState(st libvirt.DomainState, reason int) vm.DomainState {
 			}),
 		}
 	case libvirt.DOMAIN_SHUTDOWN:
-		return vm.DomainState{Summary: "shutting down"}
+		return vm.DomainState{Code: vm.StateShuttingDown, Summary: "shutting down"}
 	case libvirt.DOMAIN_SHUTOFF:
-		return vm.DomainState{Summary: "shut off" + why(map[int]string{
+		return vm.DomainState{Code: vm.StateShutOff, Summary: "shut off" + why(map[int]string{
 			int(libvirt.DOMAIN_SHUTOFF_SHUTDOWN):  "the guest shut down",
 			int(libvirt.DOMAIN_SHUTOFF_DESTROYED): "destroyed",
 			int(libvirt.DOMAIN_SHUTOFF_CRASHED):   "crashed",
 			int(libvirt.DOMAIN_SHUTOFF_FAILED):    "failed to start",
 		})}
 	case libvirt.DOMAIN_CRASHED:
-		return vm.DomainState{Summary: "crashed" + why(map[int]string{int(libvirt.DOMAIN_CRASHED_PANICKED): "guest kernel panic"})}
+		return vm.DomainState{Code: vm.StateCrashed, Summary: "crashed" + why(map[int]string{int(libvirt.DOMAIN_CRASHED_PANICKED): "guest kernel panic"})}
 	case libvirt.DOMAIN_PMSUSPENDED:
-		return vm.DomainState{Summary: "suspended by the guest"}
+		return vm.DomainState{Code: vm.StateSuspended, Summary: "suspended by the guest"}
 	}
-	return vm.DomainState{Summary: fmt.Sprintf("state %d, reason %d", st, reason)}
+	return vm.DomainState{Code: vm.StateUnknown, Summary: fmt.Sprintf("state %d, reason %d", st, reason)}
 }
 
 // Addresses implements vm.Hypervisor. With SourceLease libvirt matches the

@@ -191,19 +191,25 @@ func TestDescribeState(t *testing.T) {
 		st      libvirt.DomainState
 		reason  int
 		want    string
+		code    vm.StateCode
 		running bool
 		ioerr   bool
 	}{
-		{libvirt.DOMAIN_RUNNING, int(libvirt.DOMAIN_RUNNING_BOOTED), "running", true, false},
-		{libvirt.DOMAIN_PAUSED, int(libvirt.DOMAIN_PAUSED_IOERROR), "paused (I/O error)", false, true},
-		{libvirt.DOMAIN_PAUSED, int(libvirt.DOMAIN_PAUSED_USER), "paused (by a user)", false, false},
-		{libvirt.DOMAIN_SHUTOFF, int(libvirt.DOMAIN_SHUTOFF_DESTROYED), "shut off (destroyed)", false, false},
-		{libvirt.DOMAIN_SHUTOFF, int(libvirt.DOMAIN_SHUTOFF_CRASHED), "shut off (crashed)", false, false},
-		{libvirt.DOMAIN_CRASHED, int(libvirt.DOMAIN_CRASHED_PANICKED), "crashed (guest kernel panic)", false, false},
-		{libvirt.DOMAIN_SHUTOFF, 99, "shut off", false, false},
+		{libvirt.DOMAIN_RUNNING, int(libvirt.DOMAIN_RUNNING_BOOTED), "running", vm.StateRunning, true, false},
+		{libvirt.DOMAIN_BLOCKED, 0, "running", vm.StateRunning, true, false},
+		{libvirt.DOMAIN_PAUSED, int(libvirt.DOMAIN_PAUSED_IOERROR), "paused (I/O error)", vm.StatePaused, false, true},
+		{libvirt.DOMAIN_PAUSED, int(libvirt.DOMAIN_PAUSED_USER), "paused (by a user)", vm.StatePaused, false, false},
+		{libvirt.DOMAIN_SHUTDOWN, 0, "shutting down", vm.StateShuttingDown, false, false},
+		{libvirt.DOMAIN_SHUTOFF, int(libvirt.DOMAIN_SHUTOFF_DESTROYED), "shut off (destroyed)", vm.StateShutOff, false, false},
+		{libvirt.DOMAIN_SHUTOFF, int(libvirt.DOMAIN_SHUTOFF_CRASHED), "shut off (crashed)", vm.StateShutOff, false, false},
+		{libvirt.DOMAIN_CRASHED, int(libvirt.DOMAIN_CRASHED_PANICKED), "crashed (guest kernel panic)", vm.StateCrashed, false, false},
+		{libvirt.DOMAIN_PMSUSPENDED, 0, "suspended by the guest", vm.StateSuspended, false, false},
+		{libvirt.DOMAIN_SHUTOFF, 99, "shut off", vm.StateShutOff, false, false},
+		{libvirt.DOMAIN_NOSTATE, 0, "state 0, reason 0", vm.StateUnknown, false, false},
 	} {
 		got := describeState(tc.st, tc.reason)
 		require.Equal(t, tc.want, got.Summary)
+		require.Equal(t, tc.code, got.Code, tc.want)
 		require.Equal(t, tc.running, got.Running, tc.want)
 		require.Equal(t, tc.ioerr, got.IOError, tc.want)
 	}

@@ -383,7 +383,7 @@ func (f *Fake) State(ctx context.Context, name string) (vm.DomainState, error) {
 	case d.State != nil:
 		return *d.State, nil
 	case d.Active:
-		return vm.DomainState{Running: true, Summary: "running"}, nil
+		return vm.DomainState{Code: vm.StateRunning, Running: true, Summary: "running"}, nil
 	}
-	return vm.DomainState{Summary: "shut off"}, nil
+	return vm.DomainState{Code: vm.StateShutOff, Summary: "shut off"}, nil
 }
