@@ -53,7 +53,7 @@ func run(ctx context.Context, getenv func(string) string, stdin io.Reader, stdou
 		return fail(err)
 	}
 	defer m.Close()
-	p.M, p.Cfg = m, cfg
+	p.M, p.Cfg, p.Log = m, cfg, log
 	if err := p.Run(ctx, stdin); err != nil {
 		log.Error("command failed", "command", env.Command, "instance", env.InstanceID, "err", err)
 		return fail(err)

@@ -20,6 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -31,6 +32,8 @@ const (
 	TagController = "garm-controller-id"
 	TagPool       = "garm-pool-id"
 	TagName       = "garm-instance-name"
+	// TagImage is the configured image the instance was made of.
+	TagImage = "image"
 )
 
 //go:embed bootstrap.py
@@ -49,6 +52,58 @@ type Provider struct {
 	Cfg *config.Config
 	Env Env
 	Out io.Writer
+	// Log gets what the host's admin should know (nil: slog's default).
+	Log *slog.Logger
+}
+
+// Operations recorded as events (obs.KindInstance) and step records, as
+// GitLab's stages are: the metrics count garm's instances created,
+// deleted and failed, by reason.
+const (
+	OpCreate = obs.OpCreate
+	OpDelete = obs.OpDelete
+)
+
+// observe runs one operation on the instance's machine and records it
+// with its steps, result and failure reason.
+func (p *Provider) observe(ctx context.Context, op, machine string, fn func(r *obs.Report) error) error {
+	r := &obs.Report{Kind: obs.KindInstance, Stage: op}
+	r.Identify(p.Env.InstanceID, p.Env.ControllerID, machine)
+	r.Machine(machine, "")
+	t0 := time.Now()
+	err := fn(r)
+	end := time.Now()
+	log := p.Log
+	if log == nil {
+		log = slog.Default()
+	}
+	lifecycle.RecordReport(p.Cfg, log, r, obs.Outcome{Err: err, Cancelled: err != nil && ctx.Err() != nil, Took: end.Sub(t0), End: end, Classify: classify})
+	return err
+}
+
+// classify is an operation's result class and failure reason.
+func classify(err error, cancelled bool) (result, reason string) {
+	result = obs.ResultSuccess
+	if err != nil || cancelled {
+		result = obs.ResultSystem
+	}
+	return result, jobvm.FailureReason(err, cancelled)
+}
+
+// teardown removes an instance's machine on a deadline of its own
+// (timeouts.cleanup), detached from the signal that may end the command:
+// garm's delete, like GitLab's cleanup, is never cut short half-way by a
+// SIGTERM (a machine half removed would stay until a sweep).
+func (p *Provider) teardown(ctx context.Context, o lifecycle.Owned) error {
+	return p.observe(ctx, OpDelete, o.Name, func(r *obs.Report) error {
+		r.Machine(o.Name, o.Owner.Tag(TagImage))
+		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.Cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		t0 := time.Now()
+		err := p.M.Teardown(tctx, o.Name)
+		r.Step("teardown", time.Since(t0), err)
+		return err
+	})
 }
 
 // Run runs the command of p.Env; stdin is CreateInstance's input.
@@ -97,7 +152,12 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		if err != nil {
 			return err
 		}
-		inst, err := p.create(ctx, bs)
+		var inst *Instance
+		err = p.observe(ctx, OpCreate, MachineName(p.Cfg, p.M.Controller, p.Env.ControllerID, bs.Name), func(r *obs.Report) error {
+			var err error
+			inst, err = p.create(ctx, bs, r)
+			return err
+		})
 		if err != nil {
 			return err
 		}
@@ -128,7 +188,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		if err != nil {
 			return err
 		}
-		return p.M.Teardown(ctx, o.Name)
+		return p.teardown(ctx, o)
 	case CmdRemoveAll:
 		all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool { return o.Tag(TagController) == p.Env.ControllerID })
 		if err != nil {
@@ -136,7 +196,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		}
 		var errs []error
 		for _, o := range all {
-			if err := p.M.Teardown(ctx, o.Name); err != nil {
+			if err := p.teardown(ctx, o); err != nil {
 				errs = append(errs, fmt.Errorf("%s: %w", o.Name, err))
 			}
 		}
@@ -159,7 +219,6 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 	}
 	return fmt.Errorf("command %q not implemented", p.Env.Command)
 }
-
 
 // readPoolInfo reads ValidatePoolInfo's optional stdin: a JSON object
 // with the pool's image and flavor (garm's BootstrapInstance shape), or
@@ -240,7 +299,7 @@ func instanceOf(o lifecycle.Owned) Instance {
 var nameRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$`)
 
 // create launches the instance of bs and returns at once.
-func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error) {
+func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (*Instance, error) {
 	if !nameRE.MatchString(bs.Name) {
 		return nil, fmt.Errorf("instance name %q refused: 1-63 letters, digits, '.', '_' or '-'", cut(bs.Name))
 	}
@@ -257,6 +316,7 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 	if err != nil {
 		return nil, err
 	}
+	rep.Machine(MachineName(p.Cfg, p.M.Controller, p.Env.ControllerID, bs.Name), r.Image.Name)
 	params, err := guestParams(bs)
 	if err != nil {
 		return nil, err
@@ -295,8 +355,10 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap) (*Instance, error)
 	req := lifecycle.LaunchRequest{
 		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
 		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
-		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name}},
-		Seed: func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
+		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name},
+			{Key: TagImage, Value: r.Image.Name}},
+		OnStep: rep.Step,
+		Seed:   func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
 	}
 	if _, err := p.M.Launch(ctx, req); err != nil {
 		if errors.Is(err, lifecycle.ErrExists) {

@@ -6,6 +6,7 @@ import (
 	"path/filepath"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -26,8 +27,39 @@ const (
 var SweepTriggers = []string{SweepByGC, SweepByCleanup, SweepByRoom}
 
 // Events is the installation's event spool.
-func (m *Manager) Events() obs.Spool {
-	return obs.Spool{Dir: filepath.Join(m.Store.Dir, EventsDir), MaxBytes: int64(m.Cfg.Serve.EventSpoolMiB) << 20}
+func (m *Manager) Events() obs.Spool { return EventSpool(m.Cfg) }
+
+// EventSpool is the event spool of the installation cfg describes.
+func EventSpool(cfg *config.Config) obs.Spool {
+	return obs.Spool{Dir: filepath.Join(cfg.StateDir, EventsDir), MaxBytes: int64(cfg.Serve.EventSpoolMiB) << 20}
+}
+
+// RecordReport ends a stage's (or a front end's operation's) report and
+// records it: the event for the service's metrics (the spool in the state
+// directory) and the step records for the host's structured log
+// (log.steps). Neither can fail what it reports on; a failure is logged at
+// debug level (a stage's stderr is the job log).
+func RecordReport(cfg *config.Config, log *slog.Logger, r *obs.Report, o obs.Outcome) {
+	ev, steps := r.Finish(o)
+	if aerr := EventSpool(cfg).Append(ev); aerr != nil {
+		log.Debug("event record not written", "err", aerr)
+	}
+	path := ""
+	if cfg.Log.Steps == "file" {
+		path = cfg.Log.StepsFile
+	}
+	sl, oerr := obs.OpenStepLog(cfg.Log.Steps, path, int64(cfg.Log.StepsFileMiB)<<20)
+	if oerr != nil {
+		log.Debug("step log not opened", "err", oerr)
+		return
+	}
+	defer func() { _ = sl.Close() }()
+	for _, s := range steps {
+		if lerr := sl.Log(s); lerr != nil {
+			log.Debug("step record not written", "err", lerr)
+			return
+		}
+	}
 }
 
 // Record appends e to the event spool; a failure is only logged (log may

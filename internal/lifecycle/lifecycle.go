@@ -125,6 +125,8 @@ type LaunchRequest struct {
 	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
+	// OnStep, if set, is told about each step as it ends (Request.OnStep).
+	OnStep func(name string, took time.Duration, err error)
 }
 
 // request is what one provisioning asks for: a Request, or a
@@ -208,7 +210,7 @@ var ErrExists = errors.New("a machine of this name exists")
 func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine, error) {
 	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
 		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
-		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags,
+		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags, OnStep: req.OnStep,
 	}})
 	if err != nil {
 		return nil, err

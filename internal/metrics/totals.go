@@ -32,6 +32,7 @@ const (
 	CleanupSeconds     = "libvirt_executor_cleanup_duration_seconds"
 	RemovalSeconds     = "libvirt_executor_vm_removal_seconds"
 	DeadGuestSeconds   = "libvirt_executor_dead_guest_detection_seconds"
+	GarmInstancesTotal = "libvirt_executor_garm_instances_total"
 )
 
 // def is one folded metric: its help, label names and, for a histogram,
@@ -53,6 +54,8 @@ var defs = map[string]def{
 	SweepsTotal:      {help: "Sweeps run, by trigger (gc, cleanup).", labels: []string{"trigger"}},
 	SweepRemovedTotal: {help: "Machines sweeps removed, by verdict (expired, orphan, ended: leaks; retired: standby VMs).",
 		labels: []string{"verdict"}},
+	GarmInstancesTotal: {help: "garm's instance operations (create, delete) that ended, by result class (success, system_failure) and reason.",
+		labels: []string{"op", "result", "reason"}},
 	ReconnectsTotal: {help: "Reconnections to libvirt after a lost connection, by process (service, stage).",
 		labels: []string{"process"}},
 	EventsTotal: {help: "Event records of the spool: folded, invalid (unreadable, skipped), lost (dropped while the spool was full).",
@@ -204,6 +207,8 @@ func (f *folder) apply(e obs.Event) {
 		t.add(PoolRetiredTotal, 1, f.image(e.Image), oneOf(e.Reason, jobvm.RetireReasons))
 	case obs.KindReconnect:
 		t.add(ReconnectsTotal, 1, "service")
+	case obs.KindInstance:
+		t.add(GarmInstancesTotal, 1, oneOf(e.Stage, obs.InstanceOps), oneOf(e.Result, results), oneOf(e.Reason, jobvm.Reasons))
 	}
 }
 

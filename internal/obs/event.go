@@ -24,7 +24,20 @@ const (
 	KindRetired = "retired"
 	// KindReconnect is a reconnection of the service to libvirt.
 	KindReconnect = "reconnect"
+	// KindInstance is one operation of a front end that manages its
+	// instances itself (garm's provider): Stage is the operation (create,
+	// delete), with Result and Reason as for a stage.
+	KindInstance = "instance"
 )
+
+// Operations of a KindInstance record (its Stage).
+const (
+	OpCreate = "create"
+	OpDelete = "delete"
+)
+
+// InstanceOps lists the operations of KindInstance records.
+var InstanceOps = []string{OpCreate, OpDelete}
 
 // Result classes of a stage.
 const (

@@ -11,6 +11,8 @@ import (
 // ignores everything, so code that runs without one need not check.
 type Report struct {
 	mu sync.Mutex
+	// Kind is the event's kind: KindStage when empty.
+	Kind string
 	// Stage is the stage's name.
 	Stage                string
 	jobID, instance, key string
@@ -133,8 +135,12 @@ func (r *Report) Finish(o Outcome) (Event, []StepRecord) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	result, reason := o.Classify(o.Err, o.Cancelled)
+	kind := r.Kind
+	if kind == "" {
+		kind = KindStage
+	}
 	ev := Event{
-		Time: o.End, Kind: KindStage, Stage: r.Stage, Job: r.key, Image: r.image,
+		Time: o.End, Kind: kind, Stage: r.Stage, Job: r.key, Image: r.image,
 		Result: result, Reason: reason, Seconds: o.Took.Seconds(),
 		Pool: r.pool, PoolReason: r.poolReason, Reconnects: r.reconnects,
 	}

@@ -10,7 +10,6 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
-	"path/filepath"
 	"strings"
 	"syscall"
 	"time"
@@ -169,39 +168,11 @@ func Run(p Process, e Exe) int {
 	return codes.Resolve(stageErr)
 }
 
-// record ends the stage's report and records it: the event for the
-// service's metrics (the spool in the state directory) and the step
-// records for the host's structured log. Neither can fail the stage; a
-// failure is logged at debug level (stderr is the job log).
+// record ends the stage's report and records it (lifecycle.RecordReport).
 func record(cfg *config.Config, log *slog.Logger, r *obs.Report, err error, cancelled bool, began time.Time) {
 	end := time.Now()
 	dead, _ := sshexec.DeadAfter(err)
-	ev, steps := r.Finish(obs.Outcome{Err: err, Cancelled: cancelled, Took: end.Sub(began), End: end, Classify: Classify, DeadAfter: dead})
-	spool := obs.Spool{Dir: filepath.Join(cfg.StateDir, lifecycle.EventsDir), MaxBytes: int64(cfg.Serve.EventSpoolMiB) << 20}
-	if aerr := spool.Append(ev); aerr != nil {
-		log.Debug("event record not written", "err", aerr)
-	}
-	sl, oerr := obs.OpenStepLog(cfg.Log.Steps, stepLogPath(cfg), int64(cfg.Log.StepsFileMiB)<<20)
-	if oerr != nil {
-		log.Debug("step log not opened", "err", oerr)
-		return
-	}
-	defer func() { _ = sl.Close() }()
-	for _, s := range steps {
-		if lerr := sl.Log(s); lerr != nil {
-			log.Debug("step record not written", "err", lerr)
-			return
-		}
-	}
-}
-
-// stepLogPath is the step log's path for its kind: the file, or for the
-// journal its default socket.
-func stepLogPath(cfg *config.Config) string {
-	if cfg.Log.Steps == "file" {
-		return cfg.Log.StepsFile
-	}
-	return ""
+	lifecycle.RecordReport(cfg, log, r, obs.Outcome{Err: err, Cancelled: cancelled, Took: end.Sub(began), End: end, Classify: Classify, DeadAfter: dead})
 }
 
 // Classify is a stage error's result class and failure reason, as the

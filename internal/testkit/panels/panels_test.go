@@ -43,6 +43,7 @@ var knownMetrics = map[string]string{
 
 	"libvirt_executor_stages_total":             "counter",
 	"libvirt_executor_jobs_total":               "counter",
+	"libvirt_executor_garm_instances_total":     "counter",
 	"libvirt_executor_pool_claims_total":        "counter",
 	"libvirt_executor_pool_retired_total":       "counter",
 	"libvirt_executor_sweeps_total":             "counter",
