@@ -280,26 +280,21 @@ func (f *fileStepLog) Log(r StepRecord) error {
 // same time, only the first rotates it.
 func (f *fileStepLog) rotate() error {
 	lockPath := f.path + ".lock"
-	lock, err := openCreate(lockPath, unix.O_RDWR)
+	// Made here, if missing, with the log's exact mode (flock would make
+	// it under the umask); nothing removes it.
+	fd, err := openCreate(lockPath, unix.O_RDWR)
 	if err != nil {
 		return err
 	}
-	// Closing the descriptor releases the lock.
-	defer func() { _ = unix.Close(lock) }()
-	deadline := time.Now().Add(stepLockTimeout)
-	for {
-		err := unix.Flock(lock, unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			break
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
-			return &os.PathError{Op: "flock", Path: lockPath, Err: err}
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("step log rotation: %s held for more than %s", lockPath, stepLockTimeout)
-		}
-		time.Sleep(10 * time.Millisecond)
+	_ = unix.Close(fd)
+	lock, err := lockWithin(lockPath, os.O_RDWR, false, stepLockTimeout, 10*time.Millisecond)
+	if errors.Is(err, unix.EWOULDBLOCK) {
+		return fmt.Errorf("step log rotation: %s held for more than %s", lockPath, stepLockTimeout)
 	}
+	if err != nil {
+		return err
+	}
+	defer func() { _ = lock.Close() }()
 	fi, err := os.Stat(f.path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // rotated by another process, nothing written since
