@@ -385,9 +385,19 @@ func stepJSONLine(r StepRecord) ([]byte, error) {
 // journalStepLog sends the records to the systemd journal over its native
 // protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/): one datagram per
 // record to the journal's socket. It is written here rather than taken
-// from github.com/coreos/go-systemd/journal because that package sends to
-// a fixed socket path (/run/systemd/journal/socket), so it cannot be
-// tested without binding that path; this one takes the socket's path.
+// from github.com/coreos/go-systemd/v22/journal (checked at v22.7.0)
+// because that package:
+//   - sends to a fixed socket path (/run/systemd/journal/socket, settable
+//     only with -ldflags -X), through one process-wide socket: it cannot
+//     be pointed at a test's socket, nor at OpenStepLog's path;
+//   - sets no write deadline on that socket and offers no way to: a
+//     journal that does not read would hold the stage up (journalTimeout
+//     here);
+//   - sends a record too large for a datagram through a file in /dev/shm,
+//     where this one sends it again with the error cut (the records are
+//     bounded; the journal's fields stay as documented).
+//
+// Its lower-level parts (the field encoding) are unexported.
 type journalStepLog struct {
 	conn *net.UnixConn
 	addr *net.UnixAddr
