@@ -4,6 +4,7 @@ go 1.26.8
 
 require (
 	github.com/diskfs/go-diskfs v1.9.4
+	github.com/gofrs/flock v0.13.2
 	github.com/pelletier/go-toml/v2 v2.4.3
 	github.com/prometheus/client_golang v1.25.0
 	github.com/prometheus/common v0.72.0

@@ -110,21 +110,9 @@ func (s Spool) segments() ([]uint64, error) {
 }
 
 // lockWait bounds how long a writer waits for a segment's lock (the
-// service holds it only while it reads a segment's rest and saves).
+// service holds it only while it reads a segment's rest and saves); see
+// lockOpen.
 const lockWait = time.Second
-
-// flockWait takes how (LOCK_SH or LOCK_EX) on f, retrying for at most
-// lockWait.
-func flockWait(f *os.File, how int) error {
-	deadline := time.Now().Add(lockWait)
-	for {
-		err := syscall.Flock(int(f.Fd()), how|syscall.LOCK_NB)
-		if !errors.Is(err, syscall.EWOULDBLOCK) || time.Now().After(deadline) {
-			return err
-		}
-		time.Sleep(5 * time.Millisecond)
-	}
-}
 
 // checkOwner refuses to write into a spool (or, before it exists, a state
 // directory) that another user owns: a root admin command must not leave
@@ -216,9 +204,11 @@ func (s Spool) appendTo(seq uint64, line []byte) (written, full bool, err error)
 		return false, false, err
 	}
 	defer f.Close()
-	if err := flockWait(f, syscall.LOCK_SH); err != nil {
+	lock, gone, err := lockOpen(f, true)
+	if err != nil || gone {
 		return false, false, err
 	}
+	defer func() { _ = lock.Close() }()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
 		return false, false, err
@@ -244,9 +234,11 @@ func (s Spool) dropOldest(seq uint64) {
 		return
 	}
 	defer f.Close()
-	if flockWait(f, syscall.LOCK_EX) != nil {
+	lock, gone, err := lockOpen(f, false)
+	if err != nil || gone {
 		return
 	}
+	defer func() { _ = lock.Close() }()
 	var st syscall.Stat_t
 	if syscall.Fstat(int(f.Fd()), &st) != nil || st.Nlink == 0 {
 		return
@@ -281,9 +273,14 @@ func (s Spool) addLost(n int64) error {
 		return err
 	}
 	defer f.Close()
-	if err := flockWait(f, syscall.LOCK_EX); err != nil {
+	lock, gone, err := lockOpen(f, false)
+	if err != nil {
 		return err
 	}
+	if gone {
+		return fmt.Errorf("%s: removed or replaced while being locked", f.Name())
+	}
+	defer func() { _ = lock.Close() }()
 	b, err := io.ReadAll(f)
 	if err != nil {
 		return err
@@ -304,9 +301,11 @@ func (s Spool) Lost() int64 {
 		return 0
 	}
 	defer f.Close()
-	if flockWait(f, syscall.LOCK_SH) != nil {
+	lock, gone, err := lockOpen(f, true)
+	if err != nil || gone {
 		return 0
 	}
+	defer func() { _ = lock.Close() }()
 	b, err := io.ReadAll(f)
 	if err != nil {
 		return 0
@@ -430,14 +429,18 @@ func (s Spool) readNewest(c, start Cursor, r Reader) (Cursor, error) {
 		return c, err
 	}
 	defer f.Close()
-	if err := flockWait(f, syscall.LOCK_SH); err != nil {
+	lock, gone, err := lockOpen(f, true)
+	if err != nil {
 		return c, err
+	}
+	if lock != nil {
+		defer func() { _ = lock.Close() }()
 	}
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
 		return c, err
 	}
-	if st.Nlink > 0 {
+	if !gone && st.Nlink > 0 {
 		off, err := s.readFrom(f, c.Off, false, r)
 		if err != nil {
 			return c, err
@@ -464,9 +467,14 @@ func (s Spool) finishSeg(seq uint64, c Cursor, next uint64, r Reader) (Cursor, e
 		return c, err
 	}
 	defer f.Close()
-	if err := flockWait(f, syscall.LOCK_EX); err != nil {
+	lock, gone, err := lockOpen(f, false)
+	if err != nil {
 		return c, err
 	}
+	if gone {
+		return Cursor{Seq: next}, nil // as below
+	}
+	defer func() { _ = lock.Close() }()
 	var st syscall.Stat_t
 	if err := syscall.Fstat(int(f.Fd()), &st); err != nil {
 		return c, err

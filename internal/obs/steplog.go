@@ -280,26 +280,21 @@ func (f *fileStepLog) Log(r StepRecord) error {
 // same time, only the first rotates it.
 func (f *fileStepLog) rotate() error {
 	lockPath := f.path + ".lock"
-	lock, err := openCreate(lockPath, unix.O_RDWR)
+	// Made here, if missing, with the log's exact mode (flock would make
+	// it under the umask); nothing removes it.
+	fd, err := openCreate(lockPath, unix.O_RDWR)
 	if err != nil {
 		return err
 	}
-	// Closing the descriptor releases the lock.
-	defer func() { _ = unix.Close(lock) }()
-	deadline := time.Now().Add(stepLockTimeout)
-	for {
-		err := unix.Flock(lock, unix.LOCK_EX|unix.LOCK_NB)
-		if err == nil {
-			break
-		}
-		if !errors.Is(err, unix.EWOULDBLOCK) && !errors.Is(err, unix.EINTR) {
-			return &os.PathError{Op: "flock", Path: lockPath, Err: err}
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("step log rotation: %s held for more than %s", lockPath, stepLockTimeout)
-		}
-		time.Sleep(10 * time.Millisecond)
+	_ = unix.Close(fd)
+	lock, err := lockWithin(lockPath, os.O_RDWR, false, stepLockTimeout, 10*time.Millisecond)
+	if errors.Is(err, unix.EWOULDBLOCK) {
+		return fmt.Errorf("step log rotation: %s held for more than %s", lockPath, stepLockTimeout)
 	}
+	if err != nil {
+		return err
+	}
+	defer func() { _ = lock.Close() }()
 	fi, err := os.Stat(f.path)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil // rotated by another process, nothing written since
@@ -390,9 +385,19 @@ func stepJSONLine(r StepRecord) ([]byte, error) {
 // journalStepLog sends the records to the systemd journal over its native
 // protocol (https://systemd.io/JOURNAL_NATIVE_PROTOCOL/): one datagram per
 // record to the journal's socket. It is written here rather than taken
-// from github.com/coreos/go-systemd/journal because that package sends to
-// a fixed socket path (/run/systemd/journal/socket), so it cannot be
-// tested without binding that path; this one takes the socket's path.
+// from github.com/coreos/go-systemd/v22/journal (checked at v22.7.0)
+// because that package:
+//   - sends to a fixed socket path (/run/systemd/journal/socket, settable
+//     only with -ldflags -X), through one process-wide socket: it cannot
+//     be pointed at a test's socket, nor at OpenStepLog's path;
+//   - sets no write deadline on that socket and offers no way to: a
+//     journal that does not read would hold the stage up (journalTimeout
+//     here);
+//   - sends a record too large for a datagram through a file in /dev/shm,
+//     where this one sends it again with the error cut (the records are
+//     bounded; the journal's fields stay as documented).
+//
+// Its lower-level parts (the field encoding) are unexported.
 type journalStepLog struct {
 	conn *net.UnixConn
 	addr *net.UnixAddr

@@ -93,16 +93,15 @@ func (s Store) Claim(name string, c Claim) error {
 // that cannot be read counts as a claim (by nobody known): the machine is
 // never handed out again.
 func (s Store) ClaimOf(name string) (*Claim, error) {
-	b, err := os.ReadFile(filepath.Join(s.MachineDir(name), claimFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
 	var c Claim
-	if err := json.Unmarshal(b, &c); err != nil {
+	err := readRecord(filepath.Join(s.MachineDir(name), claimFile), &c)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil, nil
+	case errors.Is(err, errBadRecord):
 		return &Claim{Retire: true, Reason: "unreadable claim record"}, nil
+	case err != nil:
+		return nil, err
 	}
 	return &c, nil
 }
@@ -110,17 +109,13 @@ func (s Store) ClaimOf(name string) (*Claim, error) {
 // Record reads only the machine record (no keys); ErrNoMachine if there is
 // none yet (a machine still booting).
 func (s Store) Record(name string) (*Machine, error) {
-	path := filepath.Join(s.MachineDir(name), machineFile)
-	b, err := os.ReadFile(path)
+	var m Machine
+	err := readRecord(filepath.Join(s.MachineDir(name), machineFile), &m)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, fmt.Errorf("%w for %s in %s", ErrNoMachine, name, s.MachineDir(name))
 	}
 	if err != nil {
 		return nil, err
-	}
-	var m Machine
-	if err := json.Unmarshal(b, &m); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return &m, nil
 }
@@ -164,16 +159,13 @@ func (s Store) MachineOfJob(job string) (*JobMachine, error) {
 	if err != nil {
 		return nil, err
 	}
-	b, err := os.ReadFile(path)
+	var jm JobMachine
+	err = readRecord(path, &jm)
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
 	}
 	if err != nil {
 		return nil, err
-	}
-	var jm JobMachine
-	if err := json.Unmarshal(b, &jm); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
 	}
 	return &jm, nil
 }

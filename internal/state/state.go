@@ -300,9 +300,9 @@ func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
 	out := make(map[string]Reservation, len(names))
 	for _, n := range names {
 		r := def
-		if b, err := os.ReadFile(filepath.Join(s.MachineDir(n), reservationFile)); err == nil {
-			_ = json.Unmarshal(b, &r)
-		}
+		// Whatever went wrong (none, unreadable, a field of the wrong type),
+		// r keeps def where the file did not say otherwise.
+		_ = readRecord(filepath.Join(s.MachineDir(n), reservationFile), &r)
 		out[n] = r
 	}
 	return out, nil
@@ -350,8 +350,26 @@ func (s Store) writeJSON(sub, name string, v any) error {
 }
 
 func (s Store) readJSON(sub, name string, v any) bool {
-	b, err := os.ReadFile(filepath.Join(s.Dir, sub, name+".json"))
-	return err == nil && json.Unmarshal(b, v) == nil
+	return readRecord(filepath.Join(s.Dir, sub, name+".json"), v) == nil
+}
+
+// errBadRecord means a record file was read but is not the JSON it should
+// be (cut short by a crash, or written by hand).
+var errBadRecord = errors.New("unreadable record")
+
+// readRecord reads the JSON record at path into v. Every error names the
+// file: one that wraps os.ErrNotExist when there is no such file,
+// errBadRecord when its content does not decode into v (v may then hold
+// part of it, as json.Unmarshal leaves it), else the read's own error.
+func readRecord(path string, v any) error {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return err // an *fs.PathError: it names path
+	}
+	if err := json.Unmarshal(b, v); err != nil {
+		return fmt.Errorf("%s: %w: %w", path, errBadRecord, err)
+	}
+	return nil
 }
 
 // reapFile marks a machine whose job has ended: the machine is stopped and
@@ -383,17 +401,16 @@ func (s Store) MarkEnded(name string, e Ended) error {
 
 // EndedOf returns the machine's ended mark, or nil if it has none.
 func (s Store) EndedOf(name string) (*Ended, error) {
-	b, err := os.ReadFile(filepath.Join(s.MachineDir(name), reapFile))
-	if errors.Is(err, os.ErrNotExist) {
-		return nil, nil
-	}
-	if err != nil {
-		return nil, err
-	}
 	var e Ended
-	if err := json.Unmarshal(b, &e); err != nil {
+	err := readRecord(filepath.Join(s.MachineDir(name), reapFile), &e)
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		return nil, nil
+	case errors.Is(err, errBadRecord):
 		// Cut short by a crash: the mark was being made, so it stands.
-		return &Ended{Reason: "ended (unreadable mark)"}, nil //nolint:nilerr // an unreadable mark still marks the machine
+		return &Ended{Reason: "ended (unreadable mark)"}, nil
+	case err != nil:
+		return nil, err
 	}
 	return &e, nil
 }

@@ -15,18 +15,20 @@ import (
 func TestControllerIDStableAndRaceFree(t *testing.T) {
 	s := Store{Dir: t.TempDir()}
 	ids := make([]string, 8)
+	errs := make([]error, len(ids))
 	var wg sync.WaitGroup
 	for i := range ids {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			id, err := s.ControllerID()
-			require.NoError(t, err)
-			ids[i] = id
+			// require only on the test's goroutine: FailNow from another
+			// one would not stop the test.
+			ids[i], errs[i] = s.ControllerID()
 		}()
 	}
 	wg.Wait()
-	for _, id := range ids {
+	for i, id := range ids {
+		require.NoError(t, errs[i], "goroutine %d", i)
 		require.Equal(t, ids[0], id)
 	}
 	require.Regexp(t, uuidRE, ids[0])
@@ -116,4 +118,86 @@ func TestRememberRecall(t *testing.T) {
 	st, err := os.Stat(filepath.Join(s.Dir, "cache", "img.json"))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+}
+
+// Every record reader goes through readRecord: a missing file and a
+// corrupt one are told apart, and the error names the file.
+func TestReadRecordErrors(t *testing.T) {
+	dir := t.TempDir()
+	var v struct{ A int }
+
+	missing := filepath.Join(dir, "missing.json")
+	err := readRecord(missing, &v)
+	require.ErrorIs(t, err, os.ErrNotExist)
+	require.NotErrorIs(t, err, errBadRecord)
+	require.ErrorContains(t, err, missing)
+
+	bad := filepath.Join(dir, "bad.json")
+	require.NoError(t, os.WriteFile(bad, []byte(`{"A":`), 0o600))
+	err = readRecord(bad, &v)
+	require.ErrorIs(t, err, errBadRecord)
+	require.NotErrorIs(t, err, os.ErrNotExist)
+	require.ErrorContains(t, err, bad)
+
+	good := filepath.Join(dir, "good.json")
+	require.NoError(t, os.WriteFile(good, []byte(`{"A":3}`), 0o600))
+	require.NoError(t, readRecord(good, &v))
+	require.Equal(t, 3, v.A)
+}
+
+// What each reader makes of a missing and of a corrupt record.
+func TestRecordReadersMissingAndCorrupt(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	const name = "m"
+	_, err := s.Create(name)
+	require.NoError(t, err)
+	def := Reservation{VCPUs: 1, MemoryMiB: 512}
+
+	// Missing.
+	cl, err := s.ClaimOf(name)
+	require.NoError(t, err)
+	require.Nil(t, cl)
+	_, err = s.Record(name)
+	require.ErrorIs(t, err, ErrNoMachine)
+	e, err := s.EndedOf(name)
+	require.NoError(t, err)
+	require.Nil(t, e)
+	jm, err := s.MachineOfJob("j")
+	require.NoError(t, err)
+	require.Nil(t, jm)
+	res, err := s.Reservations(def)
+	require.NoError(t, err)
+	require.Equal(t, def, res[name])
+	var v map[string]int
+	require.False(t, s.Recall("x", &v))
+
+	// Corrupt.
+	dir := s.MachineDir(name)
+	for _, f := range []string{claimFile, machineFile, reapFile} {
+		require.NoError(t, os.WriteFile(filepath.Join(dir, f), []byte("{"), 0o600))
+	}
+	// A field of the wrong type: the fields before it are taken, the
+	// others keep def (json.Unmarshal's way, as before).
+	require.NoError(t, os.WriteFile(filepath.Join(dir, reservationFile), []byte(`{"vcpus":4,"memory_mib":"x"}`), 0o600))
+	require.NoError(t, os.MkdirAll(filepath.Join(s.Dir, "jobs"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(s.Dir, "jobs", "j.json"), []byte("{"), 0o600))
+	require.NoError(t, os.MkdirAll(filepath.Join(s.Dir, "cache"), 0o700))
+	require.NoError(t, os.WriteFile(filepath.Join(s.Dir, "cache", "x.json"), []byte("{"), 0o600))
+
+	cl, err = s.ClaimOf(name)
+	require.NoError(t, err)
+	require.Equal(t, &Claim{Retire: true, Reason: "unreadable claim record"}, cl)
+	_, err = s.Record(name)
+	require.ErrorIs(t, err, errBadRecord)
+	require.ErrorContains(t, err, filepath.Join(dir, machineFile))
+	e, err = s.EndedOf(name)
+	require.NoError(t, err)
+	require.Equal(t, &Ended{Reason: "ended (unreadable mark)"}, e)
+	_, err = s.MachineOfJob("j")
+	require.ErrorIs(t, err, errBadRecord)
+	require.ErrorContains(t, err, "j.json")
+	res, err = s.Reservations(def)
+	require.NoError(t, err)
+	require.Equal(t, Reservation{VCPUs: 4, MemoryMiB: 512}, res[name])
+	require.False(t, s.Recall("x", &v))
 }

@@ -94,10 +94,7 @@ func TestFaultKeepaliveUnderLoad(t *testing.T) {
 			if lw == nil {
 				return false
 			}
-			lw.mu.Lock()
-			ok := strings.Contains(lw.buf.String(), "HOG-START")
-			lw.mu.Unlock()
-			if !ok {
+			if !strings.Contains(lw.buf.String(), "HOG-START") {
 				return false
 			}
 		}

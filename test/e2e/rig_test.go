@@ -15,7 +15,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -27,6 +26,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
 type rig struct {
@@ -75,22 +75,17 @@ func (r *rig) executables() harness.Executables {
 	}
 }
 
-// logWriter sends the job log to the test log line by line, and keeps it.
+// logWriter keeps the job log: the harness writes it from its goroutines
+// while a test reads buf (String is locked too); options prints it to the
+// test log when the test failed.
 type logWriter struct {
-	t   *testing.T
-	mu  sync.Mutex
-	buf strings.Builder
+	buf sshtest.Buffer
 }
 
-func (w *logWriter) Write(p []byte) (int, error) {
-	w.mu.Lock()
-	defer w.mu.Unlock()
-	w.buf.Write(p)
-	return len(p), nil
-}
+func (w *logWriter) Write(p []byte) (int, error) { return w.buf.Write(p) }
 
 func (r *rig) options(t *testing.T) (harness.Options, *logWriter) {
-	lw := &logWriter{t: t}
+	lw := &logWriter{}
 	t.Cleanup(func() {
 		if t.Failed() {
 			t.Logf("job log:\n%s", lw.buf.String())
