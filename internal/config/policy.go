@@ -15,9 +15,15 @@ type SizeBound struct {
 
 // Size bounds of a requested machine (limits.max_*; the minimums are what
 // a guest needs at all).
-func (c *Config) VCPUBound() SizeBound   { return SizeBound{Min: 1, Max: c.Limits.MaxVCPUs, Unit: "vCPUs"} }
-func (c *Config) MemoryBound() SizeBound { return SizeBound{Min: 128, Max: c.Limits.MaxMemoryMiB, Unit: "MiB"} }
-func (c *Config) DiskBound() SizeBound   { return SizeBound{Min: 1, Max: c.Limits.MaxDiskGiB, Unit: "GiB"} }
+func (c *Config) VCPUBound() SizeBound {
+	return SizeBound{Min: 1, Max: c.Limits.MaxVCPUs, Unit: "vCPUs"}
+}
+func (c *Config) MemoryBound() SizeBound {
+	return SizeBound{Min: 128, Max: c.Limits.MaxMemoryMiB, Unit: "MiB"}
+}
+func (c *Config) DiskBound() SizeBound {
+	return SizeBound{Min: 1, Max: c.Limits.MaxDiskGiB, Unit: "GiB"}
+}
 
 // Contains reports whether n is within the bound.
 func (b SizeBound) Contains(n int) bool { return n >= b.Min && n <= b.Max }

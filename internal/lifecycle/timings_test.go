@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -42,7 +43,7 @@ func TestProvisionReturnsTimings(t *testing.T) {
 	}
 	require.Equal(t, []string{"clone disk", "create seed volume", "upload seed", "define", "start"}, names)
 	require.GreaterOrEqual(t, tm.Created, sum, "the create step holds Create's steps")
-	require.GreaterOrEqual(t, tm.Address, 50*time.Millisecond, "the fake lease comes 50 ms after the start")
+	require.GreaterOrEqual(t, tm.Address, lifecycletest.LeaseDelay, "the fake lease comes LeaseDelay after the start")
 	require.Positive(t, tm.SSH)
 	require.Equal(t, 1, tm.SSHAttempts)
 	require.GreaterOrEqual(t, tm.Check, 20*time.Millisecond)

@@ -1,9 +1,7 @@
 package pool
 
 import (
-	"bytes"
 	"context"
-	"encoding/base64"
 	"errors"
 	"log/slog"
 	"net"
@@ -16,98 +14,24 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-	"golang.org/x/crypto/ssh"
 	"libvirt.org/go/libvirtxml"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
-// syncBuffer is the service's log, readable while it runs.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
+// guest "boots" when the fake hypervisor starts a domain
+// (lifecycletest.Guest): one sshtest server for all machines, so boots
+// must not overlap and most tests boot one at a time.
+type guest = lifecycletest.Guest
 
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
-
-// guest "boots" when the fake hypervisor starts a domain, as a systemd
-// guest would: it takes the authorized key from the SMBIOS credentials and
-// the host key from the credentials disk, serves SSH with them on
-// 127.0.0.1 (one sshtest server for all machines: boots must not overlap,
-// so most tests boot one at a time) and gets its lease shortly after.
-type guest struct {
-	*sshtest.Server
-	hv *vmtest.Fake
-	t  *testing.T
-}
-
-func newGuest(t *testing.T, hv *vmtest.Fake) *guest {
-	g := &guest{Server: sshtest.Start(t), hv: hv, t: t}
-	g.RejectSessions(true)
-	hv.OnStart = g.boot
-	return g
-}
-
-// boot runs in the service's boot goroutines: it reports problems with
-// Errorf (never FailNow off the test goroutine).
-func (g *guest) boot(name string, d *libvirtxml.Domain) {
-	var authorized, hostPEM []byte
-	if len(d.SysInfo) == 0 || d.SysInfo[0].SMBIOS == nil || d.SysInfo[0].SMBIOS.OEMStrings == nil {
-		g.t.Errorf("%s: no SMBIOS credentials", name)
-		return
-	}
-	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
-		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
-			authorized = []byte(v)
-		}
-	}
-	g.hv.Lock()
-	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
-	g.hv.Unlock()
-	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
-		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
-			var err error
-			if hostPEM, err = base64.StdEncoding.DecodeString(v); err != nil {
-				g.t.Errorf("%s: host key credential: %v", name, err)
-				return
-			}
-		}
-	}
-	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
-	if err != nil {
-		g.t.Errorf("%s: authorized key: %v", name, err)
-		return
-	}
-	hostKey, err := ssh.ParsePrivateKey(hostPEM)
-	if err != nil {
-		g.t.Errorf("%s: host key: %v", name, err)
-		return
-	}
-	g.SetHostKey(hostKey)
-	g.SetAuthorizedKey(allowed)
-	mac := d.Devices.Interfaces[0].MAC.Address
-	go func() {
-		time.Sleep(20 * time.Millisecond)
-		g.hv.SetLeases(name, vm.Lease{MAC: mac, IP: net.ParseIP("127.0.0.1")})
-	}()
-}
+func newGuest(t *testing.T, hv *vmtest.Fake) *guest { return lifecycletest.NewGuest(t, hv) }
 
 type env struct {
 	t   *testing.T
@@ -116,7 +40,7 @@ type env struct {
 	m   *jobvm.Host
 	s   *Service
 	img *config.Image
-	log *syncBuffer
+	log *sshtest.Buffer
 }
 
 // newEnv is a service over the fake hypervisor for image tiny, whose
@@ -155,7 +79,7 @@ base = "` + base + `"
 	m.SSHPort = g.Port()
 	m.SSHPollInterval = 20 * time.Millisecond
 	m.AddressPollInterval = 10 * time.Millisecond
-	log := &syncBuffer{}
+	log := &sshtest.Buffer{}
 	s := &Service{M: m, Log: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
 	s.init()
 	e := &env{t: t, hv: hv, g: g, m: m, s: s, img: img, log: log}
@@ -479,7 +403,6 @@ func TestBootParallelism(t *testing.T) {
 	e.s.mu.Lock()
 	require.Equal(t, 4, e.s.booting["tiny"], "four boots started")
 	e.s.mu.Unlock()
-	time.Sleep(300 * time.Millisecond)
 	mu.Lock()
 	require.Equal(t, 2, starts, "the other two wait for a turn")
 	mu.Unlock()

@@ -18,10 +18,10 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
-	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 )
 
 // Options configure one self test.
@@ -133,7 +133,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	defer func() { _ = os.RemoveAll(work) }()
 	args := []string{"--config", o.Config}
 	exe := func(s string) string { return filepath.Join(o.BinDir, "libvirt-executor-"+s) }
-	var runnerOut lockedBuffer
+	var runnerOut syncbuf.Buffer
 	say("running 2 sample jobs (artifacts and a cache from the first to the second, each in a fresh VM) ...")
 	t0 := time.Now()
 	runErr := jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
@@ -283,23 +283,6 @@ func lastLines(s string, n int) string {
 		lines = lines[len(lines)-n:]
 	}
 	return strings.Join(lines, "\n")
-}
-
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *lockedBuffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 func commandOutput(ctx context.Context, bin string, args ...string) (string, error) {

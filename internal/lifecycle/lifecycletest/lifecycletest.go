@@ -11,7 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/stretchr/testify/require"
 	"golang.org/x/crypto/ssh"
 	"libvirt.org/go/libvirtxml"
 
@@ -46,9 +45,22 @@ func NewGuest(t *testing.T, hv *vmtest.Fake) *Guest {
 }
 
 func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
+	// It runs in whatever goroutine starts the domain (a pool service's
+	// boot goroutines too): problems go to Errorf, never FailNow.
+	fail := func(format string, args ...any) { t.Errorf("%s: "+format, append([]any{name}, args...)...) }
 	x, err := d.Marshal()
-	require.NoError(t, err)
-	require.NotContains(t, x, "credential.binary", "no private key material in the domain XML")
+	if err != nil {
+		fail("domain XML: %v", err)
+		return
+	}
+	if strings.Contains(x, "credential.binary") {
+		fail("private key material in the domain XML")
+		return
+	}
+	if len(d.SysInfo) == 0 || d.SysInfo[0].SMBIOS == nil || d.SysInfo[0].SMBIOS.OEMStrings == nil {
+		fail("no SMBIOS credentials")
+		return
+	}
 	var authorized, hostPEM []byte
 	for _, e := range d.SysInfo[0].SMBIOS.OEMStrings.Entry {
 		if v, ok := strings.CutPrefix(e, "io.systemd.credential:ssh.authorized_keys.root="); ok {
@@ -56,40 +68,59 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 		}
 	}
 	// The host key comes from the read-only credentials disk, as a guest
-	// reads /dev/disk/by-id/virtio-lve-credentials.
-	require.GreaterOrEqual(t, len(d.Devices.Disks), 2) // a third: the guest tools disk
-	require.Equal(t, guestinit.CredentialDiskSerial, d.Devices.Disks[1].Serial)
-	require.NotNil(t, d.Devices.Disks[1].ReadOnly)
+	// reads /dev/disk/by-id/virtio-lve-credentials (a third disk: the guest
+	// tools disk).
+	if len(d.Devices.Disks) < 2 || d.Devices.Disks[1].Serial != guestinit.CredentialDiskSerial || d.Devices.Disks[1].ReadOnly == nil {
+		fail("no read-only credentials disk as the second disk")
+		return
+	}
 	g.hv.Lock()
 	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
 	g.hv.Unlock()
 	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
 		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
-			hostPEM, err = base64.StdEncoding.DecodeString(v)
-			require.NoError(t, err)
+			if hostPEM, err = base64.StdEncoding.DecodeString(v); err != nil {
+				fail("host key credential: %v", err)
+				return
+			}
 		}
 	}
 	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
-	require.NoError(t, err)
+	if err != nil {
+		fail("authorized key: %v", err)
+		return
+	}
 	hostKey, err := ssh.ParsePrivateKey(hostPEM)
-	require.NoError(t, err)
+	if err != nil {
+		fail("host key: %v", err)
+		return
+	}
 	if g.OwnHostKey {
 		other, err := guestinit.NewKeys("baked")
-		require.NoError(t, err)
-		hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
-		require.NoError(t, err)
+		if err == nil {
+			hostKey, err = ssh.ParsePrivateKey(other.HostPEM)
+		}
+		if err != nil {
+			fail("baked host key: %v", err)
+			return
+		}
 	}
 	// This boot's keys serve every connection from now on.
 	g.SetHostKey(hostKey)
 	g.SetAuthorizedKey(allowed)
 	if !g.NoLease {
 		// The address appears a little after boot, as DHCP does.
+		mac := d.Devices.Interfaces[0].MAC.Address
 		go func() {
-			time.Sleep(50 * time.Millisecond)
-			g.hv.SetLeases(name, vm.Lease{MAC: d.Devices.Interfaces[0].MAC.Address, IP: net.ParseIP("127.0.0.1")})
+			time.Sleep(LeaseDelay)
+			g.hv.SetLeases(name, vm.Lease{MAC: mac, IP: net.ParseIP("127.0.0.1")})
 		}()
 	}
 }
+
+// LeaseDelay is how long after its start a guest gets its lease: the
+// wait for the address is a real wait, as with DHCP.
+const LeaseDelay = 20 * time.Millisecond
 
 // Sayings records the job-log lines (their formats) a Manager says, and
 // logs them when the test fails.

@@ -26,6 +26,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
@@ -309,18 +310,6 @@ func (b *bench) concurrent(ctx context.Context, image string, n int) ConcurrentS
 	return c
 }
 
-// lockedBuffer is a job log shared by the harness's writers.
-type lockedBuffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *lockedBuffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
 // job runs one no-op job of the cold rounds through the harness and collects
 // its figures.
 func (b *bench) job(ctx context.Context, image string, run int) JobSample {
@@ -348,7 +337,7 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 		domXML string
 		served = machine // the VM that serves the job (a warm job's: the standby VM it claimed)
 	)
-	var debug lockedBuffer
+	var debug syncbuf.Buffer
 	var launch, cleanupLaunch time.Time
 	// The driver's own figures: prepare appends its timings record to the
 	// file the runner host's environment names.
@@ -435,7 +424,7 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 		problems = append(problems, fmt.Sprintf("prepare needed %d attempts", res.PrepareAttempts))
 	}
 	if c := res.Stage("cleanup"); len(c) == 0 || c[len(c)-1].ExitCode != 0 {
-		problems = append(problems, "cleanup failed: "+tail(debug.b.String(), 5))
+		problems = append(problems, "cleanup failed: "+tail(debug.String(), 5))
 	}
 	var readErr error
 	if mode.warm {

@@ -13,13 +13,13 @@ import (
 	"regexp"
 	"slices"
 	"strings"
-	"sync"
 	"syscall"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 )
 
 // StopWait is how long the service gets to stop after SIGTERM (it undoes
@@ -53,7 +53,7 @@ func tomlKey(k string) string {
 // Service is a libvirt-executor serve process, in its own process group.
 type Service struct {
 	cmd  *exec.Cmd
-	log  buffer
+	log  syncbuf.Buffer
 	done chan struct{}
 	err  error // Wait's, once done is closed
 }
@@ -220,24 +220,6 @@ func RemoveStandbys(ctx context.Context, m *jobvm.Host, each time.Duration, reas
 		removed = append(removed, s.Name)
 	}
 	return removed, errs
-}
-
-// buffer is the service's output, written and read concurrently.
-type buffer struct {
-	mu sync.Mutex
-	b  strings.Builder
-}
-
-func (l *buffer) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.Write(p)
-}
-
-func (l *buffer) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.b.String()
 }
 
 // tail is the last n lines of s.
