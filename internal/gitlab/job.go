@@ -1,6 +1,10 @@
-// Package gitlab is the GitLab Runner Custom executor front end: it reads the
-// job's identity and requests, and implements the config, prepare, run and
-// cleanup stages on top of the front-end-neutral lifecycle package.
+// Package gitlab is the GitLab Runner Custom executor front end: it knows
+// the runner's protocol only. It reads the job's identity and requests
+// (JOB_RESPONSE_FILE, CUSTOM_ENV_*), and implements the four stages, one
+// file each: config (the runner's JSON), prepare (one jobvm.Host.Acquire
+// call, with the guest tool check), run (each stage script through the
+// job's connection holder, else directly) and cleanup (one
+// jobvm.Host.Release call, or Keep for debugging).
 package gitlab
 
 import (

@@ -1,6 +1,7 @@
 // Package pool is the standby pool service (libvirt-executor serve): it
 // keeps, for every image with a [images.NAME.pool] table, idle machines
-// booted and SSH-verified for jobs to claim (lifecycle.Manager.Claim), and
+// booted and SSH-verified for jobs to claim (jobvm.Host.Claim, through its
+// BootStandby and Retire), and
 // retires those that died, aged or whose base image changed. Everything it
 // knows it reads from the state directory and libvirt on each look, so a
 // restarted service (after a crash, SIGKILL or host reboot) simply carries

@@ -1,7 +1,10 @@
 // Package state keeps the driver's files on the host: the installation's
 // controller identity and, per machine, a 0700 directory with the pinned host
-// key, the address and the 0600 client key that later stages need. A
-// machine's directory is removed at cleanup.
+// key, the address and the 0600 client key that later stages need, its
+// capacity reservation, standby claim and ended mark; the job -> machine
+// mappings, the tools records, small remembered answers, and the locks
+// (one per machine, re-checked by inode). A machine's directory is removed
+// at cleanup. Every record is read by one reader (readRecord).
 package state
 
 import (
