@@ -123,8 +123,8 @@ func VolumeOf(rec *state.Machine) string {
 // volume was not made): a stat, the cached hash and its record, so cheap
 // enough for every look at a standby machine.
 func VolumeNow(m *lifecycle.Manager) string {
-	src, err := toolsSource(m.Cfg)
-	if err != nil {
+	src, ok, _ := knownSource(m)
+	if !ok {
 		return ""
 	}
 	sum, err := sourceHash(m, src)
@@ -172,8 +172,74 @@ func IsToolsVolume(prefix, controller, vol string) bool {
 // caches and artifacts then need a binary in the image.
 var ErrNoTools = errors.New("no gitlab-runner for the guests")
 
-// toolsSource is the host binary guest_tools.gitlab_runner names, or
-// ErrNoTools.
+// autoKey is the record (in the tools records) of the binary that
+// guest_tools.gitlab_runner = "auto" resolved to.
+const autoKey = "gitlab-runner-auto"
+
+// autoRecord is what "auto" resolved to, and when.
+type autoRecord struct {
+	Path string    `json:"path"`
+	At   time.Time `json:"at"`
+}
+
+// source is the host binary whose tools disk a machine provisioned now
+// gets: toolsSource, except that "auto" is resolved from PATH once, by the
+// process that builds the disk, and recorded; every later process (the
+// stages, the reaper, the pool service and the gc timer, each with a PATH
+// of its own) takes the recorded binary while it exists. Without that,
+// the processes disagreed: a sweep under another PATH took the current
+// volume for an old one and deleted it, and every standby machine the
+// service booted was "outdated" for the stages.
+func source(m *lifecycle.Manager) (string, error) {
+	if !isAuto(m.Cfg) {
+		return toolsSource(m.Cfg)
+	}
+	if p, ok := recordedAuto(m); ok {
+		return p, nil
+	}
+	p, err := toolsSource(m.Cfg)
+	if err != nil {
+		return "", err
+	}
+	if err := m.Store.PutTools(autoKey, autoRecord{Path: p, At: time.Now().UTC()}); err != nil {
+		return "", fmt.Errorf("record the gitlab-runner that \"auto\" found: %w", err)
+	}
+	return p, nil
+}
+
+// recordedAuto is the binary "auto" was resolved to, if that is recorded
+// and is still a regular file.
+func recordedAuto(m *lifecycle.Manager) (string, bool) {
+	var rec autoRecord
+	if !m.Store.GetTools(autoKey, &rec) || !filepath.IsAbs(rec.Path) {
+		return "", false
+	}
+	st, err := os.Stat(rec.Path)
+	if err != nil || !st.Mode().IsRegular() {
+		return "", false
+	}
+	return rec.Path, true
+}
+
+// knownSource is the binary of the current tools disk for a process that
+// must not resolve "auto" itself (VolumeNow, Sweep): the recorded one;
+// false when "auto" was never resolved.
+func knownSource(m *lifecycle.Manager) (string, bool, error) {
+	if !isAuto(m.Cfg) {
+		p, err := toolsSource(m.Cfg)
+		return p, err == nil, err
+	}
+	p, ok := recordedAuto(m)
+	return p, ok, nil
+}
+
+func isAuto(cfg *config.Config) bool {
+	v := cfg.GuestTools.GitLabRunner
+	return v == config.GuestToolsAuto || v == ""
+}
+
+// toolsSource is the host binary guest_tools.gitlab_runner names ("auto":
+// found on this process's PATH), or ErrNoTools.
 func toolsSource(cfg *config.Config) (string, error) {
 	switch v := cfg.GuestTools.GitLabRunner; v {
 	case config.GuestToolsNone:
@@ -240,7 +306,7 @@ type toolsRecord struct {
 // no binary, and other errors when the binary the admin named is unusable
 // or the volume cannot be made.
 func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
-	src, err := toolsSource(m.Cfg)
+	src, err := source(m)
 	if err != nil {
 		return nil, err
 	}
@@ -412,6 +478,21 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 		return err
 	}
 	defer unlock()
+	if _, known, _ := knownSource(m); !known && isAuto(m.Cfg) {
+		// "auto" was never resolved by a process that builds the disk:
+		// which volume is current is unknown here (this process's PATH
+		// does not decide it), so none is removed.
+		return nil
+	}
+	// No machine is admitted while this sweep decides and deletes: a
+	// machine admitted after the look at the state directory would attach
+	// a volume this sweep took for unused (a machine admitted before it
+	// has no record yet, and keeps them all).
+	unadmit, err := m.HoldAdmission(ctx)
+	if err != nil {
+		return err
+	}
+	defer unadmit()
 	vols, err := m.PoolVolumes(ctx)
 	if err != nil {
 		return err

@@ -90,6 +90,13 @@ func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 	}
 }
 
+// HoldAdmission holds the admission lock until unlock: no machine is
+// admitted meanwhile (a sweep of shared volumes decides and deletes under
+// it). Admission holds it only for its short look at the capacity.
+func (m *Manager) HoldAdmission(ctx context.Context) (unlock func(), err error) {
+	return m.Store.Lock(ctx, admissionLock)
+}
+
 // tryAdmit returns the new directory, or why there is no room and what is
 // short.
 func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservation) (dir, why string, short Shortfall, err error) {
