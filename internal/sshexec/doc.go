@@ -17,6 +17,10 @@
 //     holds the stage open;
 //   - fixed commands (output.go): Output runs a command the driver wrote,
 //     never job input (the group kill, StopStage, the guest tools check).
+//     It keeps at most OutputLimit bytes of what the guest answers and
+//     drops the rest, and it returns when its context ends, however much
+//     the guest still sends: a hostile guest cannot make the host hold its
+//     output or wait on it.
 //
 // It classifies outcomes: the script's own non-zero exit is an
 // exitcodes.ScriptError; every other failure is a system failure.
