@@ -69,18 +69,18 @@ func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	return r
 }
 
-func (r *rig) stage(ctx context.Context, script string) (string, error, bool) {
-	var out, errb sshtest.Buffer
+func (r *rig) stage(ctx context.Context, script string) (out string, stopInGuest bool, err error) {
+	var stdout, errb sshtest.Buffer
 	tag, _ := sshexec.NewTag()
-	err, mid := RunStage(ctx, r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte(script), Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
-	return out.String(), err, mid
+	stopInGuest, err = RunStage(ctx, r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte(script), Stdout: &stdout, Stderr: &errb, KillGrace: 2 * time.Second})
+	return stdout.String(), stopInGuest, err
 }
 
 func TestStagesShareOneConnection(t *testing.T) {
 	r := startHolder(t, nil)
 	for i, code := range []int{0, 3, 0, 42} {
-		out, err, mid := r.stage(context.Background(), fmt.Sprintf("echo stage %d\necho to-stderr >&2\nexit %d\n", i, code))
-		require.False(t, mid)
+		out, stopInGuest, err := r.stage(context.Background(), fmt.Sprintf("echo stage %d\necho to-stderr >&2\nexit %d\n", i, code))
+		require.False(t, stopInGuest)
 		require.Equal(t, fmt.Sprintf("stage %d\nto-stderr\n", i), out, "output in order, stderr merged as with a direct connection")
 		if code == 0 {
 			require.NoError(t, err)
@@ -97,7 +97,7 @@ func TestStagesShareOneConnection(t *testing.T) {
 func TestLargeScriptAndOutput(t *testing.T) {
 	r := startHolder(t, nil)
 	big := strings.Repeat("x", 1<<20)
-	out, err, _ := r.stage(context.Background(), "# "+big+"\nhead -c 3000000 /dev/zero | tr '\\0' y\n")
+	out, _, err := r.stage(context.Background(), "# "+big+"\nhead -c 3000000 /dev/zero | tr '\\0' y\n")
 	require.NoError(t, err)
 	require.Len(t, out, 3000000)
 }
@@ -108,8 +108,8 @@ func TestCancelStopsTheScriptInTheGuest(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	go waitFileThen(marker, cancel)
 	start := time.Now()
-	_, err, mid := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
-	require.False(t, mid)
+	_, stopInGuest, err := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.False(t, stopInGuest)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
 	require.Less(t, time.Since(start), 10*time.Second)
 	requireGone(t, marker)
@@ -130,25 +130,25 @@ func TestStageProcessGoneStopsTheScript(t *testing.T) {
 
 func TestNoHolderIsUnavailable(t *testing.T) {
 	dir := t.TempDir()
-	err, mid := RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	stopInGuest, err := RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 	// A socket left by a holder that died between stages.
 	ln, err := net.Listen("unix", Socket(dir))
 	require.NoError(t, err)
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	require.NoError(t, ln.Close())
-	err, mid = RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	stopInGuest, err = RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 }
 
 func TestHolderThatCannotConnectIsUnavailable(t *testing.T) {
 	r := startHolder(t, func(tg *sshexec.Target) { tg.HostKey = sshtest.NewSigner(t).PublicKey() })
-	_, err, mid := r.stage(context.Background(), "true\n")
+	_, stopInGuest, err := r.stage(context.Background(), "true\n")
 	require.ErrorIs(t, err, ErrUnavailable, "nothing ran: the stage may connect directly")
 	require.ErrorContains(t, err, "host key mismatch")
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 	require.Empty(t, r.ts.Commands())
 }
 
@@ -160,8 +160,8 @@ func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
 		_ = c.Close() // SIGKILLed after it started the stage
 	})
 	var out sshtest.Buffer
-	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
-	require.True(t, mid, "the caller must stop the script in the guest itself")
+	stopInGuest, err := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
+	require.True(t, stopInGuest, "the caller must stop the script in the guest itself")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.NotErrorIs(t, err, ErrUnavailable, "it may have run: never retried as if it had not")
 	require.Equal(t, "half", out.String())
@@ -175,9 +175,9 @@ func TestHolderEndingBeforeItStartedIsUnavailable(t *testing.T) {
 		_, _, _ = readFrame(c, 1<<20)
 		_ = c.Close()
 	})
-	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true")})
+	stopInGuest, err := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 }
 
 // A holder that does not read: the stage's cancel still ends it (a large
@@ -197,7 +197,7 @@ func TestCancelWhileTheHolderDoesNotRead(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err, _ = RunStage(ctx, Socket(dir), Stage{Tag: "0123456789abcdef", Script: make([]byte, 8<<20), KillGrace: time.Second})
+	_, err = RunStage(ctx, Socket(dir), Stage{Tag: "0123456789abcdef", Script: make([]byte, 8<<20), KillGrace: time.Second})
 	require.Error(t, err)
 	require.Less(t, time.Since(start), 15*time.Second, "bounded by the cancel")
 	select {
@@ -209,13 +209,13 @@ func TestCancelWhileTheHolderDoesNotRead(t *testing.T) {
 
 func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
 	r := startHolder(t, func(tg *sshexec.Target) { tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3 })
-	_, err, _ := r.stage(context.Background(), "true\n")
+	_, _, err := r.stage(context.Background(), "true\n")
 	require.NoError(t, err)
 	r.ts.Freeze(true) // the guest dies while only the holder is connected
 	time.Sleep(time.Second)
 	start := time.Now()
-	_, err, mid := r.stage(context.Background(), "true\n")
-	require.False(t, mid)
+	_, stopInGuest, err := r.stage(context.Background(), "true\n")
+	require.False(t, stopInGuest)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "stopped answering SSH keepalives")
 	require.Less(t, time.Since(start), time.Second, "no new connect timeout to wait for")
@@ -224,10 +224,10 @@ func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
 func TestLostConnectionIsMadeAgain(t *testing.T) {
 	r := startHolder(t, nil)
 	r.ts.DropOn("DROP-NOW")
-	_, err, _ := r.stage(context.Background(), "echo DROP-NOW\nsleep 5\n")
+	_, _, err := r.stage(context.Background(), "echo DROP-NOW\nsleep 5\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	r.ts.DropOn("")
-	out, err, _ := r.stage(context.Background(), "echo again\n")
+	out, _, err := r.stage(context.Background(), "echo again\n")
 	require.NoError(t, err)
 	require.Equal(t, "again\n", out)
 	require.EqualValues(t, 2, r.dials.Load())
@@ -243,7 +243,7 @@ func TestHolderEndsWithItsMachine(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the holder outlived its machine")
 	}
-	_, err, _ := r.stage(context.Background(), "true\n")
+	_, _, err := r.stage(context.Background(), "true\n")
 	require.ErrorIs(t, err, ErrUnavailable)
 }
 
