@@ -29,11 +29,13 @@ type rig struct {
 	done   chan error
 	alive  atomic.Bool
 	dials  atomic.Int32
+	// firstGone is closed when the holder's first connection has ended.
+	firstGone chan struct{}
 }
 
 func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	t.Helper()
-	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1)}
+	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1), firstGone: make(chan struct{})}
 	r.alive.Store(true)
 	dir, err := os.MkdirTemp("", "lveh")
 	require.NoError(t, err)
@@ -48,8 +50,12 @@ func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	}
 	s := &Server{
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			r.dials.Add(1)
-			return sshexec.Dial(ctx, tg)
+			n := r.dials.Add(1)
+			c, err := sshexec.Dial(ctx, tg)
+			if err == nil && n == 1 {
+				go func() { _ = c.Wait(); close(r.firstGone) }()
+			}
+			return c, err
 		},
 		Alive:      r.alive.Load,
 		CheckEvery: 50 * time.Millisecond,
@@ -105,10 +111,13 @@ func TestLargeScriptAndOutput(t *testing.T) {
 func TestCancelStopsTheScriptInTheGuest(t *testing.T) {
 	r := startHolder(t, nil)
 	marker := filepath.Join(t.TempDir(), "child.pid")
-	ctx, cancel := context.WithCancel(context.Background())
-	go waitFileThen(marker, cancel)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	seen := make(chan error, 1)
+	go func() { seen <- waitFile(ctx, marker); cancel() }()
 	start := time.Now()
 	_, stopInGuest, err := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.NoError(t, <-seen)
 	require.False(t, stopInGuest)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
 	require.Less(t, time.Since(start), 10*time.Second)
@@ -123,7 +132,9 @@ func TestStageProcessGoneStopsTheScript(t *testing.T) {
 	tag, _ := sshexec.NewTag()
 	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: tag, Shell: "bash",
 		Script: []byte(fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker)), KillGrace: time.Second}))
-	waitFileThen(marker, func() {})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, waitFile(ctx, marker))
 	require.NoError(t, conn.Close()) // as if the run stage were SIGKILLed
 	requireGone(t, marker)
 }
@@ -212,7 +223,11 @@ func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
 	_, _, err := r.stage(context.Background(), "true\n")
 	require.NoError(t, err)
 	r.ts.Freeze(true) // the guest dies while only the holder is connected
-	time.Sleep(time.Second)
+	select {          // the holder's keepalive declares the frozen guest dead and closes the connection
+	case <-r.firstGone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the holder's connection to a frozen guest did not end")
+	}
 	start := time.Now()
 	_, stopInGuest, err := r.stage(context.Background(), "true\n")
 	require.False(t, stopInGuest)
@@ -323,13 +338,19 @@ func fakeHolder(t *testing.T, serve func(net.Conn)) string {
 	return sock
 }
 
-func waitFileThen(path string, then func()) {
-	for range 500 {
+// waitFile waits until path holds something, or ctx ends (an error).
+func waitFile(ctx context.Context, path string) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
 		if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
-			then()
-			return
+			return nil
 		}
-		time.Sleep(20 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s was never written (%w)", path, context.Cause(ctx))
+		case <-tick.C:
+		}
 	}
 }
 
