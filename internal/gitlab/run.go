@@ -36,7 +36,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		e.Report.Machine(jm.Name, mach.Image)
 	}
 	var span time.Duration
-	err, held := runHeld(ctx, e, j, jm.Name, script, &span)
+	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
 	if !held {
 		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
 	}
@@ -71,25 +71,25 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 // false when the stage did not run there (holders are off, or the holder
 // is gone or could not take it; the job log says which): then nothing of
 // it was started, and the caller connects directly.
-func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, span *time.Duration) (err error, held bool) {
+func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, span *time.Duration) (held bool, err error) {
 	if !j.cfg.SSH.HolderEnabled() {
-		return nil, false
+		return false, nil
 	}
 	mach, err := j.m.Store.Record(name)
 	if err != nil {
-		return nil, false // the direct path reports it
+		return false, nil // the direct path reports it
 	}
 	tag, err := sshexec.NewTag()
 	if err != nil {
-		return exitcodes.System(err), true
+		return true, exitcodes.System(err)
 	}
-	err, mid := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
+	mid, err := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
 		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
 	})
 	if errors.Is(err, holder.ErrUnavailable) {
 		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
 		j.log.Warn("stage connects directly", "err", err)
-		return nil, false
+		return false, nil
 	}
 	if mid {
 		// The holder ended during the stage: the script may still run in
@@ -109,7 +109,7 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, spa
 		}
 		err = exitcodes.System(err)
 	}
-	return err, true
+	return true, err
 }
 
 // runDirect runs the stage over a connection of its own.

@@ -40,13 +40,13 @@ const connectWait = 2 * time.Second
 // nothing of the stage was started in the guest (no holder, or it could not
 // take the stage): the caller may connect directly. Any other failure after
 // the request was sent is a system failure, since the script may have
-// started: mid is then true, and the caller should stop the script in the
-// guest itself (sshexec.Client.StopStage with the stage's Tag).
-func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool) {
+// started: stopInGuest is then true, and the caller should stop the script
+// in the guest itself (sshexec.Client.StopStage with the stage's Tag).
+func RunStage(ctx context.Context, socket string, st Stage) (stopInGuest bool, err error) {
 	d := net.Dialer{Timeout: connectWait}
 	conn, err := d.DialContext(ctx, "unix", socket)
 	if err != nil {
-		return fmt.Errorf("%w: %v", ErrUnavailable, err), false
+		return false, fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	defer conn.Close()
 	grace := st.KillGrace
@@ -67,7 +67,7 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 	if err := writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
 		// The holder starts a script only after it read the whole request
 		// and said so (frameStarted): nothing ran.
-		return fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err), false
+		return false, fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err)
 	}
 	stdout, stderr := orDiscard(st.Stdout), orDiscard(st.Stderr)
 	started := false
@@ -77,12 +77,12 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 			if !started {
 				// Ended before it said it starts the script (a holder that
 				// exited before it took the stage, or could not start it).
-				return fmt.Errorf("%w: it ended before it took the stage: %v", ErrUnavailable, err), false
+				return false, fmt.Errorf("%w: it ended before it took the stage: %v", ErrUnavailable, err)
 			}
 			// The holder ended (or hung past the cancel's wait) after it
 			// may have started the script: the caller stops it in the
 			// guest itself.
-			return exitcodes.System(fmt.Errorf("%w: %v", ErrEnded, err)), true
+			return true, exitcodes.System(fmt.Errorf("%w: %v", ErrEnded, err))
 		}
 		switch kind {
 		case frameStarted:
@@ -94,14 +94,14 @@ func RunStage(ctx context.Context, socket string, st Stage) (err error, mid bool
 		case frameResult:
 			var r Result
 			if err := json.Unmarshal(b, &r); err != nil {
-				return exitcodes.System(fmt.Errorf("bad result from the connection holder: %v", err)), true
+				return true, exitcodes.System(fmt.Errorf("bad result from the connection holder: %v", err))
 			}
 			if st.Span != nil {
 				*st.Span = time.Duration(r.SpanNs)
 			}
-			return r.err(), false
+			return false, r.err()
 		default:
-			return exitcodes.System(fmt.Errorf("unexpected frame %q from the connection holder", kind)), true
+			return true, exitcodes.System(fmt.Errorf("unexpected frame %q from the connection holder", kind))
 		}
 	}
 }

@@ -29,11 +29,13 @@ type rig struct {
 	done   chan error
 	alive  atomic.Bool
 	dials  atomic.Int32
+	// firstGone is closed when the holder's first connection has ended.
+	firstGone chan struct{}
 }
 
 func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	t.Helper()
-	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1)}
+	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1), firstGone: make(chan struct{})}
 	r.alive.Store(true)
 	dir, err := os.MkdirTemp("", "lveh")
 	require.NoError(t, err)
@@ -48,8 +50,12 @@ func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	}
 	s := &Server{
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			r.dials.Add(1)
-			return sshexec.Dial(ctx, tg)
+			n := r.dials.Add(1)
+			c, err := sshexec.Dial(ctx, tg)
+			if err == nil && n == 1 {
+				go func() { _ = c.Wait(); close(r.firstGone) }()
+			}
+			return c, err
 		},
 		Alive:      r.alive.Load,
 		CheckEvery: 50 * time.Millisecond,
@@ -69,18 +75,18 @@ func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 	return r
 }
 
-func (r *rig) stage(ctx context.Context, script string) (string, error, bool) {
-	var out, errb sshtest.Buffer
+func (r *rig) stage(ctx context.Context, script string) (out string, stopInGuest bool, err error) {
+	var stdout, errb sshtest.Buffer
 	tag, _ := sshexec.NewTag()
-	err, mid := RunStage(ctx, r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte(script), Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
-	return out.String(), err, mid
+	stopInGuest, err = RunStage(ctx, r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte(script), Stdout: &stdout, Stderr: &errb, KillGrace: 2 * time.Second})
+	return stdout.String(), stopInGuest, err
 }
 
 func TestStagesShareOneConnection(t *testing.T) {
 	r := startHolder(t, nil)
 	for i, code := range []int{0, 3, 0, 42} {
-		out, err, mid := r.stage(context.Background(), fmt.Sprintf("echo stage %d\necho to-stderr >&2\nexit %d\n", i, code))
-		require.False(t, mid)
+		out, stopInGuest, err := r.stage(context.Background(), fmt.Sprintf("echo stage %d\necho to-stderr >&2\nexit %d\n", i, code))
+		require.False(t, stopInGuest)
 		require.Equal(t, fmt.Sprintf("stage %d\nto-stderr\n", i), out, "output in order, stderr merged as with a direct connection")
 		if code == 0 {
 			require.NoError(t, err)
@@ -97,7 +103,7 @@ func TestStagesShareOneConnection(t *testing.T) {
 func TestLargeScriptAndOutput(t *testing.T) {
 	r := startHolder(t, nil)
 	big := strings.Repeat("x", 1<<20)
-	out, err, _ := r.stage(context.Background(), "# "+big+"\nhead -c 3000000 /dev/zero | tr '\\0' y\n")
+	out, _, err := r.stage(context.Background(), "# "+big+"\nhead -c 3000000 /dev/zero | tr '\\0' y\n")
 	require.NoError(t, err)
 	require.Len(t, out, 3000000)
 }
@@ -105,11 +111,14 @@ func TestLargeScriptAndOutput(t *testing.T) {
 func TestCancelStopsTheScriptInTheGuest(t *testing.T) {
 	r := startHolder(t, nil)
 	marker := filepath.Join(t.TempDir(), "child.pid")
-	ctx, cancel := context.WithCancel(context.Background())
-	go waitFileThen(marker, cancel)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	seen := make(chan error, 1)
+	go func() { seen <- waitFile(ctx, marker); cancel() }()
 	start := time.Now()
-	_, err, mid := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
-	require.False(t, mid)
+	_, stopInGuest, err := r.stage(ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.NoError(t, <-seen)
+	require.False(t, stopInGuest)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
 	require.Less(t, time.Since(start), 10*time.Second)
 	requireGone(t, marker)
@@ -123,32 +132,34 @@ func TestStageProcessGoneStopsTheScript(t *testing.T) {
 	tag, _ := sshexec.NewTag()
 	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: tag, Shell: "bash",
 		Script: []byte(fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker)), KillGrace: time.Second}))
-	waitFileThen(marker, func() {})
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	require.NoError(t, waitFile(ctx, marker))
 	require.NoError(t, conn.Close()) // as if the run stage were SIGKILLed
 	requireGone(t, marker)
 }
 
 func TestNoHolderIsUnavailable(t *testing.T) {
 	dir := t.TempDir()
-	err, mid := RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	stopInGuest, err := RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 	// A socket left by a holder that died between stages.
 	ln, err := net.Listen("unix", Socket(dir))
 	require.NoError(t, err)
 	ln.(*net.UnixListener).SetUnlinkOnClose(false)
 	require.NoError(t, ln.Close())
-	err, mid = RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
+	stopInGuest, err = RunStage(context.Background(), Socket(dir), Stage{Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 }
 
 func TestHolderThatCannotConnectIsUnavailable(t *testing.T) {
 	r := startHolder(t, func(tg *sshexec.Target) { tg.HostKey = sshtest.NewSigner(t).PublicKey() })
-	_, err, mid := r.stage(context.Background(), "true\n")
+	_, stopInGuest, err := r.stage(context.Background(), "true\n")
 	require.ErrorIs(t, err, ErrUnavailable, "nothing ran: the stage may connect directly")
 	require.ErrorContains(t, err, "host key mismatch")
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 	require.Empty(t, r.ts.Commands())
 }
 
@@ -160,8 +171,8 @@ func TestHolderDyingMidStageIsSystemFailure(t *testing.T) {
 		_ = c.Close() // SIGKILLed after it started the stage
 	})
 	var out sshtest.Buffer
-	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
-	require.True(t, mid, "the caller must stop the script in the guest itself")
+	stopInGuest, err := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true"), Stdout: &out})
+	require.True(t, stopInGuest, "the caller must stop the script in the guest itself")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.NotErrorIs(t, err, ErrUnavailable, "it may have run: never retried as if it had not")
 	require.Equal(t, "half", out.String())
@@ -175,9 +186,9 @@ func TestHolderEndingBeforeItStartedIsUnavailable(t *testing.T) {
 		_, _, _ = readFrame(c, 1<<20)
 		_ = c.Close()
 	})
-	err, mid := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true")})
+	stopInGuest, err := RunStage(context.Background(), sock, Stage{Tag: "0123456789abcdef", Script: []byte("true")})
 	require.ErrorIs(t, err, ErrUnavailable)
-	require.False(t, mid)
+	require.False(t, stopInGuest)
 }
 
 // A holder that does not read: the stage's cancel still ends it (a large
@@ -197,7 +208,7 @@ func TestCancelWhileTheHolderDoesNotRead(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	err, _ = RunStage(ctx, Socket(dir), Stage{Tag: "0123456789abcdef", Script: make([]byte, 8<<20), KillGrace: time.Second})
+	_, err = RunStage(ctx, Socket(dir), Stage{Tag: "0123456789abcdef", Script: make([]byte, 8<<20), KillGrace: time.Second})
 	require.Error(t, err)
 	require.Less(t, time.Since(start), 15*time.Second, "bounded by the cancel")
 	select {
@@ -209,13 +220,17 @@ func TestCancelWhileTheHolderDoesNotRead(t *testing.T) {
 
 func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
 	r := startHolder(t, func(tg *sshexec.Target) { tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3 })
-	_, err, _ := r.stage(context.Background(), "true\n")
+	_, _, err := r.stage(context.Background(), "true\n")
 	require.NoError(t, err)
 	r.ts.Freeze(true) // the guest dies while only the holder is connected
-	time.Sleep(time.Second)
+	select {          // the holder's keepalive declares the frozen guest dead and closes the connection
+	case <-r.firstGone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the holder's connection to a frozen guest did not end")
+	}
 	start := time.Now()
-	_, err, mid := r.stage(context.Background(), "true\n")
-	require.False(t, mid)
+	_, stopInGuest, err := r.stage(context.Background(), "true\n")
+	require.False(t, stopInGuest)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "stopped answering SSH keepalives")
 	require.Less(t, time.Since(start), time.Second, "no new connect timeout to wait for")
@@ -224,10 +239,10 @@ func TestDeadGuestFailsTheNextStageFast(t *testing.T) {
 func TestLostConnectionIsMadeAgain(t *testing.T) {
 	r := startHolder(t, nil)
 	r.ts.DropOn("DROP-NOW")
-	_, err, _ := r.stage(context.Background(), "echo DROP-NOW\nsleep 5\n")
+	_, _, err := r.stage(context.Background(), "echo DROP-NOW\nsleep 5\n")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	r.ts.DropOn("")
-	out, err, _ := r.stage(context.Background(), "echo again\n")
+	out, _, err := r.stage(context.Background(), "echo again\n")
 	require.NoError(t, err)
 	require.Equal(t, "again\n", out)
 	require.EqualValues(t, 2, r.dials.Load())
@@ -243,7 +258,7 @@ func TestHolderEndsWithItsMachine(t *testing.T) {
 	case <-time.After(5 * time.Second):
 		t.Fatal("the holder outlived its machine")
 	}
-	_, err, _ := r.stage(context.Background(), "true\n")
+	_, _, err := r.stage(context.Background(), "true\n")
 	require.ErrorIs(t, err, ErrUnavailable)
 }
 
@@ -323,13 +338,19 @@ func fakeHolder(t *testing.T, serve func(net.Conn)) string {
 	return sock
 }
 
-func waitFileThen(path string, then func()) {
-	for range 500 {
+// waitFile waits until path holds something, or ctx ends (an error).
+func waitFile(ctx context.Context, path string) error {
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
 		if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
-			then()
-			return
+			return nil
 		}
-		time.Sleep(20 * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("%s was never written (%w)", path, context.Cause(ctx))
+		case <-tick.C:
+		}
 	}
 }
 

@@ -8,6 +8,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -107,6 +108,33 @@ func pidAlive(pid string) bool {
 	return len(f) > 2 && f[2] != "Z"
 }
 
+// cancelOnceWritten cancels once path holds something (a script wrote its
+// child's pid there), polling until ctx ends; either way it cancels. The
+// channel says, once, whether the file was seen: the test goroutine reads
+// it after the stage, so that a marker that never came fails the test
+// (bounded by ctx) instead of leaving a goroutine polling forever.
+func cancelOnceWritten(ctx context.Context, path string, cancel context.CancelFunc) <-chan error {
+	seen := make(chan error, 1)
+	go func() {
+		defer cancel()
+		tick := time.NewTicker(20 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			if b, err := os.ReadFile(path); err == nil && len(b) > 0 {
+				seen <- nil
+				return
+			}
+			select {
+			case <-ctx.Done():
+				seen <- fmt.Errorf("%s was never written (%w)", path, context.Cause(ctx))
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return seen
+}
+
 func readPid(t *testing.T, path string) string {
 	t.Helper()
 	b, err := os.ReadFile(path)
@@ -170,8 +198,13 @@ func TestBackgroundProcessDoesNotHoldTheStage(t *testing.T) {
 func TestDetachedProcessCannotHoldTheStage(t *testing.T) {
 	eachLoginShell(t, func(t *testing.T, ts *sshtest.Server) {
 		c := dial(t, target(ts))
-		pidfile := filepath.Join(t.TempDir(), "bg.pid")
-		script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; while true; do echo tick; sleep 0.2; done' &\nsleep 0.5\necho started\n", pidfile)
+		dir := t.TempDir()
+		pidfile, ticks := filepath.Join(dir, "bg.pid"), filepath.Join(dir, "ticks")
+		// Each tick is counted in a file only after it was written to the
+		// stage's output: a count that grows after the stage proves that
+		// the writes still succeed (no SIGPIPE).
+		script := fmt.Sprintf("setsid bash -c 'echo $$ > %s; i=0; while true; do echo tick; i=$((i+1)); echo $i > %s.new; mv %s.new %s; sleep 0.05; done' &\nsleep 0.5\necho started\n",
+			pidfile, ticks, ticks, ticks)
 		ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 		defer cancel()
 		start := time.Now()
@@ -185,7 +218,14 @@ func TestDetachedProcessCannotHoldTheStage(t *testing.T) {
 		require.NoError(t, err)
 		defer func() { _ = p.Kill() }()
 		// It keeps writing after the stage: it must not die of SIGPIPE.
-		time.Sleep(1500 * time.Millisecond)
+		count := func() int {
+			b, _ := os.ReadFile(ticks)
+			n, _ := strconv.Atoi(strings.TrimSpace(string(b)))
+			return n
+		}
+		after := count()
+		require.Eventually(t, func() bool { return count() >= after+10 }, 10*time.Second, 20*time.Millisecond,
+			"the detached process keeps writing after the stage (%d ticks at its end)", after)
 		require.True(t, pidAlive(pid), "a detached process survives the stage")
 	})
 }
@@ -342,19 +382,13 @@ func TestCancelKillsRemoteProcessGroup(t *testing.T) {
 func testCancelKillsRemoteProcessGroup(t *testing.T, ts *sshtest.Server) {
 	c := dial(t, target(ts))
 	marker := filepath.Join(t.TempDir(), "child.pid")
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
 	script := fmt.Sprintf("#!/usr/bin/env bash\ntrap exit 1 TERM\nsleep 300 &\necho $! > %s\necho started\nwait\n", marker)
-	go func() {
-		for {
-			if b, err := os.ReadFile(marker); err == nil && len(b) > 0 {
-				cancel()
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}()
+	seen := cancelOnceWritten(ctx, marker, cancel)
 	start := time.Now()
 	_, _, err := run(c, ctx, script)
+	require.NoError(t, <-seen)
 	require.Error(t, err)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "a cancel is never the script's failure: %v", err)
 	require.Less(t, time.Since(start), 10*time.Second)
@@ -508,18 +542,12 @@ func TestWithoutSetsid(t *testing.T) {
 		}
 	}()
 
-	ctx, cancel := context.WithCancel(context.Background())
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
 	marker := filepath.Join(t.TempDir(), "child.pid")
-	go func() {
-		for {
-			if b, err := os.ReadFile(marker); err == nil && len(b) > 0 {
-				cancel()
-				return
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}()
+	seen := cancelOnceWritten(ctx, marker, cancel)
 	_, _, err = run(c, ctx, fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker))
+	require.NoError(t, <-seen)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.NotContains(t, err.Error(), "stopping it in the guest failed")
 	pid := readPid(t, marker)
@@ -542,8 +570,7 @@ func TestProbe(t *testing.T) {
 				}
 				go func() {
 					defer c.Close()
-					_, _ = io.WriteString(c, greeting)
-					time.Sleep(time.Second)
+					_, _ = io.WriteString(c, greeting) // then EOF: what was sent is all there is
 				}()
 			}
 		}()

@@ -58,6 +58,21 @@ func waitReady(tg Target, interval time.Duration) <-chan waitResult {
 	return done
 }
 
+// realDial connects to addr as WaitReady does by default.
+func realDial(addr string) func(ctx context.Context) (net.Conn, error) {
+	return func(ctx context.Context) (net.Conn, error) {
+		var d net.Dialer
+		return d.DialContext(ctx, "tcp", addr)
+	}
+}
+
+// awaitAttempts waits until log holds at least n ended attempts.
+func awaitAttempts(t *testing.T, log *attemptLog, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool { return len(log.durations()) >= n }, 5*time.Second, 5*time.Millisecond,
+		"WaitReady made %d attempts, want %d", len(log.durations()), n)
+}
+
 // (a) A server that starts listening while WaitReady polls (the guest's
 // sshd starting after its lease) is found within about one interval.
 func TestWaitReadyFindsALateListenerWithinAnInterval(t *testing.T) {
@@ -66,8 +81,11 @@ func TestWaitReadyFindsALateListenerWithinAnInterval(t *testing.T) {
 	sock, addr := boundSocket(t)
 	tg := target(ts)
 	tg.Addr = addr
+	var log attemptLog
+	tg.dialTCP = log.dial(realDial(addr))
 	done := waitReady(tg, interval)
-	time.Sleep(300 * time.Millisecond)
+	// Refused attempts first: it listens only after WaitReady was refused.
+	awaitAttempts(t, &log, 4)
 	accepted := make(chan time.Time, 1)
 	ln := listen(t, sock, 128)
 	appeared := time.Now()
@@ -99,8 +117,12 @@ func TestWaitReadyGetsPastALostSYN(t *testing.T) {
 
 	tg := target(ts)
 	tg.Addr = addr
+	var log attemptLog
+	tg.dialTCP = log.dial(realDial(addr))
 	done := waitReady(tg, interval)
-	time.Sleep(300 * time.Millisecond)
+	// An attempt whose SYN was dropped has been abandoned (an attempt is
+	// logged when it ends) before the queue has room again.
+	awaitAttempts(t, &log, 1)
 	first, err := ln.Accept() // the filler: the queue has room again
 	require.NoError(t, err)
 	_ = first.Close()

@@ -1,0 +1,100 @@
+package sshexec
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// OutputLimit is how much of a command's stdout Output keeps: the first
+// 64 KiB. Output runs only the driver's own short commands (the group kill,
+// StopStage, the guest tools check), whose answers are a few lines; a guest
+// that answers with more (its login shell replaced, a ForceCommand, a
+// compromised guest answering "cat /dev/zero") is hostile or broken, and
+// what it sends beyond the limit is read and dropped, never kept.
+const OutputLimit = 64 << 10
+
+// stderrLimit is how much of a command's stderr Output keeps for the error
+// of a non-zero exit (the first 4 KiB: an error message, not a log).
+const stderrLimit = 4 << 10
+
+// capped keeps the first limit bytes written to it and drops the rest,
+// while accepting every write: the SSH channel is drained, so its window
+// keeps moving and the guest's exit status still arrives after a flood.
+type capped struct {
+	limit int
+	b     []byte
+}
+
+func (w *capped) Write(p []byte) (int, error) {
+	if room := w.limit - len(w.b); room > 0 {
+		w.b = append(w.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+// Output runs a fixed command (never built from job input) and returns its
+// stdout, at most OutputLimit bytes of it: the rest is read and dropped. A
+// non-zero exit is returned as an error mentioning stderr (its first 4 KiB).
+//
+// Output returns when ctx ends, whatever the guest is still doing: the
+// command's channel is closed and nothing the guest sends after that is
+// kept. The error then wraps context.Cause(ctx). The connection stays
+// usable.
+func (c *Client) Output(ctx context.Context, cmd string) ([]byte, error) {
+	if ctx.Err() != nil {
+		return nil, fmt.Errorf("command not started: %w", context.Cause(ctx))
+	}
+	out, errb := &capped{limit: OutputLimit}, &capped{limit: stderrLimit}
+	// Opening the channel and the exec request each wait for the guest's
+	// answer, which a hostile guest may never give: they run aside, and a
+	// session that comes after ctx ended is closed unused.
+	type started struct {
+		s   *session
+		err error
+	}
+	ready := make(chan started, 1)
+	go func() {
+		s, err := c.start(cmd, strings.NewReader(""), out, errb)
+		ready <- started{s, err}
+	}()
+	var s *session
+	select {
+	case r := <-ready:
+		if r.err != nil {
+			return nil, r.err
+		}
+		s = r.s
+	case <-ctx.Done():
+		go func() {
+			if r := <-ready; r.s != nil {
+				r.s.close()
+			}
+		}()
+		return nil, fmt.Errorf("the guest did not start the command: %w", context.Cause(ctx))
+	}
+	defer s.close()
+	var res exitResult
+	select {
+	case res = <-s.exited:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("the guest's command did not end: %w", context.Cause(ctx))
+	}
+	// The rest of the output may still be on its way (sshd sends the exit
+	// status when the command ends, the output's end when its pipes do).
+	select {
+	case <-s.drained:
+	case <-ctx.Done():
+		return nil, fmt.Errorf("the guest's command ended but its output did not: %w", context.Cause(ctx))
+	}
+	switch {
+	case !res.ok:
+		return nil, c.lost(errors.New("the command ended without an exit status"))
+	case res.signal != "":
+		return out.b, fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.b)))
+	case res.status != 0:
+		return out.b, fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.b)))
+	}
+	return out.b, nil
+}

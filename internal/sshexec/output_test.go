@@ -1,0 +1,84 @@
+package sshexec
+
+import (
+	"context"
+	"runtime"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+)
+
+// heapPeak samples the heap until stop is closed and returns the largest
+// HeapInuse seen over the one before it began.
+func heapPeak(stop <-chan struct{}) <-chan uint64 {
+	var ms runtime.MemStats
+	runtime.GC()
+	runtime.ReadMemStats(&ms)
+	base := ms.HeapInuse
+	peak := make(chan uint64, 1)
+	go func() {
+		var most uint64
+		tick := time.NewTicker(5 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			runtime.ReadMemStats(&ms)
+			if ms.HeapInuse > base && ms.HeapInuse-base > most {
+				most = ms.HeapInuse - base
+			}
+			select {
+			case <-stop:
+				peak <- most
+				return
+			case <-tick.C:
+			}
+		}
+	}()
+	return peak
+}
+
+// A hostile guest (its login shell replaced, or a ForceCommand) answers the
+// group kill's command with endless output and never exits. Output keeps a
+// bounded part of it and returns when its context ends, at once: before, it
+// kept everything (about 1 GiB per call) and returned seconds late.
+func TestOutputFromAGuestThatNeverStopsTalking(t *testing.T) {
+	ts := sshtest.Start(t)
+	ts.SetLogin("sh", "-c", "exec cat /dev/zero") // runs instead of any command
+	c := dial(t, target(ts))
+	const wait = 2 * time.Second
+	ctx, cancel := context.WithTimeout(context.Background(), wait)
+	defer cancel()
+	stop := make(chan struct{})
+	peak := heapPeak(stop)
+	start := time.Now()
+	out, err := c.Output(ctx, "kill -TERM -1234")
+	took := time.Since(start)
+	close(stop)
+	grew := <-peak
+	t.Logf("Output returned after %s; the heap grew by at most %d KiB", took.Round(time.Millisecond), grew>>10)
+	require.Less(t, took, wait+time.Second, "Output returns when its context ends")
+	require.Less(t, grew, uint64(64<<20), "the heap grew by %d MiB while the guest talked", grew>>20)
+	require.LessOrEqual(t, len(out), OutputLimit)
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.NoError(t, c.Dead(), "the connection itself stays usable")
+}
+
+// A guest that answers with a lot of output and exits: Output returns the
+// first OutputLimit bytes of it, not all of it.
+func TestOutputKeepsABoundedPart(t *testing.T) {
+	ts := sshtest.Start(t)
+	ts.SetLogin("sh", "-c", "head -c 1000000 /dev/zero; echo lots-of-noise >&2; head -c 1000000 /dev/zero >&2")
+	c := dial(t, target(ts))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	out, err := c.Output(ctx, "true")
+	require.NoError(t, err)
+	require.Equal(t, OutputLimit, len(out), "the first OutputLimit bytes of 1 MB")
+
+	ts.SetLogin("sh", "-c", "echo nope >&2; head -c 1000000 /dev/zero >&2; exit 3")
+	_, err = c.Output(ctx, "true")
+	require.ErrorContains(t, err, "exit status 3: nope")
+	require.Less(t, len(err.Error()), 2*stderrLimit, "the error keeps a bounded part of stderr")
+}
