@@ -99,10 +99,10 @@ func (f *suiteFigures) begin(t *testing.T) {
 		if f.roundsDone < f.round {
 			f.roundsDone = f.round
 			f.printLocked(fmt.Sprintf("fault suite figures after round %d (cumulative)", f.roundsDone))
-			f.saveLocked()
 		}
 		f.round++
 		f.topTests = nil
+		f.saveLocked()
 	}
 	if f.round == 1 && !slices.Contains(f.order, root) {
 		f.order = append(f.order, root)

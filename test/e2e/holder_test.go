@@ -309,8 +309,19 @@ func TestFaultReaperKilled(t *testing.T) {
 			// Which of the states it is in depends on how far the reaper
 			// got before the signal landed (libvirtd finishes a destroy
 			// it was asked for): paused by cleanup, shut off by the
-			// reaper's destroy, or gone. Never running.
-			if st, found := r.domainRunState(t, name); found {
+			// reaper's destroy, or gone. Never running. While the destroy
+			// is under way libvirt reports "being shut down" (4: QEMU's
+			// SHUTDOWN event on the destroy's SIGTERM) for the paused
+			// guest: that ends shut off or gone.
+			st, found := r.domainRunState(t, name)
+			if found && st == libvirt.DOMAIN_SHUTDOWN {
+				t.Logf("%s is being shut down (the killed reaper's destroy)", name)
+				waitFor(t, 30*time.Second, "the destroy under way to end", func() bool {
+					st, found = r.domainRunState(t, name)
+					return !found || st != libvirt.DOMAIN_SHUTDOWN
+				})
+			}
+			if found {
 				require.Contains(t, []libvirt.DomainState{libvirt.DOMAIN_PAUSED, libvirt.DOMAIN_SHUTOFF}, st,
 					"the VM a killed reaper left is paused (3) or shut off (5) until it is removed, got %d", st)
 			}
