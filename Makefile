@@ -78,11 +78,12 @@ test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; i
 	  deploy/rig/stop.sh; exit $$rc
 
 SOAK_ROUNDS ?= 20
-soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; installs what it needs; not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each)
+soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; installs what it needs; not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each; cumulative figures after every round, and in $(BIN)/soak-figures.json after every test)
 	@deploy/rig/start.sh
-	@set -o pipefail; rc=0; \
+	@set -o pipefail; rc=0; rm -f $(BIN)/soak-figures.json; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
-	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite|faulted|leaks|exit class|detection' || rc=$$?; \
+	    LVE_E2E_FIGURES=$(CURDIR)/$(BIN)/soak-figures.json \
+	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite figures|faulted jobs|leaks found|exit class correct|dead-guest detection|  rounds: |figures file' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 demo: deps build ## run a sample job end to end on a real VM, cold, then again warm from a standby pool (root; installs what it needs)

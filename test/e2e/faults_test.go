@@ -5,6 +5,8 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
+	"errors"
 	"fmt"
 	"math/rand/v2"
 	"os"
@@ -23,6 +25,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // withConfig returns a view of the rig whose configuration file is a copy
@@ -133,6 +136,76 @@ func (rn *running) catches(sig syscall.Signal) bool {
 	return mask&(1<<(uint(sig)-1)) != 0
 }
 
+// pending reports whether sig is still pending for the process (SigPnd or
+// ShdPnd in /proc/PID/status): once it is not, a thread took it, with the
+// handler the process installed (catches).
+func (rn *running) pending(sig syscall.Signal) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", rn.cmd.Process.Pid))
+	if err != nil {
+		return false // gone
+	}
+	for _, m := range regexp.MustCompile(`(?m)^(?:SigPnd|ShdPnd):\s*([0-9a-f]+)$`).FindAllSubmatch(b, -1) {
+		var mask uint64
+		_, _ = fmt.Sscanf(string(m[1]), "%x", &mask)
+		if mask&(1<<(uint(sig)-1)) != 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// openWatch counts the opens of one file (inotify IN_OPEN) from its start.
+type openWatch struct {
+	fd int
+	n  int
+}
+
+func watchOpens(t *testing.T, path string) *openWatch {
+	t.Helper()
+	fd, err := syscall.InotifyInit1(syscall.IN_CLOEXEC | syscall.IN_NONBLOCK)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = syscall.Close(fd) })
+	_, err = syscall.InotifyAddWatch(fd, path, syscall.IN_OPEN)
+	require.NoError(t, err, "watch %s", path)
+	return &openWatch{fd: fd}
+}
+
+// count is the number of opens so far.
+func (w *openWatch) count(t *testing.T) int {
+	t.Helper()
+	buf := make([]byte, 64*(syscall.SizeofInotifyEvent+syscall.NAME_MAX+1))
+	for {
+		n, err := syscall.Read(w.fd, buf)
+		if errors.Is(err, syscall.EAGAIN) || n <= 0 {
+			return w.n
+		}
+		require.NoError(t, err)
+		for off := 0; off+syscall.SizeofInotifyEvent <= n; {
+			mask := binary.NativeEndian.Uint32(buf[off+4:])
+			nameLen := binary.NativeEndian.Uint32(buf[off+12:])
+			if mask&syscall.IN_OPEN != 0 {
+				w.n++
+			}
+			off += syscall.SizeofInotifyEvent + int(nameLen)
+		}
+	}
+}
+
+// ownerDeadline is the deadline in the ownership record of the domain name
+// (when a sweep may remove it).
+func (r *rig) ownerDeadline(t *testing.T, name string) time.Time {
+	t.Helper()
+	d, err := r.conn.LookupDomainByName(name)
+	require.NoError(t, err)
+	defer d.Free()
+	x, err := d.GetMetadata(libvirt.DOMAIN_METADATA_ELEMENT, vm.OwnerNamespace, libvirt.DOMAIN_AFFECT_CONFIG)
+	require.NoError(t, err, "the ownership record of %s", name)
+	o, err := vm.ParseOwner(x)
+	require.NoError(t, err)
+	require.False(t, o.Deadline.IsZero(), "%s has a deadline", name)
+	return o.Deadline
+}
+
 func waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(within)
@@ -204,7 +277,11 @@ func TestFaultSIGKILLPrepare(t *testing.T) {
 				figures.class(res.code, 0)
 				require.Equal(t, 0, res.code)
 			} else {
-				time.Sleep(2500 * time.Millisecond) // past the deadline
+				// gc removes the machine once the deadline in its
+				// ownership record has passed (job timeout 1 s + 1 s).
+				deadline := r.ownerDeadline(t, name)
+				waitFor(t, 30*time.Second, "the machine's deadline ("+deadline.Format(time.RFC3339Nano)+") passed",
+					func() bool { return time.Now().After(deadline) })
 				out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
 				t.Logf("gc: %s", out)
 				require.NoError(t, err)
@@ -266,14 +343,18 @@ func TestFaultSIGTERM(t *testing.T) {
 		// Cleanup takes tens of milliseconds now (the reaper finishes the
 		// removal). The test holds the machine's lock, so cleanup waits for
 		// it mid-work when the signal comes; then lets it go.
-		unlock, err := state.Store{Dir: r.cfg.StateDir}.TryLock(s.name(t))
+		name := s.name(t)
+		unlock, err := state.Store{Dir: r.cfg.StateDir}.TryLock(name)
 		require.NoError(t, err)
+		// Cleanup tries the lock every 50 ms, opening its file each time:
+		// a second open means the first found it taken and cleanup waits.
+		opens := watchOpens(t, filepath.Join(r.cfg.StateDir, "locks", name+".lock"))
 		rn := s.start(t, "cleanup")
 		waitFor(t, 10*time.Second, "cleanup to catch SIGTERM", func() bool { return rn.catches(syscall.SIGTERM) })
-		time.Sleep(300 * time.Millisecond) // well into its wait for the lock
+		waitFor(t, time.Minute, "cleanup waiting for the machine's lock (its second try)", func() bool { return opens.count(t) >= 2 || rn.ended() })
 		require.False(t, rn.ended(), "cleanup waits for the machine's lock")
 		rn.signal(syscall.SIGTERM)
-		time.Sleep(300 * time.Millisecond)
+		waitFor(t, 10*time.Second, "SIGTERM delivered to cleanup (no longer pending)", func() bool { return !rn.pending(syscall.SIGTERM) })
 		unlock()
 		res := rn.wait(t, 60*time.Second)
 		figures.fault()

@@ -13,8 +13,10 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirt"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 )
 
 // holderPID is the running connection holder of the job's machine.
@@ -120,20 +122,28 @@ func TestFaultHolderKilledBetweenStages(t *testing.T) {
 func TestFaultGuestDiesWhileOnlyHolderConnected(t *testing.T) {
 	r := setup(t)
 	for _, tc := range []struct {
-		name   string
-		wait   time.Duration // between the guest's death and the stage
-		within time.Duration
+		name    string
+		noticed bool // the stage starts once the holder's keepalive gave the guest up
+		within  time.Duration
 	}{
-		{"stage right after", 0, 20 * time.Second},
-		{"stage after the holder noticed", 15 * time.Second, 5 * time.Second},
+		{"stage right after", false, 20 * time.Second},
+		{"stage after the holder noticed", true, 5 * time.Second},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			s := newStageRunner(t, r)
 			require.Equal(t, 0, s.run(t, "config").code)
 			require.Equal(t, 0, s.run(t, "prepare").code)
 			require.Equal(t, 0, s.runScript(t, "prepare_script", "echo alive\n").code)
+			pid := s.holderPID(t)
+			require.NotEmpty(t, tcpSockets(pid), "the holder is connected to the guest")
 			require.NoError(t, r.destroyJobDomain())
-			time.Sleep(tc.wait)
+			if tc.noticed {
+				// The keepalive closes the connection when it gives the
+				// guest up (9-12 s with the defaults); a destroyed guest
+				// never answers, so only that closes it.
+				waitFor(t, 30*time.Second, "the holder's keepalive to close its connection to the dead guest",
+					func() bool { return len(tcpSockets(pid)) == 0 })
+			}
 			t0 := time.Now()
 			res := s.runScript(t, "build_script", "echo never\n")
 			took := time.Since(t0)
@@ -146,6 +156,87 @@ func TestFaultGuestDiesWhileOnlyHolderConnected(t *testing.T) {
 			require.Equal(t, 0, s.run(t, "cleanup").code)
 		})
 	}
+}
+
+// domainRunState is the state of domain name, from one look (found is
+// false when there is no such domain, also when it went between the lookup
+// and the look at its state).
+func (r *rig) domainRunState(t *testing.T, name string) (st libvirt.DomainState, found bool) {
+	t.Helper()
+	d, err := r.conn.LookupDomainByName(name)
+	if lverr, ok := err.(libvirt.Error); ok && lverr.Code == libvirt.ERR_NO_DOMAIN {
+		return 0, false
+	}
+	require.NoError(t, err)
+	defer d.Free()
+	st, _, err = d.GetState()
+	if lverr, ok := err.(libvirt.Error); ok && lverr.Code == libvirt.ERR_NO_DOMAIN {
+		return 0, false
+	}
+	require.NoError(t, err)
+	return st, true
+}
+
+// holderProcesses lists the connection holders of machine name.
+func holderProcesses(name string) []string {
+	var found []string
+	for _, p := range driverProcesses(name) {
+		if strings.Contains(p, "("+lifecycle.HolderCommand+" ") {
+			found = append(found, p)
+		}
+	}
+	return found
+}
+
+// lockHeldBy reports whether process pid holds the lock of machine name
+// (its flock in /proc/locks, on the lock file now at the path).
+func (r *rig) lockHeldBy(name string, pid int) bool {
+	if pid == 0 {
+		return false
+	}
+	var st syscall.Stat_t
+	if err := syscall.Stat(filepath.Join(r.cfg.StateDir, "locks", name+".lock"), &st); err != nil {
+		return false
+	}
+	b, err := os.ReadFile("/proc/locks")
+	if err != nil {
+		return false
+	}
+	// "1: FLOCK  ADVISORY  WRITE 1234 fd:01:56789 0 EOF"
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) < 6 || f[1] != "FLOCK" || f[4] != fmt.Sprint(pid) {
+			continue
+		}
+		if dev := strings.Split(f[5], ":"); len(dev) == 3 && dev[2] == fmt.Sprint(st.Ino) {
+			return true
+		}
+	}
+	return false
+}
+
+// tcpSockets lists the TCP connections (remote addresses, as in
+// /proc/net/tcp) that process pid has open.
+func tcpSockets(pid int) []string {
+	inodes := map[string]bool{}
+	fds, _ := filepath.Glob(fmt.Sprintf("/proc/%d/fd/*", pid))
+	for _, fd := range fds {
+		if l, err := os.Readlink(fd); err == nil && strings.HasPrefix(l, "socket:[") {
+			inodes[strings.TrimSuffix(strings.TrimPrefix(l, "socket:["), "]")] = true
+		}
+	}
+	var found []string
+	for _, tab := range []string{"tcp", "tcp6"} {
+		b, _ := os.ReadFile(fmt.Sprintf("/proc/%d/net/%s", pid, tab))
+		for _, line := range strings.Split(string(b), "\n")[1:] {
+			// sl local rem st tx:rx tr:when retrnsmt uid timeout inode
+			f := strings.Fields(line)
+			if len(f) > 9 && inodes[f[9]] {
+				found = append(found, f[2])
+			}
+		}
+	}
+	return found
 }
 
 // reaperPID finds the reaper of the machine name (0 if none runs).
@@ -170,7 +261,12 @@ func TestFaultReaperKilled(t *testing.T) {
 		reached func(name string) bool
 	}{
 		{"at its start", func(string) bool { return true }},
-		{"during the destroy", func(name string) bool { time.Sleep(300 * time.Millisecond); e, _ := r.domainState(name); return e }},
+		// The reaper removes the machine under its lock: holding it with
+		// the domain still there, it is judging or destroying it.
+		{"during the destroy", func(name string) bool {
+			e, _ := r.domainState(name)
+			return e && r.lockHeldBy(name, reaperPID(name))
+		}},
 		{"after the domain is gone", func(name string) bool { e, _ := r.domainState(name); return !e }},
 	} {
 		t.Run(tc.point, func(t *testing.T) {
@@ -192,8 +288,12 @@ func TestFaultReaperKilled(t *testing.T) {
 				r.requireNoLeftovers(t, "after the reaper")
 				return
 			}
+			deadline = time.Now().Add(reaperWait)
 			for !tc.reached(name) && reaperPID(name) == pid {
-				time.Sleep(2 * time.Millisecond)
+				if time.Now().After(deadline) {
+					t.Fatalf("reaper %d neither reached %q nor ended within %s", pid, tc.point, reaperWait)
+				}
+				time.Sleep(2 * time.Millisecond) // the poll's interval
 			}
 			if reaperPID(name) != pid {
 				// Done before the point (never signal a pid that may
@@ -206,15 +306,27 @@ func TestFaultReaperKilled(t *testing.T) {
 			figures.fault()
 			t.Logf("cleanup took %s; reaper %d killed %s", took, pid, tc.point)
 			// What is left runs nothing, and nothing of the job reaches it.
-			if e, active := r.domainState(name); e && active {
-				d, err := r.conn.LookupDomainByName(name)
-				require.NoError(t, err)
-				st, _, err := d.GetState()
-				_ = d.Free()
-				require.NoError(t, err)
-				require.EqualValues(t, 3, st, "paused (VIR_DOMAIN_PAUSED) until it is removed")
+			// Which of the states it is in depends on how far the reaper
+			// got before the signal landed (libvirtd finishes a destroy
+			// it was asked for): paused by cleanup, shut off by the
+			// reaper's destroy, or gone. Never running. While the destroy
+			// is under way libvirt reports "being shut down" (4: QEMU's
+			// SHUTDOWN event on the destroy's SIGTERM) for the paused
+			// guest: that ends shut off or gone.
+			st, found := r.domainRunState(t, name)
+			if found && st == libvirt.DOMAIN_SHUTDOWN {
+				t.Logf("%s is being shut down (the killed reaper's destroy)", name)
+				waitFor(t, 30*time.Second, "the destroy under way to end", func() bool {
+					st, found = r.domainRunState(t, name)
+					return !found || st != libvirt.DOMAIN_SHUTDOWN
+				})
+			}
+			if found {
+				require.Contains(t, []libvirt.DomainState{libvirt.DOMAIN_PAUSED, libvirt.DOMAIN_SHUTOFF}, st,
+					"the VM a killed reaper left is paused (3) or shut off (5) until it is removed, got %d", st)
 			}
 			require.NoFileExists(t, filepath.Join(r.cfg.StateDir, "machines", name, "id_ed25519"))
+			waitFor(t, 10*time.Second, "no connection holder of "+name, func() bool { return len(holderProcesses(name)) == 0 })
 			out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
 			t.Logf("gc: %s", out)
 			require.NoError(t, err)

@@ -40,6 +40,7 @@ type rig struct {
 // unless LVE_E2E_REQUIRED is set (make test-e2e, CI), where that is a failure.
 func setup(t *testing.T) *rig {
 	t.Helper()
+	figures.begin(t) // first: its cleanup runs after the leftover check's
 	missing := func(what string) {
 		if os.Getenv("LVE_E2E_REQUIRED") != "" {
 			t.Fatalf("end-to-end prerequisites missing: %s", what)
