@@ -16,7 +16,7 @@ import (
 	"libvirt.org/go/libvirt"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // holderPID is the running connection holder of the job's machine.
@@ -181,7 +181,7 @@ func (r *rig) domainRunState(t *testing.T, name string) (st libvirt.DomainState,
 func holderProcesses(name string) []string {
 	var found []string
 	for _, p := range driverProcesses(name) {
-		if strings.Contains(p, "("+lifecycle.HolderCommand+" ") {
+		if strings.Contains(p, "("+jobvm.HolderCommand+" ") {
 			found = append(found, p)
 		}
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
 // requirePrometheus finds Debian's prometheus and promtool; without them
@@ -57,7 +58,7 @@ func loopbackAddr(t *testing.T) string {
 type promServer struct {
 	base string
 	cmd  *exec.Cmd
-	log  lockedBuffer
+	log  sshtest.Buffer
 }
 
 // startPrometheus starts prometheus scraping target every second, with the
