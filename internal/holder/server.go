@@ -99,6 +99,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 // stop their scripts (SIGTERM, the kill grace, SIGKILL).
 const stopStagesWait = 20 * time.Second
 
+// lostNoticeWait bounds how long a stage whose connection was lost waits
+// for the holder to notice the connection's end before it gets its result.
+const lostNoticeWait = 2 * time.Second
+
 // frameWriteWait bounds one frame's write to a stage: a stage that stops
 // reading for this long is dropped (its script is stopped in the guest).
 const frameWriteWait = 60 * time.Second
@@ -153,27 +157,29 @@ func (s *Server) closeClient() {
 // one if the held one ended without the keepalive declaring the guest dead
 // (an sshd restarted in the guest). A dead guest is reported at once: a
 // stage must not wait for a new connection's timeout to learn it.
-func (s *Server) clientFor(ctx context.Context) (*sshexec.Client, Result) {
+//
+// ended closes when the returned connection ends.
+func (s *Server) clientFor(ctx context.Context) (c *sshexec.Client, ended <-chan struct{}, res Result) {
 	select {
 	case <-s.ready:
 	case <-ctx.Done():
-		return nil, Result{Class: classUnavailable, Error: "the holder is ending"}
+		return nil, nil, Result{Class: classUnavailable, Error: "the holder is ending"}
 	}
 	s.mu.Lock()
 	c, dialErr, broken := s.client, s.dialErr, s.broken
 	s.mu.Unlock()
 	if c == nil {
-		return nil, Result{Class: classUnavailable, Error: fmt.Sprintf("it could not connect to the guest: %v", dialErr)}
+		return nil, nil, Result{Class: classUnavailable, Error: fmt.Sprintf("it could not connect to the guest: %v", dialErr)}
 	}
 	select {
 	case <-broken:
 	default:
-		return c, Result{}
+		return c, broken, Result{}
 	}
 	if dead := c.Dead(); dead != nil {
 		r := resultOf(dead)
 		r.Error = fmt.Sprintf("connection to guest lost: %v", dead)
-		return nil, r
+		return nil, nil, r
 	}
 	s.redial.Lock()
 	defer s.redial.Unlock()
@@ -187,12 +193,12 @@ func (s *Server) clientFor(ctx context.Context) (*sshexec.Client, Result) {
 		s.connect(ctx)
 	}
 	s.mu.Lock()
-	c, dialErr = s.client, s.dialErr
+	c, dialErr, broken = s.client, s.dialErr, s.broken
 	s.mu.Unlock()
 	if c == nil {
-		return nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost, and connecting again failed: %v", dialErr)}
+		return nil, nil, Result{Class: classSystem, Error: fmt.Sprintf("connection to guest lost, and connecting again failed: %v", dialErr)}
 	}
-	return c, Result{}
+	return c, broken, Result{}
 }
 
 // serve runs one stage.
@@ -220,7 +226,7 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("script of %d bytes exceeds the holder's limit of %d", len(req.Script), maxScript)})
 		return
 	}
-	c, res := s.clientFor(ctx)
+	c, ended, res := s.clientFor(ctx)
 	if c == nil {
 		s.Log.Warn("stage not run", "class", res.Class, "err", res.Error)
 		_ = out.result(res)
@@ -253,6 +259,16 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
 		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr), Span: &span,
 	})
+	if errors.Is(err, sshexec.ErrConnectionLost) {
+		// The result goes out once the holder has seen the connection end
+		// (bounded): the job's next stage then gets a new connection, not
+		// the one that just failed under this stage.
+		select {
+		case <-ended:
+		case <-ctx.Done():
+		case <-time.After(lostNoticeWait):
+		}
+	}
 	res = resultOf(err)
 	res.SpanNs = int64(span)
 	s.Log.Info("stage ended", "class", res.Class, "code", res.Code, "took", time.Since(t0), "err", logErr(err))

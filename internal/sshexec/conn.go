@@ -159,10 +159,14 @@ func (c *Client) Close() error {
 // verdict when there is one.
 func (c *Client) lost(err error) error {
 	if d := c.Dead(); d != nil {
-		return exitcodes.System(fmt.Errorf("connection to guest lost: %w", d))
+		return exitcodes.System(fmt.Errorf("%w: %w", ErrConnectionLost, d))
 	}
-	return exitcodes.System(fmt.Errorf("connection to guest lost: %w", err))
+	return exitcodes.System(fmt.Errorf("%w: %w", ErrConnectionLost, err))
 }
+
+// ErrConnectionLost marks a command that failed because the connection
+// under it ended (a transport failure, not the script's).
+var ErrConnectionLost = errors.New("connection to guest lost")
 
 // Wait blocks until the connection has ended, for whatever reason.
 func (c *Client) Wait() error { return c.c.Wait() }
