@@ -111,6 +111,9 @@ type Config struct {
 	Log Log `toml:"log"`
 	// Garm configures the garm external provider (libvirt-executor-garm).
 	Garm Garm `toml:"garm"`
+	// GitLab configures what the GitLab Runner front end does with job
+	// keywords the driver does not implement.
+	GitLab GitLab `toml:"gitlab"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -318,6 +321,22 @@ type PoolService struct {
 	// the oldest records go (counted as lost). Default 16, allowed 1-1024.
 	EventSpoolMiB int `toml:"event_spool_mib"`
 }
+
+// GitLab configures the GitLab Runner Custom executor front end.
+type GitLab struct {
+	// Services is what prepare does with a job that asks for `services:`,
+	// which the driver does not provide (docs/services.md): "warn"
+	// (default: the job runs, and its log names the services that are not
+	// started) or "fail" (the job fails in prepare, before any VM boots,
+	// as a build failure naming them).
+	Services string `toml:"services"`
+}
+
+// gitlab.services values.
+const (
+	ServicesWarn = "warn"
+	ServicesFail = "fail"
+)
 
 // Garm configures the garm external provider: what garm pools may ask for.
 type Garm struct {
@@ -544,6 +563,7 @@ func (c *Config) applyDefaults() {
 	if c.Garm.OrphanAfter == 0 {
 		c.Garm.OrphanAfter = Duration(time.Hour)
 	}
+	def(&c.GitLab.Services, ServicesWarn)
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -610,6 +630,7 @@ func (c *Config) Validate() error {
 	c.Serve.validate(&p)
 	c.Log.validate(&p)
 	c.Garm.validate(&p, c)
+	c.GitLab.validate(&p)
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()
@@ -780,6 +801,11 @@ func (g Garm) validate(p *problems, c *Config) {
 		}
 		p.size(key, g.Flavors[name])
 	}
+}
+
+// validate checks [gitlab].
+func (g GitLab) validate(p *problems) {
+	p.oneOf("gitlab.services", g.Services, ServicesWarn, ServicesFail)
 }
 
 // validateImages checks the [images.NAME] tables, in name order.

@@ -170,3 +170,19 @@ func TestGuestToolsSetting(t *testing.T) {
 	require.ErrorContains(t, err, `guest_tools.gitlab_runner: "gitlab-runner" is not allowed`)
 	require.ErrorContains(t, err, `"auto"`)
 }
+
+func TestGitLabServicesSetting(t *testing.T) {
+	base := "default_image = \"tiny\"\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\n"
+	c, err := Parse([]byte(base))
+	require.NoError(t, err)
+	require.Equal(t, ServicesWarn, c.GitLab.Services, "default: warn in the job log")
+	for _, ok := range []string{ServicesWarn, ServicesFail} {
+		c, err := Parse([]byte(base + "[gitlab]\nservices = \"" + ok + "\"\n"))
+		require.NoError(t, err, ok)
+		require.Equal(t, ok, c.GitLab.Services)
+	}
+	_, err = Parse([]byte(base + "[gitlab]\nservices = \"ignore\"\n"))
+	require.ErrorContains(t, err, `gitlab.services: "ignore" is not allowed; use one of "warn", "fail"`)
+	_, err = Parse([]byte(base + "[gitlab]\nservice = \"fail\"\n"))
+	require.ErrorContains(t, err, "unknown key", "a misspelt key does not silently stay warn")
+}

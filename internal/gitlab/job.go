@@ -38,6 +38,9 @@ type Job struct {
 	// Server is the GitLab instance (CI_SERVER_URL's scheme and host only,
 	// as instanceOf chooses it) for the host's logs.
 	Server string
+	// Services are the job's `services:`, which the driver does not
+	// provide (services.go).
+	Services Services
 }
 
 // ImageRequest is the job's `image:` name: as written, and after expansion.
@@ -66,6 +69,9 @@ type payload struct {
 	Image struct {
 		Name string `json:"name"`
 	} `json:"image"`
+	// Services are the job's `services:`, their variables expanded by the
+	// runner: only name and alias are read.
+	Services []payloadService `json:"services"`
 	// Variables are the job's CI/CD variables, GitLab's predefined ones
 	// first, then the job's own. They include secrets (CI_JOB_TOKEN, masked
 	// and file variables): they stay in memory, are used only to expand the
@@ -114,7 +120,7 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		image := getenv("CUSTOM_ENV_CI_JOB_IMAGE")
 		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: ImageRequest{Name: image, Written: image},
 			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID")),
-			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL"))}, nil
+			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL")), Services: servicesFromEnv(getenv("CUSTOM_ENV_CI_JOB_SERVICES"))}, nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -133,7 +139,8 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		return nil, fmt.Errorf("JOB_RESPONSE_FILE %s has no positive job id", path)
 	}
 	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: expandImage(p.Image.Name, p.Variables),
-		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL"))}, nil
+		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL")),
+		Services: servicesOf(p.Services, p.Variables)}, nil
 }
 
 // serverOf is a GitLab URL's scheme and host, nothing else (no user info,

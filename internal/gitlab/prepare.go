@@ -28,6 +28,9 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	defer j.m.Close()
 	defer func() { e.Report.Reconnects(j.m.Reconnects()) }()
 	say := e.say
+	if err := checkServices(cfg, j.job.Services, say); err != nil {
+		return err
+	}
 	began := time.Now()
 	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
 	if !j.job.FromPayload {

@@ -90,6 +90,14 @@ type Job struct {
 	Dependencies []int64
 	// Image is the job's `image:` name, if any.
 	Image string
+	// Services are the job's `services:`, sent as GitLab sends them.
+	Services []Service
+}
+
+// Service is one entry of a job's `services:` keyword.
+type Service struct {
+	Name, Alias         string
+	Entrypoint, Command []string
 }
 
 // Job states as reported in Result.State.

@@ -19,7 +19,7 @@ type jobResponse struct {
 	Variables     []jobVariable  `json:"variables"`
 	Steps         []step         `json:"steps"`
 	Image         image          `json:"image"`
-	Services      []image        `json:"services"`
+	Services      []service      `json:"services"`
 	Artifacts     []artifact     `json:"artifacts"`
 	Cache         []cache        `json:"cache"`
 	Credentials   []struct{}     `json:"credentials"`
@@ -66,6 +66,14 @@ type step struct {
 
 type image struct {
 	Name string `json:"name"`
+}
+
+// service is one of the job's services (the runner's common.Image).
+type service struct {
+	Name       string   `json:"name"`
+	Alias      string   `json:"alias,omitempty"`
+	Entrypoint []string `json:"entrypoint,omitempty"`
+	Command    []string `json:"command,omitempty"`
 }
 
 type artifact struct {
@@ -214,7 +222,7 @@ func (s *Server) payload(j *job) jobResponse {
 		Variables:    vars,
 		Steps:        steps,
 		Image:        image{Name: spec.Image},
-		Services:     []image{},
+		Services:     []service{},
 		Artifacts:    []artifact{},
 		Cache:        []cache{},
 		Credentials:  []struct{}{},
@@ -222,6 +230,9 @@ func (s *Server) payload(j *job) jobResponse {
 		Features: gitlabFeatures{
 			TraceSections: true, TokenMaskPrefixes: []string{"lve-job-"}, FailureReasons: failureReasons,
 		},
+	}
+	for _, sv := range spec.Services {
+		resp.Services = append(resp.Services, service(sv))
 	}
 	if a := spec.Artifacts; a != nil {
 		resp.Artifacts = append(resp.Artifacts, artifact{

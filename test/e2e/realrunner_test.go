@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"testing"
@@ -35,6 +36,8 @@ type realRunner struct {
 	sha     string
 	home    string
 	workDir string
+	// cfgPath, if set, is the driver configuration instead of the rig's.
+	cfgPath string
 }
 
 func newRealRunner(t *testing.T) *realRunner {
@@ -58,7 +61,11 @@ func newRealRunner(t *testing.T) *realRunner {
 func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 	t.Helper()
 	exe := func(stage string) string { return rr.r.exe(stage) }
-	args := []string{"--config", rr.r.cfgPath}
+	cfgPath := rr.r.cfgPath
+	if rr.cfgPath != "" {
+		cfgPath = rr.cfgPath
+	}
+	args := []string{"--config", cfgPath}
 	var out sshtest.Buffer
 	done := make(chan error, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -297,4 +304,27 @@ func TestRealRunnerImages(t *testing.T) {
 		require.Equal(t, "built-on-"+name+"\n", zipFiles(t, res[i].Artifacts)["out/r.txt"], name)
 	}
 	require.Equal(t, len(others), rr.api.CacheObjects())
+}
+
+// TestRealRunnerServices: the driver starts no `services:`. With
+// gitlab.services = "fail" (the rig's configuration plus that key) a job
+// that asks for them fails in prepare, as a build failure naming them,
+// before any VM boots: cheap, no VM. (The default, "warn", is covered
+// without a VM by internal/gitlab's TestRealRunnerServices.)
+func TestRealRunnerServices(t *testing.T) {
+	rr := newRealRunner(t)
+	text, err := os.ReadFile(rr.r.cfgPath)
+	require.NoError(t, err)
+	rr.cfgPath = filepath.Join(t.TempDir(), "config.toml")
+	require.NoError(t, os.WriteFile(rr.cfgPath, append(text, "\n[gitlab]\nservices = \"fail\"\n"...), 0o600))
+	res := rr.runJobs(t, jobapi.Job{
+		Name: "with-services", Script: []string{"echo SCRIPT-RAN"},
+		Services: []jobapi.Service{{Name: "postgres:15", Alias: "db"}, {Name: "redis:7"}},
+	})[0]
+	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
+	require.Equal(t, "script_failure", res.FailureReason, "a build failure, not retried as a system failure")
+	require.Contains(t, res.Trace, `the job asks for 2 services: "postgres:15" (alias "db"), "redis:7"`)
+	require.Contains(t, res.Trace, "docs/services.md")
+	require.NotContains(t, res.Trace, "Preparing a fresh", "no VM")
+	require.NotContains(t, res.Trace, "SCRIPT-RAN")
 }
