@@ -25,6 +25,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
 
@@ -34,25 +35,42 @@ func main() {
 	stop()
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "libvirt-executor:", err)
-		os.Exit(1)
+		os.Exit(exitCode(err))
 	}
 }
 
+// ExitNotOwner is the exit status of a command refused because the state
+// directory belongs to another user (run as root on the runner user's
+// state_dir): it would leave files there that user cannot change.
+const ExitNotOwner = 3
+
+// exitCode is the exit status for a command's error: ExitNotOwner for a
+// *state.OwnerError, else 1.
+func exitCode(err error) int {
+	if _, ok := errors.AsType[*state.OwnerError](err); ok {
+		return ExitNotOwner
+	}
+	return 1
+}
+
 // openManager opens this installation's lifecycle manager; it connects to
-// libvirt on first use.
-func openManager(c *cli.Context) (*config.Config, *jobvm.Host, error) {
+// libvirt on first use. readOnly is for commands that change nothing
+// (list, explain-machine): they may look as another user (root) than the
+// state directory's owner, and then create nothing there. Others are
+// refused with a *state.OwnerError (lifecycle.Open).
+func openManager(c *cli.Context, readOnly bool) (*config.Config, *jobvm.Host, error) {
 	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
 	if err != nil {
 		return nil, nil, err
 	}
-	m, err := jobvm.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil))})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil)), ReadOnly: readOnly})
 	return cfg, m, err
 }
 
-// withManager opens this installation's lifecycle manager, connected to
-// libvirt, for fn.
-func withManager(c *cli.Context, fn func(*config.Config, *jobvm.Host) error) error {
-	cfg, m, err := openManager(c)
+// withManager opens this installation's lifecycle manager (openManager),
+// connected to libvirt, for fn.
+func withManager(c *cli.Context, readOnly bool, fn func(*config.Config, *jobvm.Host) error) error {
+	cfg, m, err := openManager(c, readOnly)
 	if err != nil {
 		return err
 	}
@@ -77,7 +95,7 @@ func app() *cli.App {
 				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
 				Flags: []cli.Flag{&cli.BoolFlag{Name: "json", Usage: "print one JSON array (for scripts) instead of the table"}},
 				Action: func(c *cli.Context) error {
-					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
+					return withManager(c, true, func(_ *config.Config, m *jobvm.Host) error {
 						if c.Bool("json") {
 							return admin.ListJSON(c.Context, os.Stdout, m, time.Now())
 						}
@@ -90,7 +108,7 @@ func app() *cli.App {
 				Usage: "remove expired job VMs and orphaned volumes, state and locks of this installation",
 				Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 				Action: func(c *cli.Context) error {
-					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
+					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
 						return admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
 					})
 				},
@@ -103,7 +121,7 @@ func app() *cli.App {
 					if c.NArg() == 0 {
 						return fmt.Errorf("rm needs at least one machine name (see libvirt-executor list)")
 					}
-					return withManager(c, func(_ *config.Config, m *jobvm.Host) error {
+					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
 						var errs []error
 						for _, name := range c.Args().Slice() {
 							if err := m.Teardown(c.Context, name); err != nil {
@@ -141,7 +159,7 @@ func app() *cli.App {
 					}
 					// No eager Dial: a hung libvirtd must not hold the
 					// explanation past Manager.Explain's own bound.
-					_, m, err := openManager(c)
+					_, m, err := openManager(c, true)
 					if err != nil {
 						return err
 					}

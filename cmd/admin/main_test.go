@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"path/filepath"
 	"testing"
@@ -66,4 +67,61 @@ func captureStdout(t *testing.T, fn func()) string {
 	os.Stdout = saved
 	require.NoError(t, w.Close())
 	return <-done
+}
+
+// Run as root on a state dir of another user (the runner's), gc and rm are
+// refused with a message naming the owner and the fix, exit status
+// ExitNotOwner, and create nothing there; list only looks: it runs (with
+// the controller id that exists) and creates nothing either; doctor
+// creates nothing (issue #22, item 7).
+func TestAdminCommandsAsRootOnAnotherUsersStateDir(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to chown the state dir to another user")
+	}
+	dir := t.TempDir()
+	stateDir := filepath.Join(dir, "state")
+	cfgPath := filepath.Join(dir, "config.toml")
+	require.NoError(t, os.WriteFile(cfgPath, []byte(`libvirt_uri = "test:///default"
+state_dir = "`+stateDir+`"
+storage_pool = "default-pool"
+[images.tiny]
+base = "/img/tiny.qcow2"
+`), 0o600))
+	require.NoError(t, os.Mkdir(stateDir, 0o700))
+	require.NoError(t, os.Chown(stateDir, 65534, 65534))
+	run := func(args ...string) error {
+		return app().RunContext(context.Background(), append([]string{"libvirt-executor", "--config=" + cfgPath}, args...))
+	}
+	empty := func(what string) {
+		t.Helper()
+		entries, err := os.ReadDir(stateDir)
+		require.NoError(t, err)
+		require.Empty(t, entries, "%s created something in another user's state dir", what)
+	}
+
+	for _, args := range [][]string{{"gc"}, {"gc", "--dry-run"}, {"rm", "lve-x"}, {"list"}} {
+		err := run(args...)
+		require.Error(t, err, "%v", args)
+		require.Contains(t, err.Error(), "belongs to", "%v", args)
+		require.Contains(t, err.Error(), "sudo -u ", "%v", args)
+		require.Equal(t, ExitNotOwner, exitCode(err), "%v", args)
+		empty(args[0])
+	}
+	_ = captureStdout(t, func() { _ = run("doctor") })
+	empty("doctor")
+
+	// With the installation's controller id there, list looks and
+	// changes nothing; gc is still refused.
+	const id = "0f8e2c1a-5b7d-4e3f-9a1b-2c3d4e5f6a7b"
+	idFile := filepath.Join(stateDir, "controller-id")
+	require.NoError(t, os.WriteFile(idFile, []byte(id+"\n"), 0o600))
+	require.NoError(t, os.Chown(idFile, 65534, 65534))
+	out := captureStdout(t, func() { require.NoError(t, run("list")) })
+	require.Contains(t, out, "no machines of controller "+id)
+	err := run("gc")
+	require.Equal(t, ExitNotOwner, exitCode(err), "%v", err)
+	entries, err := os.ReadDir(stateDir)
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "only the controller id")
+	require.Equal(t, 1, exitCode(errors.New("other")))
 }

@@ -17,7 +17,13 @@ import (
 
 // Request bounds.
 const (
-	maxJSONBody     = 1 << 20   // job request and status update bodies
+	// maxJSONBody bounds the job request and status update bodies: they
+	// carry their token inside, so they are read before it is checked
+	// (the runner's are about 2 KiB).
+	maxJSONBody = 64 << 10
+	// jsonReadWait bounds how long reading such a body may take, so that
+	// a slow sender does not hold one of the server's slots.
+	jsonReadWait    = 30 * time.Second
 	maxTracePatch   = 8 << 20   // one trace PATCH (the runner sends at most 1 MiB)
 	maxTrace        = 64 << 20  // a whole job log
 	maxArtifactBody = 256 << 20 // one artifacts upload
@@ -44,7 +50,17 @@ func (s *Server) handler() http.Handler {
 	mux.HandleFunc("/", http.NotFound)
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		rec := &statusRecorder{ResponseWriter: w, code: http.StatusOK}
-		mux.ServeHTTP(rec, r)
+		select {
+		case s.slots <- struct{}{}:
+			defer func() { <-s.slots }()
+			mux.ServeHTTP(rec, r)
+		default:
+			// Busy: answer at once, the body unread; close the connection
+			// rather than drain it.
+			rec.Header().Set("Connection", "close")
+			rec.Header().Set("Retry-After", "1")
+			http.Error(rec, "503 too many requests at once", http.StatusServiceUnavailable)
+		}
 		// The job API's queries carry no secrets; a cache URL's does (its
 		// signature): only its path is logged.
 		uri := r.URL.RequestURI()
@@ -59,6 +75,10 @@ type statusRecorder struct {
 	http.ResponseWriter
 	code int
 }
+
+// Unwrap lets http.ResponseController reach the connection (decodeJSON's
+// read deadline).
+func (r *statusRecorder) Unwrap() http.ResponseWriter { return r.ResponseWriter }
 
 func (r *statusRecorder) WriteHeader(code int) {
 	r.code = code
@@ -102,6 +122,9 @@ func (s *Server) requestJob(w http.ResponseWriter, r *http.Request) {
 // answered with the job's remote state, so it carries a cancel) and the
 // final success/failed/canceled.
 func (s *Server) updateJob(w http.ResponseWriter, r *http.Request) {
+	if !s.knownJob(w, r) {
+		return
+	}
 	var req updateJobRequest
 	if !decodeJSON(w, r, &req) {
 		return
@@ -175,6 +198,10 @@ func (s *Server) patchTrace(w http.ResponseWriter, r *http.Request) {
 		http.Error(w, "400 bad Content-Range", http.StatusBadRequest)
 		return
 	}
+	// The token first, the body (up to 8 MiB) only for a running job's.
+	if _, ok := s.runningJob(w, r); !ok {
+		return
+	}
 	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, maxTracePatch))
 	if err != nil {
 		bodyError(w, err)
@@ -182,6 +209,7 @@ func (s *Server) patchTrace(w http.ResponseWriter, r *http.Request) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	// Again: the job may have ended while the body came.
 	j, ok := s.authJob(w, r, r.Header.Get("JOB-TOKEN"))
 	if !ok {
 		return
@@ -208,15 +236,8 @@ func (s *Server) patchTrace(w http.ResponseWriter, r *http.Request) {
 // Only the archive is kept; other artifact types (reports) are accepted and
 // dropped.
 func (s *Server) uploadArtifacts(w http.ResponseWriter, r *http.Request) {
-	s.mu.Lock()
-	j, ok := s.authJob(w, r, r.Header.Get("JOB-TOKEN"))
-	running := ok && j.status == statusRunning
-	s.mu.Unlock()
+	j, ok := s.runningJob(w, r)
 	if !ok {
-		return
-	}
-	if !running {
-		http.Error(w, "403 job is not running", http.StatusForbidden)
 		return
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, maxArtifactBody)
@@ -313,6 +334,37 @@ func (s *Server) authJob(w http.ResponseWriter, r *http.Request, token string) (
 	return j, true
 }
 
+// runningJob authenticates a call by its JOB-TOKEN header before anything
+// of its body is read: the job named in the path, which must be running
+// (404, 403 otherwise).
+func (s *Server) runningJob(w http.ResponseWriter, r *http.Request) (*job, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	j, ok := s.authJob(w, r, r.Header.Get("JOB-TOKEN"))
+	if !ok {
+		return nil, false
+	}
+	if j.status != statusRunning {
+		http.Error(w, "403 job is not running", http.StatusForbidden)
+		return nil, false
+	}
+	return j, true
+}
+
+// knownJob answers 404, before the body is read, for a call about a job
+// this server never had; the call's token is in its body.
+func (s *Server) knownJob(w http.ResponseWriter, r *http.Request) bool {
+	id, err := strconv.ParseInt(r.PathValue("id"), 10, 64)
+	s.mu.Lock()
+	j := s.jobs[id]
+	s.mu.Unlock()
+	if err != nil || j == nil {
+		http.NotFound(w, r)
+		return false
+	}
+	return true
+}
+
 // writeJobStatus answers with the job's remote state, as GitLab does on
 // trace and status calls. Called with s.mu held.
 func (s *Server) writeJobStatus(w http.ResponseWriter, j *job, code int) {
@@ -332,7 +384,11 @@ func traceChecksum(b []byte) string {
 	return fmt.Sprintf("crc32:%08x", crc32.ChecksumIEEE(b))
 }
 
+// decodeJSON reads a JSON body (at most maxJSONBody, within
+// jsonReadWait) into v, or answers 400/413.
 func decodeJSON(w http.ResponseWriter, r *http.Request, v any) bool {
+	// Not every ResponseWriter can (a test's recorder): then no deadline.
+	_ = http.NewResponseController(w).SetReadDeadline(time.Now().Add(jsonReadWait))
 	if err := json.NewDecoder(http.MaxBytesReader(w, r.Body, maxJSONBody)).Decode(v); err != nil {
 		bodyError(w, err)
 		return false

@@ -11,6 +11,7 @@
 package jobapi
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -38,7 +39,17 @@ type Options struct {
 	// CacheBucket, if set, also serves an S3 endpoint with this one bucket
 	// for the runner's distributed cache (see Server.CacheEnv).
 	CacheBucket string
+	// MaxConcurrent bounds the requests handled at once; more are answered
+	// 503 at once, their bodies unread. 0 means DefaultMaxConcurrent.
+	MaxConcurrent int
 }
+
+// DefaultMaxConcurrent is Options.MaxConcurrent's default: far more than
+// the few calls at once of the runners one self test or e2e test starts,
+// few enough that requests cannot make the server hold much memory (each
+// body is bounded, and read only after its token is checked where the
+// token is in a header).
+const DefaultMaxConcurrent = 32
 
 // Variable is one CI/CD variable of a job.
 type Variable struct {
@@ -162,6 +173,8 @@ type Server struct {
 	closeOnce   sync.Once
 
 	cache *cacheStore // nil without Options.CacheBucket
+	// slots holds one token per request being handled (MaxConcurrent).
+	slots chan struct{}
 
 	mu     sync.Mutex
 	nextID int64
@@ -198,6 +211,7 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 		// once) do not hand out the same job ids, which name resources.
 		nextID: 1_000_000 + randomInt64(1_000_000_000),
 		jobs:   make(map[int64]*job),
+		slots:  make(chan struct{}, cmp.Or(o.MaxConcurrent, DefaultMaxConcurrent)),
 	}
 	if o.CacheBucket != "" {
 		s.cache = newCacheStore(o.CacheBucket)

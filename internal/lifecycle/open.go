@@ -2,6 +2,7 @@ package lifecycle
 
 import (
 	"context"
+	"errors"
 	"log/slog"
 	"time"
 
@@ -29,6 +30,10 @@ type Options struct {
 	// Hooks are what the kinds of machines add (internal/jobvm.Open
 	// fills them).
 	Hooks Hooks
+	// ReadOnly promises that the caller only looks (list, explain): then
+	// a state directory of another user (root looking) is no refusal, as
+	// long as its controller id exists already; nothing is created.
+	ReadOnly bool
 }
 
 // Open is how every front end gets a Manager for the installation that cfg
@@ -38,10 +43,16 @@ type Options struct {
 // connect otherwise, and the config and run stages, which never do, are
 // built without libvirt (run asks the admin tool's explain-machine when it
 // wants an explanation); it reconnects when libvirtd restarts. Close
-// releases it.
+// releases it. A state directory of another user is refused
+// (*state.OwnerError, from ControllerID), unless o.ReadOnly.
 func Open(cfg *config.Config, o Options) (*Manager, error) {
 	store := state.Store{Dir: cfg.StateDir}
 	ctrl, err := store.ControllerID()
+	if _, foreign := errors.AsType[*state.OwnerError](err); foreign && o.ReadOnly {
+		if id, rerr := store.ExistingControllerID(); rerr == nil {
+			ctrl, err = id, nil
+		}
+	}
 	if err != nil {
 		return nil, err
 	}

@@ -64,8 +64,13 @@ const (
 var uuidRE = regexp.MustCompile(`^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`)
 
 // ControllerID returns this installation's identity, creating it on first
-// use. Concurrent first calls agree on one value.
+// use. Concurrent first calls agree on one value. It refuses (CheckOwner:
+// an *OwnerError) before it creates anything when the state directory
+// belongs to another user: every opener calls it first.
 func (s Store) ControllerID() (string, error) {
+	if err := s.CheckOwner(); err != nil {
+		return "", err
+	}
 	if err := os.MkdirAll(s.Dir, 0o700); err != nil {
 		return "", fmt.Errorf("state dir: %w", err)
 	}
