@@ -149,13 +149,13 @@ func app() *cli.App {
 				// For libvirt-executor-run, which is built without libvirt:
 				// it asks here when a guest stops answering. Manager.Explain
 				// gives up on libvirt after 5 s.
-				Name:      lifecycle.ExplainCommand,
+				Name:      jobvm.ExplainCommand,
 				Hidden:    true,
 				Usage:     "say in one sentence what became of a job VM whose guest stopped answering (nothing if it runs normally or libvirt cannot tell within 5 s)",
 				ArgsUsage: "NAME",
 				Action: func(c *cli.Context) error {
 					if c.NArg() != 1 {
-						return fmt.Errorf("%s takes one machine name, got %d arguments", lifecycle.ExplainCommand, c.NArg())
+						return fmt.Errorf("%s takes one machine name, got %d arguments", jobvm.ExplainCommand, c.NArg())
 					}
 					// No eager Dial: a hung libvirtd must not hold the
 					// explanation past Manager.Explain's own bound.

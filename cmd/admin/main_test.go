@@ -35,17 +35,17 @@ base = "/img/tiny.qcow2"
 	require.NoError(t, m.Close())
 
 	out := captureStdout(t, func() {
-		require.NoError(t, app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, lifecycle.ExplainCommand, "--", name}))
+		require.NoError(t, app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", name}))
 	})
 	require.Equal(t, "VM "+name+" no longer exists\n", out)
 
 	out = captureStdout(t, func() {
-		err := app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, lifecycle.ExplainCommand, "--", "test"})
+		err := app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", "test"})
 		require.ErrorContains(t, err, "not a machine of this installation")
 	})
 	require.Empty(t, out, "the test driver's own domain is not ours to explain")
 
-	err = app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, lifecycle.ExplainCommand})
+	err = app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand})
 	require.ErrorContains(t, err, "takes one machine name")
 }
 

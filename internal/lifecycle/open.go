@@ -113,16 +113,6 @@ func (m *Manager) Close() error {
 	return m.hv.Close()
 }
 
-// AdminExecutable is the admin tool's executable (cmd/admin), installed
-// next to the stage executables.
-const AdminExecutable = "libvirt-executor"
-
-// ExplainCommand is the admin tool's hidden command that prints Explain's
-// sentence for a machine of this installation, or nothing:
-// `libvirt-executor --config=PATH explain-machine -- NAME`. The run stage,
-// built without libvirt, asks it when a guest stops answering.
-const ExplainCommand = "explain-machine"
-
 // explainWait bounds Explain: an explanation is worth a few seconds, not
 // the rest of a stage's deadline.
 const explainWait = 5 * time.Second

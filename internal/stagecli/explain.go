@@ -12,7 +12,7 @@ import (
 	"syscall"
 	"time"
 
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -65,12 +65,12 @@ func withoutJobVariables(environ []string) []string {
 // on PATH.
 func (a *adminExplainer) find() (string, error) {
 	if a.exeDir != "" {
-		p := filepath.Join(a.exeDir, lifecycle.AdminExecutable)
+		p := filepath.Join(a.exeDir, jobvm.AdminExecutable)
 		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode().Perm()&0o111 != 0 {
 			return p, nil
 		}
 	}
-	return a.lookPath(lifecycle.AdminExecutable)
+	return a.lookPath(jobvm.AdminExecutable)
 }
 
 // Explain implements gitlab.Env.Explain: the admin tool's one sentence, ""
@@ -88,11 +88,11 @@ func (a *adminExplainer) Explain(ctx context.Context, name string) string {
 			where = "in " + a.exeDir + " or on PATH"
 		}
 		// The stage's error carries the note: no log line of its own.
-		return fmt.Sprintf("what became of VM %s is not known: the admin tool %s, which asks libvirt, was not found %s", name, lifecycle.AdminExecutable, where)
+		return fmt.Sprintf("what became of VM %s is not known: the admin tool %s, which asks libvirt, was not found %s", name, jobvm.AdminExecutable, where)
 	}
 	ctx, cancel := context.WithTimeout(ctx, a.timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, path, "--config="+a.configPath, lifecycle.ExplainCommand, "--", name)
+	cmd := exec.CommandContext(ctx, path, "--config="+a.configPath, jobvm.ExplainCommand, "--", name)
 	cmd.Env = a.environ
 	var stdout, stderr capped
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr

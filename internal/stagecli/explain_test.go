@@ -15,7 +15,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // fakeAdminTool is a stand-in for the admin tool: it records its argv (one
@@ -38,7 +38,7 @@ esac
 func installFake(t *testing.T) string {
 	t.Helper()
 	dir := t.TempDir()
-	require.NoError(t, os.WriteFile(filepath.Join(dir, lifecycle.AdminExecutable), []byte(fakeAdminTool), 0o700)) //nolint:gosec // G306: an executable test script in a private directory
+	require.NoError(t, os.WriteFile(filepath.Join(dir, jobvm.AdminExecutable), []byte(fakeAdminTool), 0o700)) //nolint:gosec // G306: an executable test script in a private directory
 	return dir
 }
 
@@ -69,7 +69,7 @@ func TestExplainRunsTheAdminToolFromItsArgv(t *testing.T) {
 
 	argv, err := os.ReadFile(filepath.Join(dir, "argv"))
 	require.NoError(t, err)
-	require.Equal(t, []string{"--config=" + cfgPath, lifecycle.ExplainCommand, "--", name},
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.ExplainCommand, "--", name},
 		strings.Split(strings.TrimSuffix(string(argv), "\x00"), "\x00"))
 	for _, d := range []string{dir, filepath.Dir(cfgPath), "."} {
 		for _, f := range []string{"PWNED", "PWNED2"} {
@@ -118,12 +118,12 @@ func TestExplainFindsTheAdminTool(t *testing.T) {
 	require.Equal(t, "what became of VM lve-0123abcd-89abcdef-42 is not known: the admin tool libvirt-executor, which asks libvirt, was not found in "+empty+" or on PATH", why)
 
 	// Not executable: not the tool.
-	require.NoError(t, os.WriteFile(filepath.Join(empty, lifecycle.AdminExecutable), []byte(fakeAdminTool), 0o600))
+	require.NoError(t, os.WriteFile(filepath.Join(empty, jobvm.AdminExecutable), []byte(fakeAdminTool), 0o600))
 	require.Contains(t, a.Explain(context.Background(), "lve-0123abcd-89abcdef-42"), "was not found")
 
 	// On PATH.
 	a.lookPath = func(file string) (string, error) {
-		require.Equal(t, lifecycle.AdminExecutable, file)
+		require.Equal(t, jobvm.AdminExecutable, file)
 		return filepath.Join(dir, file), nil
 	}
 	require.Equal(t, "VM lve-0123abcd-89abcdef-42 is shut off (destroyed)", a.Explain(context.Background(), "lve-0123abcd-89abcdef-42"))

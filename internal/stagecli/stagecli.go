@@ -41,7 +41,7 @@ type Stage func(ctx context.Context, env gitlab.Env, cfg *config.Config, args []
 // body, and how it treats signals and unanswering guests.
 type Exe struct {
 	// Name is the executable's name, in its help, errors and log; without
-	// the lifecycle.AdminExecutable+"-" prefix it names the stage in the
+	// the jobvm.AdminExecutable+"-" prefix it names the stage in the
 	// records.
 	Name string
 	// Usage is the help's one-line description.
@@ -61,9 +61,9 @@ type Exe struct {
 	RunsToCompletion bool
 	// ExplainViaAdminTool marks a stage built without libvirt (run): when
 	// a guest stops answering, the stage asks the admin tool
-	// (lifecycle.AdminExecutable, next to the running executable, else on
+	// (jobvm.AdminExecutable, next to the running executable, else on
 	// PATH) in a child process what became of the machine
-	// (gitlab.Env.Explain, lifecycle.ExplainCommand) instead of asking
+	// (gitlab.Env.Explain, jobvm.ExplainCommand) instead of asking
 	// libvirt itself. The child gets the stage's configuration file as a
 	// flag and the stage's environment without the job's variables
 	// (CUSTOM_ENV_*); it runs from its argv, never through a shell, for at
@@ -138,7 +138,7 @@ func Run(p Process, e Exe) int {
 			if err != nil {
 				return err
 			}
-			report := &obs.Report{Stage: strings.TrimPrefix(name, lifecycle.AdminExecutable+"-")}
+			report := &obs.Report{Stage: strings.TrimPrefix(name, jobvm.AdminExecutable+"-")}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report}
 			if e.ExplainViaAdminTool {
 				env.Explain = newAdminExplainer(cfgPath, logger).Explain
