@@ -267,17 +267,7 @@ func TestGuestToolsPerStoragePool(t *testing.T) {
 // manager is a Manager with one image, tiny, on the fake hypervisor and
 // guest, with the guest tools disk as its shared disk and sweeper.
 func manager(t *testing.T, hv *vmtest.Fake, g *lifecycletest.Guest) (*lifecycle.Manager, *config.Image) {
-	cfg, err := config.Parse([]byte(`
-domain_type = "qemu"
-state_dir = "` + t.TempDir() + `"
-storage_pool = "jobs"
-[timeouts]
-boot = "20s"
-[images.tiny]
-base = "/img/tiny.qcow2"
-`))
-	require.NoError(t, err)
-	img, _ := cfg.Image("tiny")
+	cfg, img := lifecycletest.TinyConfig(t)
 	m := lifecycle.New(cfg, hv, lifecycletest.Controller, lifecycle.Options{Say: lifecycletest.NewSayings(t).Say,
 		Hooks: lifecycle.Hooks{Shared: Disk{}, Sweepers: []lifecycle.Sweeper{Sweep}}})
 	m.SSHPort, m.SSHPollInterval, m.AddressPollInterval = g.Port(), 20*time.Millisecond, 10*time.Millisecond

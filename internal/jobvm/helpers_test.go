@@ -31,17 +31,7 @@ func newHost(cfg *config.Config, hv *vmtest.Fake, sshPort int, s *lifecycletest.
 // manager is a Host with one image, tiny, on the fake hypervisor and
 // guest.
 func manager(t *testing.T, hv *vmtest.Fake, g *lifecycletest.Guest) (*Host, *config.Image) {
-	cfg, err := config.Parse([]byte(`
-domain_type = "qemu"
-state_dir = "` + t.TempDir() + `"
-storage_pool = "jobs"
-[timeouts]
-boot = "20s"
-[images.tiny]
-base = "/img/tiny.qcow2"
-`))
-	require.NoError(t, err)
-	img, _ := cfg.Image("tiny")
+	cfg, img := lifecycletest.TinyConfig(t)
 	return newHost(cfg, hv, g.Port(), lifecycletest.NewSayings(t)), img
 }
 

@@ -26,17 +26,7 @@ type fakeGuest = lifecycletest.Guest
 func newGuest(t *testing.T, hv *vmtest.Fake) *fakeGuest { return lifecycletest.NewGuest(t, hv) }
 
 func manager(t *testing.T, hv *vmtest.Fake, g *fakeGuest) (*Manager, *config.Image) {
-	cfg, err := config.Parse([]byte(`
-domain_type = "qemu"
-state_dir = "` + t.TempDir() + `"
-storage_pool = "jobs"
-[timeouts]
-boot = "20s"
-[images.tiny]
-base = "/img/tiny.qcow2"
-`))
-	require.NoError(t, err)
-	img, _ := cfg.Image("tiny")
+	cfg, img := lifecycletest.TinyConfig(t)
 	s := lifecycletest.NewSayings(t)
 	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
 		SSHPort: g.Port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,

@@ -14,6 +14,7 @@ import (
 	"golang.org/x/crypto/ssh"
 	"libvirt.org/go/libvirtxml"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -121,6 +122,27 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 // LeaseDelay is how long after its start a guest gets its lease: the
 // wait for the address is a real wait, as with DHCP.
 const LeaseDelay = 20 * time.Millisecond
+
+// TinyConfig is the configuration the engine's tests share: domain type
+// qemu, storage pool "jobs", a state directory of the test's own, a boot
+// timeout of 20 s and one image, tiny.
+func TinyConfig(t *testing.T) (*config.Config, *config.Image) {
+	t.Helper()
+	cfg, err := config.Parse([]byte(`
+domain_type = "qemu"
+state_dir = "` + t.TempDir() + `"
+storage_pool = "jobs"
+[timeouts]
+boot = "20s"
+[images.tiny]
+base = "/img/tiny.qcow2"
+`))
+	if err != nil {
+		t.Fatalf("test configuration: %v", err)
+	}
+	img, _ := cfg.Image("tiny")
+	return cfg, img
+}
 
 // Sayings records the job-log lines (their formats) a Manager says, and
 // logs them when the test fails.
