@@ -206,7 +206,7 @@ func TestRunStageSuccessStreamsOutput(t *testing.T) {
 func TestRunStageConnectionLostIsSystemFailure(t *testing.T) {
 	j := preparedJob(t)
 	j.guest.DropOn("DROP-NOW")
-	cmds := []string{"echo before", "sleep 0.2", "echo DROP-NOW", "sleep 1", "exit 3"}
+	cmds := []string{"echo before", "sleep 0.2", "echo DROP-NOW", "sleep 10", "exit 3"}
 
 	took, err := j.run(t, cmds...)
 	require.Error(t, err)

@@ -165,18 +165,30 @@ func TestHoldOpenKeepsTheChannelUntilTheClientClosesIt(t *testing.T) {
 }
 
 // The marker is found even when it arrives in two writes; the part before
-// it was sent.
+// it was sent. The command outlives the marker by far: a command that
+// exits at once may have its exit status sent before the copy of its
+// output reaches the marker (as sshd sends it when the child exits), and a
+// loaded host made that race visible.
 func TestDropOnClosesTheConnection(t *testing.T) {
 	s := sshtest.Start(t)
 	s.DropOn("DROP-NOW")
 	c := mustDial(t, s)
-	out, err := output(t, c, "echo before; sleep 0.2; printf DRO; sleep 0.2; echo P-NOW; echo after", "")
-	require.Error(t, err)
+	out, err := output(t, c, "echo before; sleep 0.2; printf DRO; sleep 0.2; echo P-NOW; sleep 30; echo after", "")
+	require.Error(t, err, "out=%q", out)
 	var ee *ssh.ExitError
 	require.False(t, errors.As(err, &ee), "no exit status after a drop: %v", err)
 	require.Equal(t, "before\nDRO", out)
+	// The connection is gone: the client sees its end (a new session on
+	// it could race the client's read of the EOF).
+	ended := make(chan error, 1)
+	go func() { ended <- c.Wait() }()
+	select {
+	case <-ended:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the connection outlived the drop")
+	}
 	_, err = c.NewSession()
-	require.Error(t, err, "the connection is gone")
+	require.Error(t, err, "no session on a connection that ended")
 }
 
 func TestFreezeStopsKeepaliveReplies(t *testing.T) {
