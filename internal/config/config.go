@@ -365,6 +365,12 @@ type Garm struct {
 	// log and the metrics. They are still removed only at MaxAge. Default
 	// "1h".
 	OrphanAfter Duration `toml:"orphan_after"`
+	// SeedKeep is how long an instance keeps its cloud-init seed (which
+	// holds garm's instance token) at most: the provider removes the seed
+	// once the guest's bootstrap says on the console that it is done, and
+	// in any case once the instance is this old (cloud-init needs the seed
+	// only in its first boot's init stage). Default "10m".
+	SeedKeep Duration `toml:"seed_keep"`
 }
 
 // Origin is the origin (scheme://host:port, lower case, the port always
@@ -562,6 +568,9 @@ func (c *Config) applyDefaults() {
 	}
 	if c.Garm.OrphanAfter == 0 {
 		c.Garm.OrphanAfter = Duration(time.Hour)
+	}
+	if c.Garm.SeedKeep == 0 {
+		c.Garm.SeedKeep = Duration(10 * time.Minute)
 	}
 	def(&c.GitLab.Services, ServicesWarn)
 	def(&c.Log.Steps, "auto")
@@ -779,6 +788,7 @@ func (l Log) validate(p *problems) {
 func (g Garm) validate(p *problems, c *Config) {
 	p.positive("garm.max_age", g.MaxAge)
 	p.positive("garm.orphan_after", g.OrphanAfter)
+	p.positive("garm.seed_keep", g.SeedKeep)
 	for _, e := range g.Endpoints {
 		if _, err := Origin(e); err != nil {
 			p.bad("garm.endpoints", "%s", err)

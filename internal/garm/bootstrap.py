@@ -6,7 +6,13 @@
 # registration token, start it as a service, report system info and idle,
 # or failed). Its only argument is the JSON file the provider wrote into
 # the seed (0600 root); the token is read from it, never from the command
-# line, and the file is removed when the bootstrap ends.
+# line. When the bootstrap ends (the runner installed, or failed) the
+# token is no longer needed: the file is removed, cloud-init's copies of
+# the user-data (/var/lib/cloud, /run/cloud-init, its logs) are scrubbed
+# of the token, the seed is unmounted if it is mounted, and DONE_MARKER on
+# the console tells the host to take the seed disk away (the guest cannot
+# detach it; the runner user has sudo and could read it).
+import base64
 import hashlib
 import json
 import os
@@ -14,6 +20,7 @@ import pwd
 import re
 import shutil
 import ssl
+import stat
 import subprocess
 import sys
 import tarfile
@@ -25,6 +32,20 @@ RUNNER_USER = "runner"
 # How long garm (and the download host) may stay unreachable.
 REACH_SECONDS = 15 * 60
 CA_FILE = "/usr/local/share/ca-certificates/garm-ca-bundle.crt"
+# The root of the filesystem the scrub works on: "" in the guest; only the
+# tests (bootstrap_test.go) set LVE_BOOTSTRAP_ROOT, to a fake root.
+ROOT = os.environ.get("LVE_BOOTSTRAP_ROOT", "")
+# The last line on the console: the host (garm.SeedDoneMarker) then
+# wipes, detaches and deletes the seed.
+DONE_MARKER = "lve-garm-bootstrap: done, the seed is no longer needed"
+# Where cloud-init keeps copies of the user-data (which carries the
+# parameters, token included, base64-encoded): its state (user-data.txt,
+# user-data.txt.i, cloud-config.txt, obj.pkl, ...) and its run-time data
+# (combined-cloud-config.json, instance-data-sensitive.json, ...); and its
+# own logs in /var/log (cloud-init*.log only).
+SCRUB_TREES = ("/var/lib/cloud", "/run/cloud-init")
+SCRUB_LOG_DIR = "/var/log"
+MAX_SCRUB_BYTES = 256 << 20
 
 
 def log(msg):
@@ -140,15 +161,122 @@ def install_packages(pkgs):
     subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "--"] + list(pkgs), check=True, env=env)
 
 
+def token_patterns(token):
+    # The token as it is, and as it appears inside any base64 text that
+    # holds it (cloud-init's copies of write_files' b64 content): the
+    # base64 of the token's bytes from each of the three offsets that may
+    # fall on a 3-byte group boundary, whole groups only.
+    t = token.encode()
+    pats = [t]
+    for k in range(3):
+        n = (len(t) - k) // 3 * 3
+        if n >= 6:
+            pats.append(base64.b64encode(t[k:k + n]))
+    return pats
+
+
+def redact(path, pats):
+    # Overwrites every occurrence of pats in the plain file at path, in
+    # place and with as many bytes: the file keeps its size and its format
+    # (a JSON stays JSON, cloud-init's pickle stays loadable), and the
+    # token's bytes are overwritten on the disk, not only unlinked. Links
+    # are not followed. True if anything was overwritten.
+    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SCRUB_BYTES:
+            return False
+        data = os.pread(fd, st.st_size, 0)
+        hit = False
+        for p in pats:
+            i = data.find(p)
+            while i >= 0:
+                os.pwrite(fd, b"x" * len(p), i)
+                hit = True
+                i = data.find(p, i + len(p))
+        if hit:
+            os.fsync(fd)
+        return hit
+    finally:
+        os.close(fd)
+
+
+def scrub(token):
+    pats = token_patterns(token)
+    paths = []
+    for tree in SCRUB_TREES:
+        # not into linked directories (/var/lib/cloud/instance links to
+        # instances/<id>, which is walked itself)
+        for dirpath, _, files in os.walk(ROOT + tree):
+            paths += [os.path.join(dirpath, n) for n in files]
+    try:
+        paths += [os.path.join(ROOT + SCRUB_LOG_DIR, n) for n in os.listdir(ROOT + SCRUB_LOG_DIR) if n.startswith("cloud-init")]
+    except OSError:
+        pass
+    for p in sorted(paths):
+        try:
+            if redact(p, pats):
+                log("token scrubbed from %s" % p[len(ROOT):])
+        except OSError:
+            pass  # a link, a read-only mount, gone meanwhile
+
+
+def unmount_seed():
+    # cloud-init mounts the seed only while it reads it; unmount it if it
+    # is still mounted. The device itself goes when the host detaches it.
+    devs = set()
+    for label in ("cidata", "CIDATA"):
+        p = os.path.join(ROOT + "/dev/disk/by-label", label)
+        if os.path.exists(p):
+            devs.add(os.path.realpath(p))
+    if not devs:
+        return
+    with open(ROOT + "/proc/self/mounts") as f:
+        mounts = [line.split() for line in f]
+    for m in mounts:
+        if len(m) > 1 and m[0] in devs:
+            where = re.sub(r"\\([0-7]{3})", lambda x: chr(int(x.group(1), 8)), m[1])
+            subprocess.run(["umount", where], check=False)
+
+
+def finish(path, token):
+    # The token is no longer needed: the parameters go, cloud-init's
+    # copies are scrubbed, and the host is told it may take the seed.
+    try:
+        os.remove(path)
+    except OSError:
+        pass
+    try:
+        unmount_seed()
+    except Exception as e:
+        log("cannot unmount the seed: %s" % e)
+    if token:
+        try:
+            scrub(token)
+        except Exception as e:
+            log("scrub failed: %s" % e)
+    print(DONE_MARKER, flush=True)
+
+
+def read_token(raw):
+    # the token of a parameter file that may not parse
+    m = re.search(rb'"token"\s*:\s*"([^"\\]+)"', raw)
+    return m.group(1).decode("utf-8", "replace") if m else None
+
+
 def main():
     path = sys.argv[1]
     if not os.path.exists(path):
         log("no parameters (a later boot): nothing to do")
         return
     g = None
+    token = None
     try:
-        with open(path) as f:
-            cfg = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read()
+        token = read_token(raw)
+        cfg = json.loads(raw)
+        token = cfg.get("token") or token
         for k, v in (cfg.get("proxy") or {}).items():
             if v:
                 os.environ[k] = v
@@ -244,10 +372,7 @@ def main():
             g.status("failed", str(e)[:1000])
         sys.exit(1)
     finally:
-        try:
-            os.remove(path)
-        except OSError:
-            pass
+        finish(path, token)
 
 
 if __name__ == "__main__":

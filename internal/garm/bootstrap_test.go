@@ -2,6 +2,7 @@ package garm
 
 import (
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"fmt"
 	"net"
@@ -129,4 +130,129 @@ func TestBootstrapHTTP(t *testing.T) {
 		require.Empty(t, h, "a redirect to another host carries no token")
 	}
 	require.Len(t, auth["other"], 2)
+}
+
+// scrubHarness makes a fake guest root with cloud-init's copies of a
+// user-data that carries the parameters (token included, base64 as
+// write_files has them, at each of the three base64 alignments), then runs
+// the bootstrap's main on a parameter file that does not parse (it fails
+// at once, without network or users), whose finally must scrub.
+const scrubHarness = `
+import base64, importlib.util, json, os, pickle, sys
+root, token = sys.argv[2], sys.argv[3]
+def put(rel, data, mode=0o600):
+    p = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(p), exist_ok=True)
+    with open(p, "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+    os.chmod(p, mode)
+    return p
+def userdata(name):
+    params = json.dumps({"name": name, "token": token, "callback_url": "http://10.0.0.1/cb"}).encode()
+    return "#cloud-config\n" + json.dumps({"write_files": [{"path": "/etc/libvirt-executor-garm/bootstrap.json",
+        "encoding": "b64", "content": base64.b64encode(params).decode(), "permissions": "0600"}]}) + "\n"
+ud = [userdata("a"), userdata("ab"), userdata("abc")]
+inst = "var/lib/cloud/instances/iid-garm-1/"
+put(inst + "user-data.txt", ud[0])
+put(inst + "user-data.txt.i", "Content-Type: multipart/mixed\n\n" + ud[1])
+put(inst + "cloud-config.txt", ud[2])
+put(inst + "obj.pkl", pickle.dumps({"userdata_raw": ud[0].encode(), "userdata": ud[1]}))
+put(inst + "sem/config_write_files", "sem\n")
+os.symlink("instances/iid-garm-1", os.path.join(root, "var/lib/cloud/instance"))
+put("run/cloud-init/combined-cloud-config.json", json.dumps({"write_files": [{"content": ud[2]}]}))
+put("run/cloud-init/instance-data-sensitive.json", json.dumps({"token": token}))
+put("var/log/cloud-init.log", "2025 DEBUG util.py: read user-data: " + token + "\n")
+put("var/log/cloud-init-output.log", ud[0])
+put("var/log/other.log", "not cloud-init's: " + token + "\n")
+outside = put("outside/secret", token + "\n")
+os.symlink(outside, os.path.join(root, "var/lib/cloud/link-to-outside"))
+params = put("etc/libvirt-executor-garm/bootstrap.json", '{"token": "' + token + '", "name": ')  # does not parse
+
+spec = importlib.util.spec_from_file_location("boot", sys.argv[1])
+boot = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(boot)
+sys.argv = ["lve-garm-bootstrap", params]
+try:
+    boot.main()
+    print("main returned")
+except SystemExit as e:
+    print("exit", e.code)
+with open(os.path.join(root, inst + "obj.pkl"), "rb") as f:
+    print("pickle keys", sorted(pickle.load(f)))
+sys.argv = ["lve-garm-bootstrap", params]
+boot.main()  # a later boot: the parameters are gone
+`
+
+// tokenForms are the token and the base64 of its bytes from each offset
+// that may fall on a base64 group boundary: what a file holding the token
+// inside base64 text (write_files' b64 content) contains.
+func tokenForms(tok string) []string {
+	out := []string{tok}
+	for k := range 3 {
+		n := (len(tok) - k) / 3 * 3
+		out = append(out, base64.StdEncoding.EncodeToString([]byte(tok[k:k+n])))
+	}
+	return out
+}
+
+// TestBootstrapScrubsToken: when the bootstrap ends (here: it fails at
+// once), no file of cloud-init's under the guest's /var/lib/cloud,
+// /run/cloud-init or its /var/log/cloud-init*.log holds the token, as it
+// is or inside base64; the files stay in place and in shape (the pickle
+// loads); the parameters are gone; files that are not cloud-init's and
+// links out of its trees are left alone; the last line is the marker the
+// host waits for (SeedDoneMarker); a later boot finds no parameters.
+func TestBootstrapScrubsToken(t *testing.T) {
+	py, err := exec.LookPath("python3")
+	if err != nil {
+		if os.Getenv("LVE_REQUIRE_PROMETHEUS") != "" {
+			t.Fatal("python3 is missing (make deps installs it)")
+		}
+		t.Skip("no python3 on this host")
+	}
+	require.Contains(t, string(bootstrapScript), `DONE_MARKER = "`+SeedDoneMarker+`"`, "the guest writes the marker the host looks for")
+	dir := t.TempDir()
+	root := filepath.Join(dir, "root")
+	script := filepath.Join(dir, "bootstrap.py")
+	require.NoError(t, os.WriteFile(script, bootstrapScript, 0o600))
+	const tok = "eyJhbGciOiJIUzI1NiJ9.eyJpbnN0YW5jZSI6Imdhcm0tQWJjMSJ9.c2lnbmF0dXJl-_x"
+	cmd := exec.Command(py, "-c", scrubHarness, script, root, tok)
+	cmd.Env = append(os.Environ(), "LVE_BOOTSTRAP_ROOT="+root)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, string(out))
+	o := string(out)
+	require.Contains(t, o, "lve-garm-bootstrap: failed: ")
+	require.Contains(t, o, "token scrubbed from /var/lib/cloud/instances/iid-garm-1/user-data.txt\n")
+	require.Contains(t, o, SeedDoneMarker+"\nexit 1\n", "the marker ends the bootstrap, failed or not")
+	require.Contains(t, o, "pickle keys ['userdata', 'userdata_raw']", "cloud-init's pickle still loads")
+	require.Contains(t, o, "no parameters (a later boot): nothing to do")
+	require.NotContains(t, o, tok)
+	require.NoFileExists(t, filepath.Join(root, "etc/libvirt-executor-garm/bootstrap.json"))
+
+	forms := tokenForms(tok)
+	checked := 0
+	for _, tree := range []string{"var/lib/cloud", "run/cloud-init", "var/log"} {
+		require.NoError(t, filepath.WalkDir(filepath.Join(root, tree), func(p string, d os.DirEntry, err error) error {
+			if err != nil || !d.Type().IsRegular() || filepath.Base(p) == "other.log" {
+				return err
+			}
+			b, err := os.ReadFile(p)
+			require.NoError(t, err)
+			for _, f := range forms {
+				require.NotContains(t, string(b), f, "%s still holds the token", p)
+			}
+			checked++
+			return nil
+		}))
+	}
+	require.Equal(t, 9, checked)
+	// scrubbed in place: the user-data still reads as before but for the token
+	ud, err := os.ReadFile(filepath.Join(root, "var/lib/cloud/instances/iid-garm-1/user-data.txt"))
+	require.NoError(t, err)
+	require.Contains(t, string(ud), `"path": "/etc/libvirt-executor-garm/bootstrap.json"`)
+	for _, p := range []string{"var/log/other.log", "outside/secret"} {
+		b, err := os.ReadFile(filepath.Join(root, p))
+		require.NoError(t, err)
+		require.Contains(t, string(b), tok, "%s is not cloud-init's: untouched", p)
+	}
 }

@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -445,4 +446,97 @@ func TestCapacityCountsGarmInstances(t *testing.T) {
 	_, code = r.call(map[string]string{"GARM_COMMAND": CmdDelete, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": a.ProviderID}, "")
 	require.Equal(t, ExitOK, code)
 	create(r, ctrlA, poolA, "garm-Cap3")
+}
+
+// TestSeedDroppedWhenBootstrapDone: the seed (garm's token) stays while
+// the guest's bootstrap runs; once its console says it is done (or the
+// instance is older than garm.seed_keep), the next Get or List wipes the
+// seed volume, detaches its disk and deletes it; a marker the guest could
+// place behind a link, or far back in a long console, does not count;
+// Delete still removes everything afterwards.
+func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
+	r := newRig(t)
+	in := create(r, ctrlA, poolA, "garm-Seed1")
+	name := in.ProviderID
+	seedKey := "default-pool/" + vm.SeedVolume(name)
+	seedPath := "/pool/" + seedKey
+	console := filepath.Join(r.m.Store.MachineDir(name), "console.log")
+	list := func() {
+		t.Helper()
+		out, code := r.call(map[string]string{"GARM_COMMAND": CmdList, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, "")
+		require.Equal(t, ExitOK, code, out)
+		require.Contains(t, out, name)
+	}
+	hasSeed := func() bool {
+		r.hv.Lock()
+		defer r.hv.Unlock()
+		_, vol := r.hv.Volumes[seedKey]
+		require.Equal(t, vol, strings.Contains(r.hv.Domains[name].XML, seedPath), "the seed disk and its volume go together")
+		return vol
+	}
+	require.True(t, hasSeed())
+
+	// still booting: the seed stays
+	require.NoError(t, os.WriteFile(console, []byte("lve-garm-bootstrap: downloading the runner (runner.tar.gz)\n"), 0o600))
+	list()
+	require.True(t, hasSeed())
+
+	// the marker far back in a long console: not read (bounded tail)
+	long := append([]byte(SeedDoneMarker+"\n"), bytes.Repeat([]byte("spam from the guest\n"), 4096)...)
+	require.NoError(t, os.WriteFile(console, long, 0o600))
+	list()
+	require.True(t, hasSeed())
+
+	// the marker behind a link: not followed
+	target := filepath.Join(t.TempDir(), "elsewhere")
+	require.NoError(t, os.WriteFile(target, []byte(SeedDoneMarker+"\n"), 0o600))
+	require.NoError(t, os.Remove(console))
+	require.NoError(t, os.Symlink(target, console))
+	list()
+	require.True(t, hasSeed())
+
+	// the bootstrap is done: the next Get drops the seed, wiped first
+	require.NoError(t, os.Remove(console))
+	require.NoError(t, os.WriteFile(console, []byte("[  42.0] cloud-init[1]: ok\n"+SeedDoneMarker+"\nDebian GNU/Linux 12 login: "), 0o600))
+	r.hv.Lock()
+	before := len(r.hv.Calls)
+	r.hv.Unlock()
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdGet, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": name}, "")
+	require.Equal(t, ExitOK, code, out)
+	require.Contains(t, out, `"status":"running"`)
+	require.False(t, hasSeed(), "the seed disk is detached and its volume deleted")
+	r.hv.Lock()
+	calls := slices.Clone(r.hv.Calls[before:])
+	r.hv.Unlock()
+	up, det, del := slices.Index(calls, "UploadVolume"), slices.Index(calls, "DetachDisk"), slices.Index(calls, "DeleteVolume")
+	require.True(t, up >= 0 && up < det && det < del, "wiped, then detached, then deleted: %v", calls)
+	require.True(t, r.hv.Domains[name].Active, "the instance runs on")
+
+	// again: nothing more to do
+	r.hv.Lock()
+	before = len(r.hv.Calls)
+	r.hv.Unlock()
+	list()
+	r.hv.Lock()
+	require.NotContains(t, r.hv.Calls[before:], "DetachDisk")
+	r.hv.Unlock()
+
+	// the backstop: an instance older than garm.seed_keep loses its seed
+	// without any marker
+	old := create(r, ctrlA, poolA, "garm-Seed2")
+	r.cfg.Garm.SeedKeep = config.Duration(time.Nanosecond)
+	list()
+	r.hv.Lock()
+	require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.SeedVolume(old.ProviderID))
+	require.NotContains(t, r.hv.Domains[old.ProviderID].XML, "/pool/default-pool/"+vm.SeedVolume(old.ProviderID), "no seed disk")
+	r.hv.Unlock()
+
+	// Delete still removes everything (the seed is already gone)
+	for _, id := range []string{name, old.ProviderID} {
+		out, code = r.call(map[string]string{"GARM_COMMAND": CmdDelete, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA, "GARM_INSTANCE_ID": id}, "")
+		require.Equal(t, ExitOK, code, out)
+		require.NotContains(t, r.hv.Domains, id)
+		require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.DiskVolume(id))
+		require.NoDirExists(t, r.m.Store.MachineDir(id))
+	}
 }

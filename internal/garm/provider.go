@@ -167,6 +167,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		if err != nil {
 			return err
 		}
+		p.dropSeeds(ctx, []lifecycle.Owned{o})
 		return p.json(instanceOf(o))
 	case CmdList:
 		all, err := p.M.OwnedBy(ctx, Frontend, func(o vm.Owner) bool {
@@ -179,6 +180,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		for _, o := range all {
 			out = append(out, instanceOf(o))
 		}
+		p.dropSeeds(ctx, all)
 		return p.json(out)
 	case CmdDelete:
 		o, err := p.find(ctx)
@@ -339,8 +341,11 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 		// written the script and its parameters) and the network is
 		// online. Its output goes to the journal and the console (the host
 		// keeps the console in the machine's console.log; it never prints
-		// a token). On later boots it finds no parameters (it removes them
-		// when it ends) and does nothing. Not a timer (--on-active): a
+		// a token). When it ends it scrubs cloud-init's copies of the token
+		// and writes SeedDoneMarker, after which Get/List remove the seed
+		// (dropSeeds). On later boots it finds no parameters (it removes
+		// them when it ends) and does nothing; cloud-init, without its
+		// seed, does not find its datasource and runs no bootcmd at all. Not a timer (--on-active): a
 		// transient timer queued this early hung the boot (seen on Debian
 		// 12, systemd 252). python3 runs the script: systemd-run resolves
 		// the executable at once, before write_files.
@@ -383,7 +388,8 @@ func sshKeys(keys []string) []string {
 }
 
 // guestParams is the bootstrap's parameter file: garm's instance token and
-// the rest of what the guest needs. It travels only inside the seed volume.
+// the rest of what the guest needs. It travels only inside the seed volume,
+// which dropSeeds removes once the guest's bootstrap is done.
 func guestParams(bs *Bootstrap) ([]byte, error) {
 	arch := map[string]string{"amd64": "x64"}[bs.Arch]
 	var tool *Tool

@@ -79,6 +79,28 @@ func (m *Manager) leaseAddress(ctx context.Context, name string) string {
 	return ""
 }
 
+// DropSeed takes the cloud-init seed away from a machine whose guest no
+// longer needs it (vm.Engine.DropSeed: wiped, detached, deleted), under
+// the machine's lock. A machine busy in another process (being torn down)
+// is left for a later call (state.ErrBusy).
+func (m *Manager) DropSeed(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.TryLock(name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	err = m.engine().DropSeed(ctx, name, m.Cfg.StoragePool)
+	if errors.Is(err, vm.ErrNotFound) {
+		if has, herr := m.Store.Has(name); herr == nil && !has {
+			m.Store.RemoveLock(name) // removed meanwhile: no lock file left behind
+		}
+	}
+	return err
+}
+
 // StartMachine starts a stopped machine of this installation.
 func (m *Manager) StartMachine(ctx context.Context, name string) error {
 	if err := m.checkOurName(name); err != nil {

@@ -64,6 +64,11 @@ type Hypervisor interface {
 	// Undefine removes a domain's definition with its nvram, managed save
 	// and snapshot metadata (ErrNotFound if absent).
 	Undefine(ctx context.Context, name string) error
+	// DetachDisk removes the disk whose source is the file source from the
+	// domain's persistent definition and, if it runs, from the running
+	// guest (a hot unplug the guest may complete late, or never). A disk
+	// no longer there is success; ErrNotFound if the domain is absent.
+	DetachDisk(ctx context.Context, name, source string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
 	Owner(ctx context.Context, name string) (string, error)

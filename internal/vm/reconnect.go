@@ -260,6 +260,11 @@ func (r *Reconnecting) Owner(ctx context.Context, name string) (string, error) {
 	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.Owner(ctx, name) })
 }
 
+// DetachDisk implements Hypervisor.
+func (r *Reconnecting) DetachDisk(ctx context.Context, name, source string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.DetachDisk(ctx, name, source) })
+}
+
 // SetOwner implements Hypervisor.
 func (r *Reconnecting) SetOwner(ctx context.Context, name, ownerXML string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.SetOwner(ctx, name, ownerXML) })

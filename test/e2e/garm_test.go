@@ -7,6 +7,7 @@ import (
 	"bytes"
 	"compress/gzip"
 	"crypto/sha256"
+	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
@@ -370,6 +371,63 @@ func TestGarmProvider(t *testing.T) {
 	g.mu.Unlock()
 	checkNoToken("after the bootstrap")
 
+	// The token's lifetime in the guest ends with the bootstrap: each
+	// bootstrap (idle or failed) scrubs cloud-init's copies and says so on
+	// the console; garm's next Get/List then wipes, detaches and deletes
+	// the seed. Afterwards nothing the runner user can read, with its
+	// sudo, holds a token, as it is or inside base64: cloud-init's state,
+	// run-time data and logs, the parameters' directory, the journal, a
+	// cidata device (there is none, mounted or not); nor the host's
+	// console log of the machine (checkNoToken walks the state directory).
+	type guest struct{ ctrl, pool, name string }
+	guests := []guest{{ctrlA, poolA, inst.ProviderID}, {ctrlB, poolB, badInst.ProviderID}, {ctrlA, poolC, jitInst.ProviderID}}
+	waitFor(t, 2*time.Minute, "garm's Get drops the seeds", func() bool {
+		left := 0
+		for _, gu := range guests {
+			out, code := call(gu.ctrl, gu.pool, "GetInstance", gu.name, "")
+			require.Equal(t, 0, code, out)
+			if r.volumeExists(gu.name + "-seed.img") {
+				left++
+			}
+		}
+		return left == 0
+	})
+	var patterns []string
+	for _, tok := range tokens {
+		patterns = append(patterns, tokenForms(tok)...)
+	}
+	for _, gu := range guests {
+		d, err := r.conn.LookupDomainByName(gu.name)
+		require.NoError(t, err)
+		for _, flags := range []libvirt.DomainXMLFlags{0, libvirt.DOMAIN_XML_INACTIVE} {
+			x, err := d.GetXMLDesc(flags)
+			require.NoError(t, err)
+			require.NotContains(t, x, `-seed.img"`, "no seed disk in the domain (XML flags %d)", flags)
+		}
+		_ = d.Free()
+		// The patterns travel on stdin into a file, never on a command
+		// line (sudo would log it in the journal).
+		script := "umask 022; cat > /tmp/lve-patterns; sudo -u runner -H sudo sh -c '" +
+			"grep -rlaF -f /tmp/lve-patterns /var/lib/cloud /run/cloud-init /etc/libvirt-executor-garm /var/log/cloud-init.log /var/log/cloud-init-output.log 2>/dev/null | sed s/^/FOUND:/; " +
+			"echo JOURNAL:$(journalctl -b --no-pager -o cat | grep -caF -f /tmp/lve-patterns); " +
+			"echo LABELS:$(ls /dev/disk/by-label 2>/dev/null); echo CIDATA:$(blkid -t LABEL=cidata -o device); " +
+			"echo SEEDMOUNT:$(grep -ci cidata /proc/self/mounts); echo RUNNER:$(id -un)'; rm -f /tmp/lve-patterns"
+		var out string
+		waitFor(t, time.Minute, "the seed device leaves "+gu.name, func() bool {
+			out, err = guestSSH(t, r, gu.ctrl, gu.pool, gu.name, script, strings.Join(patterns, "\n")+"\n")
+			return err == nil && strings.Contains(out, "CIDATA:\n") && !strings.Contains(strings.ToLower(out), "labels:cidata") &&
+				!strings.Contains(strings.ToLower(out), " cidata")
+		})
+		require.Contains(t, out, "RUNNER:root\n", "the check ran with the runner's sudo: %s", out)
+		require.NotContains(t, out, "FOUND:", "a file of the guest still holds a token: %s", out)
+		require.Contains(t, out, "JOURNAL:0\n", "the guest's journal holds a token: %s", out)
+		require.Contains(t, out, "SEEDMOUNT:0\n", out)
+		for _, tok := range tokens {
+			require.NotContains(t, out, tok)
+		}
+	}
+	checkNoToken("after the seeds were dropped")
+
 	// Get (with its address) and List by pool and controller.
 	out, code = call(ctrlA, poolA, "GetInstance", inst.ProviderID, "")
 	require.Equal(t, 0, code, out)
@@ -430,10 +488,32 @@ func TestGarmProvider(t *testing.T) {
 // cloud-init's log, read over SSH with the machine's own key and pinned
 // host key (a diagnostic for a failed test).
 func guestDebug(t *testing.T, r *rig, ctrl, pool, name string) string {
+	out, err := guestSSH(t, r, ctrl, pool, name,
+		"sudo journalctl -b --no-pager -u lve-garm-bootstrap | tail -60; sudo systemctl status --no-pager lve-garm-bootstrap.service; sudo tail -40 /var/log/cloud-init.log; ls -l /usr/local/sbin /etc/libvirt-executor-garm", "")
+	return fmt.Sprintf("%s (ssh: %v)", out, err)
+}
+
+// tokenForms are a token and the base64 of its bytes from each offset
+// that may fall on a base64 group boundary: what a file holding the token
+// inside base64 text (cloud-init's copies of write_files' b64 content)
+// contains.
+func tokenForms(tok string) []string {
+	out := []string{tok}
+	for k := range 3 {
+		n := (len(tok) - k) / 3 * 3
+		out = append(out, base64.StdEncoding.EncodeToString([]byte(tok[k:k+n])))
+	}
+	return out
+}
+
+// guestSSH runs script in a garm instance's guest as the image's user,
+// over SSH with the machine's own key and pinned host key, stdin on its
+// standard input.
+func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (string, error) {
 	dir := filepath.Join(r.cfg.StateDir, "machines", name)
 	b, err := os.ReadFile(filepath.Join(dir, "machine.json"))
 	if err != nil {
-		return "no machine record: " + err.Error()
+		return "", fmt.Errorf("no machine record: %w", err)
 	}
 	var m struct {
 		HostKey string `json:"host_key"`
@@ -446,14 +526,14 @@ func guestDebug(t *testing.T, r *rig, ctrl, pool, name string) string {
 	}
 	_ = json.Unmarshal([]byte(out), &inst)
 	if len(inst.Addresses) == 0 {
-		return "no address: " + out
+		return "", fmt.Errorf("no address: %s", out)
 	}
 	addr := inst.Addresses[0].Address
 	kh := filepath.Join(t.TempDir(), "known_hosts")
 	_ = os.WriteFile(kh, []byte(addr+" "+strings.TrimSpace(m.HostKey)+"\n"), 0o600)
 	cmd := exec.Command("ssh", "-i", filepath.Join(dir, "id_ed25519"), "-o", "UserKnownHostsFile="+kh, "-o", "BatchMode=yes",
-		"-o", "ConnectTimeout=10", m.User+"@"+addr,
-		"sudo journalctl -b --no-pager -u lve-garm-bootstrap | tail -60; sudo systemctl status --no-pager lve-garm-bootstrap.service; sudo tail -40 /var/log/cloud-init.log; ls -l /usr/local/sbin /etc/libvirt-executor-garm")
+		"-o", "ConnectTimeout=10", m.User+"@"+addr, script)
+	cmd.Stdin = strings.NewReader(stdin)
 	o, err := cmd.CombinedOutput()
-	return fmt.Sprintf("%s (ssh: %v)", o, err)
+	return string(o), err
 }

@@ -522,6 +522,65 @@ func (l *Conn) Undefine(ctx context.Context, name string) error {
 	})
 }
 
+// DetachDisk implements vm.Hypervisor. Each definition, persistent and
+// live, is read and changed on its own: after a hot unplug the guest has
+// not completed yet, the live one still has the disk that the persistent
+// one lost.
+func (l *Conn) DetachDisk(ctx context.Context, name, source string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		active, err := d.IsActive()
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		persistent, err := d.IsPersistent()
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		type def struct {
+			read   libvirt.DomainXMLFlags
+			detach libvirt.DomainDeviceModifyFlags
+		}
+		var defs []def
+		if persistent {
+			defs = append(defs, def{libvirt.DOMAIN_XML_INACTIVE, libvirt.DOMAIN_DEVICE_MODIFY_CONFIG})
+		}
+		if active {
+			defs = append(defs, def{0, libvirt.DOMAIN_DEVICE_MODIFY_LIVE})
+		}
+		for _, df := range defs {
+			x, err := d.GetXMLDesc(df.read)
+			if err != nil {
+				return notFound(err, libvirt.ERR_NO_DOMAIN)
+			}
+			var dx libvirtxml.Domain
+			if err := dx.Unmarshal(x); err != nil {
+				return err
+			}
+			if dx.Devices == nil {
+				continue
+			}
+			for _, disk := range dx.Devices.Disks {
+				if disk.Source == nil || disk.Source.File == nil || disk.Source.File.File != source {
+					continue
+				}
+				dxml, err := disk.Marshal()
+				if err != nil {
+					return err
+				}
+				if err := d.DetachDeviceFlags(dxml, df.detach); err != nil {
+					return notFound(err, libvirt.ERR_NO_DOMAIN)
+				}
+			}
+		}
+		return nil
+	})
+}
+
 // Owner implements vm.Hypervisor.
 func (l *Conn) Owner(ctx context.Context, name string) (string, error) {
 	return call(ctx, l, func() (string, error) {

@@ -183,7 +183,13 @@ func (f *Fake) VolumeCapacity(ctx context.Context, path string) (uint64, error) 
 	f.wait("VolumeCapacity")
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return 1 << 30, f.call("VolumeCapacity")
+	if err := f.call("VolumeCapacity"); err != nil {
+		return 0, err
+	}
+	if data, ok := f.Volumes[strings.TrimPrefix(path, "/pool/")]; ok && strings.HasPrefix(path, "/pool/") {
+		return uint64(len(data)), nil // a volume of the fake: its data's size
+	}
+	return 1 << 30, nil
 }
 func (f *Fake) Define(ctx context.Context, x string) error {
 	f.wait("Define")
@@ -294,6 +300,44 @@ func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
 		return "", vm.ErrNoOwner
 	}
 	return d.OwnerXML, nil
+}
+
+// DetachDisk implements vm.Hypervisor: the disks whose source is the
+// file source leave the domain's XML.
+func (f *Fake) DetachDisk(ctx context.Context, name, source string) error {
+	f.wait("DetachDisk")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("DetachDisk"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if d.XML == "" {
+		return nil
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(d.XML); err != nil {
+		return err
+	}
+	if dx.Devices == nil {
+		return nil
+	}
+	kept := dx.Devices.Disks[:0]
+	for _, disk := range dx.Devices.Disks {
+		if disk.Source == nil || disk.Source.File == nil || disk.Source.File.File != source {
+			kept = append(kept, disk)
+		}
+	}
+	dx.Devices.Disks = kept
+	x, err := dx.Marshal()
+	if err != nil {
+		return err
+	}
+	d.XML = x
+	return nil
 }
 
 // SetOwner implements vm.Hypervisor.
