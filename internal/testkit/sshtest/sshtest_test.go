@@ -183,7 +183,8 @@ func TestDropOnClosesTheConnection(t *testing.T) {
 	ended := make(chan error, 1)
 	go func() { ended <- c.Wait() }()
 	select {
-	case <-ended:
+	case werr := <-ended:
+		t.Logf("the connection ended: %v", werr)
 	case <-time.After(10 * time.Second):
 		t.Fatal("the connection outlived the drop")
 	}
