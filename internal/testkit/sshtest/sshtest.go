@@ -406,7 +406,12 @@ func (d *dropWriter) Write(p []byte) (int, error) {
 	if marker != "" {
 		m, keep := []byte(marker), len(marker)-1
 		edge := append(append([]byte(nil), d.tail...), p[:min(len(p), keep)]...)
-		if bytes.Contains(p, m) || bytes.Contains(edge, m) {
+		if i := bytes.Index(p, m); i >= 0 || bytes.Contains(edge, m) {
+			// What came before the marker in this write goes out first:
+			// a loaded host reads several of the command's writes at once.
+			if i > 0 {
+				_, _ = d.w.Write(p[:i])
+			}
 			_ = d.nc.Close()
 			return 0, errDropped
 		}

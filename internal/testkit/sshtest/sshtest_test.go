@@ -164,6 +164,17 @@ func TestHoldOpenKeepsTheChannelUntilTheClientClosesIt(t *testing.T) {
 	}
 }
 
+// What comes before the marker in the same write is sent (a loaded host
+// reads several of the command's writes at once).
+func TestDropOnSendsWhatPrecedesTheMarkerInOneWrite(t *testing.T) {
+	s := sshtest.Start(t)
+	s.DropOn("DROP-NOW")
+	c := mustDial(t, s)
+	out, err := output(t, c, `printf 'before\nDROP-NOW\nafter\n'; sleep 30`, "")
+	require.Error(t, err, "out=%q", out)
+	require.Equal(t, "before\n", out)
+}
+
 // The marker is found even when it arrives in two writes; the part before
 // it was sent. The command outlives the marker by far: a command that
 // exits at once may have its exit status sent before the copy of its
