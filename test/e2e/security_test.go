@@ -94,6 +94,9 @@ func TestSecretsStayOffTheHost(t *testing.T) {
 		require.NotContains(t, o, canary, "the executables' output")
 	}
 
+	// The job's VM goes in its reaper, after cleanup returned: its disk
+	// holds what the job wrote until then (a loaded host showed it).
+	r.requireNoLeftovers(t, "after cleanup")
 	// Files left on the host: state, pool, libvirt's own directories, /tmp
 	// (the runner's script dir is the test's own temp dir, removed by the
 	// runner; it is skipped here).
