@@ -336,8 +336,10 @@ def main():
             subprocess.run(["systemctl", "daemon-reload"], check=True)
             subprocess.run(["systemctl", "enable", "--now", svc], check=True)
         else:
-            token = g.metadata("runner-registration-token/").decode().strip()
-            args = ["./config.sh", "--unattended", "--url", cfg["repo_url"], "--token", token,
+            # The registration token is the runner's, not the instance's:
+            # a name of its own (the instance token is what finish scrubs).
+            reg_token = g.metadata("runner-registration-token/").decode().strip()
+            args = ["./config.sh", "--unattended", "--url", cfg["repo_url"], "--token", reg_token,
                     "--name", cfg["name"], "--labels", ",".join(cfg.get("labels") or []),
                     "--no-default-labels", "--ephemeral"]
             if cfg.get("runner_group"):
