@@ -519,6 +519,9 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	list()
 	r.hv.Lock()
 	require.NotContains(t, r.hv.Calls[before:], "DetachDisk")
+	// the ownership record lists no seed any more: not even a look at
+	// the pool for it on the calls garm makes again and again
+	require.NotContains(t, r.hv.Calls[before:], "VolumePath")
 	r.hv.Unlock()
 
 	// the backstop: an instance older than garm.seed_keep loses its seed

@@ -17,7 +17,8 @@ const maxSeedWipe = 64 << 20
 // first (a guest that never completes the hot unplug then reads zeros),
 // its disk is detached from the domain (persistent definition and running
 // guest) and the volume is deleted. A machine whose seed is gone already,
-// or that never had one, is success; a missing domain is ErrNotFound, one
+// or that never had one, is success; the ownership record then no longer
+// lists the seed volume; a missing domain is ErrNotFound, one
 // not ours ErrNotOurs. Remove treats the missing seed volume as removed.
 func (e *Engine) DropSeed(ctx context.Context, name, pool string) error {
 	if err := CheckName(name); err != nil {
@@ -34,9 +35,19 @@ func (e *Engine) DropSeed(ctx context.Context, name, pool string) error {
 	if !slices.Contains(o.Volumes, seed) {
 		return nil
 	}
+	// Once the seed is gone the ownership record stops listing it, so
+	// that garm's next Get or List does not look at this machine again.
+	forget := func() error {
+		o.Volumes = slices.DeleteFunc(o.Volumes, func(v string) bool { return v == seed })
+		x, err := MarshalOwner(o)
+		if err != nil {
+			return err
+		}
+		return change(ctx, func(ctx context.Context) error { return e.HV.SetOwner(ctx, name, x) })
+	}
 	path, err := e.HV.VolumePath(ctx, pool, seed)
 	if errors.Is(err, ErrNotFound) {
-		return nil // dropped before (the detach comes before the delete)
+		return forget() // dropped before (the detach comes before the delete)
 	}
 	if err != nil {
 		return fmt.Errorf("seed volume of %s: %w", name, err)
@@ -57,6 +68,9 @@ func (e *Engine) DropSeed(ctx context.Context, name, pool string) error {
 	}
 	if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.DeleteVolume(ctx, pool, seed) })); err != nil {
 		return fmt.Errorf("delete the seed volume of %s: %w", name, err)
+	}
+	if err := forget(); err != nil {
+		return fmt.Errorf("record that %s has no seed: %w", name, err)
 	}
 	return nil
 }
