@@ -94,6 +94,11 @@ func TestToolsSweepWaitsForAdmission(t *testing.T) {
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
 	_, err := Get(context.Background(), m)
 	require.NoError(t, err)
+	// an upgrade: the first binary's volume is old, the sweep's to remove
+	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
+	require.NoError(t, os.WriteFile(m.Cfg.GuestTools.GitLabRunner, append(mustRead(t, m.Cfg.GuestTools.GitLabRunner), "v2"...), 0o755))
+	_, err = Get(context.Background(), m)
+	require.NoError(t, err)
 	unlock, err := m.HoldAdmission(context.Background())
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
@@ -101,6 +106,14 @@ func TestToolsSweepWaitsForAdmission(t *testing.T) {
 	_, err = m.Sweep(ctx, time.Now(), false)
 	require.ErrorIs(t, err, context.DeadlineExceeded, "it waits for the admission lock")
 	unlock()
-	_, err = m.Sweep(context.Background(), time.Now(), false)
+	rep, err := m.Sweep(context.Background(), time.Now(), false)
 	require.NoError(t, err)
+	require.Len(t, rep.SharedVolumes, 1, "then it removes the old volume")
+}
+
+func mustRead(t *testing.T, path string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	return b
 }

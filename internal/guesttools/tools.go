@@ -484,15 +484,6 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 		// does not decide it), so none is removed.
 		return nil
 	}
-	// No machine is admitted while this sweep decides and deletes: a
-	// machine admitted after the look at the state directory would attach
-	// a volume this sweep took for unused (a machine admitted before it
-	// has no record yet, and keeps them all).
-	unadmit, err := m.HoldAdmission(ctx)
-	if err != nil {
-		return err
-	}
-	defer unadmit()
 	vols, err := m.PoolVolumes(ctx)
 	if err != nil {
 		return err
@@ -508,6 +499,16 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 	if len(old) == 0 {
 		return nil
 	}
+	// No machine is admitted while this sweep looks at the machines and
+	// deletes: one admitted after that look would attach a volume this
+	// sweep took for unused (one admitted before it has no record yet,
+	// and keeps them all). Only a sweep with something to remove holds
+	// admission up.
+	unadmit, err := m.HoldAdmission(ctx)
+	if err != nil {
+		return err
+	}
+	defer unadmit()
 	names, err := m.Store.Names()
 	if err != nil {
 		return err
