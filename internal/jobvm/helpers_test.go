@@ -1,7 +1,6 @@
 package jobvm
 
 import (
-	"os"
 	"testing"
 	"time"
 
@@ -41,12 +40,7 @@ func testRequest(img *config.Image) lifecycle.Request {
 
 func requireNothingLeft(t *testing.T, hv *vmtest.Fake, m *Host) {
 	t.Helper()
-	hv.Lock()
-	defer hv.Unlock()
-	require.Empty(t, hv.Domains, "domains left")
-	require.Empty(t, hv.Volumes, "volumes left")
-	_, err := os.Stat(m.Store.MachineDir("lve-0123abcd-7"))
-	require.True(t, os.IsNotExist(err), "state dir left")
+	lifecycletest.RequireNothingLeft(t, hv, m.Store)
 }
 
 // owned is an ownership record of this installation with that deadline.

@@ -3,7 +3,6 @@ package lifecycle
 import (
 	"context"
 	"errors"
-	"os"
 	"testing"
 	"time"
 
@@ -40,12 +39,7 @@ func testRequest(img *config.Image) Request {
 
 func requireNothingLeft(t *testing.T, hv *vmtest.Fake, m *Manager) {
 	t.Helper()
-	hv.Lock()
-	defer hv.Unlock()
-	require.Empty(t, hv.Domains, "domains left")
-	require.Empty(t, hv.Volumes, "volumes left")
-	_, err := os.Stat(m.Store.MachineDir("lve-0123abcd-7"))
-	require.True(t, os.IsNotExist(err), "state dir left")
+	lifecycletest.RequireNothingLeft(t, hv, m.Store)
 }
 
 func TestProvisionAndTeardown(t *testing.T) {

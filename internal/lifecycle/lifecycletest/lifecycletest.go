@@ -7,6 +7,7 @@ package lifecycletest
 import (
 	"encoding/base64"
 	"net"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -122,6 +124,32 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 // LeaseDelay is how long after its start a guest gets its lease: the
 // wait for the address is a real wait, as with DHCP.
 const LeaseDelay = 20 * time.Millisecond
+
+// Machine is the name the engine's tests give their one machine.
+const Machine = "lve-0123abcd-7"
+
+// RequireNothingLeft asserts that no domain, no volume and no state
+// directory of Machine (in store) is left. Call it from the test's
+// goroutine.
+func RequireNothingLeft(t *testing.T, hv *vmtest.Fake, store state.Store) {
+	t.Helper()
+	hv.Lock()
+	defer hv.Unlock()
+	if len(hv.Domains) > 0 || len(hv.Volumes) > 0 {
+		t.Fatalf("left: domains %v, volumes %v", keys(hv.Domains), keys(hv.Volumes))
+	}
+	if _, err := os.Stat(store.MachineDir(Machine)); !os.IsNotExist(err) {
+		t.Fatalf("state dir left: %v", err)
+	}
+}
+
+func keys[V any](m map[string]V) []string {
+	out := make([]string, 0, len(m))
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
 
 // TinyConfig is the configuration the engine's tests share: domain type
 // qemu, storage pool "jobs", a state directory of the test's own, a boot
