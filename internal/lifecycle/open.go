@@ -27,8 +27,8 @@ type Options struct {
 	Say func(format string, args ...any)
 	// OnReconnect, if set, is told about each re-made connection.
 	OnReconnect func(cause error)
-	// Hooks are what the kinds of machines add (internal/jobvm.Open
-	// fills them).
+	// Hooks are what the kinds of machines add (internal/jobvm.New sets
+	// the job machines' with SetHooks once the Manager exists).
 	Hooks Hooks
 	// ReadOnly promises that the caller only looks (list, explain): then
 	// a state directory of another user (root looking) is no refusal, as
