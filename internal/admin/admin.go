@@ -280,6 +280,10 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			Fix:  "virsh net-start " + cfg.Network + "; images with address_source = \"lease\" need libvirt's DHCP on it"})
 	}
 
+	if cfg.L2Filter == nil || *cfg.L2Filter {
+		add(nwfilterCheck(func(name string) (bool, error) { return l.NWFilterDefined(ctx, name) }))
+	}
+
 	for _, n := range cfg.ImageNames() {
 		img, _ := cfg.Image(n)
 		files := []string{img.Base}
@@ -315,6 +319,33 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		add(metricsCheck(ctx, cfg.Serve.MetricsListen))
 	}
 	return out
+}
+
+// nwfilterCheck checks that libvirt has the network filters every VM's
+// interface names (l2_filter): without them no VM starts.
+func nwfilterCheck(defined func(string) (bool, error)) Check {
+	var missing, errs []string
+	for _, n := range append([]string{"clean-traffic"}, vm.FilterNames...) {
+		ok, err := defined(n)
+		switch {
+		case err != nil:
+			errs = append(errs, n+": "+err.Error())
+		case !ok:
+			missing = append(missing, n)
+		}
+	}
+	c := Check{Name: "network filters", OK: len(missing) == 0 && len(errs) == 0,
+		Info: "l2_filter: " + strings.Join(append([]string{"clean-traffic"}, vm.FilterNames...), ", ") + " defined"}
+	if !c.OK {
+		if len(missing) > 0 {
+			errs = append(errs, "not defined: "+strings.Join(missing, ", "))
+		}
+		c.Info = strings.Join(errs, "; ")
+		c.Fix = "apt-get install libvirt-daemon-config-nwfilter ebtables (clean-traffic comes with it; restart libvirtd), " +
+			"then virsh nwfilter-define deploy/nwfilter/lve-vm.xml && virsh nwfilter-define deploy/nwfilter/lve-vm-egress.xml " +
+			"(docs/security.md); or l2_filter = false. Until then no VM can start"
+	}
+	return c
 }
 
 // metricsCheck asks the running service's metrics endpoint for its

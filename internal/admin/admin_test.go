@@ -73,10 +73,13 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 	require.False(t, byName["image missing"].OK)
 	require.Contains(t, byName["image missing"].Info, "no such file")
 	require.True(t, byName["domain type"].Warn, "qemu is slow: a warning")
+	// The test driver has no network filters: l2_filter (default on) fails.
+	require.False(t, byName["network filters"].OK)
+	require.Contains(t, byName["network filters"].Info, "lve-vm")
 
 	var out bytes.Buffer
 	err := PrintChecks(&out, checks)
-	require.ErrorContains(t, err, "1 check(s) failed")
+	require.ErrorContains(t, err, "2 check(s) failed")
 	require.Contains(t, out.String(), "[FAIL] image missing")
 	require.Contains(t, out.String(), "fix: ")
 

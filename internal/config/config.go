@@ -84,6 +84,14 @@ type Config struct {
 	// VMs on one bridge cannot reach each other (libvirt <port isolated>).
 	// Default true.
 	IsolateGuests *bool `toml:"isolate_guests"`
+	// L2Filter puts the project's libvirt network filter (lve-vm, or
+	// lve-vm-egress for an image with egress_allow) on every VM's
+	// interface: a VM can send only from its own MAC and from the address
+	// the network's DHCP gave it, ARP only for that address, and a GitLab
+	// job VM cannot reach garm's endpoint port on the host. The filters
+	// must be defined on the host (deploy/nwfilter, docs/security.md;
+	// doctor checks). Default true.
+	L2Filter *bool `toml:"l2_filter"`
 	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
 	// "insecure-ignore-host-key" (no verification; for debugging images only).
 	HostKeyPolicy string `toml:"host_key_policy"`
@@ -266,6 +274,13 @@ type Image struct {
 	AddressSource string `toml:"address_source"`
 	// Machine is the QEMU machine type. Default "pc".
 	Machine string `toml:"machine"`
+	// EgressAllow, when set, is the only destinations this image's VMs
+	// reach besides the network's own address (DHCP, DNS and the host
+	// services the guard opens): "CIDR" or "IP" (any protocol and port)
+	// and "CIDR:PORT" or "IP:PORT" (TCP and UDP to that port), IPv4 only.
+	// An empty list allows the network's address only. Unset: no limit.
+	// Needs l2_filter (enforced by the lve-vm-egress filter).
+	EgressAllow []string `toml:"egress_allow"`
 	// VCPUs and MemoryMiB override Defaults for this image (0 = use defaults).
 	VCPUs     int `toml:"vcpus"`
 	MemoryMiB int `toml:"memory_mib"`
@@ -510,6 +525,10 @@ func (c *Config) applyDefaults() {
 	if c.IsolateGuests == nil {
 		yes := true
 		c.IsolateGuests = &yes
+	}
+	if c.L2Filter == nil {
+		yes := true
+		c.L2Filter = &yes
 	}
 	if c.Defaults.VCPUs == 0 {
 		c.Defaults.VCPUs = 2
@@ -830,12 +849,23 @@ func (c *Config) validateImages(p *problems) {
 		}
 		if img := c.Images[name]; img != nil {
 			img.validate(p, key)
+			if img.EgressAllow != nil && c.L2Filter != nil && !*c.L2Filter {
+				p.bad(key+".egress_allow", "needs l2_filter = true (the lve-vm-egress network filter enforces it)")
+			}
 		}
 	}
 }
 
 // validate checks one image's table, named key.
 func (img *Image) validate(p *problems, key string) {
+	if len(img.EgressAllow) > maxEgress {
+		p.bad(key+".egress_allow", "%d entries: at most %d (use wider CIDRs)", len(img.EgressAllow), maxEgress)
+	}
+	for i, e := range img.EgressAllow {
+		if _, err := ParseEgress(e); err != nil {
+			p.bad(fmt.Sprintf("%s.egress_allow[%d]", key, i), "%v", err)
+		}
+	}
 	if !filepath.IsAbs(img.Base) {
 		p.bad(key+".base", "%q must be an absolute path to the base disk image", img.Base)
 	}

@@ -61,6 +61,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),
 		},
 	}
+	s.Filter = MachineFilter(cfg, img, req.Frontend)
 	if img.Boot == config.BootKernel {
 		s.Kernel, s.Initrd, s.Cmdline = img.Kernel, img.Initrd, img.Cmdline
 	}
@@ -72,6 +73,30 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		s.OEMStrings = in.Keys.OEMStrings(req.Name)
 	}
 	return s
+}
+
+// frontendGarm is jobvm.FrontendGarm (jobvm imports this package).
+const frontendGarm = "garm"
+
+// MachineFilter is the network filter of a machine of img made for
+// frontend: nil with l2_filter off. Every machine but garm's refuses the
+// ports of garm.endpoints at the network's address (the guard opens them
+// for the whole network, for garm's guests).
+func MachineFilter(cfg *config.Config, img *config.Image, frontend string) *vm.Filter {
+	if cfg.L2Filter != nil && !*cfg.L2Filter {
+		return nil
+	}
+	f := &vm.Filter{}
+	if frontend != frontendGarm {
+		f.DenyHostPorts = cfg.GarmPorts()
+	}
+	if eg := img.Egress(); eg != nil {
+		f.Egress = make([]vm.EgressRule, 0, len(eg))
+		for _, e := range eg {
+			f.Egress = append(f.Egress, vm.EgressRule{Net: e.Net, Port: e.Port})
+		}
+	}
+	return f
 }
 
 // CloudInitSeed makes the NoCloud seed image that gives a cloud-init image
@@ -88,7 +113,8 @@ func CloudInitSeed(name string, img *config.Image, keys *guestinit.Keys, dir str
 // SpecFingerprint identifies everything of cfg that goes into a machine of
 // img besides its size and base file (which a standby record keeps on its
 // own): the image's table without its pool, the network, storage pool,
-// isolation, domain type and host key policy, and the driver's version. A
+// isolation, network filter, domain type and host key policy, and the
+// driver's version. A
 // standby machine built under another fingerprint is never handed out.
 func SpecFingerprint(cfg *config.Config, img *config.Image) string {
 	i := *img
@@ -97,8 +123,9 @@ func SpecFingerprint(cfg *config.Config, img *config.Image) string {
 		Version, Network, StoragePool, DomainType, HostKeyPolicy, NamePrefix string
 		Isolated                                                             bool
 		Image                                                                config.Image
+		Filter                                                               *vm.Filter
 	}{buildinfo.Version, cfg.Network, cfg.StoragePool, cfg.DomainType, cfg.HostKeyPolicy, cfg.NamePrefix,
-		cfg.IsolateGuests == nil || *cfg.IsolateGuests, i})
+		cfg.IsolateGuests == nil || *cfg.IsolateGuests, i, MachineFilter(cfg, img, "standby")})
 	h := sha256.Sum256(b)
 	return hex.EncodeToString(h[:8])
 }

@@ -89,6 +89,13 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 	if s.Isolated {
 		dev.Interfaces[0].PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
 	}
+	if s.Filter != nil {
+		ref, err := filterRef(s.Filter)
+		if err != nil {
+			return "", err
+		}
+		dev.Interfaces[0].FilterRef = ref
+	}
 	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
 	if s.ConsoleLog != "" {
 		// append="on": libvirt writes into the file the caller made, which

@@ -167,7 +167,17 @@ func (c *creation) deleteVolume(name string) func(context.Context) error {
 
 // define defines the domain on the volumes made before.
 func (c *creation) define(ctx context.Context) error {
-	x, err := DomainXML(c.s, c.m.DiskPath, c.seedPath)
+	s := c.s
+	if s.Filter != nil && s.Filter.Gateway == "" {
+		gw, err := c.e.HV.NetworkGateway(ctx, s.Network)
+		if err != nil {
+			return fmt.Errorf("network %s: its address, for the interface's filter: %w", s.Network, err)
+		}
+		f := *s.Filter
+		f.Gateway = gw
+		s.Filter = &f
+	}
+	x, err := DomainXML(s, c.m.DiskPath, c.seedPath)
 	if err != nil {
 		return err
 	}

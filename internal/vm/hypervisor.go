@@ -86,6 +86,10 @@ type Hypervisor interface {
 	Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error)
 	// NetworkLeaseMACs returns the MACs holding leases on a network.
 	NetworkLeaseMACs(ctx context.Context, network string) ([]string, error)
+	// NetworkGateway returns the network's own IPv4 address (its DHCP
+	// server and the guests' gateway), or "" for a network without one (a
+	// bridge of the host's LAN).
+	NetworkGateway(ctx context.Context, network string) (string, error)
 	// Close releases the connection. It does not wait for calls that were
 	// abandoned when their ctx ended.
 	Close() error

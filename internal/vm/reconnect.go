@@ -295,6 +295,11 @@ func (r *Reconnecting) NetworkLeaseMACs(ctx context.Context, network string) ([]
 	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.NetworkLeaseMACs(ctx, network) })
 }
 
+// NetworkGateway implements Hypervisor.
+func (r *Reconnecting) NetworkGateway(ctx context.Context, network string) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.NetworkGateway(ctx, network) })
+}
+
 // Close implements Hypervisor. Calls after Close fail.
 func (r *Reconnecting) Close() error {
 	_ = r.lock(context.Background())

@@ -49,6 +49,10 @@ type Spec struct {
 	// one bridge cannot talk to each other, only to the uplink (the host side
 	// of the network: DHCP, DNS, NAT to the outside).
 	Isolated bool
+	// Filter, when not nil, puts the project's nwfilter on the interface
+	// (see Filter): the machine can use only its own MAC and the address
+	// DHCP gave it, and reaches only what the filter allows.
+	Filter *Filter
 	// GuestAgent adds the qemu-guest-agent channel.
 	GuestAgent bool
 	// ConsoleLog, when set, receives the serial console output, appended to

@@ -384,8 +384,9 @@ func TestGuardHook(t *testing.T) {
 	steps := `
 hook() { LIBVIRT_EXECUTOR_GUARD_CONF=${CONF:-` + conf + `} "` + script + `" "$@"; }
 net() { echo "<network><name>$1</name><forward mode='${3:-nat}'/><bridge name='$2' stp='on' delay='0'/>${4:-}</network>"; }
-dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254' || true; }
+dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254|physdev' || true; }
 status() { echo "== $1 $2"; }
+ip link add virbr-ci type bridge && ip addr add 192.168.150.1/24 dev virbr-ci && ip link set virbr-ci up
 net ci virbr-ci | hook ci started begin -;  dump started
 net ci virbr-ci | hook ci started begin -;  dump again
 iptables -w -N LVE-GUARD-virbr-ci-n; iptables -w -I INPUT 1 -i virbr-ci -j LVE-GUARD-virbr-ci-n  # as an interrupted apply leaves it
@@ -414,9 +415,12 @@ hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status tooman
 		"-A INPUT -i virbr-ci -j LVE-GUARD-virbr-ci",
 		"-A LVE-GUARD-virbr-ci -m conntrack --ctstate RELATED,ESTABLISHED -j ACCEPT",
 		"-A LVE-GUARD-virbr-ci -p udp -m udp --dport 67 -j ACCEPT",
-		"-A LVE-GUARD-virbr-ci -p tcp -m multiport --dports 3128,8080 -j ACCEPT",
+		// the service ports at the bridge's own address only
+		"-A LVE-GUARD-virbr-ci -d 192.168.150.1/32 -p tcp -m multiport --dports 3128,8080 -j ACCEPT",
 		"-A LVE-GUARD-virbr-ci -j REJECT --reject-with icmp-port-unreachable",
 		"-A FORWARD -d 169.254.0.0/16 -i virbr-ci -j REJECT",
+		// no routing from the bridge back into it (guest -> host -> guest)
+		"-A FORWARD -i virbr-ci -o virbr-ci -m physdev ! --physdev-is-bridged -j REJECT",
 	} {
 		require.Contains(t, started, want)
 	}

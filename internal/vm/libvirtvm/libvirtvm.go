@@ -817,6 +817,15 @@ func (l *Conn) PoolActive(ctx context.Context, name string) (active bool, path s
 // NetworkAddress returns the host's IPv4 address on the network (its
 // <ip address=...>): where the guests reach the host.
 func (l *Conn) NetworkAddress(ctx context.Context, name string) (string, error) {
+	a, err := l.NetworkGateway(ctx, name)
+	if err == nil && a == "" {
+		err = fmt.Errorf("network %s has no IPv4 address of the host (a bridge of the host's LAN?): pass the address the guests reach this host at", name)
+	}
+	return a, err
+}
+
+// NetworkGateway implements vm.Hypervisor.
+func (l *Conn) NetworkGateway(ctx context.Context, name string) (string, error) {
 	return call(ctx, l, func() (string, error) {
 		n, err := l.conn.LookupNetworkByName(name)
 		if err != nil {
@@ -836,7 +845,7 @@ func (l *Conn) NetworkAddress(ctx context.Context, name string) (string, error) 
 				return a.String(), nil
 			}
 		}
-		return "", fmt.Errorf("network %s has no IPv4 address of the host (a bridge of the host's LAN?): pass the address the guests reach this host at", name)
+		return "", nil
 	})
 }
 
@@ -872,4 +881,21 @@ func (l *Conn) NetworkActive(ctx context.Context, name string) (active, dhcp boo
 		return f, nil
 	})
 	return f.active, f.dhcp, err
+}
+
+// NWFilterDefined reports whether libvirt has the network filter name
+// (virsh nwfilter-list).
+func (l *Conn) NWFilterDefined(ctx context.Context, name string) (bool, error) {
+	return call(ctx, l, func() (bool, error) {
+		f, err := l.conn.LookupNWFilterByName(name)
+		if err != nil {
+			var le libvirt.Error
+			if errors.As(err, &le) && le.Code == libvirt.ERR_NO_NWFILTER {
+				return false, nil
+			}
+			return false, err
+		}
+		_ = f.Free()
+		return true, nil
+	})
 }

@@ -29,6 +29,9 @@ type Fake struct {
 	LeaseMap map[string][]vm.Lease
 	// NetMACs are the MACs holding leases on the network.
 	NetMACs []string
+	// Gateway is the network's own address NetworkGateway reports (New:
+	// 192.168.150.1).
+	Gateway string
 	// FailOn makes the named method fail with the error.
 	FailOn map[string]error
 	// Calls records method names in order.
@@ -61,7 +64,7 @@ type Domain struct {
 
 // New returns an empty Fake.
 func New() *Fake {
-	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}}
+	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}, Gateway: "192.168.150.1"}
 }
 
 var _ vm.Hypervisor = (*Fake)(nil)
@@ -402,6 +405,18 @@ func (f *Fake) NetworkLeaseMACs(ctx context.Context, _ string) ([]string, error)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return append([]string(nil), f.NetMACs...), nil
+}
+
+// NetworkGateway implements vm.Hypervisor: it reports Gateway. It is not
+// recorded in Calls; FailOn["NetworkGateway"] injects an error.
+func (f *Fake) NetworkGateway(ctx context.Context, _ string) (string, error) {
+	f.wait("NetworkGateway")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.FailOn["NetworkGateway"]; err != nil {
+		return "", err
+	}
+	return f.Gateway, nil
 }
 func (f *Fake) Close() error { return nil }
 

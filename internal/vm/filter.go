@@ -1,0 +1,140 @@
+package vm
+
+import (
+	"fmt"
+	"net"
+	"strconv"
+
+	"libvirt.org/go/libvirtxml"
+)
+
+// The project's network filters (libvirt nwfilter), defined on the host
+// from deploy/nwfilter/*.xml (docs/security.md). Every machine's interface
+// names one of them when its Spec has a Filter.
+const (
+	// FilterName is libvirt's clean-traffic (the machine's own MAC, the
+	// address its DHCP lease gave it, ARP for that address only) plus the
+	// refusal of the host ports in DENY_PORT at DENY_HOST.
+	FilterName = "lve-vm"
+	// FilterEgressName is FilterName plus an egress allow list: the
+	// machine reaches the network's own address (DHCP, DNS and the host
+	// services the guard opens), the destinations in EGRESS_NET/EGRESS_MASK
+	// (any protocol) and EGRESS_PNET/EGRESS_PMASK/EGRESS_PORT (TCP and UDP
+	// to one port), and nothing else.
+	FilterEgressName = "lve-vm-egress"
+)
+
+// FilterNames are the filters the host must have defined (doctor checks).
+var FilterNames = []string{FilterName, FilterEgressName}
+
+// placeholders for an empty parameter list: libvirt refuses a filter whose
+// variable has no value, so an empty list is given one entry that matches
+// no packet (no packet is addressed to 0.0.0.0).
+const (
+	noAddress = "0.0.0.0"
+	noPort    = "1"
+)
+
+// Filter is the layer-2/3 filter on a machine's interface.
+type Filter struct {
+	// Gateway is the network's own IPv4 address: its DHCP server, DNS and
+	// the host's services. Empty: Engine.Create looks it up (and leaves it
+	// empty for a network without one: a host bridge).
+	Gateway string
+	// Egress, when not nil, is the only destinations the machine reaches
+	// besides Gateway (an empty, non-nil list: the gateway only). Nil: no
+	// egress limit.
+	Egress []EgressRule
+	// DenyHostPorts are TCP ports of Gateway the machine may not reach even
+	// though the guard opens them for the network (garm's endpoint, opened
+	// for garm's guests only).
+	DenyHostPorts []int
+}
+
+// EgressRule is one allowed destination.
+type EgressRule struct {
+	Net *net.IPNet
+	// Port is a TCP and UDP port; 0: any protocol and port.
+	Port int
+}
+
+// String writes r as configured: CIDR or CIDR:port.
+func (r EgressRule) String() string {
+	if r.Port == 0 {
+		return r.Net.String()
+	}
+	return r.Net.String() + ":" + strconv.Itoa(r.Port)
+}
+
+// filterRef is the interface's filterref for f.
+func filterRef(f *Filter) (*libvirtxml.DomainInterfaceFilterRef, error) {
+	ref := &libvirtxml.DomainInterfaceFilterRef{Filter: FilterName}
+	add := func(name, value string) {
+		ref.Parameters = append(ref.Parameters, libvirtxml.DomainInterfaceFilterParam{Name: name, Value: value})
+	}
+	gw := ""
+	if f.Gateway != "" {
+		ip := net.ParseIP(f.Gateway)
+		if ip == nil || ip.To4() == nil {
+			return nil, fmt.Errorf("filter: gateway %q is not an IPv4 address", f.Gateway)
+		}
+		gw = ip.To4().String()
+	}
+	// libvirt learns the address from the machine's DHCP exchange, trusting
+	// only the network's DHCP server when it is known.
+	add("CTRL_IP_LEARNING", "dhcp")
+	if gw != "" {
+		add("DHCPSERVER", gw)
+	}
+	if gw != "" && len(f.DenyHostPorts) > 0 {
+		add("DENY_HOST", gw)
+		for _, p := range f.DenyHostPorts {
+			if p < 1 || p > 65535 {
+				return nil, fmt.Errorf("filter: host port %d out of range", p)
+			}
+			add("DENY_PORT", strconv.Itoa(p))
+		}
+	} else {
+		add("DENY_HOST", noAddress)
+		add("DENY_PORT", noPort)
+	}
+	if f.Egress == nil {
+		return ref, nil
+	}
+	if gw == "" {
+		return nil, fmt.Errorf("filter: an egress allow list needs the network's own IPv4 address (a libvirt network with <ip address=...>), and this network has none")
+	}
+	ref.Filter = FilterEgressName
+	var nets, pnets []EgressRule
+	for _, r := range f.Egress {
+		if r.Net == nil || r.Net.IP.To4() == nil || r.Port < 0 || r.Port > 65535 {
+			return nil, fmt.Errorf("filter: bad egress rule %v", r)
+		}
+		if r.Port == 0 {
+			nets = append(nets, r)
+		} else {
+			pnets = append(pnets, r)
+		}
+	}
+	if len(nets) == 0 {
+		add("EGRESS_NET", noAddress)
+		add("EGRESS_MASK", "32")
+	}
+	for _, r := range nets {
+		ones, _ := r.Net.Mask.Size()
+		add("EGRESS_NET", r.Net.IP.To4().String())
+		add("EGRESS_MASK", strconv.Itoa(ones))
+	}
+	if len(pnets) == 0 {
+		add("EGRESS_PNET", noAddress)
+		add("EGRESS_PMASK", "32")
+		add("EGRESS_PORT", noPort)
+	}
+	for _, r := range pnets {
+		ones, _ := r.Net.Mask.Size()
+		add("EGRESS_PNET", r.Net.IP.To4().String())
+		add("EGRESS_PMASK", strconv.Itoa(ones))
+		add("EGRESS_PORT", strconv.Itoa(r.Port))
+	}
+	return ref, nil
+}
