@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"net"
 	"os"
 	"path/filepath"
 	"slices"
@@ -495,9 +496,18 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	list()
 	require.True(t, hasSeed())
 
-	// the bootstrap is done: the next Get drops the seed, wiped first
+	// the bootstrap is done, but the instance has no lease yet: it waits
 	require.NoError(t, os.Remove(console))
 	require.NoError(t, os.WriteFile(console, []byte("[  42.0] cloud-init[1]: ok\n"+SeedDoneMarker+"\nDebian GNU/Linux 12 login: "), 0o600))
+	list()
+	require.True(t, hasSeed())
+
+	// with its lease: the next Get pins the address in the network filter
+	// and drops the seed, wiped first
+	rec, err := r.m.Store.Record(name)
+	require.NoError(t, err)
+	r.hv.SetLeases(name, vm.Lease{MAC: rec.MAC, IP: net.ParseIP("192.168.150.77")})
+	require.NotContains(t, r.hv.Domains[name].XML, `value="192.168.150.77"`)
 	r.hv.Lock()
 	before := len(r.hv.Calls)
 	r.hv.Unlock()
@@ -510,6 +520,10 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 	up, det, del := slices.Index(calls, "UploadVolume"), slices.Index(calls, "DetachDisk"), slices.Index(calls, "DeleteVolume")
 	require.True(t, up >= 0 && up < det && det < del, "wiped, then detached, then deleted: %v", calls)
+	pin := slices.Index(calls, "PinFilterAddress")
+	require.True(t, pin >= 0 && pin < up, "the address is pinned before the seed goes: %v", calls)
+	require.Contains(t, r.hv.Domains[name].XML, `<parameter name="IP" value="192.168.150.77">`)
+	require.NotContains(t, r.hv.Domains[name].XML, `CTRL_IP_LEARNING`)
 	require.True(t, r.hv.Domains[name].Active, "the instance runs on")
 
 	// again: nothing more to do

@@ -58,12 +58,38 @@ func TestProvisionAndTeardown(t *testing.T) {
 	require.Equal(t, controller, o.Controller)
 	require.WithinDuration(t, time.Now().Add(time.Hour+30*time.Minute), o.Deadline, time.Minute)
 
+	// The network filter carries the address the machine booted with (no
+	// learnt-only address for a libvirtd restart to forget).
+	var dx libvirtxml.Domain
+	require.NoError(t, dx.Unmarshal(hv.Domains["lve-0123abcd-7"].XML))
+	ref := dx.Devices.Interfaces[0].FilterRef
+	require.NotNil(t, ref)
+	require.Equal(t, vm.FilterName, ref.Filter)
+	params := map[string]string{}
+	for _, p := range ref.Parameters {
+		params[p.Name] = p.Value
+	}
+	require.Equal(t, "127.0.0.1", params["IP"])
+	require.NotContains(t, params, "CTRL_IP_LEARNING")
+
 	// run's view: connect again from the recorded state, pinned key.
 	_, c, err := m.Connect(context.Background(), "lve-0123abcd-7")
 	require.NoError(t, err)
 	_ = c.Close()
 
 	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	requireNothingLeft(t, hv, m)
+}
+
+// A filter that cannot be pinned to the address fails the boot: the
+// machine would lose its network at the next libvirtd restart.
+func TestProvisionUnpinnedFilterUndoes(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img := manager(t, hv, g)
+	hv.FailOn["PinFilterAddress"] = errors.New("update device: unsupported")
+	_, err := m.Provision(context.Background(), testRequest(img))
+	require.ErrorContains(t, err, "pin address 127.0.0.1")
 	requireNothingLeft(t, hv, m)
 }
 

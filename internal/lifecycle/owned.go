@@ -79,6 +79,26 @@ func (m *Manager) leaseAddress(ctx context.Context, name string) string {
 	return ""
 }
 
+// PinAddress gives the network filter of a running machine its address
+// addr (vm.Hypervisor.PinFilterAddress), so that a libvirtd restart does
+// not leave it able to send only DHCP until its lease is renewed. Machines
+// that wait for their address at boot (jobs, standbys) are pinned then;
+// detached ones (garm's) once the front end sees their address. Without
+// l2_filter it does nothing.
+func (m *Manager) PinAddress(ctx context.Context, name, addr string) error {
+	if m.Cfg.L2Filter != nil && !*m.Cfg.L2Filter {
+		return nil
+	}
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	mach, err := m.Store.Record(name)
+	if err != nil {
+		return err
+	}
+	return m.hv.PinFilterAddress(ctx, name, mach.MAC, addr)
+}
+
 // DropSeed takes the cloud-init seed away from a machine whose guest no
 // longer needs it (vm.Engine.DropSeed: wiped, detached, deleted), under
 // the machine's lock. A machine busy in another process (being torn down)

@@ -37,6 +37,9 @@ type provision struct {
 	endBoot context.CancelFunc
 	shared  *Attached       // attachShared: nil for none
 	addr    string          // waitAddress
+	// filtered: the interface has the project's network filter (create),
+	// which waitAddress pins to the address.
+	filtered bool
 	client  *sshexec.Client // waitSSH
 	timings Timings
 }
@@ -199,6 +202,7 @@ func (p *provision) create(ctx context.Context) error {
 		Keys: p.keys, CloudInitSeed: p.seed, MAC: p.mac, Created: p.created, ConsoleLog: p.consoleLog,
 		Shared: p.shared.disks(),
 	})
+	p.filtered = spec.Filter != nil
 	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
 	t0 := time.Now()
 	mach, err := p.eng.Create(ctx, spec)
@@ -233,6 +237,13 @@ func (p *provision) waitAddress(context.Context) error {
 	p.timings.Addressed = time.Now()
 	p.timings.Address = p.timings.Addressed.Sub(t0)
 	p.m.say("Booted, address %s (MAC %s, from %s) in %s", addr, p.mac, img.AddressSource, vm.Round(p.timings.Address))
+	if p.filtered {
+		// What the filter learnt from DHCP, libvirt forgets when libvirtd
+		// restarts: from now on the filter carries the address itself.
+		if err := p.m.hv.PinFilterAddress(p.bootCtx, p.req.Name, p.mac, addr); err != nil {
+			return fmt.Errorf("network filter of %s: pin address %s: %w", p.req.Name, addr, err)
+		}
+	}
 	return nil
 }
 

@@ -138,3 +138,43 @@ func filterRef(f *Filter) (*libvirtxml.DomainInterfaceFilterRef, error) {
 	}
 	return ref, nil
 }
+
+// PinFilterIP sets the interface's filter parameter IP to ip (and drops
+// CTRL_IP_LEARNING): the filter then needs nothing learnt, which libvirt
+// forgets when libvirtd restarts (a VM with a learnt-only address could
+// send nothing but DHCP until its lease is renewed). It reports whether
+// anything changed; an interface without a filter is left alone.
+func PinFilterIP(iface *libvirtxml.DomainInterface, ip string) (bool, error) {
+	a := net.ParseIP(ip)
+	if a == nil || a.To4() == nil {
+		return false, fmt.Errorf("filter: %q is not an IPv4 address", ip)
+	}
+	ref := iface.FilterRef
+	if ref == nil {
+		return false, nil
+	}
+	want := a.To4().String()
+	var kept []libvirtxml.DomainInterfaceFilterParam
+	have := false
+	for _, p := range ref.Parameters {
+		switch p.Name {
+		case "IP":
+			if p.Value == want && !have {
+				have = true
+				kept = append(kept, p)
+			}
+			continue
+		case "CTRL_IP_LEARNING":
+			continue
+		}
+		kept = append(kept, p)
+	}
+	if have && len(kept) == len(ref.Parameters) {
+		return false, nil
+	}
+	if !have {
+		kept = append(kept, libvirtxml.DomainInterfaceFilterParam{Name: "IP", Value: want})
+	}
+	ref.Parameters = kept
+	return true, nil
+}

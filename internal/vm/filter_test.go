@@ -90,3 +90,43 @@ func TestDomainXMLFilterRef(t *testing.T) {
 	require.NoError(t, err)
 	require.NotContains(t, x, "filterref")
 }
+
+// PinFilterIP replaces what DHCP learning would find with the address, is
+// a no-op the second time, and leaves an interface without a filter alone.
+func TestPinFilterIP(t *testing.T) {
+	ref, err := filterRef(&Filter{Gateway: "192.168.150.1"})
+	require.NoError(t, err)
+	iface := &libvirtxml.DomainInterface{FilterRef: ref}
+	changed, err := PinFilterIP(iface, "192.168.150.23")
+	require.NoError(t, err)
+	require.True(t, changed)
+	got := map[string]string{}
+	for _, p := range iface.FilterRef.Parameters {
+		got[p.Name] = p.Value
+	}
+	require.Equal(t, "192.168.150.23", got["IP"])
+	require.Equal(t, "192.168.150.1", got["DHCPSERVER"])
+	require.NotContains(t, got, "CTRL_IP_LEARNING")
+
+	changed, err = PinFilterIP(iface, "192.168.150.23")
+	require.NoError(t, err)
+	require.False(t, changed, "already pinned")
+
+	changed, err = PinFilterIP(iface, "192.168.150.24")
+	require.NoError(t, err)
+	require.True(t, changed)
+	n := 0
+	for _, p := range iface.FilterRef.Parameters {
+		if p.Name == "IP" {
+			n++
+			require.Equal(t, "192.168.150.24", p.Value)
+		}
+	}
+	require.Equal(t, 1, n, "one address, the new one")
+
+	_, err = PinFilterIP(iface, "fe80::1")
+	require.ErrorContains(t, err, "not an IPv4 address")
+	changed, err = PinFilterIP(&libvirtxml.DomainInterface{}, "10.0.0.1")
+	require.NoError(t, err)
+	require.False(t, changed, "no filter: nothing to pin")
+}

@@ -90,6 +90,12 @@ type Hypervisor interface {
 	// server and the guests' gateway), or "" for a network without one (a
 	// bridge of the host's LAN).
 	NetworkGateway(ctx context.Context, network string) (string, error)
+	// PinFilterAddress gives the network filter on the running domain's
+	// interface of MAC mac the address ip (vm.PinFilterIP), live only: the
+	// next boot learns its address again. An interface without a filter,
+	// or one pinned to ip already, is left alone; ErrNotFound if the domain
+	// or the interface is absent.
+	PinFilterAddress(ctx context.Context, name, mac, ip string) error
 	// Close releases the connection. It does not wait for calls that were
 	// abandoned when their ctx ended.
 	Close() error

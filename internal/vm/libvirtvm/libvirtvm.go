@@ -899,3 +899,46 @@ func (l *Conn) NWFilterDefined(ctx context.Context, name string) (bool, error) {
 		return true, nil
 	})
 }
+
+// PinFilterAddress implements vm.Hypervisor: the running domain's
+// interface is updated live (libvirt re-instantiates its filter with the
+// new parameters; a failure leaves the old one).
+func (l *Conn) PinFilterAddress(ctx context.Context, name, mac, ip string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		x, err := d.GetXMLDesc(0)
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		var dx libvirtxml.Domain
+		if err := dx.Unmarshal(x); err != nil {
+			return err
+		}
+		if dx.Devices == nil {
+			return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+		}
+		for i := range dx.Devices.Interfaces {
+			iface := &dx.Devices.Interfaces[i]
+			if iface.MAC == nil || !strings.EqualFold(iface.MAC.Address, mac) {
+				continue
+			}
+			changed, err := vm.PinFilterIP(iface, ip)
+			if err != nil || !changed {
+				return err
+			}
+			ix, err := iface.Marshal()
+			if err != nil {
+				return err
+			}
+			if err := d.UpdateDeviceFlags(ix, libvirt.DOMAIN_DEVICE_MODIFY_LIVE); err != nil {
+				return notFound(err, libvirt.ERR_NO_DOMAIN)
+			}
+			return nil
+		}
+		return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+	})
+}

@@ -446,3 +446,44 @@ func (f *Fake) State(ctx context.Context, name string) (vm.DomainState, error) {
 	}
 	return vm.DomainState{Code: vm.StateShutOff, Summary: "shut off"}, nil
 }
+
+// PinFilterAddress implements vm.Hypervisor on the domain's XML (active
+// domains only, as libvirt's live update).
+func (f *Fake) PinFilterAddress(ctx context.Context, name, mac, ip string) error {
+	f.wait("PinFilterAddress")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("PinFilterAddress"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if !d.Active {
+		return fmt.Errorf("domain %s is not running", name)
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(d.XML); err != nil {
+		return err
+	}
+	if dx.Devices != nil {
+		for i := range dx.Devices.Interfaces {
+			iface := &dx.Devices.Interfaces[i]
+			if iface.MAC == nil || !strings.EqualFold(iface.MAC.Address, mac) {
+				continue
+			}
+			changed, err := vm.PinFilterIP(iface, ip)
+			if err != nil || !changed {
+				return err
+			}
+			x, err := dx.Marshal()
+			if err != nil {
+				return err
+			}
+			d.XML = x
+			return nil
+		}
+	}
+	return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+}
