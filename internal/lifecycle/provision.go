@@ -35,13 +35,13 @@ type provision struct {
 	// from the domain's start on (create); endBoot releases it.
 	bootCtx context.Context
 	endBoot context.CancelFunc
-	shared  *Attached       // attachShared: nil for none
-	addr    string          // waitAddress
+	shared  *Attached // attachShared: nil for none
+	addr    string    // waitAddress
 	// filtered: the interface has the project's network filter (create),
 	// which waitAddress pins to the address.
 	filtered bool
-	client  *sshexec.Client // waitSSH
-	timings Timings
+	client   *sshexec.Client // waitSSH
+	timings  Timings
 }
 
 // newProvision prepares the steps of one Provision call.
