@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/base64"
 	"encoding/json"
+	"errors"
 	"net"
 	"os"
 	"path/filepath"
@@ -496,14 +497,10 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	list()
 	require.True(t, hasSeed())
 
-	// the bootstrap is done, but the instance has no lease yet: it waits
+	// the bootstrap is done: the next Get drops the seed, wiped first (and,
+	// the instance having its lease now, pins its address in the filter)
 	require.NoError(t, os.Remove(console))
 	require.NoError(t, os.WriteFile(console, []byte("[  42.0] cloud-init[1]: ok\n"+SeedDoneMarker+"\nDebian GNU/Linux 12 login: "), 0o600))
-	list()
-	require.True(t, hasSeed())
-
-	// with its lease: the next Get pins the address in the network filter
-	// and drops the seed, wiped first
 	rec, err := r.m.Store.Record(name)
 	require.NoError(t, err)
 	r.hv.SetLeases(name, vm.Lease{MAC: rec.MAC, IP: net.ParseIP("192.168.150.77")})
@@ -520,8 +517,7 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 	up, det, del := slices.Index(calls, "UploadVolume"), slices.Index(calls, "DetachDisk"), slices.Index(calls, "DeleteVolume")
 	require.True(t, up >= 0 && up < det && det < del, "wiped, then detached, then deleted: %v", calls)
-	pin := slices.Index(calls, "PinFilterAddress")
-	require.True(t, pin >= 0 && pin < up, "the address is pinned before the seed goes: %v", calls)
+	require.Contains(t, calls, "PinFilterAddress")
 	require.Contains(t, r.hv.Domains[name].XML, `<parameter name="IP" value="192.168.150.77">`)
 	require.NotContains(t, r.hv.Domains[name].XML, `CTRL_IP_LEARNING`)
 	require.True(t, r.hv.Domains[name].Active, "the instance runs on")
@@ -536,14 +532,31 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	// the ownership record lists no seed any more: not even a look at
 	// the pool for it on the calls garm makes again and again
 	require.NotContains(t, r.hv.Calls[before:], "VolumePath")
+	require.NotContains(t, r.hv.Calls[before:], "PinFilterAddress", "pinned once since its start")
 	r.hv.Unlock()
 
+	// started again (a new boot learns its address again): pinned again
+	require.NoError(t, r.m.StopMachine(context.Background(), name))
+	require.NoError(t, r.m.StartMachine(context.Background(), name))
+	require.False(t, r.m.Pinned(name))
+	list()
+	require.True(t, r.m.Pinned(name))
+
 	// the backstop: an instance older than garm.seed_keep loses its seed
-	// without any marker
+	// without any marker, even when its filter cannot be pinned (the pin is
+	// tried again on the next call; the token does not wait for it)
 	old := create(r, ctrlA, poolA, "garm-Seed2")
+	oldRec, err := r.m.Store.Record(old.ProviderID)
+	require.NoError(t, err)
+	r.hv.SetLeases(old.ProviderID, vm.Lease{MAC: oldRec.MAC, IP: net.ParseIP("192.168.150.78")})
+	r.hv.Lock()
+	r.hv.FailOn["PinFilterAddress"] = errors.New("update device: refused")
+	r.hv.Unlock()
 	r.cfg.Garm.SeedKeep = config.Duration(time.Nanosecond)
 	list()
+	require.False(t, r.m.Pinned(old.ProviderID))
 	r.hv.Lock()
+	delete(r.hv.FailOn, "PinFilterAddress")
 	require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.SeedVolume(old.ProviderID))
 	require.NotContains(t, r.hv.Domains[old.ProviderID].XML, "/pool/default-pool/"+vm.SeedVolume(old.ProviderID), "no seed disk")
 	r.hv.Unlock()

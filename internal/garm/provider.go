@@ -167,6 +167,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		if err != nil {
 			return err
 		}
+		p.pinAddresses(ctx, []lifecycle.Owned{o})
 		p.dropSeeds(ctx, []lifecycle.Owned{o})
 		return p.json(instanceOf(o))
 	case CmdList:
@@ -180,6 +181,7 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 		for _, o := range all {
 			out = append(out, instanceOf(o))
 		}
+		p.pinAddresses(ctx, all)
 		p.dropSeeds(ctx, all)
 		return p.json(out)
 	case CmdDelete:

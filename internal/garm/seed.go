@@ -53,10 +53,8 @@ func bootstrapDone(path string) bool {
 // dropSeeds takes the seed (with garm's instance token) away from each
 // instance of all whose bootstrap is done (SeedDoneMarker on its console)
 // or that is older than garm.seed_keep: garm asks for its instances again
-// and again (Get, List), and the guest cannot detach a disk itself. An
-// instance that has reported gets its address pinned in its network
-// filter first (Manager.PinAddress); one without an address yet waits
-// (unless old). A failure is logged and the next call tries again; an instance busy in
+// and again (Get, List), and the guest cannot detach a disk itself. A
+// failure is logged and the next call tries again; an instance busy in
 // another process (being deleted) is left to that one.
 func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 	now := time.Now()
@@ -65,20 +63,11 @@ func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 			continue
 		}
 		old := !o.Owner.Created.IsZero() && now.Sub(o.Owner.Created) >= p.Cfg.Garm.SeedKeep.D()
-		if !old && (o.Address == "" || !bootstrapDone(filepath.Join(p.M.Store.MachineDir(o.Name), "console.log"))) {
+		if !old && !bootstrapDone(filepath.Join(p.M.Store.MachineDir(o.Name), "console.log")) {
 			continue
 		}
 		dctx, cancel := context.WithTimeout(ctx, seedDropTimeout)
-		var err error
-		if o.Address != "" {
-			// The instance has reported: its address is the lease's from
-			// now on, and the network filter carries it (a filter that
-			// only learnt it loses it when libvirtd restarts).
-			err = p.M.PinAddress(dctx, o.Name, o.Address)
-		}
-		if err == nil {
-			err = p.M.DropSeed(dctx, o.Name)
-		}
+		err := p.M.DropSeed(dctx, o.Name)
 		cancel()
 		if err != nil && !errors.Is(err, state.ErrBusy) && !errors.Is(err, vm.ErrNotFound) {
 			log := p.Log
@@ -87,6 +76,31 @@ func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 			}
 			log.Warn("cannot remove the seed of a garm instance (it holds garm's instance token); the next call tries again",
 				"machine", o.Name, "err", err)
+		}
+	}
+}
+
+// pinAddresses gives the network filter of each running instance of all
+// that has an address (its lease) and is not pinned since its last start
+// that address (lifecycle.Manager.PinAddress): garm's instances do not
+// wait for their address at boot, and what the filter only learnt, libvirt
+// forgets when libvirtd restarts. A failure is logged and the next call
+// tries again.
+func (p *Provider) pinAddresses(ctx context.Context, all []lifecycle.Owned) {
+	for _, o := range all {
+		if !o.State.Running || o.Address == "" || p.M.Pinned(o.Name) {
+			continue
+		}
+		pctx, cancel := context.WithTimeout(ctx, seedDropTimeout)
+		err := p.M.PinAddress(pctx, o.Name, o.Address)
+		cancel()
+		if err != nil && !errors.Is(err, vm.ErrNotFound) {
+			log := p.Log
+			if log == nil {
+				log = slog.Default()
+			}
+			log.Warn("cannot give a garm instance's network filter its address (a libvirtd restart would cut it off until its lease renews); the next call tries again",
+				"machine", o.Name, "address", o.Address, "err", err)
 		}
 	}
 }

@@ -3,6 +3,8 @@ package lifecycle
 import (
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
 	"strings"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -96,7 +98,24 @@ func (m *Manager) PinAddress(ctx context.Context, name, addr string) error {
 	if err != nil {
 		return err
 	}
-	return m.hv.PinFilterAddress(ctx, name, mach.MAC, addr)
+	if err := m.hv.PinFilterAddress(ctx, name, mach.MAC, addr); err != nil {
+		return err
+	}
+	return os.WriteFile(m.pinnedPath(name), []byte(addr+"\n"), 0o600)
+}
+
+// pinnedPath is the file in the machine's state directory that says the
+// running domain's filter carries its address (PinAddress); StartMachine
+// removes it, since a new boot learns the address again.
+func (m *Manager) pinnedPath(name string) string {
+	return filepath.Join(m.Store.MachineDir(name), "filter-address")
+}
+
+// Pinned reports whether PinAddress gave the running machine's filter its
+// address since the machine last started (StartMachine).
+func (m *Manager) Pinned(name string) bool {
+	_, err := os.Stat(m.pinnedPath(name))
+	return err == nil
 }
 
 // DropSeed takes the cloud-init seed away from a machine whose guest no
@@ -124,6 +143,9 @@ func (m *Manager) DropSeed(ctx context.Context, name string) error {
 // StartMachine starts a stopped machine of this installation.
 func (m *Manager) StartMachine(ctx context.Context, name string) error {
 	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	if err := os.Remove(m.pinnedPath(name)); err != nil && !errors.Is(err, os.ErrNotExist) {
 		return err
 	}
 	return m.hv.Start(ctx, name)

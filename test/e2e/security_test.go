@@ -273,18 +273,18 @@ func TestJobVMsCannotReachMetadataAddress(t *testing.T) {
 	// Without the guard's FORWARD rule the same guest reaches it: the rule,
 	// not something else, is what keeps it out.
 	bridge := rigBridge(t, r)
-	rule := []string{"FORWARD", "-i", bridge, "-d", "169.254.0.0/16", "-j", "REJECT"}
-	out, err := exec.Command("iptables", append([]string{"-w", "-D"}, rule...)...).CombinedOutput()
+	rule := []string{"FORWARD", "-i", bridge, "-d", "169.254.0.0/16", "-j", "DROP"}
+	out, err := exec.Command("iptables", append([]string{"-w", "-t", "mangle", "-D"}, rule...)...).CombinedOutput()
 	require.NoError(t, err, "the guard's rule is in place: %s", out)
 	t.Cleanup(func() {
-		if exec.Command("iptables", append([]string{"-w", "-C"}, rule...)...).Run() != nil {
-			_ = exec.Command("iptables", append([]string{"-w", "-I", rule[0], "1"}, rule[1:]...)...).Run()
+		if exec.Command("iptables", append([]string{"-w", "-t", "mangle", "-C"}, rule...)...).Run() != nil {
+			_ = exec.Command("iptables", append([]string{"-w", "-t", "mangle", "-I", rule[0], "1"}, rule[1:]...)...).Run()
 		}
 	})
 	res = s.runScript(t, "build_script", script)
 	require.Equal(t, 0, res.code, res.stderr)
 	require.Contains(t, res.stdout, "metadata=REACHED", "without the guard rule the stand-in answers")
-	out, err = exec.Command("iptables", append([]string{"-w", "-I", rule[0], "1"}, rule[1:]...)...).CombinedOutput()
+	out, err = exec.Command("iptables", append([]string{"-w", "-t", "mangle", "-I", rule[0], "1"}, rule[1:]...)...).CombinedOutput()
 	require.NoError(t, err, "restore the guard: %s", out)
 }
 
@@ -384,7 +384,7 @@ func TestGuardHook(t *testing.T) {
 	steps := `
 hook() { LIBVIRT_EXECUTOR_GUARD_CONF=${CONF:-` + conf + `} "` + script + `" "$@"; }
 net() { echo "<network><name>$1</name><forward mode='${3:-nat}'/><bridge name='$2' stp='on' delay='0'/>${4:-}</network>"; }
-dump() { echo "== $1"; iptables -w -S | grep -E 'GUARD|169.254|physdev' || true; }
+dump() { echo "== $1"; { iptables -w -S; iptables -w -t mangle -S; } | grep -E 'GUARD|169.254|physdev' || true; }
 status() { echo "== $1 $2"; }
 ip link add virbr-ci type bridge && ip addr add 192.168.150.1/24 dev virbr-ci && ip link set virbr-ci up
 net ci virbr-ci | hook ci started begin -;  dump started
@@ -400,6 +400,8 @@ dump afterrefusals
 hook apply 'br0;reboot' 80 2>/dev/null; status badbridge $?
 hook apply br0 '80 -j ACCEPT' 2>/dev/null; status badportsyntax $?
 hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status toomanyports $?
+iptables -w -N libvirt-host-in; iptables -w -I INPUT 1 -j libvirt-host-in  # as libvirt's network filters do
+net ci virbr-ci | hook ci started begin -; echo "== order"; iptables -w -S INPUT
 `
 	out, err := exec.Command("unshare", "--net", "bash", "-c", steps).CombinedOutput()
 	require.NoError(t, err, "%s", out)
@@ -418,9 +420,10 @@ hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status tooman
 		// the service ports at the bridge's own address only
 		"-A LVE-GUARD-virbr-ci -d 192.168.150.1/32 -p tcp -m multiport --dports 3128,8080 -j ACCEPT",
 		"-A LVE-GUARD-virbr-ci -j REJECT --reject-with icmp-port-unreachable",
-		"-A FORWARD -d 169.254.0.0/16 -i virbr-ci -j REJECT",
+		// forwarding rules in the mangle table, before libvirt's filter jumps
+		"-A FORWARD -d 169.254.0.0/16 -i virbr-ci -j DROP",
 		// no routing from the bridge back into it (guest -> host -> guest)
-		"-A FORWARD -i virbr-ci -o virbr-ci -m physdev ! --physdev-is-bridged -j REJECT",
+		"-A FORWARD -i virbr-ci -o virbr-ci -m physdev ! --physdev-is-bridged -j DROP",
 	} {
 		require.Contains(t, started, want)
 	}
@@ -434,6 +437,11 @@ hook apply br0 1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16 2>/dev/null; status tooman
 	for _, bad := range []string{"badbridge", "badportsyntax", "toomanyports"} {
 		require.Equal(t, "2", strings.TrimSpace(sections[bad]), bad)
 	}
+	// With libvirt's filter jump in INPUT, the guard's comes after it: a VM's
+	// own filter (garm's port refused to job VMs) decides first.
+	order := sections["order"]
+	lv, guard := strings.Index(order, "-A INPUT -j libvirt-host-in"), strings.Index(order, "-A INPUT -i virbr-ci -j LVE-GUARD-virbr-ci")
+	require.True(t, lv >= 0 && guard > lv, "libvirt's jump first, then the guard's: %s", order)
 }
 
 // acceptAndClose serves ln as a minimal TCP service until it is closed.
