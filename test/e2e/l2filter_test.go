@@ -6,52 +6,76 @@ import (
 	"encoding/json"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
 
-// l2Script runs as a job in VM A (as root, or through sudo -n): it takes
-// B's MAC, routes to B through the gateway, floods DHCP from random MACs,
-// and reports what it could do. Busybox tools only (ip, udhcpc).
-const l2Script = `#!/bin/sh
+// The attacks of VM A (as root, or through sudo -n), busybox tools only.
+// Each forged-MAC window is short (A's own MAC is back within ~2 s) so that
+// A's own job connection, and so its output, survives them.
+const l2Prelude = `#!/usr/bin/env bash
 S=; [ "$(id -u)" = 0 ] || S="sudo -n"
 command -v ip >/dev/null && command -v udhcpc >/dev/null || { echo NOTOOLS; exit 0; }
-dev=$(ip -o link | awk -F': ' '$2 != "lo" { print $2; exit }')
+dev=$(ip -o link | awk -F': ' '$2 != "lo" { print $2; exit }'); dev=${dev%%@*}
 mac=$(cat /sys/class/net/$dev/address)
 gw=$(ip route | awk '/^default/ { print $3; exit }')
-probe() { if timeout 5 bash -c "exec 3<>/dev/tcp/$1/$2" 2>/dev/null; then echo "$3=REACHED"; else echo "$3=FAILED"; fi; }
-# 1. routed through the host to B
-$S ip route add %[1]s/32 via "$gw" dev "$dev" 2>/dev/null || true
-probe %[1]s 22 routed
-$S ip route del %[1]s/32 2>/dev/null || true
-# 2. DHCP flood from random MACs (each through udhcpc, 1 try, no waiting)
-i=0
-while [ $i -lt 40 ]; do
-	r=$(od -An -N3 -tx1 /dev/urandom | tr -s ' ' ':'); r="52:54:01${r%%:}"
-	$S ip link set "$dev" address "$r" 2>/dev/null
-	$S timeout 3 udhcpc -n -q -t 1 -T 1 -i "$dev" -s /bin/true >/dev/null 2>&1 && echo "flood-lease=$r"
-	i=$((i + 1))
-done
-# 3. B's MAC (the last step: this VM's network is no use after it)
-$S ip link set "$dev" address %[2]s && echo took-mac
-$S arping -c 3 -U -I "$dev" %[1]s >/dev/null 2>&1 || true
-sleep 3
-$S ip link set "$dev" address "$mac"
-echo done
 `
 
-// TestL2FilterStopsSpoofing: with l2_filter (the rig's default), VM A takes
-// VM B's MAC, routes to B through the gateway and floods DHCP from random
-// MACs; B's next stage still passes, nothing of A's reaches B, no forged
-// MAC gets a lease, and a new VM still gets an address.
+// l2Route: datagrams to B (%[1]s) through the gateway (the host as router).
+const l2Route = l2Prelude + `$S ip route add %[1]s/32 via "$gw" dev "$dev" || exit 3
+for i in 1 2 3 4 5; do echo x >/dev/udp/%[1]s/7777; done
+$S ip route del %[1]s/32
+echo routed-sent
+`
+
+// l2Flood: DHCP from 20 random MACs, own MAC back after each try.
+const l2Flood = l2Prelude + `i=0
+while [ $i -lt 20 ]; do
+	r=$(od -An -N3 -tx1 /dev/urandom | tr -s ' ' ':'); r="52:54:01${r%%:}"
+	$S ip link set "$dev" address "$r" || exit 3
+	$S timeout 1 udhcpc -n -q -t 1 -T 1 -i "$dev" -s /bin/true >/dev/null 2>&1 && echo "flood-lease=$r"
+	$S ip link set "$dev" address "$mac"
+	sleep 1
+	i=$((i + 1))
+done
+echo flood-done
+`
+
+// l2TakeMAC: B's MAC (%[2]s) and B's address announced (%[1]s) for ~3 s.
+const l2TakeMAC = l2Prelude + `echo took-mac
+sleep 1
+$S ip link set "$dev" address %[2]s || exit 3
+command -v arping >/dev/null && $S timeout 3 arping -c 3 -U -I "$dev" %[1]s >/dev/null 2>&1
+$S ip link set "$dev" address "$mac"
+echo mac-back
+`
+
+// TestL2FilterStopsSpoofing: with l2_filter (the default), VM A routes
+// datagrams to VM B through the host, floods DHCP from random MACs and takes
+// B's MAC. Nothing routed reaches B's side of the bridge (the host counts
+// it; without the guard's no-routing rule it does), no forged MAC gets a
+// lease, B's stage passes while A holds B's MAC, and a new VM still gets an
+// address.
 func TestL2FilterStopsSpoofing(t *testing.T) {
 	r := setup(t)
 	if r.cfg.L2Filter != nil && !*r.cfg.L2Filter {
 		t.Skip("l2_filter = false in the rig configuration")
 	}
-	a, b := newStageRunner(t, r), newStageRunner(t, r)
+	// A's own connection stalls while A sends from a forged MAC (the
+	// host's packets to A's MAC go unanswered): A's runner gives its guest
+	// longer before calling it dead.
+	ra := r.withConfig(t, func(s string) string {
+		return regexp.MustCompile(`(?m)^keepalive_count = .*$`).ReplaceAllString(s, "keepalive_count = 30")
+	})
+	require.Equal(t, 30, ra.cfg.SSH.KeepaliveCount)
+	a, b := newStageRunner(t, ra), newStageRunner(t, r)
 	for _, s := range []*stageRunner{a, b} {
 		require.Equal(t, 0, s.run(t, "config").code)
 		require.Equal(t, 0, s.run(t, "prepare").code)
@@ -61,25 +85,96 @@ func TestL2FilterStopsSpoofing(t *testing.T) {
 			require.Equal(t, 0, s.run(t, "cleanup").code)
 		}
 	}()
-	bAddr := machineAddress(t, r, b.name(t))
+	aAddr, bAddr := machineAddress(t, r, a.name(t)), machineAddress(t, r, b.name(t))
 	bMAC := machineMAC(t, r, b.name(t))
+	bridge := rigBridge(t, r)
 
-	res := a.runScript(t, "build_script", fmt.Sprintf(l2Script, bAddr, bMAC))
+	// 1. routed through the host: counted where it would leave towards B
+	count := []string{"POSTROUTING", "-o", bridge, "-s", aAddr, "-d", bAddr, "-p", "udp", "--dport", "7777"}
+	ipt := func(args ...string) string {
+		out, err := exec.Command("iptables", append([]string{"-w", "-t", "mangle"}, args...)...).CombinedOutput()
+		require.NoError(t, err, "iptables %v: %s", args, out)
+		return string(out)
+	}
+	ipt(append([]string{"-I"}, count...)...)
+	t.Cleanup(func() { _ = exec.Command("iptables", append([]string{"-w", "-t", "mangle", "-D"}, count...)...).Run() })
+	counted := func() int {
+		out := ipt("-L", "POSTROUTING", "-v", "-x", "-n")
+		for _, l := range strings.Split(out, "\n") {
+			f := strings.Fields(l)
+			if len(f) > 0 && strings.Contains(l, " "+aAddr+" ") && strings.Contains(l, " "+bAddr+" ") && strings.Contains(l, "dpt:7777") {
+				n, err := strconv.Atoi(f[0])
+				require.NoError(t, err)
+				return n
+			}
+		}
+		t.Fatalf("no counting rule in %s", out)
+		return 0
+	}
+	res := a.runScript(t, "build_script", fmt.Sprintf(l2Route, bAddr))
 	if res.code == 0 && containsLine(res.stdout, "NOTOOLS") {
 		t.Skip("the guest has no ip/udhcpc")
 	}
-	t.Logf("attacker: %s", res.stdout)
-	require.NotContains(t, res.stdout, "routed=REACHED", "the host must not route one guest to another")
-	require.NotContains(t, res.stdout, "flood-lease=", "a forged MAC must not get a lease")
+	require.Equal(t, 0, res.code, "route: %s %s", res.stdout, res.stderr)
+	require.Contains(t, res.stdout, "routed-sent")
+	require.Equal(t, 0, counted(), "nothing A routes through the host leaves towards B")
+	// Without the guard's rule the same datagrams go out towards B: the
+	// rule is what stops them.
+	noRouting := []string{"FORWARD", "-i", bridge, "-o", bridge, "-m", "physdev", "!", "--physdev-is-bridged", "-j", "DROP"}
+	ipt(append([]string{"-D"}, noRouting...)...)
+	restored := false
+	restore := func() {
+		if !restored {
+			ipt(append([]string{"-I", noRouting[0], "1"}, noRouting[1:]...)...)
+			restored = true
+		}
+	}
+	t.Cleanup(restore)
+	res = a.runScript(t, "build_script", fmt.Sprintf(l2Route, bAddr))
+	require.Equal(t, 0, res.code, "route: %s %s", res.stdout, res.stderr)
+	require.Positive(t, counted(), "without the guard's rule the host routes A's datagrams to B")
+	restore()
 
-	res = b.runScript(t, "build_script", "#!/bin/sh\necho b-alive\n")
-	require.Equal(t, 0, res.code, "B's next stage passes: %s", res.stderr)
+	// 2. DHCP from forged MACs
+	res = a.runScript(t, "build_script", l2Flood)
+	require.Equal(t, 0, res.code, "flood: %s %s", res.stdout, res.stderr)
+	require.Contains(t, res.stdout, "flood-done")
+	require.NotContains(t, res.stdout, "flood-lease=", "a forged MAC must not get a lease")
+	n, err := r.conn.LookupNetworkByName(r.cfg.Network)
+	require.NoError(t, err)
+	leases, err := n.GetDHCPLeases()
+	_ = n.Free()
+	require.NoError(t, err)
+	for _, l := range leases {
+		require.False(t, strings.HasPrefix(strings.ToLower(l.Mac), "52:54:01"), "lease for a forged MAC: %s %s", l.Mac, l.IPaddr)
+	}
+
+	// 3. B's MAC: B's next stage passes while A holds it
+	rn := a.start(t, "run", writeScript(t, a, fmt.Sprintf(l2TakeMAC, bAddr, bMAC)), "build_script")
+	waitFor(t, 30*time.Second, "A about to take B's MAC", func() bool { return strings.Contains(rn.out.String(), "took-mac") })
+	res = b.runScript(t, "build_script", "#!/bin/sh\nsleep 2\necho b-alive\n")
+	require.Equal(t, 0, res.code, "B's stage passes: %s", res.stderr)
 	require.Contains(t, res.stdout, "b-alive")
+	resA := rn.wait(t, time.Minute)
+	require.Equal(t, 0, resA.code, "A's stage: %s %s", resA.stdout, resA.stderr)
+	require.Contains(t, resA.stdout, "mac-back", "A did take B's MAC and gave it back")
 
 	c := newStageRunner(t, r)
 	require.Equal(t, 0, c.run(t, "config").code)
 	require.Equal(t, 0, c.run(t, "prepare").code, "a new VM still gets an address")
 	require.Equal(t, 0, c.run(t, "cleanup").code)
+}
+
+// writeScript writes a stage script into s's directory under its own name.
+func writeScript(t *testing.T, s *stageRunner, text string) string {
+	t.Helper()
+	f, err := os.CreateTemp(s.dir, "script-*")
+	require.NoError(t, err)
+	_, err = f.WriteString(text)
+	require.NoError(t, err)
+	require.NoError(t, f.Chmod(0o700))
+	require.NoError(t, f.Close())
+	return f.Name()
 }
 
 func containsLine(out, line string) bool {
