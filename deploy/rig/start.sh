@@ -164,14 +164,11 @@ if [ ! -e "$LVE_RIG_RUN/reused" ]; then
 	rig_log "guard: guests reach the host side only on DHCP, DNS and tcp $LVE_RIG_SERVICE_PORTS"
 fi
 
-# --- network filters: every VM's interface names lve-vm or lve-vm-egress (l2_filter) ----
-# Defined (or redefined: their fixed UUIDs make it an update) from deploy/nwfilter; they
-# build on libvirt's own clean-traffic, which the nwfilter package provides.
+# --- network filters: every VM's interface names lve-vm-v1 or lve-vm-egress-v1 (l2_filter) --
+# libvirt-executor defines its own filters when it starts the first VM; they build on
+# libvirt's clean-traffic, which the nwfilter package provides.
 rig_virsh nwfilter-dumpxml clean-traffic >/dev/null 2>&1 ||
 	rig_die "libvirt has no nwfilter clean-traffic: install libvirt-daemon-config-nwfilter (and ebtables)"
-for f in lve-vm lve-vm-egress; do
-	rig_virsh nwfilter-define "$here/../nwfilter/$f.xml" >/dev/null || rig_die "could not define nwfilter $f"
-done
 
 # --- storage pool -----------------------------------------------------------------------
 if ! rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then

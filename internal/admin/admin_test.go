@@ -75,7 +75,7 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 	require.True(t, byName["domain type"].Warn, "qemu is slow: a warning")
 	// The test driver has no network filters: l2_filter (default on) fails.
 	require.False(t, byName["network filters"].OK)
-	require.Contains(t, byName["network filters"].Info, "lve-vm")
+	require.Contains(t, byName["network filters"].Info, "clean-traffic")
 
 	var out bytes.Buffer
 	err := PrintChecks(&out, checks)

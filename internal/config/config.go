@@ -84,13 +84,13 @@ type Config struct {
 	// VMs on one bridge cannot reach each other (libvirt <port isolated>).
 	// Default true.
 	IsolateGuests *bool `toml:"isolate_guests"`
-	// L2Filter puts the project's libvirt network filter (lve-vm, or
-	// lve-vm-egress for an image with egress_allow) on every VM's
+	// L2Filter puts the project's libvirt network filter (vm.FilterName, or
+	// vm.FilterEgressName for an image with egress_allow) on every VM's
 	// interface: a VM can send only from its own MAC and from the address
 	// the network's DHCP gave it, ARP only for that address, and a GitLab
-	// job VM cannot reach garm's endpoint port on the host. The filters
-	// must be defined on the host (deploy/nwfilter, docs/security.md;
-	// doctor checks). Default true.
+	// job VM cannot reach garm's endpoint port on the host. The engine
+	// defines the filters on first use; they need libvirt's clean-traffic
+	// (docs/security.md; doctor checks). Default true.
 	L2Filter *bool `toml:"l2_filter"`
 	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
 	// "insecure-ignore-host-key" (no verification; for debugging images only).

@@ -177,6 +177,12 @@ func (c *creation) define(ctx context.Context) error {
 		f.Gateway = gw
 		s.Filter = &f
 	}
+	if s.Filter != nil {
+		err := c.e.HV.EnsureNWFilters(ctx, []string{FilterBase}, Filters())
+		if err != nil {
+			return fmt.Errorf("network filters (l2_filter): %w", err)
+		}
+	}
 	x, err := DomainXML(s, c.m.DiskPath, c.seedPath)
 	if err != nil {
 		return err

@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"embed"
 	"fmt"
 	"net"
 	"strconv"
@@ -8,24 +9,51 @@ import (
 	"libvirt.org/go/libvirtxml"
 )
 
-// The project's network filters (libvirt nwfilter), defined on the host
-// from deploy/nwfilter/*.xml (docs/security.md). Every machine's interface
-// names one of them when its Spec has a Filter.
+// The project's network filters (libvirt nwfilter, docs/security.md),
+// embedded from nwfilter/*.xml. Every machine's interface names one of them
+// when its Spec has a Filter; Engine.Create defines them when libvirt does
+// not have them yet. A changed filter gets a new name (the -vN suffix):
+// redefining one under its old name would re-instantiate it on every
+// running VM, and VMs started with the old one keep it.
 const (
 	// FilterName is libvirt's clean-traffic (the machine's own MAC, the
 	// address its DHCP lease gave it, ARP for that address only) plus the
 	// refusal of the host ports in DENY_PORT at DENY_HOST.
-	FilterName = "lve-vm"
+	FilterName = "lve-vm-v1"
 	// FilterEgressName is FilterName plus an egress allow list: the
 	// machine reaches the network's own address (DHCP, DNS and the host
 	// services the guard opens), the destinations in EGRESS_NET/EGRESS_MASK
 	// (any protocol) and EGRESS_PNET/EGRESS_PMASK/EGRESS_PORT (TCP and UDP
 	// to one port), and nothing else.
-	FilterEgressName = "lve-vm-egress"
+	FilterEgressName = "lve-vm-egress-v1"
+	// FilterBase is libvirt's own filter that FilterName builds on
+	// (Debian: libvirt-daemon-config-nwfilter).
+	FilterBase = "clean-traffic"
 )
 
-// FilterNames are the filters the host must have defined (doctor checks).
+// FilterNames are the project's filters, each after those it refers to.
 var FilterNames = []string{FilterName, FilterEgressName}
+
+//go:embed nwfilter/*.xml
+var filterFiles embed.FS
+
+// NWFilter is one of the project's filters with its definition.
+type NWFilter struct {
+	Name, XML string
+}
+
+// Filters returns the project's filters in FilterNames' order.
+func Filters() []NWFilter {
+	out := make([]NWFilter, 0, len(FilterNames))
+	for _, n := range FilterNames {
+		b, err := filterFiles.ReadFile("nwfilter/" + n + ".xml")
+		if err != nil {
+			panic("vm: embedded network filter " + n + " missing: " + err.Error())
+		}
+		out = append(out, NWFilter{Name: n, XML: string(b)})
+	}
+	return out
+}
 
 // placeholders for an empty parameter list: libvirt refuses a filter whose
 // variable has no value, so an empty list is given one entry that matches

@@ -82,7 +82,7 @@ func TestDomainXMLFilterRef(t *testing.T) {
 	require.NoError(t, d.Unmarshal(x))
 	ref := d.Devices.Interfaces[0].FilterRef
 	require.NotNil(t, ref)
-	require.Equal(t, "lve-vm", ref.Filter)
+	require.Equal(t, FilterName, ref.Filter)
 	require.Contains(t, x, `<parameter name="DENY_PORT" value="9997"></parameter>`)
 
 	s.Filter = nil

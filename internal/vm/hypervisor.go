@@ -90,6 +90,11 @@ type Hypervisor interface {
 	// server and the guests' gateway), or "" for a network without one (a
 	// bridge of the host's LAN).
 	NetworkGateway(ctx context.Context, network string) (string, error)
+	// EnsureNWFilters defines each filter of defs that libvirt does not
+	// have (in order: one may refer to those before it). A filter of
+	// requires that libvirt lacks is an error naming it; nothing is
+	// defined then.
+	EnsureNWFilters(ctx context.Context, requires []string, defs []NWFilter) error
 	// PinFilterAddress gives the network filter on the running domain's
 	// interface of MAC mac the address ip (vm.PinFilterIP), live only: the
 	// next boot learns its address again. An interface without a filter,

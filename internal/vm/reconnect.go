@@ -300,6 +300,11 @@ func (r *Reconnecting) NetworkGateway(ctx context.Context, network string) (stri
 	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.NetworkGateway(ctx, network) })
 }
 
+// EnsureNWFilters implements Hypervisor.
+func (r *Reconnecting) EnsureNWFilters(ctx context.Context, requires []string, defs []NWFilter) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.EnsureNWFilters(ctx, requires, defs) })
+}
+
 // PinFilterAddress implements Hypervisor.
 func (r *Reconnecting) PinFilterAddress(ctx context.Context, name, mac, ip string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.PinFilterAddress(ctx, name, mac, ip) })

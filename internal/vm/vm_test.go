@@ -373,3 +373,30 @@ func TestStartOutlivingTheGraceLeavesNothing(t *testing.T) {
 	require.Empty(t, f.Domains, "no domain left, running or transient")
 	require.Empty(t, f.Volumes)
 }
+
+// A machine with a filter: the project's filters are defined on first use
+// (and not again); without libvirt's clean-traffic the machine is not
+// made at all, with an error naming the package to install.
+func TestCreateDefinesFilters(t *testing.T) {
+	f := vmtest.New()
+	s := testSpec()
+	s.Filter = &Filter{}
+	e := &Engine{HV: f, Controller: s.Owner.Controller}
+	_, err := e.Create(context.Background(), s)
+	require.NoError(t, err)
+	require.Contains(t, f.NWFilters, FilterName)
+	require.Contains(t, f.NWFilters, FilterEgressName)
+	require.Contains(t, f.NWFilters[FilterEgressName], "<filterref filter='"+FilterName+"'/>", "the egress filter builds on this version's base filter")
+	for _, nf := range Filters() {
+		require.Contains(t, nf.XML, "<filter name='"+nf.Name+"' chain='root'>", "file and name agree")
+	}
+
+	f = vmtest.New()
+	delete(f.NWFilters, FilterBase)
+	e.HV = f
+	_, err = e.Create(context.Background(), s)
+	require.ErrorContains(t, err, "no network filter clean-traffic")
+	require.Empty(t, f.Domains)
+	require.Empty(t, f.Volumes)
+	require.NotContains(t, f.NWFilters, FilterName)
+}

@@ -942,3 +942,44 @@ func (l *Conn) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 		return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
 	})
 }
+
+// EnsureNWFilters implements vm.Hypervisor.
+func (l *Conn) EnsureNWFilters(ctx context.Context, requires []string, defs []vm.NWFilter) error {
+	return call0(ctx, l, func() error {
+		has := func(name string) (bool, error) {
+			f, err := l.conn.LookupNWFilterByName(name)
+			if err != nil {
+				if code(err) == libvirt.ERR_NO_NWFILTER {
+					return false, nil
+				}
+				return false, err
+			}
+			_ = f.Free()
+			return true, nil
+		}
+		for _, n := range requires {
+			ok, err := has(n)
+			if err != nil {
+				return err
+			}
+			if !ok {
+				return fmt.Errorf("libvirt has no network filter %s: install libvirt-daemon-config-nwfilter and ebtables and restart libvirtd (or set l2_filter = false)", n)
+			}
+		}
+		for _, d := range defs {
+			ok, err := has(d.Name)
+			if err != nil {
+				return err
+			}
+			if ok {
+				continue
+			}
+			f, err := l.conn.NWFilterDefineXML(d.XML)
+			if err != nil {
+				return fmt.Errorf("define network filter %s: %w", d.Name, err)
+			}
+			_ = f.Free()
+		}
+		return nil
+	})
+}

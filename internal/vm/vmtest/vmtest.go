@@ -32,6 +32,9 @@ type Fake struct {
 	// Gateway is the network's own address NetworkGateway reports (New:
 	// 192.168.150.1).
 	Gateway string
+	// NWFilters are the network filters libvirt has, by name (New: libvirt's
+	// clean-traffic); EnsureNWFilters adds to them.
+	NWFilters map[string]string
 	// FailOn makes the named method fail with the error.
 	FailOn map[string]error
 	// Calls records method names in order.
@@ -64,7 +67,8 @@ type Domain struct {
 
 // New returns an empty Fake.
 func New() *Fake {
-	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}, Gateway: "192.168.150.1"}
+	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}, Gateway: "192.168.150.1",
+		NWFilters: map[string]string{vm.FilterBase: "<filter name='clean-traffic'/>"}}
 }
 
 var _ vm.Hypervisor = (*Fake)(nil)
@@ -486,4 +490,27 @@ func (f *Fake) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 		}
 	}
 	return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+}
+
+// EnsureNWFilters implements vm.Hypervisor on NWFilters: a name in
+// requires must be there (New puts clean-traffic there), a def missing is
+// added.
+func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm.NWFilter) error {
+	f.wait("EnsureNWFilters")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("EnsureNWFilters"); err != nil {
+		return err
+	}
+	for _, n := range requires {
+		if _, ok := f.NWFilters[n]; !ok {
+			return fmt.Errorf("libvirt has no network filter %s", n)
+		}
+	}
+	for _, d := range defs {
+		if _, ok := f.NWFilters[d.Name]; !ok {
+			f.NWFilters[d.Name] = d.XML
+		}
+	}
+	return nil
 }
