@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 
 	"libvirt.org/go/libvirtxml"
 )
@@ -205,4 +206,21 @@ func PinFilterIP(iface *libvirtxml.DomainInterface, ip string) (bool, error) {
 	}
 	ref.Parameters = kept
 	return true, nil
+}
+
+// PinDomainFilterIP finds the interface of MAC mac in the domain dx and
+// pins its filter to ip (PinFilterIP). It returns that interface and
+// whether it changed; ErrNotFound when dx has no interface of mac.
+func PinDomainFilterIP(dx *libvirtxml.Domain, mac, ip string) (*libvirtxml.DomainInterface, bool, error) {
+	if dx.Devices != nil {
+		for i := range dx.Devices.Interfaces {
+			iface := &dx.Devices.Interfaces[i]
+			if iface.MAC == nil || !strings.EqualFold(iface.MAC.Address, mac) {
+				continue
+			}
+			changed, err := PinFilterIP(iface, ip)
+			return iface, changed, err
+		}
+	}
+	return nil, false, fmt.Errorf("%w: %s has no interface with MAC %s", ErrNotFound, dx.Name, mac)
 }

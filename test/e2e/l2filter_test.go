@@ -3,7 +3,6 @@
 package e2e
 
 import (
-	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -200,12 +199,5 @@ func splitLines(s string) []string {
 
 func machineMAC(t *testing.T, r *rig, name string) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "machine.json"))
-	require.NoError(t, err)
-	var m struct {
-		MAC string `json:"mac"`
-	}
-	require.NoError(t, json.Unmarshal(b, &m))
-	require.NotEmpty(t, m.MAC)
-	return m.MAC
+	return machineRecordField(t, r, name, "mac")
 }

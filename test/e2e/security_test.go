@@ -239,14 +239,20 @@ func TestJobVMsReachOnlyAllowedHostServices(t *testing.T) {
 
 func machineAddress(t *testing.T, r *rig, name string) string {
 	t.Helper()
+	return machineRecordField(t, r, name, "address")
+}
+
+// machineRecordField is a non-empty string field of the machine's state
+// record (machine.json).
+func machineRecordField(t *testing.T, r *rig, name, field string) string {
+	t.Helper()
 	b, err := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "machine.json"))
 	require.NoError(t, err)
-	var m struct {
-		Address string `json:"address"`
-	}
+	var m map[string]any
 	require.NoError(t, json.Unmarshal(b, &m))
-	require.NotEmpty(t, m.Address)
-	return m.Address
+	v, _ := m[field].(string)
+	require.NotEmpty(t, v, "%s of %s", field, name)
+	return v
 }
 
 // TestJobVMsCannotReachMetadataAddress: a stand-in for a cloud metadata

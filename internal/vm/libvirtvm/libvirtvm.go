@@ -918,28 +918,15 @@ func (l *Conn) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 		if err := dx.Unmarshal(x); err != nil {
 			return err
 		}
-		if dx.Devices == nil {
-			return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+		iface, changed, err := vm.PinDomainFilterIP(&dx, mac, ip)
+		if err != nil || !changed {
+			return err
 		}
-		for i := range dx.Devices.Interfaces {
-			iface := &dx.Devices.Interfaces[i]
-			if iface.MAC == nil || !strings.EqualFold(iface.MAC.Address, mac) {
-				continue
-			}
-			changed, err := vm.PinFilterIP(iface, ip)
-			if err != nil || !changed {
-				return err
-			}
-			ix, err := iface.Marshal()
-			if err != nil {
-				return err
-			}
-			if err := d.UpdateDeviceFlags(ix, libvirt.DOMAIN_DEVICE_MODIFY_LIVE); err != nil {
-				return notFound(err, libvirt.ERR_NO_DOMAIN)
-			}
-			return nil
+		ix, err := iface.Marshal()
+		if err != nil {
+			return err
 		}
-		return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+		return notFound(d.UpdateDeviceFlags(ix, libvirt.DOMAIN_DEVICE_MODIFY_LIVE), libvirt.ERR_NO_DOMAIN)
 	})
 }
 

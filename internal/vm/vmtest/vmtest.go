@@ -471,25 +471,16 @@ func (f *Fake) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 	if err := dx.Unmarshal(d.XML); err != nil {
 		return err
 	}
-	if dx.Devices != nil {
-		for i := range dx.Devices.Interfaces {
-			iface := &dx.Devices.Interfaces[i]
-			if iface.MAC == nil || !strings.EqualFold(iface.MAC.Address, mac) {
-				continue
-			}
-			changed, err := vm.PinFilterIP(iface, ip)
-			if err != nil || !changed {
-				return err
-			}
-			x, err := dx.Marshal()
-			if err != nil {
-				return err
-			}
-			d.XML = x
-			return nil
-		}
+	_, changed, err := vm.PinDomainFilterIP(&dx, mac, ip)
+	if err != nil || !changed {
+		return err
 	}
-	return fmt.Errorf("%w: %s has no interface with MAC %s", vm.ErrNotFound, name, mac)
+	x, err := dx.Marshal()
+	if err != nil {
+		return err
+	}
+	d.XML = x
+	return nil
 }
 
 // EnsureNWFilters implements vm.Hypervisor on NWFilters: a name in
