@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"regexp"
 	"strings"
 	"testing"
 	"time"
@@ -399,4 +400,23 @@ func TestCreateDefinesFilters(t *testing.T) {
 	require.Empty(t, f.Domains)
 	require.Empty(t, f.Volumes)
 	require.NotContains(t, f.NWFilters, FilterName)
+}
+
+// Each version of a filter has a UUID of its own, and none of the retired
+// ones: libvirt refuses a new name under a UUID it already has (a host
+// upgraded from a version that defined lve-vm could start no VM).
+func TestFilterUUIDsAreNew(t *testing.T) {
+	retired := []string{
+		"6f1f7a52-3c1e-4d55-9b0e-2a7c51d0e101", // lve-vm
+		"6f1f7a52-3c1e-4d55-9b0e-2a7c51d0e102", // lve-vm-egress
+	}
+	re := regexp.MustCompile(`<uuid>([0-9a-f-]{36})</uuid>`)
+	seen := map[string]string{}
+	for _, f := range Filters() {
+		m := re.FindStringSubmatch(f.XML)
+		require.NotNil(t, m, "%s has a fixed UUID (two processes defining it at once update the same filter)", f.Name)
+		require.NotContains(t, retired, m[1], "%s reuses a retired filter's UUID", f.Name)
+		require.NotContains(t, seen, m[1], "%s and %s share a UUID", f.Name, seen[m[1]])
+		seen[m[1]] = f.Name
+	}
 }
