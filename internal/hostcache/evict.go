@@ -1,0 +1,314 @@
+package hostcache
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io/fs"
+	"os"
+	"path"
+	"sort"
+	"syscall"
+	"time"
+)
+
+// EvictResult says what eviction removed.
+type EvictResult struct {
+	Projects []string // whole projects removed (over TotalLimit)
+	Files    int64    // files removed, of those projects and of projects over ProjectLimit
+	Bytes    int64
+}
+
+func (e *EvictResult) add(o EvictResult) {
+	e.Projects = append(e.Projects, o.Projects...)
+	e.Files += o.Files
+	e.Bytes += o.Bytes
+}
+
+// Usage is one project's share of the store.
+type Usage struct {
+	Project string
+	Bytes   int64
+	Files   int64
+	LastUse time.Time // zero if never marked
+}
+
+type treeFile struct {
+	path  string // in the root
+	size  int64
+	mtime time.Time
+}
+
+// treeFiles lists the regular files of the project's tree.
+func treeFiles(root *os.Root, project string) ([]treeFile, error) {
+	tree := projectPath(project, treeName)
+	var out []treeFile
+	err := fs.WalkDir(root.FS(), tree, func(p string, d fs.DirEntry, err error) error {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil // gone meanwhile (or no tree)
+		}
+		if err != nil || !d.Type().IsRegular() {
+			return err
+		}
+		fi, err := d.Info()
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		out = append(out, treeFile{path: p, size: fi.Size(), mtime: fi.ModTime()})
+		return nil
+	})
+	return out, err
+}
+
+// trimProject removes the project's least recently written files until
+// it is within ProjectLimit. Hold the project's exclusive lock.
+func (s *Store) trimProject(root *os.Root, project string) (EvictResult, error) {
+	var res EvictResult
+	files, err := treeFiles(root, project)
+	if err != nil {
+		return res, fmt.Errorf("hostcache: %w", err)
+	}
+	var total int64
+	for _, f := range files {
+		total += f.size
+	}
+	sort.Slice(files, func(i, j int) bool {
+		if !files[i].mtime.Equal(files[j].mtime) {
+			return files[i].mtime.Before(files[j].mtime)
+		}
+		return files[i].path < files[j].path
+	})
+	tree := projectPath(project, treeName)
+	for _, f := range files {
+		if total <= s.ProjectLimit {
+			break
+		}
+		if err := root.Remove(f.path); err != nil {
+			return res, fmt.Errorf("hostcache: %w", err)
+		}
+		total -= f.size
+		res.Files++
+		res.Bytes += f.size
+		for d := path.Dir(f.path); d != tree && root.Remove(d) == nil; d = path.Dir(d) {
+		} // and the directories it leaves empty
+	}
+	return res, nil
+}
+
+// lastUse is the mtime of the project's last-use marker, zero if none.
+func lastUse(root *os.Root, project string) time.Time {
+	fi, err := root.Lstat(projectPath(project, lastUseName))
+	if err != nil {
+		return time.Time{}
+	}
+	return fi.ModTime()
+}
+
+// list is the store's projects, least recently used first.
+func (s *Store) list(root *os.Root) ([]Usage, error) {
+	d, err := root.Open(projectsDir)
+	if err != nil {
+		return nil, fmt.Errorf("hostcache: %w", err)
+	}
+	entries, err := d.ReadDir(-1)
+	d.Close()
+	if err != nil {
+		return nil, fmt.Errorf("hostcache: %w", err)
+	}
+	var out []Usage
+	for _, e := range entries {
+		if !e.IsDir() || !projectRE.MatchString(e.Name()) {
+			continue
+		}
+		u := Usage{Project: e.Name(), LastUse: lastUse(root, e.Name())}
+		files, err := treeFiles(root, e.Name())
+		if err != nil {
+			return nil, fmt.Errorf("hostcache: %w", err)
+		}
+		for _, f := range files {
+			u.Files++
+			u.Bytes += f.size
+		}
+		out = append(out, u)
+	}
+	sort.Slice(out, func(i, j int) bool {
+		if !out[i].LastUse.Equal(out[j].LastUse) {
+			return out[i].LastUse.Before(out[j].LastUse)
+		}
+		return out[i].Project < out[j].Project
+	})
+	return out, nil
+}
+
+// List is the store's projects, least recently used first.
+func (s *Store) List() ([]Usage, error) {
+	root, err := s.open()
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	return s.list(root)
+}
+
+// removeProject removes the project under its exclusive lock. With try, a
+// project in use is left alone (errBusy). With a non-zero usedBefore, so
+// is one used since then. removed is false when it was left or missing.
+func removeProject(ctx context.Context, root *os.Root, project string, try bool, usedBefore time.Time) (removed bool, err error) {
+	lock, err := lockProject(ctx, root, project, syscall.LOCK_EX, false, try)
+	if errors.Is(err, errNoProject) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	defer lock.Close()
+	if !usedBefore.IsZero() && !lastUse(root, project).Before(usedBefore) {
+		return false, nil
+	}
+	for _, name := range []string{projectPath(project, treeName), projectPath(project, lastUseName), projectPath(project, lockName), projectPath(project)} {
+		if err := root.RemoveAll(name); err != nil {
+			return false, fmt.Errorf("hostcache: removing %s: %w", project, err)
+		}
+	}
+	return true, nil
+}
+
+// evictTotal removes whole projects, least recently used first, until the
+// store is within TotalLimit; never protect unless it alone is over it.
+// Projects in use are left alone.
+func (s *Store) evictTotal(ctx context.Context, root *os.Root, protect string) (EvictResult, error) {
+	var res EvictResult
+	us, err := s.list(root)
+	if err != nil {
+		return res, err
+	}
+	var total int64
+	for _, u := range us {
+		total += u.Bytes
+	}
+	var protected *Usage
+	remove := func(u Usage) error {
+		ok, err := removeProject(ctx, root, u.Project, true, time.Time{})
+		if ok {
+			total -= u.Bytes
+			res.Projects = append(res.Projects, u.Project)
+			res.Files += u.Files
+			res.Bytes += u.Bytes
+		}
+		if errors.Is(err, errBusy) {
+			return nil
+		}
+		return err
+	}
+	for _, u := range us {
+		if total <= s.TotalLimit {
+			break
+		}
+		if u.Project == protect {
+			protected = &u
+			continue
+		}
+		if err := remove(u); err != nil {
+			return res, err
+		}
+	}
+	if total > s.TotalLimit && protected != nil && protected.Bytes > s.TotalLimit {
+		if err := remove(*protected); err != nil {
+			return res, err
+		}
+	}
+	return res, nil
+}
+
+// Evict removes leftover staging, trims every project to ProjectLimit and
+// the store to TotalLimit (see Save). Projects in use are left alone.
+func (s *Store) Evict(ctx context.Context) (EvictResult, error) {
+	var res EvictResult
+	root, err := s.open()
+	if err != nil {
+		return res, err
+	}
+	defer root.Close()
+	if err := s.cleanStaging(root); err != nil {
+		return res, err
+	}
+	us, err := s.list(root)
+	if err != nil {
+		return res, err
+	}
+	for _, u := range us {
+		if u.Bytes <= s.ProjectLimit {
+			continue
+		}
+		lock, err := lockProject(ctx, root, u.Project, syscall.LOCK_EX, false, true)
+		if errors.Is(err, errBusy) || errors.Is(err, errNoProject) {
+			continue
+		}
+		if err != nil {
+			return res, err
+		}
+		ev, err := s.trimProject(root, u.Project)
+		lock.Close()
+		res.add(ev)
+		if err != nil {
+			return res, err
+		}
+	}
+	ev, err := s.evictTotal(ctx, root, "")
+	res.add(ev)
+	return res, err
+}
+
+// Prune removes leftover staging and the projects not used for olderThan
+// (Restore or Save); it returns their names. Projects in use are left
+// alone.
+func (s *Store) Prune(ctx context.Context, olderThan time.Duration) ([]string, error) {
+	root, err := s.open()
+	if err != nil {
+		return nil, err
+	}
+	defer root.Close()
+	if err := s.cleanStaging(root); err != nil {
+		return nil, err
+	}
+	us, err := s.list(root)
+	if err != nil {
+		return nil, err
+	}
+	cutoff := s.now().Add(-olderThan)
+	var removed []string
+	for _, u := range us {
+		if !u.LastUse.Before(cutoff) {
+			continue
+		}
+		ok, err := removeProject(ctx, root, u.Project, true, cutoff)
+		if errors.Is(err, errBusy) {
+			continue
+		}
+		if err != nil {
+			return removed, err
+		}
+		if ok {
+			removed = append(removed, u.Project)
+		}
+	}
+	return removed, nil
+}
+
+// Remove removes the project's cache, waiting for its users; a project
+// without one is no error.
+func (s *Store) Remove(ctx context.Context, project string) error {
+	if err := checkProject(project); err != nil {
+		return err
+	}
+	root, err := s.open()
+	if err != nil {
+		return err
+	}
+	defer root.Close()
+	_, err = removeProject(ctx, root, project, false, time.Time{})
+	return err
+}

@@ -1,0 +1,419 @@
+package hostcache
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+
+	"golang.org/x/sys/unix"
+)
+
+// SaveResult says what a Save kept, skipped and evicted.
+type SaveResult struct {
+	Files     int64    // files written (new or changed)
+	Bytes     int64    // their bytes
+	Unchanged int64    // files the stream carried that the cache already held, same size and sha256
+	Skipped   []string // the first maxSkipNames skipped entries, "name: reason", quoted and cut
+	SkipCount int64    // all skipped entries (directory entries, which are implied, not counted)
+	Evicted   EvictResult
+}
+
+const (
+	maxSkipNames = 10
+	maxShownName = 80
+)
+
+func (r *SaveResult) skip(name, why string) {
+	r.SkipCount++
+	if len(r.Skipped) < maxSkipNames {
+		if len(name) > maxShownName {
+			name = name[:maxShownName] + "..."
+		}
+		r.Skipped = append(r.Skipped, strconv.QuoteToASCII(name)+": "+why)
+	}
+}
+
+type stagedFile struct {
+	name string // clean, relative to the project's tree
+	file string // in the root
+	size int64
+	sum  [sha256.Size]byte
+}
+
+// Save reads a tar stream of the guest's cache (hostile: see the package
+// doc) and, if it is whole and within the limits, puts its regular files
+// into the project's cache, then evicts down to the limits. Files of the
+// cache the stream does not carry are kept. On any error nothing of this
+// save is kept (save that a failure while renaming staged files into
+// place may leave some in place, each whole) and nothing stays staged.
+// Cancelling ctx is noticed between reads from r.
+func (s *Store) Save(ctx context.Context, project string, r io.Reader) (SaveResult, error) {
+	var res SaveResult
+	if err := checkProject(project); err != nil {
+		return res, err
+	}
+	root, err := s.open()
+	if err != nil {
+		return res, err
+	}
+	defer root.Close()
+	if err := s.cleanStaging(root); err != nil {
+		return res, err
+	}
+	stage, stageLock, err := newStage(root)
+	if err != nil {
+		return res, err
+	}
+	defer func() {
+		_ = root.RemoveAll(stage) // before the unlock: Save and Prune leave a held one alone
+		stageLock.Close()
+	}()
+
+	staged, err := s.readStream(ctx, root, stage, r, &res)
+	if err == nil {
+		err = syncStage(root, stage)
+	}
+	if err != nil {
+		return res, err
+	}
+	lock, err := lockProject(ctx, root, project, syscall.LOCK_EX, true, false)
+	if err != nil {
+		return res, err
+	}
+	err = s.install(root, project, staged, &res)
+	if err == nil {
+		err = s.touch(root, project)
+	}
+	if err == nil {
+		var ev EvictResult
+		ev, err = s.trimProject(root, project)
+		res.Evicted.add(ev)
+	}
+	lock.Close()
+	if err != nil {
+		return res, err
+	}
+	ev, err := s.evictTotal(ctx, root, project)
+	res.Evicted.add(ev)
+	return res, err
+}
+
+// newStage makes a staging directory and holds its lock file.
+func newStage(root *os.Root) (string, *os.File, error) {
+	for {
+		dir := stageDir + "/" + randomName()
+		err := root.Mkdir(dir, 0o700)
+		if errors.Is(err, fs.ErrExist) {
+			continue
+		}
+		if err != nil {
+			return "", nil, fmt.Errorf("hostcache: %w", err)
+		}
+		f, err := root.OpenFile(dir+"/"+lockName, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		if err == nil {
+			err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+			if err != nil {
+				f.Close()
+			}
+		}
+		if err != nil {
+			_ = root.RemoveAll(dir)
+			return "", nil, fmt.Errorf("hostcache: staging: %w", err)
+		}
+		return dir, f, nil
+	}
+}
+
+// syncStage makes the staged files durable before they are renamed into
+// place: one syncfs(2) of the store's file system rather than an fsync
+// per file (a stream may carry 10000 small files).
+func syncStage(root *os.Root, stage string) error {
+	d, err := root.Open(stage)
+	if err != nil {
+		return fmt.Errorf("hostcache: %w", err)
+	}
+	defer d.Close()
+	if err := unix.Syncfs(int(d.Fd())); err != nil {
+		return fmt.Errorf("hostcache: syncfs %s: %w", d.Name(), err)
+	}
+	return nil
+}
+
+// capReader reads from r at most max bytes in all (max grows as entries
+// are admitted) and stops once ctx is done.
+type capReader struct {
+	ctx    context.Context
+	r      io.Reader
+	n, max int64
+	over   bool
+}
+
+var errOverBudget = errors.New("read budget spent")
+
+func (c *capReader) Read(p []byte) (int, error) {
+	if err := c.ctx.Err(); err != nil {
+		return 0, err
+	}
+	if c.n >= c.max {
+		c.over = true
+		return 0, errOverBudget
+	}
+	if int64(len(p)) > c.max-c.n {
+		p = p[:c.max-c.n]
+	}
+	n, err := c.r.Read(p)
+	c.n += int64(n)
+	return n, err
+}
+
+// readStream stages the stream's acceptable files and returns them sorted
+// by name; it fails if the stream is cut, over a limit, or ctx is done.
+func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r io.Reader, res *SaveResult) ([]stagedFile, error) {
+	cr := &capReader{ctx: ctx, r: r, max: streamOverhead}
+	fail := func(err error) error {
+		switch {
+		case ctx.Err() != nil:
+			return fmt.Errorf("hostcache: saving: %w", ctx.Err())
+		case cr.over:
+			return fmt.Errorf("hostcache: %w: the stream ran past %d bytes (file data allowed %d bytes, the rest is a bound on tar headers and skipped entries)",
+				ErrProjectLimit, cr.max, s.ProjectLimit)
+		default:
+			return fmt.Errorf("hostcache: reading the cache stream: %w", err)
+		}
+	}
+	tr := tar.NewReader(cr)
+	var (
+		declared int64 // the sizes of all regular-file entries so far
+		files    []stagedFile
+		byName   = map[string]int{} // index in files
+		dirs     = map[string]bool{}
+	)
+	for entries := 1; ; entries++ {
+		cr.max = streamOverhead + int64(entries)*entryOverhead + declared
+		hdr, err := tr.Next()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return nil, fail(err)
+		}
+		if entries > maxEntries {
+			return nil, fmt.Errorf("hostcache: %w: more than %d entries", ErrTooManyFiles, maxEntries)
+		}
+		switch hdr.Typeflag {
+		case tar.TypeDir:
+			continue // implied by the files
+		case tar.TypeReg:
+		default:
+			res.skip(hdr.Name, typeName(hdr.Typeflag))
+			continue // its data, if any, counts against the overhead budget
+		}
+		if hdr.Size > s.ProjectLimit-declared {
+			return nil, fmt.Errorf("hostcache: %w: the stream's files need more than the %d bytes allowed",
+				ErrProjectLimit, s.ProjectLimit)
+		}
+		declared += hdr.Size
+		cr.max += hdr.Size
+		name, why := cleanName(hdr.Name)
+		if why == "" {
+			why = conflict(name, byName, dirs)
+		}
+		if why != "" {
+			res.skip(hdr.Name, why)
+			continue
+		}
+		prev, dup := byName[name]
+		if !dup && len(files) == MaxFiles {
+			return nil, fmt.Errorf("hostcache: %w: more than %d files", ErrTooManyFiles, MaxFiles)
+		}
+		sf := stagedFile{name: name, file: stage + "/" + strconv.Itoa(entries)}
+		if err := stageFile(root, tr, hdr.Size, &sf); err != nil {
+			return nil, fail(err)
+		}
+		if dup { // the later entry wins, as with tar -x
+			_ = root.Remove(files[prev].file)
+			files[prev] = sf
+			continue
+		}
+		byName[name] = len(files)
+		files = append(files, sf)
+		for i := range len(name) {
+			if name[i] == '/' {
+				dirs[name[:i]] = true
+			}
+		}
+	}
+	sort.Slice(files, func(i, j int) bool { return files[i].name < files[j].name })
+	return files, nil
+}
+
+func stageFile(root *os.Root, r io.Reader, size int64, sf *stagedFile) error {
+	f, err := root.OpenFile(sf.file, os.O_WRONLY|os.O_CREATE|os.O_EXCL, 0o600)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	h := sha256.New()
+	n, err := io.Copy(io.MultiWriter(f, h), r)
+	if err == nil && n != size {
+		err = io.ErrUnexpectedEOF
+	}
+	if err != nil {
+		return err
+	}
+	sf.size = n
+	copy(sf.sum[:], h.Sum(nil))
+	return f.Close()
+}
+
+func typeName(t byte) string {
+	switch t {
+	case tar.TypeSymlink:
+		return "symlink"
+	case tar.TypeLink:
+		return "hardlink"
+	case tar.TypeChar:
+		return "character device"
+	case tar.TypeBlock:
+		return "block device"
+	case tar.TypeFifo:
+		return "fifo"
+	}
+	return "entry type " + strconv.QuoteRuneToASCII(rune(t))
+}
+
+// cleanName returns the name a regular file's entry is stored under, or
+// why it is refused. A leading "./" (tar -c -C /cache .) is dropped.
+func cleanName(name string) (string, string) {
+	n := strings.TrimPrefix(name, "./")
+	switch {
+	case n == "":
+		return "", "empty name"
+	case n[0] == '/':
+		return "", "absolute path"
+	}
+	parts := strings.Split(n, "/")
+	for _, p := range parts {
+		switch {
+		case p == "":
+			return "", "empty path component"
+		case p == "." || p == "..":
+			return "", fmt.Sprintf("%q path component", p)
+		case len(p) > MaxComponent:
+			return "", fmt.Sprintf("path component over %d bytes", MaxComponent)
+		case strings.ContainsFunc(p, func(r rune) bool { return r < 0x20 || r == 0x7f }):
+			return "", "control character (NUL, newline, ...) in name"
+		}
+	}
+	if len(parts) > MaxDepth {
+		return "", fmt.Sprintf("deeper than %d components", MaxDepth)
+	}
+	return n, ""
+}
+
+// conflict says why name cannot be a file next to the earlier files, or "".
+func conflict(name string, files map[string]int, dirs map[string]bool) string {
+	if dirs[name] {
+		return "a directory of an earlier file"
+	}
+	for i := range len(name) {
+		if name[i] == '/' {
+			if _, ok := files[name[:i]]; ok {
+				return "below an earlier file " + strconv.QuoteToASCII(name[:i])
+			}
+		}
+	}
+	return ""
+}
+
+// install renames the staged files into the project's tree (under the
+// project's exclusive lock), leaving identical files be.
+func (s *Store) install(root *os.Root, project string, staged []stagedFile, res *SaveResult) error {
+	tree := projectPath(project, treeName)
+	if err := realDir(root, tree); err != nil {
+		return err
+	}
+	now := s.now()
+	for _, sf := range staged {
+		target := tree + "/" + sf.name
+		if sameContent(root, target, sf) {
+			if err := root.Chtimes(target, now, now); err != nil {
+				return fmt.Errorf("hostcache: %w", err)
+			}
+			res.Unchanged++
+			continue
+		}
+		if err := makeParents(root, tree, sf.name); err != nil {
+			return err
+		}
+		if fi, err := root.Lstat(target); err == nil && fi.IsDir() {
+			if err := root.RemoveAll(target); err != nil {
+				return fmt.Errorf("hostcache: %w", err)
+			}
+		}
+		if err := root.Chtimes(sf.file, now, now); err != nil {
+			return fmt.Errorf("hostcache: %w", err)
+		}
+		if err := root.Rename(sf.file, target); err != nil {
+			return fmt.Errorf("hostcache: %w", err)
+		}
+		res.Files++
+		res.Bytes += sf.size
+	}
+	return nil
+}
+
+// sameContent: target is a regular file with sf's size and sha256.
+func sameContent(root *os.Root, target string, sf stagedFile) bool {
+	fi, err := root.Lstat(target)
+	if err != nil || !fi.Mode().IsRegular() || fi.Size() != sf.size {
+		return false
+	}
+	f, err := root.Open(target)
+	if err != nil {
+		return false
+	}
+	defer f.Close()
+	h := sha256.New()
+	if _, err := io.Copy(h, f); err != nil {
+		return false
+	}
+	return bytes.Equal(h.Sum(nil), sf.sum[:])
+}
+
+// makeParents makes name's parent directories under tree, replacing (not
+// following) whatever non-directory (a symlink, a file) is in the way.
+func makeParents(root *os.Root, tree, name string) error {
+	for i := range len(name) {
+		if name[i] != '/' {
+			continue
+		}
+		dir := tree + "/" + name[:i]
+		fi, err := root.Lstat(dir)
+		if err == nil && fi.IsDir() {
+			continue
+		}
+		if err == nil {
+			err = root.Remove(dir)
+		} else if errors.Is(err, fs.ErrNotExist) {
+			err = nil
+		}
+		if err == nil {
+			err = root.Mkdir(dir, 0o700)
+		}
+		if err != nil {
+			return fmt.Errorf("hostcache: %w", err)
+		}
+	}
+	return nil
+}
