@@ -22,6 +22,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/admin"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
@@ -81,6 +82,16 @@ func withManager(c *cli.Context, readOnly bool, fn func(*config.Config, *jobvm.H
 	return fn(cfg, m)
 }
 
+// cacheStore is the configuration and its host cache.
+func cacheStore(c *cli.Context) (*config.Config, *hostcache.Store, error) {
+	cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+	if err != nil {
+		return nil, nil, err
+	}
+	store, err := admin.CacheStore(cfg)
+	return cfg, store, err
+}
+
 func app() *cli.App {
 	return &cli.App{
 		Name:    "libvirt-executor",
@@ -108,9 +119,73 @@ func app() *cli.App {
 				Usage: "remove expired job VMs and orphaned volumes, state and locks of this installation",
 				Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 				Action: func(c *cli.Context) error {
-					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
-						return admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
+					return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
+						err := admin.GC(c.Context, os.Stdout, m, c.Bool("dry-run"))
+						if cfg.Cache.Enabled() && !c.Bool("dry-run") {
+							store, serr := admin.CacheStore(cfg)
+							if serr == nil {
+								serr = admin.CachePrune(c.Context, os.Stdout, store, cfg.Cache.MaxAge.D())
+							}
+							err = errors.Join(err, serr)
+						}
+						return err
 					})
+				},
+			},
+			{
+				Name:  "cache",
+				Usage: "the host cache ([cache] dir): list the projects' caches, prune unused ones, remove one",
+				Subcommands: []*cli.Command{
+					{
+						Name:  "list",
+						Usage: "list the projects' caches, least recently used first, with size and last use",
+						Action: func(c *cli.Context) error {
+							cfg, store, err := cacheStore(c)
+							if err != nil {
+								return err
+							}
+							return admin.CacheList(os.Stdout, cfg, store, time.Now())
+						},
+					},
+					{
+						Name:  "prune",
+						Usage: "remove the caches no job used for --older-than (default cache.max_age)",
+						Flags: []cli.Flag{&cli.DurationFlag{Name: "older-than", Usage: "unused for at least this long (default: cache.max_age)"}},
+						Action: func(c *cli.Context) error {
+							cfg, store, err := cacheStore(c)
+							if err != nil {
+								return err
+							}
+							age := cfg.Cache.MaxAge.D()
+							if c.IsSet("older-than") {
+								age = c.Duration("older-than")
+							}
+							return admin.CachePrune(c.Context, os.Stdout, store, age)
+						},
+					},
+					{
+						Name:      "rm",
+						Usage:     "remove the named projects' caches (names as cache list shows them)",
+						ArgsUsage: "PROJECT...",
+						Action: func(c *cli.Context) error {
+							if c.NArg() == 0 {
+								return fmt.Errorf("cache rm needs at least one project (see libvirt-executor cache list)")
+							}
+							_, store, err := cacheStore(c)
+							if err != nil {
+								return err
+							}
+							var errs []error
+							for _, p := range c.Args().Slice() {
+								if err := store.Remove(c.Context, p); err != nil {
+									errs = append(errs, fmt.Errorf("%s: %w", p, err))
+									continue
+								}
+								fmt.Println("removed cache", p)
+							}
+							return errors.Join(errs...)
+						},
+					},
 				},
 			},
 			{

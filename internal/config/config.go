@@ -122,6 +122,8 @@ type Config struct {
 	// GitLab configures what the GitLab Runner front end does with job
 	// keywords the driver does not implement.
 	GitLab GitLab `toml:"gitlab"`
+	// Cache configures the host cache (off unless cache.dir is set).
+	Cache Cache `toml:"cache"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -592,6 +594,7 @@ func (c *Config) applyDefaults() {
 		c.Garm.SeedKeep = Duration(10 * time.Minute)
 	}
 	def(&c.GitLab.Services, ServicesWarn)
+	c.Cache.applyDefaults()
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -659,6 +662,7 @@ func (c *Config) Validate() error {
 	c.Log.validate(&p)
 	c.Garm.validate(&p, c)
 	c.GitLab.validate(&p)
+	c.Cache.validate(&p, c)
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()

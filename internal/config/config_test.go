@@ -76,6 +76,11 @@ func TestValidateMessages(t *testing.T) {
 		{"garm orphan after", "[garm]\norphan_after = \"-1h\"\n" + base, `garm.orphan_after`},
 		{"garm image", "[garm]\nimages = [\"b\"]\n" + base, `garm.images: "b" is not a configured image; use one of "a"`},
 		{"garm extra spec", "[garm]\nextra_specs = [\"gpus\"]\n" + base, `garm.extra_specs: "gpus" is not allowed: use "vcpus", "memory_mib", "disk_gib"`},
+		{"cache dir relative", "[cache]\ndir = \"cache\"\n" + base, `cache.dir: "cache" must be a clean absolute path`},
+		{"cache dir root", "[cache]\ndir = \"/\"\n" + base, `cache.dir: "/" must be a clean absolute path`},
+		{"cache limits", "[cache]\ndir = \"/c\"\nproject_limit_mib = 2048\ntotal_limit_mib = 1024\n" + base, `cache.project_limit_mib: 2048 is above cache.total_limit_mib (1024)`},
+		{"cache negative", "[cache]\nproject_limit_mib = -1\n" + base, `cache.project_limit_mib: -1 is out of range 1-1048576`},
+		{"cache image", "[cache]\ndir = \"/c\"\nimages = [\"b\"]\n" + base, `cache.images: "b" is not a configured image; use one of "a"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -41,6 +41,10 @@ type Job struct {
 	// Services are the job's `services:`, which the driver does not
 	// provide (services.go).
 	Services Services
+	// ProjectID is the job's project on its GitLab instance (the payload's
+	// job_info.project_id, which GitLab sets and the job cannot): with
+	// Server, whose cache the host cache gives the job. 0: not known.
+	ProjectID int64
 }
 
 // ImageRequest is the job's `image:` name: as written, and after expansion.
@@ -72,6 +76,9 @@ type payload struct {
 	// Services are the job's `services:`, their variables expanded by the
 	// runner: only name and alias are read.
 	Services []payloadService `json:"services"`
+	JobInfo  struct {
+		ProjectID int64 `json:"project_id"`
+	} `json:"job_info"`
 	// Variables are the job's CI/CD variables, GitLab's predefined ones
 	// first, then the job's own. They include secrets (CI_JOB_TOKEN, masked
 	// and file variables): they stay in memory, are used only to expand the
@@ -140,7 +147,7 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 	}
 	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: expandImage(p.Image.Name, p.Variables),
 		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL")),
-		Services: servicesOf(p.Services, p.Variables)}, nil
+		Services: servicesOf(p.Services, p.Variables), ProjectID: max(0, p.JobInfo.ProjectID)}, nil
 }
 
 // serverOf is a GitLab URL's scheme and host, nothing else (no user info,

@@ -32,8 +32,14 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return exitcodes.System(err)
 	}
+	var img *config.Image
 	if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
 		e.Report.Machine(jm.Name, mach.Image)
+		img = cfg.Images[mach.Image]
+	}
+	op := cacheOpOf(stage, script)
+	if op == cacheRestore {
+		runCache(ctx, e, j, jm.Name, img, op)
 	}
 	var span time.Duration
 	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
@@ -41,6 +47,9 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
 	}
 	e.Report.GuestSpan(span)
+	if op == cacheSave && err == nil {
+		runCache(ctx, e, j, jm.Name, img, op)
+	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
 			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {

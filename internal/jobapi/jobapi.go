@@ -103,6 +103,15 @@ type Job struct {
 	Image string
 	// Services are the job's `services:`, sent as GitLab sends them.
 	Services []Service
+	// Project, if set, is the job's project instead of the fake's own
+	// (id 1, lve/selftest).
+	Project *Project
+}
+
+// Project is a GitLab project a job belongs to.
+type Project struct {
+	ID              int64
+	Namespace, Name string
 }
 
 // Service is one entry of a job's `services:` keyword.

@@ -137,7 +137,6 @@ const (
 	projectID        = 1
 	projectNamespace = "lve"
 	projectName      = "selftest"
-	projectPath      = projectNamespace + "/" + projectName
 	defaultTimeout   = 3600
 	nullSHA          = "0000000000000000000000000000000000000000"
 )
@@ -155,6 +154,11 @@ var failureReasons = []string{
 func (s *Server) payload(j *job) jobResponse {
 	spec := j.spec
 	base, _ := url.Parse(s.url) // s.url is built from a listener address: it parses
+	project := Project{ID: projectID, Namespace: projectNamespace, Name: projectName}
+	if spec.Project != nil {
+		project = *spec.Project
+	}
+	projectPath := project.Namespace + "/" + project.Name
 	projectURL := s.url + projectPath
 	timeout := spec.TimeoutSeconds
 	if timeout <= 0 {
@@ -180,9 +184,9 @@ func (s *Server) payload(j *job) jobResponse {
 		pub("CI_JOB_URL", projectURL+"/-/jobs/"+id),
 		pub("CI_PIPELINE_ID", id),
 		pub("CI_PIPELINE_IID", "1"),
-		pub("CI_PROJECT_ID", strconv.Itoa(projectID)),
-		pub("CI_PROJECT_NAME", projectName),
-		pub("CI_PROJECT_NAMESPACE", projectNamespace),
+		pub("CI_PROJECT_ID", strconv.FormatInt(project.ID, 10)),
+		pub("CI_PROJECT_NAME", project.Name),
+		pub("CI_PROJECT_NAMESPACE", project.Namespace),
 		pub("CI_PROJECT_PATH", projectPath),
 		pub("CI_PROJECT_URL", projectURL),
 		pub("CI_REPOSITORY_URL", repoURL),
@@ -213,7 +217,7 @@ func (s *Server) payload(j *job) jobResponse {
 		ID:            j.id,
 		Token:         j.token,
 		AllowGitFetch: true,
-		JobInfo:       jobInfo{Name: spec.Name, Stage: spec.Stage, ProjectID: projectID, ProjectName: projectName},
+		JobInfo:       jobInfo{Name: spec.Name, Stage: spec.Stage, ProjectID: project.ID, ProjectName: project.Name},
 		GitInfo: gitInfo{
 			RepoURL: repoURL, Ref: ref, Sha: sha, BeforeSha: nullSHA, RefType: "branch",
 			Refspecs: []string{"+refs/heads/*:refs/remotes/origin/*", "+refs/tags/*:refs/tags/*"},

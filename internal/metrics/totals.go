@@ -33,6 +33,15 @@ const (
 	RemovalSeconds     = "libvirt_executor_vm_removal_seconds"
 	DeadGuestSeconds   = "libvirt_executor_dead_guest_detection_seconds"
 	GarmInstancesTotal = "libvirt_executor_garm_instances_total"
+	CacheOpsTotal      = "libvirt_executor_cache_operations_total"
+	CacheBytesTotal    = "libvirt_executor_cache_bytes_total"
+	CacheEvictedTotal  = "libvirt_executor_cache_evicted_bytes_total"
+)
+
+// CacheOps and CacheResults are the host cache's label values (obs.CacheUse).
+var (
+	CacheOps     = []string{"restore", "save"}
+	CacheResults = []string{"ok", "miss", "over_limit", "error"}
 )
 
 // def is one folded metric: its help, label names and, for a histogram,
@@ -56,6 +65,10 @@ var defs = map[string]def{
 		labels: []string{"verdict"}},
 	GarmInstancesTotal: {help: "garm's instance operations (create, delete) that ended, by result class (success, system_failure) and reason.",
 		labels: []string{"op", "result", "reason"}},
+	CacheOpsTotal: {help: "Host cache copies by run stages, by op (restore, save) and result (ok; miss: nothing cached yet; over_limit: a save above cache.project_limit_mib, not kept; error).",
+		labels: []string{"op", "result"}},
+	CacheBytesTotal:   {help: "Bytes of host cache copied into VMs (restore) and kept from them (save).", labels: []string{"op"}},
+	CacheEvictedTotal: {help: "Bytes of host cache removed to stay within the project and total limits."},
 	ReconnectsTotal: {help: "Reconnections to libvirt after a lost connection, by process (service, stage).",
 		labels: []string{"process"}},
 	EventsTotal: {help: "Event records of the spool: folded, invalid (unreadable, skipped), lost (dropped while the spool was full).",
@@ -221,6 +234,16 @@ func (f *folder) stage(e obs.Event) {
 	img := f.image(e.Image)
 	if e.Reconnects > 0 {
 		t.add(ReconnectsTotal, float64(e.Reconnects), "stage")
+	}
+	if c := e.Cache; c != nil {
+		op := oneOf(c.Op, CacheOps)
+		t.add(CacheOpsTotal, 1, op, oneOf(c.Result, CacheResults))
+		if c.Bytes > 0 {
+			t.add(CacheBytesTotal, float64(c.Bytes), op)
+		}
+		if c.EvictedBytes > 0 {
+			t.add(CacheEvictedTotal, float64(c.EvictedBytes))
+		}
 	}
 	if e.DeadAfterSeconds > 0 {
 		t.observe(DeadGuestSeconds, e.DeadAfterSeconds, img)

@@ -56,6 +56,14 @@ const (
 // counted as invalid, not guessed at.
 const EventVersion = 1
 
+// CacheUse is one copy of a project's host cache (Report.Cache).
+type CacheUse struct {
+	Op           string `json:"op"`
+	Result       string `json:"result"`
+	Bytes        int64  `json:"bytes,omitempty"`
+	EvictedBytes int64  `json:"evicted_bytes,omitempty"`
+}
+
 // Event is one record of the spool. Every string in it is bounded (Bound)
 // and chosen by the program, except Job and Image, which are validated
 // names, and nothing in it is a secret: it says what happened, never with
@@ -94,6 +102,8 @@ type Event struct {
 	DeadAfterSeconds float64 `json:"dead_after_s,omitempty"`
 	// Reconnects is how many times the executable reconnected to libvirt.
 	Reconnects int `json:"reconnects,omitempty"`
+	// Cache is what a run stage did with the host cache, if anything.
+	Cache *CacheUse `json:"cache,omitempty"`
 
 	// Trigger (KindSweep) is what ran the sweep: gc or cleanup; Removed
 	// counts what it removed by verdict.

@@ -20,6 +20,7 @@ type Report struct {
 	pool, poolReason     string
 	span                 *time.Duration
 	reconnects           int
+	cache                *CacheUse
 	steps                []step
 }
 
@@ -95,6 +96,18 @@ func (r *Report) GuestSpan(d time.Duration) {
 	r.span = &d
 }
 
+// Cache records what a run stage did with the host cache: op "restore" or
+// "save", result ok, miss, over_limit or error, the bytes copied and the
+// bytes evicted to make room.
+func (r *Report) Cache(op, result string, bytes, evicted int64) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.cache = &CacheUse{Op: op, Result: result, Bytes: bytes, EvictedBytes: evicted}
+}
+
 // Reconnects records how often the stage reconnected to libvirt.
 func (r *Report) Reconnects(n int) {
 	if r == nil {
@@ -142,7 +155,7 @@ func (r *Report) Finish(o Outcome) (Event, []StepRecord) {
 	ev := Event{
 		Time: o.End, Kind: kind, Stage: r.Stage, Job: r.key, Image: r.image,
 		Result: result, Reason: reason, Seconds: o.Took.Seconds(),
-		Pool: r.pool, PoolReason: r.poolReason, Reconnects: r.reconnects,
+		Pool: r.pool, PoolReason: r.poolReason, Reconnects: r.reconnects, Cache: r.cache,
 	}
 	if o.Err == nil {
 		ev.Path = r.path

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 )
 
@@ -43,10 +44,25 @@ func (w *capped) Write(p []byte) (int, error) {
 // kept. The error then wraps context.Cause(ctx). The connection stays
 // usable.
 func (c *Client) Output(ctx context.Context, cmd string) ([]byte, error) {
-	if ctx.Err() != nil {
-		return nil, fmt.Errorf("command not started: %w", context.Cause(ctx))
+	out := &capped{limit: OutputLimit}
+	err := c.Stream(ctx, cmd, strings.NewReader(""), out)
+	if err != nil && out.b == nil {
+		return nil, err
 	}
-	out, errb := &capped{limit: OutputLimit}, &capped{limit: stderrLimit}
+	return out.b, err
+}
+
+// Stream runs a fixed command (never built from job input) with stdin as its
+// input and its stdout copied to stdout, as it comes: the caller bounds what
+// it takes (a writer that fails ends the copy, and the caller then ends ctx
+// to stop the command). A non-zero exit is returned as an error mentioning
+// stderr (its first 4 KiB). Stream returns when ctx ends, whatever the
+// guest is still doing, as Output does; the connection stays usable.
+func (c *Client) Stream(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {
+	if ctx.Err() != nil {
+		return fmt.Errorf("command not started: %w", context.Cause(ctx))
+	}
+	errb := &capped{limit: stderrLimit}
 	// Opening the channel and the exec request each wait for the guest's
 	// answer, which a hostile guest may never give: they run aside, and a
 	// session that comes after ctx ended is closed unused.
@@ -56,14 +72,14 @@ func (c *Client) Output(ctx context.Context, cmd string) ([]byte, error) {
 	}
 	ready := make(chan started, 1)
 	go func() {
-		s, err := c.start(cmd, strings.NewReader(""), out, errb)
+		s, err := c.start(cmd, stdin, stdout, errb)
 		ready <- started{s, err}
 	}()
 	var s *session
 	select {
 	case r := <-ready:
 		if r.err != nil {
-			return nil, r.err
+			return r.err
 		}
 		s = r.s
 	case <-ctx.Done():
@@ -72,29 +88,29 @@ func (c *Client) Output(ctx context.Context, cmd string) ([]byte, error) {
 				r.s.close()
 			}
 		}()
-		return nil, fmt.Errorf("the guest did not start the command: %w", context.Cause(ctx))
+		return fmt.Errorf("the guest did not start the command: %w", context.Cause(ctx))
 	}
 	defer s.close()
 	var res exitResult
 	select {
 	case res = <-s.exited:
 	case <-ctx.Done():
-		return nil, fmt.Errorf("the guest's command did not end: %w", context.Cause(ctx))
+		return fmt.Errorf("the guest's command did not end: %w", context.Cause(ctx))
 	}
 	// The rest of the output may still be on its way (sshd sends the exit
 	// status when the command ends, the output's end when its pipes do).
 	select {
 	case <-s.drained:
 	case <-ctx.Done():
-		return nil, fmt.Errorf("the guest's command ended but its output did not: %w", context.Cause(ctx))
+		return fmt.Errorf("the guest's command ended but its output did not: %w", context.Cause(ctx))
 	}
 	switch {
 	case !res.ok:
-		return nil, c.lost(errors.New("the command ended without an exit status"))
+		return c.lost(errors.New("the command ended without an exit status"))
 	case res.signal != "":
-		return out.b, fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.b)))
+		return fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.b)))
 	case res.status != 0:
-		return out.b, fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.b)))
+		return fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.b)))
 	}
-	return out.b, nil
+	return nil
 }

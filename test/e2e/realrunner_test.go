@@ -38,6 +38,9 @@ type realRunner struct {
 	workDir string
 	// cfgPath, if set, is the driver configuration instead of the rig's.
 	cfgPath string
+	// noDistributedCache: the runner gets no S3 cache (the host cache's
+	// tests: the archives stay in the guest's cache_dir).
+	noDistributedCache bool
 }
 
 func newRealRunner(t *testing.T) *realRunner {
@@ -66,6 +69,10 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 		cfgPath = rr.cfgPath
 	}
 	args := []string{"--config", cfgPath}
+	env := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home}
+	if !rr.noDistributedCache {
+		env = append(env, rr.api.CacheEnv()...)
+	}
 	var out sshtest.Buffer
 	done := make(chan error, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
@@ -78,7 +85,7 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 			},
 			BuildsDir: "/builds", CacheDir: "/cache",
 			MaxBuilds: n, WaitTimeout: 5 * time.Minute,
-			Env: append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home}, rr.api.CacheEnv()...),
+			Env: env,
 			Dir: rr.workDir, Stdout: &out, Stderr: &out,
 		})
 	}()

@@ -1,0 +1,60 @@
+package admin
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"text/tabwriter"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+)
+
+// CacheStore is the host cache of cfg, or an error saying it is off.
+func CacheStore(cfg *config.Config) (*hostcache.Store, error) {
+	if !cfg.Cache.Enabled() {
+		return nil, fmt.Errorf("the host cache is off: set [cache] dir in %s (docs/caching.md)", cfg.Path)
+	}
+	return &hostcache.Store{Dir: cfg.Cache.Dir, ProjectLimit: cfg.Cache.ProjectLimit(), TotalLimit: cfg.Cache.TotalLimit()}, nil
+}
+
+// CacheList prints the host cache's projects, least recently used first,
+// with their size and last use, and the total against the limit.
+func CacheList(w io.Writer, cfg *config.Config, s *hostcache.Store, now time.Time) error {
+	us, err := s.List()
+	if err != nil {
+		return err
+	}
+	if len(us) == 0 {
+		_, err := fmt.Fprintf(w, "no caches in %s\n", s.Dir)
+		return err
+	}
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "PROJECT\tFILES\tSIZE\tLAST USE")
+	var total int64
+	for _, u := range us {
+		last := "never"
+		if !u.LastUse.IsZero() {
+			last = now.Sub(u.LastUse).Round(time.Second).String() + " ago"
+		}
+		fmt.Fprintf(tw, "%s\t%d\t%.1f MiB\t%s\n", u.Project, u.Files, float64(u.Bytes)/(1<<20), last)
+		total += u.Bytes
+	}
+	if err := tw.Flush(); err != nil {
+		return err
+	}
+	_, err = fmt.Fprintf(w, "total %.1f MiB of %d MiB (cache.total_limit_mib); a project at most %d MiB\n",
+		float64(total)/(1<<20), cfg.Cache.TotalLimitMiB, cfg.Cache.ProjectLimitMiB)
+	return err
+}
+
+// CachePrune removes the caches no job used for olderThan (and what a
+// killed save left in staging), and says which.
+func CachePrune(ctx context.Context, w io.Writer, s *hostcache.Store, olderThan time.Duration) error {
+	removed, err := s.Prune(ctx, olderThan)
+	for _, p := range removed {
+		fmt.Fprintf(w, "removed cache %s (unused for %s or more)\n", p, olderThan)
+	}
+	return err
+}

@@ -1,0 +1,58 @@
+package admin
+
+import (
+	"archive/tar"
+	"bytes"
+	"context"
+	"path/filepath"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+)
+
+func TestCacheListAndPrune(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "cache")
+	cfg, err := config.Parse([]byte("[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	_, err = CacheStore(cfg)
+	require.ErrorContains(t, err, "the host cache is off: set [cache] dir")
+
+	cfg, err = config.Parse([]byte("[cache]\ndir = \"" + dir + "\"\nproject_limit_mib = 2\ntotal_limit_mib = 8\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	store, err := CacheStore(cfg)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
+	require.Contains(t, out.String(), "no caches in "+dir)
+
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 42)
+	require.NoError(t, err)
+	var stream bytes.Buffer
+	tw := tar.NewWriter(&stream)
+	body := bytes.Repeat([]byte("x"), 1<<20)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "lve/p/key/cache.zip", Mode: 0o644, Size: int64(len(body)), Typeflag: tar.TypeReg}))
+	_, err = tw.Write(body)
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	_, err = store.Save(context.Background(), project, &stream)
+	require.NoError(t, err)
+
+	out.Reset()
+	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
+	require.Regexp(t, project+`\s+\d+\s+1\.0 MiB\s+\S+ ago`, out.String())
+	require.Contains(t, out.String(), "of 8 MiB (cache.total_limit_mib); a project at most 2 MiB")
+
+	// used just now: an hour's prune keeps it, a zero one removes it
+	out.Reset()
+	require.NoError(t, CachePrune(context.Background(), &out, store, time.Hour))
+	require.Empty(t, out.String())
+	require.NoError(t, CachePrune(context.Background(), &out, store, 0))
+	require.Contains(t, out.String(), "removed cache "+project)
+	us, err := store.List()
+	require.NoError(t, err)
+	require.Empty(t, us)
+}

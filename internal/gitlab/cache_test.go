@@ -1,0 +1,79 @@
+package gitlab
+
+import (
+	"os"
+	"path/filepath"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+)
+
+// Only the runner's cache sub-stages whose scripts call its cache helper
+// copy anything: jobs without cache: (and saves with policy pull) pay
+// nothing.
+func TestCacheOpOf(t *testing.T) {
+	for _, tc := range []struct {
+		stage, script string
+		want          cacheOp
+	}{
+		{"restore_cache", "gitlab-runner cache-extractor --file ../cache.zip", cacheRestore},
+		{"restore_cache", "echo nothing to restore", cacheNone},
+		{"archive_cache", "gitlab-runner cache-archiver --file ../cache.zip", cacheSave},
+		{"archive_cache_on_failure", "gitlab-runner cache-archiver --file x", cacheSave},
+		{"archive_cache", "", cacheNone},
+		{"build_script", "gitlab-runner cache-archiver", cacheNone},
+		{"step_script", "gitlab-runner cache-extractor", cacheNone},
+	} {
+		require.Equal(t, tc.want, cacheOpOf(tc.stage, []byte(tc.script)), "%s: %q", tc.stage, tc.script)
+	}
+}
+
+// The project comes from the payload (GitLab's job_info.project_id and its
+// own CI_SERVER_URL, the first entry), never from a variable the job sets;
+// without a payload, or with the host cache off for the image, there is
+// no store.
+func TestHostCacheIdentity(t *testing.T) {
+	dir := t.TempDir()
+	payload := `{"id":5,"job_info":{"project_id":42},"variables":[` +
+		`{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"},` +
+		`{"key":"CI_PROJECT_ID","value":"42"},` +
+		// the job's own definitions come after GitLab's and lose
+		`{"key":"CI_SERVER_URL","value":"https://evil.example.com"},{"key":"CI_PROJECT_ID","value":"7"}]}`
+	path := filepath.Join(dir, "response.json")
+	require.NoError(t, os.WriteFile(path, []byte(payload), 0o600))
+	j, err := ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": path}), false, func(string) {})
+	require.NoError(t, err)
+	require.Equal(t, int64(42), j.ProjectID)
+	require.Equal(t, "https://gitlab.example.com", j.Server)
+
+	cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(dir, "c") + "\"\nimages = [\"a\"]\n[images.a]\nbase = \"/a\"\n[images.b]\nbase = \"/b\"\n"))
+	require.NoError(t, err)
+	jb := &job{cfg: cfg, job: j}
+	store, project, why := hostCache(jb, cfg.Images["a"])
+	require.NotNil(t, store, why)
+	require.Equal(t, cfg.Cache.ProjectLimit(), store.ProjectLimit)
+
+	// the same project of another instance, and another project: other directories
+	other := *j
+	other.Server = "https://evil.example.com"
+	_, p2, _ := hostCache(&job{cfg: cfg, job: &other}, cfg.Images["a"])
+	other = *j
+	other.ProjectID = 7
+	_, p3, _ := hostCache(&job{cfg: cfg, job: &other}, cfg.Images["a"])
+	require.NotEqual(t, project, p2)
+	require.NotEqual(t, project, p3)
+
+	// image b is not in cache.images: nothing, and nothing said
+	store, _, why = hostCache(jb, cfg.Images["b"])
+	require.Nil(t, store)
+	require.Empty(t, why)
+
+	// no payload: the project is not known, the job log says so
+	env := *j
+	env.FromPayload = false
+	store, _, why = hostCache(&job{cfg: cfg, job: &env}, cfg.Images["a"])
+	require.Nil(t, store)
+	require.Contains(t, why, "not known from the runner's payload")
+}

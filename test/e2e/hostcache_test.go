@@ -1,0 +1,143 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"fmt"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+)
+
+// hostCacheRunner is a real runner without a distributed cache, its driver
+// configured with a host cache in a directory of the test's (extra: more
+// [cache] keys).
+func hostCacheRunner(t *testing.T, extra string) (*realRunner, string) {
+	t.Helper()
+	rr := newRealRunner(t)
+	dir := filepath.Join(t.TempDir(), "host-cache")
+	r := rr.r.withConfig(t, func(s string) string {
+		return s + fmt.Sprintf("\n[cache]\ndir = %q\n%s", dir, extra)
+	})
+	rr.cfgPath, rr.noDistributedCache = r.cfgPath, true
+	return rr, dir
+}
+
+// hostCacheFiles lists what the host cache keeps: regular files by path
+// relative to dir, and anything else found (which must never be there).
+func hostCacheFiles(t *testing.T, dir string) (files map[string]int64, other []string) {
+	t.Helper()
+	files = map[string]int64{}
+	err := filepath.WalkDir(dir, func(path string, d fs.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, _ := filepath.Rel(dir, path)
+		switch {
+		case d.IsDir():
+		case d.Type().IsRegular():
+			fi, err := d.Info()
+			if err != nil {
+				return err
+			}
+			files[rel] = fi.Size()
+		default:
+			other = append(other, rel+" ("+d.Type().String()+")")
+		}
+		return nil
+	})
+	if os.IsNotExist(err) {
+		return files, nil
+	}
+	require.NoError(t, err)
+	return files, other
+}
+
+// cacheZips are the cache archives among files (what the runner made).
+func cacheZips(files map[string]int64) []string {
+	var out []string
+	for f := range files {
+		if strings.HasSuffix(f, "/cache.zip") {
+			out = append(out, f)
+		}
+	}
+	return out
+}
+
+// TestHostCacheBetweenJobs: with [cache] dir set and no distributed cache,
+// a cache archived by one job is restored in the next job of the same
+// project (a fresh VM), and a job of another project on the same GitLab
+// finds nothing of it; nothing goes to the S3 endpoint.
+func TestHostCacheBetweenJobs(t *testing.T) {
+	rr, dir := hostCacheRunner(t, "")
+	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
+	other := &jobapi.Project{ID: 2, Namespace: "lve", Name: "other"}
+	res := rr.runJobs(t,
+		jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt"}},
+		jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}},
+		jobapi.Job{Name: "stranger", Cache: cache, Project: other, Script: []string{`if [ -e vendor/dep.txt ]; then echo "LEAKED: $(cat vendor/dep.txt)"; else echo "no-cache-here"; fi`}},
+	)
+	for i := range res {
+		require.Equal(t, jobapi.StateSuccess, res[i].State, res[i].Trace)
+	}
+	require.Contains(t, res[0].Trace, "Created cache")
+	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+	require.Regexp(t, `Host cache: restored \d+ file`, res[1].Trace)
+	require.Regexp(t, `restored: cached-\d+`, res[1].Trace)
+	require.Contains(t, res[2].Trace, "Host cache: nothing cached for this project yet")
+	require.Contains(t, res[2].Trace, "no-cache-here")
+	require.NotContains(t, res[2].Trace, "LEAKED")
+	require.Zero(t, rr.api.CacheObjects(), "no distributed cache: nothing went to S3")
+
+	files, odd := hostCacheFiles(t, dir)
+	require.Empty(t, odd)
+	zips := cacheZips(files)
+	require.NotEmpty(t, zips, "the archives are on the host: %v", files)
+	projects := map[string]bool{}
+	for _, z := range zips {
+		parts := strings.Split(z, string(filepath.Separator))
+		require.Equal(t, "projects", parts[0], z)
+		projects[parts[1]] = true
+	}
+	require.Len(t, projects, 2, "one directory per project: %v", zips)
+}
+
+// TestHostCacheLimitAndHostileGuest: a job whose cache is above
+// cache.project_limit_mib succeeds, its archive is not kept (the job log
+// says why) and the project's earlier cache stays; links and FIFOs a job
+// plants in cache_dir never reach the host.
+func TestHostCacheLimitAndHostileGuest(t *testing.T) {
+	rr, dir := hostCacheRunner(t, "project_limit_mib = 1\n")
+	small := &jobapi.Cache{Key: "small", Paths: []string{"vendor/"}}
+	big := &jobapi.Cache{Key: "big", Paths: []string{"blob/"}}
+	res := rr.runJobs(t,
+		jobapi.Job{Name: "small", Cache: small, Script: []string{
+			"mkdir -p vendor", "echo small > vendor/a.txt",
+			// planted next to the runner's archives
+			"ln -s /etc/passwd /cache/evil-link", "mkfifo /cache/evil-fifo", "mkdir -p /cache/d && ln -s / /cache/d/root",
+		}},
+		jobapi.Job{Name: "big", Cache: big, Script: []string{"mkdir -p blob", "head -c 3145728 /dev/urandom > blob/r.bin"}},
+	)
+	for i := range res {
+		require.Equal(t, jobapi.StateSuccess, res[i].State, "a cache that is not kept never fails the job: %s", res[i].Trace)
+	}
+	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+	require.Contains(t, res[0].Trace, "Host cache: left out ")
+	require.Regexp(t, regexp.MustCompile(`Host cache: not kept .*project_limit_mib`), res[1].Trace)
+
+	files, odd := hostCacheFiles(t, dir)
+	require.Empty(t, odd, "no link, FIFO or device on the host")
+	zips := cacheZips(files)
+	require.Len(t, zips, 1, "only the small archive is kept: %v", files)
+	require.Contains(t, zips[0], "small")
+	for f := range files {
+		require.NotContains(t, f, "evil")
+	}
+}
