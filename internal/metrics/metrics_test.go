@@ -430,3 +430,33 @@ func gaugeOf(t *testing.T, c prometheus.Collector, name string, labels ...string
 	t.Fatalf("no %s%v", name, labels)
 	return nil
 }
+
+// Host cache copies recorded by run stages become the cache counters, with
+// bounded labels.
+func TestFoldCache(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "events")
+	s := obs.Spool{Dir: dir}
+	withCache := func(name string, c *obs.CacheUse) obs.Event {
+		e := run(name, obs.ResultSuccess, jobvm.ReasonNone, 1, 0.1)
+		e.Cache = c
+		return e
+	}
+	job(t, s, "c1", obs.PathCold,
+		withCache("restore_cache", &obs.CacheUse{Op: "restore", Result: "miss"}),
+		withCache("archive_cache", &obs.CacheUse{Op: "save", Result: "ok", Bytes: 1000, EvictedBytes: 300}))
+	job(t, s, "c2", obs.PathWarm,
+		withCache("restore_cache", &obs.CacheUse{Op: "restore", Result: "ok", Bytes: 1000}),
+		withCache("archive_cache", &obs.CacheUse{Op: "save", Result: "over_limit"}),
+		withCache("archive_cache", &obs.CacheUse{Op: "forged\nop", Result: "weird"}))
+	f := newFolder(dir)
+	require.NoError(t, f.Fold(time.Now()))
+	tt := f.Snapshot()
+	require.Equal(t, 1.0, tt.Counter(CacheOpsTotal, "restore", "miss"))
+	require.Equal(t, 1.0, tt.Counter(CacheOpsTotal, "restore", "ok"))
+	require.Equal(t, 1.0, tt.Counter(CacheOpsTotal, "save", "ok"))
+	require.Equal(t, 1.0, tt.Counter(CacheOpsTotal, "save", "over_limit"))
+	require.Equal(t, 1.0, tt.Counter(CacheOpsTotal, "other", "other"), "unknown values are bounded")
+	require.Equal(t, 1000.0, tt.Counter(CacheBytesTotal, "restore"))
+	require.Equal(t, 1000.0, tt.Counter(CacheBytesTotal, "save"))
+	require.Equal(t, 300.0, tt.Counter(CacheEvictedTotal))
+}
