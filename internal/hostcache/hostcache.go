@@ -42,14 +42,15 @@
 // # Atomicity and locking
 //
 // Save writes every file to a staging directory under Dir (same file
-// system); only when the whole stream was read and found
-// valid does it make them durable (one syncfs) and rename them into the project's tree, under an exclusive
-// flock on the project. Restore reads under a shared flock, so it sees
-// each file whole, old or new. A failure during the renames (a disk
-// error) can leave some files of that save in place and others not; each
-// file is whole either way. Staging directories are never read by
-// Restore; each carries a lock file its Save holds, and Save, Prune and
-// Evict remove those nobody holds (left by a killed process).
+// system); only when the whole stream was read and found valid does it
+// make them durable (one syncfs) and rename them, one by one, into the
+// project's tree, under an exclusive flock on the project. Restore reads
+// under a shared flock, so it sees each file whole, old or new. A failure
+// during the renames (a disk error) can leave some files of that save in
+// place and others not; each file is whole either way. Restore never
+// reads staging directories; each carries a lock file its Save holds,
+// and Save, Prune and Evict remove those nobody holds (left by a killed
+// process).
 //
 // # Layout
 //

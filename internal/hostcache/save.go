@@ -119,9 +119,14 @@ func newStage(root *os.Root) (string, *os.File, error) {
 		if err != nil {
 			return "", nil, fmt.Errorf("hostcache: %w", err)
 		}
-		f, err := root.OpenFile(dir+"/"+lockName, os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
+		// Locked before it is named lock: cleanStaging, which would
+		// take an unheld lock for a dead Save's, never sees it free.
+		f, err := root.OpenFile(dir+"/"+lockName+".new", os.O_RDWR|os.O_CREATE|os.O_EXCL, 0o600)
 		if err == nil {
 			err = syscall.Flock(int(f.Fd()), syscall.LOCK_EX|syscall.LOCK_NB)
+			if err == nil {
+				err = root.Rename(dir+"/"+lockName+".new", dir+"/"+lockName)
+			}
 			if err != nil {
 				f.Close()
 			}
