@@ -10,10 +10,12 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // hostCacheRunner is a real runner without a distributed cache, its driver
@@ -21,13 +23,25 @@ import (
 // [cache] keys).
 func hostCacheRunner(t *testing.T, extra string) (*realRunner, string) {
 	t.Helper()
+	rr, dir, _ := hostCacheRig(t, extra, 0)
+	return rr, dir
+}
+
+// hostCacheRig is hostCacheRunner with, for idle > 0, a standby pool of
+// that many tiny VMs in the configuration (the caller starts the service).
+func hostCacheRig(t *testing.T, extra string, idle int) (*realRunner, string, *rig) {
+	t.Helper()
 	rr := newRealRunner(t)
 	dir := filepath.Join(t.TempDir(), "host-cache")
 	r := rr.r.withConfig(t, func(s string) string {
-		return s + fmt.Sprintf("\n[cache]\ndir = %q\n%s", dir, extra)
+		s += fmt.Sprintf("\n[cache]\ndir = %q\n%s", dir, extra)
+		if idle > 0 {
+			s = poolsvc.WithPool(s, "tiny", idle)
+		}
+		return s
 	})
 	rr.cfgPath, rr.noDistributedCache = r.cfgPath, true
-	return rr, dir
+	return rr, dir, r
 }
 
 // hostCacheFiles lists what the host cache keeps: regular files by path
@@ -140,4 +154,25 @@ func TestHostCacheLimitAndHostileGuest(t *testing.T) {
 	for f := range files {
 		require.NotContains(t, f, "evil")
 	}
+}
+
+// TestHostCacheWarmVM: standby VMs boot before any project is known; a
+// job that claims one still gets its project's cache (restored at its
+// restore_cache stage), and keeps what it archives.
+func TestHostCacheWarmVM(t *testing.T) {
+	rr, _, r := hostCacheRig(t, "", 1)
+	r.serve(t)
+	r.waitIdle(t, 1, 3*time.Minute)
+	cache := &jobapi.Cache{Key: "warm-v1", Paths: []string{"vendor/"}}
+	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo warm-$CI_JOB_ID > vendor/dep.txt"}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
+	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+
+	r.waitIdle(t, 1, 3*time.Minute)
+	res = rr.runJobs(t, jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
+	require.Regexp(t, `Host cache: restored \d+ file`, res[0].Trace)
+	require.Regexp(t, `restored: warm-\d+`, res[0].Trace)
 }
