@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -175,4 +176,114 @@ func TestHostCacheWarmVM(t *testing.T) {
 	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
 	require.Regexp(t, `Host cache: restored \d+ file`, res[0].Trace)
 	require.Regexp(t, `restored: warm-\d+`, res[0].Trace)
+}
+
+// TestHostCacheTwoJobsAtOnce: two jobs of one project archive the same key
+// at the same time (two runners): both pass, the host keeps one whole
+// archive, and the next job restores one of the two contents, never a mix.
+func TestHostCacheTwoJobsAtOnce(t *testing.T) {
+	rr, dir := hostCacheRunner(t, "")
+	cache := &jobapi.Cache{Key: "shared", Paths: []string{"vendor/"}}
+	fill := func(tag string) jobapi.Job {
+		return jobapi.Job{Name: "fill-" + tag, Cache: cache, Script: []string{
+			"mkdir -p vendor", "head -c 2097152 /dev/urandom > vendor/blob", "echo " + tag + " > vendor/who"}}
+	}
+	ids := []int64{rr.api.Enqueue(fill("a")), rr.api.Enqueue(fill("b"))}
+	w1, w2 := rr.start(t, 1), rr.start(t, 1)
+	res := append(rr.results(t, w1, ids[:0]), rr.results(t, w2, ids)...)
+	for i := range res {
+		require.Equal(t, jobapi.StateSuccess, res[i].State, res[i].Trace)
+		require.Regexp(t, `Host cache: kept \d+ file`, res[i].Trace)
+	}
+	files, odd := hostCacheFiles(t, dir)
+	require.Empty(t, odd)
+	require.Len(t, cacheZips(files), 1, "one archive for the key: %v", files)
+
+	res = rr.runJobs(t, jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "who: $(cat vendor/who) blob: $(wc -c < vendor/blob)"`}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Regexp(t, `who: [ab] blob: 2097152`, res[0].Trace, "a whole archive of one of the two jobs")
+}
+
+// TestHostCacheEvictsLeastRecentlyUsed: three projects' caches under a
+// total limit that holds two: the third save removes the project used
+// longest ago, the job log says room was made, and that project's next
+// job finds nothing.
+func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
+	rr, dir := hostCacheRunner(t, "project_limit_mib = 1\ntotal_limit_mib = 1\n")
+	cache := &jobapi.Cache{Key: "k", Paths: []string{"vendor/"}}
+	job := func(id int64, name string) jobapi.Job {
+		return jobapi.Job{Name: name, Cache: cache, Project: &jobapi.Project{ID: id, Namespace: "lve", Name: name},
+			Script: []string{"mkdir -p vendor", "[ -e vendor/r ] && echo FOUND-CACHE; head -c 409600 /dev/urandom > vendor/r"}}
+	}
+	res := rr.runJobs(t, job(11, "p-a"), job(12, "p-b"), job(13, "p-c"))
+	for i := range res {
+		require.Equal(t, jobapi.StateSuccess, res[i].State, res[i].Trace)
+	}
+	require.Contains(t, res[2].Trace, "Host cache: made room")
+	files, _ := hostCacheFiles(t, dir)
+	require.Len(t, cacheZips(files), 2, "two projects' caches fit: %v", files)
+
+	res = rr.runJobs(t, job(11, "p-a"), job(13, "p-c"))
+	require.Contains(t, res[0].Trace, "Host cache: nothing cached for this project yet", "p-a, used longest ago, was evicted")
+	require.NotContains(t, res[0].Trace, "FOUND-CACHE")
+	require.Contains(t, res[1].Trace, "FOUND-CACHE", "p-c kept its cache")
+}
+
+// TestFaultSIGKILLDuringCacheSave: a run stage killed while it keeps a
+// job's cache leaves no part of it visible: the project has no cache
+// afterwards (or its old one), and the next save works and clears what
+// the killed one staged.
+func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
+	base := setup(t)
+	dir := filepath.Join(t.TempDir(), "host-cache")
+	r := base.withConfig(t, func(s string) string { return s + fmt.Sprintf("\n[cache]\ndir = %q\n", dir) })
+	s := newStageRunner(t, r)
+	// A payload with a project, as GitLab sends it.
+	id := nextJobID()
+	payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":3600},"image":{"name":""},`+
+		`"job_info":{"project_id":77},"variables":[{"key":"CI_SERVER_URL","value":"http://gitlab.example"}]}`, id)
+	require.NoError(t, os.WriteFile(filepath.Join(s.dir, "response.json"), []byte(payload), 0o600))
+	for i, e := range s.env {
+		if strings.HasPrefix(e, "CUSTOM_ENV_CI_JOB_ID=") {
+			s.env[i] = fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id)
+		}
+	}
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	defer func() { require.Equal(t, 0, s.run(t, "cleanup").code) }()
+
+	// The runner's archive_cache stage makes an archive (64 MiB: long
+	// enough a copy to be killed in).
+	archive := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nmkdir -p /cache/lve/p/k && head -c 67108864 /dev/urandom > /cache/lve/p/k/cache.zip\n"
+	rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
+	waitFor(t, 2*time.Minute, "the save staging on the host", func() bool {
+		entries, _ := os.ReadDir(filepath.Join(dir, "stage"))
+		for _, e := range entries {
+			if f, _ := os.ReadDir(filepath.Join(dir, "stage", e.Name())); len(f) > 1 {
+				return true // its lock and a staged file
+			}
+		}
+		return false
+	})
+	require.NoError(t, syscall.Kill(-rn.cmd.Process.Pid, syscall.SIGKILL))
+	<-rn.done
+	figures.fault()
+	files, odd := hostCacheFiles(t, filepath.Join(dir, "projects"))
+	require.Empty(t, odd)
+	require.Empty(t, cacheZips(files), "no half archive is visible: %v", files)
+
+	// The next save (a small archive) is kept, and clears the killed one's staging.
+	small := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nrm -rf /cache/lve && mkdir -p /cache/lve/p/k && echo small > /cache/lve/p/k/cache.zip\n"
+	res := s.runScript(t, "archive_cache", small)
+	require.Equal(t, 0, res.code, res.stderr)
+	require.Regexp(t, `Host cache: kept 1 file`, res.stdout)
+	files, _ = hostCacheFiles(t, filepath.Join(dir, "projects"))
+	require.Len(t, cacheZips(files), 1)
+	for f, size := range files {
+		if strings.HasSuffix(f, "cache.zip") {
+			require.Equal(t, int64(6), size, "the small archive, whole")
+		}
+	}
+	staged, _ := os.ReadDir(filepath.Join(dir, "stage"))
+	require.Empty(t, staged, "the killed save's staging is gone")
 }
