@@ -45,6 +45,7 @@ func app() *cli.App {
 		Usage:           "benchmark the driver on real VMs: prepare breakdown vs the guest's own boot, run overhead, cleanup, disk, memory",
 		Flags:           flags(),
 		HideHelpCommand: true,
+		Commands:        []*cli.Command{cacheCommand()},
 		Action: func(c *cli.Context) error {
 			o, err := options(c)
 			if err != nil {
@@ -141,4 +142,43 @@ func options(c *cli.Context) (bench.Options, error) {
 		}
 	}
 	return o, o.Validate()
+}
+
+// cacheCommand is `lve-bench cache`: the host cache against the runner's
+// distributed cache, jobs through a real gitlab-runner (docs/performance.md).
+func cacheCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "cache",
+		Usage: "a cache of --mib MiB kept by the runner's distributed cache (the fake job API's S3) and by the host cache, side by side, jobs through gitlab-runner run-single",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "config", Usage: "driver configuration (the rig's)", EnvVars: []string{config.EnvPath}, Value: config.DefaultPath},
+			&cli.StringFlag{Name: "bin", Usage: "directory with libvirt-executor-{config,prepare,run,cleanup}", Required: true},
+			&cli.StringFlag{Name: "runner", Usage: "the gitlab-runner binary", Required: true},
+			&cli.StringFlag{Name: "listen", Usage: "host:port for the fake job API, where the guests reach it", Required: true},
+			&cli.IntFlag{Name: "mib", Value: 100, Usage: "the cache's size"},
+			&cli.IntFlag{Name: "runs", Value: 3, Usage: "rounds per mode (each: a saving job, a restoring job, a job without cache)"},
+			&cli.StringFlag{Name: "json", Usage: "also write the report as JSON to this file"},
+		},
+		Action: func(c *cli.Context) error {
+			rep, err := bench.CacheRound(c.Context, bench.CacheOptions{
+				Config: c.String("config"), Bin: c.String("bin"), Runner: c.String("runner"), Listen: c.String("listen"),
+				MiB: c.Int("mib"), Runs: c.Int("runs"), Log: c.App.ErrWriter,
+			})
+			if rep != nil {
+				if werr := rep.WriteTable(c.App.Writer); werr != nil {
+					return werr
+				}
+				if path := c.String("json"); path != "" {
+					data, jerr := json.MarshalIndent(rep, "", "  ")
+					if jerr == nil {
+						jerr = os.WriteFile(path, append(data, '\n'), 0o644)
+					}
+					if jerr != nil {
+						return jerr
+					}
+				}
+			}
+			return err
+		},
+	}
 }

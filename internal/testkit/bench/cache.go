@@ -1,0 +1,187 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"text/tabwriter"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
+)
+
+// CacheOptions is one run of the cache benchmark: jobs through a real
+// gitlab-runner (run-single) against the project's fake job API, with a
+// cache of MiB random bytes, kept by the runner's distributed cache (the
+// fake API's S3 endpoint) and by the host cache, side by side.
+type CacheOptions struct {
+	Config string // the driver configuration (the rig's)
+	Bin    string // the stage executables
+	Runner string // gitlab-runner
+	Listen string // host:port for the fake job API, reachable by the guests
+	MiB    int
+	Runs   int
+	Log    io.Writer // progress; nil: none
+}
+
+// CacheMode is one way of keeping the cache.
+type CacheMode struct {
+	Name string
+	// Save, Restore and Plain are the wall times (s) of the jobs that
+	// archive the cache (policy push), extract it (policy pull) and of a
+	// job without cache:, one per run.
+	Save, Restore, Plain []float64
+	// HostSave and HostRestore are the host cache's own copies (s), as the
+	// job log reports them (host cache only).
+	HostSave, HostRestore []float64
+}
+
+// CacheReport is the benchmark's result.
+type CacheReport struct {
+	MiB   int
+	Runs  int
+	Modes []CacheMode
+}
+
+var hostCopyRE = regexp.MustCompile(`Host cache: (restored|kept) .* in ([0-9.]+)(ms|s)\b`)
+
+// CacheRound runs the benchmark: for each mode, Runs rounds of three jobs
+// (save, restore, no cache) on fresh VMs.
+func CacheRound(ctx context.Context, o CacheOptions) (*CacheReport, error) {
+	if o.MiB <= 0 || o.Runs <= 0 {
+		return nil, fmt.Errorf("cache bench: --cache-mib and --cache-runs must be > 0")
+	}
+	base, err := os.ReadFile(o.Config)
+	if err != nil {
+		return nil, err
+	}
+	tmp, err := os.MkdirTemp("", "lve-bench-cache-")
+	if err != nil {
+		return nil, err
+	}
+	defer os.RemoveAll(tmp)
+	rep := &CacheReport{MiB: o.MiB, Runs: o.Runs}
+	for _, host := range []bool{false, true} {
+		mode := CacheMode{Name: "distributed cache (S3, the fake job API's)"}
+		cfgText := string(base)
+		if host {
+			mode.Name = "host cache ([cache] dir)"
+			cfgText += fmt.Sprintf("\n[cache]\ndir = %q\nproject_limit_mib = %d\ntotal_limit_mib = %d\n", filepath.Join(tmp, "host-cache"), 4*o.MiB, 8*o.MiB)
+		}
+		cfgPath := filepath.Join(tmp, fmt.Sprintf("config-%v.toml", host))
+		if err := os.WriteFile(cfgPath, []byte(cfgText), 0o600); err != nil {
+			return nil, err
+		}
+		for i := range o.Runs {
+			if err := cacheRun(ctx, o, cfgPath, host, i, &mode); err != nil {
+				return rep, fmt.Errorf("%s, run %d: %w", mode.Name, i+1, err)
+			}
+		}
+		rep.Modes = append(rep.Modes, mode)
+	}
+	return rep, nil
+}
+
+// cacheRun runs one round of three jobs through one run-single.
+func cacheRun(ctx context.Context, o CacheOptions, cfgPath string, host bool, run int, mode *CacheMode) error {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	api := jobapi.Options{Listen: o.Listen}
+	if !host {
+		api.CacheBucket = "lve-bench"
+	}
+	srv, err := jobapi.Start(sctx, api)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	key := fmt.Sprintf("bench-%d", run)
+	blob := fmt.Sprintf("mkdir -p vendor && head -c %d /dev/urandom > vendor/blob", o.MiB<<20)
+	ids := []int64{
+		srv.Enqueue(jobapi.Job{Name: "save", Cache: &jobapi.Cache{Key: key, Paths: []string{"vendor/"}, Policy: "push"}, Script: []string{blob}}),
+		srv.Enqueue(jobapi.Job{Name: "restore", Cache: &jobapi.Cache{Key: key, Paths: []string{"vendor/"}, Policy: "pull"},
+			Script: []string{fmt.Sprintf(`test "$(wc -c < vendor/blob)" = %d`, o.MiB<<20)}}),
+		srv.Enqueue(jobapi.Job{Name: "plain", Script: []string{"true"}}),
+	}
+	env := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.TempDir()}
+	if !host {
+		env = append(env, srv.CacheEnv()...)
+	}
+	args := []string{"--config", cfgPath}
+	exe := func(s string) string { return filepath.Join(o.Bin, "libvirt-executor-"+s) }
+	var out syncbuf.Buffer
+	err = jobapi.RunSingle(sctx, jobapi.RunSingleOptions{
+		Binary: o.Runner, URL: srv.URL(), Token: srv.RunnerToken(), Executor: "custom",
+		Custom: &jobapi.CustomConfig{
+			ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+			ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+		},
+		BuildsDir: "/builds", CacheDir: "/cache", MaxBuilds: len(ids), WaitTimeout: 5 * time.Minute,
+		Env: env, Stdout: &out, Stderr: &out,
+	})
+	if err != nil {
+		return fmt.Errorf("gitlab-runner run-single: %w\n%s", err, out.String())
+	}
+	var res [3]jobapi.Result
+	for i, id := range ids {
+		wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+		res[i], err = srv.Wait(wctx, id)
+		wcancel()
+		if err != nil {
+			return err
+		}
+		if res[i].State != jobapi.StateSuccess {
+			return fmt.Errorf("job %s: %s %s\n%s", []string{"save", "restore", "plain"}[i], res[i].State, res[i].FailureReason, res[i].Trace)
+		}
+	}
+	mode.Save = append(mode.Save, res[0].Duration.Seconds())
+	mode.Restore = append(mode.Restore, res[1].Duration.Seconds())
+	mode.Plain = append(mode.Plain, res[2].Duration.Seconds())
+	if host {
+		for i, tr := range []string{res[0].Trace, res[1].Trace} {
+			m := hostCopyRE.FindStringSubmatch(tr)
+			if m == nil {
+				return fmt.Errorf("no host cache copy in the %s job's log:\n%s", []string{"save", "restore"}[i], tr)
+			}
+			v, _ := strconv.ParseFloat(m[2], 64)
+			if m[3] == "ms" {
+				v /= 1000
+			}
+			if m[1] == "kept" {
+				mode.HostSave = append(mode.HostSave, v)
+			} else {
+				mode.HostRestore = append(mode.HostRestore, v)
+			}
+		}
+	}
+	if o.Log != nil {
+		fmt.Fprintf(o.Log, "[lve-bench] cache %s run %d: save job %.1fs, restore job %.1fs, job without cache %.1fs\n",
+			mode.Name, run+1, mode.Save[run], mode.Restore[run], mode.Plain[run])
+	}
+	return nil
+}
+
+// WriteTable prints the medians (and ranges) side by side.
+func (r *CacheReport) WriteTable(w io.Writer) error {
+	fmt.Fprintf(w, "\nCache of %d MiB, %d run(s) per mode, jobs through gitlab-runner run-single (median, min-max, seconds):\n", r.MiB, r.Runs)
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "MODE\tSAVE JOB\tRESTORE JOB\tJOB WITHOUT CACHE\tHOST COPY OUT\tHOST COPY IN")
+	cell := func(v []float64) string {
+		if len(v) == 0 {
+			return "-"
+		}
+		s := slices.Clone(v)
+		slices.Sort(s)
+		return fmt.Sprintf("%.2f (%.2f-%.2f)", s[len(s)/2], s[0], s[len(s)-1])
+	}
+	for _, m := range r.Modes {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", m.Name, cell(m.Save), cell(m.Restore), cell(m.Plain), cell(m.HostSave), cell(m.HostRestore))
+	}
+	return tw.Flush()
+}
