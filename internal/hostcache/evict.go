@@ -149,7 +149,7 @@ func (s *Store) List() ([]Usage, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	return s.list(root)
 }
 
@@ -164,7 +164,7 @@ func removeProject(ctx context.Context, root *os.Root, project string, try bool,
 	if err != nil {
 		return false, err
 	}
-	defer lock.Close()
+	defer func() { _ = lock.Close() }()
 	if !usedBefore.IsZero() && !lastUse(root, project).Before(usedBefore) {
 		return false, nil
 	}
@@ -231,7 +231,7 @@ func (s *Store) Evict(ctx context.Context) (EvictResult, error) {
 	if err != nil {
 		return res, err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	if err := s.cleanStaging(root); err != nil {
 		return res, err
 	}
@@ -270,7 +270,7 @@ func (s *Store) Prune(ctx context.Context, olderThan time.Duration) ([]string, e
 	if err != nil {
 		return nil, err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	if err := s.cleanStaging(root); err != nil {
 		return nil, err
 	}
@@ -308,7 +308,7 @@ func (s *Store) Remove(ctx context.Context, project string) error {
 	if err != nil {
 		return err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	_, err = removeProject(ctx, root, project, false, time.Time{})
 	return err
 }

@@ -185,7 +185,7 @@ func (s *Store) open() (*os.Root, error) {
 	}
 	for _, d := range []string{projectsDir, stageDir} {
 		if err := realDir(root, d); err != nil {
-			root.Close()
+			_ = root.Close()
 			return nil, err
 		}
 	}

@@ -616,7 +616,7 @@ func TestEvictTotal(t *testing.T) {
 	s.TotalLimit = 500
 	root, err := s.open()
 	require.NoError(t, err)
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	held, err := lockProject(context.Background(), root, p1, syscall.LOCK_SH, false, false)
 	require.NoError(t, err)
 	ev, err := s.Evict(context.Background())
@@ -664,7 +664,7 @@ func TestRemoveWaitsForRestore(t *testing.T) {
 	save(t, s, p, files("f", "1")...)
 	root, err := s.open()
 	require.NoError(t, err)
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	held, err := lockProject(context.Background(), root, p, syscall.LOCK_SH, false, false)
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)

@@ -32,7 +32,7 @@ func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (Resto
 	if err != nil {
 		return res, err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	tw := tar.NewWriter(w)
 	lock, err := lockProject(ctx, root, project, syscall.LOCK_SH, false, false)
 	if errors.Is(err, errNoProject) {
@@ -41,7 +41,7 @@ func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (Resto
 	if err != nil {
 		return res, err
 	}
-	defer lock.Close()
+	defer func() { _ = lock.Close() }()
 	if err := s.touch(root, project); err != nil {
 		return res, err
 	}
@@ -70,7 +70,7 @@ func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (Resto
 		if err != nil {
 			return err
 		}
-		defer f.Close()
+		defer func() { _ = f.Close() }()
 		fi, err := f.Stat()
 		if err != nil || !fi.Mode().IsRegular() {
 			return err

@@ -66,7 +66,7 @@ func (s *Store) Save(ctx context.Context, project string, r io.Reader) (SaveResu
 	if err != nil {
 		return res, err
 	}
-	defer root.Close()
+	defer func() { _ = root.Close() }()
 	if err := s.cleanStaging(root); err != nil {
 		return res, err
 	}
@@ -147,7 +147,7 @@ func syncStage(root *os.Root, stage string) error {
 	if err != nil {
 		return fmt.Errorf("hostcache: %w", err)
 	}
-	defer d.Close()
+	defer func() { _ = d.Close() }()
 	if err := unix.Syncfs(int(d.Fd())); err != nil {
 		return fmt.Errorf("hostcache: syncfs %s: %w", d.Name(), err)
 	}
@@ -267,7 +267,7 @@ func stageFile(root *os.Root, r io.Reader, size int64, sf *stagedFile) error {
 	if err != nil {
 		return err
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	h := sha256.New()
 	n, err := io.Copy(io.MultiWriter(f, h), r)
 	if err == nil && n != size {
@@ -388,7 +388,7 @@ func sameContent(root *os.Root, target string, sf stagedFile) bool {
 	if err != nil {
 		return false
 	}
-	defer f.Close()
+	defer func() { _ = f.Close() }()
 	h := sha256.New()
 	if _, err := io.Copy(h, f); err != nil {
 		return false

@@ -65,7 +65,7 @@ func CacheRound(ctx context.Context, o CacheOptions) (*CacheReport, error) {
 	if err != nil {
 		return nil, err
 	}
-	defer os.RemoveAll(tmp)
+	defer func() { _ = os.RemoveAll(tmp) }()
 	rep := &CacheReport{MiB: o.MiB, Runs: o.Runs}
 	for _, host := range []bool{false, true} {
 		mode := CacheMode{Name: "distributed cache (S3, the fake job API's)"}
@@ -100,7 +100,7 @@ func cacheRun(ctx context.Context, o CacheOptions, cfgPath string, host bool, ru
 	if err != nil {
 		return err
 	}
-	defer srv.Close()
+	defer func() { _ = srv.Close() }()
 	key := fmt.Sprintf("bench-%d", run)
 	blob := fmt.Sprintf("mkdir -p vendor && head -c %d /dev/urandom > vendor/blob", o.MiB<<20)
 	ids := []int64{
