@@ -312,6 +312,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 	}
 	add(stateDirCheck(cfg.StateDir))
+	if cfg.Cache.Enabled() {
+		add(cacheDirCheck(cfg.Cache))
+	}
 	add(guestToolsCheck(cfg))
 	svc := serviceCheck(cfg)
 	add(svc)
@@ -521,6 +524,34 @@ func configFileCheck(path string) Check {
 		c.Fix = "chmod 0644 " + path
 	}
 	return c
+}
+
+// cacheDirCheck checks the host cache's directory as the state directory
+// (the stages' user's, 0700, or creatable), that it is no symlink, and that
+// its filesystem has room for cache.total_limit_mib.
+func cacheDirCheck(c config.Cache) Check {
+	ch := stateDirCheck(c.Dir)
+	ch.Name = "cache dir"
+	if fi, err := os.Lstat(c.Dir); err == nil && fi.Mode()&os.ModeSymlink != 0 {
+		ch.OK, ch.Warn = false, false
+		ch.Info = c.Dir + " is a symlink: the host cache refuses it"
+		ch.Fix = "set cache.dir to the directory itself"
+		return ch
+	}
+	dir := c.Dir
+	if _, err := os.Stat(dir); err != nil {
+		dir = filepath.Dir(dir)
+	}
+	var st unix.Statfs_t
+	if ch.OK && unix.Statfs(dir, &st) == nil {
+		free := st.Bavail * uint64(st.Bsize) >> 20 //nolint:gosec // G115: block sizes are positive
+		if free < uint64(c.TotalLimitMiB) {        //nolint:gosec // G115: validated 1..16Mi
+			ch.Warn = true
+			ch.Info += fmt.Sprintf("; %d MiB free there, less than cache.total_limit_mib (%d): the disk fills before the limit evicts", free, c.TotalLimitMiB)
+			ch.Fix = "lower cache.total_limit_mib or give the cache a larger filesystem"
+		}
+	}
+	return ch
 }
 
 func stateDirCheck(dir string) Check {

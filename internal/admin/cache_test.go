@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -55,4 +56,24 @@ func TestCacheListAndPrune(t *testing.T) {
 	us, err := store.List()
 	require.NoError(t, err)
 	require.Empty(t, us)
+}
+
+func TestCacheDirCheck(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "cache")
+	c := config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1}
+	ch := cacheDirCheck(c)
+	require.True(t, ch.OK, ch.Info)
+	require.Contains(t, ch.Info, "will be created")
+
+	c.TotalLimitMiB = 16 << 20 // 16 TiB: more than this disk has
+	ch = cacheDirCheck(c)
+	require.True(t, ch.OK)
+	require.True(t, ch.Warn)
+	require.Contains(t, ch.Info, "less than cache.total_limit_mib")
+
+	real := t.TempDir()
+	require.NoError(t, os.Symlink(real, dir))
+	ch = cacheDirCheck(c)
+	require.False(t, ch.OK)
+	require.Contains(t, ch.Info, "is a symlink")
 }
