@@ -3,6 +3,7 @@ package lifecycle
 import (
 	"context"
 	"fmt"
+	"os"
 	"path/filepath"
 	"time"
 
@@ -237,12 +238,17 @@ func (p *provision) waitAddress(context.Context) error {
 	p.timings.Addressed = time.Now()
 	p.timings.Address = p.timings.Addressed.Sub(t0)
 	p.m.say("Booted, address %s (MAC %s, from %s) in %s", addr, p.mac, img.AddressSource, vm.Round(p.timings.Address))
-	if p.filtered {
+	if p.filtered && !p.req.DeferFilterPin {
 		// What the filter learnt from DHCP, libvirt forgets when libvirtd
 		// restarts: from now on the filter carries the address itself.
+		t0 := time.Now()
 		if err := p.m.hv.PinFilterAddress(p.bootCtx, p.req.Name, p.mac, addr); err != nil {
 			return fmt.Errorf("network filter of %s: pin address %s: %w", p.req.Name, addr, err)
 		}
+		if err := os.WriteFile(p.m.pinnedPath(p.req.Name), []byte(addr+"\n"), 0o600); err != nil {
+			return err
+		}
+		p.m.say("Network filter given the address in %s", vm.Round(time.Since(t0)))
 	}
 	return nil
 }
