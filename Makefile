@@ -76,7 +76,7 @@ test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; i
 	@runner=$(TEST_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
 	@set -o pipefail; rc=0; runner=$(TEST_RUNNER) || exit 1; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner \
-	    $(GO) test -tags e2e -count=1 -timeout 40m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
+	    $(GO) test -tags e2e -count=1 -timeout 55m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 SOAK_ROUNDS ?= 20

@@ -33,9 +33,9 @@ $S ip route del %[1]s/32
 echo routed-sent
 `
 
-// l2Flood: DHCP from 20 random MACs, own MAC back after each try.
+// l2Flood: DHCP from 8 random MACs, own MAC back after each try.
 const l2Flood = l2Prelude + `i=0
-while [ $i -lt 20 ]; do
+while [ $i -lt 8 ]; do
 	r=$(od -An -N3 -tx1 /dev/urandom | tr -s ' ' ':'); r="52:54:01${r%%:}"
 	$S ip link set "$dev" address "$r" || exit 3
 	$S timeout 1 udhcpc -n -q -t 1 -T 1 -i "$dev" -s /bin/true >/dev/null 2>&1 && echo "flood-lease=$r"
