@@ -239,17 +239,28 @@ func (p *provision) waitAddress(context.Context) error {
 	p.timings.Address = p.timings.Addressed.Sub(t0)
 	p.m.say("Booted, address %s (MAC %s, from %s) in %s", addr, p.mac, img.AddressSource, vm.Round(p.timings.Address))
 	if p.filtered && !p.req.DeferFilterPin {
-		// What the filter learnt from DHCP, libvirt forgets when libvirtd
-		// restarts: from now on the filter carries the address itself.
-		t0 := time.Now()
-		if err := p.m.hv.PinFilterAddress(p.bootCtx, p.req.Name, p.mac, addr); err != nil {
-			return fmt.Errorf("network filter of %s: pin address %s: %w", p.req.Name, addr, err)
-		}
-		if err := os.WriteFile(p.m.pinnedPath(p.req.Name), []byte(addr+"\n"), 0o600); err != nil {
-			return err
-		}
-		p.m.say("Network filter given the address in %s", vm.Round(time.Since(t0)))
+		return p.pin()
 	}
+	return nil
+}
+
+// sshPinAfter is how long waitSSH waits for a machine whose filter pin is
+// deferred before it pins the filter itself: a guest that does not answer
+// by then may be one whose learnt address libvirt forgot (libvirtd
+// restarted while it booted), and it passes nothing but DHCP until then.
+const sshPinAfter = 10 * time.Second
+
+// pin gives the machine's network filter its address: what the filter
+// learnt from DHCP, libvirt forgets when libvirtd restarts.
+func (p *provision) pin() error {
+	t0 := time.Now()
+	if err := p.m.hv.PinFilterAddress(p.bootCtx, p.req.Name, p.mac, p.addr); err != nil {
+		return fmt.Errorf("network filter of %s: pin address %s: %w", p.req.Name, p.addr, err)
+	}
+	if err := os.WriteFile(p.m.pinnedPath(p.req.Name), []byte(p.addr+"\n"), 0o600); err != nil {
+		return err
+	}
+	p.m.say("Network filter given the address in %s", vm.Round(time.Since(t0)))
 	return nil
 }
 
@@ -259,12 +270,36 @@ func (p *provision) waitSSH(context.Context) error {
 	img := p.req.Image
 	t0 := time.Now()
 	target := p.m.target(p.addr, img.User, p.keys.Client, p.keys.Host)
-	var attempts int
-	var err error
-	p.client, attempts, err = sshexec.WaitReady(p.bootCtx, target, p.m.SSHPollInterval, 20*time.Second)
-	if err != nil {
-		return err
+	type ready struct {
+		c        *sshexec.Client
+		attempts int
+		err      error
 	}
+	done := make(chan ready, 1)
+	go func() {
+		c, n, err := sshexec.WaitReady(p.bootCtx, target, p.m.SSHPollInterval, 20*time.Second)
+		done <- ready{c, n, err}
+	}()
+	var r ready
+	if p.filtered && p.req.DeferFilterPin {
+		t := time.NewTimer(sshPinAfter)
+		select {
+		case r = <-done:
+		case <-t.C:
+			if err := p.pin(); err != nil {
+				p.m.say("Note: %v", err)
+			}
+			r = <-done
+		}
+		t.Stop()
+	} else {
+		r = <-done
+	}
+	if r.err != nil {
+		return r.err
+	}
+	p.client = r.c
+	attempts := r.attempts
 	p.timings.Connected = time.Now()
 	p.timings.SSH, p.timings.SSHAttempts = p.timings.Connected.Sub(t0), attempts
 	p.m.say("SSH ready as %s@%s, host key %s pinned, in %s (%d attempts)", img.User, p.addr, ssh.FingerprintSHA256(p.keys.Host), vm.Round(p.timings.SSH), attempts)
