@@ -16,7 +16,7 @@ func CacheStore(cfg *config.Config) (*hostcache.Store, error) {
 	if !cfg.Cache.Enabled() {
 		return nil, fmt.Errorf("the host cache is off: set [cache] dir in %s (docs/caching.md)", cfg.Path)
 	}
-	return &hostcache.Store{Dir: cfg.Cache.Dir, ProjectLimit: cfg.Cache.ProjectLimit(), TotalLimit: cfg.Cache.TotalLimit()}, nil
+	return hostcache.ForConfig(cfg.Cache), nil
 }
 
 // CacheList prints the host cache's projects, least recently used first,

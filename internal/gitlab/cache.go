@@ -74,7 +74,7 @@ func hostCache(j *job, img *config.Image) (*hostcache.Store, string, string) {
 	if err != nil {
 		return nil, "", "Host cache: not used: " + err.Error()
 	}
-	return &hostcache.Store{Dir: c.Dir, ProjectLimit: c.ProjectLimit(), TotalLimit: c.TotalLimit()}, project, ""
+	return hostcache.ForConfig(c), project, ""
 }
 
 // runCache does op for the job's machine name on image img, saying in the

@@ -75,6 +75,8 @@ import (
 	"regexp"
 	"syscall"
 	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 )
 
 const (
@@ -111,6 +113,11 @@ type Store struct {
 	ProjectLimit int64            // most bytes of files per project, > 0
 	TotalLimit   int64            // most bytes of files in the store, > 0
 	Now          func() time.Time // nil: time.Now
+}
+
+// ForConfig is the store of the configuration's [cache] table.
+func ForConfig(c config.Cache) *Store {
+	return &Store{Dir: c.Dir, ProjectLimit: c.ProjectLimit(), TotalLimit: c.TotalLimit()}
 }
 
 func (s *Store) now() time.Time {

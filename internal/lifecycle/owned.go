@@ -101,6 +101,11 @@ func (m *Manager) PinAddress(ctx context.Context, name, addr string) error {
 	if err := m.hv.PinFilterAddress(ctx, name, mach.MAC, addr); err != nil {
 		return err
 	}
+	return m.markPinned(name, addr)
+}
+
+// markPinned records that the running machine's filter carries addr.
+func (m *Manager) markPinned(name, addr string) error {
 	return os.WriteFile(m.pinnedPath(name), []byte(addr+"\n"), 0o600)
 }
 

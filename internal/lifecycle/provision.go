@@ -3,7 +3,6 @@ package lifecycle
 import (
 	"context"
 	"fmt"
-	"os"
 	"path/filepath"
 	"time"
 
@@ -257,7 +256,7 @@ func (p *provision) pin() error {
 	if err := p.m.hv.PinFilterAddress(p.bootCtx, p.req.Name, p.mac, p.addr); err != nil {
 		return fmt.Errorf("network filter of %s: pin address %s: %w", p.req.Name, p.addr, err)
 	}
-	if err := os.WriteFile(p.m.pinnedPath(p.req.Name), []byte(p.addr+"\n"), 0o600); err != nil {
+	if err := p.m.markPinned(p.req.Name, p.addr); err != nil {
 		return err
 	}
 	p.m.say("Network filter given the address in %s", vm.Round(time.Since(t0)))
