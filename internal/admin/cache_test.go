@@ -13,6 +13,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 )
 
 func TestCacheListAndPrune(t *testing.T) {
@@ -76,4 +77,35 @@ func TestCacheDirCheck(t *testing.T) {
 	ch = cacheDirCheck(c)
 	require.False(t, ch.OK)
 	require.Contains(t, ch.Info, "is a symlink")
+}
+
+// The service's cache gauge: the store's size, measured at most once per
+// interval.
+func TestCacheGauge(t *testing.T) {
+	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimit: 4 << 20, TotalLimit: 8 << 20}
+	now := time.Unix(1_800_000_000, 0)
+	gauge := cacheGauge(store, 30*time.Second, func() time.Time { return now })
+	g, err := gauge()
+	require.NoError(t, err)
+	require.Equal(t, metrics.CacheGauge{Limit: 8 << 20}, g)
+
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 7)
+	require.NoError(t, err)
+	var stream bytes.Buffer
+	tw := tar.NewWriter(&stream)
+	body := bytes.Repeat([]byte("y"), 3000)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "k/cache.zip", Mode: 0o644, Size: int64(len(body)), Typeflag: tar.TypeReg}))
+	_, err = tw.Write(body)
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	_, err = store.Save(context.Background(), project, &stream)
+	require.NoError(t, err)
+
+	g, err = gauge()
+	require.NoError(t, err)
+	require.Zero(t, g.Bytes, "within the interval: the last measure")
+	now = now.Add(31 * time.Second)
+	g, err = gauge()
+	require.NoError(t, err)
+	require.Equal(t, metrics.CacheGauge{Projects: 1, Bytes: 3000, Limit: 8 << 20}, g)
 }

@@ -3,10 +3,12 @@ package admin
 import (
 	"context"
 	"log/slog"
+	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
@@ -61,7 +63,7 @@ const liveEvery = 2 * time.Second
 // NewCollector is the metrics collector of this installation: the event
 // spool's folder and the live gauges of libvirt, the pools and capacity.
 func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.Collector {
-	return &metrics.Collector{
+	c := &metrics.Collector{
 		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
 		Live: metrics.Live{
 			VMs: func(ctx context.Context) (map[[2]string]int, error) { return m.CountMachines(ctx, jobvm.OwnerKind) },
@@ -82,5 +84,39 @@ func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.C
 				return vms, mem, m.Cfg.Capacity.MaxVMs, m.Cfg.Capacity.MemoryBudgetMiB, err
 			},
 		},
+	}
+	if m.Cfg.Cache.Dir != "" {
+		c.Live.Cache = cacheGauge(hostcache.ForConfig(m.Cfg.Cache), cacheGaugeEvery, time.Now)
+	}
+	return c
+}
+
+// cacheGaugeEvery is how often the host cache's size is measured: a walk of
+// every project's tree, too much for each look at the live gauges.
+const cacheGaugeEvery = 30 * time.Second
+
+// cacheGauge measures the store at most once per every, and answers with
+// the last measure in between.
+func cacheGauge(s *hostcache.Store, every time.Duration, now func() time.Time) func() (metrics.CacheGauge, error) {
+	var (
+		mu   sync.Mutex
+		at   time.Time
+		last metrics.CacheGauge
+		err  error
+	)
+	return func() (metrics.CacheGauge, error) {
+		mu.Lock()
+		defer mu.Unlock()
+		if !at.IsZero() && now().Sub(at) < every {
+			return last, err
+		}
+		at = now()
+		var list []hostcache.Usage
+		list, err = s.List()
+		last = metrics.CacheGauge{Projects: len(list), Limit: s.TotalLimit}
+		for _, u := range list {
+			last.Bytes += u.Bytes
+		}
+		return last, err
 	}
 }

@@ -140,6 +140,15 @@ type Live struct {
 	// Orphans counts garm instances whose pool garm no longer names (nil:
 	// no such gauge).
 	Orphans func(ctx context.Context) (int, error)
+	// Cache is the host cache's size (nil: [cache] is off).
+	Cache func() (CacheGauge, error)
+}
+
+// CacheGauge is the host cache now: projects with a cache, bytes of their
+// files, and cache.total_limit_mib in bytes.
+type CacheGauge struct {
+	Projects     int
+	Bytes, Limit int64
 }
 
 // PoolGauge is one image's standby pool now.
@@ -162,15 +171,18 @@ type Collector struct {
 }
 
 var (
-	vmsDesc      = prometheus.NewDesc("libvirt_executor_vms", "VMs of this installation by owner kind (job, standby, garm, other) and state (running, paused, shutoff, other).", []string{"owner", "state"}, nil)
-	poolDesc     = prometheus.NewDesc("libvirt_executor_pool_vms", "Standby VMs by image and state (idle, booting, claimed, retiring).", []string{"image", "state"}, nil)
-	targetDesc   = prometheus.NewDesc("libvirt_executor_pool_target_vms", "Idle standby VMs the service aims for now, by image.", []string{"image"}, nil)
-	usedDesc     = prometheus.NewDesc("libvirt_executor_capacity_used", "Host capacity held by this installation's machines, by resource (vms, memory_bytes).", []string{"resource"}, nil)
-	limitDesc    = prometheus.NewDesc("libvirt_executor_capacity_limit", "Host capacity limits (capacity.*), by resource; absent when unlimited.", []string{"resource"}, nil)
-	backlogDesc  = prometheus.NewDesc("libvirt_executor_event_spool_bytes", "Event records waiting in the spool to be folded.", nil, nil)
-	buildDesc    = prometheus.NewDesc("libvirt_executor_build_info", "The running service's version.", []string{"version"}, nil)
-	orphansDesc  = prometheus.NewDesc("libvirt_executor_garm_orphans", "garm instances whose pool garm has not named for garm.orphan_after (a deleted pool, or a garm that is gone); they stay until garm.max_age.", nil, nil)
-	scrapeErrors = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans): 1 each.", []string{"part"}, nil)
+	vmsDesc           = prometheus.NewDesc("libvirt_executor_vms", "VMs of this installation by owner kind (job, standby, garm, other) and state (running, paused, shutoff, other).", []string{"owner", "state"}, nil)
+	poolDesc          = prometheus.NewDesc("libvirt_executor_pool_vms", "Standby VMs by image and state (idle, booting, claimed, retiring).", []string{"image", "state"}, nil)
+	targetDesc        = prometheus.NewDesc("libvirt_executor_pool_target_vms", "Idle standby VMs the service aims for now, by image.", []string{"image"}, nil)
+	usedDesc          = prometheus.NewDesc("libvirt_executor_capacity_used", "Host capacity held by this installation's machines, by resource (vms, memory_bytes).", []string{"resource"}, nil)
+	limitDesc         = prometheus.NewDesc("libvirt_executor_capacity_limit", "Host capacity limits (capacity.*), by resource; absent when unlimited.", []string{"resource"}, nil)
+	backlogDesc       = prometheus.NewDesc("libvirt_executor_event_spool_bytes", "Event records waiting in the spool to be folded.", nil, nil)
+	buildDesc         = prometheus.NewDesc("libvirt_executor_build_info", "The running service's version.", []string{"version"}, nil)
+	orphansDesc       = prometheus.NewDesc("libvirt_executor_garm_orphans", "garm instances whose pool garm has not named for garm.orphan_after (a deleted pool, or a garm that is gone); they stay until garm.max_age.", nil, nil)
+	cacheSizeDesc     = prometheus.NewDesc("libvirt_executor_cache_size_bytes", "Bytes of files in the host cache ([cache] dir), all projects together.", nil, nil)
+	cacheProjectsDesc = prometheus.NewDesc("libvirt_executor_cache_projects", "Projects with a cache in the host cache.", nil, nil)
+	cacheLimitDesc    = prometheus.NewDesc("libvirt_executor_cache_limit_bytes", "The host cache's total limit (cache.total_limit_mib).", nil, nil)
+	scrapeErrors      = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans, cache): 1 each.", []string{"part"}, nil)
 )
 
 // Describe implements prometheus.Collector (unchecked: the folded series
@@ -213,6 +225,13 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(targetDesc, prometheus.GaugeValue, float64(p.Target), p.Image)
 	}
+	if snap.cacheErr != nil {
+		failed("cache", snap.cacheErr)
+	} else if c.Live.Cache != nil {
+		ch <- prometheus.MustNewConstMetric(cacheSizeDesc, prometheus.GaugeValue, float64(snap.cache.Bytes))
+		ch <- prometheus.MustNewConstMetric(cacheProjectsDesc, prometheus.GaugeValue, float64(snap.cache.Projects))
+		ch <- prometheus.MustNewConstMetric(cacheLimitDesc, prometheus.GaugeValue, float64(snap.cache.Limit))
+	}
 	if snap.capErr != nil {
 		failed("capacity", snap.capErr)
 	} else if snap.hasCap {
@@ -238,6 +257,8 @@ type snapshot struct {
 	hasCap                            bool
 	capVMs, capMiB, maxVMs, budgetMiB int
 	capErr                            error
+	cache                             CacheGauge
+	cacheErr                          error
 }
 
 // look asks Live once, bounded by Wait.
@@ -257,6 +278,9 @@ func (c *Collector) look() *snapshot {
 	}
 	if c.Live.Pools != nil {
 		s.pools, s.poolsErr = c.Live.Pools()
+	}
+	if c.Live.Cache != nil {
+		s.cache, s.cacheErr = c.Live.Cache()
 	}
 	if c.Live.Capacity != nil {
 		s.capVMs, s.capMiB, s.maxVMs, s.budgetMiB, s.capErr = c.Live.Capacity()

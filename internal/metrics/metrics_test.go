@@ -228,6 +228,7 @@ func TestCollectorExposition(t *testing.T) {
 			},
 			Capacity: func() (int, int, int, int, error) { return 6, 3072, 8, 0, nil },
 			Orphans:  func(context.Context) (int, error) { return 2, nil },
+			Cache:    func() (CacheGauge, error) { return CacheGauge{Projects: 3, Bytes: 5 << 20, Limit: 10 << 30}, nil },
 		},
 	}
 	expected := `
@@ -284,6 +285,9 @@ libvirt_executor_capacity_limit{resource="vms"} 8
 	require.Equal(t, 1.0, got["libvirt_executor_pool_vms,image=tiny,state=booting"])
 	require.Equal(t, 3.0, got["libvirt_executor_pool_target_vms,image=tiny"])
 	require.Equal(t, 2.0, got["libvirt_executor_garm_orphans"])
+	require.Equal(t, float64(5<<20), got["libvirt_executor_cache_size_bytes"])
+	require.Equal(t, 3.0, got["libvirt_executor_cache_projects"])
+	require.Equal(t, float64(10<<30), got["libvirt_executor_cache_limit_bytes"])
 	_, noErrors := got["libvirt_executor_scrape_errors,part=orphans"]
 	require.False(t, noErrors)
 

@@ -44,6 +44,17 @@ type Target struct {
 	dialTCP func(ctx context.Context, network, addr string) (net.Conn, error)
 }
 
+// Ciphers is the client's cipher preference: ChaCha20-Poly1305 first (as
+// OpenSSH's own default order has it), then x/crypto's default order.
+// Measured on the tiny guest under TCG (qemu64, no AES-NI): 100 MiB into
+// the guest's tar in 10.6 s with it against 18.7 s with aes128-gcm, the
+// library's first choice; with AES-NI (KVM) both cost the guest far less
+// than its disk.
+var Ciphers = []string{
+	ssh.CipherChaCha20Poly1305, ssh.CipherAES128GCM, ssh.CipherAES256GCM,
+	ssh.CipherAES128CTR, ssh.CipherAES192CTR, ssh.CipherAES256CTR,
+}
+
 // ErrHostKeyMismatch means the server presented a key other than the pinned one.
 var ErrHostKeyMismatch = errors.New("host key mismatch: the server is not the expected guest")
 
@@ -71,6 +82,7 @@ func (t Target) config() (*ssh.ClientConfig, error) {
 		timeout = 5 * time.Second
 	}
 	cfg := &ssh.ClientConfig{
+		Config:          ssh.Config{Ciphers: Ciphers},
 		User:            t.User,
 		Auth:            []ssh.AuthMethod{ssh.PublicKeys(t.Signer)},
 		HostKeyCallback: hk,

@@ -2,6 +2,7 @@ package sshexec
 
 import (
 	"context"
+	"crypto/ed25519"
 	"fmt"
 	"io"
 	"net"
@@ -14,6 +15,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
@@ -589,4 +591,19 @@ func TestProbe(t *testing.T) {
 	require.NoError(t, ln.Close())
 	require.Error(t, ProbeTCP(ctx, addr), "nothing listens")
 	require.Error(t, Probe(ctx, addr))
+}
+
+// The client offers ChaCha20-Poly1305 first (2x faster than AES-GCM in a
+// guest without AES-NI, e.g. under TCG) and only ciphers x/crypto supports
+// and does not list as insecure.
+func TestCipherPreference(t *testing.T) {
+	signer, err := ssh.NewSignerFromKey(ed25519.NewKeyFromSeed(make([]byte, ed25519.SeedSize)))
+	require.NoError(t, err)
+	cfg, err := Target{User: "u", Signer: signer, InsecureIgnoreHostKey: true}.config()
+	require.NoError(t, err)
+	require.Equal(t, ssh.CipherChaCha20Poly1305, cfg.Ciphers[0])
+	supported := ssh.SupportedAlgorithms().Ciphers
+	for _, c := range cfg.Ciphers {
+		require.Contains(t, supported, c)
+	}
 }

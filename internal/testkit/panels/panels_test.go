@@ -68,6 +68,9 @@ var knownMetrics = map[string]string{
 	"libvirt_executor_event_spool_bytes": "gauge",
 	"libvirt_executor_build_info":        "gauge",
 	"libvirt_executor_garm_orphans":      "gauge",
+	"libvirt_executor_cache_size_bytes":  "gauge",
+	"libvirt_executor_cache_projects":    "gauge",
+	"libvirt_executor_cache_limit_bytes": "gauge",
 }
 
 // knownMetric says whether name is a series of a known metric, and which.
