@@ -550,6 +550,11 @@ func cacheDirCheck(c config.Cache) Check {
 			ch.Info += fmt.Sprintf("; %d MiB free there, less than cache.total_limit_mib (%d): the disk fills before the limit evicts", free, c.TotalLimitMiB)
 			ch.Fix = "lower cache.total_limit_mib or give the cache a larger filesystem"
 		}
+		if int64(st.Type) == unix.TMPFS_MAGIC || int64(st.Type) == unix.RAMFS_MAGIC {
+			ch.Warn = true
+			ch.Info += "; it is in memory (tmpfs): every cache is gone after a reboot, and it takes the host's RAM"
+			ch.Fix = "set cache.dir on a disk, e.g. /var/cache/libvirt-executor/jobs"
+		}
 	}
 	return ch
 }

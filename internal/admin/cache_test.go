@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
@@ -77,6 +78,27 @@ func TestCacheDirCheck(t *testing.T) {
 	ch = cacheDirCheck(c)
 	require.False(t, ch.OK)
 	require.Contains(t, ch.Info, "is a symlink")
+}
+
+// A cache dir in memory is gone after a reboot: doctor warns.
+func TestCacheDirCheckTmpfs(t *testing.T) {
+	var st unix.Statfs_t
+	if err := unix.Statfs("/dev/shm", &st); err != nil || int64(st.Type) != unix.TMPFS_MAGIC {
+		t.Skip("no tmpfs at /dev/shm on this machine")
+	}
+	dir, err := os.MkdirTemp("/dev/shm", "lve-cache-test-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
+	ch := cacheDirCheck(config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1})
+	require.True(t, ch.OK)
+	require.True(t, ch.Warn)
+	require.Contains(t, ch.Info, "gone after a reboot")
+
+	disk := t.TempDir()
+	if unix.Statfs(disk, &st) == nil && int64(st.Type) != unix.TMPFS_MAGIC {
+		ch = cacheDirCheck(config.Cache{Dir: filepath.Join(disk, "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 1})
+		require.NotContains(t, ch.Info, "gone after a reboot")
+	}
 }
 
 // The service's cache gauge: the store's size, measured at most once per

@@ -15,16 +15,18 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
-// HolderCommand is the first argument that makes the run executable a
+// HolderCommand is the first argument that makes the prepare executable a
 // connection holder (HolderArgs).
 const HolderCommand = "hold-connection"
 
 // HolderExecutable is the executable that serves as connection holder:
-// the run stage's, found next to the running executable.
-const HolderExecutable = "libvirt-executor-run"
+// prepare's, found next to the running executable. It is built with
+// libvirt, which the holder needs to give a cold machine's network filter
+// its address (pinForHolder); the run executable is built without it.
+const HolderExecutable = "libvirt-executor-prepare"
 
 // siblingExe is the driver's executable name next to the running one (the
-// holder's and the reaper's are the run and cleanup stages' own).
+// holder's and the reaper's are the prepare and cleanup stages' own).
 func siblingExe(name string) (string, error) {
 	self, err := os.Executable()
 	if err != nil {

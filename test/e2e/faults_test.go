@@ -473,6 +473,20 @@ func restartLibvirtd(t *testing.T) {
 	require.FileExists(t, fmt.Sprintf("/proc/%d/root/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", pid))
 }
 
+// reconnect replaces the libvirt connection of r and of the rigs it was
+// made from (after restartLibvirtd).
+func (r *rig) reconnect(t *testing.T, bases ...*rig) {
+	t.Helper()
+	c, err := libvirt.NewConnect(r.cfg.LibvirtURI)
+	require.NoError(t, err)
+	t.Cleanup(func() { _, _ = c.Close() })
+	_, _ = r.conn.Close()
+	r.conn = c
+	for _, b := range bases {
+		b.conn = c
+	}
+}
+
 // TestFaultLibvirtdRestart restarts libvirtd in the middle of prepare (which
 // polls libvirt for the address) and in the middle of run.
 func TestFaultLibvirtdRestart(t *testing.T) {

@@ -47,6 +47,21 @@ func TestHolderServesEveryStage(t *testing.T) {
 	require.Equal(t, 0, res.code)
 	require.Contains(t, res.stdout, "Connection holder started")
 	pid := s.holderPID(t)
+	// A cold machine's network filter gets its address from the holder
+	// (prepare left it: lifecycle.Request.DeferFilterPin).
+	name := s.name(t)
+	addr := machineAddress(t, r, name)
+	waitFor(t, time.Minute, "the holder giving the network filter the address", func() bool {
+		d, err := r.conn.LookupDomainByName(name)
+		if err != nil {
+			return false
+		}
+		defer func() { _ = d.Free() }()
+		x, err := d.GetXMLDesc(0)
+		return err == nil && strings.Contains(x, "<parameter name='IP' value='"+addr+"'/>")
+	})
+	_, err := os.Stat(filepath.Join(r.cfg.StateDir, "machines", name, "filter-address"))
+	require.NoError(t, err, "the pin is recorded")
 	for i := range 3 {
 		res := s.runScript(t, "build_script", fmt.Sprintf("echo stage-%d\n", i))
 		require.Equal(t, 0, res.code)
@@ -57,7 +72,7 @@ func TestHolderServesEveryStage(t *testing.T) {
 	require.Equal(t, 1, res.code, "the script's own failure through the holder is a build failure")
 	require.Equal(t, pid, s.holderPID(t), "one holder for the whole job")
 	require.Equal(t, 0, s.run(t, "cleanup").code)
-	_, err := os.Stat(fmt.Sprintf("/proc/%d", pid))
+	_, err = os.Stat(fmt.Sprintf("/proc/%d", pid))
 	require.True(t, os.IsNotExist(err) || procZombie(pid), "cleanup stopped the holder")
 }
 

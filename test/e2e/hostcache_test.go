@@ -9,6 +9,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -163,10 +164,13 @@ func TestHostCacheLimitAndHostileGuest(t *testing.T) {
 
 // TestHostCacheWarmVM: standby VMs boot before any project is known; a
 // job that claims one still gets its project's cache (restored at its
-// restore_cache stage), and keeps what it archives.
+// restore_cache stage), and keeps what it archives. The cache survives
+// what a restart of the host's services does between two jobs (the pool
+// service stopped and started, libvirtd restarted, a gc), and gc removes
+// it once unused for cache.max_age.
 func TestHostCacheWarmVM(t *testing.T) {
-	rr, _, r := hostCacheRig(t, "", 1)
-	r.serve(t)
+	rr, dir, r := hostCacheRig(t, "", 1)
+	svc := r.serve(t)
 	r.waitIdle(t, 1, 3*time.Minute)
 	cache := &jobapi.Cache{Key: "warm-v1", Paths: []string{"vendor/"}}
 	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo warm-$CI_JOB_ID > vendor/dep.txt"}})
@@ -174,12 +178,39 @@ func TestHostCacheWarmVM(t *testing.T) {
 	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
 	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
 
+	// The host's services restart between the jobs.
 	r.waitIdle(t, 1, 3*time.Minute)
+	_, err := svc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
+	if os.Getenv("LVE_E2E_ALLOW_LIBVIRTD_RESTART") != "" {
+		restartLibvirtd(t)
+		r.reconnect(t, rr.r)
+	}
+	gc := func() string {
+		out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+		require.NoError(t, err, "%s", out)
+		return string(out)
+	}
+	r.serve(t)
+	r.waitIdle(t, 1, 3*time.Minute)
+	gc()
+
 	res = rr.runJobs(t, jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
 	require.Regexp(t, `Host cache: restored \d+ file`, res[0].Trace)
 	require.Regexp(t, `restored: warm-\d+`, res[0].Trace)
+
+	// Unused for longer than cache.max_age (720h by default): gc removes it.
+	project, err := hostcache.ProjectID(strings.TrimSuffix(rr.api.URL(), "/"), 1)
+	require.NoError(t, err)
+	files, _ := hostCacheFiles(t, filepath.Join(dir, "projects", project))
+	require.NotEmpty(t, cacheZips(files), "the project's cache: %v", files)
+	old := time.Now().Add(-721 * time.Hour)
+	require.NoError(t, os.Chtimes(filepath.Join(dir, "projects", project, "last-use"), old, old))
+	require.Contains(t, gc(), project)
+	_, err = os.Stat(filepath.Join(dir, "projects", project))
+	require.ErrorIs(t, err, os.ErrNotExist, "gc removed the cache unused for cache.max_age")
 }
 
 // TestHostCacheTwoJobsAtOnce: two jobs of one project archive the same key
@@ -244,61 +275,116 @@ func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	}
 }
 
-// TestFaultSIGKILLDuringCacheSave: a run stage killed while it keeps a
-// job's cache leaves no part of it visible: the project has no cache
-// afterwards (or its old one), and the next save works and clears what
-// the killed one staged.
+// TestFaultSIGKILLDuringCacheSave: a run stage, the job's connection holder
+// or a cleanup (a cancelled job's, which destroys the VM) killed while the
+// run stage keeps a job's cache leaves no part of it visible: the project
+// has its whole new archive or none, and the next save works and clears
+// what a killed one staged. (prepare never touches the host cache: the
+// run stage restores and saves.)
 func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 	base := setup(t)
 	dir := filepath.Join(t.TempDir(), "host-cache")
 	r := base.withConfig(t, func(s string) string { return s + fmt.Sprintf("\n[cache]\ndir = %q\n", dir) })
-	s := newStageRunner(t, r)
-	// A payload with a project, as GitLab sends it.
-	id := nextJobID()
-	payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":3600},"image":{"name":""},`+
-		`"job_info":{"project_id":77},"variables":[{"key":"CI_SERVER_URL","value":"http://gitlab.example"}]}`, id)
-	require.NoError(t, os.WriteFile(filepath.Join(s.dir, "response.json"), []byte(payload), 0o600))
-	for i, e := range s.env {
-		if strings.HasPrefix(e, "CUSTOM_ENV_CI_JOB_ID=") {
-			s.env[i] = fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id)
-		}
-	}
-	require.Equal(t, 0, s.run(t, "config").code)
-	require.Equal(t, 0, s.run(t, "prepare").code)
-	defer func() { require.Equal(t, 0, s.run(t, "cleanup").code) }()
-
+	const size = 64 << 20
 	// The runner's archive_cache stage makes an archive (64 MiB: long
 	// enough a copy to be killed in).
-	archive := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nmkdir -p /cache/lve/p/k && head -c 67108864 /dev/urandom > /cache/lve/p/k/cache.zip\n"
-	rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
-	waitFor(t, 2*time.Minute, "the save staging on the host", func() bool {
-		entries, _ := os.ReadDir(filepath.Join(dir, "stage"))
-		for _, e := range entries {
-			if f, _ := os.ReadDir(filepath.Join(dir, "stage", e.Name())); len(f) > 1 {
-				return true // its lock and a staged file
+	archive := fmt.Sprintf("#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nmkdir -p /cache/lve/p/k && head -c %d /dev/urandom > /cache/lve/p/k/cache.zip\n", size)
+	saving := func(t *testing.T, projectID int) (*stageRunner, *running) {
+		s := newStageRunner(t, r)
+		// A payload with a project, as GitLab sends it.
+		id := nextJobID()
+		payload := fmt.Sprintf(`{"id":%d,"token":"glcbt-e2e-secret","runner_info":{"timeout":3600},"image":{"name":""},`+
+			`"job_info":{"project_id":%d},"variables":[{"key":"CI_SERVER_URL","value":"http://gitlab.example"}]}`, id, projectID)
+		require.NoError(t, os.WriteFile(filepath.Join(s.dir, "response.json"), []byte(payload), 0o600))
+		for i, e := range s.env {
+			if strings.HasPrefix(e, "CUSTOM_ENV_CI_JOB_ID=") {
+				s.env[i] = fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id)
 			}
 		}
-		return false
-	})
-	require.NoError(t, syscall.Kill(-rn.cmd.Process.Pid, syscall.SIGKILL))
-	<-rn.done
-	figures.fault()
-	files, odd := hostCacheFiles(t, filepath.Join(dir, "projects"))
-	require.Empty(t, odd)
-	require.Empty(t, cacheZips(files), "no half archive is visible: %v", files)
-
-	// The next save (a small archive) is kept, and clears the killed one's staging.
-	small := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nrm -rf /cache/lve && mkdir -p /cache/lve/p/k && echo small > /cache/lve/p/k/cache.zip\n"
-	res := s.runScript(t, "archive_cache", small)
-	require.Equal(t, 0, res.code, res.stderr)
-	require.Regexp(t, `Host cache: kept 1 file`, res.stdout)
-	files, _ = hostCacheFiles(t, filepath.Join(dir, "projects"))
-	require.Len(t, cacheZips(files), 1)
-	for f, size := range files {
-		if strings.HasSuffix(f, "cache.zip") {
-			require.Equal(t, int64(6), size, "the small archive, whole")
+		require.Equal(t, 0, s.run(t, "config").code)
+		require.Equal(t, 0, s.run(t, "prepare").code)
+		rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
+		waitFor(t, 2*time.Minute, "the save staging on the host", func() bool {
+			entries, _ := os.ReadDir(filepath.Join(dir, "stage"))
+			for _, e := range entries {
+				if f, _ := os.ReadDir(filepath.Join(dir, "stage", e.Name())); len(f) > 1 {
+					return true // its lock and a staged file
+				}
+			}
+			return false
+		})
+		return s, rn
+	}
+	// wholeOrNone: what the host keeps of the project is the whole new
+	// archive, and the stage's log says it was kept, or nothing.
+	wholeOrNone := func(t *testing.T, projectID int, log string) {
+		project, err := hostcache.ProjectID("http://gitlab.example", int64(projectID))
+		require.NoError(t, err)
+		files, odd := hostCacheFiles(t, filepath.Join(dir, "projects", project))
+		require.Empty(t, odd)
+		zips := cacheZips(files)
+		for _, z := range zips {
+			require.Equal(t, int64(size), files[z], "no half archive is visible: %v", files)
+		}
+		if len(zips) > 0 {
+			require.Contains(t, log, "Host cache: kept 1 file")
+		} else {
+			require.NotContains(t, log, "Host cache: kept")
 		}
 	}
-	staged, _ := os.ReadDir(filepath.Join(dir, "stage"))
-	require.Empty(t, staged, "the killed save's staging is gone")
+
+	t.Run("run stage", func(t *testing.T) {
+		s, rn := saving(t, 77)
+		require.NoError(t, syscall.Kill(-rn.cmd.Process.Pid, syscall.SIGKILL))
+		<-rn.done
+		figures.fault()
+		wholeOrNone(t, 77, rn.out.String())
+
+		// The next save (a small archive) is kept, and clears the killed one's staging.
+		small := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nrm -rf /cache/lve && mkdir -p /cache/lve/p/k && echo small > /cache/lve/p/k/cache.zip\n"
+		res := s.runScript(t, "archive_cache", small)
+		require.Equal(t, 0, res.code, res.stderr)
+		require.Regexp(t, `Host cache: kept 1 file`, res.stdout)
+		files, _ := hostCacheFiles(t, filepath.Join(dir, "projects"))
+		require.Len(t, cacheZips(files), 1)
+		for f, size := range files {
+			if strings.HasSuffix(f, "cache.zip") {
+				require.Equal(t, int64(6), size, "the small archive, whole")
+			}
+		}
+		staged, _ := os.ReadDir(filepath.Join(dir, "stage"))
+		require.Empty(t, staged, "the killed save's staging is gone")
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+	})
+
+	t.Run("connection holder", func(t *testing.T) {
+		s, rn := saving(t, 78)
+		require.NoError(t, syscall.Kill(s.holderPID(t), syscall.SIGKILL))
+		res := rn.wait(t, 3*time.Minute)
+		figures.fault()
+		// The stage's script had ended (the save follows it): its exit
+		// stands; the save has a connection of its own and goes on.
+		figures.class(res.code, 0)
+		require.Equal(t, 0, res.code, res.stderr)
+		wholeOrNone(t, 78, res.stdout)
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+	})
+
+	t.Run("cleanup", func(t *testing.T) {
+		s, rn := saving(t, 79)
+		name := s.name(t)
+		cl := s.start(t, "cleanup")
+		waitFor(t, time.Minute, "cleanup stopped the VM", func() bool { _, active := r.domainState(name); return !active })
+		require.NoError(t, syscall.Kill(-cl.cmd.Process.Pid, syscall.SIGKILL))
+		<-cl.done
+		res := rn.wait(t, 3*time.Minute)
+		figures.fault()
+		// The script had ended with 0 before its VM went: the stage's
+		// exit stands, and the cache is not kept (unless the copy ended
+		// before the VM did, as on a fast host).
+		figures.class(res.code, 0)
+		require.Equal(t, 0, res.code, res.stderr)
+		wholeOrNone(t, 79, res.stdout)
+		require.Equal(t, 0, s.run(t, "cleanup").code, "a second cleanup finishes the killed one's work")
+	})
 }

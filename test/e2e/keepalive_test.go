@@ -39,7 +39,7 @@ func TestFaultKeepaliveUnderLoad(t *testing.T) {
 		return s
 	})
 	window := r.cfg.SSH.KeepaliveInterval.D() * time.Duration(r.cfg.SSH.KeepaliveCount)
-	loadSeconds := 60
+	loadSeconds := 40
 	if v := os.Getenv("LVE_E2E_LOAD_SECONDS"); v != "" {
 		_, _ = fmt.Sscan(v, &loadSeconds)
 	}

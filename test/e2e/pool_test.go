@@ -40,6 +40,14 @@ type service struct{ *poolsvc.Service }
 // left only idle VMs, and removes them (requireNoLeftovers runs after that).
 func (r *rig) serve(t *testing.T) *service {
 	t.Helper()
+	return r.serveKeeping(t, false)
+}
+
+// serveKeeping is serve; with keepIdle, the idle VMs the stopped service
+// leaves stay for the next service of this rig to adopt (the caller
+// removes them in the end).
+func (r *rig) serveKeeping(t *testing.T, keepIdle bool) *service {
+	t.Helper()
 	s, err := poolsvc.Start(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath)
 	require.NoError(t, err)
 	t.Cleanup(func() {
@@ -57,7 +65,9 @@ func (r *rig) serve(t *testing.T) *service {
 		_, other := r.standbys(t)
 		figures.addLeaks(len(other))
 		require.Empty(t, other, "standby VMs left by the stopped service other than idle ones")
-		r.removeStandbys(t)
+		if !keepIdle {
+			r.removeStandbys(t)
+		}
 	})
 	return &service{s}
 }
@@ -174,6 +184,11 @@ func TestPoolWarmJob(t *testing.T) {
 func TestPoolFaults(t *testing.T) {
 	base := setup(t)
 	r := base.withPool(t, 2)
+	// A subtest that ends with two idle VMs leaves them to the next one
+	// (adopted by its service, as after any restart): the next one starts
+	// without waiting for two boots.
+	t.Cleanup(func() { r.removeStandbys(t) })
+	keep := func(t *testing.T) *service { return r.serveKeeping(t, true) }
 	runJob := func(t *testing.T, what string) string {
 		t.Helper()
 		opts, lw := r.options(t)
@@ -187,7 +202,7 @@ func TestPoolFaults(t *testing.T) {
 	}
 
 	t.Run("SIGKILL while booting", func(t *testing.T) {
-		svc := r.serve(t)
+		svc := keep(t)
 		waitFor(t, time.Minute, "a standby VM booting", func() bool {
 			_, other := r.standbys(t)
 			return len(other) > 0
@@ -195,15 +210,15 @@ func TestPoolFaults(t *testing.T) {
 		svc.kill()
 		log := runJob(t, "cold-while-down")
 		require.Contains(t, log, "Cold start: the pool service (libvirt-executor serve) is not running")
-		r.serve(t)
+		keep(t)
 		r.waitIdle(t, 2, 3*time.Minute)
 	})
 
 	t.Run("SIGKILL with idle VMs", func(t *testing.T) {
-		svc := r.serve(t)
+		svc := keep(t)
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		svc.kill()
-		svc = r.serve(t)
+		svc = keep(t)
 		time.Sleep(3 * time.Second) // a few looks, health checks included
 		idle, other := r.standbys(t)
 		require.ElementsMatch(t, before, idle, "the restarted service adopts the idle VMs")
@@ -213,7 +228,7 @@ func TestPoolFaults(t *testing.T) {
 	})
 
 	t.Run("idle VM destroyed", func(t *testing.T) {
-		r.serve(t)
+		keep(t)
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		d, err := r.conn.LookupDomainByName(before[0])
 		require.NoError(t, err)
@@ -226,7 +241,7 @@ func TestPoolFaults(t *testing.T) {
 	})
 
 	t.Run("idle VMs paused", func(t *testing.T) {
-		r.serve(t)
+		keep(t)
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		for _, n := range before {
 			d, err := r.conn.LookupDomainByName(n)
@@ -293,7 +308,7 @@ func TestPoolFaults(t *testing.T) {
 	})
 
 	t.Run("prepare SIGTERMed right after its claim", func(t *testing.T) {
-		r.serve(t)
+		keep(t)
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		// Without a remembered tool check the claimed prepare asks the
 		// guest (an SSH connection): the window after the claim.
