@@ -34,15 +34,7 @@ func TestCacheListAndPrune(t *testing.T) {
 
 	project, err := hostcache.ProjectID("https://gitlab.example.com", 42)
 	require.NoError(t, err)
-	var stream bytes.Buffer
-	tw := tar.NewWriter(&stream)
-	body := bytes.Repeat([]byte("x"), 1<<20)
-	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "lve/p/key/cache.zip", Mode: 0o644, Size: int64(len(body)), Typeflag: tar.TypeReg}))
-	_, err = tw.Write(body)
-	require.NoError(t, err)
-	require.NoError(t, tw.Close())
-	_, err = store.Save(context.Background(), project, &stream)
-	require.NoError(t, err)
+	saveOne(t, store, project, "lve/p/key/cache.zip", 1<<20)
 
 	out.Reset()
 	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
@@ -113,15 +105,7 @@ func TestCacheGauge(t *testing.T) {
 
 	project, err := hostcache.ProjectID("https://gitlab.example.com", 7)
 	require.NoError(t, err)
-	var stream bytes.Buffer
-	tw := tar.NewWriter(&stream)
-	body := bytes.Repeat([]byte("y"), 3000)
-	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "k/cache.zip", Mode: 0o644, Size: int64(len(body)), Typeflag: tar.TypeReg}))
-	_, err = tw.Write(body)
-	require.NoError(t, err)
-	require.NoError(t, tw.Close())
-	_, err = store.Save(context.Background(), project, &stream)
-	require.NoError(t, err)
+	saveOne(t, store, project, "k/cache.zip", 3000)
 
 	g, err = gauge()
 	require.NoError(t, err)
@@ -130,4 +114,18 @@ func TestCacheGauge(t *testing.T) {
 	g, err = gauge()
 	require.NoError(t, err)
 	require.Equal(t, metrics.CacheGauge{Projects: 1, Bytes: 3000, Limit: 8 << 20}, g)
+}
+
+// saveOne keeps one file of size bytes as the project's cache.
+func saveOne(t *testing.T, store *hostcache.Store, project, name string, size int) {
+	t.Helper()
+	var stream bytes.Buffer
+	tw := tar.NewWriter(&stream)
+	body := bytes.Repeat([]byte("x"), size)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: name, Mode: 0o644, Size: int64(size), Typeflag: tar.TypeReg}))
+	_, err := tw.Write(body)
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	_, err = store.Save(context.Background(), project, &stream)
+	require.NoError(t, err)
 }
