@@ -174,35 +174,6 @@ func TestHostKeyMismatchSendsNoScript(t *testing.T) {
 	require.Contains(t, res.stdout, "NEVER-SENT")
 }
 
-// TestImages runs a short job on every image the rig configured besides the
-// default one (the Debian systemd guest takes keys through systemd's own SMBIOS
-// credential import; a cloud-init guest through the NoCloud seed).
-func TestImages(t *testing.T) {
-	r := setup(t)
-	others := otherImages(t, r)
-	if len(others) == 0 {
-		t.Skip("the rig configured only the default image")
-	}
-	for _, name := range others {
-		t.Run(name, func(t *testing.T) {
-			img, _ := r.cfg.Image(name)
-			opts, lw := r.options(t)
-			res, err := harness.RunJob(context.Background(), opts, harness.Job{
-				Image: name,
-				Script: []string{
-					"head -n1 /etc/os-release",
-					"git --version",
-					"echo key-injection-" + img.KeyInjection + "-ok",
-				},
-			})
-			require.NoError(t, err)
-			require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
-			require.Contains(t, lw.buf.String(), "key-injection-"+img.KeyInjection+"-ok")
-			require.Contains(t, lw.buf.String(), "SSH ready as "+img.User+"@")
-		})
-	}
-}
-
 // otherImages are the images the rig configured besides the default one;
 // every image LVE_E2E_IMAGES names must be among them.
 func otherImages(t *testing.T, r *rig) []string {
