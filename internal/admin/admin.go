@@ -553,7 +553,7 @@ func cacheDirCheck(c config.Cache) Check {
 		if int64(st.Type) == unix.TMPFS_MAGIC || int64(st.Type) == unix.RAMFS_MAGIC {
 			ch.Warn = true
 			ch.Info += "; it is in memory (tmpfs): every cache is gone after a reboot, and it takes the host's RAM"
-			ch.Fix = "set cache.dir on a disk, e.g. /var/cache/libvirt-executor/jobs"
+			ch.Fix = strings.TrimPrefix(ch.Fix+"; set cache.dir on a disk, e.g. /var/cache/libvirt-executor/jobs", "; ")
 		}
 	}
 	return ch

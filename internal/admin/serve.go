@@ -112,7 +112,7 @@ func cacheGauge(s *hostcache.Store, every time.Duration, now func() time.Time) f
 		}
 		at = now()
 		var list []hostcache.Usage
-		list, err = s.List()
+		list, err = s.ListExisting()
 		last = metrics.CacheGauge{Projects: len(list), Limit: s.TotalLimit}
 		for _, u := range list {
 			last.Bytes += u.Bytes

@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"os"
 	"path"
+	"path/filepath"
 	"sort"
 	"syscall"
 	"time"
@@ -141,6 +142,18 @@ func (s *Store) list(root *os.Root) ([]Usage, error) {
 		return out[i].Project < out[j].Project
 	})
 	return out, nil
+}
+
+// ListExisting is List for a reader that writes nothing, such as the
+// service's gauge, whose sandbox may keep cache.dir read-only: a store that
+// no job has made yet has no projects (List would make it).
+func (s *Store) ListExisting() ([]Usage, error) {
+	for _, d := range []string{projectsDir, stageDir} {
+		if _, err := os.Lstat(filepath.Join(s.Dir, d)); errors.Is(err, fs.ErrNotExist) {
+			return nil, nil
+		}
+	}
+	return s.List()
 }
 
 // List is the store's projects, least recently used first.

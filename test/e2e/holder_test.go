@@ -62,6 +62,13 @@ func TestHolderServesEveryStage(t *testing.T) {
 	})
 	_, err := os.Stat(filepath.Join(r.cfg.StateDir, "machines", name, "filter-address"))
 	require.NoError(t, err, "the pin is recorded")
+	// By the holder, not by prepare's fallbacks (which pin when no holder
+	// starts or the guest is slow to answer SSH).
+	require.NotContains(t, res.stdout, "Network filter given the address")
+	waitFor(t, 10*time.Second, "the holder's log of the pin", func() bool {
+		b, _ := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", name, "holder.log"))
+		return strings.Contains(string(b), "network filter given the address")
+	})
 	for i := range 3 {
 		res := s.runScript(t, "build_script", fmt.Sprintf("echo stage-%d\n", i))
 		require.Equal(t, 0, res.code)

@@ -303,6 +303,9 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		}
 		require.Equal(t, 0, s.run(t, "config").code)
 		require.Equal(t, 0, s.run(t, "prepare").code)
+		// Whatever a subtest got to, its job is cleaned up (again: a
+		// cleanup of a cleaned-up job does nothing).
+		t.Cleanup(func() { s.run(t, "cleanup") })
 		rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
 		waitFor(t, 2*time.Minute, "the save staging on the host", func() bool {
 			entries, _ := os.ReadDir(filepath.Join(dir, "stage"))
@@ -366,6 +369,7 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		// stands; the save has a connection of its own and goes on.
 		figures.class(res.code, 0)
 		require.Equal(t, 0, res.code, res.stderr)
+		require.Contains(t, res.stdout, "Host cache: kept 1 file", "the save does not use the holder's connection")
 		wholeOrNone(t, 78, res.stdout)
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	})
