@@ -4,21 +4,14 @@ package main
 
 import (
 	"context"
-	"os"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // this stage talks to libvirt
 )
 
 func main() {
-	if len(os.Args) > 1 && os.Args[1] == jobvm.HolderCommand {
-		// Started by prepare as the job's connection holder (it gives a
-		// cold machine's network filter its address: libvirt).
-		os.Exit(stagecli.Hold(os.Args[2:], os.Stdin, os.Stderr))
-	}
 	stagecli.Main(stagecli.Exe{
 		Name:  "libvirt-executor-prepare",
 		Usage: "create and boot the job's VM",

@@ -4,13 +4,19 @@ package main
 
 import (
 	"context"
+	"os"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 )
 
 func main() {
+	if len(os.Args) > 1 && os.Args[1] == jobvm.HolderCommand {
+		// Started by prepare as the job's connection holder.
+		os.Exit(stagecli.Hold(os.Args[2:], os.Stdin, os.Stderr))
+	}
 	stagecli.Main(stagecli.Exe{
 		Name:      "libvirt-executor-run",
 		Usage:     "run a stage script in the job's VM",

@@ -9,7 +9,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
-// Hold is the prepare executable as a job's connection holder
+// Hold is the run executable as a job's connection holder
 // (jobvm.HolderCommand): `hold-connection --config PATH [--config-stdin]
 // --until UNIX NAME`, started by prepare with the listening socket as fd 3
 // and the configuration's text on stdin. It logs to stderr (the holder's
