@@ -115,6 +115,9 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 		Name: req.Job, Image: req.Image, VCPUs: req.Size.VCPUs, MemoryMiB: req.Size.MemoryMiB,
 		DiskGiB: req.Size.DiskGiB, Frontend: req.Frontend, Job: req.JobID,
 		Lifetime: req.Lifetime, OnStep: req.Observe.Step,
+		// The job's holder gives the filter its address, while the job's
+		// first stages run (startHolder; without a holder, here).
+		DeferFilterPin: req.Holder,
 	}
 	if req.Check != nil {
 		lreq.Check = func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
@@ -138,8 +141,25 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 		_, terr := h.TeardownJob(tctx, req.Job)
 		return nil, errors.Join(err, terr)
 	}
-	h.startHolder(req, req.Job)
+	if !h.startHolder(req, req.Job) && lreq.DeferFilterPin {
+		h.pinNow(ctx, req, ready.Machine.Address)
+	}
 	return &Acquired{Name: req.Job, Ready: ready}, nil
+}
+
+// pinNow gives the job machine's network filter its address here (no
+// holder does it). A failure leaves the learnt address: the job runs, and
+// only a libvirtd restart would cut its VM off; the job log says so.
+func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
+	t0 := time.Now()
+	if err := h.PinAddress(ctx, req.Job, addr); err != nil {
+		if req.Log != nil {
+			req.Log.Warn("network filter not given the address", "err", err)
+		}
+		h.Sayf("Note: the VM's network filter holds its address only as learnt from DHCP (%v): a libvirtd restart during the job would cut the VM off", err)
+		return
+	}
+	h.Sayf("Network filter given the address in %s", vm.Round(time.Since(t0)))
 }
 
 // acquireWarm tries to give the job an idle machine of its image's
@@ -206,9 +226,9 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 // startHolder starts the job's connection holder (StartHolder) if the
 // request asks for one. Without one the job still runs: each stage
 // connects directly, as the job log says.
-func (h *Host) startHolder(req JobRequest, name string) {
+func (h *Host) startHolder(req JobRequest, name string) bool {
 	if !req.Holder {
-		return
+		return false
 	}
 	t0 := time.Now()
 	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
@@ -217,9 +237,10 @@ func (h *Host) startHolder(req JobRequest, name string) {
 			req.Log.Warn("no connection holder", "err", err)
 		}
 		h.Sayf("Note: the job's stages connect one by one (no connection holder: %v)", err)
-		return
+		return false
 	}
 	h.Sayf("Connection holder started in %s: the job's stages share one SSH connection", vm.Round(time.Since(t0)))
+	return true
 }
 
 // guestOnDemand is a Guest that connects to the machine on first use;

@@ -67,6 +67,7 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 		return err
 	}
 	dir := h.Store.MachineDir(name)
+	go h.pinForHolder(ctx, name, log)
 	s := &holder.Server{
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
 			_, c, err := h.Connect(ctx, name)
@@ -85,3 +86,36 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 // stopHolder ends the machine's holder, if it runs: a
 // lifecycle.Hooks.Release of every machine (its user is done with it).
 func stopHolder(m *lifecycle.Manager, name string) { holder.Stop(m.Store.MachineDir(name)) }
+
+// pinForHolder gives the machine's network filter its recorded address
+// when prepare left that to the holder (lifecycle.Request.DeferFilterPin),
+// while the job's stages run: a few tries, then the learnt address stays
+// (only a libvirtd restart would cut the VM off; the holder's log says so).
+func (h *Host) pinForHolder(ctx context.Context, name string, log *slog.Logger) {
+	if h.Cfg.L2Filter != nil && !*h.Cfg.L2Filter || h.Pinned(name) {
+		return
+	}
+	mach, err := h.Store.Record(name)
+	if err != nil || mach.Address == "" {
+		return
+	}
+	for try := 1; ; try++ {
+		t0 := time.Now()
+		pctx, cancel := context.WithTimeout(ctx, time.Minute)
+		err = h.PinAddress(pctx, name, mach.Address)
+		cancel()
+		if err == nil {
+			log.Info("network filter given the address", "address", mach.Address, "took", time.Since(t0))
+			return
+		}
+		if try == 3 || ctx.Err() != nil {
+			log.Warn("network filter not given the address: a libvirtd restart would cut the VM off until its lease renews", "address", mach.Address, "err", err)
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Duration(try) * 2 * time.Second):
+		}
+	}
+}

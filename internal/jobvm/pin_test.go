@@ -2,6 +2,8 @@ package jobvm
 
 import (
 	"context"
+	"log/slog"
+	"slices"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -9,22 +11,43 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
-// A machine's filter is given its address before the machine is handed
-// out (while libvirt sets the filter up again its rules are not all in
-// place, so no job code may run then): Provision returns a pinned machine.
-func TestFilterPinnedBeforeHandOut(t *testing.T) {
+// A cold job's machine boots without the filter pin (DeferFilterPin): its
+// holder pins it while the stages run, once; a standby is pinned at boot.
+func TestHolderPinsTheFilterLater(t *testing.T) {
 	hv := vmtest.New()
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	req := testRequest(img)
+	req.DeferFilterPin = true
 	ready, err := m.Provision(context.Background(), req)
 	require.NoError(t, err)
 	defer ready.Client.Close()
+	hv.Lock()
+	require.NotContains(t, hv.Calls, "PinFilterAddress", "not on prepare's path")
+	require.Contains(t, hv.Domains[req.Name].XML, "CTRL_IP_LEARNING")
+	hv.Unlock()
+	require.False(t, m.Pinned(req.Name))
+
+	m.pinForHolder(context.Background(), req.Name, slog.New(slog.DiscardHandler))
 	require.True(t, m.Pinned(req.Name))
 	hv.Lock()
-	require.Contains(t, hv.Calls, "PinFilterAddress")
 	require.Contains(t, hv.Domains[req.Name].XML, `<parameter name="IP" value="127.0.0.1">`)
+	n := len(hv.Calls)
 	hv.Unlock()
+
+	m.pinForHolder(context.Background(), req.Name, slog.New(slog.DiscardHandler))
+	hv.Lock()
+	require.False(t, slices.Contains(hv.Calls[n:], "PinFilterAddress"), "pinned once")
+	hv.Unlock()
+	require.NoError(t, m.Teardown(context.Background(), req.Name))
+
+	// without DeferFilterPin (a standby's boot): pinned at boot
+	req = testRequest(img)
+	req.Name = "lve-0123abcd-8"
+	ready2, err := m.Provision(context.Background(), req)
+	require.NoError(t, err)
+	defer ready2.Client.Close()
+	require.True(t, m.Pinned(req.Name))
 	require.NoError(t, m.Teardown(context.Background(), req.Name))
 	requireNothingLeft(t, hv, m)
 }

@@ -103,6 +103,11 @@ type Request struct {
 	NoWait bool
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
+	// DeferFilterPin: the network filter is not given the machine's
+	// address at boot (PinAddress); the caller has it done later, off the
+	// critical path (libvirt re-instantiates the filter, seconds on a busy
+	// host). Until then the filter holds the address it learnt from DHCP.
+	DeferFilterPin bool
 }
 
 // LaunchRequest asks for a machine that is started and left to boot on

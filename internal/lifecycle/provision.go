@@ -2,7 +2,6 @@ package lifecycle
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"path/filepath"
 	"time"
@@ -41,10 +40,8 @@ type provision struct {
 	// filtered: the interface has the project's network filter (create),
 	// which waitAddress pins to the address.
 	filtered bool
-	// pinned: the filter pin's result, once waitAddress started it.
-	pinned  chan error
-	client  *sshexec.Client // waitSSH
-	timings Timings
+	client   *sshexec.Client // waitSSH
+	timings  Timings
 }
 
 // newProvision prepares the steps of one Provision call.
@@ -240,18 +237,17 @@ func (p *provision) waitAddress(context.Context) error {
 	p.timings.Addressed = time.Now()
 	p.timings.Address = p.timings.Addressed.Sub(t0)
 	p.m.say("Booted, address %s (MAC %s, from %s) in %s", addr, p.mac, img.AddressSource, vm.Round(p.timings.Address))
-	if p.filtered {
-		// The pin (seconds: libvirt sets the filter up again) runs while
-		// the guest starts its SSH server; waitSSH waits for both. It is
-		// done before the machine is handed out: while libvirt sets the
-		// filter up again, its rules are not all in place (a job VM
-		// reached garm's port in that window), so no job code may run
-		// then.
-		p.pinned = make(chan error, 1)
-		go func() { p.pinned <- p.pin() }()
+	if p.filtered && !p.req.DeferFilterPin {
+		return p.pin()
 	}
 	return nil
 }
+
+// sshPinAfter is how long waitSSH waits for a machine whose filter pin is
+// deferred before it pins the filter itself: a guest that does not answer
+// by then may be one whose learnt address libvirt forgot (libvirtd
+// restarted while it booted), and it passes nothing but DHCP until then.
+const sshPinAfter = 10 * time.Second
 
 // pin gives the machine's network filter its address: what the filter
 // learnt from DHCP, libvirt forgets when libvirtd restarts.
@@ -283,15 +279,20 @@ func (p *provision) waitSSH(context.Context) error {
 		c, n, err := sshexec.WaitReady(p.bootCtx, target, p.m.SSHPollInterval, 20*time.Second)
 		done <- ready{c, n, err}
 	}()
-	r := <-done
-	if p.pinned != nil {
-		// The pin's own deadline is the boot's.
-		if err := <-p.pinned; err != nil {
-			if r.c != nil {
-				_ = r.c.Close()
+	var r ready
+	if p.filtered && p.req.DeferFilterPin {
+		t := time.NewTimer(sshPinAfter)
+		select {
+		case r = <-done:
+		case <-t.C:
+			if err := p.pin(); err != nil {
+				p.m.say("Note: %v", err)
 			}
-			return errors.Join(err, r.err)
+			r = <-done
 		}
+		t.Stop()
+	} else {
+		r = <-done
 	}
 	if r.err != nil {
 		return r.err
