@@ -749,3 +749,63 @@ func TestCancelMidSave(t *testing.T) {
 	_, err = os.Lstat(filepath.Join(s.Dir, projectsDir, p2))
 	assert.ErrorIs(t, err, os.ErrNotExist)
 }
+
+// A snapshot's Size is known before it is written (the restore disk is
+// made to fit it) and is what WriteTo writes: long names (PAX records),
+// sizes off tar's 512-byte blocks, empty files, nested directories.
+func TestSnapshotSizeIsWhatIsWritten(t *testing.T) {
+	s, _ := newStore(t, 1<<30, 1<<30)
+	p := project(t, 5)
+	long := strings.Repeat("d", 90) + "/" + strings.Repeat("f", 120)
+	save(t, s, p,
+		ent{name: "a/b/c.zip", body: strings.Repeat("x", 1000)},
+		ent{name: "empty", body: ""},
+		ent{name: "block", body: strings.Repeat("y", 512)},
+		ent{name: long, body: "z"},
+		ent{name: "ünïcode-name", body: "u"},
+	)
+	for _, proj := range []string{p, project(t, 6)} { // 6 has no cache
+		sn, err := s.Open(context.Background(), proj)
+		require.NoError(t, err)
+		var buf bytes.Buffer
+		n, err := sn.WriteTo(&buf)
+		require.NoError(t, err)
+		require.NoError(t, sn.Close())
+		assert.EqualValues(t, buf.Len(), n)
+		assert.EqualValues(t, buf.Len(), sn.Size(), "Size is the stream's length")
+		assert.Zero(t, sn.Size()%512)
+		got := readTar(t, buf.Bytes())
+		assert.EqualValues(t, len(got), sn.Files().Files)
+		if proj == p {
+			assert.Equal(t, "z", got[long])
+			assert.Len(t, got, 5)
+		}
+	}
+}
+
+// A Save waits while a snapshot is open: the snapshot's files keep the
+// sizes it listed until it is closed.
+func TestSnapshotHoldsOffSave(t *testing.T) {
+	s, _ := newStore(t, 1<<30, 1<<30)
+	p := project(t, 7)
+	save(t, s, p, ent{name: "k/cache.zip", body: "old"})
+	sn, err := s.Open(context.Background(), p)
+	require.NoError(t, err)
+	saved := make(chan error, 1)
+	go func() {
+		_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ent{name: "k/cache.zip", body: "newer and longer"})))
+		saved <- err
+	}()
+	select {
+	case err := <-saved:
+		t.Fatalf("Save ended while a snapshot was open: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	var buf bytes.Buffer
+	_, err = sn.WriteTo(&buf)
+	require.NoError(t, err)
+	require.NoError(t, sn.Close())
+	assert.Equal(t, map[string]string{"k/cache.zip": "old"}, readTar(t, buf.Bytes()))
+	require.NoError(t, <-saved)
+	assert.Equal(t, "newer and longer", restore(t, s, p)["k/cache.zip"])
+}

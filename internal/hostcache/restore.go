@@ -7,8 +7,10 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"os"
 	"strings"
 	"syscall"
+	"time"
 )
 
 // RestoreResult says what a Restore wrote.
@@ -17,39 +19,65 @@ type RestoreResult struct {
 	Bytes int64 // the files' bytes (not counting tar headers)
 }
 
-// Restore writes the project's cache to w as a tar stream for `tar -x`
-// in the guest: directories (0755) and regular files (0644) with
-// relative names, nothing else. A project without a cache gives an empty
-// tar stream. It marks the project used now, and holds a shared lock on
-// it while reading, so each file is whole, from before or after a
-// concurrent Save.
-func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (RestoreResult, error) {
-	var res RestoreResult
+// Snapshot is a project's cache as one tar stream for `tar -x` in the
+// guest, fixed while it is open: it holds a shared lock on the project, so
+// each file is whole, from before or after a concurrent Save, and the
+// stream's Size is known before it is written (a disk is made to fit it).
+// The stream has directories (0755) and regular files (0644) with relative
+// names, nothing else; a project without a cache gives an empty one.
+type Snapshot struct {
+	root    *os.Root
+	lock    *os.File
+	entries []entry
+	size    int64
+	res     RestoreResult
+}
+
+// entry is one member of a Snapshot.
+type entry struct {
+	path, name string // path under the store's root; name in the stream
+	dir        bool
+	size       int64
+	mtime      time.Time
+}
+
+// Open takes a snapshot of the project's cache and marks the project used
+// now. Close releases it.
+func (s *Store) Open(ctx context.Context, project string) (*Snapshot, error) {
 	if err := checkProject(project); err != nil {
-		return res, err
+		return nil, err
 	}
 	root, err := s.open()
 	if err != nil {
-		return res, err
+		return nil, err
 	}
-	defer func() { _ = root.Close() }()
-	tw := tar.NewWriter(w)
+	sn := &Snapshot{root: root}
 	lock, err := lockProject(ctx, root, project, syscall.LOCK_SH, false, false)
-	if errors.Is(err, errNoProject) {
-		return res, tw.Close()
+	switch {
+	case errors.Is(err, errNoProject):
+		return sn, sn.measure()
+	case err != nil:
+		_ = root.Close()
+		return nil, err
 	}
-	if err != nil {
-		return res, err
+	sn.lock = lock
+	if err := sn.list(ctx, s, project); err != nil {
+		_ = sn.Close()
+		return nil, fmt.Errorf("hostcache: restoring %s: %w", project, err)
 	}
-	defer func() { _ = lock.Close() }()
-	if err := s.touch(root, project); err != nil {
-		return res, err
+	return sn, nil
+}
+
+// list fills the snapshot from the project's tree.
+func (sn *Snapshot) list(ctx context.Context, s *Store, project string) error {
+	if err := s.touch(sn.root, project); err != nil {
+		return err
 	}
 	tree := projectPath(project, treeName)
-	if _, err := root.Lstat(tree); errors.Is(err, fs.ErrNotExist) {
-		return res, tw.Close()
+	if _, err := sn.root.Lstat(tree); errors.Is(err, fs.ErrNotExist) {
+		return sn.measure()
 	}
-	err = fs.WalkDir(root.FS(), tree, func(path string, d fs.DirEntry, err error) error {
+	err := fs.WalkDir(sn.root.FS(), tree, func(path string, d fs.DirEntry, err error) error {
 		if err != nil {
 			return err
 		}
@@ -61,38 +89,125 @@ func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (Resto
 		}
 		name := strings.TrimPrefix(path, tree+"/")
 		if d.IsDir() {
-			return tw.WriteHeader(&tar.Header{Typeflag: tar.TypeDir, Name: name + "/", Mode: 0o755})
+			sn.entries = append(sn.entries, entry{path: path, name: name + "/", dir: true})
+			return nil
 		}
 		if !d.Type().IsRegular() {
 			return nil // not ours: Save writes no other kind
 		}
-		f, err := root.Open(path)
+		fi, err := d.Info()
 		if err != nil {
 			return err
 		}
-		defer func() { _ = f.Close() }()
-		fi, err := f.Stat()
-		if err != nil || !fi.Mode().IsRegular() {
-			return err
-		}
-		hdr := &tar.Header{Typeflag: tar.TypeReg, Name: name, Mode: 0o644, Size: fi.Size(), ModTime: fi.ModTime()}
-		if err := tw.WriteHeader(hdr); err != nil {
-			return err
-		}
-		// Save renames whole files into place and never writes one in
-		// place, so the open file keeps its size.
-		if _, err := io.CopyN(tw, f, fi.Size()); err != nil {
-			return err
-		}
-		res.Files++
-		res.Bytes += fi.Size()
+		sn.entries = append(sn.entries, entry{path: path, name: name, size: fi.Size(), mtime: fi.ModTime()})
+		sn.res.Files++
+		sn.res.Bytes += fi.Size()
 		return nil
 	})
-	if err == nil {
-		err = tw.Close()
-	}
 	if err != nil {
-		return res, fmt.Errorf("hostcache: restoring %s: %w", project, err)
+		return err
 	}
-	return res, nil
+	return sn.measure()
 }
+
+// measure computes the stream's size without reading a file: each
+// member's header as archive/tar writes it (with its PAX records, for long
+// names), its bytes padded to 512, and the two zero blocks at the end.
+func (sn *Snapshot) measure() error {
+	size := int64(2 * blockSize)
+	for _, e := range sn.entries {
+		var n countWriter
+		if err := tar.NewWriter(&n).WriteHeader(e.header()); err != nil {
+			return err
+		}
+		size += int64(n) + (e.size+blockSize-1)/blockSize*blockSize
+	}
+	sn.size = size
+	return nil
+}
+
+// blockSize is tar's.
+const blockSize = 512
+
+// header is the entry's tar header.
+func (e entry) header() *tar.Header {
+	if e.dir {
+		return &tar.Header{Typeflag: tar.TypeDir, Name: e.name, Mode: 0o755}
+	}
+	return &tar.Header{Typeflag: tar.TypeReg, Name: e.name, Mode: 0o644, Size: e.size, ModTime: e.mtime}
+}
+
+// Files says how many files the stream holds, and their bytes.
+func (sn *Snapshot) Files() RestoreResult { return sn.res }
+
+// Size is the stream's length in bytes (a multiple of 512).
+func (sn *Snapshot) Size() int64 { return sn.size }
+
+// WriteTo writes the stream to w: exactly Size bytes, or an error.
+func (sn *Snapshot) WriteTo(w io.Writer) (int64, error) {
+	var n countWriter
+	tw := tar.NewWriter(io.MultiWriter(w, &n))
+	err := func() error {
+		for _, e := range sn.entries {
+			if err := tw.WriteHeader(e.header()); err != nil {
+				return err
+			}
+			if e.dir {
+				continue
+			}
+			if err := sn.copyFile(tw, e); err != nil {
+				return err
+			}
+		}
+		return tw.Close()
+	}()
+	if err == nil && int64(n) != sn.size {
+		err = fmt.Errorf("hostcache: the cache's stream came out %d bytes long, not %d", n, sn.size)
+	}
+	return int64(n), err
+}
+
+// copyFile copies e's bytes to w. Save renames whole files into place and
+// never writes one in place, and the shared lock keeps a Save from
+// replacing or removing one: the file still has the size listed.
+func (sn *Snapshot) copyFile(w io.Writer, e entry) error {
+	f, err := sn.root.Open(e.path)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = f.Close() }()
+	_, err = io.CopyN(w, f, e.size)
+	return err
+}
+
+// Close releases the snapshot's lock.
+func (sn *Snapshot) Close() error {
+	var err error
+	if sn.lock != nil {
+		err = sn.lock.Close()
+		sn.lock = nil
+	}
+	if sn.root != nil {
+		err = errors.Join(err, sn.root.Close())
+		sn.root = nil
+	}
+	return err
+}
+
+// Restore writes the project's cache to w as a tar stream (Snapshot) and
+// marks the project used now.
+func (s *Store) Restore(ctx context.Context, project string, w io.Writer) (RestoreResult, error) {
+	sn, err := s.Open(ctx, project)
+	if err != nil {
+		return RestoreResult{}, err
+	}
+	defer func() { _ = sn.Close() }()
+	if _, err := sn.WriteTo(w); err != nil {
+		return RestoreResult{}, fmt.Errorf("hostcache: restoring %s: %w", project, err)
+	}
+	return sn.Files(), nil
+}
+
+type countWriter int64
+
+func (c *countWriter) Write(p []byte) (int, error) { *c += countWriter(len(p)); return len(p), nil }
