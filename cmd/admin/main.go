@@ -243,6 +243,52 @@ func app() *cli.App {
 				},
 			},
 			{
+				// For libvirt-executor-run, which is built without libvirt:
+				// it asks here to hand a project's host cache to the job's
+				// machine on a restore disk, and to delete that disk's
+				// volume once the guest read it.
+				Name:   jobvm.CacheDiskCommand,
+				Hidden: true,
+				Usage:  "hand a project's host cache to a job VM on a read-only disk (attach), or delete that disk's volume (drop)",
+				Subcommands: []*cli.Command{
+					{
+						Name:      jobvm.CacheDiskAttach,
+						Usage:     "attach the project's cache to the VM; prints FILES BYTES (0 0: nothing cached, no disk)",
+						ArgsUsage: "NAME PROJECT",
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 2 {
+								return fmt.Errorf("%s %s takes a machine name and a project, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
+							}
+							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
+								store, err := admin.CacheStore(cfg)
+								if err != nil {
+									return err
+								}
+								res, err := m.AttachCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
+								if err != nil {
+									return err
+								}
+								_, err = fmt.Printf("%d %d\n", res.Files, res.Bytes)
+								return err
+							})
+						},
+					},
+					{
+						Name:      jobvm.CacheDiskDrop,
+						Usage:     "delete the VM's restore disk volume",
+						ArgsUsage: "NAME",
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 1 {
+								return fmt.Errorf("%s %s takes one machine name, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskDrop, c.NArg())
+							}
+							return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
+								return m.DropData(c.Context, c.Args().First())
+							})
+						},
+					},
+				},
+			},
+			{
 				Name:  "selftest",
 				Usage: "run two sample jobs through gitlab-runner and this host's configuration (no GitLab needed): VMs, stages, artifacts and a cache; prints a verdict",
 				Flags: []cli.Flag{

@@ -28,6 +28,12 @@ type Cache struct {
 	Images []string `toml:"images"`
 }
 
+// How the host cache reaches a guest (Image.CacheRestore).
+const (
+	CacheRestoreDisk = "disk"
+	CacheRestoreSSH  = "ssh"
+)
+
 // Enabled reports whether the host cache is on.
 func (c Cache) Enabled() bool { return c.Dir != "" }
 

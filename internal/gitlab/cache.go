@@ -11,6 +11,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -31,6 +33,31 @@ const guestCacheDir = "/cache"
 const (
 	restoreCommand = "mkdir -p " + guestCacheDir + " && tar -xf - -C " + guestCacheDir
 	saveCommand    = "mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + " && tar -cf - ."
+	// diskRestoreCommand extracts the cache from the restore disk (serial
+	// vm.DataDiskSerial), waiting up to 10 s for it to appear. It says on
+	// its last line what it did: diskOK, or why the disk could not be used
+	// (diskMissing, diskUnreadable), which sends the cache over SSH
+	// instead. The disk is read as the job's user, or through sudo where
+	// only root may; the files are written as the job's user.
+	diskRestoreCommand = `d=; i=0
+while [ $i -lt 100 ]; do
+  for s in /sys/block/*/serial; do
+    if [ "$(cat "$s" 2>/dev/null)" = ` + vm.DataDiskSerial + ` ]; then d=${s%/serial}; d=/dev/${d##*/}; fi
+  done
+  if [ -n "$d" ] && [ -b "$d" ]; then break; fi
+  d=; i=$((i+1)); sleep 0.1
+done
+if [ -z "$d" ]; then echo ` + diskMissing + `; exit 0; fi
+if [ -r "$d" ]; then
+  mkdir -p ` + guestCacheDir + ` && tar -xf "$d" -C ` + guestCacheDir + ` && echo ` + diskOK + `
+elif sudo -n true 2>/dev/null; then
+  mkdir -p ` + guestCacheDir + ` && sudo -n cat "$d" | tar -xf - -C ` + guestCacheDir + ` && echo ` + diskOK + `
+else
+  echo ` + diskUnreadable + `
+fi`
+	diskOK         = "lve-cache-restored"
+	diskMissing    = "lve-cache-no-disk"
+	diskUnreadable = "lve-cache-disk-unreadable"
 )
 
 // cacheTimeout bounds one copy (restore or save) of a project's cache.
@@ -96,30 +123,11 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 		return
 	}
 	defer client.Close()
-	pr, pw := io.Pipe()
 	switch op {
 	case cacheRestore:
-		var res hostcache.RestoreResult
-		var serr error
-		done := make(chan struct{})
-		go func() {
-			defer close(done)
-			res, serr = store.Restore(ctx, project, pw)
-			_ = pw.CloseWithError(serr)
-		}()
-		gerr := client.Stream(ctx, restoreCommand, pr, io.Discard)
-		_ = pr.CloseWithError(errors.New("the guest's tar ended"))
-		<-done
-		e.Report.Cache("restore", cacheResult(res.Files > 0, errors.Join(serr, gerr)), res.Bytes, 0)
-		switch {
-		case serr != nil || gerr != nil:
-			e.say("Host cache: restore failed after %s, the job goes on without it: %v", vm.Round(time.Since(t0)), errors.Join(serr, gerr))
-		case res.Files == 0:
-			e.say("Host cache: nothing cached for this project yet (%s)", vm.Round(time.Since(t0)))
-		default:
-			e.say("Host cache: restored %d file(s), %s, into %s in %s", res.Files, mib(res.Bytes), guestCacheDir, vm.Round(time.Since(t0)))
-		}
+		restoreCache(ctx, e, j, name, img, store, project, client, t0)
 	case cacheSave:
+		pr, pw := io.Pipe()
 		var res hostcache.SaveResult
 		var serr error
 		done := make(chan struct{})
@@ -159,6 +167,151 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 			e.say("Host cache: made room: %d older file(s), %s, removed", res.Evicted.Files, mib(res.Evicted.Bytes))
 		}
 	}
+}
+
+// restoreCache copies the project's cache into the guest's cache_dir:
+// on a restore disk (the image's cache_restore = "disk"), else, or when
+// the guest cannot have the disk, over the client's connection.
+func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time) {
+	var res hostcache.RestoreResult
+	var err error
+	how, done := "", false
+	if img.CacheRestore == config.CacheRestoreDisk {
+		res, done, err = restoreByDisk(ctx, e, j, name, store, project, client)
+		how = "from a restore disk"
+	}
+	if !done && err == nil {
+		how = "over SSH"
+		res, err = restoreBySSH(ctx, store, project, client)
+	}
+	e.Report.Cache("restore", cacheResult(res.Files > 0, err), res.Bytes, 0)
+	switch {
+	case err != nil:
+		e.say("Host cache: restore failed after %s, the job goes on without it: %v", vm.Round(time.Since(t0)), err)
+	case res.Files == 0:
+		e.say("Host cache: nothing cached for this project yet (%s)", vm.Round(time.Since(t0)))
+	default:
+		e.say("Host cache: restored %d file(s), %s, into %s %s in %s", res.Files, mib(res.Bytes), guestCacheDir, how, vm.Round(time.Since(t0)))
+	}
+}
+
+// restoreBySSH streams the project's cache into the guest's tar.
+func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, client *sshexec.Client) (hostcache.RestoreResult, error) {
+	sn, err := store.Open(ctx, project)
+	if err != nil {
+		return hostcache.RestoreResult{}, err
+	}
+	defer func() { _ = sn.Close() }()
+	if sn.Files().Files == 0 {
+		return sn.Files(), nil
+	}
+	pr, pw := io.Pipe()
+	var serr error
+	written := make(chan struct{})
+	go func() {
+		defer close(written)
+		_, serr = sn.WriteTo(pw)
+		_ = pw.CloseWithError(serr)
+	}()
+	gerr := client.Stream(ctx, restoreCommand, pr, io.Discard)
+	_ = pr.CloseWithError(errors.New("the guest's tar ended"))
+	<-written
+	return sn.Files(), errors.Join(serr, gerr)
+}
+
+// CacheDisk hands a project's host cache to a job's machine on a restore
+// disk, and deletes the disk's volume once the guest has read it
+// (jobvm.Host.AttachCache, DropData).
+type CacheDisk interface {
+	// Attach attaches the cache of project to machine name; nothing is
+	// attached when nothing is cached (Files 0).
+	Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error)
+	// Drop deletes the restore disk's volume of machine name.
+	Drop(ctx context.Context, name string) error
+}
+
+// localCacheDisk is CacheDisk in the stage's own process.
+type localCacheDisk struct {
+	h     *jobvm.Host
+	store *hostcache.Store
+}
+
+func (l localCacheDisk) Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error) {
+	return l.h.AttachCache(ctx, l.store, name, project)
+}
+
+func (l localCacheDisk) Drop(ctx context.Context, name string) error { return l.h.DropData(ctx, name) }
+
+// dropWait bounds deleting the restore disk's volume.
+const dropWait = 30 * time.Second
+
+// restoreByDisk hands the project's cache to the guest on a read-only disk
+// hot-plugged into its VM, and has the guest extract it. done is false
+// (with a nil error) when the guest could not have the disk: the job log
+// says why, and the caller copies over SSH instead. The disk's volume is
+// deleted once the guest is done with it.
+func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, err error) {
+	disk := e.CacheDisk
+	if disk == nil {
+		disk = localCacheDisk{h: j.m, store: store}
+	}
+	t0 := time.Now()
+	res, err = disk.Attach(ctx, name, project)
+	switch {
+	case err != nil && ctx.Err() == nil:
+		e.say("Host cache: no restore disk (%v); copying over SSH instead", err)
+		return res, false, nil
+	case err != nil:
+		return res, false, err
+	case res.Files == 0:
+		return res, true, nil
+	}
+	attached := time.Since(t0)
+	defer func() {
+		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
+		defer cancel()
+		if derr := disk.Drop(dctx, name); derr != nil {
+			j.log.Warn("restore disk's volume not deleted; the VM's teardown deletes it", "vm", name, "err", derr)
+		}
+	}()
+	out := &headBuffer{limit: 4096}
+	if err := client.Stream(ctx, diskRestoreCommand, bytes.NewReader(nil), out); err != nil {
+		return res, false, fmt.Errorf("extracting the restore disk: %w", err)
+	}
+	switch last := lastLine(out.String()); last {
+	case diskOK:
+		j.log.Debug("cache restored from a disk", "vm", name, "attached", attached, "total", time.Since(t0))
+		return res, true, nil
+	case diskMissing:
+		e.say("Host cache: the guest did not see the restore disk within 10 s (does its kernel do PCI hot plug? cache_restore = \"ssh\" avoids the wait); copying over SSH instead")
+	case diskUnreadable:
+		e.say("Host cache: the guest's user cannot read the restore disk (not root, no passwordless sudo; cache_restore = \"ssh\" avoids the attempt); copying over SSH instead")
+	default:
+		return res, false, errors.New("extracting the restore disk: the guest's tar did not finish")
+	}
+	return res, false, nil
+}
+
+// headBuffer keeps the first limit bytes written to it and drops the rest
+// (what a guest prints is bounded).
+type headBuffer struct {
+	b     []byte
+	limit int
+}
+
+func (h *headBuffer) Write(p []byte) (int, error) {
+	if room := h.limit - len(h.b); room > 0 {
+		h.b = append(h.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+func (h *headBuffer) String() string { return string(h.b) }
+
+// lastLine is s's last non-empty line.
+func lastLine(s string) string {
+	lines := strings.Split(strings.TrimSpace(s), "\n")
+	return strings.TrimSpace(lines[len(lines)-1])
 }
 
 // cacheResult is the metrics' result label.

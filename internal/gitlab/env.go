@@ -31,6 +31,11 @@ type Env struct {
 	// without libvirt, asks the admin tool: stagecli.Exe.ExplainViaAdminTool).
 	// nil means the stage's lifecycle.Manager.Explain.
 	Explain func(ctx context.Context, name string) string
+	// CacheDisk, if set, hands the host cache to a machine on a restore
+	// disk (the run stage, built without libvirt, asks the admin tool:
+	// stagecli.Exe.ExplainViaAdminTool). nil means the stage's own
+	// jobvm.Host.
+	CacheDisk CacheDisk
 	// Report, if set, is told what the stage did, step by step, for the
 	// host's metrics and structured log (the stage shell records it).
 	Report *obs.Report

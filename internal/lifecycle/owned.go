@@ -3,6 +3,7 @@ package lifecycle
 import (
 	"context"
 	"errors"
+	"io"
 	"os"
 	"path/filepath"
 	"strings"
@@ -143,6 +144,40 @@ func (m *Manager) DropSeed(ctx context.Context, name string) error {
 		}
 	}
 	return err
+}
+
+// AttachData hands size bytes of r to the running machine name on a
+// read-only disk hot-plugged into it (vm.Engine.AttachData), under the
+// machine's lock: a teardown runs before or after it, never in between, and
+// removes the disk's volume either way.
+func (m *Manager) AttachData(ctx context.Context, name string, r io.Reader, size int64) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size)
+}
+
+// DropData deletes the data disk's volume of machine name
+// (vm.Engine.DropData), under the machine's lock. A machine gone meanwhile
+// is success: its teardown removed the volume.
+func (m *Manager) DropData(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	if err := m.engine().DropData(ctx, name, m.Cfg.StoragePool); err != nil && !errors.Is(err, vm.ErrNotFound) {
+		return err
+	}
+	return nil
 }
 
 // StartMachine starts a stopped machine of this installation.

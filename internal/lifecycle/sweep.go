@@ -153,7 +153,10 @@ func MachineOfVolume(v string) (string, bool) {
 	if name, ok := strings.CutSuffix(v, ".qcow2"); ok {
 		return name, true
 	}
-	return strings.CutSuffix(v, "-seed.img")
+	if name, ok := strings.CutSuffix(v, "-seed.img"); ok {
+		return name, true
+	}
+	return strings.CutSuffix(v, "-data.img")
 }
 
 // examine gathers what the host holds under one machine name right now (the
@@ -162,7 +165,7 @@ func MachineOfVolume(v string) (string, bool) {
 // would.
 func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string, now time.Time) (Item, error) {
 	it := Item{Name: name}
-	for _, v := range []string{vm.DiskVolume(name), vm.SeedVolume(name)} {
+	for _, v := range vm.Volumes(name) {
 		if slices.Contains(poolVolumes, v) {
 			it.Volumes = append(it.Volumes, v)
 		}

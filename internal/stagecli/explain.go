@@ -23,8 +23,8 @@ const explainWait = 6 * time.Second
 // maxExplanation caps what is read of the admin tool's output.
 const maxExplanation = 4096
 
-// adminExplainer asks the admin tool what became of a machine.
-type adminExplainer struct {
+// adminTool asks the admin tool what became of a machine.
+type adminTool struct {
 	// exeDir is the running executable's directory ("" if unknown).
 	exeDir string
 	// lookPath finds an executable on PATH (exec.LookPath).
@@ -38,9 +38,9 @@ type adminExplainer struct {
 	log     *slog.Logger
 }
 
-// newAdminExplainer is the explainer of a stage that read configPath.
-func newAdminExplainer(configPath string, log *slog.Logger) *adminExplainer {
-	a := &adminExplainer{lookPath: exec.LookPath, configPath: configPath, environ: withoutJobVariables(os.Environ()),
+// newAdminTool is the explainer of a stage that read configPath.
+func newAdminTool(configPath string, log *slog.Logger) *adminTool {
+	a := &adminTool{lookPath: exec.LookPath, configPath: configPath, environ: withoutJobVariables(os.Environ()),
 		timeout: explainWait, log: log}
 	if exe, err := os.Executable(); err == nil {
 		a.exeDir = filepath.Dir(exe)
@@ -63,7 +63,7 @@ func withoutJobVariables(environ []string) []string {
 
 // find returns the admin tool's path: next to the running executable, else
 // on PATH.
-func (a *adminExplainer) find() (string, error) {
+func (a *adminTool) find() (string, error) {
 	if a.exeDir != "" {
 		p := filepath.Join(a.exeDir, jobvm.AdminExecutable)
 		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() && st.Mode().Perm()&0o111 != 0 {
@@ -76,7 +76,7 @@ func (a *adminExplainer) find() (string, error) {
 // Explain implements gitlab.Env.Explain: the admin tool's one sentence, ""
 // when it has nothing to say or fails (logged), or a note that the tool was
 // not found.
-func (a *adminExplainer) Explain(ctx context.Context, name string) string {
+func (a *adminTool) Explain(ctx context.Context, name string) string {
 	if err := vm.CheckName(name); err != nil {
 		a.log.Warn("no explanation of what became of the VM", "err", err)
 		return ""
@@ -90,9 +90,22 @@ func (a *adminExplainer) Explain(ctx context.Context, name string) string {
 		// The stage's error carries the note: no log line of its own.
 		return fmt.Sprintf("what became of VM %s is not known: the admin tool %s, which asks libvirt, was not found %s", name, jobvm.AdminExecutable, where)
 	}
-	ctx, cancel := context.WithTimeout(ctx, a.timeout)
+	out, err := a.run(ctx, path, a.timeout, jobvm.ExplainCommand, "--", name)
+	if err != nil {
+		a.log.Warn("no explanation of what became of the VM: the admin tool failed", "tool", path, "err", err)
+		return ""
+	}
+	why, _, _ := strings.Cut(strings.TrimSpace(out), "\n")
+	return strings.TrimSpace(why)
+}
+
+// run runs the admin tool at path with the stage's configuration file and
+// args, for at most timeout, and returns the start of its output (an error
+// carries the start of what it wrote to stderr).
+func (a *adminTool) run(ctx context.Context, path string, timeout time.Duration, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, path, "--config="+a.configPath, jobvm.ExplainCommand, "--", name)
+	cmd := exec.CommandContext(ctx, path, append([]string{"--config=" + a.configPath}, args...)...)
 	cmd.Env = a.environ
 	var stdout, stderr capped
 	cmd.Stdout, cmd.Stderr = &stdout, &stderr
@@ -106,12 +119,12 @@ func (a *adminExplainer) Explain(ctx context.Context, name string) string {
 		if ctx.Err() != nil {
 			err = fmt.Errorf("stopped after %s: %w (%v)", vm.Round(time.Since(t0)), context.Cause(ctx), err)
 		}
-		a.log.Warn("no explanation of what became of the VM: the admin tool failed", "tool", path, "err", err,
-			"stderr", strings.TrimSpace(stderr.String()), "took", vm.Round(time.Since(t0)).String())
-		return ""
+		if msg := strings.TrimSpace(stderr.String()); msg != "" {
+			err = fmt.Errorf("%w: %s", err, msg)
+		}
+		return "", err
 	}
-	why, _, _ := strings.Cut(strings.TrimSpace(stdout.String()), "\n")
-	return strings.TrimSpace(why)
+	return stdout.String(), nil
 }
 
 // capped keeps the first maxExplanation bytes written to it and discards

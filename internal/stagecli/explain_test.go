@@ -29,6 +29,8 @@ env > "$dir/env"
 case "$FAKE_MODE" in
 hang) sleep 30; echo late ;;
 fail) echo "libvirt said no" >&2; exit 3 ;;
+attach) echo "3 1234" ;;
+garbage) echo "3 lots" ;;
 *) echo "VM $4 is shut off (destroyed)"; echo "a second line is not read" ;;
 esac
 `
@@ -42,10 +44,10 @@ func installFake(t *testing.T) string {
 	return dir
 }
 
-func testExplainer(t *testing.T, exeDir, configPath string, environ ...string) (*adminExplainer, *bytes.Buffer) {
+func testExplainer(t *testing.T, exeDir, configPath string, environ ...string) (*adminTool, *bytes.Buffer) {
 	t.Helper()
 	var log bytes.Buffer
-	return &adminExplainer{
+	return &adminTool{
 		exeDir:     exeDir,
 		lookPath:   func(string) (string, error) { return "", exec.ErrNotFound },
 		configPath: configPath,

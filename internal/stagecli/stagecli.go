@@ -68,7 +68,8 @@ type Exe struct {
 	// flag and the stage's environment without the job's variables
 	// (CUSTOM_ENV_*); it runs from its argv, never through a shell, for at
 	// most 6 s. When the tool is not found, the stage's error says so in
-	// place of the explanation.
+	// place of the explanation. The host cache's restore disk is asked of
+	// it the same way (gitlab.Env.CacheDisk, jobvm.CacheDiskCommand).
 	ExplainViaAdminTool bool
 }
 
@@ -141,7 +142,9 @@ func Run(p Process, e Exe) int {
 			report := &obs.Report{Stage: strings.TrimPrefix(name, jobvm.AdminExecutable+"-")}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report}
 			if e.ExplainViaAdminTool {
-				env.Explain = newAdminExplainer(cfgPath, logger).Explain
+				tool := newAdminTool(cfgPath, logger)
+				env.Explain = tool.Explain
+				env.CacheDisk = adminCacheDisk{tool}
 			}
 			stageErr = e.Stage(c.Context, env, cfg, c.Args().Slice())
 			if !e.RunsToCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {

@@ -321,7 +321,7 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 	if err := CheckName(name); err != nil {
 		return err
 	}
-	volumes := []string{DiskVolume(name), SeedVolume(name)}
+	volumes := Volumes(name)
 	o, found, err := e.provenOwner(ctx, name)
 	switch {
 	case err != nil:

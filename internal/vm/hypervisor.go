@@ -3,6 +3,7 @@ package vm
 import (
 	"context"
 	"errors"
+	"io"
 
 	"libvirt.org/go/libvirtxml"
 )
@@ -41,6 +42,10 @@ type Hypervisor interface {
 	CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error)
 	// UploadVolume writes data at the start of an existing volume.
 	UploadVolume(ctx context.Context, pool, name string, data []byte) error
+	// StreamToVolume writes size bytes read from r at the start of an
+	// existing volume. r is read once: unlike the other calls, a call cut
+	// by a lost connection is not repeated on a new one.
+	StreamToVolume(ctx context.Context, pool, name string, r io.Reader, size int64) error
 	// DeleteVolume removes a volume (ErrNotFound if absent).
 	DeleteVolume(ctx context.Context, pool, name string) error
 	// VolumePath returns the path of a volume in pool (ErrNotFound if
@@ -69,6 +74,10 @@ type Hypervisor interface {
 	// guest (a hot unplug the guest may complete late, or never). A disk
 	// no longer there is success; ErrNotFound if the domain is absent.
 	DetachDisk(ctx context.Context, name, source string) error
+	// AttachDisk adds disk to the running domain, live only (a hot plug;
+	// the domain's persistent definition does not get it). ErrNotFound if
+	// the domain is absent.
+	AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
 	Owner(ctx context.Context, name string) (string, error)

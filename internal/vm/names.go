@@ -27,3 +27,11 @@ func DiskVolume(name string) string { return name + ".qcow2" }
 // SeedVolume is the name of the machine's seed volume (cloud-init NoCloud
 // image or credentials disk).
 func SeedVolume(name string) string { return name + "-seed.img" }
+
+// DataVolume is the name of the machine's data volume: a read-only disk
+// hot-plugged into the running guest to hand it data (AttachData).
+func DataVolume(name string) string { return name + "-data.img" }
+
+// Volumes are the names of every volume the engine may make for machine
+// name; teardown and sweep look for all of them.
+func Volumes(name string) []string { return []string{DiskVolume(name), SeedVolume(name), DataVolume(name)} }

@@ -3,6 +3,7 @@ package vm
 import (
 	"context"
 	"errors"
+	"io"
 	"fmt"
 	"time"
 
@@ -208,6 +209,22 @@ func (r *Reconnecting) CreateVolume(ctx context.Context, pool string, vol *libvi
 // UploadVolume implements Hypervisor.
 func (r *Reconnecting) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.UploadVolume(ctx, pool, name, data) })
+}
+
+// StreamToVolume implements Hypervisor: r is read once, so a call cut by a
+// lost connection is not repeated.
+func (r *Reconnecting) StreamToVolume(ctx context.Context, pool, name string, rd io.Reader, size int64) error {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.StreamToVolume(ctx, pool, name, rd, size) }, nil)
+	return err // the next call reconnects if the connection is lost
+}
+
+// AttachDisk implements Hypervisor.
+func (r *Reconnecting) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.AttachDisk(ctx, name, disk) })
 }
 
 // DeleteVolume implements Hypervisor.

@@ -13,6 +13,7 @@ package libvirtvm
 
 import (
 	"context"
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -326,6 +327,14 @@ func (l *Conn) volume(pool, name string) (*libvirt.StorageVol, error) {
 
 // UploadVolume implements vm.Hypervisor.
 func (l *Conn) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
+	return l.StreamToVolume(ctx, pool, name, bytes.NewReader(data), int64(len(data)))
+}
+
+// StreamToVolume implements vm.Hypervisor.
+func (l *Conn) StreamToVolume(ctx context.Context, pool, name string, r io.Reader, size int64) error {
+	if size < 0 {
+		return fmt.Errorf("volume %s: negative size %d", name, size)
+	}
 	return call0(ctx, l, func() error {
 		v, err := l.volume(pool, name)
 		if err != nil {
@@ -337,19 +346,27 @@ func (l *Conn) UploadVolume(ctx context.Context, pool, name string, data []byte)
 			return err
 		}
 		defer st.Free()
-		if err := v.Upload(st, 0, uint64(len(data)), 0); err != nil {
+		if err := v.Upload(st, 0, uint64(size), 0); err != nil {
 			return err
 		}
 		// In pieces: libvirt refuses a stream message of more than 32 MiB
 		// (and the connection with it).
-		const piece = 1 << 20
-		for off := 0; off < len(data); {
-			n, err := st.Send(data[off:min(off+piece, len(data))])
-			if err != nil {
-				_ = st.Abort()
-				return err
+		buf := make([]byte, 1<<20)
+		for left := size; left > 0; {
+			n, rerr := io.ReadFull(r, buf[:min(int64(len(buf)), left)])
+			for off := 0; off < n; {
+				m, err := st.Send(buf[off:n])
+				if err != nil {
+					_ = st.Abort()
+					return err
+				}
+				off += m
 			}
-			off += n
+			left -= int64(n)
+			if rerr != nil {
+				_ = st.Abort()
+				return fmt.Errorf("volume %s: reading what goes into it: %w", name, rerr)
+			}
 		}
 		return st.Finish()
 	})
@@ -578,6 +595,22 @@ func (l *Conn) DetachDisk(ctx context.Context, name, source string) error {
 			}
 		}
 		return nil
+	})
+}
+
+// AttachDisk implements vm.Hypervisor.
+func (l *Conn) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
+	x, err := disk.Marshal()
+	if err != nil {
+		return err
+	}
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		return notFound(d.AttachDeviceFlags(x, libvirt.DOMAIN_DEVICE_MODIFY_LIVE), libvirt.ERR_NO_DOMAIN)
 	})
 }
 

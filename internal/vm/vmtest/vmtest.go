@@ -6,6 +6,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"sort"
 	"strings"
 	"sync"
@@ -145,6 +146,27 @@ func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte)
 		return err
 	}
 	f.Volumes[pool+"/"+name] = data
+	return nil
+}
+// StreamToVolume implements vm.Hypervisor: the volume gets size bytes of r
+// (an error if r has fewer).
+func (f *Fake) StreamToVolume(ctx context.Context, pool, name string, r io.Reader, size int64) error {
+	f.wait("StreamToVolume")
+	data := make([]byte, size)
+	_, rerr := io.ReadFull(r, data)
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("StreamToVolume"); err != nil {
+		return err
+	}
+	if rerr != nil {
+		return rerr
+	}
+	key := pool + "/" + name
+	if _, ok := f.Volumes[key]; !ok {
+		return vm.ErrNotFound
+	}
+	f.Volumes[key] = data
 	return nil
 }
 func (f *Fake) VolumePath(ctx context.Context, pool, name string) (string, error) {
@@ -307,6 +329,44 @@ func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
 		return "", vm.ErrNoOwner
 	}
 	return d.OwnerXML, nil
+}
+
+// AttachDisk implements vm.Hypervisor: disk joins the domain's XML (the
+// Fake keeps one definition, live and persistent alike). The domain must
+// run, and no disk of the same target may be there.
+func (f *Fake) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
+	f.wait("AttachDisk")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("AttachDisk"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if !d.Active {
+		return fmt.Errorf("domain %s is not running", name)
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(d.XML); err != nil {
+		return err
+	}
+	if dx.Devices == nil {
+		dx.Devices = &libvirtxml.DomainDeviceList{}
+	}
+	for _, have := range dx.Devices.Disks {
+		if have.Target != nil && disk.Target != nil && have.Target.Dev == disk.Target.Dev {
+			return fmt.Errorf("target %s already exists", disk.Target.Dev)
+		}
+	}
+	dx.Devices.Disks = append(dx.Devices.Disks, *disk)
+	x, err := dx.Marshal()
+	if err != nil {
+		return err
+	}
+	d.XML = x
+	return nil
 }
 
 // DetachDisk implements vm.Hypervisor: the disks whose source is the

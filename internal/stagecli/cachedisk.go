@@ -1,0 +1,61 @@
+package stagecli
+
+import (
+	"context"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+)
+
+// cacheDiskWait bounds the admin tool's attach (it writes up to a
+// project's cache limit into a volume) and drop; the stage's own deadline
+// for a cache copy is shorter or equal.
+const cacheDiskWait = 10 * time.Minute
+
+// adminCacheDisk is gitlab.CacheDisk through the admin tool
+// (jobvm.CacheDiskCommand), for the run stage, built without libvirt.
+type adminCacheDisk struct{ a *adminTool }
+
+// Attach implements gitlab.CacheDisk.
+func (c adminCacheDisk) Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error) {
+	out, err := c.run(ctx, jobvm.CacheDiskAttach, "--", name, project)
+	if err != nil {
+		return hostcache.RestoreResult{}, err
+	}
+	return parseAttached(out)
+}
+
+// Drop implements gitlab.CacheDisk.
+func (c adminCacheDisk) Drop(ctx context.Context, name string) error {
+	_, err := c.run(ctx, jobvm.CacheDiskDrop, "--", name)
+	return err
+}
+
+func (c adminCacheDisk) run(ctx context.Context, args ...string) (string, error) {
+	path, err := c.a.find()
+	if err != nil {
+		return "", fmt.Errorf("the admin tool %s, which asks libvirt for the disk, was not found: %w", jobvm.AdminExecutable, err)
+	}
+	out, err := c.a.run(ctx, path, cacheDiskWait, append([]string{jobvm.CacheDiskCommand}, args...)...)
+	if err != nil {
+		return "", fmt.Errorf("%s %s: %w", jobvm.AdminExecutable, jobvm.CacheDiskCommand, err)
+	}
+	return out, nil
+}
+
+// parseAttached reads the attach command's "FILES BYTES".
+func parseAttached(out string) (hostcache.RestoreResult, error) {
+	f := strings.Fields(out)
+	if len(f) == 2 {
+		files, ferr := strconv.ParseInt(f[0], 10, 64)
+		bytes, berr := strconv.ParseInt(f[1], 10, 64)
+		if ferr == nil && berr == nil && files >= 0 && bytes >= 0 {
+			return hostcache.RestoreResult{Files: files, Bytes: bytes}, nil
+		}
+	}
+	return hostcache.RestoreResult{}, fmt.Errorf("%s %s %s: answer %q, want \"FILES BYTES\"", jobvm.AdminExecutable, jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, strings.TrimSpace(out))
+}

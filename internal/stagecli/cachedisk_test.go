@@ -1,0 +1,51 @@
+package stagecli
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+)
+
+// The run stage asks the admin tool for the restore disk from its argv
+// (no shell), without the job's variables, and reads its "FILES BYTES".
+func TestCacheDiskThroughTheAdminTool(t *testing.T) {
+	dir := installFake(t)
+	cfgPath := filepath.Join(t.TempDir(), "config.toml")
+	argv := func() []string {
+		b, err := os.ReadFile(filepath.Join(dir, "argv"))
+		require.NoError(t, err)
+		return strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
+	}
+	name, project := "lve-0123abcd-89abcdef-42", "dfe2eead3cf71594-7"
+
+	a, _ := testExplainer(t, dir, cfgPath, withoutJobVariables([]string{"FAKE_MODE=attach", "CUSTOM_ENV_CI_JOB_TOKEN=secret"})...)
+	res, err := adminCacheDisk{a}.Attach(context.Background(), name, project)
+	require.NoError(t, err)
+	require.Equal(t, hostcache.RestoreResult{Files: 3, Bytes: 1234}, res)
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, "--", name, project}, argv())
+	env, err := os.ReadFile(filepath.Join(dir, "env"))
+	require.NoError(t, err)
+	require.NotContains(t, string(env), "CUSTOM_ENV_", "the job's variables stay out")
+
+	require.NoError(t, adminCacheDisk{a}.Drop(context.Background(), name))
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskDrop, "--", name}, argv())
+
+	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=garbage")
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	require.ErrorContains(t, err, `answer "3 lots", want "FILES BYTES"`)
+
+	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=fail")
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	require.ErrorContains(t, err, "libvirt said no", "the tool's own words reach the job log")
+
+	a, _ = testExplainer(t, t.TempDir(), cfgPath) // no tool there, none on PATH
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	require.ErrorContains(t, err, "was not found")
+}
