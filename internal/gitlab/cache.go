@@ -177,8 +177,9 @@ func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.I
 	var err error
 	how, done := "", false
 	if img.CacheRestore == config.CacheRestoreDisk {
-		res, done, err = restoreByDisk(ctx, e, j, name, store, project, client)
-		how = "from a restore disk"
+		var steps string
+		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, client)
+		how = "from a restore disk (" + steps + ")"
 	}
 	if !done && err == nil {
 		how = "over SSH"
@@ -250,7 +251,9 @@ const dropWait = 30 * time.Second
 // (with a nil error) when the guest could not have the disk: the job log
 // says why, and the caller copies over SSH instead. The disk's volume is
 // deleted once the guest is done with it.
-func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, err error) {
+//
+// steps says how long the disk took to make and the guest to read it.
+func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
 	disk := e.CacheDisk
 	if disk == nil {
 		disk = localCacheDisk{h: j.m, store: store}
@@ -260,13 +263,14 @@ func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostc
 	switch {
 	case err != nil && ctx.Err() == nil:
 		e.say("Host cache: no restore disk (%v); copying over SSH instead", err)
-		return res, false, nil
+		return res, false, "", nil
 	case err != nil:
-		return res, false, err
+		return res, false, "", err
 	case res.Files == 0:
-		return res, true, nil
+		return res, true, "", nil
 	}
 	attached := time.Since(t0)
+	t1 := time.Now()
 	defer func() {
 		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
 		defer cancel()
@@ -276,20 +280,19 @@ func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostc
 	}()
 	out := &headBuffer{limit: 4096}
 	if err := client.Stream(ctx, diskRestoreCommand, bytes.NewReader(nil), out); err != nil {
-		return res, false, fmt.Errorf("extracting the restore disk: %w", err)
+		return res, false, "", fmt.Errorf("extracting the restore disk: %w", err)
 	}
 	switch last := lastLine(out.String()); last {
 	case diskOK:
-		j.log.Debug("cache restored from a disk", "vm", name, "attached", attached, "total", time.Since(t0))
-		return res, true, nil
+		return res, true, fmt.Sprintf("written and attached in %s, read by the guest in %s", vm.Round(attached), vm.Round(time.Since(t1))), nil
 	case diskMissing:
 		e.say("Host cache: the guest did not see the restore disk within 10 s (does its kernel do PCI hot plug? cache_restore = \"ssh\" avoids the wait); copying over SSH instead")
 	case diskUnreadable:
 		e.say("Host cache: the guest's user cannot read the restore disk (not root, no passwordless sudo; cache_restore = \"ssh\" avoids the attempt); copying over SSH instead")
 	default:
-		return res, false, errors.New("extracting the restore disk: the guest's tar did not finish")
+		return res, false, "", errors.New("extracting the restore disk: the guest's tar did not finish")
 	}
-	return res, false, nil
+	return res, false, "", nil
 }
 
 // headBuffer keeps the first limit bytes written to it and drops the rest

@@ -2,7 +2,9 @@ package gitlab
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -76,4 +78,28 @@ func TestHostCacheIdentity(t *testing.T) {
 	store, _, why = hostCache(&job{cfg: cfg, job: &env}, cfg.Images["a"])
 	require.Nil(t, store)
 	require.Contains(t, why, "not known from the runner's payload")
+}
+
+// The guest's commands for the host cache are POSIX sh (dash, busybox
+// ash): they parse, and shellcheck finds nothing in them.
+func TestCacheCommandsArePOSIX(t *testing.T) {
+	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand} {
+		out, err := exec.Command("/bin/sh", "-n", "-c", cmd).CombinedOutput()
+		require.NoError(t, err, "%s\n%s", cmd, out)
+		sc, err := exec.LookPath("shellcheck")
+		if err != nil {
+			t.Log("shellcheck not installed: syntax checked by /bin/sh only")
+			continue
+		}
+		c := exec.Command(sc, "-s", "sh", "-")
+		c.Stdin = strings.NewReader(cmd)
+		out, err = c.CombinedOutput()
+		require.NoError(t, err, "shellcheck:\n%s\n%s", out, cmd)
+	}
+	// The disk is found by the engine's serial, and every outcome says so on
+	// its own line.
+	require.Contains(t, diskRestoreCommand, `= lve-data ]`)
+	for _, word := range []string{diskOK, diskMissing, diskUnreadable} {
+		require.Contains(t, diskRestoreCommand, "echo "+word)
+	}
 }

@@ -34,8 +34,9 @@ func hostCacheRunner(t *testing.T, extra string) (*realRunner, string) {
 }
 
 // hostCacheRig is hostCacheRunner with, for idle > 0, a standby pool of
-// that many tiny VMs in the configuration (the caller starts the service).
-func hostCacheRig(t *testing.T, extra string, idle int) (*realRunner, string, *rig) {
+// that many tiny VMs in the configuration (the caller starts the service),
+// and the configuration edited by edits.
+func hostCacheRig(t *testing.T, extra string, idle int, edits ...func(string) string) (*realRunner, string, *rig) {
 	t.Helper()
 	rr := newRealRunner(t)
 	dir := filepath.Join(t.TempDir(), "host-cache")
@@ -43,6 +44,9 @@ func hostCacheRig(t *testing.T, extra string, idle int) (*realRunner, string, *r
 		s += fmt.Sprintf("\n[cache]\ndir = %q\n%s", dir, extra)
 		if idle > 0 {
 			s = poolsvc.WithPool(s, "tiny", idle)
+		}
+		for _, edit := range edits {
+			s = edit(s)
 		}
 		return s
 	})
@@ -92,28 +96,66 @@ func cacheZips(files map[string]int64) []string {
 }
 
 // TestHostCacheBetweenJobs: with [cache] dir set and no distributed cache,
-// a cache archived by one job is restored in the next job of the same
-// project (a fresh VM), and a job of another project on the same GitLab
-// finds nothing of it; nothing goes to the S3 endpoint.
+// a cache archived by one job is restored in the next jobs of the same
+// project, each in a fresh VM: on a read-only disk hot-plugged into the
+// guest (cache_restore = "disk", the default) on every other image the rig
+// configured (the Debian guest as root, the cloud-init guest as its user
+// "debian", who reads the disk through sudo), and over SSH on the default
+// image, configured with cache_restore = "ssh". A job of another project
+// on the same GitLab finds nothing of it; nothing goes to the S3 endpoint;
+// no restore disk's volume outlives its job. The restoring jobs run at
+// the same time, one runner each.
 func TestHostCacheBetweenJobs(t *testing.T) {
-	rr, dir := hostCacheRunner(t, "")
-	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
-	other := &jobapi.Project{ID: 2, Namespace: "lve", Name: "other"}
-	res := rr.runJobs(t,
-		jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt"}},
-		jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}},
-		jobapi.Job{Name: "stranger", Cache: cache, Project: other, Script: []string{`if [ -e vendor/dep.txt ]; then echo "LEAKED: $(cat vendor/dep.txt)"; else echo "no-cache-here"; fi`}},
-	)
-	for i := range res {
-		require.Equal(t, jobapi.StateSuccess, res[i].State, res[i].Trace)
-	}
+	var def string
+	rr, dir, _ := hostCacheRig(t, "", 0, func(s string) string {
+		def = regexp.MustCompile(`(?m)^default_image = "([a-z0-9-]+)"`).FindStringSubmatch(s)[1]
+		return strings.Replace(s, "[images."+def+"]\n", "[images."+def+"]\ncache_restore = \"ssh\"\n", 1)
+	})
+	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}, Policy: "pull"}
+	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: &jobapi.Cache{Key: cache.Key, Paths: cache.Paths},
+		Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt", "head -c 3145728 /dev/urandom > vendor/blob"}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "Created cache")
 	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
-	require.Regexp(t, `Host cache: restored \d+ file`, res[1].Trace)
-	require.Regexp(t, `restored: cached-\d+`, res[1].Trace)
-	require.Contains(t, res[2].Trace, "Host cache: nothing cached for this project yet")
-	require.Contains(t, res[2].Trace, "no-cache-here")
-	require.NotContains(t, res[2].Trace, "LEAKED: cached", "the script's output, not its echoed command")
+
+	use := func(img string) jobapi.Job {
+		return jobapi.Job{Name: "use-" + img, Image: img, Cache: cache,
+			Script: []string{`echo "restored: $(cat vendor/dep.txt) $(wc -c < vendor/blob)"`}}
+	}
+	other := &jobapi.Project{ID: 2, Namespace: "lve", Name: "other"}
+	jobs := []jobapi.Job{use(def), {Name: "stranger", Cache: cache, Project: other,
+		Script: []string{`if [ -e vendor/dep.txt ]; then echo "LEAKED: $(cat vendor/dep.txt)"; else echo "no-cache-here"; fi`}}}
+	others := otherImages(t, rr.r)
+	for _, img := range others {
+		jobs = append(jobs, use(img))
+	}
+	var ids []int64
+	var waits []func() (string, error)
+	for _, j := range jobs {
+		ids = append(ids, rr.api.Enqueue(j))
+	}
+	for range jobs {
+		waits = append(waits, rr.start(t, 1))
+	}
+	byName := map[string]jobapi.Result{}
+	for i, w := range waits {
+		byName[jobs[i].Name] = rr.results(t, w, ids[i:i+1])[0]
+	}
+	for _, img := range append([]string{def}, others...) {
+		x := byName["use-"+img]
+		require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
+		require.Regexp(t, `restored: cached-\d+ 3145728`, x.Trace, img)
+		how := "from a restore disk"
+		if img == def {
+			how = "over SSH"
+		}
+		require.Regexp(t, `Host cache: restored \d+ file\(s\), [0-9.]+ MiB, into /cache `+how, x.Trace, img)
+	}
+	x := byName["stranger"]
+	require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
+	require.Contains(t, x.Trace, "Host cache: nothing cached for this project yet")
+	require.Contains(t, x.Trace, "no-cache-here")
+	require.NotContains(t, x.Trace, "LEAKED: cached", "the script's output, not its echoed command")
 	require.Zero(t, rr.api.CacheObjects(), "no distributed cache: nothing went to S3")
 
 	files, odd := hostCacheFiles(t, dir)
@@ -126,7 +168,7 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		require.Equal(t, "projects", parts[0], z)
 		projects[parts[1]] = true
 	}
-	require.Len(t, projects, 2, "one directory per project: %v", zips)
+	require.Len(t, projects, 1, "only the project that archived has a cache: %v", zips)
 }
 
 // TestHostCacheLimitAndHostileGuest: a job whose cache is above
@@ -198,7 +240,7 @@ func TestHostCacheWarmVM(t *testing.T) {
 	res = rr.runJobs(t, jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
-	require.Regexp(t, `Host cache: restored \d+ file`, res[0].Trace)
+	require.Regexp(t, `Host cache: restored \d+ file.* from a restore disk`, res[0].Trace, "hot-plugged into the claimed standby")
 	require.Regexp(t, `restored: warm-\d+`, res[0].Trace)
 
 	// Unused for longer than cache.max_age (720h by default): gc removes it.

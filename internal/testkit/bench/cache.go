@@ -9,6 +9,7 @@ import (
 	"regexp"
 	"slices"
 	"strconv"
+	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -49,7 +50,7 @@ type CacheReport struct {
 	Modes []CacheMode
 }
 
-var hostCopyRE = regexp.MustCompile(`Host cache: (restored|kept) .* in ([0-9.]+)(ms|s)\b`)
+var hostCopyRE = regexp.MustCompile(`Host cache: (restored|kept) .* in ([0-9.]+)(ms|s)\b.*`)
 
 // CacheRound runs the benchmark: for each mode, Runs rounds of three jobs
 // (save, restore, no cache) on fresh VMs.
@@ -157,6 +158,9 @@ func cacheRun(ctx context.Context, o CacheOptions, cfgPath string, host bool, ru
 				mode.HostSave = append(mode.HostSave, v)
 			} else {
 				mode.HostRestore = append(mode.HostRestore, v)
+			}
+			if o.Log != nil {
+				fmt.Fprintf(o.Log, "[lve-bench] cache %s run %d: %s\n", mode.Name, run+1, strings.TrimSpace(m[0]))
 			}
 		}
 	}
