@@ -5,6 +5,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -249,7 +250,7 @@ func app() *cli.App {
 				// volume once the guest read it.
 				Name:   jobvm.CacheDiskCommand,
 				Hidden: true,
-				Usage:  "hand a project's host cache to a job VM on a read-only disk (attach), or delete that disk's volume (drop)",
+				Usage:  "move a project's host cache to and from a job VM on hot-plugged disks",
 				Subcommands: []*cli.Command{
 					{
 						Name:      jobvm.CacheDiskAttach,
@@ -274,15 +275,46 @@ func app() *cli.App {
 						},
 					},
 					{
+						Name:      jobvm.CacheDiskScratch,
+						Usage:     "attach an empty disk for the VM's guest to write its cache on",
+						ArgsUsage: "NAME",
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 1 {
+								return fmt.Errorf("%s %s takes one machine name, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskScratch, c.NArg())
+							}
+							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
+								return m.AttachScratch(c.Context, c.Args().First(), jobvm.ScratchCapacity(cfg.Cache.ProjectLimit()))
+							})
+						},
+					},
+					{
+						Name:      jobvm.CacheDiskKeep,
+						Usage:     "keep what the VM's guest wrote on its scratch disk in the project's cache; prints the result as JSON",
+						ArgsUsage: "NAME PROJECT",
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 2 {
+								return fmt.Errorf("%s %s takes a machine name and a project, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, c.NArg())
+							}
+							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
+								store, err := admin.CacheStore(cfg)
+								if err != nil {
+									return err
+								}
+								res, err := m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
+								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(res, err))
+							})
+						},
+					},
+					{
 						Name:      jobvm.CacheDiskDrop,
-						Usage:     "delete the VM's restore disk volume",
+						Usage:     "delete the VM's cache disks' volumes",
 						ArgsUsage: "NAME",
 						Action: func(c *cli.Context) error {
 							if c.NArg() != 1 {
 								return fmt.Errorf("%s %s takes one machine name, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskDrop, c.NArg())
 							}
 							return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
-								return m.DropData(c.Context, c.Args().First())
+								return m.DropDisks(c.Context, c.Args().First())
 							})
 						},
 					},

@@ -26,12 +26,25 @@ type Cache struct {
 	MaxAge Duration `toml:"max_age"`
 	// Images that get the host cache; empty: all.
 	Images []string `toml:"images"`
+	// DiskMinMiB: a cache smaller than this goes into and out of the
+	// guest over SSH even where the image's cache_via is "disk" (a hot plug
+	// costs a guest under TCG about 2 s, more than SSH takes for a few
+	// MiB). Default 16; 0: always the disks.
+	DiskMinMiB *int `toml:"disk_min_mib"`
 }
 
-// How the host cache reaches a guest (Image.CacheRestore).
+// DiskMin is DiskMinMiB in bytes.
+func (c Cache) DiskMin() int64 {
+	if c.DiskMinMiB == nil {
+		return 16 << 20
+	}
+	return int64(*c.DiskMinMiB) << 20
+}
+
+// How the host cache goes into and out of a guest (Image.CacheVia).
 const (
-	CacheRestoreDisk = "disk"
-	CacheRestoreSSH  = "ssh"
+	CacheViaDisk = "disk"
+	CacheViaSSH  = "ssh"
 )
 
 // Enabled reports whether the host cache is on.
@@ -69,6 +82,9 @@ func (c Cache) validate(p *problems, cfg *Config) {
 		p.bad("cache.project_limit_mib", "%d is above cache.total_limit_mib (%d)", c.ProjectLimitMiB, c.TotalLimitMiB)
 	}
 	p.positive("cache.max_age", c.MaxAge)
+	if c.DiskMinMiB != nil {
+		p.inRange("cache.disk_min_mib", *c.DiskMinMiB, 0, 1<<20)
+	}
 	for _, name := range c.Images {
 		if _, ok := cfg.Images[name]; !ok {
 			p.bad("cache.images", "%q is not a configured image; use one of %s", name, quoteList(cfg.ImageNames()))

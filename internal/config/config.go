@@ -276,14 +276,16 @@ type Image struct {
 	AddressSource string `toml:"address_source"`
 	// Machine is the QEMU machine type. Default "pc".
 	Machine string `toml:"machine"`
-	// CacheRestore is how the host cache ([cache]) reaches this image's
-	// guests: "disk" (default) hot-plugs a read-only disk holding the
-	// project's cache, which the guest reads without decrypting anything
-	// (it needs PCI hot plug, as Debian's kernels have, and a user that can
-	// read the disk or sudo without a password); "ssh" copies it over the
-	// job's SSH connection. "disk" falls back to "ssh" for a job whose guest
-	// does not see or cannot read the disk within 10 s. docs/caching.md.
-	CacheRestore string `toml:"cache_restore"`
+	// CacheVia is how the host cache ([cache]) goes into and out of this
+	// image's guests: "disk" (default) hot-plugs a read-only disk holding
+	// the project's cache for the restore and an empty one the guest writes
+	// its cache to for the save, so nothing is encrypted on the way (it
+	// needs PCI hot plug, as Debian's kernels have, and a user that can
+	// read and write the disks or sudo without a password); "ssh" copies
+	// over the job's SSH connection. "disk" falls back to "ssh" for a job
+	// whose guest does not see or cannot use a disk within 10 s.
+	// docs/caching.md.
+	CacheVia string `toml:"cache_via"`
 	// EgressAllow, when set, is the only destinations this image's VMs
 	// reach besides the network's own address (DHCP, DNS and the host
 	// services the guard opens): "CIDR" or "IP" (any protocol and port)
@@ -633,7 +635,7 @@ func (c *Config) applyDefaults() {
 		def(&img.Boot, BootDisk)
 		def(&img.Machine, "pc")
 		def(&img.AddressSource, "lease")
-		def(&img.CacheRestore, CacheRestoreDisk)
+		def(&img.CacheVia, CacheViaDisk)
 	}
 }
 
@@ -924,7 +926,7 @@ func (img *Image) validateGuest(p *problems, key string) {
 func (img *Image) validateBoot(p *problems, key string) {
 	p.oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
 	p.oneOf(key+".address_source", img.AddressSource, "lease", "agent")
-	p.oneOf(key+".cache_restore", img.CacheRestore, CacheRestoreDisk, CacheRestoreSSH)
+	p.oneOf(key+".cache_via", img.CacheVia, CacheViaDisk, CacheViaSSH)
 	if img.Boot == BootKernel {
 		if !filepath.IsAbs(img.Kernel) {
 			p.bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)

@@ -80,6 +80,8 @@ func TestValidateMessages(t *testing.T) {
 		{"cache dir root", "[cache]\ndir = \"/\"\n" + base, `cache.dir: "/" must be a clean absolute path`},
 		{"cache limits", "[cache]\ndir = \"/c\"\nproject_limit_mib = 2048\ntotal_limit_mib = 1024\n" + base, `cache.project_limit_mib: 2048 is above cache.total_limit_mib (1024)`},
 		{"cache negative", "[cache]\nproject_limit_mib = -1\n" + base, `cache.project_limit_mib: -1 is out of range 1-1048576`},
+		{"cache disk min", "[cache]\ndisk_min_mib = -1\n" + base, `cache.disk_min_mib: -1 is out of range 0-1048576`},
+		{"cache via", "[images.x]\nbase = \"/x\"\ncache_via = \"9p\"\n" + base, `images.x.cache_via: "9p" is not allowed`},
 		{"cache image", "[cache]\ndir = \"/c\"\nimages = [\"b\"]\n" + base, `cache.images: "b" is not a configured image; use one of "a"`},
 	}
 	for _, tc := range tests {

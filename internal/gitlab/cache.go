@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"time"
 
@@ -33,31 +34,58 @@ const guestCacheDir = "/cache"
 const (
 	restoreCommand = "mkdir -p " + guestCacheDir + " && tar -xf - -C " + guestCacheDir
 	saveCommand    = "mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + " && tar -cf - ."
-	// diskRestoreCommand extracts the cache from the restore disk (serial
-	// vm.DataDiskSerial), waiting up to 10 s for it to appear. It says on
-	// its last line what it did: diskOK, or why the disk could not be used
-	// (diskMissing, diskUnreadable), which sends the cache over SSH
-	// instead. The disk is read as the job's user, or through sudo where
-	// only root may; the files are written as the job's user.
-	diskRestoreCommand = `d=; i=0
+	// What the disk commands say on their last line.
+	diskOK         = "lve-cache-restored"
+	diskWritten    = "lve-cache-written" // and the guest tar's exit status
+	diskMissing    = "lve-cache-no-disk"
+	diskUnreadable = "lve-cache-disk-unreadable"
+	diskUnwritable = "lve-cache-disk-unwritable"
+)
+
+// findDisk is the start of the disk commands: it waits up to 10 s for the
+// disk with serial to appear, and sets d to its device (or says
+// diskMissing and ends).
+func findDisk(serial string) string {
+	return `d=; i=0
 while [ $i -lt 100 ]; do
   for s in /sys/block/*/serial; do
-    if [ "$(cat "$s" 2>/dev/null)" = ` + vm.DataDiskSerial + ` ]; then d=${s%/serial}; d=/dev/${d##*/}; fi
+    if [ "$(cat "$s" 2>/dev/null)" = ` + serial + ` ]; then d=${s%/serial}; d=/dev/${d##*/}; fi
   done
   if [ -n "$d" ] && [ -b "$d" ]; then break; fi
   d=; i=$((i+1)); sleep 0.1
 done
 if [ -z "$d" ]; then echo ` + diskMissing + `; exit 0; fi
-if [ -r "$d" ]; then
+`
+}
+
+// The guest's side of the disk copies: fixed commands, nothing of the job
+// in them. The disks are read and written as the job's user, or through
+// sudo where only root may; the files are written as the job's user.
+var (
+	// diskRestoreCommand extracts the cache from the restore disk (serial
+	// vm.DataDiskSerial) and says diskOK, or why the disk could not be
+	// used, which sends the cache over SSH instead.
+	diskRestoreCommand = findDisk(vm.DataDiskSerial) + `if [ -r "$d" ]; then
   mkdir -p ` + guestCacheDir + ` && tar -xf "$d" -C ` + guestCacheDir + ` && echo ` + diskOK + `
 elif sudo -n true 2>/dev/null; then
   mkdir -p ` + guestCacheDir + ` && sudo -n cat "$d" | tar -xf - -C ` + guestCacheDir + ` && echo ` + diskOK + `
 else
   echo ` + diskUnreadable + `
 fi`
-	diskOK         = "lve-cache-restored"
-	diskMissing    = "lve-cache-no-disk"
-	diskUnreadable = "lve-cache-disk-unreadable"
+	// diskSaveCommand writes cache_dir as a tar stream at the start of the
+	// scratch disk (serial vm.ScratchDiskSerial), flushes it, and says
+	// diskWritten with tar's exit status, or why the disk could not be
+	// used.
+	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + `mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + ` || exit 1
+if [ -w "$d" ]; then
+  tar -cf "$d" .; st=$?
+elif sudo -n true 2>/dev/null; then
+  tar -cf - . | sudo -n dd of="$d" bs=1M 2>/dev/null; st=$?
+else
+  echo ` + diskUnwritable + `; exit 0
+fi
+sync
+echo ` + diskWritten + ` $st`
 )
 
 // cacheTimeout bounds one copy (restore or save) of a project's cache.
@@ -127,56 +155,173 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	case cacheRestore:
 		restoreCache(ctx, e, j, name, img, store, project, client, t0)
 	case cacheSave:
-		pr, pw := io.Pipe()
-		var res hostcache.SaveResult
-		var serr error
-		done := make(chan struct{})
-		sctx, stop := context.WithCancel(ctx)
-		defer stop()
-		go func() {
-			defer close(done)
-			res, serr = store.Save(sctx, project, pr)
-			// The guest's tar is not waited for once the host has what it
-			// keeps, or refused it: what it still sends is dropped.
-			_ = pr.CloseWithError(errors.New("the host stopped reading the guest's cache"))
-			if serr != nil {
-				stop()
-			}
-		}()
-		gerr := client.Stream(sctx, saveCommand, bytes.NewReader(nil), pw)
-		_ = pw.CloseWithError(gerr)
-		<-done
-		e.Report.Cache("save", cacheResult(true, serr), res.Bytes, res.Evicted.Bytes)
-		took := vm.Round(time.Since(t0))
-		switch {
-		case errors.Is(serr, hostcache.ErrProjectLimit):
-			e.say("Host cache: not kept (%s): %v. The project's earlier cache stays; raise cache.project_limit_mib or cache less", took, serr)
-			return
-		case serr != nil:
-			e.say("Host cache: not kept (%s): %v", took, serr)
-			return
+		saveCache(ctx, e, j, name, img, store, project, client, t0)
+	}
+}
+
+// saveCache keeps the guest's cache_dir in the project's cache: written by
+// the guest on a scratch disk (the image's cache_via = "disk"), else, or
+// when the guest cannot use the disk, over the client's connection. The
+// job log says what was kept, left out and evicted, and how long it took.
+func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time) {
+	var res hostcache.SaveResult
+	var serr, gerr error
+	how, done := "", false
+	if img.CacheVia == config.CacheViaDisk {
+		var steps string
+		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, client)
+		how = " from a scratch disk (" + steps + ")"
+	}
+	if !done && serr == nil {
+		how = " over SSH"
+		res, gerr, serr = saveBySSH(ctx, store, project, client)
+	}
+	e.Report.Cache("save", cacheResult(true, serr), res.Bytes, res.Evicted.Bytes)
+	took := vm.Round(time.Since(t0))
+	switch {
+	case errors.Is(serr, hostcache.ErrProjectLimit):
+		e.say("Host cache: not kept (%s): %v. The project's earlier cache stays; raise cache.project_limit_mib or cache less", took, serr)
+		return
+	case serr != nil:
+		e.say("Host cache: not kept (%s): %v", took, serr)
+		return
+	}
+	e.say("Host cache: kept %d file(s), %s (%d unchanged)%s in %s", res.Files, mib(res.Bytes), res.Unchanged, how, took)
+	if gerr != nil {
+		e.say("Host cache: (the guest's tar ended with: %v)", gerr)
+	}
+	if res.SkipCount > 0 {
+		e.say("Host cache: left out %d entr(ies) that are not plain files or have names not allowed (first: %s)", res.SkipCount, strings.Join(res.Skipped, "; "))
+	}
+	if res.Evicted.Files > 0 {
+		e.say("Host cache: made room: %d older file(s), %s, removed", res.Evicted.Files, mib(res.Evicted.Bytes))
+	}
+}
+
+// saveBySSH reads the guest's tar stream of its cache_dir over the
+// client's connection into the store. gerr is how the guest's side ended.
+func saveBySSH(ctx context.Context, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.SaveResult, gerr, serr error) {
+	pr, pw := io.Pipe()
+	done := make(chan struct{})
+	sctx, stop := context.WithCancel(ctx)
+	defer stop()
+	go func() {
+		defer close(done)
+		res, serr = store.Save(sctx, project, pr)
+		// The guest's tar is not waited for once the host has what it
+		// keeps, or refused it: what it still sends is dropped.
+		_ = pr.CloseWithError(errors.New("the host stopped reading the guest's cache"))
+		if serr != nil {
+			stop()
 		}
-		e.say("Host cache: kept %d file(s), %s (%d unchanged) in %s", res.Files, mib(res.Bytes), res.Unchanged, took)
-		if gerr != nil {
-			e.say("Host cache: (the guest's tar ended with: %v)", gerr)
+	}()
+	gerr = client.Stream(sctx, saveCommand, bytes.NewReader(nil), pw)
+	_ = pw.CloseWithError(gerr)
+	<-done
+	return res, gerr, serr
+}
+
+// saveByDisk has the guest write its cache_dir as a tar stream on an empty
+// disk hot-plugged into its VM, and keeps what is on the disk (checked as
+// any guest's stream is). done is false (with nil errors) when the guest
+// could not use the disk: the job log says why, and the caller copies over
+// SSH instead. The disk's volume is deleted once read. steps says how
+// long the disk took to make, the guest to write it and the host to keep
+// it.
+func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client *sshexec.Client) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
+	if smallSave(ctx, j, client) {
+		return res, false, "", nil, nil
+	}
+	disk := e.cacheDisk(j)
+	t0 := time.Now()
+	if err := disk.AttachScratch(ctx, name); err != nil {
+		if ctx.Err() != nil {
+			return res, false, "", nil, err
 		}
-		if res.SkipCount > 0 {
-			e.say("Host cache: left out %d entr(ies) that are not plain files or have names not allowed (first: %s)", res.SkipCount, strings.Join(res.Skipped, "; "))
+		e.say("Host cache: no scratch disk (%v); copying over SSH instead", err)
+		return res, false, "", nil, nil
+	}
+	defer dropDisks(ctx, j, disk, name)
+	attached := time.Since(t0)
+	t1 := time.Now()
+	out := &headBuffer{limit: 4096}
+	if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
+		return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", err)
+	}
+	last := lastLine(out.String())
+	switch {
+	case strings.HasPrefix(last, diskWritten+" "):
+		if status := strings.TrimPrefix(last, diskWritten+" "); status != "0" {
+			gerr = fmt.Errorf("exit status %.8s", status)
 		}
-		if res.Evicted.Files > 0 {
-			e.say("Host cache: made room: %d older file(s), %s, removed", res.Evicted.Files, mib(res.Evicted.Bytes))
-		}
+	case last == diskMissing:
+		e.say("Host cache: the guest did not see the scratch disk within 10 s (does its kernel do PCI hot plug? cache_via = \"ssh\" avoids the wait); copying over SSH instead")
+		return res, false, "", nil, nil
+	case last == diskUnwritable:
+		e.say("Host cache: the guest's user cannot write the scratch disk (not root, no passwordless sudo; cache_via = \"ssh\" avoids the attempt); copying over SSH instead")
+		return res, false, "", nil, nil
+	default:
+		return res, false, "", nil, errors.New("writing the cache to the scratch disk: the guest's tar did not finish")
+	}
+	written := time.Since(t1)
+	t2 := time.Now()
+	res, serr = disk.Keep(ctx, name, project)
+	return res, true, fmt.Sprintf("made in %s, written by the guest in %s, read in %s", vm.Round(attached), vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
+}
+
+// smallRestore reports whether the project's cache is below
+// cache.disk_min_mib: cheaper over SSH than on a disk.
+func smallRestore(ctx context.Context, j *job, store *hostcache.Store, project string) (bool, error) {
+	sn, err := store.Open(ctx, project)
+	if err != nil {
+		return false, err
+	}
+	defer func() { _ = sn.Close() }()
+	return sn.Size() < j.cfg.Cache.DiskMin(), nil
+}
+
+// duCommand says how many KiB the guest's cache_dir holds.
+const duCommand = "du -sk " + guestCacheDir + " 2>/dev/null"
+
+// smallSave reports whether the guest says its cache_dir holds less than
+// cache.disk_min_mib: cheaper over SSH than on a disk. A guest that does
+// not say (or lies) only chooses the way its cache comes; both check what
+// comes the same.
+func smallSave(ctx context.Context, j *job, client *sshexec.Client) bool {
+	min := j.cfg.Cache.DiskMin()
+	if min == 0 {
+		return false
+	}
+	out := &headBuffer{limit: 256}
+	if err := client.Stream(ctx, duCommand, bytes.NewReader(nil), out); err != nil {
+		return false
+	}
+	f := strings.Fields(out.String())
+	if len(f) == 0 {
+		return false
+	}
+	kib, err := strconv.ParseInt(f[0], 10, 64)
+	return err == nil && kib >= 0 && kib<<10 < min
+}
+
+// dropDisks deletes the volumes of the machine's hot-plugged disks, on a
+// deadline of its own.
+func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
+	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
+	defer cancel()
+	if err := disk.Drop(dctx, name); err != nil {
+		j.log.Warn("a host cache disk's volume was not deleted; the VM's teardown deletes it", "vm", name, "err", err)
 	}
 }
 
 // restoreCache copies the project's cache into the guest's cache_dir:
-// on a restore disk (the image's cache_restore = "disk"), else, or when
+// on a restore disk (the image's cache_via = "disk"), else, or when
 // the guest cannot have the disk, over the client's connection.
 func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time) {
 	var res hostcache.RestoreResult
 	var err error
 	how, done := "", false
-	if img.CacheRestore == config.CacheRestoreDisk {
+	if img.CacheVia == config.CacheViaDisk {
 		var steps string
 		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, client)
 		how = "from a restore disk (" + steps + ")"
@@ -220,15 +365,29 @@ func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, c
 	return sn.Files(), errors.Join(serr, gerr)
 }
 
-// CacheDisk hands a project's host cache to a job's machine on a restore
-// disk, and deletes the disk's volume once the guest has read it
-// (jobvm.Host.AttachCache, DropData).
+// CacheDisk moves a project's host cache to and from a job's machine on
+// hot-plugged disks (jobvm.Host.AttachCache, AttachScratch, KeepCache,
+// DropDisks).
 type CacheDisk interface {
-	// Attach attaches the cache of project to machine name; nothing is
-	// attached when nothing is cached (Files 0).
+	// Attach attaches the cache of project to machine name on a read-only
+	// disk; nothing is attached when nothing is cached (Files 0).
 	Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error)
-	// Drop deletes the restore disk's volume of machine name.
+	// AttachScratch attaches an empty disk for the guest to write its
+	// cache on.
+	AttachScratch(ctx context.Context, name string) error
+	// Keep saves what the guest wrote on the scratch disk into the
+	// project's cache (hostcache.Store.Save).
+	Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error)
+	// Drop deletes the disks' volumes of machine name.
 	Drop(ctx context.Context, name string) error
+}
+
+// cacheDisk is e's CacheDisk, or one in the stage's own process.
+func (e Env) cacheDisk(j *job) CacheDisk {
+	if e.CacheDisk != nil {
+		return e.CacheDisk
+	}
+	return localCacheDisk{h: j.m, store: hostcache.ForConfig(j.cfg.Cache)}
 }
 
 // localCacheDisk is CacheDisk in the stage's own process.
@@ -241,7 +400,15 @@ func (l localCacheDisk) Attach(ctx context.Context, name, project string) (hostc
 	return l.h.AttachCache(ctx, l.store, name, project)
 }
 
-func (l localCacheDisk) Drop(ctx context.Context, name string) error { return l.h.DropData(ctx, name) }
+func (l localCacheDisk) AttachScratch(ctx context.Context, name string) error {
+	return l.h.AttachScratch(ctx, name, jobvm.ScratchCapacity(l.store.ProjectLimit))
+}
+
+func (l localCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error) {
+	return l.h.KeepCache(ctx, l.store, name, project)
+}
+
+func (l localCacheDisk) Drop(ctx context.Context, name string) error { return l.h.DropDisks(ctx, name) }
 
 // dropWait bounds deleting the restore disk's volume.
 const dropWait = 30 * time.Second
@@ -254,10 +421,10 @@ const dropWait = 30 * time.Second
 //
 // steps says how long the disk took to make and the guest to read it.
 func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
-	disk := e.CacheDisk
-	if disk == nil {
-		disk = localCacheDisk{h: j.m, store: store}
+	if small, err := smallRestore(ctx, j, store, project); err != nil || small {
+		return res, false, "", err
 	}
+	disk := e.cacheDisk(j)
 	t0 := time.Now()
 	res, err = disk.Attach(ctx, name, project)
 	switch {
@@ -271,13 +438,7 @@ func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostc
 	}
 	attached := time.Since(t0)
 	t1 := time.Now()
-	defer func() {
-		dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
-		defer cancel()
-		if derr := disk.Drop(dctx, name); derr != nil {
-			j.log.Warn("restore disk's volume not deleted; the VM's teardown deletes it", "vm", name, "err", derr)
-		}
-	}()
+	defer dropDisks(ctx, j, disk, name)
 	out := &headBuffer{limit: 4096}
 	if err := client.Stream(ctx, diskRestoreCommand, bytes.NewReader(nil), out); err != nil {
 		return res, false, "", fmt.Errorf("extracting the restore disk: %w", err)
@@ -286,9 +447,9 @@ func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostc
 	case diskOK:
 		return res, true, fmt.Sprintf("written and attached in %s, read by the guest in %s", vm.Round(attached), vm.Round(time.Since(t1))), nil
 	case diskMissing:
-		e.say("Host cache: the guest did not see the restore disk within 10 s (does its kernel do PCI hot plug? cache_restore = \"ssh\" avoids the wait); copying over SSH instead")
+		e.say("Host cache: the guest did not see the restore disk within 10 s (does its kernel do PCI hot plug? cache_via = \"ssh\" avoids the wait); copying over SSH instead")
 	case diskUnreadable:
-		e.say("Host cache: the guest's user cannot read the restore disk (not root, no passwordless sudo; cache_restore = \"ssh\" avoids the attempt); copying over SSH instead")
+		e.say("Host cache: the guest's user cannot read the restore disk (not root, no passwordless sudo; cache_via = \"ssh\" avoids the attempt); copying over SSH instead")
 	default:
 		return res, false, "", errors.New("extracting the restore disk: the guest's tar did not finish")
 	}

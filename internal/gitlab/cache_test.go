@@ -83,7 +83,7 @@ func TestHostCacheIdentity(t *testing.T) {
 // The guest's commands for the host cache are POSIX sh (dash, busybox
 // ash): they parse, and shellcheck finds nothing in them.
 func TestCacheCommandsArePOSIX(t *testing.T) {
-	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand} {
+	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand, diskSaveCommand} {
 		out, err := exec.Command("/bin/sh", "-n", "-c", cmd).CombinedOutput()
 		require.NoError(t, err, "%s\n%s", cmd, out)
 		sc, err := exec.LookPath("shellcheck")
@@ -99,7 +99,11 @@ func TestCacheCommandsArePOSIX(t *testing.T) {
 	// The disk is found by the engine's serial, and every outcome says so on
 	// its own line.
 	require.Contains(t, diskRestoreCommand, `= lve-data ]`)
+	require.Contains(t, diskSaveCommand, `= lve-scratch ]`)
 	for _, word := range []string{diskOK, diskMissing, diskUnreadable} {
 		require.Contains(t, diskRestoreCommand, "echo "+word)
+	}
+	for _, word := range []string{diskWritten + " $st", diskMissing, diskUnwritable} {
+		require.Contains(t, diskSaveCommand, "echo "+word)
 	}
 }

@@ -3,6 +3,7 @@ package jobvm
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
@@ -40,4 +41,70 @@ func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, pr
 		return hostcache.RestoreResult{}, err
 	}
 	return res, nil
+}
+
+// ScratchCapacity is the scratch disk's size for a save of the host cache:
+// the project limit, and room for the tar headers of the most files a
+// save may carry (hostcache.MaxFiles, each with a long name's PAX records).
+// What a guest can put on the host's disk through it is bounded by it.
+func ScratchCapacity(projectLimit int64) int64 {
+	return projectLimit + int64(hostcache.MaxFiles)*4096 + 1<<20
+}
+
+// errSaved ends the scratch disk's read once Save has what it keeps.
+var errSaved = errors.New("the host cache has read the archive")
+
+// KeepCache reads what the guest of machine name wrote on its scratch disk
+// (a tar stream of its cache_dir) into the project's cache in store
+// (hostcache.Store.Save: hostile input, checked and bounded there), then
+// deletes the disk's volume. The read stops where the stream ends.
+func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (hostcache.SaveResult, error) {
+	if err := h.CheckOurName(name); err != nil {
+		return hostcache.SaveResult{}, err
+	}
+	pr, pw := io.Pipe()
+	read := make(chan struct{})
+	go func() {
+		defer close(read)
+		err := h.ReadScratch(ctx, name, pw)
+		if err == nil {
+			err = errors.New("the scratch disk ended before the archive did")
+		}
+		_ = pw.CloseWithError(err)
+	}()
+	// A failed read reaches Save as its stream's error; once Save returns,
+	// the rest of the disk is not read.
+	res, err := store.Save(ctx, project, pr)
+	_ = pr.CloseWithError(errSaved)
+	<-read
+	return res, err
+}
+
+// KeepAnswer is what `cache-disk keep` prints: the save's result, or its
+// error (OverLimit: hostcache.ErrProjectLimit).
+type KeepAnswer struct {
+	Result    hostcache.SaveResult `json:"result"`
+	Error     string               `json:"error,omitempty"`
+	OverLimit bool                 `json:"over_limit,omitempty"`
+}
+
+// NewKeepAnswer is the answer for KeepCache's res and err.
+func NewKeepAnswer(res hostcache.SaveResult, err error) KeepAnswer {
+	a := KeepAnswer{Result: res}
+	if err != nil {
+		a.Error, a.OverLimit = err.Error(), errors.Is(err, hostcache.ErrProjectLimit)
+	}
+	return a
+}
+
+// Err is the answer's error (wrapping hostcache.ErrProjectLimit where it
+// was that), or nil.
+func (a KeepAnswer) Err() error {
+	switch {
+	case a.Error == "":
+		return nil
+	case a.OverLimit:
+		return fmt.Errorf("%w: %s", hostcache.ErrProjectLimit, a.Error)
+	}
+	return errors.New(a.Error)
 }

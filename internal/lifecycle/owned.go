@@ -162,10 +162,9 @@ func (m *Manager) AttachData(ctx context.Context, name string, r io.Reader, size
 	return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size)
 }
 
-// DropData deletes the data disk's volume of machine name
-// (vm.Engine.DropData), under the machine's lock. A machine gone meanwhile
-// is success: its teardown removed the volume.
-func (m *Manager) DropData(ctx context.Context, name string) error {
+// AttachScratch gives the running machine name an empty writable disk of
+// capacity bytes (vm.Engine.AttachScratch), under the machine's lock.
+func (m *Manager) AttachScratch(ctx context.Context, name string, capacity int64) error {
 	if err := m.checkOurName(name); err != nil {
 		return err
 	}
@@ -174,8 +173,35 @@ func (m *Manager) DropData(ctx context.Context, name string) error {
 		return err
 	}
 	defer unlock()
-	if err := m.engine().DropData(ctx, name, m.Cfg.StoragePool); err != nil && !errors.Is(err, vm.ErrNotFound) {
+	return m.engine().AttachScratch(ctx, name, m.Cfg.StoragePool, capacity)
+}
+
+// ReadScratch copies what the guest of machine name wrote on its scratch
+// disk to w (vm.Engine.ReadScratch): hostile bytes.
+func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) error {
+	if err := m.checkOurName(name); err != nil {
 		return err
+	}
+	return m.engine().ReadScratch(ctx, name, m.Cfg.StoragePool, w)
+}
+
+// DropDisks deletes the volumes of machine name's hot-plugged disks (data
+// and scratch: vm.Engine.DropData, DropScratch), under the machine's lock.
+// A machine gone meanwhile is success: its teardown removed them.
+func (m *Manager) DropDisks(ctx context.Context, name string) error {
+	if err := m.checkOurName(name); err != nil {
+		return err
+	}
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	e := m.engine()
+	for _, drop := range []func(context.Context, string, string) error{e.DropData, e.DropScratch} {
+		if err := drop(ctx, name, m.Cfg.StoragePool); err != nil && !errors.Is(err, vm.ErrNotFound) {
+			return err
+		}
 	}
 	return nil
 }

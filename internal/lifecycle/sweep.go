@@ -153,10 +153,12 @@ func MachineOfVolume(v string) (string, bool) {
 	if name, ok := strings.CutSuffix(v, ".qcow2"); ok {
 		return name, true
 	}
-	if name, ok := strings.CutSuffix(v, "-seed.img"); ok {
-		return name, true
+	for _, suffix := range []string{"-seed.img", "-data.img", "-scratch.img"} {
+		if name, ok := strings.CutSuffix(v, suffix); ok {
+			return name, true
+		}
 	}
-	return strings.CutSuffix(v, "-data.img")
+	return "", false
 }
 
 // examine gathers what the host holds under one machine name right now (the

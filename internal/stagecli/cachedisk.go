@@ -2,6 +2,7 @@ package stagecli
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"strconv"
 	"strings"
@@ -27,6 +28,25 @@ func (c adminCacheDisk) Attach(ctx context.Context, name, project string) (hostc
 		return hostcache.RestoreResult{}, err
 	}
 	return parseAttached(out)
+}
+
+// AttachScratch implements gitlab.CacheDisk.
+func (c adminCacheDisk) AttachScratch(ctx context.Context, name string) error {
+	_, err := c.run(ctx, jobvm.CacheDiskScratch, "--", name)
+	return err
+}
+
+// Keep implements gitlab.CacheDisk.
+func (c adminCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error) {
+	out, err := c.run(ctx, jobvm.CacheDiskKeep, "--", name, project)
+	if err != nil {
+		return hostcache.SaveResult{}, err
+	}
+	var a jobvm.KeepAnswer
+	if err := json.Unmarshal([]byte(out), &a); err != nil {
+		return hostcache.SaveResult{}, fmt.Errorf("%s %s %s: answer %q: %w", jobvm.AdminExecutable, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, strings.TrimSpace(out), err)
+	}
+	return a.Result, a.Err()
 }
 
 // Drop implements gitlab.CacheDisk.

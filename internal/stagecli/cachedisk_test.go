@@ -37,6 +37,17 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	require.NoError(t, adminCacheDisk{a}.Drop(context.Background(), name))
 	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskDrop, "--", name}, argv())
 
+	require.NoError(t, adminCacheDisk{a}.AttachScratch(context.Background(), name))
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskScratch, "--", name}, argv())
+
+	// keep: the save's result and its error class cross the process boundary.
+	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=keep")
+	kept, err := adminCacheDisk{a}.Keep(context.Background(), name, project)
+	require.ErrorIs(t, err, hostcache.ErrProjectLimit)
+	require.ErrorContains(t, err, "too big")
+	require.Equal(t, hostcache.SaveResult{Files: 2, Bytes: 10, Unchanged: 1}, kept)
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, "--", name, project}, argv())
+
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=garbage")
 	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
 	require.ErrorContains(t, err, `answer "3 lots", want "FILES BYTES"`)

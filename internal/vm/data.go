@@ -12,108 +12,180 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/steps"
 )
 
-// DataDiskSerial is the serial of the data disk (AttachData): the guest
-// finds it by /sys/block/*/serial (or /dev/disk/by-id/virtio-lve-data).
-const DataDiskSerial = "lve-data"
+// The hot-plugged disks' serials: the guest finds them by
+// /sys/block/*/serial (or /dev/disk/by-id/virtio-SERIAL).
+const (
+	// DataDiskSerial is the read-only data disk's (AttachData).
+	DataDiskSerial = "lve-data"
+	// ScratchDiskSerial is the writable scratch disk's (AttachScratch).
+	ScratchDiskSerial = "lve-scratch"
+)
 
-// dataDiskTarget is the data disk's target name: libvirt wants one; the
-// guest names its disks in the order they appear, whatever it says.
-const dataDiskTarget = "vdz"
+// hotDisk is one kind of hot-plugged disk.
+type hotDisk struct {
+	volume   func(name string) string
+	serial   string
+	target   string // libvirt wants one; the guest names its disks in the order they appear
+	readOnly bool
+}
+
+var (
+	dataDisk    = hotDisk{volume: DataVolume, serial: DataDiskSerial, target: "vdz", readOnly: true}
+	scratchDisk = hotDisk{volume: ScratchVolume, serial: ScratchDiskSerial, target: "vdy"}
+)
 
 // AttachData hands size bytes of r to the running machine name as a
 // read-only virtio disk (serial DataDiskSerial) hot-plugged into it, in a
 // raw volume of its own (DataVolume) in pool. The host writes the volume
 // and never reads it back: nothing the guest does reaches the host through
-// it. The volume is in the machine's ownership record before it exists, so
-// a teardown removes it whatever happens to the caller; a data disk
-// volume of an earlier call is deleted first, but while its disk is still
-// in the guest (DropData leaves it there) the target is taken and the
-// attach fails. Nothing is left when it fails.
+// it. Nothing is left when it fails; see attach for the rest.
 func (e *Engine) AttachData(ctx context.Context, name, pool string, r io.Reader, size int64) error {
-	if err := CheckName(name); err != nil {
-		return err
-	}
 	if size <= 0 {
 		return fmt.Errorf("data for %s: %d bytes: want at least 1", name, size)
 	}
-	if err := e.DropData(ctx, name, pool); err != nil {
+	return e.attach(ctx, name, pool, dataDisk, size, func(ctx context.Context, vol string) error {
+		return change(ctx, func(ctx context.Context) error { return e.HV.StreamToVolume(ctx, pool, vol, r, size) })
+	})
+}
+
+// AttachScratch gives the running machine name an empty writable virtio
+// disk of capacity bytes (serial ScratchDiskSerial; a sparse raw volume of
+// its own, ScratchVolume, in pool) for the guest to write data the host
+// then reads with ReadScratch. The capacity bounds what the guest can put
+// on the host's disk through it. Nothing is left when it fails; see attach
+// for the rest.
+func (e *Engine) AttachScratch(ctx context.Context, name, pool string, capacity int64) error {
+	if capacity <= 0 {
+		return fmt.Errorf("scratch disk for %s: %d bytes: want at least 1", name, capacity)
+	}
+	return e.attach(ctx, name, pool, scratchDisk, capacity, nil)
+}
+
+// ReadScratch copies the scratch volume of machine name to w, from its
+// start until its end or until w fails (w's error is returned): the bytes
+// a guest wrote, to be treated as hostile, never probed as an image
+// format.
+func (e *Engine) ReadScratch(ctx context.Context, name, pool string, w io.Writer) error {
+	if err := e.proveOwned(ctx, name); err != nil {
 		return err
 	}
-	o, found, err := e.provenOwner(ctx, name)
-	switch {
-	case err != nil:
+	return e.HV.StreamFromVolume(ctx, pool, ScratchVolume(name), w)
+}
+
+// DropData deletes the data disk's volume of machine name (DropDisks).
+func (e *Engine) DropData(ctx context.Context, name, pool string) error {
+	return e.drop(ctx, name, pool, dataDisk)
+}
+
+// DropScratch deletes the scratch disk's volume of machine name
+// (DropDisks).
+func (e *Engine) DropScratch(ctx context.Context, name, pool string) error {
+	return e.drop(ctx, name, pool, scratchDisk)
+}
+
+// attach creates the volume of disk kind d for machine name with capacity
+// bytes, fills it (fill, if set), and hot-plugs it into the running
+// guest. The volume is in the machine's ownership record before it
+// exists, so a teardown removes it whatever happens to the caller. A
+// volume of an earlier call is deleted first, but while its disk is still
+// in the guest (drop leaves it there) the target is taken and the attach
+// fails. Nothing is left when it fails.
+func (e *Engine) attach(ctx context.Context, name, pool string, d hotDisk, capacity int64, fill func(ctx context.Context, vol string) error) error {
+	if err := e.drop(ctx, name, pool, d); err != nil {
 		return err
-	case !found:
-		return fmt.Errorf("%s: %w", name, ErrNotFound)
 	}
-	vol := DataVolume(name)
+	o, err := e.owned(ctx, name)
+	if err != nil {
+		return err
+	}
+	vol := d.volume(name)
 	var path string
-	return steps.Runner{}.Run(ctx, []steps.Step{
-		{Name: "record the data volume", Do: func(ctx context.Context) error {
+	list := []steps.Step{
+		{Name: "record the volume", Do: func(ctx context.Context) error {
 			return e.setVolumes(ctx, name, &o, append(slices.Clone(o.Volumes), vol))
-		}, Undo: func(ctx context.Context) error { return e.dropData(ctx, name, pool, o) }},
-		{Name: "create the data volume", Do: func(ctx context.Context) error {
+		}, Undo: func(ctx context.Context) error { return e.dropVolume(ctx, name, pool, o, vol) }},
+		{Name: "create the volume", Do: func(ctx context.Context) error {
 			v := &libvirtxml.StorageVolume{
-				Name:     vol,
-				Capacity: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64((size + 511) / 512 * 512)},
+				Name:       vol,
+				Capacity:   &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64((capacity + 511) / 512 * 512)},
+				Allocation: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 0},
 				Target: &libvirtxml.StorageVolumeTarget{
 					Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "raw"},
 					Permissions: &libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"},
 				},
 			}
+			var err error
 			path, err = changeV(ctx, func(ctx context.Context) (string, error) { return e.HV.CreateVolume(ctx, pool, v) })
 			return err
 		}},
-		{Name: "write the data volume", Do: func(ctx context.Context) error {
-			return change(ctx, func(ctx context.Context) error { return e.HV.StreamToVolume(ctx, pool, vol, r, size) })
-		}},
-		{Name: "attach the data disk", Do: func(ctx context.Context) error {
-			disk := &libvirtxml.DomainDisk{
-				Device:   "disk",
-				Driver:   &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
-				Source:   &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: path}},
-				Target:   &libvirtxml.DomainDiskTarget{Dev: dataDiskTarget, Bus: "virtio"},
-				ReadOnly: &libvirtxml.DomainDiskReadOnly{},
-				Serial:   DataDiskSerial,
-			}
-			return change(ctx, func(ctx context.Context) error { return e.HV.AttachDisk(ctx, name, disk) })
-		}},
-	})
+	}
+	if fill != nil {
+		list = append(list, steps.Step{Name: "write the volume", Do: func(ctx context.Context) error { return fill(ctx, vol) }})
+	}
+	list = append(list, steps.Step{Name: "attach the disk", Do: func(ctx context.Context) error {
+		disk := &libvirtxml.DomainDisk{
+			Device: "disk",
+			Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
+			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: path}},
+			Target: &libvirtxml.DomainDiskTarget{Dev: d.target, Bus: "virtio"},
+			Serial: d.serial,
+		}
+		if d.readOnly {
+			disk.ReadOnly = &libvirtxml.DomainDiskReadOnly{}
+		}
+		return change(ctx, func(ctx context.Context) error { return e.HV.AttachDisk(ctx, name, disk) })
+	}})
+	return steps.Runner{}.Run(ctx, list)
 }
 
-// DropData takes the data disk away from machine name: its volume is
-// deleted (a guest that still has the disk open keeps reading what it had
-// until it lets go; the space is the host's again once QEMU closes it) and
-// the ownership record forgets it. The disk itself stays in the running
-// guest: a hot unplug waits for the guest, and a disposable machine is
-// gone soon anyway. A machine without a data volume is success.
-func (e *Engine) DropData(ctx context.Context, name, pool string) error {
-	if err := CheckName(name); err != nil {
+// drop deletes the volume of disk kind d of machine name, and the
+// ownership record forgets it. The disk itself stays in the running guest
+// (a guest that still has it open reads, or writes, the deleted file until
+// it lets go; the space is the host's again once QEMU closes it): a hot
+// unplug waits for the guest, and a disposable machine is gone soon anyway.
+// A machine without such a volume is success.
+func (e *Engine) drop(ctx context.Context, name, pool string, d hotDisk) error {
+	o, err := e.owned(ctx, name)
+	if err != nil {
 		return err
 	}
-	o, found, err := e.provenOwner(ctx, name)
-	switch {
-	case err != nil:
-		return err
-	case !found:
-		return fmt.Errorf("%s: %w", name, ErrNotFound)
-	}
-	return e.dropData(ctx, name, pool, o)
+	return e.dropVolume(ctx, name, pool, o, d.volume(name))
 }
 
-// dropData is DropData for the machine's proven owner record o.
-func (e *Engine) dropData(ctx context.Context, name, pool string, o Owner) error {
-	vol := DataVolume(name)
+// dropVolume is drop for the machine's proven owner record o.
+func (e *Engine) dropVolume(ctx context.Context, name, pool string, o Owner, vol string) error {
 	if err := ignoreNotFound(change(ctx, func(ctx context.Context) error { return e.HV.DeleteVolume(ctx, pool, vol) })); err != nil {
-		return fmt.Errorf("delete the data volume of %s: %w", name, err)
+		return fmt.Errorf("delete volume %s: %w", vol, err)
 	}
 	if !slices.Contains(o.Volumes, vol) {
 		return nil
 	}
 	if err := e.setVolumes(ctx, name, &o, slices.DeleteFunc(slices.Clone(o.Volumes), func(v string) bool { return v == vol })); err != nil {
-		return fmt.Errorf("record that %s has no data volume: %w", name, err)
+		return fmt.Errorf("record that %s has no volume %s: %w", name, vol, err)
 	}
 	return nil
+}
+
+// owned is the ownership record of machine name, proven this controller's
+// (ErrNotFound without a domain, ErrNotOurs for another's).
+func (e *Engine) owned(ctx context.Context, name string) (Owner, error) {
+	if err := CheckName(name); err != nil {
+		return Owner{}, err
+	}
+	o, found, err := e.provenOwner(ctx, name)
+	switch {
+	case err != nil:
+		return Owner{}, err
+	case !found:
+		return Owner{}, fmt.Errorf("%s: %w", name, ErrNotFound)
+	}
+	return o, nil
+}
+
+// proveOwned is owned without the record.
+func (e *Engine) proveOwned(ctx context.Context, name string) error {
+	_, err := e.owned(ctx, name)
+	return err
 }
 
 // setVolumes records vols as the machine's volumes in its ownership

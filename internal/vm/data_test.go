@@ -124,3 +124,44 @@ func TestAttachDataAgain(t *testing.T) {
 	assert.Equal(t, []byte("two"), f.Volumes["jobs/"+DataVolume(s.Name)])
 	assert.Equal(t, 1, strings.Count(strings.Join(ownerVolumes(t, f, s.Name), " "), DataVolume(s.Name)))
 }
+
+func TestScratchDiskRoundTrip(t *testing.T) {
+	f, e, s := dataMachine(t)
+	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
+	var disks []libvirtxml.DomainDisk
+	var dx libvirtxml.Domain
+	require.NoError(t, dx.Unmarshal(f.Domains[s.Name].XML))
+	for _, d := range dx.Devices.Disks {
+		if d.Serial == ScratchDiskSerial {
+			disks = append(disks, d)
+		}
+	}
+	require.Len(t, disks, 1)
+	assert.Nil(t, disks[0].ReadOnly, "the guest writes it")
+	assert.Equal(t, "raw", disks[0].Driver.Type)
+	assert.Contains(t, ownerVolumes(t, f, s.Name), ScratchVolume(s.Name))
+
+	// What the guest wrote comes back as it is.
+	f.Lock()
+	f.Volumes["jobs/"+ScratchVolume(s.Name)] = []byte("from the guest")
+	f.Unlock()
+	var got bytes.Buffer
+	require.NoError(t, e.ReadScratch(context.Background(), s.Name, "jobs", &got))
+	assert.Equal(t, "from the guest", got.String())
+
+	// Another controller reads nothing of it.
+	other := &Engine{HV: f, Controller: "ffffffff-0000-4000-8000-000000000000"}
+	require.ErrorIs(t, other.ReadScratch(context.Background(), s.Name, "jobs", &got), ErrNotOurs)
+
+	require.NoError(t, e.DropScratch(context.Background(), s.Name, "jobs"))
+	assert.NotContains(t, f.Volumes, "jobs/"+ScratchVolume(s.Name))
+	assert.NotContains(t, ownerVolumes(t, f, s.Name), ScratchVolume(s.Name))
+	require.ErrorIs(t, e.ReadScratch(context.Background(), s.Name, "jobs", &got), ErrNotFound)
+
+	// Both disks at once: each its own volume, removed with the machine.
+	require.NoError(t, f.DetachDisk(context.Background(), s.Name, "/pool/jobs/"+ScratchVolume(s.Name)))
+	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
+	require.NoError(t, e.AttachData(context.Background(), s.Name, "jobs", strings.NewReader("x"), 1))
+	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs", false))
+	assert.Empty(t, f.Volumes)
+}

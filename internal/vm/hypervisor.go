@@ -46,6 +46,9 @@ type Hypervisor interface {
 	// existing volume. r is read once: unlike the other calls, a call cut
 	// by a lost connection is not repeated on a new one.
 	StreamToVolume(ctx context.Context, pool, name string, r io.Reader, size int64) error
+	// StreamFromVolume copies a volume to w from its start, until its end
+	// or until w fails (w's error is returned then).
+	StreamFromVolume(ctx context.Context, pool, name string, w io.Writer) error
 	// DeleteVolume removes a volume (ErrNotFound if absent).
 	DeleteVolume(ctx context.Context, pool, name string) error
 	// VolumePath returns the path of a volume in pool (ErrNotFound if

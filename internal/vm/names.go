@@ -32,6 +32,13 @@ func SeedVolume(name string) string { return name + "-seed.img" }
 // hot-plugged into the running guest to hand it data (AttachData).
 func DataVolume(name string) string { return name + "-data.img" }
 
+// ScratchVolume is the name of the machine's scratch volume: an empty
+// disk hot-plugged into the running guest for it to hand data back
+// (AttachScratch).
+func ScratchVolume(name string) string { return name + "-scratch.img" }
+
 // Volumes are the names of every volume the engine may make for machine
 // name; teardown and sweep look for all of them.
-func Volumes(name string) []string { return []string{DiskVolume(name), SeedVolume(name), DataVolume(name)} }
+func Volumes(name string) []string {
+	return []string{DiskVolume(name), SeedVolume(name), DataVolume(name), ScratchVolume(name)}
+}

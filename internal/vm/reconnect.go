@@ -3,8 +3,8 @@ package vm
 import (
 	"context"
 	"errors"
-	"io"
 	"fmt"
+	"io"
 	"time"
 
 	"libvirt.org/go/libvirtxml"
@@ -219,6 +219,17 @@ func (r *Reconnecting) StreamToVolume(ctx context.Context, pool, name string, rd
 		return err
 	}
 	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.StreamToVolume(ctx, pool, name, rd, size) }, nil)
+	return err // the next call reconnects if the connection is lost
+}
+
+// StreamFromVolume implements Hypervisor: w has what came before a lost
+// connection, so the call is not repeated.
+func (r *Reconnecting) StreamFromVolume(ctx context.Context, pool, name string, w io.Writer) error {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.StreamFromVolume(ctx, pool, name, w) }, nil)
 	return err // the next call reconnects if the connection is lost
 }
 

@@ -22,6 +22,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // hostCacheRunner is a real runner without a distributed cache, its driver
@@ -97,30 +98,44 @@ func cacheZips(files map[string]int64) []string {
 
 // TestHostCacheBetweenJobs: with [cache] dir set and no distributed cache,
 // a cache archived by one job is restored in the next jobs of the same
-// project, each in a fresh VM: on a read-only disk hot-plugged into the
-// guest (cache_restore = "disk", the default) on every other image the rig
-// configured (the Debian guest as root, the cloud-init guest as its user
-// "debian", who reads the disk through sudo), and over SSH on the default
-// image, configured with cache_restore = "ssh". A job of another project
+// project, each in a fresh VM, and saved again by them: on hot-plugged
+// disks (cache_via = "disk", the default, with cache.disk_min_mib = 0 for
+// this small cache: a read-only one to restore, an
+// empty one the guest writes its cache on to save) on every other image
+// the rig configured (the Debian guest as root, the cloud-init guest as
+// its user "debian", who uses the disks through sudo), and over SSH on the
+// default image, configured with cache_via = "ssh". A job of another project
 // on the same GitLab finds nothing of it; nothing goes to the S3 endpoint;
 // no restore disk's volume outlives its job. The restoring jobs run at
 // the same time, one runner each.
 func TestHostCacheBetweenJobs(t *testing.T) {
 	var def string
-	rr, dir, _ := hostCacheRig(t, "", 0, func(s string) string {
+	rr, dir, _ := hostCacheRig(t, "disk_min_mib = 0\n", 0, func(s string) string {
 		def = regexp.MustCompile(`(?m)^default_image = "([a-z0-9-]+)"`).FindStringSubmatch(s)[1]
-		return strings.Replace(s, "[images."+def+"]\n", "[images."+def+"]\ncache_restore = \"ssh\"\n", 1)
+		return strings.Replace(s, "[images."+def+"]\n", "[images."+def+"]\ncache_via = \"ssh\"\n", 1)
 	})
-	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}, Policy: "pull"}
-	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: &jobapi.Cache{Key: cache.Key, Paths: cache.Paths},
+	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
+	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache,
 		Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt", "head -c 3145728 /dev/urandom > vendor/blob"}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "Created cache")
-	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+	require.Regexp(t, `Host cache: kept 1 file\(s\), [0-9.]+ MiB \(0 unchanged\) over SSH`, res[0].Trace)
 
+	// On the default image the job succeeds; on the others it is also
+	// what TestRealRunnerImages was: the guest's git answers, keys arrive
+	// the image's way, the script fails with 2 and still its cache is
+	// archived and its artifacts uploaded by the guest's gitlab-runner.
 	use := func(img string) jobapi.Job {
-		return jobapi.Job{Name: "use-" + img, Image: img, Cache: cache,
+		j := jobapi.Job{Name: "use-" + img, Image: img, Cache: cache,
 			Script: []string{`echo "restored: $(cat vendor/dep.txt) $(wc -c < vendor/blob)"`}}
+		if img != def {
+			ic, _ := rr.r.cfg.Image(img)
+			j.Script = append(j.Script, "head -n1 /etc/os-release", "git --version", "echo key-injection-"+ic.KeyInjection+"-ok",
+				"mkdir -p out", "echo built-on-"+img+" > out/r.txt", "exit 2")
+			j.Artifacts = &jobapi.Artifacts{Paths: []string{"out/"}, When: "always"}
+			j.Cache = &jobapi.Cache{Key: cache.Key, Paths: cache.Paths, When: "always"}
+		}
+		return j
 	}
 	other := &jobapi.Project{ID: 2, Namespace: "lve", Name: "other"}
 	jobs := []jobapi.Job{use(def), {Name: "stranger", Cache: cache, Project: other,
@@ -143,13 +158,33 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	}
 	for _, img := range append([]string{def}, others...) {
 		x := byName["use-"+img]
-		require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
 		require.Regexp(t, `restored: cached-\d+ 3145728`, x.Trace, img)
+		if img == def {
+			require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
+		} else {
+			require.Equal(t, jobapi.StateFailed, x.State, x.Trace)
+			require.Equal(t, 2, x.ExitCode)
+			ic, _ := rr.r.cfg.Image(img)
+			require.Contains(t, x.Trace, "VM lve-", img)
+			require.Contains(t, x.Trace, "gitlab-runner for the guest:", img)
+			require.NotContains(t, x.Trace, "gitlab-runner is not on the guest's PATH", img)
+			require.Contains(t, x.Trace, "SSH ready as "+ic.User+"@", img)
+			require.Regexp(t, `(?m)^key-injection-`+ic.KeyInjection+`-ok`, x.Trace, img)
+			require.Regexp(t, `(?m)^git version \d`, x.Trace, img)
+			require.Contains(t, x.Trace, "Created cache", img)
+			require.Equal(t, "built-on-"+img+"\n", zipFiles(t, x.Artifacts)["out/r.txt"], img)
+		}
 		how := "from a restore disk"
 		if img == def {
 			how = "over SSH"
 		}
 		require.Regexp(t, `Host cache: restored \d+ file\(s\), [0-9.]+ MiB, into /cache `+how, x.Trace, img)
+		// Each saves again (pull-push).
+		how = "from a scratch disk"
+		if img == def {
+			how = "over SSH"
+		}
+		require.Regexp(t, `Host cache: kept \d+ file\(s\), [0-9.]+ MiB \(\d+ unchanged\) `+how, x.Trace, img)
 	}
 	x := byName["stranger"]
 	require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
@@ -168,15 +203,17 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		require.Equal(t, "projects", parts[0], z)
 		projects[parts[1]] = true
 	}
-	require.Len(t, projects, 1, "only the project that archived has a cache: %v", zips)
+	require.Len(t, projects, 2, "one directory per project: %v", zips)
 }
 
 // TestHostCacheLimitAndHostileGuest: a job whose cache is above
 // cache.project_limit_mib succeeds, its archive is not kept (the job log
 // says why) and the project's earlier cache stays; links and FIFOs a job
-// plants in cache_dir never reach the host.
+// plants in cache_dir never reach the host. Both saves go through the
+// scratch disk (cache.disk_min_mib = 0): what the guest wrote on it is
+// checked as any stream of its.
 func TestHostCacheLimitAndHostileGuest(t *testing.T) {
-	rr, dir := hostCacheRunner(t, "project_limit_mib = 1\n")
+	rr, dir := hostCacheRunner(t, "project_limit_mib = 1\ndisk_min_mib = 0\n")
 	small := &jobapi.Cache{Key: "small", Paths: []string{"vendor/"}}
 	big := &jobapi.Cache{Key: "big", Paths: []string{"blob/"}}
 	res := rr.runJobs(t,
@@ -190,7 +227,7 @@ func TestHostCacheLimitAndHostileGuest(t *testing.T) {
 	for i := range res {
 		require.Equal(t, jobapi.StateSuccess, res[i].State, "a cache that is not kept never fails the job: %s", res[i].Trace)
 	}
-	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+	require.Regexp(t, `Host cache: kept \d+ file.* from a scratch disk`, res[0].Trace, "the guest's tar on the scratch disk")
 	require.Contains(t, res[0].Trace, "Host cache: left out ")
 	require.Regexp(t, regexp.MustCompile(`Host cache: not kept .*project_limit_mib`), res[1].Trace)
 
@@ -211,14 +248,14 @@ func TestHostCacheLimitAndHostileGuest(t *testing.T) {
 // service stopped and started, libvirtd restarted, a gc), and gc removes
 // it once unused for cache.max_age.
 func TestHostCacheWarmVM(t *testing.T) {
-	rr, dir, r := hostCacheRig(t, "", 1)
+	rr, dir, r := hostCacheRig(t, "disk_min_mib = 0\n", 1)
 	svc := r.serve(t)
 	r.waitIdle(t, 1, 3*time.Minute)
 	cache := &jobapi.Cache{Key: "warm-v1", Paths: []string{"vendor/"}}
 	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo warm-$CI_JOB_ID > vendor/dep.txt"}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Regexp(t, warmRE, res[0].Trace, "a standby VM was claimed")
-	require.Regexp(t, `Host cache: kept \d+ file`, res[0].Trace)
+	require.Regexp(t, `Host cache: kept \d+ file.* from a scratch disk`, res[0].Trace, "hot-plugged into the claimed standby")
 
 	// The host's services restart between the jobs.
 	r.waitIdle(t, 1, 3*time.Minute)
@@ -321,8 +358,10 @@ func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
 // or a cleanup (a cancelled job's, which destroys the VM) killed while the
 // run stage keeps a job's cache leaves no part of it visible: the project
 // has its whole new archive or none, and the next save works and clears
-// what a killed one staged. (prepare never touches the host cache: the
-// run stage restores and saves.)
+// what a killed one staged. The save goes through a scratch disk (the
+// default cache_via): the kill lands while the guest writes the disk or
+// the host stages what is on it. (prepare never touches the host cache:
+// the run stage restores and saves.)
 func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 	base := setup(t)
 	dir := filepath.Join(t.TempDir(), "host-cache")
@@ -349,7 +388,11 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		// cleanup of a cleaned-up job does nothing).
 		t.Cleanup(func() { s.run(t, "cleanup") })
 		rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
-		waitFor(t, 2*time.Minute, "the save staging on the host", func() bool {
+		scratch := vm.ScratchVolume(s.name(t))
+		waitFor(t, 2*time.Minute, "the save under way: the guest writing its scratch disk, or the host staging", func() bool {
+			if r.volumeExists(scratch) {
+				return true
+			}
 			entries, _ := os.ReadDir(filepath.Join(dir, "stage"))
 			for _, e := range entries {
 				if f, _ := os.ReadDir(filepath.Join(dir, "stage", e.Name())); len(f) > 1 {
@@ -361,8 +404,10 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		return s, rn
 	}
 	// wholeOrNone: what the host keeps of the project is the whole new
-	// archive, and the stage's log says it was kept, or nothing.
-	wholeOrNone := func(t *testing.T, projectID int, log string) {
+	// archive, or nothing; the stage's log says it was kept only when it
+	// was, and, unless the stage itself was killed (the admin tool's save
+	// from the scratch disk may still finish then), says so when it was.
+	wholeOrNone := func(t *testing.T, projectID int, log string, stageKilled bool) {
 		project, err := hostcache.ProjectID("http://gitlab.example", int64(projectID))
 		require.NoError(t, err)
 		files, odd := hostCacheFiles(t, filepath.Join(dir, "projects", project))
@@ -371,10 +416,11 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		for _, z := range zips {
 			require.Equal(t, int64(size), files[z], "no half archive is visible: %v", files)
 		}
-		if len(zips) > 0 {
-			require.Contains(t, log, "Host cache: kept 1 file")
-		} else {
+		switch {
+		case len(zips) == 0:
 			require.NotContains(t, log, "Host cache: kept")
+		case !stageKilled:
+			require.Contains(t, log, "Host cache: kept 1 file")
 		}
 	}
 
@@ -383,13 +429,13 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		require.NoError(t, syscall.Kill(-rn.cmd.Process.Pid, syscall.SIGKILL))
 		<-rn.done
 		figures.fault()
-		wholeOrNone(t, 77, rn.out.String())
+		wholeOrNone(t, 77, rn.out.String(), true)
 
 		// The next save (a small archive) is kept, and clears the killed one's staging.
 		small := "#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nrm -rf /cache/lve && mkdir -p /cache/lve/p/k && echo small > /cache/lve/p/k/cache.zip\n"
 		res := s.runScript(t, "archive_cache", small)
 		require.Equal(t, 0, res.code, res.stderr)
-		require.Regexp(t, `Host cache: kept 1 file`, res.stdout)
+		require.Regexp(t, `Host cache: kept 1 file.* over SSH`, res.stdout, "below cache.disk_min_mib (16 MiB): no disk")
 		files, _ := hostCacheFiles(t, filepath.Join(dir, "projects"))
 		require.Len(t, cacheZips(files), 1)
 		for f, size := range files {
@@ -412,7 +458,7 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		figures.class(res.code, 0)
 		require.Equal(t, 0, res.code, res.stderr)
 		require.Contains(t, res.stdout, "Host cache: kept 1 file", "the save does not use the holder's connection")
-		wholeOrNone(t, 78, res.stdout)
+		wholeOrNone(t, 78, res.stdout, false)
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	})
 
@@ -441,6 +487,6 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 		// before the VM did, as on a fast host).
 		figures.class(res.code, 0)
 		require.Equal(t, 0, res.code, res.stderr)
-		wholeOrNone(t, 79, res.stdout)
+		wholeOrNone(t, 79, res.stdout, false)
 	})
 }

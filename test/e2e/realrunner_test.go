@@ -279,48 +279,6 @@ func TestRealRunnerTwoRunnersAtOnce(t *testing.T) {
 	require.Less(t, wall, res[0].Duration+res[1].Duration, "the two jobs ran at the same time")
 }
 
-// TestRealRunnerImages: jobs run, and artifacts and caches work, on every
-// image the rig configured besides the default one (the Debian systemd
-// guest takes keys through systemd's own SMBIOS credential import and
-// mounts the tools disk through udev and a unit; the cloud-init guest takes
-// them through the NoCloud seed, as its user "debian"). One job per image:
-// the guest's git answers, the cache is archived to the cache server and
-// the artifacts uploaded by the guest's gitlab-runner, also after the
-// script failed.
-func TestRealRunnerImages(t *testing.T) {
-	rr := newRealRunner(t)
-	others := otherImages(t, rr.r)
-	if len(others) == 0 {
-		t.Skip("the rig configured no image besides the default one")
-	}
-	var ids []int64
-	for _, name := range others {
-		img, _ := rr.r.cfg.Image(name)
-		ids = append(ids, rr.api.Enqueue(jobapi.Job{
-			Name: "on-" + name, Image: name,
-			Script: []string{"head -n1 /etc/os-release", "git --version", "echo key-injection-" + img.KeyInjection + "-ok",
-				"mkdir -p out vendor", "echo built-on-" + name + " > out/r.txt", "echo dep > vendor/d.txt", "exit 2"},
-			Artifacts: &jobapi.Artifacts{Paths: []string{"out/"}, When: "always"},
-			Cache:     &jobapi.Cache{Key: "img-" + name, Paths: []string{"vendor/"}, When: "always"},
-		}))
-	}
-	res := rr.results(t, rr.start(t, len(ids)), ids)
-	for i, name := range others {
-		require.Equal(t, jobapi.StateFailed, res[i].State, res[i].Trace)
-		require.Equal(t, 2, res[i].ExitCode)
-		require.Contains(t, res[i].Trace, "VM lve-", name)
-		require.Contains(t, res[i].Trace, "gitlab-runner for the guest:", name)
-		require.NotContains(t, res[i].Trace, "gitlab-runner is not on the guest's PATH", name)
-		require.Contains(t, res[i].Trace, "Created cache", name)
-		img, _ := rr.r.cfg.Image(name)
-		require.Contains(t, res[i].Trace, "SSH ready as "+img.User+"@", name)
-		require.Regexp(t, `(?m)^key-injection-`+img.KeyInjection+`-ok`, res[i].Trace, name)
-		require.Regexp(t, `(?m)^git version \d`, res[i].Trace, name)
-		require.Equal(t, "built-on-"+name+"\n", zipFiles(t, res[i].Artifacts)["out/r.txt"], name)
-	}
-	require.Equal(t, len(others), rr.api.CacheObjects())
-}
-
 // TestRealRunnerServices: the driver starts no `services:`. With
 // gitlab.services = "fail" (the rig's configuration plus that key) a job
 // that asks for them fails in prepare, as a build failure naming them,

@@ -12,8 +12,8 @@
 package libvirtvm
 
 import (
-	"context"
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -369,6 +369,40 @@ func (l *Conn) StreamToVolume(ctx context.Context, pool, name string, r io.Reade
 			}
 		}
 		return st.Finish()
+	})
+}
+
+// StreamFromVolume implements vm.Hypervisor.
+func (l *Conn) StreamFromVolume(ctx context.Context, pool, name string, w io.Writer) error {
+	return call0(ctx, l, func() error {
+		v, err := l.volume(pool, name)
+		if err != nil {
+			return err
+		}
+		defer v.Free()
+		st, err := l.conn.NewStream(0)
+		if err != nil {
+			return err
+		}
+		defer st.Free()
+		if err := v.Download(st, 0, 0, 0); err != nil {
+			return err
+		}
+		buf := make([]byte, 1<<20)
+		for {
+			n, err := st.Recv(buf)
+			if err != nil {
+				_ = st.Abort()
+				return err
+			}
+			if n == 0 {
+				return st.Finish()
+			}
+			if _, err := w.Write(buf[:n]); err != nil {
+				_ = st.Abort()
+				return err
+			}
+		}
 	})
 }
 

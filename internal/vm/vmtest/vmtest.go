@@ -148,6 +148,7 @@ func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte)
 	f.Volumes[pool+"/"+name] = data
 	return nil
 }
+
 // StreamToVolume implements vm.Hypervisor: the volume gets size bytes of r
 // (an error if r has fewer).
 func (f *Fake) StreamToVolume(ctx context.Context, pool, name string, r io.Reader, size int64) error {
@@ -168,6 +169,23 @@ func (f *Fake) StreamToVolume(ctx context.Context, pool, name string, r io.Reade
 	}
 	f.Volumes[key] = data
 	return nil
+}
+
+// StreamFromVolume implements vm.Hypervisor.
+func (f *Fake) StreamFromVolume(ctx context.Context, pool, name string, w io.Writer) error {
+	f.wait("StreamFromVolume")
+	f.mu.Lock()
+	if err := f.call("StreamFromVolume"); err != nil {
+		f.mu.Unlock()
+		return err
+	}
+	data, ok := f.Volumes[pool+"/"+name]
+	f.mu.Unlock()
+	if !ok {
+		return vm.ErrNotFound
+	}
+	_, err := w.Write(data)
+	return err
 }
 func (f *Fake) VolumePath(ctx context.Context, pool, name string) (string, error) {
 	f.wait("VolumePath")
