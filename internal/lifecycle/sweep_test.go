@@ -28,6 +28,9 @@ func TestSweep(t *testing.T) {
 	// Ours, expired: domain + volume + state.
 	hv.Domains[p+"1"] = &vmtest.Domain{OwnerXML: owned(t, controller, now.Add(-time.Minute)), Active: true}
 	hv.Volumes["jobs/"+p+"1.qcow2"] = nil
+	// ... with the host cache's disks a killed run stage left.
+	hv.Volumes["jobs/"+p+"1-data.img"] = nil
+	hv.Volumes["jobs/"+p+"1-scratch.img"] = nil
 	_, err := m.Store.Create(p + "1")
 	require.NoError(t, err)
 	// Ours, running within its deadline.
@@ -41,6 +44,7 @@ func TestSweep(t *testing.T) {
 	// directory that prepare makes first (prepare SIGKILLed before define).
 	hv.Volumes["jobs/"+p+"5.qcow2"] = nil
 	hv.Volumes["jobs/"+p+"5-seed.img"] = nil
+	hv.Volumes["jobs/"+p+"5-scratch.img"] = nil
 	_, err = m.Store.Create(p + "5")
 	require.NoError(t, err)
 	// An orphan whose prepare is still running (holds the lock).
@@ -53,6 +57,7 @@ func TestSweep(t *testing.T) {
 	// Volumes of our naming with neither a domain nor a state directory:
 	// nothing proves they are ours.
 	hv.Volumes["jobs/"+p+"8.qcow2"] = nil
+	hv.Volumes["jobs/"+p+"9-data.img"] = nil
 	// Other installations' and unrelated names are not even listed.
 	hv.Domains["lve-ffffffff-7"] = &vmtest.Domain{Active: true}
 	hv.Volumes["jobs/base.qcow2"] = nil
@@ -69,7 +74,7 @@ func TestSweep(t *testing.T) {
 	require.Equal(t, map[string]string{
 		p + "1": VerdictExpired, p + "2": VerdictKeep, p + "3": VerdictForeign,
 		p + "4": VerdictForeign, p + "5": VerdictOrphan, p + "6": VerdictOrphan,
-		p + "8": VerdictUnproven,
+		p + "8": VerdictUnproven, p + "9": VerdictUnproven,
 	}, verdicts(items))
 
 	// Dry run: reports, touches nothing.
@@ -87,10 +92,13 @@ func TestSweep(t *testing.T) {
 	require.NoDirExists(t, m.Store.MachineDir(p+"1"))
 	require.NotContains(t, hv.Volumes, "jobs/"+p+"5.qcow2")
 	require.NotContains(t, hv.Volumes, "jobs/"+p+"5-seed.img")
+	for _, gone := range []string{p + "1-data.img", p + "1-scratch.img", p + "5-scratch.img"} {
+		require.NotContains(t, hv.Volumes, "jobs/"+gone)
+	}
 	for _, keep := range []string{p + "2", p + "3", p + "4", "lve-ffffffff-7"} {
 		require.True(t, hv.Domains[keep].Active, "%s untouched", keep)
 	}
-	for _, keep := range []string{p + "2.qcow2", p + "3.qcow2", p + "6.qcow2", p + "8.qcow2", "base.qcow2"} {
+	for _, keep := range []string{p + "2.qcow2", p + "3.qcow2", p + "6.qcow2", p + "8.qcow2", p + "9-data.img", "base.qcow2"} {
 		require.Contains(t, hv.Volumes, "jobs/"+keep)
 	}
 
