@@ -4,6 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"strings"
 	"testing"
 	"time"
 
@@ -239,4 +241,29 @@ func TestConnectionLostClassification(t *testing.T) {
 		require.ErrorIs(t, marked, tc.err, "the original error is kept")
 	}
 	require.NoError(t, l.markLost(nil))
+}
+
+// When libvirt refuses a hot-plugged disk (the test driver can neither
+// upload into a volume nor attach a device), nothing of it is left: no
+// volume, and the machine's ownership record as it was.
+func TestLibvirtHotDiskRefusedLeavesNothing(t *testing.T) {
+	l := testDriver(t)
+	s := testDriverSpec()
+	addBaseVolume(t, l, s)
+	e := &vm.Engine{HV: l, Controller: s.Owner.Controller}
+	_, err := e.Create(context.Background(), s)
+	require.NoError(t, err)
+
+	require.ErrorContains(t, e.AttachData(context.Background(), s.Name, s.Pool, strings.NewReader("hello"), 5), "virStorageVolUpload")
+	require.ErrorContains(t, e.AttachScratch(context.Background(), s.Name, s.Pool, 4096), "virDomainAttachDeviceFlags")
+	vols, err := l.VolumeNames(context.Background(), s.Pool)
+	require.NoError(t, err)
+	require.NotContains(t, vols, vm.DataVolume(s.Name))
+	require.NotContains(t, vols, vm.ScratchVolume(s.Name))
+	ownerXML, err := l.Owner(context.Background(), s.Name)
+	require.NoError(t, err)
+	o, err := vm.ParseOwner(ownerXML)
+	require.NoError(t, err)
+	require.Equal(t, []string{vm.DiskVolume(s.Name)}, o.Volumes)
+	require.ErrorIs(t, e.ReadScratch(context.Background(), s.Name, s.Pool, io.Discard), vm.ErrNotFound)
 }
