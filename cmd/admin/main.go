@@ -254,18 +254,22 @@ func app() *cli.App {
 				Subcommands: []*cli.Command{
 					{
 						Name:      jobvm.CacheDiskAttach,
-						Usage:     "attach the project's cache to the VM; prints FILES BYTES (0 0: nothing cached, no disk)",
-						ArgsUsage: "NAME PROJECT",
+						Usage:     "attach the project's cache (the files named; none: all) to the VM; prints FILES BYTES (0 0: nothing cached, no disk)",
+						ArgsUsage: "NAME PROJECT [FILE...]",
 						Action: func(c *cli.Context) error {
-							if c.NArg() != 2 {
-								return fmt.Errorf("%s %s takes a machine name and a project, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
+							if c.NArg() < 2 {
+								return fmt.Errorf("%s %s takes a machine name, a project and the files wanted (none: all), got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
+							}
+							var want []string
+							if c.NArg() > 2 {
+								want = c.Args().Slice()[2:]
 							}
 							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
 								store, err := admin.CacheStore(cfg)
 								if err != nil {
 									return err
 								}
-								res, err := m.AttachCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
+								res, err := m.AttachCache(c.Context, store, c.Args().Get(0), c.Args().Get(1), want)
 								if err != nil {
 									return err
 								}

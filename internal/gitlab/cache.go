@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -134,7 +135,8 @@ func hostCache(j *job, img *config.Image) (*hostcache.Store, string, string) {
 
 // runCache does op for the job's machine name on image img, saying in the
 // job log what happened and how long it took.
-func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image, op cacheOp) {
+// script is the stage's script (the runner's).
+func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image, op cacheOp, script []byte) {
 	store, project, why := hostCache(j, img)
 	if store == nil {
 		if why != "" {
@@ -153,7 +155,7 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	defer client.Close()
 	switch op {
 	case cacheRestore:
-		restoreCache(ctx, e, j, name, img, store, project, client, t0)
+		restoreCache(ctx, e, j, name, img, store, project, client, script, t0)
 	case cacheSave:
 		saveCache(ctx, e, j, name, img, store, project, client, t0)
 	}
@@ -271,8 +273,8 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 
 // smallRestore reports whether the project's cache is below
 // cache.disk_min_mib: cheaper over SSH than on a disk.
-func smallRestore(ctx context.Context, j *job, store *hostcache.Store, project string) (bool, error) {
-	sn, err := store.Open(ctx, project)
+func smallRestore(ctx context.Context, j *job, store *hostcache.Store, project string, want []string) (bool, error) {
+	sn, err := store.OpenOnly(ctx, project, onlyFiles(want))
 	if err != nil {
 		return false, err
 	}
@@ -317,18 +319,18 @@ func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
 // restoreCache copies the project's cache into the guest's cache_dir:
 // on a restore disk (the image's cache_via = "disk"), else, or when
 // the guest cannot have the disk, over the client's connection.
-func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time) {
+func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, script []byte, t0 time.Time) {
+	want, err := wantedFiles(ctx, store, project, script)
 	var res hostcache.RestoreResult
-	var err error
 	how, done := "", false
-	if img.CacheVia == config.CacheViaDisk {
+	if err == nil && img.CacheVia == config.CacheViaDisk {
 		var steps string
-		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, client)
+		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, want, client)
 		how = "from a restore disk (" + steps + ")"
 	}
 	if !done && err == nil {
 		how = "over SSH"
-		res, err = restoreBySSH(ctx, store, project, client)
+		res, err = restoreBySSH(ctx, store, project, want, client)
 	}
 	e.Report.Cache("restore", cacheResult(res.Files > 0, err), res.Bytes, 0)
 	switch {
@@ -341,9 +343,40 @@ func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.I
 	}
 }
 
-// restoreBySSH streams the project's cache into the guest's tar.
-func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, client *sshexec.Client) (hostcache.RestoreResult, error) {
+// wantedFiles are the project's cached files that the runner's
+// restore_cache script names (its cache-extractor's --file, for the job's
+// key and its fallback keys): only they need to reach the guest. nil (all
+// of them) when the script names none: a name written in a way this does
+// not see costs a larger copy, never a missing cache. The script is only
+// searched for names the store made, never parsed.
+func wantedFiles(ctx context.Context, store *hostcache.Store, project string, script []byte) ([]string, error) {
 	sn, err := store.Open(ctx, project)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = sn.Close() }()
+	var want []string
+	for _, n := range sn.Names() {
+		if bytes.Contains(script, []byte(n)) {
+			want = append(want, n)
+		}
+	}
+	return want, nil
+}
+
+// onlyFiles is the filter for hostcache.Store.OpenOnly that keeps want
+// (nil: all).
+func onlyFiles(want []string) func(string) bool {
+	if want == nil {
+		return nil
+	}
+	return func(name string) bool { return slices.Contains(want, name) }
+}
+
+// restoreBySSH streams the project's cache (the files in want; nil: all)
+// into the guest's tar.
+func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, want []string, client *sshexec.Client) (hostcache.RestoreResult, error) {
+	sn, err := store.OpenOnly(ctx, project, onlyFiles(want))
 	if err != nil {
 		return hostcache.RestoreResult{}, err
 	}
@@ -369,9 +402,10 @@ func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, c
 // hot-plugged disks (jobvm.Host.AttachCache, AttachScratch, KeepCache,
 // DropDisks).
 type CacheDisk interface {
-	// Attach attaches the cache of project to machine name on a read-only
-	// disk; nothing is attached when nothing is cached (Files 0).
-	Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error)
+	// Attach attaches the cache of project (the files in want; nil: all)
+	// to machine name on a read-only disk; nothing is attached when nothing
+	// is cached (Files 0).
+	Attach(ctx context.Context, name, project string, want []string) (hostcache.RestoreResult, error)
 	// AttachScratch attaches an empty disk for the guest to write its
 	// cache on.
 	AttachScratch(ctx context.Context, name string) error
@@ -396,8 +430,8 @@ type localCacheDisk struct {
 	store *hostcache.Store
 }
 
-func (l localCacheDisk) Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error) {
-	return l.h.AttachCache(ctx, l.store, name, project)
+func (l localCacheDisk) Attach(ctx context.Context, name, project string, want []string) (hostcache.RestoreResult, error) {
+	return l.h.AttachCache(ctx, l.store, name, project, want)
 }
 
 func (l localCacheDisk) AttachScratch(ctx context.Context, name string) error {
@@ -420,13 +454,13 @@ const dropWait = 30 * time.Second
 // deleted once the guest is done with it.
 //
 // steps says how long the disk took to make and the guest to read it.
-func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
-	if small, err := smallRestore(ctx, j, store, project); err != nil || small {
+func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, want []string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
+	if small, err := smallRestore(ctx, j, store, project, want); err != nil || small {
 		return res, false, "", err
 	}
 	disk := e.cacheDisk(j)
 	t0 := time.Now()
-	res, err = disk.Attach(ctx, name, project)
+	res, err = disk.Attach(ctx, name, project, want)
 	switch {
 	case err != nil && ctx.Err() == nil:
 		e.say("Host cache: no restore disk (%v); copying over SSH instead", err)

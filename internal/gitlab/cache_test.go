@@ -1,6 +1,9 @@
 package gitlab
 
 import (
+	"archive/tar"
+	"bytes"
+	"context"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,6 +13,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 )
 
 // Only the runner's cache sub-stages whose scripts call its cache helper
@@ -106,4 +110,35 @@ func TestCacheCommandsArePOSIX(t *testing.T) {
 	for _, word := range []string{diskWritten + " $st", diskMissing, diskUnwritable} {
 		require.Contains(t, diskSaveCommand, "echo "+word)
 	}
+}
+
+// Only the cached files the runner's restore_cache script names reach the
+// guest (the job's key and its fallback keys); a script that names none
+// of them gets them all.
+func TestWantedFiles(t *testing.T) {
+	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "c"), ProjectLimit: 1 << 20, TotalLimit: 1 << 20}
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 3)
+	require.NoError(t, err)
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for _, n := range []string{"lve/demo/deps-v1-protected/cache.zip", "lve/demo/old-key-protected/cache.zip", "lve/demo/fallback-protected/cache.zip"} {
+		require.NoError(t, tw.WriteHeader(&tar.Header{Name: n, Typeflag: tar.TypeReg, Mode: 0o644, Size: 1}))
+		_, err := tw.Write([]byte("z"))
+		require.NoError(t, err)
+	}
+	require.NoError(t, tw.Close())
+	_, err = store.Save(context.Background(), project, &buf)
+	require.NoError(t, err)
+
+	script := []byte(`'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/deps-v1-protected/cache.zip' '--timeout' '10'
+'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/fallback-protected/cache.zip' '--timeout' '10'`)
+	want, err := wantedFiles(context.Background(), store, project, script)
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"lve/demo/deps-v1-protected/cache.zip", "lve/demo/fallback-protected/cache.zip"}, want)
+
+	want, err = wantedFiles(context.Background(), store, project, []byte("gitlab-runner cache-extractor --file elsewhere.zip"))
+	require.NoError(t, err)
+	require.Nil(t, want, "none named: all")
+	require.Nil(t, onlyFiles(nil))
+	require.False(t, onlyFiles([]string{"a"})("b"))
 }

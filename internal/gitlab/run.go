@@ -39,7 +39,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	op := cacheOpOf(stage, script)
 	if op == cacheRestore {
-		runCache(ctx, e, j, jm.Name, img, op)
+		runCache(ctx, e, j, jm.Name, img, op, script)
 	}
 	var span time.Duration
 	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
@@ -48,7 +48,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	e.Report.GuestSpan(span)
 	if op == cacheSave && err == nil {
-		runCache(ctx, e, j, jm.Name, img, op)
+		runCache(ctx, e, j, jm.Name, img, op, script)
 	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {

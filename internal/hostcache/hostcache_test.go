@@ -809,3 +809,26 @@ func TestSnapshotHoldsOffSave(t *testing.T) {
 	require.NoError(t, <-saved)
 	assert.Equal(t, "newer and longer", restore(t, s, p)["k/cache.zip"])
 }
+
+// OpenOnly streams the files it is asked for, and Size still fits.
+func TestSnapshotOnly(t *testing.T) {
+	s, _ := newStore(t, 1<<30, 1<<30)
+	p := project(t, 8)
+	save(t, s, p, ent{name: "ns/p/a/cache.zip", body: "aaa"}, ent{name: "ns/p/b/cache.zip", body: "bbbb"})
+	sn, err := s.Open(context.Background(), p)
+	require.NoError(t, err)
+	require.ElementsMatch(t, []string{"ns/p/a/cache.zip", "ns/p/b/cache.zip"}, sn.Names())
+	require.NoError(t, sn.Close())
+
+	sn, err = s.OpenOnly(context.Background(), p, func(name string) bool { return name == "ns/p/b/cache.zip" })
+	require.NoError(t, err)
+	var buf bytes.Buffer
+	_, err = sn.WriteTo(&buf)
+	require.NoError(t, err)
+	require.NoError(t, sn.Close())
+	assert.EqualValues(t, buf.Len(), sn.Size())
+	got := readTar(t, buf.Bytes())
+	assert.Equal(t, "bbbb", got["ns/p/b/cache.zip"])
+	assert.NotContains(t, got, "ns/p/a/cache.zip")
+	assert.Equal(t, RestoreResult{Files: 1, Bytes: 4}, sn.Files())
+}

@@ -29,6 +29,7 @@ type Snapshot struct {
 	root    *os.Root
 	lock    *os.File
 	entries []entry
+	want    func(name string) bool
 	size    int64
 	res     RestoreResult
 }
@@ -44,6 +45,12 @@ type entry struct {
 // Open takes a snapshot of the project's cache and marks the project used
 // now. Close releases it.
 func (s *Store) Open(ctx context.Context, project string) (*Snapshot, error) {
+	return s.OpenOnly(ctx, project, nil)
+}
+
+// OpenOnly is Open for the files whose names (relative to the project's
+// cache, as Names lists them) want keeps; nil keeps all.
+func (s *Store) OpenOnly(ctx context.Context, project string, want func(name string) bool) (*Snapshot, error) {
 	if err := checkProject(project); err != nil {
 		return nil, err
 	}
@@ -51,7 +58,7 @@ func (s *Store) Open(ctx context.Context, project string) (*Snapshot, error) {
 	if err != nil {
 		return nil, err
 	}
-	sn := &Snapshot{root: root}
+	sn := &Snapshot{root: root, want: want}
 	lock, err := lockProject(ctx, root, project, syscall.LOCK_SH, false, false)
 	switch {
 	case errors.Is(err, errNoProject):
@@ -95,6 +102,9 @@ func (sn *Snapshot) list(ctx context.Context, s *Store, project string) error {
 		if !d.Type().IsRegular() {
 			return nil // not ours: Save writes no other kind
 		}
+		if sn.want != nil && !sn.want(name) {
+			return nil
+		}
 		fi, err := d.Info()
 		if err != nil {
 			return err
@@ -135,6 +145,17 @@ func (e entry) header() *tar.Header {
 		return &tar.Header{Typeflag: tar.TypeDir, Name: e.name, Mode: 0o755}
 	}
 	return &tar.Header{Typeflag: tar.TypeReg, Name: e.name, Mode: 0o644, Size: e.size, ModTime: e.mtime}
+}
+
+// Names are the names of the files the stream holds.
+func (sn *Snapshot) Names() []string {
+	var out []string
+	for _, e := range sn.entries {
+		if !e.dir {
+			out = append(out, e.name)
+		}
+	}
+	return out
 }
 
 // Files says how many files the stream holds, and their bytes.

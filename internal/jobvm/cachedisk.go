@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 )
@@ -12,13 +13,18 @@ import (
 // AttachCache hands the project's cache in store to the running machine
 // name on a read-only disk hot-plugged into it (lifecycle.Manager.AttachData):
 // one tar stream, taken under the project's shared lock, so each file is
-// whole. A project with nothing cached gets no disk (Files 0). DropData
-// deletes the disk's volume once the guest has read it.
-func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, project string) (hostcache.RestoreResult, error) {
+// whole: the files named in want, or all (nil). A project with nothing
+// cached gets no disk (Files 0). DropDisks deletes the disk's volume once
+// the guest has read it.
+func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, project string, want []string) (hostcache.RestoreResult, error) {
 	if err := h.CheckOurName(name); err != nil {
 		return hostcache.RestoreResult{}, err
 	}
-	sn, err := store.Open(ctx, project)
+	var only func(string) bool
+	if want != nil {
+		only = func(n string) bool { return slices.Contains(want, n) }
+	}
+	sn, err := store.OpenOnly(ctx, project, only)
 	if err != nil {
 		return hostcache.RestoreResult{}, err
 	}

@@ -14,7 +14,7 @@ const ExplainCommand = "explain-machine"
 // project's host cache to and from a job's machine on hot-plugged disks;
 // the run stage, built without libvirt, asks it:
 //
-//	libvirt-executor --config=PATH cache-disk attach -- NAME PROJECT   # prints "FILES BYTES" (0 0: nothing cached, no disk)
+//	libvirt-executor --config=PATH cache-disk attach -- NAME PROJECT [FILE...]   # prints "FILES BYTES" (0 0: nothing cached, no disk)
 //	libvirt-executor --config=PATH cache-disk scratch -- NAME          # an empty disk for the guest to write
 //	libvirt-executor --config=PATH cache-disk keep -- NAME PROJECT     # prints the save's KeepAnswer (JSON)
 //	libvirt-executor --config=PATH cache-disk drop -- NAME             # deletes both disks' volumes

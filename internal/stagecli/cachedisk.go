@@ -22,8 +22,8 @@ const cacheDiskWait = 10 * time.Minute
 type adminCacheDisk struct{ a *adminTool }
 
 // Attach implements gitlab.CacheDisk.
-func (c adminCacheDisk) Attach(ctx context.Context, name, project string) (hostcache.RestoreResult, error) {
-	out, err := c.run(ctx, jobvm.CacheDiskAttach, "--", name, project)
+func (c adminCacheDisk) Attach(ctx context.Context, name, project string, want []string) (hostcache.RestoreResult, error) {
+	out, err := c.run(ctx, append([]string{jobvm.CacheDiskAttach, "--", name, project}, want...)...)
 	if err != nil {
 		return hostcache.RestoreResult{}, err
 	}

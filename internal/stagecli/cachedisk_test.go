@@ -26,10 +26,10 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	name, project := "lve-0123abcd-89abcdef-42", "dfe2eead3cf71594-7"
 
 	a, _ := testExplainer(t, dir, cfgPath, withoutJobVariables([]string{"FAKE_MODE=attach", "CUSTOM_ENV_CI_JOB_TOKEN=secret"})...)
-	res, err := adminCacheDisk{a}.Attach(context.Background(), name, project)
+	res, err := adminCacheDisk{a}.Attach(context.Background(), name, project, []string{"lve/p/k 1/cache.zip", "lve/p/k2/cache.zip"})
 	require.NoError(t, err)
 	require.Equal(t, hostcache.RestoreResult{Files: 3, Bytes: 1234}, res)
-	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, "--", name, project}, argv())
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, "--", name, project, "lve/p/k 1/cache.zip", "lve/p/k2/cache.zip"}, argv())
 	env, err := os.ReadFile(filepath.Join(dir, "env"))
 	require.NoError(t, err)
 	require.NotContains(t, string(env), "CUSTOM_ENV_", "the job's variables stay out")
@@ -49,14 +49,14 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, "--", name, project}, argv())
 
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=garbage")
-	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project, nil)
 	require.ErrorContains(t, err, `answer "3 lots", want "FILES BYTES"`)
 
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=fail")
-	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project, nil)
 	require.ErrorContains(t, err, "libvirt said no", "the tool's own words reach the job log")
 
 	a, _ = testExplainer(t, t.TempDir(), cfgPath) // no tool there, none on PATH
-	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project)
+	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project, nil)
 	require.ErrorContains(t, err, "was not found")
 }
