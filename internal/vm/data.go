@@ -107,7 +107,7 @@ func (e *Engine) attach(ctx context.Context, name, pool string, d hotDisk, capac
 		{Name: "create the volume", Do: func(ctx context.Context) error {
 			v := &libvirtxml.StorageVolume{
 				Name:       vol,
-				Capacity:   &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64((capacity + 511) / 512 * 512)},
+				Capacity:   &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: uint64((capacity + 511) / 512 * 512)}, //nolint:gosec // G115: capacity > 0, checked by AttachData and AttachScratch
 				Allocation: &libvirtxml.StorageVolumeSize{Unit: "bytes", Value: 0},
 				Target: &libvirtxml.StorageVolumeTarget{
 					Format:      &libvirtxml.StorageVolumeTargetFormat{Type: "raw"},

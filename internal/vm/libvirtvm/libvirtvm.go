@@ -346,7 +346,7 @@ func (l *Conn) StreamToVolume(ctx context.Context, pool, name string, r io.Reade
 			return err
 		}
 		defer st.Free()
-		if err := v.Upload(st, 0, uint64(size), 0); err != nil {
+		if err := v.Upload(st, 0, uint64(size), 0); err != nil { //nolint:gosec // G115: size >= 0, checked above
 			return err
 		}
 		// In pieces: libvirt refuses a stream message of more than 32 MiB
