@@ -6,7 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -271,17 +270,6 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	return res, true, fmt.Sprintf("made in %s, written by the guest in %s, read in %s", vm.Round(attached), vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
 }
 
-// smallRestore reports whether the project's cache is below
-// cache.disk_min_mib: cheaper over SSH than on a disk.
-func smallRestore(ctx context.Context, j *job, store *hostcache.Store, project string, want []string) (bool, error) {
-	sn, err := store.OpenOnly(ctx, project, onlyFiles(want))
-	if err != nil {
-		return false, err
-	}
-	defer func() { _ = sn.Close() }()
-	return sn.Size() < j.cfg.Cache.DiskMin(), nil
-}
-
 // duCommand says how many KiB the guest's cache_dir holds.
 const duCommand = "du -sk " + guestCacheDir + " 2>/dev/null"
 
@@ -320,10 +308,11 @@ func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
 // on a restore disk (the image's cache_via = "disk"), else, or when
 // the guest cannot have the disk, over the client's connection.
 func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, script []byte, t0 time.Time) {
-	want, err := wantedFiles(ctx, store, project, script)
+	want, size, err := wantedFiles(ctx, store, project, script)
 	var res hostcache.RestoreResult
 	how, done := "", false
-	if err == nil && img.CacheVia == config.CacheViaDisk {
+	// Below cache.disk_min_mib the hot plug costs more than SSH's copy.
+	if err == nil && img.CacheVia == config.CacheViaDisk && size >= j.cfg.Cache.DiskMin() {
 		var steps string
 		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, want, client)
 		how = "from a restore disk (" + steps + ")"
@@ -345,14 +334,14 @@ func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.I
 
 // wantedFiles are the project's cached files that the runner's
 // restore_cache script names (its cache-extractor's --file, for the job's
-// key and its fallback keys): only they need to reach the guest. nil (all
-// of them) when the script names none: a name written in a way this does
-// not see costs a larger copy, never a missing cache. The script is only
-// searched for names the store made, never parsed.
-func wantedFiles(ctx context.Context, store *hostcache.Store, project string, script []byte) ([]string, error) {
+// key and its fallback keys), and their bytes: only they need to reach the
+// guest. nil (all of them) when the script names none: a name written in a
+// way this does not see costs a larger copy, never a missing cache. The
+// script is only searched for names the store made, never parsed.
+func wantedFiles(ctx context.Context, store *hostcache.Store, project string, script []byte) ([]string, int64, error) {
 	sn, err := store.Open(ctx, project)
 	if err != nil {
-		return nil, err
+		return nil, 0, err
 	}
 	defer func() { _ = sn.Close() }()
 	var want []string
@@ -361,22 +350,13 @@ func wantedFiles(ctx context.Context, store *hostcache.Store, project string, sc
 			want = append(want, n)
 		}
 	}
-	return want, nil
-}
-
-// onlyFiles is the filter for hostcache.Store.OpenOnly that keeps want
-// (nil: all).
-func onlyFiles(want []string) func(string) bool {
-	if want == nil {
-		return nil
-	}
-	return func(name string) bool { return slices.Contains(want, name) }
+	return want, sn.Bytes(hostcache.Only(want)), nil
 }
 
 // restoreBySSH streams the project's cache (the files in want; nil: all)
 // into the guest's tar.
 func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, want []string, client *sshexec.Client) (hostcache.RestoreResult, error) {
-	sn, err := store.OpenOnly(ctx, project, onlyFiles(want))
+	sn, err := store.OpenOnly(ctx, project, hostcache.Only(want))
 	if err != nil {
 		return hostcache.RestoreResult{}, err
 	}
@@ -455,9 +435,6 @@ const dropWait = 30 * time.Second
 //
 // steps says how long the disk took to make and the guest to read it.
 func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, want []string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
-	if small, err := smallRestore(ctx, j, store, project, want); err != nil || small {
-		return res, false, "", err
-	}
 	disk := e.cacheDisk(j)
 	t0 := time.Now()
 	res, err = disk.Attach(ctx, name, project, want)

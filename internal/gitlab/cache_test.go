@@ -132,13 +132,15 @@ func TestWantedFiles(t *testing.T) {
 
 	script := []byte(`'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/deps-v1-protected/cache.zip' '--timeout' '10'
 '/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/fallback-protected/cache.zip' '--timeout' '10'`)
-	want, err := wantedFiles(context.Background(), store, project, script)
+	want, n, err := wantedFiles(context.Background(), store, project, script)
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{"lve/demo/deps-v1-protected/cache.zip", "lve/demo/fallback-protected/cache.zip"}, want)
+	require.EqualValues(t, 2, n, "the wanted files' bytes")
 
-	want, err = wantedFiles(context.Background(), store, project, []byte("gitlab-runner cache-extractor --file elsewhere.zip"))
+	want, n, err = wantedFiles(context.Background(), store, project, []byte("gitlab-runner cache-extractor --file elsewhere.zip"))
 	require.NoError(t, err)
 	require.Nil(t, want, "none named: all")
-	require.Nil(t, onlyFiles(nil))
-	require.False(t, onlyFiles([]string{"a"})("b"))
+	require.EqualValues(t, 3, n, "all files' bytes")
+	require.Nil(t, hostcache.Only(nil))
+	require.False(t, hostcache.Only([]string{"a"})("b"))
 }

@@ -8,6 +8,7 @@ import (
 	"io"
 	"io/fs"
 	"os"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -156,6 +157,26 @@ func (sn *Snapshot) Names() []string {
 		}
 	}
 	return out
+}
+
+// Bytes is the bytes of the stream's files that want keeps (nil: all).
+func (sn *Snapshot) Bytes(want func(name string) bool) int64 {
+	var n int64
+	for _, e := range sn.entries {
+		if !e.dir && (want == nil || want(e.name)) {
+			n += e.size
+		}
+	}
+	return n
+}
+
+// Only is the filter for OpenOnly that keeps the files named in want
+// (nil: all).
+func Only(want []string) func(name string) bool {
+	if want == nil {
+		return nil
+	}
+	return func(name string) bool { return slices.Contains(want, name) }
 }
 
 // Files says how many files the stream holds, and their bytes.

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"slices"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 )
@@ -20,11 +19,7 @@ func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, pr
 	if err := h.CheckOurName(name); err != nil {
 		return hostcache.RestoreResult{}, err
 	}
-	var only func(string) bool
-	if want != nil {
-		only = func(n string) bool { return slices.Contains(want, n) }
-	}
-	sn, err := store.OpenOnly(ctx, project, only)
+	sn, err := store.OpenOnly(ctx, project, hostcache.Only(want))
 	if err != nil {
 		return hostcache.RestoreResult{}, err
 	}

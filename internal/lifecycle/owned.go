@@ -151,29 +151,13 @@ func (m *Manager) DropSeed(ctx context.Context, name string) error {
 // machine's lock: a teardown runs before or after it, never in between, and
 // removes the disk's volume either way.
 func (m *Manager) AttachData(ctx context.Context, name string, r io.Reader, size int64) error {
-	if err := m.checkOurName(name); err != nil {
-		return err
-	}
-	unlock, err := m.Store.Lock(ctx, name)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size)
+	return m.withLock(ctx, name, func() error { return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size) })
 }
 
 // AttachScratch gives the running machine name an empty writable disk of
 // capacity bytes (vm.Engine.AttachScratch), under the machine's lock.
 func (m *Manager) AttachScratch(ctx context.Context, name string, capacity int64) error {
-	if err := m.checkOurName(name); err != nil {
-		return err
-	}
-	unlock, err := m.Store.Lock(ctx, name)
-	if err != nil {
-		return err
-	}
-	defer unlock()
-	return m.engine().AttachScratch(ctx, name, m.Cfg.StoragePool, capacity)
+	return m.withLock(ctx, name, func() error { return m.engine().AttachScratch(ctx, name, m.Cfg.StoragePool, capacity) })
 }
 
 // ReadScratch copies what the guest of machine name wrote on its scratch
@@ -189,6 +173,20 @@ func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) err
 // and scratch: vm.Engine.DropData, DropScratch), under the machine's lock.
 // A machine gone meanwhile is success: its teardown removed them.
 func (m *Manager) DropDisks(ctx context.Context, name string) error {
+	return m.withLock(ctx, name, func() error {
+		e := m.engine()
+		for _, drop := range []func(context.Context, string, string) error{e.DropData, e.DropScratch} {
+			if err := drop(ctx, name, m.Cfg.StoragePool); err != nil && !errors.Is(err, vm.ErrNotFound) {
+				return err
+			}
+		}
+		return nil
+	})
+}
+
+// withLock runs fn for machine name of this installation under the
+// machine's lock (waiting for it while ctx lets it).
+func (m *Manager) withLock(ctx context.Context, name string, fn func() error) error {
 	if err := m.checkOurName(name); err != nil {
 		return err
 	}
@@ -197,13 +195,7 @@ func (m *Manager) DropDisks(ctx context.Context, name string) error {
 		return err
 	}
 	defer unlock()
-	e := m.engine()
-	for _, drop := range []func(context.Context, string, string) error{e.DropData, e.DropScratch} {
-		if err := drop(ctx, name, m.Cfg.StoragePool); err != nil && !errors.Is(err, vm.ErrNotFound) {
-			return err
-		}
-	}
-	return nil
+	return fn()
 }
 
 // StartMachine starts a stopped machine of this installation.
