@@ -314,7 +314,7 @@ func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.I
 	// Below cache.disk_min_mib the hot plug costs more than SSH's copy.
 	if err == nil && img.CacheVia == config.CacheViaDisk && size >= j.cfg.Cache.DiskMin() {
 		var steps string
-		res, done, steps, err = restoreByDisk(ctx, e, j, name, store, project, want, client)
+		res, done, steps, err = restoreByDisk(ctx, e, j, name, project, want, client)
 		how = "from a restore disk (" + steps + ")"
 	}
 	if !done && err == nil {
@@ -434,7 +434,7 @@ const dropWait = 30 * time.Second
 // deleted once the guest is done with it.
 //
 // steps says how long the disk took to make and the guest to read it.
-func restoreByDisk(ctx context.Context, e Env, j *job, name string, store *hostcache.Store, project string, want []string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
+func restoreByDisk(ctx context.Context, e Env, j *job, name, project string, want []string, client *sshexec.Client) (res hostcache.RestoreResult, done bool, steps string, err error) {
 	disk := e.cacheDisk(j)
 	t0 := time.Now()
 	res, err = disk.Attach(ctx, name, project, want)
