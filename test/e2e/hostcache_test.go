@@ -5,6 +5,7 @@ package e2e
 import (
 	"archive/zip"
 	"bytes"
+	"errors"
 	"fmt"
 	"io"
 	"io/fs"
@@ -152,9 +153,18 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	for range jobs {
 		waits = append(waits, rr.start(t, 1))
 	}
+	// Which runner takes which job is the runners' race: all of them
+	// end before the jobs' results are read.
+	var outs []string
+	var errs []error
+	for _, w := range waits {
+		out, err := w()
+		outs, errs = append(outs, out), append(errs, err)
+	}
+	all := func() (string, error) { return strings.Join(outs, "\n"), errors.Join(errs...) }
 	byName := map[string]jobapi.Result{}
-	for i, w := range waits {
-		byName[jobs[i].Name] = rr.results(t, w, ids[i:i+1])[0]
+	for i, x := range rr.results(t, all, ids) {
+		byName[jobs[i].Name] = x
 	}
 	for _, img := range append([]string{def}, others...) {
 		x := byName["use-"+img]

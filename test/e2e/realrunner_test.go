@@ -13,6 +13,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -89,11 +90,20 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 			Dir: rr.workDir, Stdout: &out, Stderr: &out,
 		})
 	}()
-	return func() (string, error) {
-		defer cancel()
-		err := <-done
-		return out.String(), err
+	// A test that fails before it waits for this runner stops it here, so
+	// that its job is cancelled and cleaned up by the runner (SIGTERM)
+	// before the leftover check, not left running into the next tests.
+	var once sync.Once
+	var runErr error
+	wait = func() (string, error) {
+		once.Do(func() {
+			defer cancel()
+			runErr = <-done
+		})
+		return out.String(), runErr
 	}
+	t.Cleanup(func() { cancel(); _, _ = wait() })
+	return wait
 }
 
 // runJobs queues jobs, runs them one after another through one runner and

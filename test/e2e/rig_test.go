@@ -12,8 +12,10 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -24,6 +26,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
@@ -121,7 +124,64 @@ func (r *rig) requireNoLeftovers(t *testing.T, when string) {
 		left = append(r.leftovers(t), r.strayProcesses()...)
 	}
 	figures.addLeaks(len(left))
+	if len(left) > 0 {
+		// Counted and failed; removed so that the tests after this one
+		// start clean (one leak is one failure, not the suite's).
+		t.Cleanup(func() { r.clearLeftovers(t, left) })
+	}
 	require.Empty(t, left, "%s: leftovers", when)
+}
+
+// clearLeftovers removes what requireNoLeftovers found: the machines
+// through the admin tool's rm (which proves ownership and stops their
+// holders), then the helper processes of this rig that are still there,
+// by their PIDs (the tests started them).
+func (r *rig) clearLeftovers(t *testing.T, left []string) {
+	names := map[string]bool{}
+	var pids []int
+	for _, l := range left {
+		kind, rest, _ := strings.Cut(l, " ")
+		switch kind {
+		case "domain", "state":
+			names[rest] = true
+		case "volume":
+			if m, ok := lifecycle.MachineOfVolume(rest); ok {
+				names[m] = true
+			}
+		case "process":
+			pid, what, _ := strings.Cut(rest, " ")
+			if n, err := strconv.Atoi(pid); err == nil {
+				pids = append(pids, n)
+			}
+			if f := strings.Fields(strings.Trim(what, "()")); len(f) == 2 {
+				names[f[1]] = true
+			}
+		}
+	}
+	var args []string
+	for n := range names {
+		args = append(args, n)
+	}
+	if len(args) > 0 {
+		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+		defer cancel()
+		cmd := exec.CommandContext(ctx, filepath.Join(r.bin, "libvirt-executor"), append([]string{"--config", r.cfgPath, "rm"}, args...)...)
+		out, err := cmd.CombinedOutput()
+		t.Logf("removing the leftovers %v: %v\n%s", args, err, out)
+	}
+	// Only those whose command line still names this rig's machines.
+	still := map[int]bool{}
+	for _, l := range r.strayProcesses() {
+		f := strings.Fields(l)
+		if n, err := strconv.Atoi(f[1]); err == nil {
+			still[n] = true
+		}
+	}
+	for _, pid := range pids {
+		if p, err := os.FindProcess(pid); err == nil && still[pid] {
+			_ = p.Kill()
+		}
+	}
 }
 
 // reaperWait bounds how long a reaper may take to remove a machine after
