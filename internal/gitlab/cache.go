@@ -73,18 +73,21 @@ else
   echo ` + diskUnreadable + `
 fi`
 	// diskSaveCommand writes cache_dir as a tar stream at the start of the
-	// scratch disk (serial vm.ScratchDiskSerial), flushes it, and says
+	// scratch disk (serial vm.ScratchDiskSerial), flushes that disk only
+	// (fsync of the device, by dd: a global sync would also flush what the
+	// job wrote to the guest's own disk, the runner's fresh archive
+	// included, which the host does not read), and says
 	// diskWritten with tar's exit status, or why the disk could not be
 	// used.
 	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + `mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + ` || exit 1
 if [ -w "$d" ]; then
   tar -cf "$d" .; st=$?
+  dd if=/dev/null of="$d" count=0 conv=notrunc,fsync 2>/dev/null || sync
 elif sudo -n true 2>/dev/null; then
-  tar -cf - . | sudo -n dd of="$d" bs=1M 2>/dev/null; st=$?
+  tar -cf - . | sudo -n dd of="$d" bs=1M conv=fsync 2>/dev/null; st=$?
 else
   echo ` + diskUnwritable + `; exit 0
 fi
-sync
 echo ` + diskWritten + ` $st`
 )
 
@@ -135,7 +138,7 @@ func hostCache(j *job, img *config.Image) (*hostcache.Store, string, string) {
 // runCache does op for the job's machine name on image img, saying in the
 // job log what happened and how long it took.
 // script is the stage's script (the runner's).
-func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image, op cacheOp, script []byte) {
+func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image, op cacheOp, script []byte, early *earlyScratch) {
 	store, project, why := hostCache(j, img)
 	if store == nil {
 		if why != "" {
@@ -148,6 +151,7 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	t0 := time.Now()
 	_, client, err := j.m.Connect(ctx, name)
 	if err != nil {
+		early.drop(ctx, e, j, name)
 		e.say("Host cache: no connection to the VM for the cache: %v", err)
 		return
 	}
@@ -156,7 +160,55 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	case cacheRestore:
 		restoreCache(ctx, e, j, name, img, store, project, client, script, t0)
 	case cacheSave:
-		saveCache(ctx, e, j, name, img, store, project, client, t0)
+		saveCache(ctx, e, j, name, img, store, project, client, t0, early)
+	}
+}
+
+// earlyScratch is a scratch disk attached while the archive_cache stage's
+// script (the runner making its archive) runs, so that the hot plug and
+// the guest's finding the disk are done when the archive is: the copy
+// after the script is then only the guest writing the disk and the host
+// reading it.
+type earlyScratch struct {
+	done chan struct{}
+	err  error
+	took time.Duration
+}
+
+// startScratch attaches the scratch disk for a save in the background,
+// when the save will go through a disk: the image's cache_via = "disk" and
+// the cache the script names (or, for a key not cached yet, the project's
+// whole cache) is at least cache.disk_min_mib, or that is 0. Else nil.
+func startScratch(ctx context.Context, e Env, j *job, name string, img *config.Image, script []byte) *earlyScratch {
+	store, project, _ := hostCache(j, img)
+	if store == nil || img.CacheVia != config.CacheViaDisk {
+		return nil
+	}
+	if min := j.cfg.Cache.DiskMin(); min > 0 {
+		if _, size, err := wantedFiles(ctx, store, project, script); err != nil || size < min {
+			return nil
+		}
+	}
+	es := &earlyScratch{done: make(chan struct{})}
+	disk := e.cacheDisk(j)
+	go func() {
+		defer close(es.done)
+		t0 := time.Now()
+		es.err = disk.AttachScratch(ctx, name)
+		es.took = time.Since(t0)
+	}()
+	return es
+}
+
+// drop deletes the early disk's volume when the save did not use it (the
+// stage's script failed, or the cache turned out small).
+func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
+	if es == nil {
+		return
+	}
+	<-es.done
+	if es.err == nil {
+		dropDisks(ctx, j, e.cacheDisk(j), name)
 	}
 }
 
@@ -164,14 +216,16 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 // the guest on a scratch disk (the image's cache_via = "disk"), else, or
 // when the guest cannot use the disk, over the client's connection. The
 // job log says what was kept, left out and evicted, and how long it took.
-func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time) {
+func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time, early *earlyScratch) {
 	var res hostcache.SaveResult
 	var serr, gerr error
 	how, done := "", false
 	if img.CacheVia == config.CacheViaDisk {
 		var steps string
-		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, client)
+		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, client, early)
 		how = " from a scratch disk (" + steps + ")"
+	} else {
+		early.drop(ctx, e, j, name)
 	}
 	if !done && serr == nil {
 		how = " over SSH"
@@ -229,13 +283,23 @@ func saveBySSH(ctx context.Context, store *hostcache.Store, project string, clie
 // SSH instead. The disk's volume is deleted once read. steps says how
 // long the disk took to make, the guest to write it and the host to keep
 // it.
-func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client *sshexec.Client) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
+func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client *sshexec.Client, early *earlyScratch) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
 	if smallSave(ctx, j, client) {
+		early.drop(ctx, e, j, name)
 		return res, false, "", nil, nil
 	}
 	disk := e.cacheDisk(j)
 	t0 := time.Now()
-	if err := disk.AttachScratch(ctx, name); err != nil {
+	var err error
+	made := "made in "
+	if early != nil {
+		<-early.done
+		err = early.err
+		made = fmt.Sprintf("made during the script in %s, waited for ", vm.Round(early.took))
+	} else {
+		err = disk.AttachScratch(ctx, name)
+	}
+	if err != nil {
 		if ctx.Err() != nil {
 			return res, false, "", nil, err
 		}
@@ -267,7 +331,7 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	written := time.Since(t1)
 	t2 := time.Now()
 	res, serr = disk.Keep(ctx, name, project)
-	return res, true, fmt.Sprintf("made in %s, written by the guest in %s, read in %s", vm.Round(attached), vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
+	return res, true, fmt.Sprintf("%s%s, written by the guest in %s, read in %s", made, vm.Round(attached), vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
 }
 
 // duCommand says how many KiB the guest's cache_dir holds.

@@ -38,8 +38,12 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		img = cfg.Images[mach.Image]
 	}
 	op := cacheOpOf(stage, script)
-	if op == cacheRestore {
-		runCache(ctx, e, j, jm.Name, img, op, script)
+	var early *earlyScratch
+	switch op {
+	case cacheRestore:
+		runCache(ctx, e, j, jm.Name, img, op, script, nil)
+	case cacheSave:
+		early = startScratch(ctx, e, j, jm.Name, img, script)
 	}
 	var span time.Duration
 	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
@@ -47,8 +51,12 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
 	}
 	e.Report.GuestSpan(span)
-	if op == cacheSave && err == nil {
-		runCache(ctx, e, j, jm.Name, img, op, script)
+	if op == cacheSave {
+		if err == nil {
+			runCache(ctx, e, j, jm.Name, img, op, script, early)
+		} else {
+			early.drop(ctx, e, j, jm.Name)
+		}
 	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {

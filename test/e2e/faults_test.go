@@ -225,6 +225,26 @@ func (r *rig) volumeExists(name string) bool {
 	return true
 }
 
+// volumeAllocated is how many bytes of the volume are allocated (a sparse
+// volume's written part), 0 when there is no such volume.
+func (r *rig) volumeAllocated(name string) uint64 {
+	p, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	if err != nil {
+		return 0
+	}
+	defer p.Free()
+	v, err := p.LookupStorageVolByName(name)
+	if err != nil {
+		return 0
+	}
+	defer v.Free()
+	info, err := v.GetInfo()
+	if err != nil {
+		return 0
+	}
+	return info.Allocation
+}
+
 // TestFaultSIGKILLPrepare kills prepare (uncatchable) at three points. The
 // runner then runs cleanup; when the runner died too, the sweep removes
 // everything once the ownership deadline has passed.
