@@ -284,8 +284,10 @@ func saveBySSH(ctx context.Context, store *hostcache.Store, project string, clie
 // long the disk took to make, the guest to write it and the host to keep
 // it.
 func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client *sshexec.Client, early *earlyScratch) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
-	if smallSave(ctx, j, client) {
-		early.drop(ctx, e, j, name)
+	// A disk attached during the script is used whatever the size: its
+	// hot plug is paid, and writing a small cache on it costs less than
+	// asking the guest how small it is.
+	if early == nil && smallSave(ctx, j, client) {
 		return res, false, "", nil, nil
 	}
 	disk := e.cacheDisk(j)

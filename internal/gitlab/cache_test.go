@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -143,4 +144,78 @@ func TestWantedFiles(t *testing.T) {
 	require.EqualValues(t, 3, n, "all files' bytes")
 	require.Nil(t, hostcache.Only(nil))
 	require.False(t, hostcache.Only([]string{"a"})("b"))
+}
+
+// recordingDisk is a CacheDisk that records the scratch disks asked for
+// and dropped.
+type recordingDisk struct {
+	CacheDisk
+	attached, dropped chan string
+	fail              error
+}
+
+func (d *recordingDisk) AttachScratch(_ context.Context, name string) error {
+	d.attached <- name
+	return d.fail
+}
+
+func (d *recordingDisk) Drop(_ context.Context, name string) error {
+	d.dropped <- name
+	return nil
+}
+
+// The scratch disk is attached during the archive_cache script when the
+// save will go through a disk: cache_via = "disk" and disk_min_mib = 0,
+// or what the host keeps of the key the script names (or of the project)
+// is at least disk_min_mib. Unused, it is dropped; a failed attach drops
+// nothing.
+func TestStartScratch(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "response.json")
+	require.NoError(t, os.WriteFile(path, []byte(`{"id":5,"job_info":{"project_id":42},"variables":[{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"}]}`), 0o600))
+	jb, err := ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": path}), false, func(string) {})
+	require.NoError(t, err)
+	load := func(extra string) *job {
+		cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(dir, "c") + "\"\n" + extra +
+			"[images.a]\nbase = \"/a\"\n[images.s]\nbase = \"/s\"\ncache_via = \"ssh\"\n"))
+		require.NoError(t, err)
+		return &job{cfg: cfg, job: jb}
+	}
+	disk := &recordingDisk{attached: make(chan string, 4), dropped: make(chan string, 4)}
+	e := Env{CacheDisk: disk}
+	script := []byte("'gitlab-runner' 'cache-archiver' '--file' '../../../../cache/lve/demo/k-protected/cache.zip'")
+	ctx := context.Background()
+
+	j := load("disk_min_mib = 0\n")
+	es := startScratch(ctx, e, j, "vm-1", j.cfg.Images["a"], script)
+	require.NotNil(t, es, "disk_min_mib = 0: always during the script")
+	require.Equal(t, "vm-1", <-disk.attached)
+	es.drop(ctx, e, j, "vm-1")
+	require.Equal(t, "vm-1", <-disk.dropped, "unused: its volume is deleted")
+
+	require.Nil(t, startScratch(ctx, e, j, "vm-1", j.cfg.Images["s"], script), "cache_via = \"ssh\": no disk")
+
+	j = load("disk_min_mib = 1\n")
+	require.Nil(t, startScratch(ctx, e, j, "vm-1", j.cfg.Images["a"], script), "nothing kept yet: the guest's du decides after the script")
+	store, project, _ := hostCache(j, j.cfg.Images["a"])
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "lve/demo/k-protected/cache.zip", Typeflag: tar.TypeReg, Mode: 0o644, Size: 2 << 20}))
+	_, err = tw.Write(make([]byte, 2<<20))
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	_, err = store.Save(ctx, project, &buf)
+	require.NoError(t, err)
+	es = startScratch(ctx, e, j, "vm-2", j.cfg.Images["a"], script)
+	require.NotNil(t, es, "the key's kept archive (2 MiB) is at least disk_min_mib")
+	require.Equal(t, "vm-2", <-disk.attached)
+	<-es.done
+
+	disk.fail = errors.New("no hot plug")
+	es = startScratch(ctx, e, j, "vm-3", j.cfg.Images["a"], script)
+	require.Equal(t, "vm-3", <-disk.attached)
+	es.drop(ctx, e, j, "vm-3")
+	require.Empty(t, disk.dropped, "a disk that was not attached is not dropped")
+	var none *earlyScratch
+	none.drop(ctx, e, j, "vm-4") // nothing to do
 }

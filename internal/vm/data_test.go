@@ -57,6 +57,7 @@ func TestAttachDataHotPlugsAReadOnlyDisk(t *testing.T) {
 	assert.NotNil(t, disks[0].ReadOnly, "the guest cannot write it")
 	assert.Equal(t, "virtio", disks[0].Target.Bus)
 	assert.Equal(t, "raw", disks[0].Driver.Type, "never probed as an image format")
+	assert.Empty(t, disks[0].Driver.Cache, "the hypervisor's default cache mode")
 	assert.Contains(t, ownerVolumes(t, f, s.Name), DataVolume(s.Name), "recorded, so a teardown removes it")
 
 	// Dropped: the volume and its record go.
@@ -139,6 +140,7 @@ func TestScratchDiskRoundTrip(t *testing.T) {
 	require.Len(t, disks, 1)
 	assert.Nil(t, disks[0].ReadOnly, "the guest writes it")
 	assert.Equal(t, "raw", disks[0].Driver.Type)
+	assert.Equal(t, "unsafe", disks[0].Driver.Cache, "the guest's flush is no host fsync of a volume read right away and deleted")
 	assert.Contains(t, ownerVolumes(t, f, s.Name), ScratchVolume(s.Name))
 
 	// What the guest wrote comes back as it is.
