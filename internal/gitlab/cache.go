@@ -74,17 +74,19 @@ else
 fi`
 	// diskSaveCommand writes cache_dir as a tar stream at the start of the
 	// scratch disk (serial vm.ScratchDiskSerial), flushes that disk only
-	// (fsync of the device, by dd: a global sync would also flush what the
-	// job wrote to the guest's own disk, the runner's fresh archive
-	// included, which the host does not read), and says
+	// (`sync FILE`, an fsync of the device, in coreutils 8.24+ and busybox
+	// with its fancy sync; elsewhere a global sync, which also flushes what
+	// the job wrote to the guest's own disk, the runner's fresh archive
+	// included), and says
 	// diskWritten with tar's exit status, or why the disk could not be
 	// used.
 	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + `mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + ` || exit 1
 if [ -w "$d" ]; then
   tar -cf "$d" .; st=$?
-  dd if=/dev/null of="$d" count=0 conv=notrunc,fsync 2>/dev/null || sync
+  sync "$d" 2>/dev/null || sync
 elif sudo -n true 2>/dev/null; then
-  tar -cf - . | sudo -n dd of="$d" bs=1M conv=fsync 2>/dev/null; st=$?
+  tar -cf - . | sudo -n dd of="$d" bs=1M 2>/dev/null; st=$?
+  sudo -n sync "$d" 2>/dev/null || sync
 else
   echo ` + diskUnwritable + `; exit 0
 fi
@@ -170,10 +172,16 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 // after the script is then only the guest writing the disk and the host
 // reading it.
 type earlyScratch struct {
-	done chan struct{}
-	err  error
-	took time.Duration
+	done   chan struct{}
+	cancel context.CancelFunc // stops an attach not needed any more
+	err    error
+	took   time.Duration
 }
+
+// predictWait bounds startScratch's look at what the host keeps (a shared
+// lock on the project, which a save being installed holds for a moment):
+// the runner's script does not wait for it longer.
+const predictWait = 2 * time.Second
 
 // startScratch attaches the scratch disk for a save in the background,
 // when the save will go through a disk: the image's cache_via = "disk" and
@@ -185,31 +193,43 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 		return nil
 	}
 	if min := j.cfg.Cache.DiskMin(); min > 0 {
-		if _, size, err := wantedFiles(ctx, store, project, script); err != nil || size < min {
+		pctx, cancel := context.WithTimeout(ctx, predictWait)
+		_, size, err := wantedFiles(pctx, store, project, script)
+		cancel()
+		if err != nil || size < min {
 			return nil
 		}
 	}
-	es := &earlyScratch{done: make(chan struct{})}
+	actx, cancel := context.WithCancel(ctx)
+	es := &earlyScratch{done: make(chan struct{}), cancel: cancel}
 	disk := e.cacheDisk(j)
 	go func() {
 		defer close(es.done)
 		t0 := time.Now()
-		es.err = disk.AttachScratch(ctx, name)
+		es.err = disk.AttachScratch(actx, name)
 		es.took = time.Since(t0)
 	}()
 	return es
 }
 
-// drop deletes the early disk's volume when the save did not use it (the
-// stage's script failed, or the cache turned out small).
+// wait is the attach's result, once it has ended.
+func (es *earlyScratch) wait() error {
+	<-es.done
+	es.cancel()
+	return es.err
+}
+
+// drop stops the early disk's attach if it still runs and deletes its
+// volume (the stage's script failed, or the save went over SSH). Also
+// after a failed or stopped attach: one stopped midway (the admin tool is
+// killed) may have left its volume; deleting none is success.
 func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	if es == nil {
 		return
 	}
+	es.cancel()
 	<-es.done
-	if es.err == nil {
-		dropDisks(ctx, j, e.cacheDisk(j), name)
-	}
+	dropDisks(ctx, j, e.cacheDisk(j), name)
 }
 
 // saveCache keeps the guest's cache_dir in the project's cache: written by
@@ -295,13 +315,16 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	var err error
 	made := "made in "
 	if early != nil {
-		<-early.done
-		err = early.err
+		err = early.wait()
 		made = fmt.Sprintf("made during the script in %s, waited for ", vm.Round(early.took))
 	} else {
 		err = disk.AttachScratch(ctx, name)
 	}
 	if err != nil {
+		if early != nil {
+			// Its attach ran in the background, possibly cut off midway.
+			dropDisks(ctx, j, disk, name)
+		}
 		if ctx.Err() != nil {
 			return res, false, "", nil, err
 		}

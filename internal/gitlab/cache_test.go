@@ -147,15 +147,20 @@ func TestWantedFiles(t *testing.T) {
 }
 
 // recordingDisk is a CacheDisk that records the scratch disks asked for
-// and dropped.
+// and dropped; with block set, an attach waits for its context's end.
 type recordingDisk struct {
 	CacheDisk
 	attached, dropped chan string
 	fail              error
+	block             bool
 }
 
-func (d *recordingDisk) AttachScratch(_ context.Context, name string) error {
+func (d *recordingDisk) AttachScratch(ctx context.Context, name string) error {
 	d.attached <- name
+	if d.block {
+		<-ctx.Done()
+		return ctx.Err()
+	}
 	return d.fail
 }
 
@@ -215,7 +220,16 @@ func TestStartScratch(t *testing.T) {
 	es = startScratch(ctx, e, j, "vm-3", j.cfg.Images["a"], script)
 	require.Equal(t, "vm-3", <-disk.attached)
 	es.drop(ctx, e, j, "vm-3")
-	require.Empty(t, disk.dropped, "a disk that was not attached is not dropped")
+	require.Equal(t, "vm-3", <-disk.dropped, "a failed attach may have left its volume: dropped too")
 	var none *earlyScratch
 	none.drop(ctx, e, j, "vm-4") // nothing to do
+
+	// The script failed while the attach still ran (libvirt slow): the
+	// drop stops it instead of waiting for it, and deletes what it left.
+	disk.fail, disk.block = nil, true
+	es = startScratch(ctx, e, j, "vm-5", j.cfg.Images["a"], script)
+	require.Equal(t, "vm-5", <-disk.attached)
+	es.drop(ctx, e, j, "vm-5")
+	require.Equal(t, "vm-5", <-disk.dropped)
+	require.ErrorIs(t, es.err, context.Canceled)
 }
