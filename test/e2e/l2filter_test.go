@@ -33,12 +33,17 @@ $S ip route del %[1]s/32
 echo routed-sent
 `
 
-// l2Flood: DHCP from 8 random MACs, own MAC back after each try.
-const l2Flood = l2Prelude + `i=0
+// l2Flood: DHCP from 8 random MACs, own MAC back after each try. A lease
+// is what udhcpc's script is told ("bound"), not its exit status: udhcpc
+// ends with 0 also when timeout's SIGTERM stops it, which a slow guest
+// took for a lease once.
+const l2Flood = l2Prelude + `hook=$(mktemp) || exit 3
+printf '#!/bin/sh\n[ "$1" = bound ] && echo "flood-lease=$ip"\nexit 0\n' > "$hook"; chmod 755 "$hook"
+i=0
 while [ $i -lt 8 ]; do
 	r=$(od -An -N3 -tx1 /dev/urandom | tr -s ' ' ':'); r="52:54:01${r%%:}"
 	$S ip link set "$dev" address "$r" || exit 3
-	$S timeout 1 udhcpc -n -q -t 1 -T 1 -i "$dev" -s /bin/true >/dev/null 2>&1 && echo "flood-lease=$r"
+	$S timeout 2 udhcpc -n -q -t 1 -T 1 -i "$dev" -s "$hook" 2>/dev/null | sed "s/\$/ mac=$r/"
 	$S ip link set "$dev" address "$mac"
 	sleep 1
 	i=$((i + 1))
