@@ -8,7 +8,6 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
-	"strconv"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -58,7 +57,25 @@ type CacheReport struct {
 
 var archiveEndRE = regexp.MustCompile(`section_end:[0-9]+:archive_cache\b`)
 
-var hostCopyRE = regexp.MustCompile(`Host cache: (restored|kept) .* in ([0-9.]+)(ms|s)\b.*`)
+var hostCopyRE = regexp.MustCompile(`Host cache: (restored|kept) .* in ([0-9][0-9.hmsuµn]*)(?:\x1b\[[0-9;]*m)*\s*$`)
+
+// hostCopy is the kind ("restored" or "kept") and the duration of the
+// host cache's copy in a job log's line, as the driver writes it (Go's
+// duration format: "625ms", "4.7s", "1m5s").
+func hostCopy(trace string) (kind string, took time.Duration, line string, ok bool) {
+	for _, l := range strings.Split(trace, "\n") {
+		m := hostCopyRE.FindStringSubmatch(strings.TrimRight(l, "\r"))
+		if m == nil {
+			continue
+		}
+		d, err := time.ParseDuration(m[2])
+		if err != nil {
+			continue
+		}
+		return m[1], d, m[0], true
+	}
+	return "", 0, "", false
+}
 
 // CacheRound runs the benchmark: for each mode, Runs rounds of three jobs
 // (save, restore, no cache) on fresh VMs.
@@ -165,21 +182,17 @@ func cacheRun(ctx context.Context, o CacheOptions, cfgPath string, host bool, ru
 	mode.Plain = append(mode.Plain, res[2].Duration.Seconds())
 	if host {
 		for i, tr := range []string{res[0].Trace, res[1].Trace} {
-			m := hostCopyRE.FindStringSubmatch(tr)
-			if m == nil {
+			kind, took, line, ok := hostCopy(tr)
+			if !ok {
 				return fmt.Errorf("no host cache copy in the %s job's log:\n%s", []string{"save", "restore"}[i], tr)
 			}
-			v, _ := strconv.ParseFloat(m[2], 64)
-			if m[3] == "ms" {
-				v /= 1000
-			}
-			if m[1] == "kept" {
-				mode.HostSave = append(mode.HostSave, v)
+			if kind == "kept" {
+				mode.HostSave = append(mode.HostSave, took.Seconds())
 			} else {
-				mode.HostRestore = append(mode.HostRestore, v)
+				mode.HostRestore = append(mode.HostRestore, took.Seconds())
 			}
 			if o.Log != nil {
-				fmt.Fprintf(o.Log, "[lve-bench] cache %s run %d: %s\n", mode.Name, run+1, strings.TrimSpace(m[0]))
+				fmt.Fprintf(o.Log, "[lve-bench] cache %s run %d: %s\n", mode.Name, run+1, strings.TrimSpace(line))
 			}
 		}
 	}

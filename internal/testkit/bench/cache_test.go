@@ -46,3 +46,20 @@ func TestSaveSplitNeedsTimestamps(t *testing.T) {
 		require.Error(t, err, name)
 	}
 }
+
+// The host cache's copy time is read in Go's duration format, a minute
+// or more included, from the last " in " of the driver's line.
+func TestHostCopy(t *testing.T) {
+	for line, want := range map[string]time.Duration{
+		"2026-11-27T05:15:58.343679Z 01O Host cache: kept 1 file(s), 4.0 MiB (0 unchanged) over SSH in 625ms\n":                                                 625 * time.Millisecond,
+		"Host cache: restored 1 file(s), 100.0 MiB, into /cache from a restore disk (written and attached in 287ms, read by the guest in 3.4s) in 3.9s\r\n":     3900 * time.Millisecond,
+		"x\nHost cache: kept 1 file(s), 900.0 MiB (0 unchanged) from a scratch disk (made in 1s, written by the guest in 1m2s, read in 3s) in 1m5.5s\x1b[0;m\n": 65500 * time.Millisecond,
+	} {
+		kind, took, _, ok := hostCopy(line)
+		require.True(t, ok, line)
+		require.Contains(t, []string{"kept", "restored"}, kind)
+		require.Equal(t, want, took, line)
+	}
+	_, _, _, ok := hostCopy("Host cache: nothing cached for this project yet (12ms)\n")
+	require.False(t, ok)
+}
