@@ -153,7 +153,6 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	t0 := time.Now()
 	_, client, err := j.m.Connect(ctx, name)
 	if err != nil {
-		early.drop(ctx, e, j, name)
 		e.say("Host cache: no connection to the VM for the cache: %v", err)
 		return
 	}
@@ -220,9 +219,10 @@ func (es *earlyScratch) wait() error {
 }
 
 // drop stops the early disk's attach if it still runs and deletes its
-// volume (the stage's script failed, or the save went over SSH). Also
-// after a failed or stopped attach: one stopped midway (the admin tool is
-// killed) may have left its volume; deleting none is success.
+// volume: at the end of the stage, whether the save used the disk, went
+// over SSH or was not made (the script failed). Also after a failed or
+// stopped attach: one stopped midway (the admin tool is killed) may have
+// left its volume; deleting none is success.
 func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	if es == nil {
 		return
@@ -244,8 +244,6 @@ func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Imag
 		var steps string
 		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, client, early)
 		how = " from a scratch disk (" + steps + ")"
-	} else {
-		early.drop(ctx, e, j, name)
 	}
 	if !done && serr == nil {
 		how = " over SSH"
@@ -321,17 +319,15 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 		err = disk.AttachScratch(ctx, name)
 	}
 	if err != nil {
-		if early != nil {
-			// Its attach ran in the background, possibly cut off midway.
-			dropDisks(ctx, j, disk, name)
-		}
 		if ctx.Err() != nil {
 			return res, false, "", nil, err
 		}
 		e.say("Host cache: no scratch disk (%v); copying over SSH instead", err)
 		return res, false, "", nil, nil
 	}
-	defer dropDisks(ctx, j, disk, name)
+	if early == nil {
+		defer dropDisks(ctx, j, disk, name)
+	} // else: earlyScratch.drop, when the stage ends
 	attached := time.Since(t0)
 	t1 := time.Now()
 	out := &headBuffer{limit: 4096}

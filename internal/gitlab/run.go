@@ -43,7 +43,10 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	case cacheRestore:
 		runCache(ctx, e, j, jm.Name, img, op, script, nil)
 	case cacheSave:
+		// A disk attached during the script is deleted when the stage
+		// ends, whatever became of the save (deleting none is success).
 		early = startScratch(ctx, e, j, jm.Name, img, script)
+		defer early.drop(ctx, e, j, jm.Name)
 	}
 	var span time.Duration
 	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
@@ -51,12 +54,8 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
 	}
 	e.Report.GuestSpan(span)
-	if op == cacheSave {
-		if err == nil {
-			runCache(ctx, e, j, jm.Name, img, op, script, early)
-		} else {
-			early.drop(ctx, e, j, jm.Name)
-		}
+	if op == cacheSave && err == nil {
+		runCache(ctx, e, j, jm.Name, img, op, script, early)
 	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
