@@ -5,9 +5,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -88,7 +90,7 @@ func TestHostCacheIdentity(t *testing.T) {
 // The guest's commands for the host cache are POSIX sh (dash, busybox
 // ash): they parse, and shellcheck finds nothing in them.
 func TestCacheCommandsArePOSIX(t *testing.T) {
-	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand, diskSaveCommand} {
+	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand, diskSaveCommand, diskWriter} {
 		out, err := exec.Command("/bin/sh", "-n", "-c", cmd).CombinedOutput()
 		require.NoError(t, err, "%s\n%s", cmd, out)
 		sc, err := exec.LookPath("shellcheck")
@@ -105,6 +107,7 @@ func TestCacheCommandsArePOSIX(t *testing.T) {
 	// its own line.
 	require.Contains(t, diskRestoreCommand, `= lve-data ]`)
 	require.Contains(t, diskSaveCommand, `= lve-scratch ]`)
+	require.NotContains(t, diskWriter, "'", "diskSaveBody single-quotes it")
 	for _, word := range []string{diskOK, diskMissing, diskUnreadable} {
 		require.Contains(t, diskRestoreCommand, "echo "+word)
 	}
@@ -232,4 +235,131 @@ func TestStartScratch(t *testing.T) {
 	es.drop(ctx, e, j, "vm-5")
 	require.Equal(t, "vm-5", <-disk.dropped)
 	require.ErrorIs(t, es.err, context.Canceled)
+}
+
+// The guest's save onto the scratch disk, run here under each login shell
+// (busybox ash uses busybox's dd, find and wc; dash and bash coreutils')
+// with a file standing in for the disk: the direct layout where it
+// applies, a tar stream where it does not, and either way the host keeps
+// exactly the cache's files.
+func TestDiskSaveBody(t *testing.T) {
+	shells := map[string][]string{"bash": {"bash"}, "dash": {"dash"}, "busybox-ash": {"busybox", "sh"}}
+	big := bytes.Repeat([]byte("0123456789abcdef"), (3<<20)/16)
+	big = append(big, "tail of a file not a MiB multiple"...)
+	for _, tc := range []struct {
+		name  string
+		files map[string][]byte
+		how   string
+		skip  int64 // entries the host leaves out
+	}{
+		{"few files", map[string][]byte{
+			"lve/p/deps-protected/cache.zip": big,
+			"lve/p/empty/cache.zip":          {},
+			"lve/p/exact/cache.zip":          bytes.Repeat([]byte{7}, 1<<20),
+			"lve/p/a key with spaces/x":      []byte("small\\n not a newline"),
+		}, "direct", 0},
+		{"over 100 files", func() map[string][]byte {
+			m := map[string][]byte{}
+			for i := range 101 {
+				m[filepath.Join("k", strconv.Itoa(i))] = []byte(strconv.Itoa(i))
+			}
+			return m
+		}(), "tar", 0},
+		{"a name with a newline", map[string][]byte{"k/cache.zip": big, "k/two\nlines": []byte("x")}, "tar", 1},
+	} {
+		for _, how := range []string{"bash", "dash", "busybox-ash", "dash-sudo"} {
+			shell, viaSudo := strings.CutSuffix(how, "-sudo")
+			argv := shells[shell]
+			t.Run(tc.name+"/"+how, func(t *testing.T) {
+				_, err := exec.LookPath(argv[0])
+				require.NoError(t, err, "%s is needed (make deps installs it)", argv[0])
+				dir := t.TempDir()
+				cacheDir := filepath.Join(dir, "cache")
+				for name, b := range tc.files {
+					require.NoError(t, os.MkdirAll(filepath.Dir(filepath.Join(cacheDir, name)), 0o755))
+					require.NoError(t, os.WriteFile(filepath.Join(cacheDir, name), b, 0o644))
+				}
+				disk := filepath.Join(dir, "disk")
+				capacity := int64(64 << 20)
+				require.NoError(t, os.WriteFile(disk, nil, 0o600))
+				require.NoError(t, os.Truncate(disk, capacity))
+				body := diskSaveBody
+				for old, repl := range map[string]string{
+					`cap=$(($(cat "/sys/block/${d##*/}/size") * 512))`:             "cap=" + strconv.FormatInt(capacity, 10),
+					"mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + " ": "cd " + cacheDir + " ",
+				} {
+					require.Equal(t, 1, strings.Count(body, old), old)
+					body = strings.Replace(body, old, repl, 1)
+				}
+				env := []string{"TMPDIR=" + dir}
+				if viaSudo {
+					// The job's user cannot write the disk; sudo -n can (a
+					// stand-in that runs what it is given).
+					bin := filepath.Join(dir, "bin")
+					require.NoError(t, os.Mkdir(bin, 0o755))
+					require.NoError(t, os.WriteFile(filepath.Join(bin, "sudo"), []byte("#!/bin/sh\n[ \"$1\" = -n ] && shift\necho \"$1\" >> "+filepath.Join(bin, "calls")+"\nexec \"$@\"\n"), 0o755))
+					old := `if [ -w "$d" ]; then W=`
+					require.Equal(t, 1, strings.Count(body, old))
+					body = strings.Replace(body, old, `if false; then W=`, 1)
+					env = append(env, "PATH="+bin+":"+os.Getenv("PATH"))
+				}
+				cmd := exec.Command(argv[0], append(argv[1:], "-c", "d="+disk+"\n"+body)...)
+				cmd.Env = append(os.Environ(), env...)
+				out, err := cmd.CombinedOutput()
+				require.NoError(t, err, "%s", out)
+				require.Equal(t, diskWritten+" 0 "+tc.how, lastLine(string(out)), "%s", out)
+				left, err := os.ReadDir(dir)
+				require.NoError(t, err)
+				wantLeft := 2 // cache, disk
+				if viaSudo {
+					wantLeft++ // bin
+					calls, err := os.ReadFile(filepath.Join(dir, "bin", "calls"))
+					require.NoError(t, err)
+					require.Equal(t, "true\nsh\n", string(calls), "sudo twice: may I, and the writes")
+				}
+				require.Len(t, left, wantLeft, "the lists in TMPDIR are removed")
+
+				f, err := os.Open(disk)
+				require.NoError(t, err)
+				defer f.Close()
+				store := &hostcache.Store{Dir: filepath.Join(dir, "store"), ProjectLimit: 32 << 20, TotalLimit: 64 << 20}
+				project, err := hostcache.ProjectID("https://gitlab.example.com", 3)
+				require.NoError(t, err)
+				stream, err := hostcache.FromDisk(f, store.ProjectLimit)
+				require.NoError(t, err)
+				res, err := store.Save(context.Background(), project, stream)
+				require.NoError(t, stream.Close())
+				require.NoError(t, err)
+				require.Equal(t, tc.skip, res.SkipCount, "%v", res.Skipped)
+				var buf bytes.Buffer
+				_, err = store.Restore(context.Background(), project, &buf)
+				require.NoError(t, err)
+				got := map[string][]byte{}
+				tr := tar.NewReader(&buf)
+				for {
+					h, err := tr.Next()
+					if errors.Is(err, io.EOF) {
+						break
+					}
+					require.NoError(t, err)
+					if h.Typeflag != tar.TypeReg {
+						continue
+					}
+					b, err := io.ReadAll(tr)
+					require.NoError(t, err)
+					got[h.Name] = b
+				}
+				want := map[string][]byte{}
+				for name, b := range tc.files {
+					if !strings.Contains(name, "\n") {
+						want[name] = b
+					}
+				}
+				require.Equal(t, len(want), len(got))
+				for name, b := range want {
+					require.True(t, bytes.Equal(b, got[name]), "%s: %d bytes kept, %d written", name, len(got[name]), len(b))
+				}
+			})
+		}
+	}
 }

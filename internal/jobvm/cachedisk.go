@@ -56,7 +56,8 @@ func ScratchCapacity(projectLimit int64) int64 {
 var errSaved = errors.New("the host cache has read the archive")
 
 // KeepCache reads what the guest of machine name wrote on its scratch disk
-// (a tar stream of its cache_dir) into the project's cache in store
+// (its cache_dir's files in hostcache's direct layout, or as a tar
+// stream; hostcache.FromDisk) into the project's cache in store
 // (hostcache.Store.Save: hostile input, checked and bounded there), then
 // deletes the disk's volume. The read stops where the stream ends.
 func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (hostcache.SaveResult, error) {
@@ -75,7 +76,12 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	}()
 	// A failed read reaches Save as its stream's error; once Save returns,
 	// the rest of the disk is not read.
-	res, err := store.Save(ctx, project, pr)
+	var res hostcache.SaveResult
+	stream, err := hostcache.FromDisk(pr, store.ProjectLimit)
+	if err == nil {
+		res, err = store.Save(ctx, project, stream)
+		_ = stream.Close()
+	}
 	_ = pr.CloseWithError(errSaved)
 	<-read
 	return res, err

@@ -190,8 +190,10 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		}
 		require.Regexp(t, `Host cache: restored \d+ file\(s\), [0-9.]+ MiB, into /cache `+how, x.Trace, img)
 		// Each saves again (pull-push).
-		// Attached while the runner made its archive (disk_min_mib = 0).
-		how = `from a scratch disk \(made during the script in `
+		// Attached while the runner made its archive (disk_min_mib = 0),
+		// and written in the direct layout (dd with O_DIRECT; "as a tar
+		// stream" where the guest could not).
+		how = `from a scratch disk \(made during the script in [^)]*, written by the guest in `
 		if img == def {
 			how = "over SSH"
 		}
@@ -232,16 +234,20 @@ func TestHostCacheLimitAndHostileGuest(t *testing.T) {
 	res := rr.runJobs(t,
 		jobapi.Job{Name: "small", Cache: small, Script: []string{
 			"mkdir -p vendor", "echo small > vendor/a.txt",
-			// planted next to the runner's archives
+			// planted next to the runner's archives; the name with a
+			// newline makes the guest write a tar stream (its direct
+			// layout lists names by line), which carries the links and
+			// the FIFO to the host's checks
 			"ln -s /etc/passwd /cache/evil-link", "mkfifo /cache/evil-fifo", "mkdir -p /cache/d && ln -s / /cache/d/root",
+			`touch "$(printf '/cache/evil\nname')"`,
 		}},
 		jobapi.Job{Name: "big", Cache: big, Script: []string{"mkdir -p blob", "head -c 3145728 /dev/urandom > blob/r.bin"}},
 	)
 	for i := range res {
 		require.Equal(t, jobapi.StateSuccess, res[i].State, "a cache that is not kept never fails the job: %s", res[i].Trace)
 	}
-	require.Regexp(t, `Host cache: kept [1-9]\d* file.* from a scratch disk \(made during the script in `, res[0].Trace, "the guest's tar on the scratch disk, attached while the runner made its archive")
-	require.Contains(t, res[0].Trace, "Host cache: left out ")
+	require.Regexp(t, `Host cache: kept [1-9]\d* file.* from a scratch disk \(made during the script in [^)]*, written by the guest as a tar stream, in `, res[0].Trace, "the guest's tar on the scratch disk, attached while the runner made its archive")
+	require.Regexp(t, `Host cache: left out [4-9] entr`, res[0].Trace, "two links, a FIFO, a name with a newline")
 	require.Regexp(t, regexp.MustCompile(`Host cache: not kept .*project_limit_mib`), res[1].Trace)
 
 	files, odd := hostCacheFiles(t, dir)
