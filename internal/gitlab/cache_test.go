@@ -285,7 +285,7 @@ func TestDiskSaveBody(t *testing.T) {
 				require.NoError(t, os.Truncate(disk, capacity))
 				body := diskSaveBody
 				for old, repl := range map[string]string{
-					`cap=$(($(cat "/sys/block/${d##*/}/size") * 512))`:             "cap=" + strconv.FormatInt(capacity, 10),
+					`c=$(cat "/sys/block/${d##*/}/size")`:                         "c=" + strconv.FormatInt(capacity/512, 10),
 					"mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + " ": "cd " + cacheDir + " ",
 				} {
 					require.Equal(t, 1, strings.Count(body, old), old)
@@ -361,5 +361,32 @@ func TestDiskSaveBody(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// The writer refuses a manifest whose file no longer has the size listed
+// (it changed after the guest measured it), and a manifest without its
+// end: it fails, and writes no manifest on the disk, so that the host
+// never takes bytes that were not written for a file.
+func TestDiskWriterRefuses(t *testing.T) {
+	for name, man := range map[string]string{
+		"size changed": hostcache.DirectMagic + "\n1048576 5 ./f\n" + hostcache.DirectEnd + "\n",
+		"no end":       hostcache.DirectMagic + "\n1048576 3 ./f\n",
+	} {
+		t.Run(name, func(t *testing.T) {
+			dir := t.TempDir()
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "f"), []byte("abc"), 0o644))
+			require.NoError(t, os.WriteFile(filepath.Join(dir, "m"), []byte(man), 0o644))
+			disk := filepath.Join(dir, "disk")
+			require.NoError(t, os.WriteFile(disk, nil, 0o600))
+			require.NoError(t, os.Truncate(disk, 4<<20))
+			cmd := exec.Command("dash", "-c", diskWriter, "sh", disk, filepath.Join(dir, "m"))
+			cmd.Dir = dir
+			out, err := cmd.CombinedOutput()
+			require.Error(t, err, "%s", out)
+			b, err := os.ReadFile(disk)
+			require.NoError(t, err)
+			require.False(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic)), "no manifest on the disk")
+		})
 	}
 }

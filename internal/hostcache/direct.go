@@ -84,16 +84,20 @@ func parseManifest(man []byte, maxSize int64) ([]directFile, error) {
 	if end < 0 {
 		return nil, fmt.Errorf("%w has no %q line within its %d bytes (the guest did not finish writing it)", errDirect, DirectEnd, DirectManifestMax)
 	}
-	lines := strings.Split(string(man[len(DirectMagic)+1:end+1]), "\n")
-	lines = lines[:len(lines)-1] // the empty string after the last "\n"
-	if len(lines) > MaxFiles {
+	body := man[len(DirectMagic)+1 : end+1]
+	if bytes.Count(body, []byte("\n")) > MaxFiles {
 		return nil, fmt.Errorf("%w: %w: more than %d files", errDirect, ErrTooManyFiles, MaxFiles)
 	}
+	lines := strings.Split(string(body), "\n")
+	lines = lines[:len(lines)-1] // the empty string after the last "\n"
+	// No file starts past where the files allowed, each aligned, would
+	// end: the offsets' sums cannot overflow.
+	last := int64(DirectManifestMax) + maxSize + int64(len(lines))*DirectAlign
 	files := make([]directFile, 0, len(lines))
 	next := int64(DirectManifestMax) // the first offset allowed
 	var total int64
 	for i, line := range lines {
-		f, err := parseDirectLine(line, next, maxSize-total)
+		f, err := parseDirectLine(line, next, last, maxSize-total)
 		if err != nil {
 			return nil, fmt.Errorf("%w, line %d: %w", errDirect, i+2, err)
 		}
@@ -104,9 +108,9 @@ func parseManifest(man []byte, maxSize int64) ([]directFile, error) {
 	return files, nil
 }
 
-// parseDirectLine parses "<offset> <size> <name>": offset at least next
-// and aligned, size at most room.
-func parseDirectLine(line string, next, room int64) (directFile, error) {
+// parseDirectLine parses "<offset> <size> <name>": offset aligned, at
+// least next and at most last, size at most room.
+func parseDirectLine(line string, next, last, room int64) (directFile, error) {
 	o, rest, ok1 := strings.Cut(line, " ")
 	s, name, ok2 := strings.Cut(rest, " ")
 	if !ok1 || !ok2 || name == "" {
@@ -117,8 +121,8 @@ func parseDirectLine(line string, next, room int64) (directFile, error) {
 	switch {
 	case err1 != nil || err2 != nil || off < 0 || size < 0:
 		return directFile{}, fmt.Errorf("offset %.20q and size %.20q: want decimal numbers of bytes", o, s)
-	case off%DirectAlign != 0 || off < next:
-		return directFile{}, fmt.Errorf("offset %d: want a multiple of %d at or past %d (the files in increasing order)", off, DirectAlign, next)
+	case off%DirectAlign != 0 || off < next || off > last:
+		return directFile{}, fmt.Errorf("offset %d: want a multiple of %d from %d to %d (the files in increasing order, within the disk)", off, DirectAlign, next, last)
 	case size > room:
 		return directFile{}, fmt.Errorf("%w: size %d: the files need more than the bytes allowed", ErrProjectLimit, size)
 	case len(name) > maxDirectName || strings.ContainsRune(name, 0):

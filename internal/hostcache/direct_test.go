@@ -3,12 +3,16 @@ package hostcache
 import (
 	"archive/tar"
 	"bytes"
+	"crypto/sha256"
 	"errors"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/sys/unix"
 )
 
 // disk lays out a scratch disk: the manifest text at 0, then data at
@@ -83,13 +87,14 @@ func TestFromDiskHostile(t *testing.T) {
 		limit     bool
 	}{
 		{"no end line", DirectMagic + "\n1048576 5 ./a\n", `no "end" line`, false},
-		{"offset in the manifest", DirectMagic + "\n4096 5 ./a\nend\n", "at or past 1048576", false},
+		{"offset in the manifest", DirectMagic + "\n4096 5 ./a\nend\n", "from 1048576", false},
 		{"unaligned offset", DirectMagic + "\n1048577 5 ./a\nend\n", "multiple of 4096", false},
-		{"overlapping files", DirectMagic + "\n1048576 5000 ./a\n1052672 5 ./b\nend\n", "at or past 1056768", false},
+		{"overlapping files", DirectMagic + "\n1048576 5000 ./a\n1052672 5 ./b\nend\n", "from 1056768", false},
 		{"going back", DirectMagic + "\n1056768 5 ./a\n1048576 5 ./b\nend\n", "increasing order", false},
 		{"negative size", DirectMagic + "\n1048576 -5 ./a\nend\n", "decimal numbers", false},
 		{"no name", DirectMagic + "\n1048576 5\nend\n", "<offset> <size> <name>", false},
 		{"over the limit", DirectMagic + "\n1048576 6000 ./a\n1056768 6000 ./b\nend\n", "more than the bytes allowed", true},
+		{"offset past the disk", DirectMagic + "\n9223372036854771712 5 ./a\nend\n", "to 1062672", false},
 		{"NUL in a name", DirectMagic + "\n1048576 5 ./a\x00b\nend\n", "NUL", false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -109,4 +114,43 @@ func TestFromDiskHostile(t *testing.T) {
 		_, err := FromDisk(strings.NewReader(DirectMagic+"\n1048576 5 ./a\nend\n"), 100)
 		require.ErrorContains(t, err, "manifest")
 	})
+}
+
+// A kept file carries its sha256 in sumXattr; the next save of the same
+// bytes compares with it (the file is not read again), and a sum that
+// differs makes the file count as changed.
+func TestKeptSumXattr(t *testing.T) {
+	s, _ := newStore(t, 1<<20, 1<<20)
+	p := project(t, 1)
+	require.EqualValues(t, 1, save(t, s, p, files("k/cache.zip", "archive")...).Files)
+	kept := filepath.Join(s.Dir, projectsDir, p, treeName, "k", "cache.zip")
+	v := make([]byte, sha256.Size+8)
+	n, err := unix.Getxattr(kept, sumXattr, v)
+	require.NoError(t, err, "the file system of the test's temporary directory keeps user xattrs")
+	require.Equal(t, sha256.Size+8, n)
+	want := sha256.Sum256([]byte("archive"))
+	require.Equal(t, want[:], v[:sha256.Size])
+
+	res := save(t, s, p, files("k/cache.zip", "archive")...)
+	require.EqualValues(t, 1, res.Unchanged)
+
+	// A wrong sum (the mtime still the file's) decides: the bytes are
+	// not read.
+	_, err = unix.Getxattr(kept, sumXattr, v)
+	require.NoError(t, err)
+	clear(v[:sha256.Size])
+	require.NoError(t, unix.Setxattr(kept, sumXattr, v, 0))
+	res = save(t, s, p, files("k/cache.zip", "archive")...)
+	require.EqualValues(t, 0, res.Unchanged, "the kept sum, not the bytes, decided")
+	require.EqualValues(t, 1, res.Files)
+
+	// Rewritten in place since (the xattr stays, the mtime moves): the
+	// bytes are read.
+	require.NoError(t, os.WriteFile(kept, []byte("ARCHIVE"), 0o600))
+	res = save(t, s, p, files("k/cache.zip", "archive")...)
+	require.EqualValues(t, 1, res.Files, "same size, other bytes: not unchanged")
+
+	require.NoError(t, unix.Removexattr(kept, sumXattr))
+	res = save(t, s, p, files("k/cache.zip", "archive")...)
+	require.EqualValues(t, 1, res.Unchanged, "without the xattr the bytes are read")
 }

@@ -58,8 +58,8 @@ var errSaved = errors.New("the host cache has read the archive")
 // KeepCache reads what the guest of machine name wrote on its scratch disk
 // (its cache_dir's files in hostcache's direct layout, or as a tar
 // stream; hostcache.FromDisk) into the project's cache in store
-// (hostcache.Store.Save: hostile input, checked and bounded there), then
-// deletes the disk's volume. The read stops where the stream ends.
+// (hostcache.Store.Save: hostile input, checked and bounded there). The
+// read stops where the stream ends; DropDisks deletes the volume.
 func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (hostcache.SaveResult, error) {
 	if err := h.CheckOurName(name); err != nil {
 		return hostcache.SaveResult{}, err
