@@ -219,11 +219,8 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	ctx, cancel := context.WithTimeout(ctx, cacheTimeout)
 	defer cancel()
 	t0 := time.Now()
-	client, err := early.connection()
-	if client != nil && client.Dead() != nil {
-		_ = client.Close() // its keepalive gave up while the script ran
-		client = nil
-	}
+	client := early.connection()
+	var err error
 	if client == nil {
 		_, client, err = j.m.Connect(ctx, name)
 	}
@@ -257,9 +254,7 @@ type earlyScratch struct {
 
 	connected   chan struct{}
 	stopConnect context.CancelFunc
-	client      *sshexec.Client // until taken: closed by drop
-	connErr     error
-	taken       bool
+	client      *sshexec.Client // nil once taken; else closed by drop
 }
 
 // predictWait bounds startScratch's look at what the host keeps (a shared
@@ -297,11 +292,9 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 	es.connected, es.stopConnect = make(chan struct{}), stop
 	go func() {
 		defer close(es.connected)
-		if j.m == nil {
-			es.connErr = errors.New("no machine manager")
-			return
+		if j.m != nil { // the caller dials itself when there is none
+			_, es.client, _ = j.m.Connect(cctx, name)
 		}
-		_, es.client, es.connErr = j.m.Connect(cctx, name)
 	}()
 	return es
 }
@@ -313,16 +306,22 @@ func (es *earlyScratch) wait() error {
 	return es.err
 }
 
-// connection is the connection made during the script, once its dial has
-// ended; the caller closes it. nil (with the dial's error) when there is
-// none: the caller dials itself.
-func (es *earlyScratch) connection() (*sshexec.Client, error) {
+// connection hands over the connection made during the script, once its
+// dial has ended; the caller closes it. nil when there is none (no early
+// disk, the dial failed, or the connection's keepalive gave up while the
+// script ran): the caller dials itself, and says why if that fails too.
+func (es *earlyScratch) connection() *sshexec.Client {
 	if es == nil {
-		return nil, errors.New("no early connection")
+		return nil
 	}
 	<-es.connected
-	es.taken = es.client != nil
-	return es.client, es.connErr
+	c := es.client
+	es.client = nil
+	if c != nil && c.Dead() != nil {
+		_ = c.Close()
+		return nil
+	}
+	return c
 }
 
 // drop stops the early disk's attach if it still runs and deletes its
@@ -338,7 +337,7 @@ func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	es.stopConnect()
 	<-es.done
 	<-es.connected
-	if es.client != nil && !es.taken {
+	if es.client != nil {
 		_ = es.client.Close()
 	}
 	dropDisks(ctx, j, e.cacheDisk(j), name)
