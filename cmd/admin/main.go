@@ -293,7 +293,7 @@ func app() *cli.App {
 					},
 					{
 						Name:      jobvm.CacheDiskKeep,
-						Usage:     "keep what the VM's guest wrote on its scratch disk in the project's cache; prints the result as JSON",
+						Usage:     "keep what the VM's guest wrote on its scratch disk in the project's cache, then delete the VM's cache disks' volumes; prints the result as JSON",
 						ArgsUsage: "NAME PROJECT",
 						Action: func(c *cli.Context) error {
 							if c.NArg() != 2 {
@@ -304,8 +304,8 @@ func app() *cli.App {
 								if err != nil {
 									return err
 								}
-								res, err := m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
-								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(res, err))
+								res, dropErr, err := m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
+								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(res, dropErr, err))
 							})
 						},
 					},

@@ -48,12 +48,14 @@ var directFirst = strconv.Itoa(hostcache.DirectManifestMax)
 
 // findDisk is the start of the disk commands: it waits up to 10 s for the
 // disk with serial to appear, and sets d to its device (or says
-// diskMissing and ends).
+// diskMissing and ends). The serials are read by the shell itself (no
+// process per disk: each costs a TCG guest tens of milliseconds).
 func findDisk(serial string) string {
 	return `d=; i=0
 while [ $i -lt 100 ]; do
   for s in /sys/block/*/serial; do
-    if [ "$(cat "$s" 2>/dev/null)" = ` + serial + ` ]; then d=${s%/serial}; d=/dev/${d##*/}; fi
+    v=; read -r v 2>/dev/null < "$s"
+    if [ "$v" = ` + serial + ` ]; then d=${s%/serial}; d=/dev/${d##*/}; fi
   done
   if [ -n "$d" ] && [ -b "$d" ]; then break; fi
   d=; i=$((i+1)); sleep 0.1
@@ -82,83 +84,100 @@ fi`
 )
 
 // diskSaveBody writes the files of cache_dir on the disk $d in hostcache's
-// direct layout: each file copied by dd with O_DIRECT (the guest's page
-// cache is not in the way: 100 MiB take 0.25 s in a TCG guest against
-// 2 s for tar), its last partial MiB written through the page cache, and
-// the manifest last. Sizes come from stat (busybox's wc -c reads the
-// whole file, 4 KiB at a time: seconds for 100 MiB in a TCG guest), wc
-// where stat has no -c. Where that cannot be done (more than 100 files, a
-// name with a newline, a dd without oflag=direct or seek_bytes, no room
-// for the two lists in /tmp, a file whose size changes meanwhile) it
-// writes a tar stream instead. The writes
-// and the flush of that disk alone (`sync FILE`, an fsync of the device,
-// in coreutils 8.24+ and busybox with its fancy sync; elsewhere a global
-// sync) are one shell, diskWriter, run through one `sudo -n` where the
-// job's user cannot write the disk (each sudo costs a TCG guest a third
-// of a second or more). It says diskWritten with the write's exit status
-// and how (direct or tar), or why the disk could not be used. The lists
-// are in the guest's /tmp, removed at the end.
-var diskSaveBody = `mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + ` || exit 1
+// direct layout: each file copied by one dd with O_DIRECT (the guest's
+// page cache is not in the way: 100 MiB take 0.25 s in a TCG guest against
+// 2 s for tar; conv=sync pads its last partial MiB, which the next file,
+// written after it, or the disk's spare MiB takes), and the manifest last.
+// Names and sizes come from one find and one stat for all files, the
+// manifest is built by the shell: each process costs a TCG guest tens of
+// milliseconds, and a save with one archive starts six (find, stat, dd,
+// stat, sync, and sudo where the job's user cannot write the disk).
+// Where that cannot be done (more than 100 files, a name with a newline,
+// a stat without -c, a dd without oflag=direct or seek_bytes, a file whose
+// size changes meanwhile, no room left on the disk) it writes a tar
+// stream instead. The writes and the flush of that disk alone (`sync
+// FILE`, an fsync of the device, in coreutils 8.24+ and busybox with its
+// fancy sync; elsewhere a global sync) are diskWriter, run through one
+// `sudo -n` where the job's user cannot write the disk (each sudo costs a
+// TCG guest a third of a second or more), else in a function of this
+// shell. It says diskWritten with the write's exit status and how (direct
+// or tar), or why the disk could not be used. Nothing is left in the
+// guest's filesystem. The manifest stays below DirectManifestMax bytes:
+// at most 100 lines, each a path stat can open (PATH_MAX, 4096 bytes) and
+// two numbers.
+var diskSaveBody = `cd ` + guestCacheDir + ` 2>/dev/null || { mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + `; } || exit 1
 if [ -w "$d" ]; then W=
 elif sudo -n true 2>/dev/null; then W="sudo -n"
 else echo ` + diskUnwritable + `; exit 0
 fi
-m=; l=
-trap 'rm -f "$m" "$l"' EXIT
-direct() {
-  c=$(cat "/sys/block/${d##*/}/size") || return 1
-  case $c in '' | *[!0-9]*) return 1 ;; esac
-  cap=$((c * 512))
-  m=$(mktemp) && l=$(mktemp) && find . -type f > "$l" || return 1
-  [ "$(wc -l < "$l")" -le 100 ] || return 1
-  echo '` + hostcache.DirectMagic + `' > "$m" || return 1
-  o=` + directFirst + `
-  while IFS= read -r f; do
-    s=$(stat -c %s "$f" 2>/dev/null) || s=$(wc -c < "$f") || return 1
-    case $s in '' | *[!0-9]*) return 1 ;; esac
-    printf '%s %s %s\n' "$o" "$s" "$f" >> "$m" || return 1
-    o=$((o + (s + 4095) / 4096 * 4096))
-  done < "$l"
-  echo ` + hostcache.DirectEnd + ` >> "$m" || return 1
-  [ "$o" -le "$cap" ] && [ "$(wc -c < "$m")" -le ` + directFirst + ` ]
-}
 # shellcheck disable=SC2016 # the writer's own shell expands it
 w='` + diskWriter + `'
-if direct && $W sh -c "$w" sh "$d" "$m"; then st=0; how=direct
+eval "writer() {
+$w
+}"
+# write runs the writer with the manifest or tar stream on its stdin.
+write() { if [ -n "$W" ]; then sudo -n sh -c "$w" sh "$@"; else (writer "$@"); fi; }
+# direct sets M to the manifest of the direct layout, or fails.
+direct() {
+  c=; read -r c < "/sys/block/${d##*/}/size" || return 1
+  case $c in '' | *[!0-9]*) return 1 ;; esac
+  L=$(find . -type f -exec stat -c '%s %n' {} +) || return 1
+  M='` + hostcache.DirectMagic + `
+'
+  o=` + directFirst + `; e=$o; n=0
+  while IFS= read -r x; do
+    [ -n "$x" ] || continue
+    s=${x%% *}; f=${x#* }
+    case $s in '' | *[!0-9]*) return 1 ;; esac
+    n=$((n + 1)); [ $n -le 100 ] || return 1
+    M="$M$o $s $f
+"
+    t=$((o + (s + 1048575) / 1048576 * 1048576)); [ $t -le $e ] || e=$t
+    o=$((o + (s + 4095) / 4096 * 4096))
+  done <<EOF
+$L
+EOF
+  M="${M}` + hostcache.DirectEnd + `
+"
+  [ "$e" -le $((c * 512)) ] && [ ${#M} -le ` + directFirst + ` ]
+}
+if direct && printf '%s' "$M" | write "$d" direct; then st=0; how=direct
 elif [ -z "$W" ]; then tar -cf "$d" .; st=$?; how=tar; sync "$d" 2>/dev/null || sync
-else tar -cf - . | sudo -n sh -c "$w" sh "$d"; st=$?; how=tar
+else tar -cf - . | write "$d"; st=$?; how=tar
 fi
 echo ` + diskWritten + ` $st $how`
 
-// diskWriter writes on the disk $1: the files its manifest $2 lists, each
-// at its offset, then the manifest at the start; without $2, the tar
-// stream on its stdin. It then flushes the disk. It fails (and the guest
-// writes a tar stream instead) when a file's size is not the manifest's
-// any more, or the manifest cannot be read to its end: a manifest on the
-// disk always describes bytes that were written. No single quote in it:
-// diskSaveBody quotes it so.
-const diskWriter = `d=$1; m=$2
-if [ -n "$m" ]; then
-  {
-    IFS= read -r x || exit 1
-    while IFS= read -r x && [ "$x" != ` + hostcache.DirectEnd + ` ]; do
-      o=${x%% *}; x=${x#* }; s=${x%% *}; f=${x#* }
-      b=$((s / 1048576)); r=$((s % 1048576))
-      if [ "$b" -gt 0 ]; then
-        dd if="$f" of="$d" bs=1M count="$b" seek="$o" oflag=seek_bytes,direct conv=notrunc 2>/dev/null || exit 1
-      fi
-      if [ "$r" -gt 0 ]; then
-        dd if="$f" of="$d" bs=1M skip="$b" count="$r" seek=$((o + b * 1048576)) iflag=count_bytes oflag=seek_bytes conv=notrunc 2>/dev/null || exit 1
-      fi
-      n=$(stat -c %s "$f" 2>/dev/null) || n=$(wc -c < "$f") || exit 1
-      [ "$n" = "$s" ] || exit 1
-    done
-    [ "$x" = ` + hostcache.DirectEnd + ` ] || exit 1
-  } < "$m"
-  dd if="$m" of="$d" conv=notrunc 2>/dev/null
+// diskWriter writes on the disk $1: with $2 = direct, the files of the
+// manifest on its stdin, each at its offset, then the manifest at the
+// start; else the tar stream on its stdin. It then flushes the disk. It
+// fails (and the guest writes a tar stream instead) when a file's size is
+// not the manifest's any more, or the manifest does not reach its end: a
+// manifest on the disk always describes bytes that were written. No single
+// quote in it: diskSaveBody quotes it so.
+const diskWriter = `d=$1
+if [ "$2" = direct ]; then
+  IFS= read -r x || exit 1
+  M="$x
+"; S=; set --
+  while IFS= read -r x && [ "$x" != ` + hostcache.DirectEnd + ` ]; do
+    M="$M$x
+"
+    o=${x%% *}; x=${x#* }; s=${x%% *}; f=${x#* }
+    if [ "$s" -gt 0 ]; then
+      dd if="$f" of="$d" bs=1M count=$(((s + 1048575) / 1048576)) seek="$o" oflag=seek_bytes,direct conv=notrunc,sync 2>/dev/null || exit 1
+    fi
+    set -- "$@" "$f"; S="$S${S:+
+}$s"
+  done
+  [ "$x" = ` + hostcache.DirectEnd + ` ] || exit 1
+  if [ $# -gt 0 ]; then
+    n=$(stat -c %s "$@" 2>/dev/null) || exit 1
+    [ "$n" = "$S" ] || exit 1
+  fi
+  printf "%s` + hostcache.DirectEnd + `\n" "$M" 1<> "$d" || exit 1
 else
-  dd of="$d" bs=1M 2>/dev/null
-fi || exit 1
+  dd of="$d" bs=1M 2>/dev/null || exit 1
+fi
 sync "$d" 2>/dev/null || sync`
 
 // cacheTimeout bounds one copy (restore or save) of a project's cache.
@@ -255,6 +274,8 @@ type earlyScratch struct {
 	connected   chan struct{}
 	stopConnect context.CancelFunc
 	client      *sshexec.Client // nil once taken; else closed by drop
+
+	dropped bool // the save's Keep deleted the disk's volume
 }
 
 // predictWait bounds startScratch's look at what the host keeps (a shared
@@ -328,7 +349,8 @@ func (es *earlyScratch) connection() *sshexec.Client {
 // volume: at the end of the stage, whether the save used the disk, went
 // over SSH or was not made (the script failed). Also after a failed or
 // stopped attach: one stopped midway (the admin tool is killed) may have
-// left its volume; deleting none is success.
+// left its volume; deleting none is success. Not again after the save's
+// Keep deleted it.
 func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	if es == nil {
 		return
@@ -340,7 +362,9 @@ func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	if es.client != nil {
 		_ = es.client.Close()
 	}
-	dropDisks(ctx, j, e.cacheDisk(j), name)
+	if !es.dropped {
+		dropDisks(ctx, j, e.cacheDisk(j), name)
+	}
 }
 
 // saveCache keeps the guest's cache_dir in the project's cache: written by
@@ -436,9 +460,16 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 		e.say("Host cache: no scratch disk (%v); copying over SSH instead", err)
 		return res, false, "", nil, nil
 	}
+	// The volumes are deleted by Keep; where that was not reached or
+	// failed, here (or by earlyScratch.drop, when the stage ends).
+	dropped := false
 	if early == nil {
-		defer dropDisks(ctx, j, disk, name)
-	} // else: earlyScratch.drop, when the stage ends
+		defer func() {
+			if !dropped {
+				dropDisks(ctx, j, disk, name)
+			}
+		}()
+	}
 	attached := time.Since(t0)
 	t1 := time.Now()
 	out := &headBuffer{limit: 4096}
@@ -467,7 +498,11 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	}
 	written := time.Since(t1)
 	t2 := time.Now()
-	res, serr = disk.Keep(ctx, name, project)
+	var dropErr error
+	res, dropErr, serr = disk.Keep(ctx, name, project)
+	if dropped = dropErr == nil; dropped && early != nil {
+		early.dropped = true
+	}
 	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, read in %s", made, vm.Round(attached), way, vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
 }
 
@@ -591,8 +626,9 @@ type CacheDisk interface {
 	// cache on.
 	AttachScratch(ctx context.Context, name string) error
 	// Keep saves what the guest wrote on the scratch disk into the
-	// project's cache (hostcache.Store.Save).
-	Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error)
+	// project's cache (hostcache.Store.Save), then deletes the disks'
+	// volumes as Drop does: dropErr says how that went.
+	Keep(ctx context.Context, name, project string) (res hostcache.SaveResult, dropErr, err error)
 	// Drop deletes the disks' volumes of machine name.
 	Drop(ctx context.Context, name string) error
 }
@@ -619,7 +655,7 @@ func (l localCacheDisk) AttachScratch(ctx context.Context, name string) error {
 	return l.h.AttachScratch(ctx, name, jobvm.ScratchCapacity(l.store.ProjectLimit))
 }
 
-func (l localCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error) {
+func (l localCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error, error) {
 	return l.h.KeepCache(ctx, l.store, name, project)
 }
 

@@ -59,11 +59,16 @@ var errSaved = errors.New("the host cache has read the archive")
 // (its cache_dir's files in hostcache's direct layout, or as a tar
 // stream; hostcache.FromDisk) into the project's cache in store
 // (hostcache.Store.Save: hostile input, checked and bounded there). The
-// read stops where the stream ends; DropDisks deletes the volume.
-func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (hostcache.SaveResult, error) {
+// read stops where the stream ends. Then it deletes the machine's cache
+// disks' volumes (DropDisks), whatever the save's outcome: dropErr is how
+// that went (the caller drops them again where it failed). One call for
+// both saves the run stage a second start of the admin tool and its
+// libvirt connection (0.1-0.2 s on a TCG host).
+func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (res hostcache.SaveResult, dropErr, err error) {
 	if err := h.CheckOurName(name); err != nil {
-		return hostcache.SaveResult{}, err
+		return hostcache.SaveResult{}, err, err
 	}
+	defer func() { dropErr = h.DropDisks(ctx, name) }()
 	pr, pw := io.Pipe()
 	read := make(chan struct{})
 	go func() {
@@ -76,7 +81,6 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	}()
 	// A failed read reaches Save as its stream's error; once Save returns,
 	// the rest of the disk is not read.
-	var res hostcache.SaveResult
 	stream, err := hostcache.FromDisk(pr, store.ProjectLimit)
 	if err == nil {
 		res, err = store.Save(ctx, project, stream)
@@ -84,24 +88,37 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	}
 	_ = pr.CloseWithError(errSaved)
 	<-read
-	return res, err
+	return res, nil, err
 }
 
 // KeepAnswer is what `cache-disk keep` prints: the save's result, or its
-// error (OverLimit: hostcache.ErrProjectLimit).
+// error (OverLimit: hostcache.ErrProjectLimit), and whether the disks'
+// volumes could not be deleted after it (DropError).
 type KeepAnswer struct {
 	Result    hostcache.SaveResult `json:"result"`
 	Error     string               `json:"error,omitempty"`
 	OverLimit bool                 `json:"over_limit,omitempty"`
+	DropError string               `json:"drop_error,omitempty"`
 }
 
-// NewKeepAnswer is the answer for KeepCache's res and err.
-func NewKeepAnswer(res hostcache.SaveResult, err error) KeepAnswer {
+// NewKeepAnswer is the answer for KeepCache's res, dropErr and err.
+func NewKeepAnswer(res hostcache.SaveResult, dropErr, err error) KeepAnswer {
 	a := KeepAnswer{Result: res}
 	if err != nil {
 		a.Error, a.OverLimit = err.Error(), errors.Is(err, hostcache.ErrProjectLimit)
 	}
+	if dropErr != nil {
+		a.DropError = dropErr.Error()
+	}
 	return a
+}
+
+// DropErr is the answer's DropError as an error, or nil.
+func (a KeepAnswer) DropErr() error {
+	if a.DropError == "" {
+		return nil
+	}
+	return errors.New(a.DropError)
 }
 
 // Err is the answer's error (wrapping hostcache.ErrProjectLimit where it

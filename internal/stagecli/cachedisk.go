@@ -37,16 +37,17 @@ func (c adminCacheDisk) AttachScratch(ctx context.Context, name string) error {
 }
 
 // Keep implements gitlab.CacheDisk.
-func (c adminCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error) {
+func (c adminCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error, error) {
 	out, err := c.run(ctx, jobvm.CacheDiskKeep, "--", name, project)
 	if err != nil {
-		return hostcache.SaveResult{}, err
+		return hostcache.SaveResult{}, err, err
 	}
 	var a jobvm.KeepAnswer
 	if err := json.Unmarshal([]byte(out), &a); err != nil {
-		return hostcache.SaveResult{}, fmt.Errorf("%s %s %s: answer %q: %w", jobvm.AdminExecutable, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, strings.TrimSpace(out), err)
+		err = fmt.Errorf("%s %s %s: answer %q: %w", jobvm.AdminExecutable, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, strings.TrimSpace(out), err)
+		return hostcache.SaveResult{}, err, err
 	}
-	return a.Result, a.Err()
+	return a.Result, a.DropErr(), a.Err()
 }
 
 // Drop implements gitlab.CacheDisk.

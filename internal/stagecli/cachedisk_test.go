@@ -40,9 +40,11 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	require.NoError(t, adminCacheDisk{a}.AttachScratch(context.Background(), name))
 	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskScratch, "--", name}, argv())
 
-	// keep: the save's result and its error class cross the process boundary.
+	// keep: the save's result and its error class cross the process
+	// boundary, and so does the drop's outcome after it.
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=keep")
-	kept, err := adminCacheDisk{a}.Keep(context.Background(), name, project)
+	kept, dropErr, err := adminCacheDisk{a}.Keep(context.Background(), name, project)
+	require.ErrorContains(t, dropErr, "volume busy")
 	require.ErrorIs(t, err, hostcache.ErrProjectLimit)
 	require.ErrorContains(t, err, "too big")
 	require.Equal(t, hostcache.SaveResult{Files: 2, Bytes: 10, Unchanged: 1}, kept)

@@ -1,0 +1,67 @@
+package jobvm
+
+import (
+	"bytes"
+	"context"
+	"path/filepath"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// KeepCache keeps what the guest wrote on its scratch disk and deletes the
+// disk's volume in the same call, whatever the save's outcome; a machine
+// of another installation is refused before anything is read or deleted.
+func TestKeepCacheDropsTheDisk(t *testing.T) {
+	ctx := context.Background()
+	hv, m, name := provisioned(t)
+	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimit: 1 << 20, TotalLimit: 4 << 20}
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 7)
+	require.NoError(t, err)
+	vol := m.Cfg.StoragePool + "/" + vm.ScratchVolume(name)
+
+	// The direct layout: a manifest, then the file at its offset.
+	data := []byte("the archive")
+	disk := make([]byte, hostcache.DirectManifestMax+4096)
+	copy(disk, hostcache.DirectMagic+"\n"+strconv.Itoa(hostcache.DirectManifestMax)+" "+strconv.Itoa(len(data))+" ./k/cache.zip\n"+hostcache.DirectEnd+"\n")
+	copy(disk[hostcache.DirectManifestMax:], data)
+	for _, tc := range []struct {
+		name  string
+		disk  []byte
+		saved bool
+	}{
+		{"a save", disk, true},
+		{"a disk the host refuses", bytes.Repeat([]byte{'x'}, 4096), false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.NoError(t, m.AttachScratch(ctx, name, ScratchCapacity(store.ProjectLimit)))
+			hv.Lock()
+			hv.Volumes[vol] = tc.disk
+			hv.Unlock()
+			res, dropErr, err := m.KeepCache(ctx, store, name, project)
+			require.NoError(t, dropErr)
+			if tc.saved {
+				require.NoError(t, err)
+				require.Equal(t, int64(1), res.Files)
+				require.Equal(t, int64(len(data)), res.Bytes)
+			} else {
+				require.Error(t, err)
+			}
+			hv.Lock()
+			_, left := hv.Volumes[vol]
+			hv.Unlock()
+			require.False(t, left, "the scratch volume is deleted by the keep")
+			// The guest still has the disk (no unplug): a later attach in
+			// this test needs it gone, as a new job's machine would be.
+			require.NoError(t, hv.DetachDisk(ctx, name, "/pool/"+vol))
+		})
+	}
+
+	_, dropErr, err := m.KeepCache(ctx, store, "lve-ffffffff-7", project)
+	require.Error(t, err)
+	require.Error(t, dropErr, "nothing of another installation is touched")
+}
