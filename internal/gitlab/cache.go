@@ -40,6 +40,8 @@ const (
 	diskMissing    = "lve-cache-no-disk"
 	diskUnreadable = "lve-cache-disk-unreadable"
 	diskUnwritable = "lve-cache-disk-unwritable"
+	diskNotAsked   = "lve-cache-not-asked" // the armed save's stdin ended without go
+	diskGo         = "go"                  // the armed save's signal on its stdin
 )
 
 // directFirst is where the direct layout's first file starts: after the
@@ -80,7 +82,15 @@ else
 fi`
 	// diskSaveCommand writes cache_dir on the scratch disk (serial
 	// vm.ScratchDiskSerial): see diskSaveBody.
-	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + diskSaveBody
+	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + diskSavePrep + diskSaveAct
+	// diskSaveArmed is diskSaveCommand started while the runner's script
+	// still makes the archive (earlyScratch): it finds the disk, sees
+	// whether it needs sudo and defines its functions, then waits for a
+	// line "go" on its stdin before it touches cache_dir; at the end of
+	// its stdin without it, it says diskNotAsked and ends.
+	diskSaveArmed = findDisk(vm.ScratchDiskSerial) + diskSavePrep + `IFS= read -r g || g=
+if [ "$g" != ` + diskGo + ` ]; then echo ` + diskNotAsked + `; exit 0; fi
+` + diskSaveAct
 )
 
 // diskSaveBody writes the files of cache_dir on the disk $d in hostcache's
@@ -105,8 +115,10 @@ fi`
 // guest's filesystem. The manifest stays below DirectManifestMax bytes:
 // at most 100 lines, each a path stat can open (PATH_MAX, 4096 bytes) and
 // two numbers.
-var diskSaveBody = `cd ` + guestCacheDir + ` 2>/dev/null || { mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + `; } || exit 1
-if [ -w "$d" ]; then W=
+var diskSaveBody = diskSavePrep + diskSaveAct
+
+// diskSavePrep is diskSaveBody's part that does not look at cache_dir.
+var diskSavePrep = `if [ -w "$d" ]; then W=
 elif sudo -n true 2>/dev/null; then W="sudo -n"
 else echo ` + diskUnwritable + `; exit 0
 fi
@@ -141,6 +153,10 @@ EOF
 "
   [ "$e" -le $((c * 512)) ] && [ ${#M} -le ` + directFirst + ` ]
 }
+`
+
+// diskSaveAct is diskSaveBody's part that writes cache_dir on the disk.
+var diskSaveAct = `cd ` + guestCacheDir + ` 2>/dev/null || { mkdir -p ` + guestCacheDir + ` && cd ` + guestCacheDir + `; } || exit 1
 if direct && printf '%s' "$M" | write "$d" direct; then st=0; how=direct
 elif [ -z "$W" ]; then tar -cf "$d" .; st=$?; how=tar; sync "$d" 2>/dev/null || sync
 else tar -cf - . | write "$d"; st=$?; how=tar
@@ -274,8 +290,48 @@ type earlyScratch struct {
 	connected   chan struct{}
 	stopConnect context.CancelFunc
 	client      *sshexec.Client // nil once taken; else closed by drop
+	armed       *armedSave      // set before connected is closed; nil if none
 
 	dropped bool // the save's Keep deleted the disk's volume
+}
+
+// armedSave is the save's guest command (diskSaveArmed), started on the
+// early connection once the disk is attached, waiting for go: the SSH
+// session, the guest's shell, its finding the disk and its sudo check
+// (a third of a second for Debian) are paid while the runner zips.
+type armedSave struct {
+	stdin *io.PipeWriter
+	out   *headBuffer
+	done  chan struct{} // closed when the command has ended; err says how
+	err   error
+}
+
+// arm starts diskSaveArmed on client; it ends with ctx at the latest.
+func arm(ctx context.Context, client *sshexec.Client) *armedSave {
+	pr, pw := io.Pipe()
+	a := &armedSave{stdin: pw, out: &headBuffer{limit: 4096}, done: make(chan struct{})}
+	go func() {
+		defer close(a.done)
+		a.err = client.Stream(ctx, diskSaveArmed, pr, a.out)
+		_ = pr.CloseWithError(errors.New("the save's guest command ended"))
+	}()
+	return a
+}
+
+// fire tells the armed command to write the disk, and reports whether it
+// will: false when it ended before (its connection lost, the guest's
+// shell killed by the job): the caller starts diskSaveCommand itself. An
+// armed command that ended on its own with an answer (no disk, not
+// writable) is used as it is.
+func (a *armedSave) fire() bool {
+	select {
+	case <-a.done:
+		return a.err == nil && lastLine(a.out.String()) != ""
+	default:
+	}
+	_, err := io.WriteString(a.stdin, diskGo+"\n")
+	_ = a.stdin.Close()
+	return err == nil
 }
 
 // predictWait bounds startScratch's look at what the host keeps (a shared
@@ -313,11 +369,31 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 	es.connected, es.stopConnect = make(chan struct{}), stop
 	go func() {
 		defer close(es.connected)
-		if j.m != nil { // the caller dials itself when there is none
-			_, es.client, _ = j.m.Connect(cctx, name)
+		if j.m == nil { // the caller dials itself when there is none
+			return
+		}
+		if _, es.client, _ = j.m.Connect(cctx, name); es.client == nil {
+			return
+		}
+		select {
+		case <-es.done:
+			if es.err == nil {
+				es.armed = arm(cctx, es.client)
+			}
+		case <-cctx.Done():
 		}
 	}()
 	return es
+}
+
+// armedSave is the save's guest command started during the script, or
+// nil (none, or no early disk).
+func (es *earlyScratch) armedSave() *armedSave {
+	if es == nil {
+		return nil
+	}
+	<-es.connected
+	return es.armed
 }
 
 // wait is the attach's result, once it has ended.
@@ -359,6 +435,9 @@ func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	es.stopConnect()
 	<-es.done
 	<-es.connected
+	if es.armed != nil {
+		_ = es.armed.stdin.Close() // not asked: the guest's command ends
+	}
 	if es.client != nil {
 		_ = es.client.Close()
 	}
@@ -474,7 +553,17 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	t1 := time.Now()
 	out := &headBuffer{limit: 4096}
 	way := "" // the direct layout, or said
-	if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
+	if a := early.armedSave(); a != nil && a.fire() {
+		select {
+		case <-a.done:
+		case <-ctx.Done():
+			return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", context.Cause(ctx))
+		}
+		if a.err != nil {
+			return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", a.err)
+		}
+		out = a.out
+	} else if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
 		return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", err)
 	}
 	last := lastLine(out.String())

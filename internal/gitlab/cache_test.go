@@ -5,6 +5,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"os/exec"
@@ -17,6 +18,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
 // Only the runner's cache sub-stages whose scripts call its cache helper
@@ -362,6 +365,115 @@ func TestDiskSaveBody(t *testing.T) {
 			})
 		}
 	}
+}
+
+// The save's command armed during the script (diskSaveArmed) does nothing
+// to the disk until it reads go: at the end of its stdin without it, it
+// says so and leaves the disk as it was; with it, it writes the direct
+// layout as diskSaveCommand does.
+func TestDiskSaveArmed(t *testing.T) {
+	shells := map[string][]string{"bash": {"bash"}, "dash": {"dash"}, "busybox-ash": {"busybox", "sh"}}
+	for _, shell := range []string{"bash", "dash", "busybox-ash"} {
+		for _, stdin := range []string{"", diskGo + "\n", "stop\n"} {
+			t.Run(fmt.Sprintf("%s/%q", shell, stdin), func(t *testing.T) {
+				dir := t.TempDir()
+				cacheDir := filepath.Join(dir, "cache")
+				require.NoError(t, os.MkdirAll(filepath.Join(cacheDir, "k"), 0o755))
+				require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "cache.zip"), []byte("zip bytes"), 0o644))
+				disk := filepath.Join(dir, "disk")
+				require.NoError(t, os.WriteFile(disk, nil, 0o600))
+				require.NoError(t, os.Truncate(disk, 8<<20))
+				script := diskSaveArmed
+				script = script[strings.Index(script, diskSavePrep):] // the disk is $d
+				for old, repl := range map[string]string{
+					`c=; read -r c < "/sys/block/${d##*/}/size"`:                                                              "c=" + strconv.Itoa((8<<20)/512),
+					"cd " + guestCacheDir + " 2>/dev/null || { mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + "; }": "cd " + cacheDir,
+				} {
+					require.Equal(t, 1, strings.Count(script, old), old)
+					script = strings.Replace(script, old, repl, 1)
+				}
+				argv := shells[shell]
+				cmd := exec.Command(argv[0], append(argv[1:], "-c", "d="+disk+"\n"+script)...)
+				cmd.Stdin = strings.NewReader(stdin)
+				out, err := cmd.CombinedOutput()
+				require.NoError(t, err, "%s", out)
+				b, err := os.ReadFile(disk)
+				require.NoError(t, err)
+				if stdin != diskGo+"\n" {
+					require.Equal(t, diskNotAsked, lastLine(string(out)))
+					require.Equal(t, make([]byte, 8<<20), b, "the disk is not written")
+					return
+				}
+				require.Equal(t, diskWritten+" 0 direct", lastLine(string(out)), "%s", out)
+				require.True(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic+"\n")), "the manifest is written")
+				require.Equal(t, "zip bytes", string(b[hostcache.DirectManifestMax:hostcache.DirectManifestMax+9]))
+			})
+		}
+	}
+}
+
+// The armed save over a real SSH session (sshtest runs its commands on
+// this host): fired, it writes the disk; its stdin closed without go
+// (the script failed, the stage ends), it ends without writing; ended
+// before it was fired (connection lost), fire says so and the caller
+// starts the save itself.
+func TestArmedSave(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	cacheDir := filepath.Join(dir, "cache")
+	require.NoError(t, os.MkdirAll(filepath.Join(cacheDir, "k"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "cache.zip"), []byte("zip bytes"), 0o644))
+	disk := filepath.Join(dir, "disk")
+	newDisk := func() {
+		require.NoError(t, os.WriteFile(disk, nil, 0o600))
+		require.NoError(t, os.Truncate(disk, 8<<20))
+	}
+	script := diskSaveArmed[strings.Index(diskSaveArmed, diskSavePrep):]
+	for old, repl := range map[string]string{
+		`c=; read -r c < "/sys/block/${d##*/}/size"`:                                                              "c=" + strconv.Itoa((8<<20)/512),
+		"cd " + guestCacheDir + " 2>/dev/null || { mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + "; }": "cd " + cacheDir,
+	} {
+		script = strings.Replace(script, old, repl, 1)
+	}
+	was := diskSaveArmed
+	diskSaveArmed = "d=" + disk + "\n" + script
+	t.Cleanup(func() { diskSaveArmed = was })
+
+	srv := sshtest.Start(t)
+	dial := func() *sshexec.Client {
+		c, err := sshexec.Dial(ctx, sshexec.Target{Addr: srv.Addr(), User: "root", Signer: srv.ClientSigner(), HostKey: srv.HostKey()})
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = c.Close() })
+		return c
+	}
+	c := dial()
+
+	newDisk()
+	a := arm(ctx, c)
+	require.True(t, a.fire())
+	<-a.done
+	require.NoError(t, a.err)
+	require.Equal(t, diskWritten+" 0 direct", lastLine(a.out.String()), a.out.String())
+	b, err := os.ReadFile(disk)
+	require.NoError(t, err)
+	require.True(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic+"\n")))
+
+	newDisk()
+	a = arm(ctx, c)
+	require.NoError(t, a.stdin.Close())
+	<-a.done
+	require.NoError(t, a.err)
+	require.Equal(t, diskNotAsked, lastLine(a.out.String()))
+	b, err = os.ReadFile(disk)
+	require.NoError(t, err)
+	require.Equal(t, make([]byte, 8<<20), b, "not asked: the disk is not written")
+
+	lost := dial()
+	a = arm(ctx, lost)
+	require.NoError(t, lost.Close())
+	<-a.done
+	require.Error(t, a.err)
+	require.False(t, a.fire(), "ended before go: the caller starts the save itself")
 }
 
 // The writer refuses a manifest whose file no longer has the size listed
