@@ -100,9 +100,11 @@ if [ "$g" != ` + diskGo + ` ]; then echo ` + diskNotAsked + `; exit 0; fi
 // written after it, or the disk's spare MiB takes), and the manifest last.
 // Names and sizes come from one find and one stat for all files, the
 // manifest is built by the shell: each process costs a TCG guest tens of
-// milliseconds, and a save with one archive starts six (find, stat, dd,
-// stat, sync, and sudo where the job's user cannot write the disk).
-// Where that cannot be done (more than 100 files, a name with a newline,
+// milliseconds, and a save with one archive as root starts five (find,
+// stat, dd, stat, sync; where the job's user cannot write the disk, also
+// the sudo check, sudo and its sh).
+// Where that cannot be done (more than 100 files, a name with a newline
+// (one made to read as two lines of existing files is left out instead),
 // a stat without -c, a dd without oflag=direct or seek_bytes, a file whose
 // size changes meanwhile, no room left on the disk) it writes a tar
 // stream instead. The writes and the flush of that disk alone (`sync
@@ -136,19 +138,20 @@ direct() {
   L=$(find . -type f -exec stat -c '%s %n' {} +) || return 1
   M='` + hostcache.DirectMagic + `
 '
-  o=` + directFirst + `; e=$o; n=0
-  while IFS= read -r x; do
-    [ -n "$x" ] || continue
+  o=` + directFirst + `; e=$o; n=0; r=0
+  set -f; oi=$IFS; IFS='
+'
+  for x in $L; do
     s=${x%% *}; f=${x#* }
-    case $s in '' | *[!0-9]*) return 1 ;; esac
-    n=$((n + 1)); [ $n -le 100 ] || return 1
+    case $s in '' | *[!0-9]*) r=1; break ;; esac
+    n=$((n + 1)); [ $n -le 100 ] || { r=1; break; }
     M="$M$o $s $f
 "
     t=$((o + (s + 1048575) / 1048576 * 1048576)); [ $t -le $e ] || e=$t
     o=$((o + (s + 4095) / 4096 * 4096))
-  done <<EOF
-$L
-EOF
+  done
+  IFS=$oi; set +f
+  [ $r = 0 ] || return 1
   M="${M}` + hostcache.DirectEnd + `
 "
   [ "$e" -le $((c * 512)) ] && [ ${#M} -le ` + directFirst + ` ]
@@ -320,16 +323,30 @@ func arm(ctx context.Context, client *sshexec.Client) *armedSave {
 
 // fire tells the armed command to write the disk, and reports whether it
 // will: false when it ended before (its connection lost, the guest's
-// shell killed by the job): the caller starts diskSaveCommand itself. An
-// armed command that ended on its own with an answer (no disk, not
-// writable) is used as it is.
-func (a *armedSave) fire() bool {
+// shell killed by the job, or it did not see the disk within its 10 s,
+// which ran while the runner zipped), when the guest did not take the
+// go before ctx ended (a guest that never answered the session's
+// start): the caller starts diskSaveCommand itself. An armed command
+// that ended on its own with another answer (not writable) is used as it
+// is.
+func (a *armedSave) fire(ctx context.Context) bool {
 	select {
 	case <-a.done:
-		return a.err == nil && lastLine(a.out.String()) != ""
+		last := lastLine(a.out.String())
+		return a.err == nil && last != "" && last != diskMissing
 	default:
 	}
-	_, err := io.WriteString(a.stdin, diskGo+"\n")
+	sent := make(chan error, 1)
+	go func() { // the pipe's reader is the session's, once it started
+		_, err := io.WriteString(a.stdin, diskGo+"\n")
+		sent <- err
+	}()
+	var err error
+	select {
+	case err = <-sent:
+	case <-ctx.Done():
+		err = context.Cause(ctx)
+	}
 	_ = a.stdin.Close()
 	return err == nil
 }
@@ -415,6 +432,7 @@ func (es *earlyScratch) connection() *sshexec.Client {
 	c := es.client
 	es.client = nil
 	if c != nil && c.Dead() != nil {
+		es.armed = nil // its session went with the connection
 		_ = c.Close()
 		return nil
 	}
@@ -553,7 +571,7 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	t1 := time.Now()
 	out := &headBuffer{limit: 4096}
 	way := "" // the direct layout, or said
-	if a := early.armedSave(); a != nil && a.fire() {
+	if a := early.armedSave(); a != nil && a.fire(ctx) {
 		select {
 		case <-a.done:
 		case <-ctx.Done():
@@ -592,7 +610,7 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	if dropped = dropErr == nil; dropped && early != nil {
 		early.dropped = true
 	}
-	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, read in %s", made, vm.Round(attached), way, vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
+	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, read and deleted in %s", made, vm.Round(attached), way, vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
 }
 
 // duCommand says how many KiB the guest's cache_dir holds.

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -450,7 +451,7 @@ func TestArmedSave(t *testing.T) {
 
 	newDisk()
 	a := arm(ctx, c)
-	require.True(t, a.fire())
+	require.True(t, a.fire(ctx))
 	<-a.done
 	require.NoError(t, a.err)
 	require.Equal(t, diskWritten+" 0 direct", lastLine(a.out.String()), a.out.String())
@@ -473,7 +474,30 @@ func TestArmedSave(t *testing.T) {
 	require.NoError(t, lost.Close())
 	<-a.done
 	require.Error(t, a.err)
-	require.False(t, a.fire(), "ended before go: the caller starts the save itself")
+	require.False(t, a.fire(ctx), "ended before go: the caller starts the save itself")
+
+	// An armed command that did not see the disk in time (its 10 s ran
+	// while the runner zipped) is not taken at its word: the caller starts
+	// the save again, with 10 s of its own. Other answers are used.
+	ended := func(out string) *armedSave {
+		pr, pw := io.Pipe()
+		_ = pr.Close()
+		a := &armedSave{stdin: pw, out: &headBuffer{limit: 4096}, done: make(chan struct{})}
+		_, _ = a.out.Write([]byte(out))
+		close(a.done)
+		return a
+	}
+	require.False(t, ended(diskMissing+"\n").fire(ctx))
+	require.True(t, ended(diskUnwritable+"\n").fire(ctx))
+
+	// A guest that never started the command never reads go: fire gives
+	// up with its context (the save's own bound), and the caller's own
+	// try is bounded by the same context.
+	_, pw := io.Pipe()
+	stuck := &armedSave{stdin: pw, out: &headBuffer{limit: 4096}, done: make(chan struct{})}
+	sctx, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	require.False(t, stuck.fire(sctx))
 }
 
 // The writer refuses a manifest whose file no longer has the size listed

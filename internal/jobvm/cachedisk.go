@@ -93,11 +93,14 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 
 // KeepAnswer is what `cache-disk keep` prints: the save's result, or its
 // error (OverLimit: hostcache.ErrProjectLimit), and whether the disks'
-// volumes could not be deleted after it (DropError).
+// volumes were deleted after it (Dropped; else why not, DropError). An
+// admin tool from before the drop moved into keep says neither: the stage
+// then deletes them itself.
 type KeepAnswer struct {
 	Result    hostcache.SaveResult `json:"result"`
 	Error     string               `json:"error,omitempty"`
 	OverLimit bool                 `json:"over_limit,omitempty"`
+	Dropped   bool                 `json:"dropped,omitempty"`
 	DropError string               `json:"drop_error,omitempty"`
 }
 
@@ -109,16 +112,22 @@ func NewKeepAnswer(res hostcache.SaveResult, dropErr, err error) KeepAnswer {
 	}
 	if dropErr != nil {
 		a.DropError = dropErr.Error()
+	} else {
+		a.Dropped = true
 	}
 	return a
 }
 
-// DropErr is the answer's DropError as an error, or nil.
+// DropErr is nil when the answer says the volumes were deleted, else why
+// not.
 func (a KeepAnswer) DropErr() error {
-	if a.DropError == "" {
+	switch {
+	case a.Dropped:
 		return nil
+	case a.DropError != "":
+		return errors.New(a.DropError)
 	}
-	return errors.New(a.DropError)
+	return errors.New("the admin tool did not say that it deleted the volumes")
 }
 
 // Err is the answer's error (wrapping hostcache.ErrProjectLimit where it

@@ -49,6 +49,17 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	require.ErrorContains(t, err, "too big")
 	require.Equal(t, hostcache.SaveResult{Files: 2, Bytes: 10, Unchanged: 1}, kept)
 	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, "--", name, project}, argv())
+	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=kept")
+	kept, dropErr, err = adminCacheDisk{a}.Keep(context.Background(), name, project)
+	require.NoError(t, err)
+	require.NoError(t, dropErr)
+	require.Equal(t, hostcache.SaveResult{Files: 1, Bytes: 3}, kept)
+	// An admin tool from before keep deleted the volumes says nothing of
+	// them: the stage deletes them itself.
+	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=kept-old")
+	_, dropErr, err = adminCacheDisk{a}.Keep(context.Background(), name, project)
+	require.NoError(t, err)
+	require.ErrorContains(t, dropErr, "did not say")
 
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=garbage")
 	_, err = adminCacheDisk{a}.Attach(context.Background(), name, project, nil)
