@@ -82,7 +82,7 @@ else
 fi`
 	// diskSaveCommand writes cache_dir on the scratch disk (serial
 	// vm.ScratchDiskSerial): see diskSaveBody.
-	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + diskSavePrep + diskSaveAct
+	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + diskSaveBody
 	// diskSaveArmed is diskSaveCommand started while the runner's script
 	// still makes the archive (earlyScratch): it finds the disk, sees
 	// whether it needs sudo and defines its functions, then waits for a
@@ -403,9 +403,9 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 	return es
 }
 
-// armedSave is the save's guest command started during the script, or
+// armedCommand is the save's guest command started during the script, or
 // nil (none, or no early disk).
-func (es *earlyScratch) armedSave() *armedSave {
+func (es *earlyScratch) armedCommand() *armedSave {
 	if es == nil {
 		return nil
 	}
@@ -571,7 +571,7 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	t1 := time.Now()
 	out := &headBuffer{limit: 4096}
 	way := "" // the direct layout, or said
-	if a := early.armedSave(); a != nil && a.fire(ctx) {
+	if a := early.armedCommand(); a != nil && a.fire(ctx) {
 		select {
 		case <-a.done:
 		case <-ctx.Done():
