@@ -67,15 +67,17 @@ REQUIRE_PROMETHEUS ?=
 
 # The gitlab-runner of the real-runner tests (empty: those tests skip; see deploy/rig/test-runner.sh).
 TEST_RUNNER = $$(deploy/rig/test-runner.sh $(BIN))
+# The step-runner of the GitLab Steps tests, on the guests' tools disk (empty: none).
+TEST_STEP_RUNNER = $$(deploy/rig/test-tool.sh step-runner $(BIN))
 
 test-unit: ## unit tests (race detector, no VMs; the fake job API's tests with a real gitlab-runner when there is one)
 	@mkdir -p $(BIN)
-	runner=$(TEST_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner LVE_REQUIRE_PROMETHEUS=$(REQUIRE_PROMETHEUS) $(GO) test -race -count=1 ./...
+	runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner LVE_REQUIRE_PROMETHEUS=$(REQUIRE_PROMETHEUS) $(GO) test -race -count=1 ./...
 
 test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd and cloud-init guests)
-	@runner=$(TEST_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
-	@set -o pipefail; rc=0; runner=$(TEST_RUNNER) || exit 1; \
-	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner \
+	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
+	@set -o pipefail; rc=0; runner=$(TEST_RUNNER) || exit 1; steprunner=$(TEST_STEP_RUNNER) || exit 1; \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner \
 	    $(GO) test -tags e2e -count=1 -timeout 55m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 

@@ -209,6 +209,15 @@ if [ -n "${LVE_RIG_GITLAB_RUNNER:-}" ]; then
 	guest_runner=$LVE_RIG_GITLAB_RUNNER
 	rig_log "guests get gitlab-runner $guest_runner on their tools disk"
 fi
+# step-runner for the guests' tools disk (GitLab Steps, run: jobs): LVE_RIG_STEP_RUNNER, an
+# absolute path (the Makefile passes the test binary of deploy/rig/test-tool.sh), else none
+guest_step_runner=none
+if [ -n "${LVE_RIG_STEP_RUNNER:-}" ]; then
+	case $LVE_RIG_STEP_RUNNER in /*) ;; *) rig_die "LVE_RIG_STEP_RUNNER must be an absolute path" ;; esac
+	[ -x "$LVE_RIG_STEP_RUNNER" ] || rig_die "LVE_RIG_STEP_RUNNER=$LVE_RIG_STEP_RUNNER is not executable"
+	guest_step_runner=$LVE_RIG_STEP_RUNNER
+	rig_log "guests get step-runner $guest_step_runner on their tools disk"
+fi
 cat >"$LVE_RIG_CONFIG.tmp" <<T
 # libvirt-executor config for the private rig (written by deploy/rig/start.sh).
 # Guests live in network namespace "$LVE_RIG_NS": reach them with ip netns exec $LVE_RIG_NS ...
@@ -234,6 +243,7 @@ keepalive_count = 3
 
 [guest_tools]
 gitlab_runner = "$guest_runner"
+step_runner = "$guest_step_runner"
 $fragments
 T
 mv -f "$LVE_RIG_CONFIG.tmp" "$LVE_RIG_CONFIG"

@@ -316,6 +316,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		add(cacheDirCheck(cfg.Cache))
 	}
 	add(guestToolsCheck(cfg))
+	add(stepRunnerCheck(cfg))
 	svc := serviceCheck(cfg)
 	add(svc)
 	if svc.OK && !svc.Warn {
@@ -424,6 +425,26 @@ func guestToolsCheck(cfg *config.Config) Check {
 		c.Info, c.Fix = err.Error(), "point [guest_tools] gitlab_runner at a linux/amd64 gitlab-runner binary this user can read"
 	default:
 		c.OK, c.Info = true, "gitlab-runner "+src+" goes read-only into every VM (built into the tools disk at the first job)"
+	}
+	return c
+}
+
+// stepRunnerCheck: the step-runner the guests get on the tools disk
+// (GitLab Steps, run: jobs), or why there is none: "none" is the admin's
+// choice (OK), none found by "auto" only a note.
+func stepRunnerCheck(cfg *config.Config) Check {
+	c := Check{Name: "guest step-runner"}
+	src, err := guesttools.GuestStepRunnerSource(cfg)
+	switch {
+	case errors.Is(err, guesttools.ErrNoTools) && cfg.GuestTools.StepRunner == config.GuestToolsNone:
+		c.OK, c.Info = true, err.Error()+": run: jobs (GitLab Steps) need a step-runner in the images"
+	case errors.Is(err, guesttools.ErrNoTools):
+		c.OK, c.Warn, c.Info = true, true, err.Error()+": run: jobs (GitLab Steps) fail at prepare unless the image has a step-runner"
+		c.Fix = "set [guest_tools] step_runner to a linux/amd64 step-runner, or to \"none\" if this runner takes no run: jobs (docs/steps.md)"
+	case err != nil:
+		c.Info, c.Fix = err.Error(), "point [guest_tools] step_runner at a linux/amd64 step-runner binary this user can read"
+	default:
+		c.OK, c.Info = true, "step-runner "+src+" goes read-only into every VM (run: jobs, GitLab Steps)"
 	}
 	return c
 }

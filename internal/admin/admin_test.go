@@ -362,6 +362,34 @@ func TestGuestToolsCheck(t *testing.T) {
 	require.Contains(t, c.Info, "linux/amd64")
 }
 
+func TestStepRunnerCheck(t *testing.T) {
+	cfg := &config.Config{}
+	cfg.GuestTools.StepRunner = "none"
+	c := stepRunnerCheck(cfg)
+	require.True(t, c.OK)
+	require.False(t, c.Warn, `"none" is the admin's choice`)
+	require.Contains(t, c.Info, `guest_tools.step_runner = "none"`)
+
+	t.Setenv("PATH", t.TempDir())
+	cfg.GuestTools.StepRunner = "auto"
+	c = stepRunnerCheck(cfg)
+	require.True(t, c.OK)
+	require.True(t, c.Warn, "none found: run: jobs would fail at prepare")
+	require.Contains(t, c.Fix, "[guest_tools] step_runner")
+
+	cfg.GuestTools.StepRunner = "/bin/true" // an x86_64 ELF executable stands in for step-runner
+	c = stepRunnerCheck(cfg)
+	require.True(t, c.OK)
+	require.Contains(t, c.Info, "step-runner /bin/true goes read-only into every VM")
+
+	script := filepath.Join(t.TempDir(), "step-runner")
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\n"), 0o755))
+	cfg.GuestTools.StepRunner = script
+	c = stepRunnerCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "linux/amd64 step-runner")
+}
+
 // doctor asks the metrics endpoint: this service's metrics, another
 // program's answer, nobody listening.
 func TestMetricsCheck(t *testing.T) {

@@ -228,6 +228,14 @@ type GuestTools struct {
 	// gitlab-runner on the stage's PATH, if there is one; "none": no
 	// binary; else the absolute path of a linux/amd64 gitlab-runner.
 	GitLabRunner string `toml:"gitlab_runner"`
+	// StepRunner is the step-runner binary (GitLab Steps: the runner runs
+	// a run: job's steps with `step-runner ci` in the guest) the guests
+	// get at /opt/libvirt-executor/bin/step-runner (the images link
+	// /usr/local/bin/step-runner to it). "auto" (default): the step-runner
+	// on the stage's PATH, if there is one; "none": no binary (run: jobs
+	// then need one in the image); else the absolute path of a linux/amd64
+	// step-runner.
+	StepRunner string `toml:"step_runner"`
 }
 
 // Guest tools settings.
@@ -534,6 +542,7 @@ func (c *Config) applyDefaults() {
 	def(&c.StateDir, "/var/lib/libvirt-executor")
 	def(&c.HostKeyPolicy, HostKeyPinned)
 	def(&c.GuestTools.GitLabRunner, GuestToolsAuto)
+	def(&c.GuestTools.StepRunner, GuestToolsAuto)
 	if c.IsolateGuests == nil {
 		yes := true
 		c.IsolateGuests = &yes
@@ -748,6 +757,9 @@ func (c *Config) validateTop(p *problems) {
 func (g GuestTools) validate(p *problems) {
 	if r := g.GitLabRunner; r != GuestToolsAuto && r != GuestToolsNone && !filepath.IsAbs(r) {
 		p.bad("guest_tools.gitlab_runner", "%q is not allowed; use \"auto\" (the gitlab-runner on PATH), \"none\" or the absolute path of a gitlab-runner binary", r)
+	}
+	if r := g.StepRunner; r != GuestToolsAuto && r != GuestToolsNone && !filepath.IsAbs(r) {
+		p.bad("guest_tools.step_runner", "%q is not allowed; use \"auto\" (the step-runner on PATH), \"none\" or the absolute path of a step-runner binary", r)
 	}
 }
 

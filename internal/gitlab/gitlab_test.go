@@ -290,7 +290,7 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
 
 	check := func(ctx context.Context, g outputter) error {
-		return checkGuestTools(ctx, g, say, store, img, imageVersion(img), nil)
+		return checkGuestTools(ctx, g, say, store, img, imageVersion(img), nil, false)
 	}
 	require.NoError(t, check(context.Background(), g))
 	require.NoError(t, check(context.Background(), g))
@@ -313,8 +313,8 @@ func TestGuestToolCheckIsRememberedPerImageFile(t *testing.T) {
 	require.Equal(t, 3, g.calls)
 
 	// An image that cannot be examined is always asked about.
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil, nil))
-	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil, nil))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil, nil, false))
+	require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, nil, nil, false))
 	require.Equal(t, 5, g.calls)
 
 	// A cancelled stage is an error, not a note.
@@ -342,26 +342,26 @@ func TestGuestToolCheckKnowsTheToolsDisk(t *testing.T) {
 	tools := &state.Tools{Volume: "lve-0123abcd-tools-0011223344556677.iso", Source: "/usr/bin/gitlab-runner", SHA256: "ab"}
 
 	without := &fakeGuest{out: "gitlab-runner\n"}
-	require.NoError(t, checkGuestTools(context.Background(), without, say, store, img, imageVersion(img).withTools(nil), nil))
+	require.NoError(t, checkGuestTools(context.Background(), without, say, store, img, imageVersion(img).withTools(nil), nil, false))
 	require.Len(t, said, 1)
 	require.Contains(t, said[0], "Note: gitlab-runner is not on the guest's PATH")
 
 	said = nil
 	unmounted := &fakeGuest{out: "gitlab-runner\n"}
-	require.NoError(t, checkGuestTools(context.Background(), unmounted, say, store, img, imageVersion(img).withTools(tools), tools))
+	require.NoError(t, checkGuestTools(context.Background(), unmounted, say, store, img, imageVersion(img).withTools(tools), tools, false))
 	require.Equal(t, 1, unmounted.calls, "another tools disk is another answer")
 	require.Len(t, said, 1)
 	require.Contains(t, said[0], "the image does not mount it")
 	require.Contains(t, said[0], "lve-tools")
 	said = nil
-	require.NoError(t, checkGuestTools(context.Background(), unmounted, say, store, img, imageVersion(img).withTools(tools), tools))
+	require.NoError(t, checkGuestTools(context.Background(), unmounted, say, store, img, imageVersion(img).withTools(tools), tools, false))
 	require.Equal(t, 2, unmounted.calls, "a missing gitlab-runner despite the disk is asked again, not remembered")
 
 	said = nil
 	mounted := &fakeGuest{out: ""}
 	other := *tools
 	other.Volume = "lve-0123abcd-tools-7766554433221100.iso"
-	require.NoError(t, checkGuestTools(context.Background(), mounted, say, store, img, imageVersion(img).withTools(&other), &other))
+	require.NoError(t, checkGuestTools(context.Background(), mounted, say, store, img, imageVersion(img).withTools(&other), &other, false))
 	require.Equal(t, 1, mounted.calls)
 	require.Empty(t, said)
 }

@@ -45,7 +45,18 @@ type Job struct {
 	// job_info.project_id, which GitLab sets and the job cannot): with
 	// Server, whose cache the host cache gives the job. 0: not known.
 	ProjectID int64
+	// Steps says the job is a GitLab Steps job: its payload has `run`
+	// (without the payload: CUSTOM_ENV_STEPS, which the runner's shim
+	// sets, is not empty). The runner runs it as one build_script stage
+	// calling `step-runner ci` in the guest (docs/steps.md).
+	Steps bool
 }
+
+// StepRunnerImage is the image GitLab Runner 17.x-18.5 give a run: job
+// that names none (for the Docker executor's sake): for this driver it
+// asks for the default VM image, unless an image of that name is
+// configured.
+const StepRunnerImage = "registry.gitlab.com/gitlab-org/step-runner:v0"
 
 // ImageRequest is the job's `image:` name: as written, and after expansion.
 type ImageRequest struct {
@@ -61,6 +72,9 @@ type ImageRequest struct {
 	// TooLong says the expansion outgrew maxExpanded (then Name is cut and
 	// the request is refused).
 	TooLong bool
+	// StepsDefault says Name is StepRunnerImage, given by the runner to a
+	// run: job without image:.
+	StepsDefault bool
 }
 
 // payload is the part of JOB_RESPONSE_FILE the driver reads. The file also
@@ -79,6 +93,9 @@ type payload struct {
 	JobInfo  struct {
 		ProjectID int64 `json:"project_id"`
 	} `json:"job_info"`
+	// Run is the job's `run:` (GitLab Steps), a JSON string; only whether
+	// there is one is read.
+	Run json.RawMessage `json:"run"`
 	// Variables are the job's CI/CD variables, GitLab's predefined ones
 	// first, then the job's own. They include secrets (CI_JOB_TOKEN, masked
 	// and file variables): they stay in memory, are used only to expand the
@@ -125,9 +142,11 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		timeout, _ := strconv.ParseInt(getenv("CUSTOM_ENV_CI_JOB_TIMEOUT"), 10, 64)
 		// The runner has expanded CI_JOB_IMAGE already.
 		image := getenv("CUSTOM_ENV_CI_JOB_IMAGE")
-		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: ImageRequest{Name: image, Written: image},
+		steps := getenv("CUSTOM_ENV_STEPS") != ""
+		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: stepsImage(ImageRequest{Name: image, Written: image}, steps),
 			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID")),
-			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL")), Services: servicesFromEnv(getenv("CUSTOM_ENV_CI_JOB_SERVICES"))}, nil
+			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL")), Services: servicesFromEnv(getenv("CUSTOM_ENV_CI_JOB_SERVICES")),
+			Steps: steps}, nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -145,9 +164,25 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 	if p.ID == nil || *p.ID <= 0 {
 		return nil, fmt.Errorf("JOB_RESPONSE_FILE %s has no positive job id", path)
 	}
-	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: expandImage(p.Image.Name, p.Variables),
+	steps := hasRun(p.Run)
+	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: stepsImage(expandImage(p.Image.Name, p.Variables), steps),
 		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL")),
-		Services: servicesOf(p.Services, p.Variables), ProjectID: max(0, p.JobInfo.ProjectID)}, nil
+		Services: servicesOf(p.Services, p.Variables), ProjectID: max(0, p.JobInfo.ProjectID), Steps: steps}, nil
+}
+
+// hasRun says a payload's run is there: not missing, null or "".
+func hasRun(run json.RawMessage) bool {
+	var s *string
+	if err := json.Unmarshal(run, &s); err == nil {
+		return s != nil && *s != ""
+	}
+	return len(run) > 0 // not a string: the runner says what is wrong with it
+}
+
+// stepsImage marks the runner's image for a run: job without image:.
+func stepsImage(req ImageRequest, steps bool) ImageRequest {
+	req.StepsDefault = steps && req.Name == StepRunnerImage && !req.TooLong
+	return req
 }
 
 // serverOf is a GitLab URL's scheme and host, nothing else (no user info,
@@ -202,6 +237,13 @@ func boundTimeout(seconds int64) time.Duration {
 // non-public variable (then only as written).
 func ChooseImage(cfg *config.Config, req ImageRequest) (*config.Image, error) {
 	if req.Name == "" && !req.TooLong {
+		img, _ := cfg.Image(cfg.DefaultImage)
+		return img, nil
+	}
+	if req.StepsDefault {
+		if img, ok := cfg.OfferedImage(req.Name, cfg.ImageNames()); ok {
+			return img, nil
+		}
 		img, _ := cfg.Image(cfg.DefaultImage)
 		return img, nil
 	}

@@ -39,6 +39,12 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if req := j.job.Image; req.expanded() && !req.Hidden {
 		say("Image %q from the job's variables: %q", cut(req.Written), cut(req.Name))
 	}
+	if j.job.Steps {
+		say("GitLab Steps job (run:): the runner runs its steps with step-runner ci in the VM (docs/steps.md)")
+		if j.job.Image.StepsDefault && img.Name == cfg.DefaultImage {
+			say("The runner gave this run: job without image: the image %s; it asks for this runner's default VM image %q", StepRunnerImage, img.Name)
+		}
+	}
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
@@ -52,7 +58,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		Job: j.name, Frontend: Frontend, JobID: strconv.FormatInt(j.job.ID, 10),
 		Image: img, Size: res, Lifetime: j.job.Timeout, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
 		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
-			return checkGuestTools(ctx, g, say, j.m.Store, img, version.withTools(tools), tools)
+			return checkGuestTools(ctx, g, say, j.m.Store, img, version.withTools(tools), tools, j.job.Steps)
 		},
 		Observe: jobvm.Observer{Step: e.Report.Step, Pool: e.Report.Pool, Machine: e.Report.Machine},
 	})

@@ -57,7 +57,7 @@ func TestGuestToolCheckFailsOnMissingShell(t *testing.T) {
 		img := &config.Image{Name: "img-" + filepath.Base(shell), Base: base, User: "root", Shell: shell}
 		g := newShellGuest(t, "git", "git-lfs", "gitlab-runner", "setsid", "mkfifo") // no bash, no sh, no zsh
 		for job := 1; job <= 2; job++ {
-			err := checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil)
+			err := checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil, false)
 			require.Error(t, err, "shell %q, job %d", shell, job)
 			require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 			require.ErrorContains(t, err, img.Name)
@@ -73,8 +73,8 @@ func TestGuestToolCheckFailsOnMissingShell(t *testing.T) {
 	for _, shell := range []string{"bash", abs} {
 		img := &config.Image{Name: "ok", Base: base, User: "root", Shell: shell}
 		g := newShellGuest(t, "bash", "git", "git-lfs", "gitlab-runner", "setsid", "mkfifo")
-		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil), shell)
-		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil), shell)
+		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil, false), shell)
+		require.NoError(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img), nil, false), shell)
 	}
 }
 
@@ -89,12 +89,12 @@ func TestGuestToolCheckNeedsTheWrappersTools(t *testing.T) {
 	var said []string
 	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
 	img := &config.Image{Name: "nofifo", Base: base, User: "root", Shell: "bash"}
-	err := checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "setsid"), say, store, img, imageVersion(img), nil)
+	err := checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "setsid"), say, store, img, imageVersion(img), nil, false)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorContains(t, err, "mkfifo is not installed")
 
 	img = &config.Image{Name: "nosetsid", Base: base, User: "root", Shell: "bash"}
 	said = nil
-	require.NoError(t, checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "mkfifo"), say, store, img, imageVersion(img), nil))
+	require.NoError(t, checkGuestTools(context.Background(), newShellGuest(t, "bash", "git", "mkfifo"), say, store, img, imageVersion(img), nil, false))
 	require.Contains(t, strings.Join(said, "\n"), "setsid is not installed")
 }

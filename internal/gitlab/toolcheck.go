@@ -1,6 +1,7 @@
 package gitlab
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"os"
@@ -37,7 +38,7 @@ type toolCheck struct {
 }
 
 // toolCheckFormat is the version of what the check looks for.
-const toolCheckFormat = 4
+const toolCheckFormat = 5
 
 // missingShell stands in the check's answer for the image's configured
 // shell (no tool has this name).
@@ -77,7 +78,7 @@ func (a *toolCheck) withTools(tools *state.Tools) *toolCheck {
 // the administrator's configuration, never from the job, and is quoted all
 // the same.
 func toolCheckCommand(shell string) string {
-	return `for t in bash git git-lfs gitlab-runner setsid mkfifo; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
+	return `for t in bash git git-lfs gitlab-runner step-runner setsid mkfifo; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
 		`s=` + sshexec.ShellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
 }
 
@@ -90,13 +91,15 @@ func toolCheckCommand(shell string) string {
 // (file, size, modification time, user, shell): every job of an unchanged
 // image would get the same answer, and asking costs an SSH session. version
 // is nil when the image cannot be identified: then the guest is always asked.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck, tools *state.Tools) error {
+// A GitLab Steps job (steps) needs step-runner: without it the check fails
+// (a system failure naming the fix), before any stage of the job runs.
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck, tools *state.Tools, steps bool) error {
 	key := "tools-" + img.Name
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
 			reportMissingTools(old.Missing, tools != nil, say)
-			return shellMissing(img, old.Missing)
+			return cmp.Or(shellMissing(img, old.Missing), stepRunnerMissing(img, old.Missing, tools, steps))
 		}
 	}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -119,7 +122,23 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
 	reportMissingTools(missing, tools != nil, say)
-	return shellMissing(img, missing)
+	return cmp.Or(shellMissing(img, missing), stepRunnerMissing(img, missing, tools, steps))
+}
+
+// stepRunnerMissing is the error for a GitLab Steps job whose guest has no
+// step-runner on PATH: its one stage would fail with "step-runner: command
+// not found", which would pass for the steps' own failure.
+func stepRunnerMissing(img *config.Image, missing []string, tools *state.Tools, steps bool) error {
+	if !steps || !slices.Contains(missing, "step-runner") {
+		return nil
+	}
+	if tools != nil && tools.StepRunner != nil {
+		return exitcodes.System(fmt.Errorf("this run: job (GitLab Steps) needs step-runner, and the VM's guest tools disk has it at %s, but image %q does not put it on PATH: "+
+			"link /usr/local/bin/step-runner to it in the image (see docs/images.md, \"The guest tools disk\")", guestinit.GuestStepRunnerPath, img.Name))
+	}
+	return exitcodes.System(fmt.Errorf("this run: job (GitLab Steps) needs step-runner in the guest, and image %q has none on PATH: "+
+		"set [guest_tools] step_runner in the driver configuration to a linux/amd64 step-runner binary (or \"auto\" with one on this host's PATH), "+
+		"or install step-runner in the image (see docs/steps.md)", img.Name))
 }
 
 // shellMissing is the error for an image whose shell the check did not find.

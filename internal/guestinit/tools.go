@@ -33,6 +33,9 @@ const (
 	// GuestRunnerPath is the gitlab-runner binary in the guest; the images
 	// link /usr/local/bin/gitlab-runner to it.
 	GuestRunnerPath = ToolsMountPoint + "/bin/gitlab-runner"
+	// GuestStepRunnerPath is the step-runner binary in the guest; the
+	// images link /usr/local/bin/step-runner to it.
+	GuestStepRunnerPath = ToolsMountPoint + "/bin/step-runner"
 )
 
 // ToolsManifest is tools.json at the root of the tools disk: where its

@@ -31,23 +31,29 @@ import (
 )
 
 // Tools is the guest tools disk every machine gets: a read-only ISO volume
-// in the storage pool, built once per gitlab-runner binary (by content) and
-// shared by all machines (guestinit.ToolsISO).
+// in the storage pool, built once per set of host programs (by content)
+// and shared by all machines (guestinit.ToolsISO).
 type Tools struct {
 	// Volume is the volume's name: <prefix>-<controller>-tools-<sha256
 	// prefix>.iso (ToolsVolumeName).
 	Volume string
 	// Path is the volume's path, attached to each machine.
 	Path string
-	// Source is the host binary it holds, SHA256 its content's hash.
+	// Source is the host gitlab-runner it holds, SHA256 its content's hash
+	// (both "" when it holds none).
 	Source, SHA256 string
+	// StepRunner is the host step-runner it holds (nil: none).
+	StepRunner *state.ToolOrigin
 	// Built is how long building and uploading took; 0 when the volume
 	// was there already.
 	Built time.Duration
+	// Notes say, a line of the job log each, which program the disk lacks
+	// and why.
+	Notes []string
 }
 
-// Describe says, in a line of the job log, where the guest's gitlab-runner
-// comes from.
+// Describe says, in a line of the job log, where the guest's programs come
+// from.
 func (t *Tools) Describe() string {
 	if t == nil {
 		return ""
@@ -55,14 +61,23 @@ func (t *Tools) Describe() string {
 	return DescribeTools(t.record(), t.Built)
 }
 
-// DescribeTools says where a machine's gitlab-runner comes from (built: how
-// long making its tools disk took, 0 if it was there).
+// DescribeTools says where a machine's gitlab-runner and step-runner come
+// from (built: how long making its tools disk took, 0 if it was there).
 func DescribeTools(t *state.Tools, built time.Duration) string {
-	sha := t.SHA256
-	if len(sha) > 12 {
-		sha = sha[:12]
+	short := func(sha string) string {
+		if len(sha) > 12 {
+			return sha[:12]
+		}
+		return sha
 	}
-	s := fmt.Sprintf("gitlab-runner for the guest: %s (sha256 %s), read-only at %s", t.Source, sha, guestinit.GuestRunnerPath)
+	var parts []string
+	if t.Source != "" {
+		parts = append(parts, fmt.Sprintf("gitlab-runner for the guest: %s (sha256 %s), read-only at %s", t.Source, short(t.SHA256), guestinit.GuestRunnerPath))
+	}
+	if sr := t.StepRunner; sr != nil {
+		parts = append(parts, fmt.Sprintf("step-runner for the guest (GitLab Steps): %s (sha256 %s), read-only at %s", sr.Source, short(sr.SHA256), guestinit.GuestStepRunnerPath))
+	}
+	s := strings.Join(parts, "; ")
 	if built > 0 {
 		s += fmt.Sprintf("; its tools disk was built in %s", vm.Round(built))
 	}
@@ -80,22 +95,27 @@ func (t *Tools) disks() []vm.SharedDisk {
 // Disk is the guest tools disk as lifecycle.Hooks.Shared.
 type Disk struct{}
 
-// Attach finds (or builds, once per binary) the guest tools disk with
-// this host's gitlab-runner. Without one the machine boots all the same
-// and the job log says why; a binary the admin named that cannot be used
-// fails the boot (artifacts and caches would silently not work), one found
-// on PATH only warns.
+// Attach finds (or builds, once per set of binaries) the guest tools disk
+// with this host's gitlab-runner and step-runner. Without one the machine
+// boots all the same and the job log says why; a binary the admin named
+// that cannot be used fails the boot (artifacts, caches or steps would
+// silently not work), one found on PATH only warns.
 func (Disk) Attach(ctx context.Context, m *lifecycle.Manager) (*lifecycle.Attached, error) {
 	t, err := Get(ctx, m)
 	switch {
 	case err == nil:
 		m.Sayf("%s", t.Describe())
+		for _, n := range t.Notes {
+			m.Sayf("%s", n)
+		}
 		return &lifecycle.Attached{Disks: t.disks(), Record: t.record()}, nil
 	case errors.Is(err, ErrNoTools):
-		m.Sayf("Note: %v: the guest needs its own for caches and artifacts (see docs/images.md)", err)
-		return nil, nil
-	case ctx.Err() == nil && m.Cfg.GuestTools.GitLabRunner == config.GuestToolsAuto:
-		m.Sayf("Warning: the gitlab-runner found on this host's PATH cannot go to the guest: %v", err)
+		var none *noToolsError
+		if errors.As(err, &none) {
+			for _, n := range none.notes {
+				m.Sayf("%s", n)
+			}
+		}
 		return nil, nil
 	}
 	return nil, fmt.Errorf("guest tools disk: %w", err)
@@ -107,7 +127,7 @@ func (t *Tools) record() *state.Tools {
 	if t == nil {
 		return nil
 	}
-	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256}
+	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, StepRunner: t.StepRunner}
 }
 
 // VolumeOf is the tools volume a machine was booted with ("" for none).
@@ -119,26 +139,88 @@ func VolumeOf(rec *state.Machine) string {
 }
 
 // VolumeNow is the tools volume a machine booted now would get, by
-// name, without libvirt ("" for none, when the binary is unusable or its
-// volume was not made): a stat, the cached hash and its record, so cheap
-// enough for every look at a standby machine.
+// name, without libvirt ("" for none, when a binary the admin named is
+// unusable or the volume was not made): a stat, the cached hash and its
+// record per program, so cheap enough for every look at a standby machine.
 func VolumeNow(m *lifecycle.Manager) string {
-	src, ok, _ := knownSource(m)
-	if !ok {
-		return ""
+	var have []origin
+	for _, p := range programs {
+		src, known, _ := knownSource(m, p)
+		if !known {
+			return ""
+		}
+		if src == "" {
+			continue
+		}
+		sum, err := sourceHash(m, p, src)
+		if err != nil {
+			if isAuto(m.Cfg, p) {
+				continue // Get leaves an unusable binary "auto" found out, with a warning
+			}
+			return ""
+		}
+		have = append(have, origin{program: p, Source: src, SHA256: sum})
 	}
-	sum, err := sourceHash(m, src)
-	if err != nil {
+	if len(have) == 0 {
 		return ""
 	}
 	// Only a volume that is there: when building it failed, machines boot
 	// without one (with a warning), and they are not outdated for that.
-	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
+	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))
 	var rec toolsRecord
 	if !m.Store.GetTools(recordKey(m, vol), &rec) || !rec.Ready {
 		return ""
 	}
 	return vol
+}
+
+// program is a host program the tools disk can carry, at bin/<name>.
+type program struct {
+	name string
+	// setting is its [guest_tools] key and value.
+	key     string
+	setting func(*config.GuestTools) string
+	// autoKey is the tools record of what "auto" resolved to; hashKey the
+	// state's cache of its hash.
+	autoKey, hashKey string
+	// missing says what a guest without it lacks.
+	missing string
+}
+
+// programs are the tools disk's programs, in the order of its content key.
+var programs = []program{
+	{
+		name: "gitlab-runner", key: "guest_tools.gitlab_runner",
+		setting: func(g *config.GuestTools) string { return g.GitLabRunner },
+		autoKey: "gitlab-runner-auto", hashKey: "guest-tools-source",
+		missing: "the guest needs its own for caches and artifacts (see docs/images.md)",
+	},
+	{
+		name: "step-runner", key: "guest_tools.step_runner",
+		setting: func(g *config.GuestTools) string { return g.StepRunner },
+		autoKey: "step-runner-auto", hashKey: "guest-tools-source-step-runner",
+		missing: "run: jobs (GitLab Steps) need one in the image (see docs/steps.md)",
+	},
+}
+
+// origin is a program the disk holds, from Source with hash SHA256.
+type origin struct {
+	program
+	Source, SHA256 string
+}
+
+// contentKey is what names a tools volume: the gitlab-runner's hash alone
+// when the disk holds only that (the names of the disks made before
+// step-runner was added stay the same), else every program's name and hash.
+func contentKey(have []origin) string {
+	if len(have) == 1 && have[0].name == "gitlab-runner" {
+		return have[0].SHA256
+	}
+	var b strings.Builder
+	for _, o := range have {
+		fmt.Fprintf(&b, "%s %s\n", o.name, o.SHA256)
+	}
+	return b.String()
 }
 
 // toolsSuffix ends every tools volume's name.
@@ -167,51 +249,71 @@ func IsToolsVolume(prefix, controller, vol string) bool {
 	return err == nil
 }
 
-// ErrNoTools says the configuration or the host gives the guests no
-// gitlab-runner; the error says why. It is not a failure of the job:
-// caches and artifacts then need a binary in the image.
+// ErrNoTools says the configuration or the host gives the guests none of
+// the tools disk's programs; the error says why. It is not a failure of
+// the job: caches and artifacts then need a binary in the image.
 var ErrNoTools = errors.New("no gitlab-runner for the guests")
 
-// autoKey is the record (in the tools records) of the binary that
-// guest_tools.gitlab_runner = "auto" resolved to.
-const autoKey = "gitlab-runner-auto"
+// errNoProgram says the configuration or the host gives the guests no
+// such program (noProgram says which and why).
+var errNoProgram = errors.New("no such program for the guests")
 
-// autoRecord is what "auto" resolved to, and when.
+// noProgram is errNoProgram saying which program and why.
+type noProgram struct{ msg string }
+
+func (e *noProgram) Error() string { return e.msg }
+func (e *noProgram) Unwrap() error { return errNoProgram }
+
+// noToolsError is ErrNoTools with the notes for the job log.
+type noToolsError struct{ notes []string }
+
+func (e *noToolsError) Error() string { return strings.Join(e.notes, "; ") }
+func (e *noToolsError) Unwrap() error { return ErrNoTools }
+
+// autoRecord is what "auto" resolved to, and when; Path "" when this
+// PATH had none.
 type autoRecord struct {
 	Path string    `json:"path"`
 	At   time.Time `json:"at"`
 }
 
-// source is the host binary whose tools disk a machine provisioned now
-// gets: toolsSource, except that "auto" is resolved from PATH once, by the
-// process that builds the disk, and recorded; every later process (the
-// stages, the reaper, the pool service and the gc timer, each with a PATH
-// of its own) takes the recorded binary while it exists. Without that,
-// the processes disagreed: a sweep under another PATH took the current
-// volume for an old one and deleted it, and every standby machine the
-// service booted was "outdated" for the stages.
-func source(m *lifecycle.Manager) (string, error) {
-	if !isAuto(m.Cfg) {
-		return toolsSource(m.Cfg)
+// source is the host binary of p a machine provisioned now gets:
+// toolsSource, except that "auto" is resolved from PATH by the process
+// that builds the disk and recorded, and every later process (the stages,
+// the reaper, the pool service and the gc timer, each with a PATH of its
+// own) takes the recorded binary while it exists. Without that, the
+// processes disagreed: a sweep under another PATH took the current volume
+// for an old one and deleted it, and every standby machine the service
+// booted was "outdated" for the stages. A recorded "none found" is looked
+// for again (a binary installed later is taken; once found, it stays).
+func source(m *lifecycle.Manager, p program) (string, error) {
+	if !isAuto(m.Cfg, p) {
+		return toolsSource(m.Cfg, p)
 	}
-	if p, ok := recordedAuto(m); ok {
-		return p, nil
+	if path, ok := recordedAuto(m, p); ok && path != "" {
+		return path, nil
 	}
-	p, err := toolsSource(m.Cfg)
-	if err != nil {
+	path, err := toolsSource(m.Cfg, p)
+	if err != nil && !errors.Is(err, errNoProgram) {
 		return "", err
 	}
-	if err := m.Store.PutTools(autoKey, autoRecord{Path: p, At: time.Now().UTC()}); err != nil {
-		return "", fmt.Errorf("record the gitlab-runner that \"auto\" found: %w", err)
+	if rerr := m.Store.PutTools(p.autoKey, autoRecord{Path: path, At: time.Now().UTC()}); rerr != nil {
+		return "", fmt.Errorf("record the %s that \"auto\" found: %w", p.name, rerr)
 	}
-	return p, nil
+	return path, err
 }
 
-// recordedAuto is the binary "auto" was resolved to, if that is recorded
-// and is still a regular file.
-func recordedAuto(m *lifecycle.Manager) (string, bool) {
+// recordedAuto is the binary "auto" was resolved to ("" for none found),
+// if that is recorded and, for a binary, it is still a regular file.
+func recordedAuto(m *lifecycle.Manager, p program) (string, bool) {
 	var rec autoRecord
-	if !m.Store.GetTools(autoKey, &rec) || !filepath.IsAbs(rec.Path) {
+	if !m.Store.GetTools(p.autoKey, &rec) {
+		return "", false
+	}
+	if rec.Path == "" {
+		return "", true
+	}
+	if !filepath.IsAbs(rec.Path) {
 		return "", false
 	}
 	st, err := os.Stat(rec.Path)
@@ -221,35 +323,38 @@ func recordedAuto(m *lifecycle.Manager) (string, bool) {
 	return rec.Path, true
 }
 
-// knownSource is the binary of the current tools disk for a process that
-// must not resolve "auto" itself (VolumeNow, Sweep): the recorded one;
-// false when "auto" was never resolved.
-func knownSource(m *lifecycle.Manager) (string, bool, error) {
-	if !isAuto(m.Cfg) {
-		p, err := toolsSource(m.Cfg)
-		return p, err == nil, err
+// knownSource is the binary of p on the current tools disk for a process
+// that must not resolve "auto" itself (VolumeNow, Sweep): the recorded one
+// ("" for none); false when "auto" was never resolved.
+func knownSource(m *lifecycle.Manager, p program) (string, bool, error) {
+	if !isAuto(m.Cfg, p) {
+		path, err := toolsSource(m.Cfg, p)
+		if errors.Is(err, errNoProgram) {
+			return "", true, nil
+		}
+		return path, err == nil, err
 	}
-	p, ok := recordedAuto(m)
-	return p, ok, nil
+	path, ok := recordedAuto(m, p)
+	return path, ok, nil
 }
 
-func isAuto(cfg *config.Config) bool {
-	v := cfg.GuestTools.GitLabRunner
+func isAuto(cfg *config.Config, p program) bool {
+	v := p.setting(&cfg.GuestTools)
 	return v == config.GuestToolsAuto || v == ""
 }
 
-// toolsSource is the host binary guest_tools.gitlab_runner names ("auto":
-// found on this process's PATH), or ErrNoTools.
-func toolsSource(cfg *config.Config) (string, error) {
-	switch v := cfg.GuestTools.GitLabRunner; v {
+// toolsSource is the host binary p's setting names ("auto": found on this
+// process's PATH), or errNoProgram.
+func toolsSource(cfg *config.Config, p program) (string, error) {
+	switch v := p.setting(&cfg.GuestTools); v {
 	case config.GuestToolsNone:
-		return "", fmt.Errorf("%w: guest_tools.gitlab_runner = \"none\"", ErrNoTools)
+		return "", &noProgram{fmt.Sprintf("no %s for the guests: %s = \"none\"", p.name, p.key)}
 	case config.GuestToolsAuto, "":
-		p, err := exec.LookPath("gitlab-runner")
+		path, err := exec.LookPath(p.name)
 		if err != nil {
-			return "", fmt.Errorf("%w: no gitlab-runner on this host's PATH (guest_tools.gitlab_runner = \"auto\")", ErrNoTools)
+			return "", &noProgram{fmt.Sprintf("no %s on this host's PATH (%s = \"auto\")", p.name, p.key)}
 		}
-		return filepath.Abs(p)
+		return filepath.Abs(path)
 	default:
 		return v, nil
 	}
@@ -259,12 +364,26 @@ func toolsSource(cfg *config.Config) (string, error) {
 // guests, checked to be a linux/amd64 executable this user can read; an
 // error matching ErrNoTools when the configuration or the host gives none.
 func GuestToolsSource(cfg *config.Config) (string, error) {
-	src, err := toolsSource(cfg)
+	return guestSource(cfg, programs[0])
+}
+
+// GuestStepRunnerSource is GuestToolsSource for guest_tools.step_runner;
+// an error matching ErrNoTools when the configuration or the host gives
+// none.
+func GuestStepRunnerSource(cfg *config.Config) (string, error) {
+	return guestSource(cfg, programs[1])
+}
+
+func guestSource(cfg *config.Config, p program) (string, error) {
+	src, err := toolsSource(cfg, p)
+	if errors.Is(err, errNoProgram) {
+		return "", fmt.Errorf("%w: %w", ErrNoTools, err)
+	}
 	if err != nil {
 		return "", err
 	}
-	if err := checkGuestBinary(src); err != nil {
-		return "", fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
+	if err := checkGuestBinary(src, p.name); err != nil {
+		return "", fmt.Errorf("%s %s: %w", p.key, src, err)
 	}
 	return src, nil
 }
@@ -300,21 +419,46 @@ type toolsRecord struct {
 	At     time.Time `json:"at"`
 }
 
-// Get returns the tools disk for this host's gitlab-runner, building
-// it (once per binary, under a lock) when there is none yet. It returns
-// ErrNoTools (wrapped, saying why) when the configuration or the host gives
-// no binary, and other errors when the binary the admin named is unusable
-// or the volume cannot be made.
+// Get returns the tools disk for this host's gitlab-runner and
+// step-runner, building it (once per set of binaries, under a lock) when
+// there is none yet. It returns ErrNoTools (wrapped, saying why) when the
+// configuration or the host gives neither, and other errors when a binary
+// the admin named is unusable or the volume cannot be made. A binary
+// "auto" found that cannot go to a guest is left out with a warning in
+// Notes.
 func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
-	src, err := source(m)
-	if err != nil {
-		return nil, err
+	t := &Tools{}
+	var have []origin
+	for _, p := range programs {
+		src, err := source(m, p)
+		if errors.Is(err, errNoProgram) {
+			if p.name != "step-runner" || isAuto(m.Cfg, p) { // "none" for steps: the admin's choice, said at a run: job
+				t.Notes = append(t.Notes, fmt.Sprintf("Note: %v: %s", err, p.missing))
+			}
+			continue
+		}
+		if err != nil {
+			return nil, err
+		}
+		sum, err := sourceHash(m, p, src)
+		switch {
+		case err != nil && isAuto(m.Cfg, p) && ctx.Err() == nil:
+			t.Notes = append(t.Notes, fmt.Sprintf("Warning: the %s found on this host's PATH cannot go to the guest: %v", p.name, err))
+			continue
+		case err != nil:
+			return nil, fmt.Errorf("%s %s: %w", p.key, src, err)
+		}
+		have = append(have, origin{program: p, Source: src, SHA256: sum})
+		if p.name == "gitlab-runner" {
+			t.Source, t.SHA256 = src, sum
+		} else {
+			t.StepRunner = &state.ToolOrigin{Source: src, SHA256: sum}
+		}
 	}
-	sum, err := sourceHash(m, src)
-	if err != nil {
-		return nil, fmt.Errorf("guest_tools.gitlab_runner %s: %w", src, err)
+	if len(have) == 0 {
+		return nil, &noToolsError{notes: t.Notes}
 	}
-	t := &Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum), Source: src, SHA256: sum}
+	t.Volume = ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))
 	var rec toolsRecord
 	if m.Store.GetTools(recordKey(m, t.Volume), &rec) && rec.Ready {
 		path, err := m.Hypervisor().VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
@@ -332,7 +476,7 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 	}
 	defer unlock()
 	start := time.Now()
-	built, err := build(ctx, m, t)
+	built, err := build(ctx, m, t, have)
 	if err != nil {
 		return nil, err
 	}
@@ -344,7 +488,7 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 
 // buildTools makes t's volume and sets t.Path, under the tools lock; it
 // reports false when another process made it meanwhile.
-func build(ctx context.Context, m *lifecycle.Manager, t *Tools) (bool, error) {
+func build(ctx context.Context, m *lifecycle.Manager, t *Tools, have []origin) (bool, error) {
 	pool := m.Cfg.StoragePool
 	var rec toolsRecord
 	had := m.Store.GetTools(recordKey(m, t.Volume), &rec)
@@ -381,14 +525,17 @@ func build(ctx context.Context, m *lifecycle.Manager, t *Tools) (bool, error) {
 	}
 	defer func() { _ = os.RemoveAll(work) }() // best effort: a private temp dir
 	iso := filepath.Join(work, "tools.iso")
-	st, err := os.Stat(t.Source)
-	if err != nil {
-		return false, err
+	man := guestinit.ToolsManifest{Programs: map[string]guestinit.ToolOrigin{}}
+	files := map[string]string{}
+	for _, o := range have {
+		st, err := os.Stat(o.Source)
+		if err != nil {
+			return false, err
+		}
+		man.Programs[o.name] = guestinit.ToolOrigin{Source: o.Source, SHA256: o.SHA256, Size: st.Size()}
+		files[o.name] = o.Source
 	}
-	man := guestinit.ToolsManifest{Programs: map[string]guestinit.ToolOrigin{
-		"gitlab-runner": {Source: t.Source, SHA256: t.SHA256, Size: st.Size()},
-	}}
-	if err := guestinit.ToolsISO(iso, map[string]string{"gitlab-runner": t.Source}, man, work); err != nil {
+	if err := guestinit.ToolsISO(iso, files, man, work); err != nil {
 		return false, err
 	}
 	data, err := os.ReadFile(iso)
@@ -410,7 +557,7 @@ const (
 
 // sourceHash returns the SHA-256 of the binary at path, from the cache
 // while the file is unchanged. The file must be a linux/amd64 executable.
-func sourceHash(m *lifecycle.Manager, path string) (string, error) {
+func sourceHash(m *lifecycle.Manager, p program, path string) (string, error) {
 	st, err := os.Stat(path)
 	if err != nil {
 		return "", err
@@ -423,14 +570,14 @@ func sourceHash(m *lifecycle.Manager, path string) (string, error) {
 		cur.Inode, cur.CtimeNs = sys.Ino, sys.Ctim.Nano()
 	}
 	var cached sourceStat
-	if m.Store.Recall("guest-tools-source", &cached) && cached.SHA256 != "" {
+	if m.Store.Recall(p.hashKey, &cached) && cached.SHA256 != "" {
 		sum := cached.SHA256
 		cached.SHA256 = ""
 		if cached == cur {
 			return sum, nil
 		}
 	}
-	if err := checkGuestBinary(path); err != nil {
+	if err := checkGuestBinary(path, p.name); err != nil {
 		return "", err
 	}
 	f, err := os.Open(path)
@@ -443,19 +590,19 @@ func sourceHash(m *lifecycle.Manager, path string) (string, error) {
 		return "", err
 	}
 	cur.SHA256 = hex.EncodeToString(h.Sum(nil))
-	_ = m.Store.Remember("guest-tools-source", cur) // a cache: the next job hashes again without it
+	_ = m.Store.Remember(p.hashKey, cur) // a cache: the next job hashes again without it
 	return cur.SHA256, nil
 }
 
 // checkGuestBinary refuses what cannot run in an x86_64 Linux guest.
-func checkGuestBinary(path string) error {
+func checkGuestBinary(path, name string) error {
 	f, err := elf.Open(path)
 	if err != nil {
-		return fmt.Errorf("not an ELF executable (%v); want a linux/amd64 gitlab-runner binary", err)
+		return fmt.Errorf("not an ELF executable (%v); want a linux/amd64 %s binary", err, name)
 	}
 	defer func() { _ = f.Close() }()
 	if f.Machine != elf.EM_X86_64 || f.Class != elf.ELFCLASS64 {
-		return fmt.Errorf("built for %s, not x86_64; want a linux/amd64 gitlab-runner binary", f.Machine)
+		return fmt.Errorf("built for %s, not x86_64; want a linux/amd64 %s binary", f.Machine, name)
 	}
 	if f.Type != elf.ET_EXEC && f.Type != elf.ET_DYN {
 		return fmt.Errorf("ELF type %s is not an executable", f.Type)
@@ -478,11 +625,13 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 		return err
 	}
 	defer unlock()
-	if _, known, _ := knownSource(m); !known && isAuto(m.Cfg) {
-		// "auto" was never resolved by a process that builds the disk:
-		// which volume is current is unknown here (this process's PATH
-		// does not decide it), so none is removed.
-		return nil
+	for _, p := range programs {
+		if _, known, _ := knownSource(m, p); !known && isAuto(m.Cfg, p) {
+			// "auto" was never resolved by a process that builds the disk:
+			// which volume is current is unknown here (this process's PATH
+			// does not decide it), so none is removed.
+			return nil
+		}
 	}
 	vols, err := m.PoolVolumes(ctx)
 	if err != nil {

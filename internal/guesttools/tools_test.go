@@ -114,7 +114,7 @@ func TestGuestToolsLeavesAVolumeWithoutRecordAlone(t *testing.T) {
 	hv := vmtest.New()
 	m, _ := manager(t, hv, newGuest(t, hv))
 	m.Cfg.GuestTools.GitLabRunner = fakeRunnerBinary(t)
-	sum, err := sourceHash(m, m.Cfg.GuestTools.GitLabRunner)
+	sum, err := sourceHash(m, programs[0], m.Cfg.GuestTools.GitLabRunner)
 	require.NoError(t, err)
 	name := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, sum)
 	hv.Lock()

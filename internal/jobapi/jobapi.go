@@ -101,6 +101,10 @@ type Job struct {
 	Dependencies []int64
 	// Image is the job's `image:` name, if any.
 	Image string
+	// Run is the job's `run:` keyword (GitLab Steps) as GitLab sends it: a
+	// JSON string holding the list of steps. A job with Run and no Script
+	// gets no script step, as GitLab sends it.
+	Run string
 	// Services are the job's `services:`, sent as GitLab sends them.
 	Services []Service
 	// Project, if set, is the job's project instead of the fake's own

@@ -19,6 +19,7 @@ type jobResponse struct {
 	Variables     []jobVariable  `json:"variables"`
 	Steps         []step         `json:"steps"`
 	Image         image          `json:"image"`
+	Run           string         `json:"run,omitempty"`
 	Services      []service      `json:"services"`
 	Artifacts     []artifact     `json:"artifacts"`
 	Cache         []cache        `json:"cache"`
@@ -208,7 +209,10 @@ func (s *Server) payload(j *job) jobResponse {
 		vars = append(vars, jobVariable{Key: v.Key, Value: v.Value, Public: v.Public, File: v.File, Masked: v.Masked})
 	}
 
-	steps := []step{{Name: "script", Script: spec.Script, Timeout: timeout, When: "on_success"}}
+	steps := []step{}
+	if spec.Run == "" || len(spec.Script) > 0 {
+		steps = append(steps, step{Name: "script", Script: spec.Script, Timeout: timeout, When: "on_success"})
+	}
 	if len(spec.AfterScript) > 0 {
 		steps = append(steps, step{Name: "after_script", Script: spec.AfterScript, Timeout: timeout, When: "always"})
 	}
@@ -226,6 +230,7 @@ func (s *Server) payload(j *job) jobResponse {
 		Variables:    vars,
 		Steps:        steps,
 		Image:        image{Name: spec.Image},
+		Run:          spec.Run,
 		Services:     []service{},
 		Artifacts:    []artifact{},
 		Cache:        []cache{},

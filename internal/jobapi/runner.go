@@ -1,15 +1,19 @@
 package jobapi
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"syscall"
 	"time"
+
+	"github.com/pelletier/go-toml/v2"
 )
 
 // RunnerBinaryEnv names the gitlab-runner binary for tests and selftest.
@@ -150,4 +154,151 @@ func customArgs(c *CustomConfig) []string {
 		args = append(args, "--custom-force-kill-timeout", strconv.Itoa(c.ForceKillTimeout))
 	}
 	return args
+}
+
+// RunMultiOptions are the arguments of RunMulti.
+type RunMultiOptions struct {
+	Binary string // gitlab-runner; see RunnerBinary
+	URL    string // Server.URL()
+	Token  string // Server.RunnerToken()
+	// Executor is "custom" (with Custom set) or "shell".
+	Executor            string
+	BuildsDir, CacheDir string
+	Custom              *CustomConfig
+	// Concurrent is how many jobs run at once (default 1).
+	Concurrent int
+	// Env is the runner's environment (nil: this process's); see RunSingle.
+	Env []string
+	// Dir is the runner's working directory ("" for this process's).
+	Dir            string
+	Stdout, Stderr io.Writer
+}
+
+// multiConfig is the config.toml RunMulti writes (gitlab-runner's
+// common.Config, reduced to what the tests set).
+type multiConfig struct {
+	Concurrent      int           `toml:"concurrent"`
+	CheckInterval   int           `toml:"check_interval"`
+	ShutdownTimeout int           `toml:"shutdown_timeout"`
+	LogLevel        string        `toml:"log_level"`
+	Runners         []multiRunner `toml:"runners"`
+}
+
+type multiRunner struct {
+	Name      string       `toml:"name"`
+	URL       string       `toml:"url"`
+	Token     string       `toml:"token"`
+	Executor  string       `toml:"executor"`
+	Limit     int          `toml:"limit"`
+	BuildsDir string       `toml:"builds_dir,omitempty"`
+	CacheDir  string       `toml:"cache_dir,omitempty"`
+	Custom    *multiCustom `toml:"custom,omitempty"`
+}
+
+type multiCustom struct {
+	ConfigExec          string   `toml:"config_exec,omitempty"`
+	ConfigArgs          []string `toml:"config_args,omitempty"`
+	ConfigExecTimeout   int      `toml:"config_exec_timeout,omitempty"`
+	PrepareExec         string   `toml:"prepare_exec,omitempty"`
+	PrepareArgs         []string `toml:"prepare_args,omitempty"`
+	PrepareExecTimeout  int      `toml:"prepare_exec_timeout,omitempty"`
+	RunExec             string   `toml:"run_exec"`
+	RunArgs             []string `toml:"run_args,omitempty"`
+	CleanupExec         string   `toml:"cleanup_exec,omitempty"`
+	CleanupArgs         []string `toml:"cleanup_args,omitempty"`
+	CleanupExecTimeout  int      `toml:"cleanup_exec_timeout,omitempty"`
+	GracefulKillTimeout int      `toml:"graceful_kill_timeout,omitempty"`
+	ForceKillTimeout    int      `toml:"force_kill_timeout,omitempty"`
+}
+
+// multiStopGrace is how long RunMulti waits for the runner after asking it
+// to stop (SIGQUIT: it finishes the jobs it runs and takes no new one)
+// before it kills it; the config's shutdown_timeout is the runner's own.
+const multiStopGrace = 45 * time.Second
+
+// RunMulti runs `gitlab-runner run` (multi-runner mode, the way GitLab
+// Runner runs as a service) with a config.toml of one runner until ctx
+// ends: then the runner gets SIGQUIT, finishes the jobs it runs and exits;
+// SIGKILL if it is still there multiStopGrace later. Some things happen only
+// in this mode: `run:` (GitLab Steps) jobs are converted for executors
+// without native steps here, and run-single ignores `run`.
+//
+// The config.toml, which holds the runner token, is written mode 0600 to a
+// private temporary directory and removed when RunMulti returns. It
+// returns nil when the runner ran until it was asked to stop and then
+// exited cleanly.
+func RunMulti(ctx context.Context, o RunMultiOptions) error {
+	if o.Binary == "" || o.URL == "" || o.Token == "" || o.Executor == "" {
+		return errors.New("jobapi: RunMulti needs Binary, URL, Token and Executor")
+	}
+	if (o.Executor == "custom") != (o.Custom != nil) {
+		return errors.New(`jobapi: RunMulti: Custom is for, and needed by, the "custom" executor`)
+	}
+	concurrent := max(o.Concurrent, 1)
+	r := multiRunner{
+		Name: "lve-test", URL: o.URL, Token: o.Token, Executor: o.Executor, Limit: concurrent,
+		BuildsDir: o.BuildsDir, CacheDir: o.CacheDir,
+	}
+	if c := o.Custom; c != nil {
+		r.Custom = &multiCustom{
+			ConfigExec: c.ConfigExec, ConfigArgs: c.ConfigArgs, ConfigExecTimeout: c.ConfigExecTimeout,
+			PrepareExec: c.PrepareExec, PrepareArgs: c.PrepareArgs, PrepareExecTimeout: c.PrepareExecTimeout,
+			RunExec: c.RunExec, RunArgs: c.RunArgs,
+			CleanupExec: c.CleanupExec, CleanupArgs: c.CleanupArgs, CleanupExecTimeout: c.CleanupExecTimeout,
+			GracefulKillTimeout: c.GracefulKillTimeout, ForceKillTimeout: c.ForceKillTimeout,
+		}
+	}
+	data, err := toml.Marshal(multiConfig{
+		Concurrent: concurrent, CheckInterval: 1, ShutdownTimeout: 30, LogLevel: "info",
+		Runners: []multiRunner{r},
+	})
+	if err != nil {
+		return fmt.Errorf("jobapi: RunMulti: config.toml: %w", err)
+	}
+	dir, err := os.MkdirTemp("", "lve-runner-config-")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.RemoveAll(dir) }() // a private temp dir; holds the token
+	cfgPath := filepath.Join(dir, "config.toml")
+	if err := os.WriteFile(cfgPath, data, 0o600); err != nil {
+		return err
+	}
+
+	cmd := exec.Command(o.Binary, "run", "--config", cfgPath, "--working-directory", cmp.Or(o.Dir, dir)) //nolint:gosec // G204: the operator's binary, a path this function made
+	cmd.Env = o.Env
+	cmd.Dir = o.Dir
+	cmd.Stdout, cmd.Stderr = o.Stdout, o.Stderr
+	if err := cmd.Start(); err != nil {
+		return fmt.Errorf("gitlab-runner run: %w", err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	select {
+	case err := <-exited:
+		return fmt.Errorf("gitlab-runner run exited before it was asked to stop: %w", orExit0(err))
+	case <-ctx.Done():
+	}
+	_ = cmd.Process.Signal(syscall.SIGQUIT) // exited meanwhile: Wait says so below
+	select {
+	case err := <-exited:
+		if err != nil {
+			return fmt.Errorf("gitlab-runner run, asked to stop: %w", err)
+		}
+		return nil
+	case <-time.After(multiStopGrace):
+		_ = cmd.Process.Kill()
+		if err := <-exited; err != nil {
+			return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT: killed (%w)", multiStopGrace, err)
+		}
+		return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT: killed", multiStopGrace)
+	}
+}
+
+// orExit0 says "exit status 0" for a nil error.
+func orExit0(err error) error {
+	if err == nil {
+		return errors.New("exit status 0")
+	}
+	return err
 }

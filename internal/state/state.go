@@ -51,6 +51,15 @@ type Machine struct {
 // it carries.
 type Tools struct {
 	Volume string `json:"volume"`
+	// Source and SHA256 are the gitlab-runner's ("" when the disk has none).
+	Source string `json:"source"`
+	SHA256 string `json:"sha256"`
+	// StepRunner is the step-runner's (nil when the disk has none).
+	StepRunner *ToolOrigin `json:"step_runner,omitempty"`
+}
+
+// ToolOrigin is where a program of the tools disk came from on the host.
+type ToolOrigin struct {
 	Source string `json:"source"`
 	SHA256 string `json:"sha256"`
 }

@@ -111,14 +111,16 @@ lve_deb_configure_base() {
 }
 
 # lve_deb_guest_tools: mount libvirt-executor's guest tools disk (serial lve-tools) at
-# /opt/libvirt-executor before ssh.service when the VM has one, and link its gitlab-runner into
-# /usr/local/bin (dangling without the disk: then "command -v" does not find it).
+# /opt/libvirt-executor before ssh.service when the VM has one, and link its gitlab-runner and
+# step-runner into /usr/local/bin (dangling without the disk or that program on it: then
+# "command -v" does not find it).
 lve_deb_guest_tools() {
 	install -D -m 0755 "$lve_deb_dir/mount-tools" "$root/usr/libexec/libvirt-executor/mount-tools"
 	install -m 0644 "$lve_deb_dir/libvirt-executor-tools.service" "$root/etc/systemd/system/"
 	lve_in_root systemctl enable libvirt-executor-tools.service >/dev/null 2>&1
 	install -d -m 0755 "$root/opt/libvirt-executor" "$root/usr/local/bin"
 	ln -sf /opt/libvirt-executor/bin/gitlab-runner "$root/usr/local/bin/gitlab-runner"
+	ln -sf /opt/libvirt-executor/bin/step-runner "$root/usr/local/bin/step-runner"
 }
 
 # lve_deb_mask [UNIT...]: mask what waits for or runs in the background of a short-lived

@@ -52,8 +52,10 @@ ln -s usr/lib "$root/lib"
 ln -s usr/lib64 "$root/lib64"
 mkdir -p "$root"/{dev,proc,sys,run,etc/init.d,root,builds,cache,tmp,var/tmp,var/log,mnt,home,usr/share/udhcpc} \
 	"$root"/opt/libvirt-executor "$root"/usr/local/bin
-# the guest tools disk's gitlab-runner (mounted by rcS) on PATH; dangling without the disk
+# the guest tools disk's gitlab-runner and step-runner (mounted by rcS) on PATH; dangling
+# without the disk or that program on it
 ln -s /opt/libvirt-executor/bin/gitlab-runner "$root/usr/local/bin/gitlab-runner"
+ln -s /opt/libvirt-executor/bin/step-runner "$root/usr/local/bin/step-runner"
 chmod 0700 "$root/root"
 chmod 1777 "$root/tmp" "$root/var/tmp"
 ln -s /run "$root/var/run"
