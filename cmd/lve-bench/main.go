@@ -45,7 +45,7 @@ func app() *cli.App {
 		Usage:           "benchmark the driver on real VMs: prepare breakdown vs the guest's own boot, run overhead, cleanup, disk, memory",
 		Flags:           flags(),
 		HideHelpCommand: true,
-		Commands:        []*cli.Command{cacheCommand()},
+		Commands:        []*cli.Command{cacheCommand(), stepsCommand()},
 		Action: func(c *cli.Context) error {
 			o, err := options(c)
 			if err != nil {
@@ -144,6 +144,48 @@ func options(c *cli.Context) (bench.Options, error) {
 	return o, o.Validate()
 }
 
+// stepsCommand is `lve-bench steps`: a no-op run: job (GitLab Steps, shim
+// mode) beside a no-op script: job, through a real gitlab-runner run
+// (docs/performance.md).
+func stepsCommand() *cli.Command {
+	return &cli.Command{
+		Name:  "steps",
+		Usage: "a no-op run: job (GitLab Steps, shim mode) beside a no-op script: job, cold on the default image, jobs through gitlab-runner run",
+		Flags: []cli.Flag{
+			&cli.StringFlag{Name: "config", Usage: "driver configuration (the rig's, with guest_tools.step_runner)", EnvVars: []string{config.EnvPath}, Value: config.DefaultPath},
+			&cli.StringFlag{Name: "bin", Usage: "directory with libvirt-executor-{config,prepare,run,cleanup}", Required: true},
+			&cli.StringFlag{Name: "runner", Usage: "the gitlab-runner binary", Required: true},
+			&cli.StringFlag{Name: "listen", Usage: "host:port for the fake job API", Value: "127.0.0.1:0"},
+			&cli.IntFlag{Name: "runs", Value: 3, Usage: "rounds (each: one job of each kind)"},
+			&cli.StringFlag{Name: "json", Usage: "also write the report as JSON to this file"},
+		},
+		Action: func(c *cli.Context) error {
+			rep, err := bench.StepsRound(c.Context, bench.StepsOptions{
+				Config: c.String("config"), Bin: c.String("bin"), Runner: c.String("runner"), Listen: c.String("listen"),
+				Runs: c.Int("runs"), Log: c.App.ErrWriter,
+			})
+			if rep != nil {
+				if werr := rep.WriteTable(c.App.Writer); werr != nil {
+					return werr
+				}
+				if path := c.String("json"); path != "" {
+					return writeJSON(path, rep)
+				}
+			}
+			return err
+		},
+	}
+}
+
+// writeJSON writes v, indented, to path.
+func writeJSON(path string, v any) error {
+	data, err := json.MarshalIndent(v, "", "  ")
+	if err == nil {
+		err = os.WriteFile(path, append(data, '\n'), 0o644)
+	}
+	return err
+}
+
 // cacheCommand is `lve-bench cache`: the host cache against the runner's
 // distributed cache, jobs through a real gitlab-runner (docs/performance.md).
 func cacheCommand() *cli.Command {
@@ -169,11 +211,7 @@ func cacheCommand() *cli.Command {
 					return werr
 				}
 				if path := c.String("json"); path != "" {
-					data, jerr := json.MarshalIndent(rep, "", "  ")
-					if jerr == nil {
-						jerr = os.WriteFile(path, append(data, '\n'), 0o644)
-					}
-					if jerr != nil {
+					if jerr := writeJSON(path, rep); jerr != nil {
 						return jerr
 					}
 				}

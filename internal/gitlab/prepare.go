@@ -54,6 +54,12 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.
 	version := imageVersion(img)
+	if j.job.Steps {
+		if err := knownStepRunnerMissing(j.m.Store, img, version, j.m.ToolsNow()); err != nil {
+			say("No VM is booted: the guest tool check of this image (remembered) found no step-runner")
+			return err
+		}
+	}
 	a, err := j.m.Acquire(ctx, jobvm.JobRequest{
 		Job: j.name, Frontend: Frontend, JobID: strconv.FormatInt(j.job.ID, 10),
 		Image: img, Size: res, Lifetime: j.job.Timeout, Holder: cfg.SSH.HolderEnabled(), Log: j.log,

@@ -100,3 +100,29 @@ func TestGuestToolCheckStepsJob(t *testing.T) {
 	other.Volume = "lve-0123abcd-tools-7766554433221100.iso"
 	require.NoError(t, checkGuestTools(context.Background(), has, say, store, img, imageVersion(img).withTools(&other), &other, true))
 }
+
+// A remembered check that found no step-runner fails the next run: job
+// before a VM is booted (the runner retries prepare twice more), for that
+// image version and tools disk only.
+func TestKnownStepRunnerMissing(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("v1"), 0o644))
+	img := &config.Image{Name: "deb", Base: base}
+	store := state.Store{Dir: filepath.Join(dir, "state")}
+	say := func(string, ...any) {}
+	tools := &state.Tools{Volume: "lve-0123abcd-tools-0011223344556677.iso", Source: "/usr/bin/gitlab-runner"}
+
+	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), tools), "nothing remembered: boot and ask")
+	require.Error(t, checkGuestTools(context.Background(), &fakeGuest{out: "step-runner\n"}, say, store, img, imageVersion(img).withTools(tools), tools, true))
+	err := knownStepRunnerMissing(store, img, imageVersion(img), tools)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.ErrorContains(t, err, "needs step-runner in the guest")
+
+	withSteps := &state.Tools{Volume: "lve-0123abcd-tools-7766554433221100.iso", StepRunner: &state.ToolOrigin{Source: "/usr/bin/step-runner"}}
+	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), withSteps), "another tools disk: boot and ask")
+	require.NoError(t, os.WriteFile(base, []byte("v2 of the image"), 0o644))
+	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), tools), "another image version: boot and ask")
+	require.NoError(t, checkGuestTools(context.Background(), &fakeGuest{out: ""}, say, store, img, imageVersion(img).withTools(tools), tools, true))
+	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), tools), "this version has one")
+}

@@ -125,6 +125,22 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 	return cmp.Or(shellMissing(img, missing), stepRunnerMissing(img, missing, tools, steps))
 }
 
+// knownStepRunnerMissing fails a GitLab Steps job before a VM is booted
+// when the remembered tool check of this version of the image, with the
+// tools disk a machine booted now gets (tools), found no step-runner: the
+// runner retries a failed prepare twice, and each try would boot a VM only
+// to find the same. Nil when the check is not remembered, or found one.
+func knownStepRunnerMissing(store state.Store, img *config.Image, version *toolCheck, tools *state.Tools) error {
+	if version == nil {
+		return nil
+	}
+	var old toolCheck
+	if !store.Recall("tools-"+img.Name, &old) || !old.sameVersion(version.withTools(tools)) {
+		return nil
+	}
+	return stepRunnerMissing(img, old.Missing, tools, true)
+}
+
 // stepRunnerMissing is the error for a GitLab Steps job whose guest has no
 // step-runner on PATH: its one stage would fail with "step-runner: command
 // not found", which would pass for the steps' own failure.

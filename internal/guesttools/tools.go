@@ -143,11 +143,20 @@ func VolumeOf(rec *state.Machine) string {
 // unusable or the volume was not made): a stat, the cached hash and its
 // record per program, so cheap enough for every look at a standby machine.
 func VolumeNow(m *lifecycle.Manager) string {
+	if t := Now(m); t != nil {
+		return t.Volume
+	}
+	return ""
+}
+
+// Now is the tools disk a machine booted now would get, as its record
+// says it (nil for none), found as VolumeNow finds it.
+func Now(m *lifecycle.Manager) *state.Tools {
 	var have []origin
 	for _, p := range programs {
 		src, known, _ := knownSource(m, p)
 		if !known {
-			return ""
+			return nil
 		}
 		if src == "" {
 			continue
@@ -157,21 +166,28 @@ func VolumeNow(m *lifecycle.Manager) string {
 			if isAuto(m.Cfg, p) {
 				continue // Get leaves an unusable binary "auto" found out, with a warning
 			}
-			return ""
+			return nil
 		}
 		have = append(have, origin{program: p, Source: src, SHA256: sum})
 	}
 	if len(have) == 0 {
-		return ""
+		return nil
 	}
 	// Only a volume that is there: when building it failed, machines boot
 	// without one (with a warning), and they are not outdated for that.
-	vol := ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))
+	t := &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
 	var rec toolsRecord
-	if !m.Store.GetTools(recordKey(m, vol), &rec) || !rec.Ready {
-		return ""
+	if !m.Store.GetTools(recordKey(m, t.Volume), &rec) || !rec.Ready {
+		return nil
 	}
-	return vol
+	for _, o := range have {
+		if o.name == "gitlab-runner" {
+			t.Source, t.SHA256 = o.Source, o.SHA256
+		} else {
+			t.StepRunner = &state.ToolOrigin{Source: o.Source, SHA256: o.SHA256}
+		}
+	}
+	return t
 }
 
 // program is a host program the tools disk can carry, at bin/<name>.

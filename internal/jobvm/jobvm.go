@@ -17,6 +17,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // Host is the machines of CI jobs on this host: lifecycle's Manager with
@@ -73,3 +74,7 @@ func OwnerKind(frontend string) string {
 // FrontendGarm is the ownership record's front end of garm's instances
 // (internal/garm.Frontend).
 const FrontendGarm = "garm"
+
+// ToolsNow is the guest tools disk a machine booted now gets, as its
+// record says it (nil for none), found without libvirt.
+func (h *Host) ToolsNow() *state.Tools { return guesttools.Now(h.Manager) }
