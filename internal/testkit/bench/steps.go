@@ -135,7 +135,9 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 		wcancel()
 		if err != nil {
 			stop()
-			<-done
+			if rerr := <-done; rerr != nil {
+				err = fmt.Errorf("%w (and gitlab-runner run: %v)", err, rerr)
+			}
 			return fmt.Errorf("job %s: %w\n%s", jobs[k].Name, err, out.String())
 		}
 	}
