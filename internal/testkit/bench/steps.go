@@ -189,7 +189,7 @@ func (r *StepsReport) WriteTable(w io.Writer) error {
 		return err
 	}
 	if len(r.Modes) == 2 && len(r.Modes[0].Stage) > 0 && len(r.Modes[1].Stage) > 0 {
-		fmt.Fprintf(w, "shim mode's cost (medians): stage +%.2f s, job +%.2f s\n",
+		fmt.Fprintf(w, "shim mode's cost (medians): stage %+.2f s, job %+.2f s\n",
 			median(r.Modes[1].Stage)-median(r.Modes[0].Stage), median(r.Modes[1].Job)-median(r.Modes[0].Job))
 	}
 	return nil
