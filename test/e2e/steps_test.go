@@ -40,9 +40,26 @@ func requireGuestStepRunner(t *testing.T, r *rig) {
 // final state and returns their results in order.
 func (rr *realRunner) runMulti(t *testing.T, concurrent int, jobs ...jobapi.Job) []jobapi.Result {
 	t.Helper()
+	return rr.runMultiCancel(t, concurrent, -1, "", jobs...)
+}
+
+// runMultiCancel is runMulti that cancels job cancel (an index of jobs;
+// -1: none) once its log has the line after.
+func (rr *realRunner) runMultiCancel(t *testing.T, concurrent, cancel int, after string, jobs ...jobapi.Job) []jobapi.Result {
+	t.Helper()
 	ids := make([]int64, len(jobs))
 	for i, j := range jobs {
 		ids[i] = rr.api.Enqueue(j)
+	}
+	if cancel >= 0 {
+		id := ids[cancel]
+		go func() {
+			deadline := time.Now().Add(5 * time.Minute)
+			for !strings.Contains(rr.api.Trace(id), after) && time.Now().Before(deadline) {
+				time.Sleep(200 * time.Millisecond) // polling the fake API's trace
+			}
+			rr.api.Cancel(id) // without the line in time: the test's assertions say so
+		}()
 	}
 	cfgPath := rr.r.cfgPath
 	if rr.cfgPath != "" {
@@ -103,7 +120,8 @@ func stepsJSON(t *testing.T, steps ...map[string]any) string {
 // with their output in the job log; a failing step is a script_failure
 // (step-runner ci exits 1 whatever the step's code); run: with script: is
 // the runner's own refusal and starts no VM; a step past the job's timeout
-// ends at the timeout and leaves nothing; a job without image: gets the
+// ends at the timeout and one canceled mid-step stops, leaving nothing (the
+// leftover check after the test); a job without image: gets the
 // default VM image.
 func TestStepsShim(t *testing.T) {
 	rr := newRealRunner(t)
@@ -120,12 +138,14 @@ func TestStepsShim(t *testing.T) {
 		{Name: "steps-fail", Run: stepsJSON(t, map[string]any{"name": "bad", "script": "echo failing-step; exit 3"})},
 		{Name: "steps-and-script", Script: []string{"echo never"}, Run: stepsJSON(t, map[string]any{"name": "x", "script": "echo never"})},
 		{Name: "steps-timeout", TimeoutSeconds: 30, Run: stepsJSON(t, map[string]any{"name": "slow", "script": "echo sleeping-step; sleep 600"})},
+		{Name: "steps-cancel", Run: stepsJSON(t, map[string]any{"name": "ticks", "script": "for i in $(seq 1 600); do echo tick $i; sleep 1; done"})},
 	}
 	others := otherImages(t, rr.r)
 	for _, img := range others {
 		jobs = append(jobs, jobapi.Job{Name: "steps-" + img, Image: img, Run: steps(img)})
 	}
-	res := rr.runMulti(t, 2, jobs...)
+	const canceled = 4
+	res := rr.runMultiCancel(t, 2, canceled, "tick 3\n", jobs...)
 
 	ok := func(r jobapi.Result, tag string) {
 		t.Helper()
@@ -154,8 +174,12 @@ func TestStepsShim(t *testing.T) {
 	require.Contains(t, res[3].Trace, "sleeping-step")
 	require.Less(t, res[3].Duration, 90*time.Second, "ended at the timeout, not at the sleep's end")
 
+	require.Equal(t, jobapi.StateCanceled, res[canceled].State, res[canceled].Trace)
+	require.Contains(t, res[canceled].Trace, "tick 3")
+	require.NotContains(t, res[canceled].Trace, "tick 60\n", "the step stopped at the cancel")
+
 	for i, img := range others {
-		r := res[4+i]
+		r := res[5+i]
 		ok(r, img)
 		require.Contains(t, r.Trace, "Preparing a fresh "+img+" VM")
 	}
