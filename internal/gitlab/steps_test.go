@@ -126,3 +126,23 @@ func TestKnownStepRunnerMissing(t *testing.T) {
 	require.NoError(t, checkGuestTools(context.Background(), &fakeGuest{out: ""}, say, store, img, imageVersion(img).withTools(tools), tools, true))
 	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), tools), "this version has one")
 }
+
+// A disk with only step-runner whose guest lacks it (a late mount) is not
+// remembered: the next job asks again.
+func TestGuestToolCheckStepRunnerOnlyDiskUnmounted(t *testing.T) {
+	dir := t.TempDir()
+	base := filepath.Join(dir, "base.qcow2")
+	require.NoError(t, os.WriteFile(base, []byte("v1"), 0o644))
+	img := &config.Image{Name: "deb", Base: base}
+	store := state.Store{Dir: filepath.Join(dir, "state")}
+	var said []string
+	say := func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }
+	tools := &state.Tools{Volume: "lve-0123abcd-tools-0011223344556677.iso", StepRunner: &state.ToolOrigin{Source: "/usr/bin/step-runner"}}
+	g := &fakeGuest{out: "gitlab-runner\nstep-runner\n"}
+	for range 2 {
+		require.Error(t, checkGuestTools(context.Background(), g, say, store, img, imageVersion(img).withTools(tools), tools, true))
+	}
+	require.Equal(t, 2, g.calls, "a disk's program missing in the guest is asked again, not remembered")
+	require.NoError(t, knownStepRunnerMissing(store, img, imageVersion(img), tools), "nothing remembered to fail on before booting")
+	require.Contains(t, said[0], "Note: gitlab-runner is not on the guest's PATH: caches and artifacts", "the disk has no gitlab-runner: not a mount problem for it")
+}

@@ -98,7 +98,7 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
-			reportMissingTools(old.Missing, tools != nil, say)
+			reportMissingTools(old.Missing, tools != nil && tools.Source != "", say)
 			return cmp.Or(shellMissing(img, old.Missing), stepRunnerMissing(img, old.Missing, tools, steps))
 		}
 	}
@@ -113,16 +113,22 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		return nil
 	}
 	missing := strings.Fields(string(out))
-	// A VM with the tools disk whose guest lacks gitlab-runner: the image
-	// may mount the disk late or not at all; not remembered, so that one
-	// slow mount does not stand for every later job of the image.
-	if unmounted := tools != nil && slices.Contains(missing, "gitlab-runner"); version != nil && !unmounted {
+	// A VM with the tools disk whose guest lacks a program of the disk:
+	// the image may mount the disk late or not at all; not remembered, so
+	// that one slow mount does not stand for every later job of the image.
+	if version != nil && !unmounted(tools, missing) {
 		found := *version
 		found.Missing = missing
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
-	reportMissingTools(missing, tools != nil, say)
+	reportMissingTools(missing, tools != nil && tools.Source != "", say)
 	return cmp.Or(shellMissing(img, missing), stepRunnerMissing(img, missing, tools, steps))
+}
+
+// unmounted says the guest lacks a program its tools disk has.
+func unmounted(tools *state.Tools, missing []string) bool {
+	return tools != nil && ((tools.Source != "" && slices.Contains(missing, "gitlab-runner")) ||
+		(tools.StepRunner != nil && slices.Contains(missing, "step-runner")))
 }
 
 // knownStepRunnerMissing fails a GitLab Steps job before a VM is booted
@@ -171,8 +177,8 @@ func shellMissing(img *config.Image, missing []string) error {
 }
 
 // reportMissingTools says what the guest lacks. hasToolsDisk: the machine
-// got the guest tools disk, so a missing gitlab-runner means the image does
-// not mount it.
+// got a guest tools disk with gitlab-runner, so a missing gitlab-runner
+// means the image does not mount it.
 func reportMissingTools(missing []string, hasToolsDisk bool, say func(string, ...any)) {
 	for _, t := range missing {
 		switch t {

@@ -93,8 +93,10 @@ func TestStepRunnerOnTheToolsDisk(t *testing.T) {
 	require.Equal(t, map[string]int{only.Volume: len(isoOf(t, hv, only.Volume))}, toolsVolumes(hv))
 }
 
-// "auto" for step-runner: none on PATH is recorded (and said); one found
-// later is taken, and once found it stays, whatever another process's PATH.
+// "auto" for step-runner: none on PATH is recorded (no note: it matters to
+// run: jobs only, whose prepare says so); one found later is taken, and
+// once found it stays, whatever another process's PATH. Now is exact only
+// while a boot would get just what it says.
 func TestStepRunnerAuto(t *testing.T) {
 	ctx := context.Background()
 	hv := vmtest.New()
@@ -105,25 +107,40 @@ func TestStepRunnerAuto(t *testing.T) {
 	first, err := Get(ctx, m)
 	require.NoError(t, err)
 	require.Nil(t, first.StepRunner)
-	require.Len(t, first.Notes, 1)
-	require.Contains(t, first.Notes[0], `no step-runner on this host's PATH (guest_tools.step_runner = "auto")`)
-	require.Contains(t, first.Notes[0], "run: jobs (GitLab Steps) need one in the image")
-	require.Equal(t, first.Volume, VolumeNow(m))
+	require.Empty(t, first.Notes, "no step-runner is no news for jobs without run:")
+	now, exact := Now(m)
+	require.True(t, exact)
+	require.Equal(t, first.Volume, now.Volume)
+	require.Nil(t, now.StepRunner)
 
 	sr := elfCopy(t, "step-runner", "auto-found")
 	t.Setenv("PATH", filepath.Dir(sr))
+	_, exact = Now(m)
+	require.False(t, exact, "a boot now would find the step-runner on this PATH and build another disk")
 	found, err := Get(ctx, m)
 	require.NoError(t, err)
 	require.NotNil(t, found.StepRunner)
 	require.Equal(t, sr, found.StepRunner.Source)
 	require.Empty(t, found.Notes)
+	now, exact = Now(m)
+	require.True(t, exact)
+	require.Equal(t, found.Volume, now.Volume)
+	require.Equal(t, sr, now.StepRunner.Source)
 
 	t.Setenv("PATH", t.TempDir()) // another process, without it on PATH
 	require.Equal(t, found.Volume, VolumeNow(m))
 	again, err := Get(ctx, m)
 	require.NoError(t, err)
 	require.Equal(t, found.Volume, again.Volume, "the recorded step-runner stays")
+	var rec autoRecord
+	require.True(t, m.Store.GetTools("step-runner-auto", &rec))
+	require.Equal(t, sr, rec.Path, "a process without it on PATH never records none over it")
 	rep, err := m.Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Equal(t, []string{first.Volume}, rep.SharedVolumes)
+
+	// The admin names a step-runner whose disk is not built yet: not exact.
+	m.Cfg.GuestTools.StepRunner = elfCopy(t, "step-runner", "named")
+	_, exact = Now(m)
+	require.False(t, exact)
 }

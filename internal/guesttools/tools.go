@@ -143,22 +143,32 @@ func VolumeOf(rec *state.Machine) string {
 // unusable or the volume was not made): a stat, the cached hash and its
 // record per program, so cheap enough for every look at a standby machine.
 func VolumeNow(m *lifecycle.Manager) string {
-	if t := Now(m); t != nil {
+	if t, _ := Now(m); t != nil {
 		return t.Volume
 	}
 	return ""
 }
 
 // Now is the tools disk a machine booted now would get, as its record
-// says it (nil for none), found as VolumeNow finds it.
-func Now(m *lifecycle.Manager) *state.Tools {
+// says it (nil for none), found as VolumeNow finds it. exact says a boot
+// now would get just that: false when "auto" was never resolved, when an
+// "auto" that found nothing would find a binary on this process's PATH
+// now, when a binary the admin named cannot be used, or when the volume of
+// the current binaries is not made yet (the boot would build it).
+func Now(m *lifecycle.Manager) (t *state.Tools, exact bool) {
+	exact = true
 	var have []origin
 	for _, p := range programs {
 		src, known, _ := knownSource(m, p)
 		if !known {
-			return nil
+			return nil, false
 		}
 		if src == "" {
+			if isAuto(m.Cfg, p) {
+				if _, err := exec.LookPath(p.name); err == nil {
+					exact = false // the next boot's Get takes it
+				}
+			}
 			continue
 		}
 		sum, err := sourceHash(m, p, src)
@@ -166,19 +176,19 @@ func Now(m *lifecycle.Manager) *state.Tools {
 			if isAuto(m.Cfg, p) {
 				continue // Get leaves an unusable binary "auto" found out, with a warning
 			}
-			return nil
+			return nil, false
 		}
 		have = append(have, origin{program: p, Source: src, SHA256: sum})
 	}
 	if len(have) == 0 {
-		return nil
+		return nil, exact
 	}
 	// Only a volume that is there: when building it failed, machines boot
 	// without one (with a warning), and they are not outdated for that.
-	t := &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
+	t = &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
 	var rec toolsRecord
 	if !m.Store.GetTools(recordKey(m, t.Volume), &rec) || !rec.Ready {
-		return nil
+		return nil, false
 	}
 	for _, o := range have {
 		if o.name == "gitlab-runner" {
@@ -187,7 +197,7 @@ func Now(m *lifecycle.Manager) *state.Tools {
 			t.StepRunner = &state.ToolOrigin{Source: o.Source, SHA256: o.SHA256}
 		}
 	}
-	return t
+	return t, exact
 }
 
 // program is a host program the tools disk can carry, at bin/<name>.
@@ -313,8 +323,16 @@ func source(m *lifecycle.Manager, p program) (string, error) {
 	if err != nil && !errors.Is(err, errNoProgram) {
 		return "", err
 	}
-	if rerr := m.Store.PutTools(p.autoKey, autoRecord{Path: path, At: time.Now().UTC()}); rerr != nil {
-		return "", fmt.Errorf("record the %s that \"auto\" found: %w", p.name, rerr)
+	// Written only when it changes: a path found, or a first "none found".
+	// Never a recorded binary replaced by "none": a process whose PATH
+	// lacks it (read the record as none just before another found it)
+	// must not undo what the other recorded.
+	var rec autoRecord
+	had := m.Store.GetTools(p.autoKey, &rec)
+	if (path != "" && rec.Path != path) || (path == "" && !had) {
+		if rerr := m.Store.PutTools(p.autoKey, autoRecord{Path: path, At: time.Now().UTC()}); rerr != nil {
+			return "", fmt.Errorf("record the %s that \"auto\" found: %w", p.name, rerr)
+		}
 	}
 	return path, err
 }
@@ -393,7 +411,7 @@ func GuestStepRunnerSource(cfg *config.Config) (string, error) {
 func guestSource(cfg *config.Config, p program) (string, error) {
 	src, err := toolsSource(cfg, p)
 	if errors.Is(err, errNoProgram) {
-		return "", fmt.Errorf("%w: %w", ErrNoTools, err)
+		return "", &noToolsError{notes: []string{err.Error()}}
 	}
 	if err != nil {
 		return "", err
@@ -448,7 +466,9 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 	for _, p := range programs {
 		src, err := source(m, p)
 		if errors.Is(err, errNoProgram) {
-			if p.name != "step-runner" || isAuto(m.Cfg, p) { // "none" for steps: the admin's choice, said at a run: job
+			// step-runner matters to run: jobs only: prepare says what is
+			// missing for those (a note on every job would be noise).
+			if p.name != "step-runner" {
 				t.Notes = append(t.Notes, fmt.Sprintf("Note: %v: %s", err, p.missing))
 			}
 			continue

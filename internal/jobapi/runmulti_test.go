@@ -15,7 +15,7 @@ import (
 )
 
 // stepRunnerEnv names the step-runner binary of the tests (see
-// deploy/rig/test-step-runner.sh).
+// deploy/rig/test-tool.sh).
 const stepRunnerEnv = "LVE_E2E_STEP_RUNNER"
 
 // requireStepRunner is the tests' step-runner, or a skip (a failure under
@@ -58,7 +58,7 @@ PATH=$LVE_TEST_PATH:$PATH exec bash "$1"
 		select {
 		case err := <-done:
 			assert.NoError(t, err, "gitlab-runner run stops cleanly when asked")
-		case <-time.After(multiStopGrace + 15*time.Second):
+		case <-time.After(2*multiStopGrace + 15*time.Second):
 			t.Error("gitlab-runner run did not exit")
 		}
 	})
@@ -152,4 +152,31 @@ while :; do sleep 0.05; done
 	assert.ErrorContains(t, err, "exited before it was asked to stop")
 	err = RunMulti(t.Context(), RunMultiOptions{Binary: fake, URL: "u", Executor: "shell"})
 	assert.ErrorContains(t, err, "needs")
+}
+
+// A runner that does not stop on SIGQUIT (a job that does not end) gets
+// SIGTERM: its jobs are aborted and cleaned up, and RunMulti says so.
+func TestRunMultiEscalatesToSIGTERM(t *testing.T) {
+	old := multiStopGrace
+	multiStopGrace = 300 * time.Millisecond
+	t.Cleanup(func() { multiStopGrace = old })
+	fake := filepath.Join(t.TempDir(), "gitlab-runner")
+	require.NoError(t, os.WriteFile(fake, []byte(`#!/bin/sh
+trap 'echo got QUIT' QUIT
+trap 'echo got TERM; exit 0' TERM
+echo ready
+while :; do sleep 0.05; done
+`), 0o755))
+	out := &sshtest.Buffer{}
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan error, 1)
+	go func() {
+		done <- RunMulti(ctx, RunMultiOptions{Binary: fake, URL: "u", Token: "t", Executor: "shell", Env: []string{"PATH=/usr/bin:/bin"}, Stdout: out})
+	}()
+	require.Eventually(t, func() bool { return strings.Contains(out.String(), "ready") }, 10*time.Second, 20*time.Millisecond)
+	cancel()
+	err := <-done
+	require.ErrorContains(t, err, "stopped by SIGTERM")
+	require.Contains(t, out.String(), "got QUIT\n")
+	require.Contains(t, out.String(), "got TERM\n")
 }

@@ -211,15 +211,17 @@ type multiCustom struct {
 	ForceKillTimeout    int      `toml:"force_kill_timeout,omitempty"`
 }
 
-// multiStopGrace is how long RunMulti waits for the runner after asking it
-// to stop (SIGQUIT: it finishes the jobs it runs and takes no new one)
-// before it kills it; the config's shutdown_timeout is the runner's own.
-const multiStopGrace = 45 * time.Second
+// multiStopGrace is how long RunMulti waits after each way of asking the
+// runner to stop: SIGQUIT (it finishes the jobs it runs, for as long as they
+// take, and takes no new one), then SIGTERM (it aborts them and runs their
+// cleanup, within the config's shutdown_timeout), then SIGKILL.
+var multiStopGrace = 45 * time.Second // a variable for the tests
 
 // RunMulti runs `gitlab-runner run` (multi-runner mode, the way GitLab
 // Runner runs as a service) with a config.toml of one runner until ctx
 // ends: then the runner gets SIGQUIT, finishes the jobs it runs and exits;
-// SIGKILL if it is still there multiStopGrace later. Some things happen only
+// SIGTERM if it is still there multiStopGrace later (its jobs are aborted
+// and cleaned up), SIGKILL after as long again. Some things happen only
 // in this mode: `run:` (GitLab Steps) jobs are converted for executors
 // without native steps here, and run-single ignores `run`.
 //
@@ -287,12 +289,18 @@ func RunMulti(ctx context.Context, o RunMultiOptions) error {
 		}
 		return nil
 	case <-time.After(multiStopGrace):
-		_ = cmd.Process.Kill()
-		if err := <-exited; err != nil {
-			return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT: killed (%w)", multiStopGrace, err)
-		}
-		return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT: killed", multiStopGrace)
 	}
+	_ = cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-exited:
+		return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT: stopped by SIGTERM, its jobs aborted (%v)", multiStopGrace, orExit0(err))
+	case <-time.After(multiStopGrace):
+	}
+	_ = cmd.Process.Kill()
+	if err := <-exited; err != nil {
+		return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT nor of SIGTERM: killed (%w)", multiStopGrace, err)
+	}
+	return fmt.Errorf("gitlab-runner run did not stop within %s of SIGQUIT nor of SIGTERM: killed", multiStopGrace)
 }
 
 // orExit0 says "exit status 0" for a nil error.

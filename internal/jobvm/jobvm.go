@@ -76,5 +76,6 @@ func OwnerKind(frontend string) string {
 const FrontendGarm = "garm"
 
 // ToolsNow is the guest tools disk a machine booted now gets, as its
-// record says it (nil for none), found without libvirt.
-func (h *Host) ToolsNow() *state.Tools { return guesttools.Now(h.Manager) }
+// record says it (nil for none), found without libvirt; exact is false
+// where a boot now might get another one (guesttools.Now).
+func (h *Host) ToolsNow() (t *state.Tools, exact bool) { return guesttools.Now(h.Manager) }

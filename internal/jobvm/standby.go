@@ -370,7 +370,7 @@ func (h *Host) Outdated(rec *state.Machine, img *config.Image, base state.FileVe
 	case sb.Spec != lifecycle.SpecFingerprint(h.Cfg, img):
 		return "the configuration it was built from (or the driver's version) changed since it booted"
 	case guesttools.VolumeOf(rec) != guesttools.VolumeNow(h.Manager):
-		return "the gitlab-runner for the guests changed since it booted"
+		return "the guest tools disk (gitlab-runner, step-runner) changed since it booted"
 	case time.Since(rec.Created) > img.Pool.MaxAge.D():
 		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
 	}

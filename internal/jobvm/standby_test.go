@@ -496,7 +496,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 				rec.Standby.MemoryMiB = 512
 				require.NoError(t, m.Store.Save(*rec))
 			}},
-		{name: "gitlab-runner for the guests changed", age: 5 * time.Minute, want: "the gitlab-runner for the guests changed",
+		{name: "gitlab-runner for the guests changed", age: 5 * time.Minute, want: "the guest tools disk (gitlab-runner, step-runner) changed",
 			spoil: func(t *testing.T, m *Host, _ *vmtest.Fake, _ *config.Image, name string) {
 				// Booted with the tools disk of an older binary.
 				rec, err := m.Store.Record(name)
