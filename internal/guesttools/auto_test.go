@@ -17,12 +17,8 @@ import (
 // so each call's binary is its own) alone on PATH.
 func runnerOnPath(t *testing.T, extra string) string {
 	t.Helper()
-	b, err := os.ReadFile("/bin/true")
-	require.NoError(t, err)
-	dir := t.TempDir()
-	p := filepath.Join(dir, "gitlab-runner")
-	require.NoError(t, os.WriteFile(p, append(b, extra...), 0o755))
-	t.Setenv("PATH", dir)
+	p := elfCopy(t, "gitlab-runner", extra)
+	t.Setenv("PATH", filepath.Dir(p))
 	return p
 }
 

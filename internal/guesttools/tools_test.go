@@ -20,14 +20,7 @@ import (
 
 // fakeRunnerBinary is a copy of an ELF x86-64 executable of this host
 // standing in for gitlab-runner.
-func fakeRunnerBinary(t *testing.T) string {
-	t.Helper()
-	b, err := os.ReadFile("/bin/true")
-	require.NoError(t, err)
-	p := filepath.Join(t.TempDir(), "gitlab-runner")
-	require.NoError(t, os.WriteFile(p, b, 0o755))
-	return p
-}
+func fakeRunnerBinary(t *testing.T) string { return elfCopy(t, "gitlab-runner", "") }
 
 func toolsVolumes(hv *vmtest.Fake) map[string]int {
 	hv.Lock()

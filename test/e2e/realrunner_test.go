@@ -60,16 +60,25 @@ func newRealRunner(t *testing.T) *realRunner {
 	return &realRunner{r: r, bin: bin, api: api, repo: repo, sha: sha, home: t.TempDir(), workDir: t.TempDir()}
 }
 
-// start runs one `gitlab-runner run-single` for n jobs in the background;
-// wait returns its error and output.
-func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
-	t.Helper()
-	exe := func(stage string) string { return rr.r.exe(stage) }
+// custom is the Custom executor's settings: the four executables with the
+// driver configuration (the test's, else the rig's).
+func (rr *realRunner) custom() *jobapi.CustomConfig {
+	exe := rr.r.exe
 	cfgPath := rr.r.cfgPath
 	if rr.cfgPath != "" {
 		cfgPath = rr.cfgPath
 	}
 	args := []string{"--config", cfgPath}
+	return &jobapi.CustomConfig{
+		ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+		ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+	}
+}
+
+// start runs one `gitlab-runner run-single` for n jobs in the background;
+// wait returns its error and output.
+func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
+	t.Helper()
 	env := []string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home}
 	if !rr.noDistributedCache {
 		env = append(env, rr.api.CacheEnv()...)
@@ -80,10 +89,7 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 	go func() {
 		done <- jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
 			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
-			Custom: &jobapi.CustomConfig{
-				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-			},
+			Custom:    rr.custom(),
 			BuildsDir: "/builds", CacheDir: "/cache",
 			MaxBuilds: n, WaitTimeout: 5 * time.Minute,
 			Env: env,

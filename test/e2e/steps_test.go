@@ -61,23 +61,13 @@ func (rr *realRunner) runMultiCancel(t *testing.T, concurrent, cancel int, after
 			rr.api.Cancel(id) // without the line in time: the test's assertions say so
 		}()
 	}
-	cfgPath := rr.r.cfgPath
-	if rr.cfgPath != "" {
-		cfgPath = rr.cfgPath
-	}
-	args := []string{"--config", cfgPath}
-	exe := rr.r.exe
 	var out sshtest.Buffer
 	ctx, stop := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() {
 		done <- jobapi.RunMulti(ctx, jobapi.RunMultiOptions{
 			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
-			Custom: &jobapi.CustomConfig{
-				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-			},
-			BuildsDir: "/builds", CacheDir: "/cache", Concurrent: concurrent,
+			Custom: rr.custom(), BuildsDir: "/builds", CacheDir: "/cache", Concurrent: concurrent,
 			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home},
 			Dir: rr.workDir, Stdout: &out, Stderr: &out,
 		})
