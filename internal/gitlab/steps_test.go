@@ -95,10 +95,18 @@ func TestGuestToolCheckStepsJob(t *testing.T) {
 	require.ErrorContains(t, err, "does not put it on PATH")
 	require.ErrorContains(t, err, "/opt/libvirt-executor/bin/step-runner")
 
+	said = nil
 	has := &fakeGuest{out: ""}
 	other := *tools
 	other.Volume = "lve-0123abcd-tools-7766554433221100.iso"
 	require.NoError(t, checkGuestTools(context.Background(), has, say, store, img, imageVersion(img).withTools(&other), &other, true))
+	require.Empty(t, said, "the tools disk's step-runner: the line that describes the disk said it")
+
+	// No step-runner on the disk, but the image has its own: the job log
+	// says which one the job gets.
+	without := &state.Tools{Volume: "lve-0123abcd-tools-0000000000000001.iso", Source: "/usr/bin/gitlab-runner"}
+	require.NoError(t, checkGuestTools(context.Background(), has, say, store, img, imageVersion(img).withTools(without), without, true))
+	require.Equal(t, []string{"step-runner for this run: job: the image's own (the VM's guest tools disk has none: [guest_tools] step_runner)"}, said)
 }
 
 // A remembered check that found no step-runner fails the next run: job

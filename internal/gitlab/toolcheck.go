@@ -98,8 +98,7 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
-			reportMissingTools(old.Missing, tools != nil && tools.Source != "", say)
-			return cmp.Or(shellMissing(img, old.Missing), stepRunnerMissing(img, old.Missing, tools, steps))
+			return checked(img, old.Missing, tools, steps, say)
 		}
 	}
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
@@ -121,7 +120,17 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 		found.Missing = missing
 		_ = store.Remember(key, found) // a lost cache entry costs one more check
 	}
+	return checked(img, missing, tools, steps, say)
+}
+
+// checked tells the job log what the check found missing, and which
+// step-runner a GitLab Steps job gets where the tools disk has none; an
+// error where the job cannot run.
+func checked(img *config.Image, missing []string, tools *state.Tools, steps bool, say func(string, ...any)) error {
 	reportMissingTools(missing, tools != nil && tools.Source != "", say)
+	if steps && (tools == nil || tools.StepRunner == nil) && !slices.Contains(missing, "step-runner") {
+		say("step-runner for this run: job: the image's own (the VM's guest tools disk has none: [guest_tools] step_runner)")
+	}
 	return cmp.Or(shellMissing(img, missing), stepRunnerMissing(img, missing, tools, steps))
 }
 
