@@ -331,6 +331,7 @@ func app() *cli.App {
 					&cli.StringFlag{Name: "runner", Usage: "the gitlab-runner binary (default: gitlab-runner on PATH)"},
 					&cli.StringFlag{Name: "listen", Usage: "host:port for the fake GitLab job API, reachable from the guests (default: this host's address on the configured network, a free port)"},
 					&cli.StringFlag{Name: "image", Usage: "the image the jobs ask for (default: the configuration's default image)"},
+					&cli.BoolFlag{Name: "steps", Usage: "also run a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM (docs/steps.md)"},
 					&cli.DurationFlag{Name: "timeout", Value: 15 * time.Minute, Usage: "give up after this long"},
 					&cli.BoolFlag{Name: "verbose", Usage: "print the job logs also when all passed"},
 				},
@@ -388,7 +389,7 @@ func runSelftest(c *cli.Context) error {
 	}
 	rep, err := selftest.Run(c.Context, selftest.Options{
 		Config: cfg.Path, BinDir: filepath.Dir(exe), Runner: runner, Listen: listen,
-		Image: c.String("image"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
+		Image: c.String("image"), Steps: c.Bool("steps"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
 	})
 	if err != nil {
 		return err

@@ -9,6 +9,7 @@ package selftest
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -37,6 +38,9 @@ type Options struct {
 	Listen string
 	// Image is the job's image ("" for the configuration's default).
 	Image string
+	// Steps adds a GitLab Steps job (run:), run through `gitlab-runner
+	// run` (the only mode that converts run: jobs), in a fresh VM.
+	Steps bool
 	// Timeout bounds the whole test.
 	Timeout time.Duration
 	// Progress receives one line per step; Log the fake API's logs.
@@ -72,6 +76,7 @@ func (r *Report) OK() bool { return len(r.Fixes) == 0 }
 const (
 	produceName = "selftest-produce"
 	consumeName = "selftest-consume"
+	stepsName   = "selftest-steps"
 	cacheKey    = "libvirt-executor-selftest"
 )
 
@@ -164,8 +169,58 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		}
 		rep.Jobs = append(rep.Jobs, jr)
 	}
+	if o.Steps && ctx.Err() == nil {
+		var stepsErr error
+		t1 := time.Now()
+		stepsErr = runSteps(ctx, o, api, work, say, rep, &runnerOut)
+		rep.Wall += time.Since(t1)
+		runErr = errors.Join(runErr, stepsErr)
+	}
 	rep.Fixes = diagnose(rep, runErr, runnerOut.String(), ctx.Err())
 	return rep, nil
+}
+
+// stepsScript is the selftest's GitLab Steps job: one script step.
+const stepsScript = `echo "selftest: step ran in $(uname -srm)"`
+
+// runSteps runs the GitLab Steps job through `gitlab-runner run` and adds
+// its report; the error is the runner's.
+func runSteps(ctx context.Context, o Options, api *jobapi.Server, work string, say func(string, ...any), rep *Report, runnerOut *syncbuf.Buffer) error {
+	run, err := json.Marshal([]map[string]string{{"name": "selftest", "script": stepsScript}})
+	if err != nil {
+		return err
+	}
+	id := api.Enqueue(jobapi.Job{Name: stepsName, Stage: "test", Image: o.Image, Run: string(run)})
+	say("running a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM ...")
+	args := []string{"--config", o.Config}
+	exe := func(s string) string { return filepath.Join(o.BinDir, "libvirt-executor-"+s) }
+	rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
+	defer stop()
+	done := make(chan error, 1)
+	go func() {
+		done <- jobapi.RunMulti(rctx, jobapi.RunMultiOptions{
+			Binary: o.Runner, URL: api.URL(), Token: api.RunnerToken(), Executor: "custom",
+			Custom: &jobapi.CustomConfig{
+				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+			},
+			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + work, "TMPDIR=" + work},
+			Dir: work, Stdout: runnerOut, Stderr: runnerOut,
+		})
+	}()
+	res, werr := api.Wait(ctx, id) // ctx: the whole test's timeout
+	stop()                         // the job is done (or the time is up): the runner stops after it
+	runErr := <-done
+	jr := JobReport{Name: stepsName, State: "not run"}
+	if werr == nil {
+		jr = JobReport{Name: stepsName, State: res.State, FailureReason: res.FailureReason, ExitCode: res.ExitCode,
+			Took: res.Duration, Ready: machineReady(res.Trace), Trace: res.Trace}
+		if res.State == jobapi.StateSuccess && !strings.Contains(res.Trace, "selftest: step ran in ") {
+			jr.State, jr.FailureReason = "no step output", "the job passed without running its step"
+		}
+	}
+	rep.Jobs = append(rep.Jobs, jr)
+	return runErr
 }
 
 // unreachableRE: the guest's gitlab-runner could not connect to the job
@@ -206,6 +261,10 @@ func diagnose(rep *Report, runErr error, runnerOut string, ctxErr error) []strin
 		switch {
 		case j.State == "not run":
 			add(fmt.Sprintf("%s never ran: gitlab-runner did not take it (its output is below)", j.Name))
+		case j.Name == stepsName && strings.Contains(t, "needs step-runner"):
+			add("the guest has no step-runner for GitLab Steps: set [guest_tools] step_runner to a linux/amd64 step-runner, or install one in the image (docs/steps.md)")
+		case j.Name == stepsName && j.State == "no step output":
+			add("the GitLab Steps job passed without running its step: the runner did not convert the run: job (a gitlab-runner older than 17.x?) (docs/steps.md)")
 		case strings.Contains(t, "gitlab-runner is not on the guest's PATH") || strings.Contains(t, "Missing gitlab-runner"):
 			add("the guest has no gitlab-runner: set [guest_tools] gitlab_runner to this host's gitlab-runner and use an image that mounts the guest tools disk (docs/images.md, \"The guest tools disk\")")
 		case unreachableRE.MatchString(t):
@@ -262,7 +321,13 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintln(w, line)
 	}
 	if r.OK() {
-		fmt.Fprintln(w, "OK: VMs start, run the stages and go; the guest's gitlab-runner uploaded and downloaded an artifact and archived and restored a cache.")
+		verdict := "OK: VMs start, run the stages and go; the guest's gitlab-runner uploaded and downloaded an artifact and archived and restored a cache"
+		for _, j := range r.Jobs {
+			if j.Name == stepsName {
+				verdict += "; a GitLab Steps job ran its step with the guest's step-runner"
+			}
+		}
+		fmt.Fprintln(w, verdict+".")
 		return
 	}
 	fmt.Fprintln(w, "FAILED. What to fix:")

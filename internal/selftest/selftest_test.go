@@ -51,3 +51,27 @@ func TestDiagnose(t *testing.T) {
 
 	require.NotEmpty(t, diagnose(&Report{Jobs: []JobReport{ok}}, errors.New("exit status 1"), "boom", nil), "a failed runner is reported even when its jobs passed")
 }
+
+// The GitLab Steps job (selftest --steps): its own fixes, and the verdict
+// says it ran.
+func TestDiagnoseSteps(t *testing.T) {
+	ok := JobReport{Name: produceName, State: jobapi.StateSuccess}
+	noStepRunner := JobReport{Name: stepsName, State: jobapi.StateFailed, FailureReason: "runner_system_failure",
+		Trace: "libvirt-executor-prepare: check: this run: job (GitLab Steps) needs step-runner in the guest\nERROR: Preparation failed: exit status 2"}
+	fixes := diagnose(&Report{Jobs: []JobReport{ok, noStepRunner}}, nil, "", nil)
+	require.Len(t, fixes, 1)
+	require.Contains(t, fixes[0], "set [guest_tools] step_runner")
+	fixes = diagnose(&Report{Jobs: []JobReport{ok, {Name: stepsName, State: "no step output"}}}, nil, "", nil)
+	require.Len(t, fixes, 1)
+	require.Contains(t, fixes[0], "passed without running its step")
+
+	rep := &Report{Jobs: []JobReport{ok, {Name: stepsName, State: jobapi.StateSuccess}}}
+	require.Empty(t, diagnose(rep, nil, "", nil))
+	var out bytes.Buffer
+	rep.Print(&out)
+	require.Contains(t, out.String(), "selftest-steps     success")
+	require.Contains(t, out.String(), "; a GitLab Steps job ran its step with the guest's step-runner.")
+	out.Reset()
+	(&Report{Jobs: []JobReport{ok}}).Print(&out)
+	require.NotContains(t, out.String(), "GitLab Steps", "without --steps the verdict does not claim it")
+}
