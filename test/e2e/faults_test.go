@@ -627,9 +627,10 @@ func (base *rig) smallPool(t *testing.T, size string, fill bool) *rig {
 	pool, err := base.conn.StoragePoolCreateXML(poolXML, 0) // transient
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = pool.Destroy(); _ = pool.Free() })
-	// No guest tools disk: its 110 MB would not fit, and these tests are
-	// about the machine's own disk.
-	return base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`)).withConfig(t, setKey("gitlab_runner", `"none"`))
+	// No guest tools disk (neither program): its 110 MB would not fit,
+	// and these tests are about the machine's own disk.
+	return base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`)).withConfig(t, setKey("gitlab_runner", `"none"`)).
+		withConfig(t, setKey("step_runner", `"none"`))
 }
 
 // TestFaultPrepareFailsThreeTimes: a broken image makes every prepare attempt

@@ -202,12 +202,22 @@ func (r *rig) privateConfig(t *testing.T, top, tag string, u testUser) (*rig, st
 	require.NoError(t, os.Mkdir(state, 0o700))
 	require.NoError(t, os.Chown(state, int(u.cred.Uid), int(u.cred.Gid)))
 	rv := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", state)))
-	if src := rv.cfg.GuestTools.GitLabRunner; filepath.IsAbs(src) {
-		// The guest tools disk's binary, where u can read it (the
+	tools := false
+	for _, p := range []struct{ key, name, src string }{
+		{"gitlab_runner", "gitlab-runner", rv.cfg.GuestTools.GitLabRunner},
+		{"step_runner", "step-runner", rv.cfg.GuestTools.StepRunner},
+	} {
+		if !filepath.IsAbs(p.src) {
+			continue
+		}
+		// The guest tools disk's binaries, where u can read them (the
 		// checkout may not be).
-		runner := filepath.Join(top, "gitlab-runner-"+tag)
-		copyFile(t, src, runner, 0o755)
-		rv = rv.withConfig(t, setKey("gitlab_runner", fmt.Sprintf("%q", runner)))
+		bin := filepath.Join(top, p.name+"-"+tag)
+		copyFile(t, p.src, bin, 0o755)
+		rv = rv.withConfig(t, setKey(p.key, fmt.Sprintf("%q", bin)))
+		tools = true
+	}
+	if tools {
 		// This installation (its own state directory, so its own
 		// controller id) builds a tools volume of its own: not kept.
 		t.Cleanup(func() { r.removeToolsVolumes(t, state) })
