@@ -185,11 +185,18 @@ func Now(m *lifecycle.Manager) (t *state.Tools, exact bool) {
 	}
 	// Only a volume that is there: when building it failed, machines boot
 	// without one (with a warning), and they are not outdated for that.
-	t = &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
+	t = recordOf(m, have)
 	var rec toolsRecord
 	if !m.Store.GetTools(recordKey(m, t.Volume), &rec) || !rec.Ready {
 		return nil, false
 	}
+	return t, exact
+}
+
+// recordOf is the machine record of the tools disk holding have: its
+// volume's name and where each program came from.
+func recordOf(m *lifecycle.Manager, have []origin) *state.Tools {
+	t := &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
 	for _, o := range have {
 		if o.name == "gitlab-runner" {
 			t.Source, t.SHA256 = o.Source, o.SHA256
@@ -197,7 +204,7 @@ func Now(m *lifecycle.Manager) (t *state.Tools, exact bool) {
 			t.StepRunner = &state.ToolOrigin{Source: o.Source, SHA256: o.SHA256}
 		}
 	}
-	return t, exact
+	return t
 }
 
 // program is a host program the tools disk can carry, at bin/<name>.
@@ -485,16 +492,12 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 			return nil, fmt.Errorf("%s %s: %w", p.key, src, err)
 		}
 		have = append(have, origin{program: p, Source: src, SHA256: sum})
-		if p.name == "gitlab-runner" {
-			t.Source, t.SHA256 = src, sum
-		} else {
-			t.StepRunner = &state.ToolOrigin{Source: src, SHA256: sum}
-		}
 	}
 	if len(have) == 0 {
 		return nil, &noToolsError{notes: t.Notes}
 	}
-	t.Volume = ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))
+	rec0 := recordOf(m, have)
+	t.Volume, t.Source, t.SHA256, t.StepRunner = rec0.Volume, rec0.Source, rec0.SHA256, rec0.StepRunner
 	var rec toolsRecord
 	if m.Store.GetTools(recordKey(m, t.Volume), &rec) && rec.Ready {
 		path, err := m.Hypervisor().VolumePath(ctx, m.Cfg.StoragePool, t.Volume)

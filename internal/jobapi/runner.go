@@ -310,3 +310,15 @@ func orExit0(err error) error {
 	}
 	return err
 }
+
+// DriverStages is the Custom executor's settings for this project's four
+// executables, libvirt-executor-{config,prepare,run,cleanup} in binDir,
+// each given --config cfgPath.
+func DriverStages(binDir, cfgPath string) *CustomConfig {
+	exe := func(stage string) string { return filepath.Join(binDir, "libvirt-executor-"+stage) }
+	args := []string{"--config", cfgPath}
+	return &CustomConfig{
+		ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
+		ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
+	}
+}

@@ -94,3 +94,11 @@ func TestRunSingleStopsWithContext(t *testing.T) {
 	assert.Contains(t, out.String(), "got TERM", "the runner gets SIGTERM to abort its job cleanly")
 	assert.Less(t, time.Since(start), 10*time.Second)
 }
+
+func TestDriverStages(t *testing.T) {
+	c := DriverStages("/opt/lve/bin", "/etc/lve/config.toml")
+	assert.Equal(t, "/opt/lve/bin/libvirt-executor-prepare", c.PrepareExec)
+	assert.Equal(t, "/opt/lve/bin/libvirt-executor-cleanup", c.CleanupExec)
+	assert.Equal(t, []string{"--config", "/etc/lve/config.toml"}, c.RunArgs)
+	assert.Equal(t, c.ConfigArgs, c.CleanupArgs)
+}

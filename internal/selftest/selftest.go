@@ -136,17 +136,12 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		return nil, err
 	}
 	defer func() { _ = os.RemoveAll(work) }()
-	args := []string{"--config", o.Config}
-	exe := func(s string) string { return filepath.Join(o.BinDir, "libvirt-executor-"+s) }
 	var runnerOut syncbuf.Buffer
 	say("running 2 sample jobs (artifacts and a cache from the first to the second, each in a fresh VM) ...")
 	t0 := time.Now()
 	runErr := jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
 		Binary: o.Runner, URL: api.URL(), Token: api.RunnerToken(), Executor: "custom",
-		Custom: &jobapi.CustomConfig{
-			ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-			ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-		},
+		Custom:    jobapi.DriverStages(o.BinDir, o.Config),
 		MaxBuilds: 2, WaitTimeout: o.Timeout,
 		// A curated environment: the runner passes its own to the stages.
 		Env:    append([]string{"PATH=" + os.Getenv("PATH"), "HOME=" + work, "TMPDIR=" + work}, api.CacheEnv()...),
@@ -192,20 +187,15 @@ func runSteps(ctx context.Context, o Options, api *jobapi.Server, work string, s
 	}
 	id := api.Enqueue(jobapi.Job{Name: stepsName, Stage: "test", Image: o.Image, Run: string(run)})
 	say("running a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM ...")
-	args := []string{"--config", o.Config}
-	exe := func(s string) string { return filepath.Join(o.BinDir, "libvirt-executor-"+s) }
 	rctx, stop := context.WithCancel(context.WithoutCancel(ctx))
 	defer stop()
 	done := make(chan error, 1)
 	go func() {
 		done <- jobapi.RunMulti(rctx, jobapi.RunMultiOptions{
 			Binary: o.Runner, URL: api.URL(), Token: api.RunnerToken(), Executor: "custom",
-			Custom: &jobapi.CustomConfig{
-				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-			},
-			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + work, "TMPDIR=" + work},
-			Dir: work, Stdout: runnerOut, Stderr: runnerOut,
+			Custom: jobapi.DriverStages(o.BinDir, o.Config),
+			Env:    []string{"PATH=" + os.Getenv("PATH"), "HOME=" + work, "TMPDIR=" + work},
+			Dir:    work, Stdout: runnerOut, Stderr: runnerOut,
 		})
 	}()
 	res, werr := api.Wait(ctx, id) // ctx: the whole test's timeout

@@ -63,16 +63,11 @@ func newRealRunner(t *testing.T) *realRunner {
 // custom is the Custom executor's settings: the four executables with the
 // driver configuration (the test's, else the rig's).
 func (rr *realRunner) custom() *jobapi.CustomConfig {
-	exe := rr.r.exe
 	cfgPath := rr.r.cfgPath
 	if rr.cfgPath != "" {
 		cfgPath = rr.cfgPath
 	}
-	args := []string{"--config", cfgPath}
-	return &jobapi.CustomConfig{
-		ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-		ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-	}
+	return jobapi.DriverStages(rr.r.bin, cfgPath)
 }
 
 // start runs one `gitlab-runner run-single` for n jobs in the background;

@@ -143,15 +143,10 @@ func cacheRun(ctx context.Context, o CacheOptions, cfgPath string, host bool, ru
 	if !host {
 		env = append(env, srv.CacheEnv()...)
 	}
-	args := []string{"--config", cfgPath}
-	exe := func(s string) string { return filepath.Join(o.Bin, "libvirt-executor-"+s) }
 	var out syncbuf.Buffer
 	err = jobapi.RunSingle(sctx, jobapi.RunSingleOptions{
 		Binary: o.Runner, URL: srv.URL(), Token: srv.RunnerToken(), Executor: "custom",
-		Custom: &jobapi.CustomConfig{
-			ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-			ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-		},
+		Custom:    jobapi.DriverStages(o.Bin, cfgPath),
 		BuildsDir: "/builds", CacheDir: "/cache", MaxBuilds: len(ids), WaitTimeout: 5 * time.Minute,
 		Env: env, Stdout: &out, Stderr: &out,
 	})

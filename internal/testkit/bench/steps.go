@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"os"
-	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -111,8 +110,6 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 	for _, k := range order {
 		ids[k] = srv.Enqueue(jobs[k])
 	}
-	args := []string{"--config", o.Config}
-	exe := func(s string) string { return filepath.Join(o.Bin, "libvirt-executor-"+s) }
 	var out syncbuf.Buffer
 	done := make(chan error, 1)
 	rctx, stop := context.WithCancel(sctx)
@@ -120,10 +117,7 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 	go func() {
 		done <- jobapi.RunMulti(rctx, jobapi.RunMultiOptions{
 			Binary: o.Runner, URL: srv.URL(), Token: srv.RunnerToken(), Executor: "custom",
-			Custom: &jobapi.CustomConfig{
-				ConfigExec: exe("config"), PrepareExec: exe("prepare"), RunExec: exe("run"), CleanupExec: exe("cleanup"),
-				ConfigArgs: args, PrepareArgs: args, RunArgs: args, CleanupArgs: args,
-			},
+			Custom:    jobapi.DriverStages(o.Bin, o.Config),
 			BuildsDir: "/builds", CacheDir: "/cache", Concurrent: 1,
 			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.TempDir()}, Stdout: &out, Stderr: &out,
 		})
