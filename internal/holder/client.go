@@ -7,9 +7,11 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
 // Stage is one stage for RunStage.
@@ -111,4 +113,92 @@ func orDiscard(w io.Writer) io.Writer {
 		return io.Discard
 	}
 	return w
+}
+
+// RunStream runs the fixed command cmd through the holder listening at
+// socket with stdin as its input and its stdout copied to stdout, as
+// sshexec.Client.Stream does over the holder's connection, until the
+// command or ctx ends. An error matching ErrUnavailable means nothing was
+// started (the caller may connect directly); a holder that ended, or a
+// connection the holder lost, is reported as sshexec.ErrConnectionLost
+// (a dead guest with its sshexec.DeadGuestError).
+func RunStream(ctx context.Context, socket, cmd string, stdin io.Reader, stdout io.Writer) error {
+	d := net.Dialer{Timeout: connectWait}
+	conn, err := d.DialContext(ctx, "unix", socket)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrUnavailable, err)
+	}
+	defer conn.Close()
+	var wmu sync.Mutex
+	send := func(kind byte, p []byte) error {
+		wmu.Lock()
+		defer wmu.Unlock()
+		return writeFrame(conn, kind, p)
+	}
+	stop := context.AfterFunc(ctx, func() {
+		_ = conn.SetWriteDeadline(time.Now().Add(time.Second))
+		_ = send(frameCancel, nil)
+		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
+	})
+	defer stop()
+	if err := writeJSON(conn, frameRequest, Request{Version: streamVersion, Command: cmd}); err != nil {
+		return fmt.Errorf("%w: sending the stream failed: %v", ErrUnavailable, err)
+	}
+	started := false
+	for {
+		kind, b, err := readFrame(conn, 2*maxScript+maxControl)
+		if err != nil {
+			if !started {
+				return fmt.Errorf("%w: it ended before it took the stream: %v", ErrUnavailable, err)
+			}
+			if ctx.Err() != nil {
+				return fmt.Errorf("stream stopped: %w", context.Cause(ctx))
+			}
+			return exitcodes.System(fmt.Errorf("%w: %w: %v", sshexec.ErrConnectionLost, ErrEnded, err))
+		}
+		switch kind {
+		case frameStarted:
+			started = true
+			// The input goes from now on (a stream the holder did not
+			// take has not consumed any of it).
+			go func() {
+				buf := make([]byte, 32<<10)
+				for {
+					n, rerr := stdin.Read(buf)
+					if n > 0 {
+						if send(frameStdin, buf[:n]) != nil {
+							return
+						}
+					}
+					if rerr != nil {
+						_ = send(frameEOF, nil)
+						return
+					}
+				}
+			}()
+		case frameStdout:
+			if _, err := stdout.Write(b); err != nil {
+				return fmt.Errorf("stream output: %w", err)
+			}
+		case frameResult:
+			var r Result
+			if err := json.Unmarshal(b, &r); err != nil {
+				return exitcodes.System(fmt.Errorf("bad result from the connection holder: %v", err))
+			}
+			if ctx.Err() != nil && r.Class != classOK {
+				return fmt.Errorf("stream stopped: %w (%s)", context.Cause(ctx), r.Error)
+			}
+			if r.Lost {
+				// The holder's connection ended under the stream: lost,
+				// as a direct one would say (with a dead guest's verdict).
+				if r.DeadAfterNs > 0 {
+					return exitcodes.System(fmt.Errorf("%w: %w", sshexec.ErrConnectionLost, &deadGuest{msg: r.Error, dead: &sshexec.DeadGuestError{Silent: time.Duration(r.DeadAfterNs)}}))
+				}
+				return exitcodes.System(fmt.Errorf("%w: %s", sshexec.ErrConnectionLost, r.Error))
+			}
+			return r.err()
+		default:
+			return exitcodes.System(fmt.Errorf("unexpected frame %q from the connection holder", kind))
+		}
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -363,4 +364,80 @@ func requireGone(t *testing.T, pidFile string) {
 		_, err := os.Stat("/proc/" + pid)
 		return errors.Is(err, os.ErrNotExist)
 	}, 10*time.Second, 50*time.Millisecond, "the script's background child %s must be stopped", pid)
+}
+
+// A stream: input in, output out, over the held connection.
+func TestStreamOverTheHeldConnection(t *testing.T) {
+	r := startHolder(t, nil)
+	var out sshtest.Buffer
+	big := strings.Repeat("z", 3<<20)
+	err := RunStream(context.Background(), r.sock, "tr z y", strings.NewReader(big), &out)
+	require.NoError(t, err)
+	require.Equal(t, strings.Repeat("y", 3<<20), out.String())
+	// A stage after it shares the connection.
+	o, _, err := r.stage(context.Background(), "echo after\n")
+	require.NoError(t, err)
+	require.Equal(t, "after\n", o)
+	require.EqualValues(t, 1, r.dials.Load())
+	// A command that fails is the driver's failure, not a script's.
+	err = RunStream(context.Background(), r.sock, "exit 3", strings.NewReader(""), &out)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+}
+
+// A stream whose connection drops reports it as lost (the caller may
+// reconnect), and the next stream gets a new connection.
+func TestStreamLostConnection(t *testing.T) {
+	r := startHolder(t, nil)
+	r.ts.DropOn("DROP-NOW")
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	var out sshtest.Buffer
+	err := RunStream(context.Background(), r.sock, "echo DROP-NOW; cat", pr, &out)
+	require.ErrorIs(t, err, sshexec.ErrConnectionLost)
+	r.ts.DropOn("")
+	err = RunStream(context.Background(), r.sock, "cat", strings.NewReader("again"), &out)
+	require.NoError(t, err)
+	require.Contains(t, out.String(), "again")
+	require.EqualValues(t, 2, r.dials.Load())
+}
+
+// A dead guest is a lost connection with the keepalive's verdict.
+func TestStreamDeadGuest(t *testing.T) {
+	r := startHolder(t, func(tg *sshexec.Target) { tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3 })
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	done := make(chan error, 1)
+	go func() { done <- RunStream(context.Background(), r.sock, "cat", pr, io.Discard) }()
+	_, err := pw.Write([]byte("x"))
+	require.NoError(t, err)
+	r.ts.Freeze(true)
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, sshexec.ErrDeadGuest)
+		require.ErrorIs(t, err, sshexec.ErrConnectionLost)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a stream to a frozen guest did not end")
+	}
+}
+
+// Cancelling a stream ends its command; a holder that is gone is
+// unavailable before anything started.
+func TestStreamCancelAndUnavailable(t *testing.T) {
+	r := startHolder(t, nil)
+	pr, pw := io.Pipe()
+	defer pw.Close()
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan error, 1)
+	go func() { done <- RunStream(ctx, r.sock, "cat", pr, io.Discard) }()
+	_, err := pw.Write([]byte("x"))
+	require.NoError(t, err)
+	cancel()
+	select {
+	case err := <-done:
+		require.ErrorIs(t, err, context.Canceled)
+	case <-time.After(10 * time.Second):
+		t.Fatal("a cancelled stream did not end")
+	}
+	err = RunStream(context.Background(), filepath.Join(t.TempDir(), "none.sock"), "cat", strings.NewReader(""), io.Discard)
+	require.ErrorIs(t, err, ErrUnavailable)
 }

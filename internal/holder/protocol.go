@@ -9,7 +9,9 @@
 // The wire format on the socket is a sequence of frames: one type byte, a
 // 4-byte big-endian length and the payload. A stage sends one request frame
 // and, if it is stopped, a cancel frame; the holder answers with output
-// frames and one result frame.
+// frames and one result frame. A stream (protocol 2: a fixed command whose
+// stdin and stdout are a byte stream, such as `step-runner proxy`) also
+// sends its input as frames, then the input's end.
 package holder
 
 import (
@@ -37,9 +39,16 @@ const (
 	LogFile = "holder.log"
 )
 
-// protocolVersion is the request format; a holder refuses another one as
-// unavailable, and the stage connects directly.
-const protocolVersion = 1
+// protocolVersion is the request format of a stage; a holder refuses one it
+// does not know as unavailable, and the stage connects directly.
+// streamVersion is a stream's (a holder that only knows stages refuses it).
+const (
+	protocolVersion = 1
+	streamVersion   = 2
+)
+
+// maxStdinFrame bounds one frame of a stream's input.
+const maxStdinFrame = 1 << 20
 
 // maxScript bounds a stage's script (GitLab's are kilobytes; the biggest
 // seen are a few hundred).
@@ -55,6 +64,8 @@ const (
 	frameStdout  byte = 'O' // holder -> stage: script output
 	frameStderr  byte = 'E' // holder -> stage: the wrapper's own messages
 	frameResult  byte = 'X' // holder -> stage: Result (JSON), the last frame
+	frameStdin   byte = 'I' // stream -> holder: input
+	frameEOF     byte = 'D' // stream -> holder: the input's end
 )
 
 // Request is one stage.
@@ -68,6 +79,9 @@ type Request struct {
 	// KillGrace is how long a cancelled script gets between SIGTERM and
 	// SIGKILL (sshexec.RunOptions.KillGrace).
 	KillGrace time.Duration `json:"kill_grace"`
+	// Command, in a stream (Version streamVersion), is the fixed command
+	// whose stdin and stdout are the stream (sshexec.Client.Stream).
+	Command string `json:"command,omitempty"`
 }
 
 // Result classes.
@@ -91,6 +105,9 @@ type Result struct {
 	// silent (sshexec.DeadAfter). Older holders send neither.
 	SpanNs      int64 `json:"span_ns,omitempty"`
 	DeadAfterNs int64 `json:"dead_after_ns,omitempty"`
+	// Lost, for a stream, says the connection to the guest ended under
+	// it (or could not be made again): the stream may be tried again.
+	Lost bool `json:"lost,omitempty"`
 }
 
 // resultOf is the Result for what sshexec.Client.Run returned.

@@ -218,8 +218,13 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	}
 	var req Request
 	out := &frameWriter{conn: conn}
-	if err := json.Unmarshal(b, &req); err != nil || req.Version != protocolVersion {
-		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("the holder speaks protocol %d (request: %d, %v)", protocolVersion, req.Version, err)})
+	err = json.Unmarshal(b, &req)
+	if err == nil && req.Version == streamVersion && req.Command != "" {
+		s.serveStream(ctx, conn, out, req)
+		return
+	}
+	if err != nil || req.Version != protocolVersion {
+		_ = out.result(Result{Class: classUnavailable, Error: fmt.Sprintf("the holder speaks protocols %d and %d (request: %d, %v)", protocolVersion, streamVersion, req.Version, err)})
 		return
 	}
 	if len(req.Script) > maxScript {
@@ -274,6 +279,71 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	s.Log.Info("stage ended", "class", res.Class, "code", res.Code, "took", time.Since(t0), "err", logErr(err))
 	if err := out.result(res); err != nil && sctx.Err() == nil {
 		s.Log.Warn("the stage did not receive its result", "err", err)
+	}
+}
+
+// serveStream runs one stream: a fixed command whose stdin comes in
+// frames and whose stdout goes back in frames (the gRPC connection of
+// native GitLab Steps). It ends with the command, with a cancel frame, with
+// the stream's process going away or with the holder; its result says how
+// (a lost connection as for a stage: the stream may reconnect through the
+// holder, which connects again).
+func (s *Server) serveStream(ctx context.Context, conn net.Conn, out *frameWriter, req Request) {
+	c, ended, res := s.clientFor(ctx)
+	if c == nil {
+		s.Log.Warn("stream not run", "class", res.Class, "err", res.Error)
+		res.Lost = res.Class == classSystem
+		_ = out.result(res)
+		return
+	}
+	sctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	stdinR, stdinW := io.Pipe()
+	go func() {
+		for {
+			kind, b, err := readFrame(conn, maxStdinFrame)
+			switch {
+			case err == nil && kind == frameStdin:
+				if _, werr := stdinW.Write(b); werr != nil {
+					return
+				}
+				continue
+			case err == nil && kind == frameEOF:
+				_ = stdinW.Close()
+				continue
+			case err == nil && kind == frameCancel:
+				cancel(errors.New("the stream was stopped"))
+			case errors.Is(err, io.EOF), errors.Is(err, net.ErrClosed):
+				cancel(errors.New("the stream's process went away"))
+			default:
+				cancel(fmt.Errorf("the stream's connection to the holder failed: %v (frame %q)", err, kind))
+			}
+			_ = stdinW.CloseWithError(io.ErrClosedPipe)
+			return
+		}
+	}()
+	if err := out.frame(frameStarted, nil); err != nil {
+		return
+	}
+	t0 := time.Now()
+	err := c.Stream(sctx, req.Command, stdinR, out.stream(frameStdout))
+	_ = stdinR.Close()
+	if errors.Is(err, sshexec.ErrConnectionLost) {
+		select {
+		case <-ended:
+		case <-ctx.Done():
+		case <-time.After(lostNoticeWait):
+		}
+	}
+	res = resultOf(err)
+	if res.Class == classScript {
+		// A stream's command is the driver's own: its exit is no script's.
+		res = Result{Class: classSystem, Error: err.Error()}
+	}
+	res.Lost = errors.Is(err, sshexec.ErrConnectionLost)
+	s.Log.Info("stream ended", "class", res.Class, "took", time.Since(t0), "err", logErr(err))
+	if err := out.result(res); err != nil && sctx.Err() == nil {
+		s.Log.Warn("the stream did not receive its result", "err", err)
 	}
 }
 
