@@ -365,7 +365,20 @@ type GitLab struct {
 	// started) or "fail" (the job fails in prepare, before any VM boots,
 	// as a build failure naming them).
 	Services string `toml:"services"`
+	// Steps is how a GitLab Steps job's (`run:`) step stage runs
+	// (docs/steps.md): "shim" (default: the runner's own script, which
+	// runs `step-runner ci` in the guest) or "native" (the driver starts
+	// `step-runner serve` in the guest and runs the steps through its gRPC
+	// service over the job's SSH connection, re-attaching when that
+	// drops).
+	Steps string `toml:"steps"`
 }
+
+// gitlab.steps values.
+const (
+	StepsShim   = "shim"
+	StepsNative = "native"
+)
 
 // gitlab.services values.
 const (
@@ -613,6 +626,7 @@ func (c *Config) applyDefaults() {
 		c.Garm.SeedKeep = Duration(10 * time.Minute)
 	}
 	def(&c.GitLab.Services, ServicesWarn)
+	def(&c.GitLab.Steps, StepsShim)
 	c.Cache.applyDefaults()
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
@@ -862,6 +876,7 @@ func (g Garm) validate(p *problems, c *Config) {
 // validate checks [gitlab].
 func (g GitLab) validate(p *problems) {
 	p.oneOf("gitlab.services", g.Services, ServicesWarn, ServicesFail)
+	p.oneOf("gitlab.steps", g.Steps, StepsShim, StepsNative)
 }
 
 // validateImages checks the [images.NAME] tables, in name order.

@@ -190,6 +190,12 @@ func TestGitLabServicesSetting(t *testing.T) {
 	}
 	_, err = Parse([]byte(base + "[gitlab]\nservices = \"ignore\"\n"))
 	require.ErrorContains(t, err, `gitlab.services: "ignore" is not allowed; use one of "warn", "fail"`)
+	require.Equal(t, StepsShim, c.GitLab.Steps, "default: the runner's shim")
+	c, err = Parse([]byte(base + "[gitlab]\nsteps = \"native\"\n"))
+	require.NoError(t, err)
+	require.Equal(t, StepsNative, c.GitLab.Steps)
+	_, err = Parse([]byte(base + "[gitlab]\nsteps = \"grpc\"\n"))
+	require.ErrorContains(t, err, `gitlab.steps: "grpc" is not allowed; use one of "shim", "native"`)
 	_, err = Parse([]byte(base + "[gitlab]\nservice = \"fail\"\n"))
 	require.ErrorContains(t, err, "unknown key", "a misspelt key does not silently stay warn")
 }

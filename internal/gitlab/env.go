@@ -19,6 +19,9 @@ const DriverName = "libvirt-executor"
 // Env is what a stage gets from its process.
 type Env struct {
 	Getenv func(string) string
+	// Environ lists the stage's environment (native steps hand the job's
+	// CUSTOM_ENV_* to the steps); nil means os.Environ.
+	Environ func() []string
 	Stdout io.Writer
 	Stderr io.Writer
 	Log    *slog.Logger

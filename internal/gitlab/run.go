@@ -49,9 +49,14 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		defer early.drop(ctx, e, j, jm.Name)
 	}
 	var span time.Duration
-	held, err := runHeld(ctx, e, j, jm.Name, script, &span)
-	if !held {
-		err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
+	if nativeSteps(cfg, j, stage) {
+		err = runNative(ctx, e, j, jm.Name, &span)
+	} else {
+		var held bool
+		held, err = runHeld(ctx, e, j, jm.Name, script, &span)
+		if !held {
+			err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
+		}
 	}
 	e.Report.GuestSpan(span)
 	if op == cacheSave && err == nil {
