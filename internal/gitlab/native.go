@@ -123,6 +123,11 @@ func runNative(ctx context.Context, e Env, j *job, name string, span *time.Durat
 	}
 	err = r.Run(ctx, req)
 	*span = time.Since(t0)
+	outcome := "succeeded"
+	if err != nil {
+		outcome = "failed"
+	}
+	fmt.Fprintf(e.Stderr, "libvirt-executor: steps %s; the step stage took %s\n", outcome, span.Round(10*time.Millisecond))
 	if errors.Is(err, stepsvc.ErrNoStepRunner) {
 		err = exitcodes.System(fmt.Errorf("%w: set [guest_tools] step_runner in the driver configuration, or install step-runner in the image (docs/steps.md)", err))
 	}

@@ -139,9 +139,11 @@ func (r *Runner) Run(ctx context.Context, req Request) error {
 	if err := r.start(ctx); err != nil {
 		return err
 	}
-	r.Log.Info("step-runner service ready", "took", time.Since(t0))
+	r.Note("libvirt-executor: step-runner service ready in the VM in %s", time.Since(t0).Round(10*time.Millisecond))
 	s := &session{r: r, req: req, tailAt: -1}
+	t1 := time.Now()
 	err := s.run(ctx)
+	r.Log.Debug("steps ended", "took", time.Since(t1), "err", err)
 	// Close the run (its output directory with the file variables goes)
 	// and end the service with what the steps left running, whatever
 	// became of the run, on a context of its own: a cancelled stage
@@ -162,7 +164,7 @@ func (r *Runner) Run(ctx context.Context, req Request) error {
 			}
 		}
 		s.drop()
-		t1 := time.Now()
+		t2 := time.Now()
 		out, serr := r.output(cctx, stopCommand(r.Dir, r.StopGrace))
 		switch {
 		case serr != nil:
@@ -172,7 +174,7 @@ func (r *Runner) Run(ctx context.Context, req Request) error {
 		case strings.Contains(string(out), "left"):
 			r.Note("libvirt-executor: stopped the processes the steps left running")
 		}
-		r.Log.Info("step-runner service stopped", "took", time.Since(t1))
+		r.Log.Debug("step-runner service stopped", "took", time.Since(t2))
 	}
 	s.drop()
 	return err
@@ -319,7 +321,7 @@ func (s *session) run(ctx context.Context) error {
 			// Run is idempotent for an id the service has: a Run whose
 			// answer was lost is sent again.
 			if _, err = s.c.Run(ctx, s.runRequest()); err == nil {
-				s.r.Log.Info("steps started", "id", s.req.ID)
+				s.r.Log.Debug("steps started", "id", s.req.ID)
 				phase = phaseFollow
 			}
 		case phaseFollow:
