@@ -22,9 +22,9 @@ type Env struct {
 	// Environ lists the stage's environment (native steps hand the job's
 	// CUSTOM_ENV_* to the steps); nil means os.Environ.
 	Environ func() []string
-	Stdout io.Writer
-	Stderr io.Writer
-	Log    *slog.Logger
+	Stdout  io.Writer
+	Stderr  io.Writer
+	Log     *slog.Logger
 	// Connect opens the hypervisor; nil means libvirt (vm.Connect, in an
 	// executable that imports internal/vm/libvirtvm). Tests substitute a
 	// fake.

@@ -119,7 +119,7 @@ func runNative(ctx context.Context, e Env, j *job, name string, span *time.Durat
 	t0 := time.Now()
 	r := &stepsvc.Runner{
 		Stream: g.stream, Out: e.Stdout, Log: j.log,
-		Note:   func(format string, args ...any) { fmt.Fprintf(e.Stderr, format+"\n", args...) },
+		Note: func(format string, args ...any) { fmt.Fprintf(e.Stderr, format+"\n", args...) },
 	}
 	err = r.Run(ctx, req)
 	*span = time.Since(t0)

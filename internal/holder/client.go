@@ -66,7 +66,7 @@ func RunStage(ctx context.Context, socket string, st Stage) (stopInGuest bool, e
 		_ = conn.SetDeadline(time.Now().Add(grace + 10*time.Second))
 	})
 	defer stop()
-	if err := writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
+	if err := writeRequest(conn, Request{Version: protocolVersion, Tag: st.Tag, Shell: st.Shell, Script: st.Script, KillGrace: grace}); err != nil {
 		// The holder starts a script only after it read the whole request
 		// and said so (frameStarted): nothing ran.
 		return false, fmt.Errorf("%w: sending the stage failed: %v", ErrUnavailable, err)
@@ -141,7 +141,7 @@ func RunStream(ctx context.Context, socket, cmd string, stdin io.Reader, stdout 
 		_ = conn.SetDeadline(time.Now().Add(10 * time.Second))
 	})
 	defer stop()
-	if err := writeJSON(conn, frameRequest, Request{Version: streamVersion, Command: cmd}); err != nil {
+	if err := writeRequest(conn, Request{Version: streamVersion, Command: cmd}); err != nil {
 		return fmt.Errorf("%w: sending the stream failed: %v", ErrUnavailable, err)
 	}
 	started := false

@@ -131,7 +131,7 @@ func TestStageProcessGoneStopsTheScript(t *testing.T) {
 	conn, err := net.Dial("unix", r.sock)
 	require.NoError(t, err)
 	tag, _ := sshexec.NewTag()
-	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: protocolVersion, Tag: tag, Shell: "bash",
+	require.NoError(t, writeRequest(conn, Request{Version: protocolVersion, Tag: tag, Shell: "bash",
 		Script: []byte(fmt.Sprintf("sleep 300 &\necho $! > %s\nwait\n", marker)), KillGrace: time.Second}))
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
@@ -268,7 +268,7 @@ func TestBadRequestsAreRefused(t *testing.T) {
 	conn, err := net.Dial("unix", r.sock)
 	require.NoError(t, err)
 	defer conn.Close()
-	require.NoError(t, writeJSON(conn, frameRequest, Request{Version: 99, Script: []byte("touch /tmp/never")}))
+	require.NoError(t, writeRequest(conn, Request{Version: 99, Script: []byte("touch /tmp/never")}))
 	kind, b, err := readFrame(conn, maxControl)
 	require.NoError(t, err)
 	require.Equal(t, frameResult, kind)
@@ -390,7 +390,7 @@ func TestStreamLostConnection(t *testing.T) {
 	r := startHolder(t, nil)
 	r.ts.DropOn("DROP-NOW")
 	pr, pw := io.Pipe()
-	defer pw.Close()
+	defer func() { _ = pw.Close() }()
 	var out sshtest.Buffer
 	err := RunStream(context.Background(), r.sock, "echo DROP-NOW; cat", pr, &out)
 	require.ErrorIs(t, err, sshexec.ErrConnectionLost)
@@ -405,7 +405,7 @@ func TestStreamLostConnection(t *testing.T) {
 func TestStreamDeadGuest(t *testing.T) {
 	r := startHolder(t, func(tg *sshexec.Target) { tg.KeepaliveInterval, tg.KeepaliveCount = 100*time.Millisecond, 3 })
 	pr, pw := io.Pipe()
-	defer pw.Close()
+	defer func() { _ = pw.Close() }()
 	done := make(chan error, 1)
 	go func() { done <- RunStream(context.Background(), r.sock, "cat", pr, io.Discard) }()
 	_, err := pw.Write([]byte("x"))
@@ -425,7 +425,7 @@ func TestStreamDeadGuest(t *testing.T) {
 func TestStreamCancelAndUnavailable(t *testing.T) {
 	r := startHolder(t, nil)
 	pr, pw := io.Pipe()
-	defer pw.Close()
+	defer func() { _ = pw.Close() }()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- RunStream(ctx, r.sock, "cat", pr, io.Discard) }()

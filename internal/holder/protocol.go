@@ -158,12 +158,13 @@ func writeFrame(w io.Writer, kind byte, payload []byte) error {
 	return nil
 }
 
-func writeJSON(w io.Writer, kind byte, v any) error {
-	b, err := json.Marshal(v)
+// writeRequest sends a request frame.
+func writeRequest(w io.Writer, req Request) error {
+	b, err := json.Marshal(req)
 	if err != nil {
 		return err
 	}
-	return writeFrame(w, kind, b)
+	return writeFrame(w, frameRequest, b)
 }
 
 // readFrame reads one frame of at most limit bytes.

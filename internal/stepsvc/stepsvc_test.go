@@ -47,9 +47,6 @@ type localGuest struct {
 	mu   sync.Mutex
 	// proxies are the running `step-runner proxy` processes.
 	proxies map[*exec.Cmd]bool
-	// lose, if set, is consulted for each proxy started: true makes the
-	// stream fail as a lost connection when the proxy ends early.
-	lost atomic.Bool
 }
 
 func newLocalGuest(t *testing.T) *localGuest {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"path/filepath"
 	"regexp"
 	"slices"
 	"strings"
@@ -80,16 +81,61 @@ func StepsRound(ctx context.Context, o StepsOptions) (*StepsReport, error) {
 	if o.Runs <= 0 {
 		return nil, fmt.Errorf("steps bench: --runs must be > 0")
 	}
-	rep := &StepsReport{Runs: o.Runs, Modes: []StepsMode{{Name: "script: true"}, {Name: `run: [{script: "true"}] (shim)`}}}
+	rep := &StepsReport{Runs: o.Runs, Modes: []StepsMode{{Name: "script: true"}, {Name: `run: [{script: "true"}] (shim)`}, {Name: `run: [{script: "true"}] (native)`}}}
+	b, err := os.ReadFile(o.Config)
+	if err != nil {
+		return nil, err
+	}
+	dir, err := os.MkdirTemp("", "lve-bench-steps")
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	native := filepath.Join(dir, "config.toml")
+	if err := os.WriteFile(native, []byte(NativeStepsConfig(string(b))), 0o600); err != nil {
+		return nil, err
+	}
 	for i := range o.Runs {
-		if err := stepsRun(ctx, o, i, rep); err != nil {
+		// Shim and script: jobs in one gitlab-runner run; the native job
+		// in one of its own (another driver configuration), the order
+		// alternating between rounds.
+		first, second := func() error { return stepsRun(ctx, o, o.Config, i, rep, 0, 1) }, func() error { return stepsRun(ctx, o, native, i, rep, 2) }
+		if i%2 == 1 {
+			first, second = second, first
+		}
+		if err := first(); err != nil {
+			return rep, fmt.Errorf("run %d: %w", i+1, err)
+		}
+		if err := second(); err != nil {
 			return rep, fmt.Errorf("run %d: %w", i+1, err)
 		}
 	}
 	return rep, nil
 }
 
-func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) error {
+// NativeStepsConfig is a driver configuration with gitlab.steps = "native".
+func NativeStepsConfig(cfg string) string {
+	re := regexp.MustCompile(`(?m)^\[gitlab\]\s*$`)
+	if re.MatchString(cfg) {
+		cfg = regexp.MustCompile(`(?m)^steps = "[a-z]*"\s*$`).ReplaceAllString(cfg, "")
+		return re.ReplaceAllString(cfg, "[gitlab]\nsteps = \"native\"")
+	}
+	return cfg + "\n[gitlab]\nsteps = \"native\"\n"
+}
+
+// stepsJobs are the benchmark's jobs, one per StepsMode.
+var stepsJobs = func() []jobapi.Job {
+	timestamps := []jobapi.Variable{{Key: "FF_TIMESTAMPS", Value: "true"}}
+	return []jobapi.Job{
+		{Name: "script-noop", Script: []string{"true"}, Variables: timestamps},
+		{Name: "steps-noop", Run: `[{"name":"noop","script":"true"}]`, Variables: timestamps},
+		{Name: "steps-native-noop", Run: `[{"name":"noop","script":"true"}]`, Variables: timestamps},
+	}
+}()
+
+// stepsRun runs the jobs of modes (indexes of rep.Modes) through one
+// gitlab-runner run with the driver configuration cfg.
+func stepsRun(ctx context.Context, o StepsOptions, cfg string, run int, rep *StepsReport, modes ...int) error {
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	srv, err := jobapi.Start(sctx, jobapi.Options{Listen: o.Listen})
@@ -97,14 +143,16 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 		return err
 	}
 	defer func() { _ = srv.Close() }()
-	timestamps := []jobapi.Variable{{Key: "FF_TIMESTAMPS", Value: "true"}}
-	jobs := []jobapi.Job{
-		{Name: "script-noop", Script: []string{"true"}, Variables: timestamps},
-		{Name: "steps-noop", Run: `[{"name":"noop","script":"true"}]`, Variables: timestamps},
+	jobs := make([]jobapi.Job, len(modes))
+	for k, m := range modes {
+		jobs[k] = stepsJobs[m]
 	}
-	order := []int{0, 1}
+	order := make([]int, len(jobs))
+	for k := range order {
+		order[k] = k
+	}
 	if run%2 == 1 {
-		order = []int{1, 0}
+		slices.Reverse(order)
 	}
 	ids := make([]int64, len(jobs))
 	for _, k := range order {
@@ -117,12 +165,12 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 	go func() {
 		done <- jobapi.RunMulti(rctx, jobapi.RunMultiOptions{
 			Binary: o.Runner, URL: srv.URL(), Token: srv.RunnerToken(), Executor: "custom",
-			Custom:    jobapi.DriverStages(o.Bin, o.Config),
+			Custom:    jobapi.DriverStages(o.Bin, cfg),
 			BuildsDir: "/builds", CacheDir: "/cache", Concurrent: 1,
 			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + os.TempDir()}, Stdout: &out, Stderr: &out,
 		})
 	}()
-	var res [2]jobapi.Result
+	res := make([]jobapi.Result, len(jobs))
 	for k, id := range ids {
 		wctx, wcancel := context.WithTimeout(ctx, 5*time.Minute)
 		res[k], err = srv.Wait(wctx, id)
@@ -147,7 +195,7 @@ func stepsRun(ctx context.Context, o StepsOptions, run int, rep *StepsReport) er
 		if err != nil {
 			return fmt.Errorf("job %s: %w\n%s", jobs[k].Name, err, res[k].Trace)
 		}
-		m := &rep.Modes[k]
+		m := &rep.Modes[modes[k]]
 		m.Job = append(m.Job, res[k].Duration.Seconds())
 		m.Stage = append(m.Stage, st.Seconds())
 		if o.Log != nil {
@@ -182,9 +230,14 @@ func (r *StepsReport) WriteTable(w io.Writer) error {
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	if len(r.Modes) == 2 && len(r.Modes[0].Stage) > 0 && len(r.Modes[1].Stage) > 0 {
-		fmt.Fprintf(w, "shim mode's cost (medians): stage %+.2f s, job %+.2f s\n",
-			median(r.Modes[1].Stage)-median(r.Modes[0].Stage), median(r.Modes[1].Job)-median(r.Modes[0].Job))
+	for i, what := range []string{1: "shim", 2: "native"} {
+		if i == 0 {
+			continue
+		}
+		if len(r.Modes) > i && len(r.Modes[0].Stage) > 0 && len(r.Modes[i].Stage) > 0 {
+			fmt.Fprintf(w, "%s mode's cost (medians): stage %+.2f s, job %+.2f s\n", what,
+				median(r.Modes[i].Stage)-median(r.Modes[0].Stage), median(r.Modes[i].Job)-median(r.Modes[0].Job))
+		}
 	}
 	return nil
 }

@@ -30,3 +30,20 @@ func TestStepsTable(t *testing.T) {
 	require.Contains(t, b.String(), "12.00 (11.00-13.00)")
 	require.Contains(t, b.String(), "shim mode's cost (medians): stage +0.60 s, job +0.50 s")
 }
+
+func TestStepsTableNative(t *testing.T) {
+	r := &StepsReport{Runs: 3, Modes: []StepsMode{
+		{Name: "script: true", Job: []float64{12, 11, 13}, Stage: []float64{0.3, 0.2, 0.4}},
+		{Name: "run (shim)", Job: []float64{12.5, 12, 14}, Stage: []float64{0.9, 0.8, 1.0}},
+		{Name: "run (native)", Job: []float64{14, 13, 15}, Stage: []float64{2.3, 2.2, 2.4}},
+	}}
+	var b bytes.Buffer
+	require.NoError(t, r.WriteTable(&b))
+	require.Regexp(t, `(?s)shim mode's cost \(medians\): stage \+0\.60 s, job \+0\.50 s\nnative mode's cost \(medians\): stage \+2\.00 s, job \+2\.00 s`, b.String())
+}
+
+func TestNativeStepsConfig(t *testing.T) {
+	require.Equal(t, "a = 1\n\n[gitlab]\nsteps = \"native\"\n", NativeStepsConfig("a = 1\n"))
+	got := NativeStepsConfig("a = 1\n[gitlab]\nservices = \"warn\"\nsteps = \"shim\"\n[cache]\n")
+	require.Equal(t, "a = 1\n[gitlab]\nsteps = \"native\"\nservices = \"warn\"\n\n[cache]\n", got)
+}
