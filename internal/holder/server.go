@@ -264,16 +264,7 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
 		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr), Span: &span,
 	})
-	if errors.Is(err, sshexec.ErrConnectionLost) {
-		// The result goes out once the holder has seen the connection end
-		// (bounded): the job's next stage then gets a new connection, not
-		// the one that just failed under this stage.
-		select {
-		case <-ended:
-		case <-ctx.Done():
-		case <-time.After(lostNoticeWait):
-		}
-	}
+	awaitLost(ctx, err, ended)
 	res = resultOf(err)
 	res.SpanNs = int64(span)
 	s.Log.Info("stage ended", "class", res.Class, "code", res.Code, "took", time.Since(t0), "err", logErr(err))
@@ -328,13 +319,7 @@ func (s *Server) serveStream(ctx context.Context, conn net.Conn, out *frameWrite
 	t0 := time.Now()
 	err := c.Stream(sctx, req.Command, stdinR, out.stream(frameStdout))
 	_ = stdinR.Close()
-	if errors.Is(err, sshexec.ErrConnectionLost) {
-		select {
-		case <-ended:
-		case <-ctx.Done():
-		case <-time.After(lostNoticeWait):
-		}
-	}
+	awaitLost(ctx, err, ended)
 	res = resultOf(err)
 	if res.Class == classScript {
 		// A stream's command is the driver's own: its exit is no script's.
@@ -344,6 +329,21 @@ func (s *Server) serveStream(ctx context.Context, conn net.Conn, out *frameWrite
 	s.Log.Info("stream ended", "class", res.Class, "took", time.Since(t0), "err", logErr(err))
 	if err := out.result(res); err != nil && sctx.Err() == nil {
 		s.Log.Warn("the stream did not receive its result", "err", err)
+	}
+}
+
+// awaitLost: when err says the connection was lost, the result goes out
+// once the holder has seen the connection end (bounded), so that the job's
+// next stage or stream gets a new connection, not the one that just failed
+// under this one.
+func awaitLost(ctx context.Context, err error, ended <-chan struct{}) {
+	if !errors.Is(err, sshexec.ErrConnectionLost) {
+		return
+	}
+	select {
+	case <-ended:
+	case <-ctx.Done():
+	case <-time.After(lostNoticeWait):
 	}
 }
 

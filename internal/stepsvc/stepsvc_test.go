@@ -21,6 +21,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 )
 
 // These tests run the real step-runner (serve and proxy) on this machine,
@@ -163,7 +164,7 @@ func TestNativeNoStepRunner(t *testing.T) {
 func TestNativeReattach(t *testing.T) {
 	t.Parallel()
 	g := newLocalGuest(t)
-	var out syncBuffer
+	var out syncbuf.Buffer
 	r, _ := g.runner(t, &out)
 	var reattached atomic.Int32
 	r.Reattached = func(int64) { reattached.Add(1) }
@@ -193,7 +194,7 @@ func TestNativeReattach(t *testing.T) {
 func TestNativeCancelStopsEverything(t *testing.T) {
 	t.Parallel()
 	g := newLocalGuest(t)
-	var out syncBuffer
+	var out syncbuf.Buffer
 	r, dir := g.runner(t, &out)
 	pidFile := filepath.Join(t.TempDir(), "bg.pid")
 	script := fmt.Sprintf(`sleep 600 & echo $! > %s; echo started; sleep 600`, pidFile)
@@ -221,7 +222,7 @@ func TestNativeCancelStopsEverything(t *testing.T) {
 func TestNativeDeadGuest(t *testing.T) {
 	t.Parallel()
 	g := newLocalGuest(t)
-	var out syncBuffer
+	var out syncbuf.Buffer
 	r, _ := g.runner(t, &out)
 	r.ReconnectFor = time.Minute
 	var dead atomic.Bool
@@ -298,21 +299,4 @@ func alive(pid int) bool {
 	}
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	return err == nil && !strings.Contains(string(b), ") Z ")
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
