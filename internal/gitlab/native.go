@@ -70,6 +70,10 @@ func stepsRequest(e Env, dir string) (stepsvc.Request, []string, error) {
 	id := strconv.FormatInt(p.ID, 10)
 	req := stepsvc.Request{ID: id, Steps: p.Run, Env: map[string]string{},
 		BuildDir: e.Getenv("CUSTOM_ENV_CI_PROJECT_DIR")}
+	if req.BuildDir == "" {
+		// The steps would run in the service's private directory.
+		return stepsvc.Request{}, nil, exitcodes.System(errors.New("CUSTOM_ENV_CI_PROJECT_DIR is empty: the runner gives every run stage the job's project directory"))
+	}
 	var skipped []string
 	environ := e.Environ
 	if environ == nil {
@@ -107,11 +111,25 @@ const customEnvPrefix = "CUSTOM_ENV_"
 // guest (docs/steps.md, "Native mode").
 func runNative(ctx context.Context, e Env, j *job, name string, span *time.Duration) error {
 	req, skipped, err := stepsRequest(e, stepsvc.DefaultDir)
+	if exitcodes.Classify(err) == exitcodes.BuildClass {
+		// The job's own run: is wrong: a script failure, as the shim's
+		// step-runner ci would fail on it.
+		fmt.Fprintf(e.Stderr, "libvirt-executor: %v\n", err)
+		return &exitcodes.ScriptError{Code: 1}
+	}
 	if err != nil {
 		return err
 	}
 	if len(skipped) > 0 {
-		fmt.Fprintf(e.Stderr, "libvirt-executor: variables not handed to the steps (a name must be letters, digits and '_'): %s\n", shown(strings.Join(skipped, ", ")))
+		names := make([]string, 0, min(len(skipped), 10))
+		for _, k := range skipped[:min(len(skipped), 10)] {
+			names = append(names, shown(k))
+		}
+		more := ""
+		if len(skipped) > 10 {
+			more = fmt.Sprintf(" and %d more", len(skipped)-10)
+		}
+		fmt.Fprintf(e.Stderr, "libvirt-executor: variables not handed to the steps (a name must be letters, digits and '_'): %s%s\n", strings.Join(names, ", "), more)
 	}
 	g := &stepsGuest{e: e, j: j, name: name}
 	defer g.close()

@@ -40,6 +40,13 @@ func TestStepsRequest(t *testing.T) {
 	require.True(t, req.Variables[0].Masked)
 	require.True(t, req.Variables[1].File)
 
+	// Without the project directory the steps would run in the service's
+	// own directory: refused.
+	env["CUSTOM_ENV_CI_PROJECT_DIR"] = ""
+	_, _, err = stepsRequest(e, "/tmp/svc")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	env["CUSTOM_ENV_CI_PROJECT_DIR"] = "/builds/g/p"
+
 	// A run: that is not JSON is the job's fault.
 	require.NoError(t, os.WriteFile(payload, []byte(`{"id": 77, "run": "[{not json"}`), 0o600))
 	_, _, err = stepsRequest(e, "/tmp/svc")

@@ -126,6 +126,11 @@ func RunStream(ctx context.Context, socket, cmd string, stdin io.Reader, stdout 
 	d := net.Dialer{Timeout: connectWait}
 	conn, err := d.DialContext(ctx, "unix", socket)
 	if err != nil {
+		if ctx.Err() != nil {
+			// Stopped, not unavailable: the caller must not give up on
+			// the holder for it.
+			return fmt.Errorf("stream stopped: %w", context.Cause(ctx))
+		}
 		return fmt.Errorf("%w: %v", ErrUnavailable, err)
 	}
 	defer conn.Close()

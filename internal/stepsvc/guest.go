@@ -37,7 +37,14 @@ const (
 	answerNotOwned   = "not-owned"
 	answerServeEnded = "serve-ended"
 	answerServeSlow  = "serve-slow"
+	answerGone       = "gone"
 )
+
+// aliveCommand answers "gone" when the service recorded in dir no longer
+// runs or has no socket.
+func aliveCommand(dir string) string {
+	return strings.ReplaceAll(`p=$(cat {d}/serve.pid 2>/dev/null); if [ -n "$p" ] && kill -0 "$p" 2>/dev/null && [ -S {d}/step-runner.sock ]; then echo alive; else echo `+answerGone+`; fi`, "{d}", dir)
+}
 
 // startCommand starts `step-runner serve` in the guest unless it runs
 // already (a second stage process of the same job, or a re-attach), and
@@ -80,27 +87,31 @@ func proxyCommand(dir string) string {
 
 // stopCommand ends the service and everything in its session (the steps
 // and what they left running: Close stops only a step's direct child).
-// The service goes first, with SIGKILL (it does not end on SIGTERM, and
-// holds nothing once its run is closed); what is left of its process group
-// gets SIGTERM, up to grace, then SIGKILL. It answers "left" when there was
-// something left, and "killed" when that ignored SIGTERM. Processes are
-// read from /proc (a zombie does not count: an init that is slow to reap
-// must not look like a step that ignores signals). Then the directory goes
-// (logs, and the file variables of a run that was not closed).
+// The service goes first, with SIGKILL (it holds nothing once its run is
+// closed, and its own SIGTERM handling waits for its connections); what is
+// left of its session gets SIGTERM, up to grace, then SIGKILL, process by
+// process. It answers "left" when there was something left, and "killed"
+// when that ignored SIGTERM. Processes are read from /proc (a zombie does
+// not count: an init that is slow to reap must not look like a step that
+// ignores signals). A process that left the session (setsid) is not found,
+// as with the stage wrapper. Then the directory goes (logs, and the file
+// variables of a run that was not closed). The pid file is in the job's
+// user's directory: 0, 1 or anything but digits is refused.
 func stopCommand(dir string, grace time.Duration) string {
 	ticks := int(grace / (100 * time.Millisecond))
 	return strings.NewReplacer("{d}", dir, "{ticks}", fmt.Sprint(ticks)).Replace(strings.Join([]string{
 		`[ -d {d} ] && [ ! -L {d} ] && [ -O {d} ] || exit 0`,
 		`p=$(cat {d}/serve.pid 2>/dev/null)`,
-		`case "$p" in ''|*[!0-9]*) p= ;; esac`,
-		`live() { for f in /proc/[0-9]*/stat; do read -r l 2>/dev/null < $f || continue; l=${l##*) }; set -- $l; [ "$3" = "$p" ] && [ "$1" != Z ] && return 0; done; return 1; }`,
+		`case "$p" in ''|*[!0-9]*|0|1) p= ;; esac`,
+		`live() { for f in /proc/[0-9]*/stat; do read -r l 2>/dev/null < $f || continue; q=${f#/proc/}; q=${q%/stat}; l=${l##*) }; set -- $l; [ "$4" = "$p" ] && [ "$1" != Z ] && echo $q; done; }`,
 		`if [ -n "$p" ]; then`,
 		`  kill -KILL $p 2>/dev/null`,
 		`  i=0; while [ -r /proc/$p/stat ] && [ $i -lt 20 ]; do read -r l 2>/dev/null < /proc/$p/stat || break; l=${l##*) }; [ "${l%% *}" = Z ] && break; sleep 0.05; i=$((i+1)); done`,
-		`  if live; then`,
-		`    echo left; kill -TERM -$p 2>/dev/null`,
-		`    i=0; while live && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done`,
-		`    live && kill -KILL -$p 2>/dev/null && echo killed`,
+		`  s=$(live)`,
+		`  if [ -n "$s" ]; then`,
+		`    echo left; kill -TERM $s 2>/dev/null`,
+		`    i=0; while [ -n "$(live)" ] && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done`,
+		`    s=$(live); [ -n "$s" ] && kill -KILL $s 2>/dev/null && echo killed`,
 		`  fi`,
 		`fi`,
 		`rm -rf {d}`,

@@ -72,8 +72,9 @@ func (p *pipe) ended() error {
 }
 
 // conn is a pipe as the net.Conn gRPC's transport wants. Deadlines are not
-// supported (gRPC's HTTP/2 client does not need them: its keepalive and the
-// calls' contexts bound it, and the pipe's own transport has a keepalive).
+// supported (gRPC's HTTP/2 client does not need them: the calls' contexts
+// bound it, and the pipe's SSH connection has a keepalive that ends it when
+// the guest stops answering).
 type conn struct{ *pipe }
 
 type pipeAddr struct{}

@@ -151,7 +151,7 @@ func (r *Runner) Run(ctx context.Context, req Request) error {
 	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.StopGrace+20*time.Second)
 	defer cancel()
 	if !errors.Is(err, sshexec.ErrDeadGuest) {
-		if ctx.Err() != nil || s.c == nil || s.p.ended() != nil {
+		if ctx.Err() != nil || s.c == nil || s.p == nil || s.p.ended() != nil {
 			// The connection went with the stage's context (or was lost):
 			// a new one for the Close.
 			if cerr := s.connect(cctx); cerr != nil {
@@ -188,6 +188,8 @@ func (r *Runner) start(ctx context.Context) error {
 	}
 	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
 	switch answer := lines[len(lines)-1]; {
+	case lines[0] == answerServeEnded:
+		return exitcodes.System(fmt.Errorf("step-runner serve ended at once in the guest: %s", printable(strings.Join(lines[1:], " "), 500)))
 	case answer == answerReady:
 		return nil
 	case answer == answerNoRunner:
@@ -196,8 +198,6 @@ func (r *Runner) start(ctx context.Context) error {
 		return exitcodes.System(fmt.Errorf("the guest lacks %s, which native steps need (use [steps] mode = \"shim\" for this image)", strings.TrimPrefix(answer, "no-")))
 	case answer == answerNotOwned:
 		return exitcodes.System(fmt.Errorf("%s in the guest is not a directory of the job's user: refusing to use it", r.Dir))
-	case lines[0] == answerServeEnded:
-		return exitcodes.System(fmt.Errorf("step-runner serve ended at once in the guest: %s", printable(strings.Join(lines[1:], " "), 500)))
 	case answer == answerServeSlow:
 		return exitcodes.System(fmt.Errorf("step-runner serve did not open its socket within %s", r.StartWait))
 	default:
@@ -205,9 +205,30 @@ func (r *Runner) start(ctx context.Context) error {
 	}
 }
 
+// ErrServiceGone means the service ended during the steps.
+var ErrServiceGone = errors.New("the step-runner service ended during the steps")
+
+// serviceGone checks, after a failed reconnection, whether the service
+// itself ended (a step that signals its own process group, `kill 0`, ends
+// it too: the steps run in its group). That is the steps' doing, as the
+// same signal ends the shim's `step-runner ci`: a build failure, said in
+// the job log, instead of reconnecting in vain.
+func (r *Runner) serviceGone(ctx context.Context) error {
+	out, err := r.output(ctx, aliveCommand(r.Dir))
+	if err != nil || strings.TrimSpace(string(out)) != answerGone {
+		return nil
+	}
+	r.Note("libvirt-executor: %v: did a step signal its process group (kill 0)? The steps' result is lost", ErrServiceGone)
+	return fmt.Errorf("%w: %w", ErrServiceGone, &exitcodes.ScriptError{Code: 1})
+}
+
 // output runs a fixed command and returns its stdout (bounded).
 func (r *Runner) output(ctx context.Context, cmd string) ([]byte, error) {
 	out := &capped{limit: 64 << 10}
+	// Each command is bounded: a guest that takes it and never answers
+	// must not hold the stage.
+	ctx, cancel := context.WithTimeout(ctx, r.StartWait+r.StopGrace+30*time.Second)
+	defer cancel()
 	err := r.Stream(ctx, cmd, strings.NewReader(""), out)
 	return out.b, err
 }
@@ -274,7 +295,7 @@ func (s *session) drop() {
 	if s.p != nil {
 		_ = s.p.Close()
 	}
-	s.p, s.cc = nil, nil
+	s.p, s.cc, s.c = nil, nil, nil
 }
 
 // lost says whether err is the connection's end (a reconnect may help),
@@ -290,7 +311,7 @@ func (s *session) lost(err error) (bool, error) {
 	if errors.Is(end, sshexec.ErrDeadGuest) || errors.Is(err, sshexec.ErrDeadGuest) {
 		return false, exitcodes.System(fmt.Errorf("the steps' connection: %w", end))
 	}
-	if errors.Is(err, sshexec.ErrConnectionLost) {
+	if errors.Is(err, sshexec.ErrConnectionLost) || errors.Is(end, sshexec.ErrConnectionLost) {
 		return true, nil
 	}
 	if st, ok := status.FromError(err); ok {
@@ -298,6 +319,10 @@ func (s *session) lost(err error) (bool, error) {
 	}
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF), nil
 }
+
+// maxReconnects bounds the reconnections of one run (a connection that
+// keeps dropping and coming back).
+const maxReconnects = 20
 
 // Phases of a run on the client side.
 const (
@@ -314,6 +339,7 @@ func (s *session) run(ctx context.Context) error {
 	}
 	phase := phaseRun
 	var lostSince time.Time
+	reconnects := 0
 	for attempt := 0; ; {
 		var err error
 		switch phase {
@@ -329,7 +355,11 @@ func (s *session) run(ctx context.Context) error {
 			if off, err = s.resumeAt(ctx); err == nil {
 				if attempt > 0 {
 					s.r.Log.Info("re-attached to the steps", "offset", off, "lines", s.lines)
-					s.r.Note("libvirt-executor: the connection to the step-runner service was lost; re-attached, the log goes on after line %d", s.lines)
+					if s.lines == 0 {
+						s.r.Note("libvirt-executor: the connection to the step-runner service was lost; re-attached, the log goes on from its start")
+					} else {
+						s.r.Note("libvirt-executor: the connection to the step-runner service was lost; re-attached, the log goes on after line %d", s.lines)
+					}
 					if s.r.Reattached != nil {
 						s.r.Reattached(off)
 					}
@@ -370,7 +400,9 @@ func (s *session) run(ctx context.Context) error {
 		if !lost {
 			switch phase {
 			case phaseRun:
-				return s.refused(err)
+				if st, ok := status.FromError(err); ok && st.Code() == codes.Unknown {
+					return s.refused(err)
+				}
 			case phaseFollow:
 				if st, ok := status.FromError(err); ok && st.Code() == codes.Unknown {
 					// The service ended the stream itself (a line over its
@@ -382,7 +414,7 @@ func (s *session) run(ctx context.Context) error {
 					continue
 				}
 			}
-			return exitcodes.System(fmt.Errorf("the step-runner service: %w", err))
+			return exitcodes.System(fmt.Errorf("the step-runner service: %s", printable(err.Error(), 1000)))
 		}
 		// The connection is lost: make it again, for a while.
 		s.r.Log.Warn("the connection to the step-runner service was lost", "err", err, "why", s.endOfPipe())
@@ -399,13 +431,28 @@ func (s *session) run(ctx context.Context) error {
 				return exitcodes.System(fmt.Errorf("stage stopped: %w", context.Cause(ctx)))
 			case <-time.After(min(time.Duration(attempt)*100*time.Millisecond, 2*time.Second)):
 			}
+			reconnects++
+			if reconnects > maxReconnects {
+				return exitcodes.System(fmt.Errorf("the connection to the step-runner service was lost %d times: giving up", maxReconnects))
+			}
 			if err := s.connect(ctx); err != nil {
 				return err
 			}
-			// The service answering is the connection made again.
-			if _, err := s.c.Status(ctx, &proto.StatusRequest{Id: s.req.ID}); err != nil {
+			// Any answer of the service is the connection made again (a
+			// Status of all runs: the run may not be there yet). The
+			// attempt is bounded: a guest that takes the command and
+			// never runs it must not hold the stage past ReconnectFor.
+			actx, cancel := context.WithTimeout(ctx, max(s.r.ReconnectFor-time.Since(lostSince), time.Second))
+			_, err := s.c.Status(actx, &proto.StatusRequest{})
+			cancel()
+			if err != nil {
 				if _, fatal := s.lost(err); fatal != nil {
 					return fatal
+				}
+				if ctx.Err() == nil {
+					if gone := s.r.serviceGone(ctx); gone != nil {
+						return gone
+					}
 				}
 				s.r.Log.Warn("reconnecting to the step-runner service failed", "err", err, "why", s.endOfPipe())
 				attempt++

@@ -150,6 +150,24 @@ func TestNativeRunSucceedsAndFails(t *testing.T) {
 	require.Equal(t, 1, se.Code)
 }
 
+// A step that signals its own process group (kill 0) ends the service too:
+// the steps' doing, a build failure at once, not a reconnection in vain.
+func TestNativeStepKillsItsGroup(t *testing.T) {
+	t.Parallel()
+	g := newLocalGuest(t)
+	var out syncbuf.Buffer
+	r, dir := g.runner(t, &out)
+	r.ReconnectFor = time.Minute
+	t0 := time.Now()
+	err := r.Run(context.Background(), Request{ID: "51", BuildDir: t.TempDir(), Steps: `[{"name":"k","script":"echo before; kill -TERM 0; sleep 5"}]`})
+	require.ErrorIs(t, err, ErrServiceGone)
+	code, ok := exitcodes.ScriptCode(err)
+	require.True(t, ok, "%v", err)
+	require.Equal(t, 1, code)
+	require.Less(t, time.Since(t0), 30*time.Second, "no reconnecting for a minute")
+	require.NoDirExists(t, dir)
+}
+
 func TestNativeNoStepRunner(t *testing.T) {
 	t.Parallel()
 	g := &localGuest{path: "/usr/bin:/bin", proxies: map[*exec.Cmd]bool{}}
