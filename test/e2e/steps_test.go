@@ -113,7 +113,7 @@ func stepsJSON(t *testing.T, steps ...map[string]any) string {
 // stops, leaving nothing (the leftover check after the test); a job without
 // image: gets the default VM image. (The job timeout is the runner's
 // SIGTERM to the stage, as a cancel is: TestRealRunnerJobTimeout checks it
-// for a stage, and TestFaultNativeSteps for a native step stage.)
+// for a stage, and TestFaultNativeSteps the SIGTERM of a native step stage.)
 func TestStepsShim(t *testing.T) {
 	rr := newRealRunner(t)
 	requireGuestStepRunner(t, rr.r)
