@@ -128,9 +128,9 @@ func requireLinesOnce(t *testing.T, out string, n int) {
 }
 
 // TestFaultNativeSteps: native steps in one tiny VM, stage after stage:
-// the connection holder SIGKILLed mid-step, and then every SSH connection
-// to the guest killed mid-step: the step goes on, the stage re-attaches
-// and succeeds, and its log has every line once. A stage stopped (SIGTERM:
+// every SSH connection to the guest killed mid-step, and later in the same
+// step the connection holder SIGKILLed: the step goes on, the stage
+// re-attaches each time and succeeds, and its log has every line once. A stage stopped (SIGTERM:
 // cancel, timeout) mid-step stops the step and what it left running. The
 // guest destroyed mid-step is a system failure within the dead-guest bound
 // that says what became of the VM.
@@ -138,31 +138,34 @@ func TestFaultNativeSteps(t *testing.T) {
 	r := setup(t)
 	requireGuestStepRunner(t, r)
 	r = r.withConfig(t, withNativeSteps)
-	const n = 25
+	const n = 40
 	s := nativeStage(t, r, linesScript(n))
 	require.Equal(t, 0, s.run(t, "config").code)
 	require.Equal(t, 0, s.run(t, "prepare").code)
 	script := filepath.Join(s.dir, "script.")
 	require.NoError(t, os.WriteFile(script, []byte("echo the runner's shim script, not used in native mode\nexit 99\n"), 0o700))
 
-	t.Run("SSH connections killed", func(t *testing.T) {
+	// One step, two drops: every SSH connection killed at line 5 (the
+	// stream comes back through the holder, which connects again), then
+	// the holder SIGKILLed at line 20 (it comes back directly).
+	t.Run("SSH connections and then the holder killed", func(t *testing.T) {
 		rn := s.start(t, "run", script, "build_script")
 		waitFor(t, 2*time.Minute, "line 5 in the stage's output", func() bool { return strings.Contains(rn.out.String(), "line 5\n") })
+		holderPID := s.holderPID(t)
 		// Every sshd serving a connection in the guest (the stage's own
 		// and this one's included); the service runs in its own session.
 		s.runScript(t, "prepare_script", guestProcs("sshd*@notty*", "kill -KILL $p")+"true\n")
+		waitFor(t, time.Minute, "the first re-attach", func() bool {
+			if rn.ended() {
+				t.Fatalf("the stage ended before its first re-attach:\n%s", rn.err.String())
+			}
+			return strings.Count(rn.err.String(), "re-attached, the log goes on") == 1
+		})
+		waitFor(t, time.Minute, "line 20 in the stage's output", func() bool { return strings.Contains(rn.out.String(), "line 20\n") })
+		killHolder(t, holderPID)
 		res := rn.wait(t, 3*time.Minute)
 		require.Equal(t, 0, res.code, res.stderr)
-		require.Contains(t, res.stderr, "re-attached")
-		requireLinesOnce(t, res.stdout, n)
-	})
-	t.Run("holder killed", func(t *testing.T) {
-		rn := s.start(t, "run", script, "build_script")
-		waitFor(t, 2*time.Minute, "line 5 in the stage's output", func() bool { return strings.Contains(rn.out.String(), "line 5\n") })
-		killHolder(t, s.holderPID(t))
-		res := rn.wait(t, 3*time.Minute)
-		require.Equal(t, 0, res.code, res.stderr)
-		require.Contains(t, res.stderr, "re-attached")
+		require.Equal(t, 2, strings.Count(res.stderr, "re-attached, the log goes on"), res.stderr)
 		requireLinesOnce(t, res.stdout, n)
 	})
 	t.Run("stage stopped", func(t *testing.T) {
