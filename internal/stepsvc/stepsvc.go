@@ -259,8 +259,6 @@ type session struct {
 	// where to resume.
 	lines int64
 	open  bool
-	// bytes is what was written to Out.
-	bytes int64
 	// tailAt is where the copy of the log file stands (-1: not started).
 	tailAt int64
 }
@@ -528,8 +526,7 @@ func (s *session) take(b []byte) {
 		s.lines++
 		s.open = true
 	}
-	n, _ := s.r.Out.Write(b)
-	s.bytes += int64(n)
+	_, _ = s.r.Out.Write(b)
 }
 
 // resumeAt is the log file's offset after the last line received: asked of
@@ -582,9 +579,8 @@ func (s *session) tail(ctx context.Context) error {
 		s.tailAt = off
 	}
 	return s.r.Stream(ctx, tailCommand(s.r.Dir, s.req.ID, s.tailAt), strings.NewReader(""), writerFunc(func(b []byte) (int, error) {
-		n, err := s.r.Out.Write(b)
+		_, err := s.r.Out.Write(b)
 		s.tailAt += int64(len(b))
-		s.bytes += int64(n)
 		return len(b), err
 	}))
 }
