@@ -2,8 +2,16 @@
 SHELL := /bin/bash
 export PATH := /usr/local/go/bin:$(PATH)
 GO ?= go
-VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
-LDFLAGS := -X gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo.Version=$(VERSION)
+# Version, commit and build date (deploy/package/version.sh): stamped into every
+# executable (--version) and the package's name.
+BUILD_ID := $(shell deploy/package/version.sh 2>/dev/null)
+VERSION ?= $(or $(word 1,$(BUILD_ID)),dev)
+COMMIT ?= $(word 2,$(BUILD_ID))
+BUILD_DATE ?= $(word 3,$(BUILD_ID))
+BI := gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo
+LDFLAGS := -X $(BI).Version=$(VERSION) -X $(BI).Commit=$(COMMIT) -X $(BI).Date=$(BUILD_DATE)
+# The six executables a host installs are position-independent (-buildmode=pie), as
+# Debian builds its own; the package ships them stripped (make package).
 # urfave/cli without its man/markdown generators (and their markdown library):
 # nothing here uses them, and every stage start paid for their initialisation.
 BUILD_TAGS := urfave_cli_no_docs
@@ -22,7 +30,7 @@ BENCH_STEPS_RUNS ?= 3
 comma := ,
 GO_WANT := $(shell sed -n 's/^go //p' go.mod)
 
-.PHONY: help deps build build-prereqs test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
+.PHONY: help deps build build-prereqs package test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
 
 # `build` needs only Go (and the C toolchain and libvirt-dev of the cgo binding), not
 # root. The targets below install what they need first (root): when one of them is
@@ -40,9 +48,9 @@ deps: ## install what build, lint and the tests need: Debian packages, shellchec
 
 build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the test harness and the benchmark into bin/ (needs Go: make deps)
 	@mkdir -p $(BIN)
-	@for s in $(STAGES); do $(GO) build -trimpath -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
-	@$(GO) build -trimpath -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
-	@$(GO) build -trimpath -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm
+	@for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
+	@$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
+	@$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm
 	@$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness
 	@$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench
 	@$(GO) build -trimpath -o $(BIN)/lve-panels ./cmd/lve-panels
@@ -148,6 +156,9 @@ install: deps build ## install the stage executables and the admin tool into $(P
 	@echo "  systemctl enable --now libvirt-executor-gc.timer     # sweep leftovers"
 	@echo "  systemctl enable --now libvirt-executor.service      # standby pools (images with [images.NAME.pool]; docs/pool.md)"
 	@echo "  systemctl try-restart libvirt-executor.service       # after an upgrade, if it runs"
+
+package: build ## build the Debian package bin/libvirt-executor_VERSION_amd64.deb (executables, units, example configuration, guard hook, docs; not root; docs/install.md)
+	@deb=$$(deploy/package/build.sh $(BIN)) && echo "package: $$deb"
 
 clean: ## remove build output
 	rm -rf $(BIN)

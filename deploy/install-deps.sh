@@ -28,9 +28,22 @@ set -euo pipefail
 # (started by the test in the rig's namespace; the package's own service is not started)
 # and check the endpoint and the shipped rules with promtool.
 # python3: the unit tests run the garm bootstrap's HTTP code (internal/garm/bootstrap.py).
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3)
+# lintian: the e2e package test checks the built .deb (make package) with it.
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
+# The package manager's and go install's output go here, not to the terminal; a
+# failing step shows the log's end and names it.
+LVE_APT_LOG=${LVE_APT_LOG:-/var/log/libvirt-executor-setup.log}
+# logged CMD...: run CMD with its output appended to $LVE_APT_LOG.
+logged() {
+	printf '\n=== %s: %s\n' "$(date -u +%FT%TZ)" "$*" >>"$LVE_APT_LOG" 2>/dev/null || LVE_APT_LOG=/dev/null
+	"$@" >>"$LVE_APT_LOG" 2>&1 && return 0
+	local rc=$?
+	[ "$LVE_APT_LOG" = /dev/null ] || tail -n 20 "$LVE_APT_LOG" >&2
+	log "'$*' failed (exit $rc; its output: $LVE_APT_LOG)"
+	return "$rc"
+}
 log() { printf 'install-deps: %s\n' "$*" >&2; }
 
 install_packages() {
@@ -40,9 +53,9 @@ install_packages() {
 	done
 	((${#missing[@]})) || return 0
 	[ "$(id -u)" = 0 ] || die "missing Debian packages ${missing[*]}: run 'make deps' as root"
-	log "installing ${missing[*]}"
+	local t0=$SECONDS
 	export DEBIAN_FRONTEND=noninteractive
-	apt-get update -qq || log "apt-get update reported errors (unreachable extra repositories?); continuing"
+	logged apt-get update -qq || log "apt-get update reported errors (unreachable extra repositories?); continuing"
 	# No package may start its service here (prometheus would listen on
 	# :9090 in the root namespace): a policy-rc.d that refuses every start,
 	# unless the host has one of its own; removed again whatever happens.
@@ -52,7 +65,8 @@ install_packages() {
 		printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 0755 "$policy" && ours=1
 	fi
 	local rc=0
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null || rc=$?
+	logged apt-get install -y -qq --no-install-recommends "${missing[@]}" </dev/null || rc=$?
+	[ "$rc" -ne 0 ] || log "installed ${missing[*]} in $((SECONDS - t0)) s (log: $LVE_APT_LOG)"
 	if [ -n "$ours" ]; then
 		rm -f "$policy"
 		trap - EXIT INT TERM
@@ -168,8 +182,9 @@ install_lint() {
 	if "$dest/golangci-lint" version 2>/dev/null | grep -q "has version ${GOLANGCI_LINT_VERSION#v} "; then
 		return 0
 	fi
-	echo "install-deps: building golangci-lint $GOLANGCI_LINT_VERSION into $dest (about 2 minutes)"
-	GOBIN=$dest GOFLAGS='' GOENV=off "$gobin" install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_LINT_VERSION"
+	local t0=$SECONDS
+	logged env GOBIN="$dest" GOFLAGS='' GOENV=off "$gobin" install "github.com/golangci/golangci-lint/v2/cmd/golangci-lint@$GOLANGCI_LINT_VERSION" || return 1
+	log "built golangci-lint $GOLANGCI_LINT_VERSION into $dest in $((SECONDS - t0)) s"
 }
 
 main() {

@@ -97,7 +97,7 @@ func app() *cli.App {
 	return &cli.App{
 		Name:    "libvirt-executor",
 		Usage:   "administer libvirt-executor job VMs",
-		Version: buildinfo.Version,
+		Version: buildinfo.String(),
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
 		},

@@ -12,6 +12,7 @@ import (
 	"os/signal"
 	"syscall"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -19,6 +20,11 @@ import (
 )
 
 func main() {
+	if len(os.Args) == 2 && (os.Args[1] == "--version" || os.Args[1] == "-v") {
+		// garm asks with GARM_COMMAND=GetVersion; an admin asks this way.
+		fmt.Println("libvirt-executor-garm version " + buildinfo.String())
+		return
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	code := run(ctx, os.Getenv, os.Stdin, os.Stdout, os.Stderr, nil)
 	stop()

@@ -12,7 +12,12 @@ lve_image_hash() {
 		xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 
-# lve_apt_install PKG...: install the packages that are not installed yet, quietly.
+# The log of the package manager's output (make deps, demo, test print one line per
+# step; the log is named when a step fails).
+LVE_APT_LOG=${LVE_APT_LOG:-/var/log/libvirt-executor-setup.log}
+
+# lve_apt_install PKG...: install the packages that are not installed yet, quietly: one
+# line, the package manager's output in $LVE_APT_LOG (its end shown if it fails).
 # Never starts services (policy-rc.d), runs apt-get update at most once per process.
 lve_apt_install() {
 	local missing=() p st
@@ -21,11 +26,11 @@ lve_apt_install() {
 		[ "$st" = installed ] || missing+=("$p")
 	done
 	[ ${#missing[@]} -eq 0 ] && return 0
-	lve_log "installing: ${missing[*]}"
+	local t0=$SECONDS
 	export DEBIAN_FRONTEND=noninteractive
 	if [ -z "${LVE_APT_UPDATED:-}" ]; then
 		# A failing third-party source must not stop us: Debian's mirror is what we need.
-		apt-get update -qq >/dev/null 2>&1 || apt-get update -qq >&2 || true
+		apt-get update -qq >>"$LVE_APT_LOG" 2>&1 || true
 		LVE_APT_UPDATED=1
 	fi
 	local prc=/usr/sbin/policy-rc.d made_prc=
@@ -35,9 +40,14 @@ lve_apt_install() {
 		printf '#!/bin/sh\nexit 101\n' >"$prc"; chmod 0755 "$prc"; made_prc=1
 	fi
 	local rc=0
-	apt-get install -y -qq --no-install-recommends "${missing[@]}" >&2 </dev/null || rc=$?
+	printf '\n=== %s: apt-get install %s\n' "$(date -u +%FT%TZ)" "${missing[*]}" >>"$LVE_APT_LOG"
+	apt-get install -y -qq --no-install-recommends "${missing[@]}" >>"$LVE_APT_LOG" 2>&1 </dev/null || rc=$?
 	[ -n "$made_prc" ] && rm -f "$prc"
-	[ $rc -eq 0 ] || lve_die "apt-get install ${missing[*]} failed"
+	if [ $rc -ne 0 ]; then
+		tail -n 20 "$LVE_APT_LOG" >&2
+		lve_die "apt-get install ${missing[*]} failed (its output: $LVE_APT_LOG)"
+	fi
+	lve_log "installed ${missing[*]} in $((SECONDS - t0)) s (log: $LVE_APT_LOG)"
 }
 
 # lve_host_path PATH: PATH with its directory resolved (merged-/usr aware), file name kept.

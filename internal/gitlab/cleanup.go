@@ -47,6 +47,9 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		j.log.Error("cleanup incomplete", "vm", r.Machine.Name, "reaper", r.Reaper, "err", err)
 		return exitcodes.System(err)
 	}
+	if err := m.Store.ForgetJobName(j.key); err != nil {
+		j.log.Warn("could not remove the job's name record (the sweep will)", "err", err)
+	}
 	j.log.Info("cleaned up", "vm", r.Machine.Name, "warm", r.Machine.Warm, "reaper", r.Reaper, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
 	return nil
 }

@@ -55,7 +55,10 @@ type job struct {
 	job  *Job
 	m    *jobvm.Host
 	name string
-	log  *slog.Logger
+	// key is the job's frozen key (lifecycle.JobKey) under which prepare
+	// records name for the later stages of any version.
+	key string
+	log *slog.Logger
 }
 
 func (e Env) load(cfg *config.Config) (*job, error) {
@@ -68,8 +71,22 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 		return nil, err
 	}
 	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, j.Instance, j.ID)
+	key := lifecycle.JobKey(Frontend, j.Instance, j.ID)
+	// A job prepared by another version keeps the name that version gave
+	// it (an upgrade between its stages).
+	if rec, err := m.Store.JobNameOf(key); err != nil {
+		_ = m.Close()
+		return nil, err
+	} else if rec != nil && rec.Job != name {
+		if err := m.CheckOurName(rec.Job); err != nil {
+			_ = m.Close()
+			return nil, fmt.Errorf("job name record %s: %w", key, err)
+		}
+		e.Log.Info("job prepared by another version: using the name it gave the job", "name", rec.Job, "version", rec.Version, "name_now", name)
+		name = rec.Job
+	}
 	e.Report.Identify(strconv.FormatInt(j.ID, 10), j.Server, name)
-	return &job{cfg: cfg, job: j, m: m, name: name, log: e.Log.With("job", j.ID, "domain", name)}, nil
+	return &job{cfg: cfg, job: j, m: m, name: name, key: key, log: e.Log.With("job", j.ID, "domain", name)}, nil
 }
 
 // plan is what the job gets: its identity, image and resources. Config and

@@ -2,6 +2,7 @@ package gitlab
 
 import (
 	"context"
+	"fmt"
 	"strconv"
 	"time"
 
@@ -50,6 +51,11 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	if err := j.m.Dial(ctx); err != nil {
 		return err
+	}
+	// The name the later stages find the machine by, whatever version
+	// runs them (an upgrade in the middle of the job).
+	if err := j.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
+		return exitcodes.System(fmt.Errorf("record the job's name: %w", err))
 	}
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.

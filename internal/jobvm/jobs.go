@@ -3,6 +3,7 @@ package jobvm
 import (
 	"context"
 	"errors"
+	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 )
@@ -106,6 +107,41 @@ func sweepJobMappings(_ context.Context, m *lifecycle.Manager, _ *lifecycle.Swee
 			if has, err := m.Store.Has(j); err == nil && !has {
 				errs = append(errs, m.Store.UnmapJob(j))
 			}
+		}
+	}
+	return errors.Join(append(errs, sweepJobNames(m))...)
+}
+
+// staleJobName is how old a job name record without a mapping and a
+// machine must be before the sweep removes it: prepare writes it before it
+// maps the job, so a young one may be a prepare in progress.
+const staleJobName = time.Hour
+
+// sweepJobNames removes the job name records (state.JobName) of jobs whose
+// cleanup did not run to the end: no mapping, no machine, older than
+// staleJobName.
+func sweepJobNames(m *lifecycle.Manager) error {
+	keys, err := m.Store.JobNameKeys()
+	if err != nil {
+		return err
+	}
+	var errs []error
+	for _, k := range keys {
+		jn, err := m.Store.JobNameOf(k)
+		if err != nil || jn == nil {
+			// Unreadable or of a newer format: left to the version that
+			// wrote it (cleanup removes it).
+			continue
+		}
+		if time.Since(jn.At) < staleJobName {
+			continue
+		}
+		mapped, err := m.Store.MachineOfJob(jn.Job)
+		if err != nil || mapped != nil {
+			continue
+		}
+		if has, err := m.Store.Has(jn.Job); err == nil && !has {
+			errs = append(errs, m.Store.ForgetJobName(k))
 		}
 	}
 	return errors.Join(errs...)

@@ -91,3 +91,12 @@ func InstanceName(prefix, controller, kind string, parts ...string) string {
 	}
 	return MachinePrefix(prefix, controller) + kind + "-" + hex.EncodeToString(h.Sum(nil)[:6])
 }
+
+// JobKey is the key of a job's name record (state.JobName): the front
+// end's kind, the job's instance tag and its id. Unlike machine names it
+// is frozen: every version computes the same key for the same job, so a
+// job prepared by one version is found by the later stages of the next
+// one even if that one names machines differently. Do not change it.
+func JobKey(kind, instance string, jobID int64) string {
+	return kind + "-" + instance + "-" + strconv.FormatInt(jobID, 10)
+}

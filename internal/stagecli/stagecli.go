@@ -117,7 +117,7 @@ func Run(p Process, e Exe) int {
 		Name:      name,
 		Usage:     e.Usage,
 		ArgsUsage: e.ArgsUsage,
-		Version:   buildinfo.Version,
+		Version:   buildinfo.String(),
 		Writer:    stderr,
 		ErrWriter: stderr,
 		Flags: []cli.Flag{

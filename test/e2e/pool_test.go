@@ -364,13 +364,16 @@ func TestPoolFaults(t *testing.T) {
 	})
 }
 
-// TestPoolConcurrentJobs: 8 jobs at once on a pool of 4: every job
-// succeeds, at least 4 start warm, and no VM serves two jobs.
+// TestPoolConcurrentJobs: twice as many jobs at once as the pool has idle
+// VMs (4 on a pool of 2; it was 8 on 4, the same race at half the boots on
+// a 2-core test machine): every job succeeds, each idle VM serves exactly
+// one job, the rest start cold or on a refill, and no VM serves two jobs.
 func TestPoolConcurrentJobs(t *testing.T) {
-	r := setup(t).withPool(t, 4)
+	const idleVMs = 2
+	const n = 2 * idleVMs
+	r := setup(t).withPool(t, idleVMs)
 	r.serve(t)
-	idle := r.waitIdle(t, 4, 5*time.Minute)
-	const n = 8
+	idle := r.waitIdle(t, idleVMs, 5*time.Minute)
 	logs := make([]string, n)
 	results := make([]*harness.Result, n)
 	errs := make([]error, n)
@@ -401,13 +404,13 @@ func TestPoolConcurrentJobs(t *testing.T) {
 	for v, c := range seen {
 		require.Equal(t, 1, c, "VM %s served %d jobs", v, c)
 	}
-	require.GreaterOrEqual(t, warm, 4, "the 4 idle VMs served jobs")
+	require.GreaterOrEqual(t, warm, idleVMs, "the idle VMs served jobs")
 	claimedIdle := 0
 	for _, v := range idle {
 		if seen[v] == 1 {
 			claimedIdle++
 		}
 	}
-	require.Equal(t, 4, claimedIdle, "each of the 4 idle VMs served exactly one job")
+	require.Equal(t, idleVMs, claimedIdle, "each idle VM served exactly one job")
 	t.Logf("%d of %d jobs started warm", warm, n)
 }

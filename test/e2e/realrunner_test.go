@@ -39,6 +39,9 @@ type realRunner struct {
 	workDir string
 	// cfgPath, if set, is the driver configuration instead of the rig's.
 	cfgPath string
+	// stages, if set, are the Custom executor's settings instead of the
+	// rig's executables (the package test: the installed ones).
+	stages *jobapi.CustomConfig
 	// noDistributedCache: the runner gets no S3 cache (the host cache's
 	// tests: the archives stay in the guest's cache_dir).
 	noDistributedCache bool
@@ -63,6 +66,9 @@ func newRealRunner(t *testing.T) *realRunner {
 // custom is the Custom executor's settings: the four executables with the
 // driver configuration (the test's, else the rig's).
 func (rr *realRunner) custom() *jobapi.CustomConfig {
+	if rr.stages != nil {
+		return rr.stages
+	}
 	cfgPath := rr.r.cfgPath
 	if rr.cfgPath != "" {
 		cfgPath = rr.cfgPath

@@ -1,0 +1,203 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+)
+
+// upgradeFrom is the commit whose build the upgrade test installs first: the
+// version before the package existed (the last commit of 2026-11-27's
+// GitLab Steps work). LVE_E2E_UPGRADE_FROM names another.
+const upgradeFrom = "a8345977f03b3f5d4db559348ee3ba2437d9358f"
+
+const pkgName = "libvirt-executor"
+
+// TestDebianPackage builds the package (deploy/package/build.sh, what make
+// package runs) and lintian finds nothing in it. It installs a package of an
+// earlier commit's build, starts a job through the real gitlab-runner with
+// the installed stages, and upgrades to this tree's package in the middle of
+// the job: the job's later stages and its cleanup run the new version and
+// succeed, and nothing is left. doctor and selftest then run through the
+// installed files. Removing keeps the configuration and the state;
+// purging removes the state only when asked (LIBVIRT_EXECUTOR_PURGE_STATE).
+func TestDebianPackage(t *testing.T) {
+	rr := newRealRunner(t)
+	r := rr.r
+	for _, tool := range []string{"dpkg", "dpkg-deb", "lintian", "git", "strip"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			t.Fatalf("%s is missing (make deps installs it): %v", tool, err)
+		}
+	}
+	if out, err := exec.Command("dpkg-query", "-W", "-f=${Status}", pkgName).Output(); err == nil && strings.Contains(string(out), "installed") {
+		t.Fatalf("%s is installed on this machine already (%s): the test would replace it", pkgName, out)
+	}
+	for _, p := range []string{"/var/lib/libvirt-executor", "/etc/libvirt-executor", "/usr/bin/libvirt-executor"} {
+		if _, err := os.Lstat(p); err == nil {
+			t.Fatalf("%s exists on this machine already: the test would change it", p)
+		}
+	}
+	top, err := filepath.Abs("../..")
+	require.NoError(t, err)
+	work := t.TempDir()
+	run := func(env []string, name string, args ...string) string {
+		t.Helper()
+		cmd := exec.Command(name, args...)
+		cmd.Env = append(os.Environ(), env...)
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "%s %s:\n%s", name, strings.Join(args, " "), out)
+		return string(out)
+	}
+	// Whatever happens, the machine ends without the package and its state.
+	t.Cleanup(func() {
+		_ = exec.Command("dpkg", "--purge", pkgName).Run()
+		_ = os.RemoveAll("/var/lib/libvirt-executor")
+		_ = os.RemoveAll("/etc/libvirt-executor")
+	})
+
+	// The runner's user: postinst adds it to libvirt's group.
+	if _, err := user.Lookup("gitlab-runner"); err != nil {
+		run(nil, "useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "gitlab-runner")
+		t.Cleanup(func() { _ = exec.Command("userdel", "gitlab-runner").Run() })
+	} else {
+		inGroup := strings.Contains(" "+run(nil, "id", "-nG", "gitlab-runner")+" ", " libvirt ")
+		t.Cleanup(func() {
+			if !inGroup {
+				_ = exec.Command("gpasswd", "-d", "gitlab-runner", "libvirt").Run()
+			}
+		})
+	}
+
+	// This tree's package, and lintian's verdict on it.
+	fast := []string{"LVE_DEB_FAST=1"}
+	newDeb := strings.TrimSpace(run(fast, filepath.Join(top, "deploy/package/build.sh"), work))
+	newVersion := strings.TrimSuffix(strings.TrimPrefix(filepath.Base(newDeb), pkgName+"_"), "_amd64.deb")
+	lint := exec.Command("lintian", "--tag-display-limit", "0", newDeb)
+	out, err := lint.CombinedOutput()
+	t.Logf("lintian:\n%s", out)
+	require.NoError(t, err, "lintian failed")
+	require.NotRegexp(t, `(?m)^[EW]: `, string(out), "lintian errors or warnings (deploy/package/debian/lintian-overrides lists the accepted ones with reasons)")
+
+	// The earlier commit's build, packaged with its version.
+	from := upgradeFrom
+	if v := os.Getenv("LVE_E2E_UPGRADE_FROM"); v != "" {
+		from = v
+	}
+	if err := exec.Command("git", "-C", top, "cat-file", "-e", from+"^{commit}").Run(); err != nil {
+		t.Fatalf("commit %s (the version the upgrade starts from) is not in this clone (a shallow clone?): fetch it, or name another with LVE_E2E_UPGRADE_FROM", from)
+	}
+	oldTree := filepath.Join(work, "old-tree")
+	run(nil, "git", "-C", top, "worktree", "add", "--detach", oldTree, from)
+	t.Cleanup(func() { _ = exec.Command("git", "-C", top, "worktree", "remove", "--force", oldTree).Run() })
+	oldCount := strings.TrimSpace(run(nil, "git", "-C", top, "rev-list", "--count", from))
+	oldVersion := "0.0." + oldCount + "+g" + from[:7]
+	oldBin := filepath.Join(work, "old-bin")
+	ld := "-X gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo.Version=" + oldVersion
+	for _, p := range [][2]string{{"libvirt-executor", "./cmd/admin"}, {"libvirt-executor-config", "./cmd/config"},
+		{"libvirt-executor-prepare", "./cmd/prepare"}, {"libvirt-executor-run", "./cmd/run"},
+		{"libvirt-executor-cleanup", "./cmd/cleanup"}, {"libvirt-executor-garm", "./cmd/garm"}} {
+		cmd := exec.Command("go", "build", "-trimpath", "-tags", "urfave_cli_no_docs", "-ldflags", ld, "-o", filepath.Join(oldBin, p[0]), p[1])
+		cmd.Dir = oldTree
+		out, err := cmd.CombinedOutput()
+		require.NoError(t, err, "building %s at %s:\n%s", p[0], from, out)
+	}
+	oldDeb := strings.TrimSpace(run(fast, filepath.Join(top, "deploy/package/build.sh"), "--binaries", oldBin, "--version", oldVersion, filepath.Join(work, "old")))
+
+	// Install the earlier version: nothing starts, next steps are printed.
+	out1 := run(nil, "dpkg", "-i", oldDeb)
+	t.Logf("dpkg -i %s:\n%s", filepath.Base(oldDeb), out1)
+	require.Contains(t, out1, "installed; nothing was started")
+	require.Contains(t, out1, "libvirt-executor doctor")
+	require.Contains(t, run(nil, "id", "-nG", "gitlab-runner"), "libvirt", "postinst added the runner's user to libvirt's group")
+	st, err := os.Stat("/var/lib/libvirt-executor")
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o700), st.Mode().Perm())
+	require.Contains(t, run(nil, "/usr/bin/libvirt-executor", "--version"), oldVersion)
+	if _, err := os.Stat("/run/systemd/system"); err == nil {
+		out, _ := exec.Command("systemctl", "is-active", "libvirt-executor.service").CombinedOutput()
+		require.NotEqual(t, "active", strings.TrimSpace(string(out)), "installing started the pool service")
+	}
+
+	// A job through the installed stages; the run stage's wrapper upgrades
+	// the package before the job's script stage (its prepare, holder and
+	// first stages are the earlier version's).
+	upgradeLog := filepath.Join(work, "upgrade.log")
+	wrapper := filepath.Join(work, "run-wrapper")
+	require.NoError(t, os.WriteFile(wrapper, []byte(`#!/bin/sh
+# The runner passes run_args (--config FILE), the stage's script and, last, the stage's
+# name (build_script: the runner's name of step_script here).
+for stage in "$@"; do :; done
+case $stage in build_script | step_script) up=1 ;; *) up= ;; esac
+if [ -n "$up" ] && [ ! -e "$0.done" ]; then
+	dpkg -i "`+newDeb+`" >"`+upgradeLog+`" 2>&1 || exit 1
+	touch "$0.done"
+fi
+exec /usr/bin/libvirt-executor-run "$@"
+`), 0o755))
+	stages := jobapi.DriverStages("/usr/bin", r.cfgPath)
+	stages.RunExec = wrapper
+	rr.stages = stages
+	res := rr.runJobs(t, jobapi.Job{Name: "upgrade", GitURL: rr.repo, SHA: rr.sha,
+		Script: []string{"test -f README.md && echo CLONED-BEFORE-THE-UPGRADE"}})[0]
+	require.Equal(t, jobapi.StateSuccess, res.State, res.Trace)
+	require.Contains(t, res.Trace, "CLONED-BEFORE-THE-UPGRADE")
+	require.Contains(t, res.Trace, "("+pkgName+" "+oldVersion+")", "the earlier version prepared the job")
+	up, err := os.ReadFile(upgradeLog)
+	require.NoError(t, err, "the upgrade ran in the middle of the job")
+	t.Logf("the upgrade:\n%s", up)
+	require.Contains(t, string(up), "upgraded from "+oldVersion)
+	require.Contains(t, run(nil, "/usr/bin/libvirt-executor-run", "--version"), newVersion, "the later stages were the new version's")
+	r.requireNoLeftovers(t, "after the upgraded job")
+
+	// doctor and selftest through the installed files.
+	doc := exec.Command("/usr/bin/libvirt-executor", "--config", r.cfgPath, "doctor")
+	out, err = doc.CombinedOutput()
+	t.Logf("doctor:\n%s", out)
+	require.NoError(t, err, "doctor through the installed files")
+	ln := r.serviceListener(t)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	args := []string{"--config", r.cfgPath, "selftest", "--runner", rr.bin, "--listen", addr, "--timeout", "5m"}
+	steps := r.cfg.GuestTools.StepRunner != "none"
+	if steps {
+		args = append(args, "--steps")
+	}
+	out, err = exec.Command("/usr/bin/libvirt-executor", args...).CombinedOutput()
+	t.Logf("selftest:\n%s", out)
+	require.NoError(t, err, "selftest through the installed files")
+	require.Contains(t, string(out), "selftest-produce   success")
+	require.Contains(t, string(out), "selftest-consume   success")
+	require.Contains(t, string(out), "OK: VMs start")
+	if steps {
+		require.Contains(t, string(out), "selftest-steps     success")
+	}
+
+	// Remove: the executables go; configuration and state stay.
+	run(nil, "dpkg", "-r", pkgName)
+	_, err = os.Stat("/usr/bin/libvirt-executor")
+	require.ErrorIs(t, err, os.ErrNotExist)
+	require.FileExists(t, "/etc/libvirt-executor/config.toml")
+	require.DirExists(t, "/var/lib/libvirt-executor")
+	// Purge without asking: the configuration goes, the state stays.
+	out2 := run(nil, "dpkg", "--purge", pkgName)
+	require.Contains(t, out2, "kept /var/lib/libvirt-executor")
+	require.NoFileExists(t, "/etc/libvirt-executor/config.toml")
+	require.DirExists(t, "/var/lib/libvirt-executor")
+	// Install again, purge asking for the state: it goes.
+	run(nil, "dpkg", "-i", newDeb)
+	out3 := run([]string{"LIBVIRT_EXECUTOR_PURGE_STATE=yes"}, "dpkg", "--purge", pkgName)
+	require.Regexp(t, regexp.MustCompile(`removed /var/lib/libvirt-executor`), out3)
+	require.NoDirExists(t, "/var/lib/libvirt-executor")
+	_, err = exec.Command("dpkg-query", "-W", pkgName).Output()
+	require.Error(t, err, "purged")
+}
