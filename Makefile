@@ -47,14 +47,14 @@ deps: ## install what build, lint and the tests need: Debian packages, shellchec
 	@deploy/install-deps.sh
 
 build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the test harness and the benchmark into bin/ (needs Go: make deps)
-	@mkdir -p $(BIN)
-	@for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done
-	@$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin
-	@$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm
-	@$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness
-	@$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench
-	@$(GO) build -trimpath -o $(BIN)/lve-panels ./cmd/lve-panels
-	@echo "built: $$(ls $(BIN) | tr '\n' ' ')"
+	@mkdir -p $(BIN); t0=$$(date +%s); \
+	for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done; \
+	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin || exit 1; \
+	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm || exit 1; \
+	$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness || exit 1; \
+	$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench || exit 1; \
+	$(GO) build -trimpath -o $(BIN)/lve-panels ./cmd/lve-panels || exit 1; \
+	echo "build: libvirt-executor $(VERSION) and the test tools into $(BIN)/ in $$(( $$(date +%s) - t0 )) s"
 
 # Go of the version go.mod names (on PATH or in /usr/local/go), gcc and libvirt-dev.
 build-prereqs:

@@ -2,6 +2,7 @@ package gitlab
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // DriverName is reported to the runner.
@@ -74,10 +76,17 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 	key := lifecycle.JobKey(Frontend, j.Instance, j.ID)
 	// A job prepared by another version keeps the name that version gave
 	// it (an upgrade between its stages).
-	if rec, err := m.Store.JobNameOf(key); err != nil {
+	rec, err := m.Store.JobNameOf(key)
+	if errors.Is(err, state.ErrNewerFormat) {
 		_ = m.Close()
 		return nil, err
-	} else if rec != nil && rec.Job != name {
+	}
+	if err != nil {
+		// Cut short by a host crash: the name this version gives.
+		e.Log.Warn("cannot read the job's name record; using the name this version gives the job", "err", err)
+		rec = nil
+	}
+	if rec != nil && rec.Job != name {
 		if err := m.CheckOurName(rec.Job); err != nil {
 			_ = m.Close()
 			return nil, fmt.Errorf("job name record %s: %w", key, err)

@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"log/slog"
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -57,5 +59,11 @@ func TestLaterStagesUseTheNamePrepareRecorded(t *testing.T) {
 	// So is one of a newer format than this version reads.
 	require.NoError(t, store.NameJob(key, state.JobName{Format: state.JobNameFormat + 1, Job: old, At: time.Now()}))
 	_, err = e.load(cfg)
-	require.ErrorContains(t, err, "newer than this version's")
+	require.ErrorIs(t, err, state.ErrNewerFormat)
+	// An unreadable one (cut short by a crash) is as if there were none.
+	require.NoError(t, os.WriteFile(filepath.Join(cfg.StateDir, "job-names", key+".json"), []byte(`{"format":1,"jo`), 0o600))
+	j, err = e.load(cfg)
+	require.NoError(t, err)
+	require.Equal(t, nameNow, j.name)
+	require.NoError(t, j.m.Close())
 }

@@ -33,6 +33,10 @@ type JobName struct {
 
 const jobNameDir = "job-names"
 
+// ErrNewerFormat is JobNameOf's error for a record of a newer format than
+// this version reads.
+var ErrNewerFormat = errors.New("newer than this version's")
+
 var jobKeyRE = regexp.MustCompile(`^[a-z]+-[0-9a-f]{8,64}-[0-9]{1,19}$`)
 
 func (s Store) jobNamePath(key string) (string, error) {
@@ -71,7 +75,7 @@ func (s Store) JobNameOf(key string) (*JobName, error) {
 		return nil, err
 	}
 	if jn.Format > JobNameFormat {
-		return nil, fmt.Errorf("job name record %s has format %d, newer than this version's %d (downgraded in the middle of a job?)", key, jn.Format, JobNameFormat)
+		return nil, fmt.Errorf("job name record %s has format %d, %w %d (downgraded in the middle of a job?)", key, jn.Format, ErrNewerFormat, JobNameFormat)
 	}
 	return &jn, nil
 }

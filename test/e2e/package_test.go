@@ -10,10 +10,12 @@ import (
 	"regexp"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // upgradeFrom is the commit whose build the upgrade test installs first: the
@@ -25,10 +27,11 @@ const pkgName = "libvirt-executor"
 
 // TestDebianPackage builds the package (deploy/package/build.sh, what make
 // package runs) and lintian finds nothing in it. It installs a package of an
-// earlier commit's build, starts a job through the real gitlab-runner with
-// the installed stages, and upgrades to this tree's package in the middle of
-// the job: the job's later stages and its cleanup run the new version and
-// succeed, and nothing is left. doctor and selftest then run through the
+// earlier commit's build, starts its pool service, starts a job through the
+// real gitlab-runner with the installed stages, and upgrades to this tree's
+// package in the middle of the job: the job's later stages and its cleanup
+// run the new version and succeed. The new version's pool service retires
+// the earlier one's standby VM and boots its own; nothing is left. doctor and selftest then run through the
 // installed files. Removing keeps the configuration and the state;
 // purging removes the state only when asked (LIBVIRT_EXECUTOR_PURGE_STATE).
 func TestDebianPackage(t *testing.T) {
@@ -128,6 +131,21 @@ func TestDebianPackage(t *testing.T) {
 		require.NotEqual(t, "active", strings.TrimSpace(string(out)), "installing started the pool service")
 	}
 
+	// The earlier version's pool service keeps a standby VM through the
+	// upgrade (prerm stops nothing on an upgrade).
+	pr := r.withPool(t, 1)
+	oldSvc, err := poolsvc.Start("/usr/bin/libvirt-executor", pr.cfgPath)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		select {
+		case <-oldSvc.Done():
+		default:
+			_, _ = oldSvc.Stop(poolsvc.StopWait)
+		}
+		pr.removeStandbys(t)
+	})
+	oldIdle := pr.waitIdle(t, 1, 3*time.Minute)
+
 	// A job through the installed stages; the run stage's wrapper upgrades
 	// the package before the job's script stage (its prepare, holder and
 	// first stages are the earlier version's).
@@ -157,7 +175,25 @@ exec /usr/bin/libvirt-executor-run "$@"
 	t.Logf("the upgrade:\n%s", up)
 	require.Contains(t, string(up), "upgraded from "+oldVersion)
 	require.Contains(t, run(nil, "/usr/bin/libvirt-executor-run", "--version"), newVersion, "the later stages were the new version's")
-	r.requireNoLeftovers(t, "after the upgraded job")
+
+	// What postinst's try-restart does: the earlier service stops (its
+	// idle VM stays), the new one starts, retires the earlier version's
+	// standby VM (its spec fingerprint names that version: no job claims
+	// it) and boots its own.
+	_, err = oldSvc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
+	require.Equal(t, oldIdle, pr.waitIdle(t, 1, 10*time.Second), "the earlier version's idle VM outlives its service")
+	newSvc, err := poolsvc.Start("/usr/bin/libvirt-executor", pr.cfgPath)
+	require.NoError(t, err)
+	waitFor(t, 3*time.Minute, "the new version's standby VM in place of the earlier one's", func() bool {
+		idle, other := pr.standbys(t)
+		return len(idle) == 1 && len(other) == 0 && idle[0] != oldIdle[0]
+	})
+	require.Contains(t, newSvc.Log(), "driver's version) changed")
+	_, err = newSvc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
+	pr.removeStandbys(t)
+	r.requireNoLeftovers(t, "after the upgraded job and pool")
 
 	// doctor and selftest through the installed files.
 	doc := exec.Command("/usr/bin/libvirt-executor", "--config", r.cfgPath, "doctor")
