@@ -50,6 +50,18 @@ func TestDiagnose(t *testing.T) {
 	require.Contains(t, out.String(), "OK: VMs start")
 
 	require.NotEmpty(t, diagnose(&Report{Jobs: []JobReport{ok}}, errors.New("exit status 1"), "boom", nil), "a failed runner is reported even when its jobs passed")
+
+	// A second job skipped after the first failed adds no fix of its own.
+	failed := JobReport{Name: produceName, State: jobapi.StateFailed, FailureReason: "script_failure",
+		Trace: "Uploading cache.zip to http://10.0.0.1:9/x\nWARNING: Retrying... error=Put \"http://10.0.0.1:9/x\" dial tcp 10.0.0.1:9: connect: connection refused"}
+	rep = &Report{Listen: "10.0.0.1:9", Jobs: []JobReport{failed, {Name: consumeName, State: skipped}}}
+	fixes := diagnose(rep, nil, "", nil)
+	require.Len(t, fixes, 1)
+	require.Contains(t, fixes[0], "cannot reach this host at 10.0.0.1:9")
+	rep.Fixes = fixes
+	out.Reset()
+	rep.Print(&out)
+	require.Regexp(t, `selftest-consume +skipped`, out.String())
 }
 
 // The GitLab Steps job (selftest --steps): its own fixes, and the verdict

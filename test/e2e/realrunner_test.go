@@ -207,42 +207,32 @@ func TestRealRunnerScriptFailure(t *testing.T) {
 	require.Equal(t, "failing\n", zipFiles(t, res.Artifacts)["report.txt"], "on_failure artifacts were uploaded from the guest")
 }
 
-// TestRealRunnerArtifactsBetweenJobs: a job's artifacts, uploaded by the
-// guest's gitlab-runner, are downloaded by a second job (dependencies) in
-// another VM.
-func TestRealRunnerArtifactsBetweenJobs(t *testing.T) {
+// TestRealRunnerArtifactsAndCacheBetweenJobs: a job's artifacts, uploaded
+// by the guest's gitlab-runner, are downloaded by a second job
+// (dependencies) in another VM, and its cache, archived into the runner's
+// distributed cache (an S3 endpoint of the fake; docs/images.md says why not
+// a host directory), is restored there. (Two tests until 2026-11-27, a pair
+// of jobs each.)
+func TestRealRunnerArtifactsAndCacheBetweenJobs(t *testing.T) {
 	rr := newRealRunner(t)
+	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
 	first := rr.api.Enqueue(jobapi.Job{
-		Name: "produce", Stage: "build",
-		Script:    []string{"mkdir -p out", "echo artifact-from-$CI_JOB_ID > out/result.txt"},
+		Name: "produce", Stage: "build", Cache: cache,
+		Script:    []string{"mkdir -p out vendor", "echo artifact-from-$CI_JOB_ID > out/result.txt", "echo cached-$CI_JOB_ID > vendor/dep.txt"},
 		Artifacts: &jobapi.Artifacts{Name: "out", Paths: []string{"out/"}},
 	})
 	second := rr.api.Enqueue(jobapi.Job{
-		Name: "consume", Stage: "test", Dependencies: []int64{first},
-		Script: []string{`echo "got: $(cat out/result.txt)"`},
+		Name: "consume", Stage: "test", Dependencies: []int64{first}, Cache: cache,
+		Script: []string{`echo "got: $(cat out/result.txt)"`, `echo "restored: $(cat vendor/dep.txt)"`},
 	})
 	res := rr.results(t, rr.start(t, 2), []int64{first, second})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Equal(t, fmt.Sprintf("artifact-from-%d\n", first), zipFiles(t, res[0].Artifacts)["out/result.txt"])
+	require.Contains(t, res[0].Trace, "Created cache")
+	require.NotZero(t, rr.api.CacheObjects(), "the archive went to the cache server")
 	require.Equal(t, jobapi.StateSuccess, res[1].State, res[1].Trace)
 	require.Contains(t, res[1].Trace, fmt.Sprintf("got: artifact-from-%d", first))
-}
-
-// TestRealRunnerCacheBetweenJobs: a cache archived by one job is restored
-// in the next job's fresh VM through the runner's distributed cache (an S3
-// endpoint of the fake; docs/images.md says why not a host directory).
-func TestRealRunnerCacheBetweenJobs(t *testing.T) {
-	rr := newRealRunner(t)
-	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
-	res := rr.runJobs(t,
-		jobapi.Job{Name: "fill", Cache: cache, Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt"}},
-		jobapi.Job{Name: "use", Cache: cache, Script: []string{`echo "restored: $(cat vendor/dep.txt)"`}},
-	)
-	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
-	require.Contains(t, res[0].Trace, "Created cache")
-	require.Equal(t, jobapi.StateSuccess, res[1].State, res[1].Trace)
-	require.Regexp(t, `restored: cached-\d+`, res[1].Trace)
-	require.NotZero(t, rr.api.CacheObjects(), "the archive went to the cache server")
+	require.Contains(t, res[1].Trace, fmt.Sprintf("restored: cached-%d", first))
 }
 
 // TestRealRunnerCancel: a job cancelled in GitLab while its script runs
@@ -264,7 +254,7 @@ func TestRealRunnerCancel(t *testing.T) {
 // job_execution_timeout, at the timeout.
 func TestRealRunnerJobTimeout(t *testing.T) {
 	rr := newRealRunner(t)
-	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 40, Script: []string{"echo sleeping", "sleep 600"}})[0]
+	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 30, Script: []string{"echo sleeping", "sleep 600"}})[0]
 	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
 	require.Equal(t, "job_execution_timeout", res.FailureReason)
 	require.Less(t, res.Duration, 90*time.Second, "ended at the timeout, not at the sleep's end")

@@ -12,7 +12,8 @@ import (
 )
 
 // TestSelftest: `libvirt-executor selftest` pointed at an address the
-// guests cannot reach fails and says what to fix. Its passing run (with
+// guests cannot reach fails after its first job, says what to fix, and
+// boots no VM for the second. Its passing run (with
 // --steps where the rig gives the guests a step-runner) is part of
 // TestDebianPackage, through the installed files.
 func TestSelftest(t *testing.T) {
@@ -33,4 +34,5 @@ func TestSelftest(t *testing.T) {
 	require.Error(t, err, "a failed self test exits non-zero")
 	require.Contains(t, out, "FAILED. What to fix:")
 	require.Contains(t, out, "the guest cannot reach this host at "+blocked)
+	require.Regexp(t, `selftest-consume +skipped`, out, "no second VM for a test that already failed")
 }
