@@ -158,7 +158,7 @@ install: deps build ## install the stage executables and the admin tool into $(P
 	@echo "  systemctl try-restart libvirt-executor.service       # after an upgrade, if it runs"
 
 package: build ## build the Debian package bin/libvirt-executor_VERSION_amd64.deb (executables, units, example configuration, guard hook, docs; not root; docs/install.md)
-	@deb=$$(deploy/package/build.sh $(BIN)) && echo "package: $$deb"
+	@deb=$$(deploy/package/build.sh --version '$(VERSION)' $(BIN)) && echo "package: $$deb"
 
 clean: ## remove build output
 	rm -rf $(BIN)

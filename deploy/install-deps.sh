@@ -37,10 +37,11 @@ die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 LVE_APT_LOG=${LVE_APT_LOG:-/var/log/libvirt-executor-setup.log}
 # logged CMD...: run CMD with its output appended to $LVE_APT_LOG.
 logged() {
-	printf '\n=== %s: %s\n' "$(date -u +%FT%TZ)" "$*" >>"$LVE_APT_LOG" 2>/dev/null || LVE_APT_LOG=/dev/null
+	printf '\n=== %s: %s\n' "$(date -u +%FT%TZ)" "$*" 2>/dev/null >>"$LVE_APT_LOG" ||
+		{ LVE_APT_LOG=${TMPDIR:-/tmp}/libvirt-executor-setup.$(id -u).log && printf '\n=== %s: %s\n' "$(date -u +%FT%TZ)" "$*" >>"$LVE_APT_LOG"; }
 	"$@" >>"$LVE_APT_LOG" 2>&1 && return 0
 	local rc=$?
-	[ "$LVE_APT_LOG" = /dev/null ] || tail -n 20 "$LVE_APT_LOG" >&2
+	tail -n 20 "$LVE_APT_LOG" >&2
 	log "'$*' failed (exit $rc; its output: $LVE_APT_LOG)"
 	return "$rc"
 }

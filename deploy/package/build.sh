@@ -12,10 +12,10 @@ here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/../.." && pwd)
 die() { printf 'package: %s\n' "$*" >&2; exit 1; }
 
-bins='' version=''
+bins='' version='' from_flag=''
 while [ $# -gt 1 ]; do
 	case $1 in
-	--binaries) bins=$2; shift 2 ;;
+	--binaries) bins=$2; from_flag=1; shift 2 ;;
 	--version) version=$2; shift 2 ;;
 	*) die "unknown option $1 (allowed: --binaries DIR, --version V)" ;;
 	esac
@@ -69,7 +69,11 @@ install -m 0644 "$top/deploy/prometheus/alerts.yml" "$top/deploy/grafana/libvirt
 install -m 0644 "$here/debian/copyright" "$doc/copyright"
 {
 	printf '%s (%s) unstable; urgency=medium\n\n' "$pkg" "$version"
-	printf '  * Built from commit %s.\n\n' "${id[1]}"
+	if [ -n "$from_flag" ]; then
+		printf '  * Packaged from the prebuilt executables given (--binaries).\n\n'
+	else
+		printf '  * Built from commit %s.\n\n' "${id[1]}"
+	fi
 	printf ' -- libvirt-executor developers <libvirt-executor@localhost>  %s\n' "$(date -u -R -d "${id[2]}")"
 } | gzip -9n >"$doc/changelog.gz"
 chmod 0644 "$doc/changelog.gz"

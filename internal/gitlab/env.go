@@ -2,7 +2,6 @@ package gitlab
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -77,14 +76,16 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 	// A job prepared by another version keeps the name that version gave
 	// it (an upgrade between its stages).
 	rec, err := m.Store.JobNameOf(key)
-	if errors.Is(err, state.ErrNewerFormat) {
-		_ = m.Close()
-		return nil, err
+	if state.IsBadRecord(err) {
+		// Cut short by a host crash: the name this version gives.
+		e.Log.Warn("the job's name record does not decode; using the name this version gives the job", "err", err)
+		rec, err = nil, nil
 	}
 	if err != nil {
-		// Cut short by a host crash: the name this version gives.
-		e.Log.Warn("cannot read the job's name record; using the name this version gives the job", "err", err)
-		rec = nil
+		// Not readable (permissions, I/O): guessing a name could leave
+		// the job's machine behind.
+		_ = m.Close()
+		return nil, fmt.Errorf("job name record: %w", err)
 	}
 	if rec != nil && rec.Job != name {
 		if err := m.CheckOurName(rec.Job); err != nil {

@@ -60,8 +60,15 @@ func TestLaterStagesUseTheNamePrepareRecorded(t *testing.T) {
 	require.NoError(t, store.NameJob(key, state.JobName{Format: state.JobNameFormat + 1, Job: old, At: time.Now()}))
 	_, err = e.load(cfg)
 	require.ErrorIs(t, err, state.ErrNewerFormat)
-	// An unreadable one (cut short by a crash) is as if there were none.
-	require.NoError(t, os.WriteFile(filepath.Join(cfg.StateDir, "job-names", key+".json"), []byte(`{"format":1,"jo`), 0o600))
+	// One that cannot be read (permissions) is an error, not a guess.
+	path := filepath.Join(cfg.StateDir, "job-names", key+".json")
+	require.NoError(t, os.Remove(path))
+	require.NoError(t, os.Mkdir(path, 0o700)) // reading a directory fails (as root too)
+	_, err = e.load(cfg)
+	require.ErrorContains(t, err, "job name record")
+	require.NoError(t, os.Remove(path))
+	// One that does not decode (cut short by a crash) is as if there were none.
+	require.NoError(t, os.WriteFile(path, []byte(`{"format":1,"jo`), 0o600))
 	j, err = e.load(cfg)
 	require.NoError(t, err)
 	require.Equal(t, nameNow, j.name)

@@ -1,6 +1,8 @@
 package jobvm
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -28,8 +30,14 @@ func TestSweepJobNames(t *testing.T) {
 	_, err := m.Store.Create("lve-0123abcd-4")
 	require.NoError(t, err)
 
+	// Records that do not decode: an old one is swept, a young one kept.
+	for _, k := range []string{"gitlab-0123abcd-5", "gitlab-0123abcd-6"} {
+		require.NoError(t, os.WriteFile(filepath.Join(m.Store.Dir, state.JobNamePath(k)), []byte(`{"format":1,"jo`), 0o600))
+	}
+	require.NoError(t, os.Chtimes(filepath.Join(m.Store.Dir, state.JobNamePath("gitlab-0123abcd-5")), old, old))
+
 	require.NoError(t, sweepJobNames(m.Manager))
 	keys, err := m.Store.JobNameKeys()
 	require.NoError(t, err)
-	require.ElementsMatch(t, []string{"gitlab-0123abcd-2", "gitlab-0123abcd-3", "gitlab-0123abcd-4"}, keys)
+	require.ElementsMatch(t, []string{"gitlab-0123abcd-2", "gitlab-0123abcd-3", "gitlab-0123abcd-4", "gitlab-0123abcd-6"}, keys)
 }

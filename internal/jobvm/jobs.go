@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // JobMachine is the machine that serves a job, found through the job ->
@@ -128,9 +129,16 @@ func sweepJobNames(m *lifecycle.Manager) error {
 	var errs []error
 	for _, k := range keys {
 		jn, err := m.Store.JobNameOf(k)
+		if state.IsBadRecord(err) {
+			// Cut short by a crash: no stage can use it; gone once old.
+			if age, ok := m.Store.Age(state.JobNamePath(k)); ok && age > staleJobName {
+				errs = append(errs, m.Store.ForgetJobName(k))
+			}
+			continue
+		}
 		if err != nil || jn == nil {
-			// Unreadable or of a newer format: left to the version that
-			// wrote it (cleanup removes it).
+			// Of a newer format, or not readable: left to the version
+			// that wrote it (its cleanup removes it).
 			continue
 		}
 		if time.Since(jn.At) < staleJobName {

@@ -37,6 +37,13 @@ const jobNameDir = "job-names"
 // this version reads.
 var ErrNewerFormat = errors.New("newer than this version's")
 
+// IsBadRecord says err is about a record that was read but does not
+// decode (cut short by a host crash), not about reading it.
+func IsBadRecord(err error) bool { return errors.Is(err, errBadRecord) }
+
+// JobNamePath is key's record file relative to the store (for Age).
+func JobNamePath(key string) string { return filepath.Join(jobNameDir, key+".json") }
+
 var jobKeyRE = regexp.MustCompile(`^[a-z]+-[0-9a-f]{8,64}-[0-9]{1,19}$`)
 
 func (s Store) jobNamePath(key string) (string, error) {

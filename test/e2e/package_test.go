@@ -46,7 +46,8 @@ func TestDebianPackage(t *testing.T) {
 	if out, err := exec.Command("dpkg-query", "-W", "-f=${Status}", pkgName).Output(); err == nil && strings.Contains(string(out), "installed") {
 		t.Fatalf("%s is installed on this machine already (%s): the test would replace it", pkgName, out)
 	}
-	for _, p := range []string{"/var/lib/libvirt-executor", "/etc/libvirt-executor", "/usr/bin/libvirt-executor"} {
+	for _, p := range []string{"/var/lib/libvirt-executor", "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
+		"/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", "/etc/libvirt/hooks/libvirt-executor-guard.conf"} {
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s exists on this machine already: the test would change it", p)
 		}
@@ -97,9 +98,11 @@ func TestDebianPackage(t *testing.T) {
 	if v := os.Getenv("LVE_E2E_UPGRADE_FROM"); v != "" {
 		from = v
 	}
-	if err := exec.Command("git", "-C", top, "cat-file", "-e", from+"^{commit}").Run(); err != nil {
+	full, err := exec.Command("git", "-C", top, "rev-parse", "--verify", "-q", from+"^{commit}").Output()
+	if err != nil {
 		t.Fatalf("commit %s (the version the upgrade starts from) is not in this clone (a shallow clone?): fetch it, or name another with LVE_E2E_UPGRADE_FROM", from)
 	}
+	from = strings.TrimSpace(string(full))
 	oldTree := filepath.Join(work, "old-tree")
 	run(nil, "git", "-C", top, "worktree", "add", "--detach", oldTree, from)
 	t.Cleanup(func() { _ = exec.Command("git", "-C", top, "worktree", "remove", "--force", oldTree).Run() })

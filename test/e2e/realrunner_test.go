@@ -257,6 +257,7 @@ func TestRealRunnerJobTimeout(t *testing.T) {
 	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 30, Script: []string{"echo sleeping", "sleep 600"}})[0]
 	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
 	require.Equal(t, "job_execution_timeout", res.FailureReason)
+	require.Regexp(t, `(?m)^sleeping\r?$`, res.Trace, "the timeout ended the script, not prepare")
 	require.Less(t, res.Duration, 90*time.Second, "ended at the timeout, not at the sleep's end")
 }
 
