@@ -50,7 +50,7 @@ func (s Store) jobNamePath(key string) (string, error) {
 	if !jobKeyRE.MatchString(key) {
 		return "", fmt.Errorf("refusing job name record for key %q", key)
 	}
-	return filepath.Join(s.Dir, jobNameDir, key+".json"), nil
+	return filepath.Join(s.Dir, JobNamePath(key)), nil
 }
 
 // NameJob records the job's name under its stable key (0600, atomically).
