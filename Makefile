@@ -90,13 +90,15 @@ test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; i
 	    $(GO) test -tags e2e -count=1 -timeout 55m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-SOAK_ROUNDS ?= 20
-soak: deps build ## hundreds of randomized faulted jobs on real VMs (root; installs what it needs; not in CI; SOAK_ROUNDS=20 rounds of the fault suite, ~2 min each; cumulative figures after every round, and in $(BIN)/soak-figures.json after every test)
+SOAK_ROUNDS ?= 1
+SOAK_JOBS ?= 1000
+SOAK_AT_ONCE ?= 3
+soak: deps build ## a thousand faulted jobs on real VMs, unattended (root; installs what it needs; not in CI; SOAK_ROUNDS=1 rounds of the fault suite, whose TestFaultRandomJobs runs SOAK_JOBS=1000 jobs, SOAK_AT_ONCE=3 at a time, each faulted once at random: about 2.5 h on 2 cores; cumulative figures every 25 jobs and after every round, and in $(BIN)/soak-figures.json)
 	@deploy/rig/start.sh
 	@set -o pipefail; rc=0; rm -f $(BIN)/soak-figures.json; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
-	    LVE_E2E_FIGURES=$(CURDIR)/$(BIN)/soak-figures.json \
-	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite figures|faulted jobs|leaks found|exit class correct|dead-guest detection|  rounds: |figures file' || rc=$$?; \
+	    LVE_E2E_FIGURES=$(CURDIR)/$(BIN)/soak-figures.json LVE_E2E_RANDOM_JOBS=$(SOAK_JOBS) LVE_E2E_RANDOM_AT_ONCE=$(SOAK_AT_ONCE) \
+	    $(GO) test -tags e2e -v -count=$(SOAK_ROUNDS) -timeout 0 -run 'TestFault' ./test/e2e/ 2>&1 | tee $(BIN)/soak.log | grep -E '^(--- FAIL|FAIL|ok)|fault suite figures|faulted jobs|leaks found|exit class correct|dead-guest detection|  rounds: |figures file|random faulted jobs in|seed [0-9]' || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
 demo: deps build ## run a sample job end to end on a real VM, cold, then again warm from a standby pool (root; installs what it needs)

@@ -7,7 +7,6 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"net"
 	"os"
 	"os/exec"
@@ -651,69 +650,6 @@ func TestFaultPrepareFailsThreeTimes(t *testing.T) {
 		require.Equal(t, 2, st.ExitCode)
 	}
 	require.Len(t, res.Stage("cleanup"), 3, "cleanup after every attempt")
-}
-
-// TestFaultConcurrentJobsWithRandomCancels runs jobs side by side, cancelling
-// some at random moments: names, MACs and addresses stay unique, no
-// "already exists", and nothing is left.
-func TestFaultConcurrentJobsWithRandomCancels(t *testing.T) {
-	r := setup(t)
-	n := 3
-	if v := os.Getenv("LVE_E2E_CONCURRENT"); v != "" {
-		_, _ = fmt.Sscan(v, &n)
-	}
-	type outcome struct {
-		res    *harness.Result
-		log    string
-		cancel time.Duration
-	}
-	outs := make([]outcome, n)
-	var wg sync.WaitGroup
-	for i := range n {
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			opts, lw := r.options(t)
-			ctx, cancel := context.WithCancel(context.Background())
-			defer cancel()
-			var after time.Duration
-			if i%3 != 0 {
-				after = time.Duration(5+rand.IntN(25)) * time.Second
-				time.AfterFunc(after, cancel)
-			}
-			res, err := harness.RunJob(ctx, opts, harness.Job{Script: []string{"echo job-" + fmt.Sprint(i), "sleep 8"}})
-			require.NoError(t, err)
-			outs[i] = outcome{res, lw.buf.String(), after}
-		}()
-	}
-	wg.Wait()
-	addrRE := regexp.MustCompile(`Booted, address (\S+) \(MAC (\S+)`)
-	seenAddr, seenMAC := map[string]int{}, map[string]int{}
-	for i, o := range outs {
-		figures.fault()
-		require.NotContains(t, o.log, "already exists", "job %d", i)
-		if m := addrRE.FindStringSubmatch(o.log); m != nil {
-			seenAddr[m[1]]++
-			seenMAC[m[2]]++
-		}
-		for _, st := range o.res.Stages {
-			switch {
-			case st.Stopped == "canceled":
-				figures.class(st.ExitCode, 2)
-				require.Equal(t, 2, st.ExitCode, "job %d stage %s stopped by cancel", i, st.Name)
-			case st.Exec == "run" || st.Exec == "prepare" || st.Exec == "cleanup":
-				figures.class(st.ExitCode, 0)
-				require.Equal(t, 0, st.ExitCode, "job %d stage %s", i, st.Name)
-			}
-		}
-		t.Logf("job %d: cancel after %s: %s %s", i, o.cancel, o.res.State, o.res.FailureReason)
-	}
-	for a, c := range seenAddr {
-		require.Equal(t, 1, c, "address %s given to %d jobs", a, c)
-	}
-	for m, c := range seenMAC {
-		require.Equal(t, 1, c, "MAC %s given to %d jobs", m, c)
-	}
 }
 
 // TestCapacityAdmissionOnRealVMs: with room for one VM, two jobs at once:

@@ -130,6 +130,15 @@ func (f *suiteFigures) begin(t *testing.T) {
 	})
 }
 
+// progress prints the cumulative figures in the middle of a long test
+// (the random faulted jobs of a soak) and writes the figures file.
+func (f *suiteFigures) progress(title string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	f.printLocked(title)
+	f.saveLocked()
+}
+
 func (f *suiteFigures) first() string {
 	if len(f.order) == 0 {
 		return ""
@@ -162,7 +171,11 @@ func (f *suiteFigures) printLocked(title string) {
 			s.Detection.median().Round(100*time.Millisecond), s.Detection.max().Round(100*time.Millisecond), s.Detection.Count)
 	}
 	if title != "fault suite figures" || s.Rounds > 1 {
-		fmt.Printf("  rounds:                  %d, %d tests, %d failed, %s\n", s.Rounds, s.Tests, len(s.Failures), time.Duration(s.ElapsedMS)*time.Millisecond)
+		under := ""
+		if !s.Done && s.Round > s.Rounds {
+			under = fmt.Sprintf(" (round %d under way)", s.Round)
+		}
+		fmt.Printf("  rounds:                  %d%s, %d tests, %d failed, %s\n", s.Rounds, under, s.Tests, len(s.Failures), time.Duration(s.ElapsedMS)*time.Millisecond)
 	}
 	if p := figuresPath(); p != "" {
 		fmt.Printf("  figures file:            %s\n", p)

@@ -34,8 +34,11 @@ type stageResult struct {
 }
 
 func newStageRunner(t *testing.T, r *rig) *stageRunner {
-	dir := t.TempDir()
-	id := nextJobID()
+	return newStageRunnerFor(t, r, nextJobID(), t.TempDir())
+}
+
+// newStageRunnerFor is newStageRunner for job id in work directory dir.
+func newStageRunnerFor(t *testing.T, r *rig, id int64, dir string) *stageRunner {
 	writePayload(t, dir, id, 3600)
 	env := append(os.Environ(),
 		"BUILD_FAILURE_EXIT_CODE=1", "SYSTEM_FAILURE_EXIT_CODE=2", "TMPDIR="+dir,
