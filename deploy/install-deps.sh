@@ -29,7 +29,9 @@ set -euo pipefail
 # and check the endpoint and the shipped rules with promtool.
 # python3: the unit tests run the garm bootstrap's HTTP code (internal/garm/bootstrap.py).
 # lintian: the e2e package test checks the built .deb (make package) with it.
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian)
+# docker-registry: the registry the image tests push to and pull from (started by the
+# tests on 127.0.0.1 or in the rig's namespace; the package's own service is not started).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 # The package manager's and go install's output go here, not to the terminal; a
@@ -72,14 +74,16 @@ install_packages() {
 		rm -f "$policy"
 		trap - EXIT INT TERM
 	fi
-	# The tests start their own Prometheus: the package's service is not
+	# The tests start their own Prometheus and registry: the packages' services are not
 	# left enabled for the next boot either (only when installed here).
-	if [[ " ${missing[*]} " == *" prometheus "* ]]; then
+	local svc
+	for svc in prometheus docker-registry; do
+		[[ " ${missing[*]} " == *" $svc "* ]] || continue
 		if command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
-			systemctl disable prometheus.service >/dev/null 2>&1 || true
+			systemctl disable "$svc.service" >/dev/null 2>&1 || true
 		fi
-		update-rc.d prometheus disable >/dev/null 2>&1 || true
-	fi
+		update-rc.d "$svc" disable >/dev/null 2>&1 || true
+	done
 	return "$rc"
 }
 

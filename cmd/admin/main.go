@@ -26,6 +26,8 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
@@ -185,6 +187,74 @@ func app() *cli.App {
 								fmt.Println("removed cache", p)
 							}
 							return errors.Join(errs...)
+						},
+					},
+				},
+			},
+			{
+				Name:  "image",
+				Usage: "VM images in an OCI registry ([images.NAME] source = \"oci://...\"; docs/fleet.md): push, pull, list, prune",
+				Subcommands: []*cli.Command{
+					{
+						Name:      "push",
+						Usage:     "push an image's disk (and kernel and initrd) to a registry as one artifact; prints its digest",
+						ArgsUsage: "oci://HOST/REPO:TAG",
+						Flags: []cli.Flag{
+							&cli.StringFlag{Name: "image", Usage: "push the files of this configured image (base, kernel, initrd)"},
+							&cli.StringFlag{Name: "disk", Usage: "the qcow2 disk to push (instead of --image)"},
+							&cli.StringFlag{Name: "kernel", Usage: "the kernel, for an image that boots one"},
+							&cli.StringFlag{Name: "initrd", Usage: "the initrd, for an image that boots a kernel"},
+						},
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 1 {
+								return fmt.Errorf("image push takes one destination, oci://HOST/REPO:TAG")
+							}
+							cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+							if err != nil {
+								return err
+							}
+							files, err := pushFiles(cfg, c.String("image"), c.String("disk"), c.String("kernel"), c.String("initrd"))
+							if err != nil {
+								return err
+							}
+							return admin.ImagePush(c.Context, os.Stdout, cfg, c.Args().First(), files)
+						},
+					},
+					{
+						Name:      "pull",
+						Usage:     "pull images into this host's store now (configured names or oci:// sources; none: every image with a source)",
+						ArgsUsage: "[NAME|oci://...]...",
+						Action: func(c *cli.Context) error {
+							cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+							if err != nil {
+								return err
+							}
+							return admin.ImagePull(c.Context, os.Stdout, cfg, c.Args().Slice())
+						},
+					},
+					{
+						Name:  "list",
+						Usage: "list the images in this host's store: digest, size, files, the configured images and sources that name each",
+						Action: func(c *cli.Context) error {
+							cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+							if err != nil {
+								return err
+							}
+							return admin.ImageList(os.Stdout, cfg, time.Now())
+						},
+					},
+					{
+						Name:  "prune",
+						Usage: "remove stored images no configured source names and no VM's disk uses",
+						Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
+						Action: func(c *cli.Context) error {
+							return withManager(c, true, func(cfg *config.Config, m *jobvm.Host) error {
+								inUse, err := m.BackingFiles(c.Context)
+								if err != nil {
+									return err
+								}
+								return admin.ImagePrune(c.Context, os.Stdout, cfg, inUse, c.Bool("dry-run"))
+							})
 						},
 					},
 				},
@@ -404,4 +474,33 @@ func runSelftest(c *cli.Context) error {
 		return errors.New("selftest failed")
 	}
 	return nil
+}
+
+// pushFiles are the files image push sends: a configured image's, or the
+// ones named.
+func pushFiles(cfg *config.Config, image, disk, kernel, initrd string) ([]transfer.PushFile, error) {
+	if image != "" {
+		if disk != "" || kernel != "" || initrd != "" {
+			return nil, fmt.Errorf("image push: --image or --disk/--kernel/--initrd, not both")
+		}
+		img, ok := cfg.Image(image)
+		if !ok {
+			return nil, fmt.Errorf("image push --image %q: not a configured image (%s)", image, strings.Join(cfg.ImageNames(), ", "))
+		}
+		if img.Format != "qcow2" || img.Base == "" {
+			return nil, fmt.Errorf("image push --image %s: a qcow2 base file is needed (format %q, base %q)", image, img.Format, img.Base)
+		}
+		disk, kernel, initrd = img.Base, img.Kernel, img.Initrd
+	}
+	if disk == "" {
+		return nil, fmt.Errorf("image push: name the disk (--disk FILE) or a configured image (--image NAME)")
+	}
+	files := []transfer.PushFile{{Name: ociimage.DiskFile, Path: disk}}
+	if kernel != "" {
+		files = append(files, transfer.PushFile{Name: ociimage.KernelFile, Path: kernel})
+	}
+	if initrd != "" {
+		files = append(files, transfer.PushFile{Name: ociimage.InitrdFile, Path: initrd})
+	}
+	return files, nil
 }

@@ -5,6 +5,10 @@ package main
 import (
 	"context"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
+
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
@@ -18,5 +22,16 @@ func main() {
 		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Prepare(ctx, env, cfg)
 		},
+		Pull: pull,
 	})
+}
+
+// pull pulls an image with a source on its first use (only this stage
+// links the registry client).
+func pull(ctx context.Context, cfg *config.Config, src ociimage.Source) (gitlab.PullReport, error) {
+	res, err := transfer.Pull(ctx, cfg.Registry.Store(), transfer.RemoteOf(cfg.Registry, "libvirt-executor/"+buildinfo.Version), src)
+	if err != nil {
+		return gitlab.PullReport{}, err
+	}
+	return gitlab.PullReport{Digest: res.Record.Digest.String(), Received: res.Fetched, Stored: res.Image.Bytes}, nil
 }

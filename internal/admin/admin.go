@@ -78,6 +78,9 @@ func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error 
 
 // ListItem is one machine of `list --json`.
 type ListItem struct {
+	// Host is this host's name (os.Hostname): lists gathered from a
+	// fleet tell the hosts apart.
+	Host string `json:"host"`
 	Name string `json:"name"`
 	// Frontend and Job: the owner's front end and job id ("" without
 	// ownership metadata).
@@ -108,8 +111,9 @@ func ListJSON(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) er
 		return err
 	}
 	out := make([]ListItem, 0, len(items))
+	host, _ := os.Hostname()
 	for _, it := range items {
-		li := ListItem{Name: it.Name, State: "no domain", Address: it.Address, Volumes: it.Volumes, Verdict: it.Verdict, Reason: it.Reason, Pool: it.Pool()}
+		li := ListItem{Host: host, Name: it.Name, State: "no domain", Address: it.Address, Volumes: it.Volumes, Verdict: it.Verdict, Reason: it.Reason, Pool: it.Pool()}
 		if li.Volumes == nil {
 			li.Volumes = []string{}
 		}

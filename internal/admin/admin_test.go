@@ -134,6 +134,9 @@ func TestListAndGC(t *testing.T) {
 		byName[it.Name] = it
 	}
 	j := byName[p+"9"]
+	host, _ := os.Hostname()
+	require.NotEmpty(t, host)
+	require.Equal(t, host, j.Host, "lists gathered from a fleet tell the hosts apart")
 	require.Equal(t, "gitlab", j.Frontend)
 	require.Equal(t, "9", j.Job)
 	require.Equal(t, "running", j.State)

@@ -85,6 +85,12 @@ func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.C
 			},
 		},
 	}
+	for _, img := range m.Cfg.Images {
+		if img != nil && img.Source != "" {
+			c.Live.Images = svc.ImageGauges
+			break
+		}
+	}
 	if m.Cfg.Cache.Dir != "" {
 		c.Live.Cache = cacheGauge(hostcache.ForConfig(m.Cfg.Cache), cacheGaugeEvery, time.Now)
 	}

@@ -124,6 +124,8 @@ type Config struct {
 	GitLab GitLab `toml:"gitlab"`
 	// Cache configures the host cache (off unless cache.dir is set).
 	Cache Cache `toml:"cache"`
+	// Registry is where images with a source come from ([registry]).
+	Registry Registry `toml:"registry"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -253,6 +255,13 @@ type Image struct {
 	// Base is the absolute path of the base disk image (readable by libvirt).
 	// The job disk is a linked clone: a qcow2 overlay with Base as backing file.
 	Base string `toml:"base"`
+	// Source, instead of Base, names the image in an OCI registry:
+	// "oci://HOST/REPO:TAG" or "oci://HOST/REPO@sha256:HEX" ([registry];
+	// docs/fleet.md). Base, Kernel and Initrd are then the files of the
+	// image the host's store has for it (filled in when the configuration
+	// is loaded), Digest its manifest's digest.
+	Source string `toml:"source"`
+	Digest string `toml:"-"`
 	// Format of Base: "qcow2" (default) or "raw".
 	Format string `toml:"format"`
 	// User is the guest account that runs jobs. Default "root". Images using
@@ -515,6 +524,7 @@ func Parse(data []byte) (*Config, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
+	c.resolveSources()
 	c.Text = data
 	return &c, nil
 }
@@ -628,6 +638,7 @@ func (c *Config) applyDefaults() {
 	def(&c.GitLab.Services, ServicesWarn)
 	def(&c.GitLab.Steps, StepsShim)
 	c.Cache.applyDefaults()
+	c.Registry.applyDefaults()
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -697,6 +708,7 @@ func (c *Config) Validate() error {
 	c.Garm.validate(&p, c)
 	c.GitLab.validate(&p)
 	c.Cache.validate(&p, c)
+	c.Registry.validate(&p)
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()
@@ -908,8 +920,10 @@ func (img *Image) validate(p *problems, key string) {
 			p.bad(fmt.Sprintf("%s.egress_allow[%d]", key, i), "%v", err)
 		}
 	}
-	if !filepath.IsAbs(img.Base) {
-		p.bad(key+".base", "%q must be an absolute path to the base disk image", img.Base)
+	if img.Source != "" {
+		img.validateSource(p, key)
+	} else if !filepath.IsAbs(img.Base) {
+		p.bad(key+".base", "%q must be an absolute path to the base disk image (or set source = \"oci://...\")", img.Base)
 	}
 	p.oneOf(key+".format", img.Format, "qcow2", "raw")
 	img.validateGuest(p, key)
@@ -954,14 +968,14 @@ func (img *Image) validateBoot(p *problems, key string) {
 	p.oneOf(key+".boot", img.Boot, BootDisk, BootKernel)
 	p.oneOf(key+".address_source", img.AddressSource, "lease", "agent")
 	p.oneOf(key+".cache_via", img.CacheVia, CacheViaDisk, CacheViaSSH)
-	if img.Boot == BootKernel {
+	if img.Boot == BootKernel && img.Source == "" {
 		if !filepath.IsAbs(img.Kernel) {
 			p.bad(key+".kernel", "boot = \"kernel\" needs an absolute kernel path, got %q", img.Kernel)
 		}
 		if img.Initrd != "" && !filepath.IsAbs(img.Initrd) {
 			p.bad(key+".initrd", "%q must be an absolute path", img.Initrd)
 		}
-	} else if img.Kernel != "" || img.Initrd != "" || img.Cmdline != "" {
+	} else if img.Boot != BootKernel && (img.Kernel != "" || img.Initrd != "" || img.Cmdline != "") {
 		p.bad(key+".boot", "kernel, initrd and cmdline need boot = \"kernel\"")
 	}
 }

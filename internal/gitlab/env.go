@@ -40,6 +40,11 @@ type Env struct {
 	// stagecli.Exe.ExplainViaAdminTool). nil means the stage's own
 	// jobvm.Host.
 	CacheDisk CacheDisk
+	// Pull, if set, pulls an image with a source (oci://) into the host's
+	// store: prepare does on an image's first use. Only the prepare
+	// executable links the registry client (stagecli.Exe.Pull); without
+	// it an image not pulled yet fails the stage, saying so.
+	Pull PullFunc
 	// Report, if set, is told what the stage did, step by step, for the
 	// host's metrics and structured log (the stage shell records it).
 	Report *obs.Report

@@ -49,6 +49,9 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
+	if err := ensurePulled(ctx, cfg, img, e.Pull, say, j.log); err != nil {
+		return err
+	}
 	if err := j.m.Dial(ctx); err != nil {
 		return err
 	}

@@ -111,6 +111,32 @@ func (m *Manager) poolVolumes(ctx context.Context) ([]string, error) {
 	return vols, nil
 }
 
+// BackingFiles lists the backing files of the storage pool's volumes
+// (each once): the base images VMs use now, which an image store must
+// keep (ociimage.Image.InUse).
+func (m *Manager) BackingFiles(ctx context.Context) ([]string, error) {
+	vols, err := m.poolVolumes(ctx)
+	if err != nil {
+		return nil, err
+	}
+	seen := map[string]bool{}
+	var out []string
+	for _, v := range vols {
+		b, err := m.hv.VolumeBacking(ctx, m.Cfg.StoragePool, v)
+		if errors.Is(err, vm.ErrNotFound) {
+			continue // gone since the list
+		}
+		if err != nil {
+			return nil, fmt.Errorf("backing file of volume %s: %w", v, err)
+		}
+		if b != "" && !seen[b] {
+			seen[b] = true
+			out = append(out, b)
+		}
+	}
+	return out, nil
+}
+
 // machineNames lists, sorted, the names of this installation's naming that
 // have a domain, a volume among vols, a state directory or a lock file.
 func (m *Manager) machineNames(ctx context.Context, vols []string) ([]string, error) {

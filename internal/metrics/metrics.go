@@ -142,6 +142,17 @@ type Live struct {
 	Orphans func(ctx context.Context) (int, error)
 	// Cache is the host cache's size (nil: [cache] is off).
 	Cache func() (CacheGauge, error)
+	// Images is each image with a source (oci://) now (nil: none).
+	Images func() ([]ImageGauge, error)
+}
+
+// ImageGauge is one image with a source: the digest this host stores for
+// it now ("" before its first pull), when the registry last confirmed it,
+// and the pulls failed in a row since.
+type ImageGauge struct {
+	Image, Digest string
+	LastCheck     time.Time
+	Failures      int
 }
 
 // CacheGauge is the host cache now: projects with a cache, bytes of their
@@ -182,7 +193,10 @@ var (
 	cacheSizeDesc     = prometheus.NewDesc("libvirt_executor_cache_size_bytes", "Bytes of files in the host cache ([cache] dir), all projects together.", nil, nil)
 	cacheProjectsDesc = prometheus.NewDesc("libvirt_executor_cache_projects", "Projects with a cache in the host cache.", nil, nil)
 	cacheLimitDesc    = prometheus.NewDesc("libvirt_executor_cache_limit_bytes", "The host cache's total limit (cache.total_limit_mib).", nil, nil)
-	scrapeErrors      = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans, cache): 1 each.", []string{"part"}, nil)
+	imageInfoDesc     = prometheus.NewDesc("libvirt_executor_image_info", "The image this host stores for each image with a source (oci://) now, by its manifest's digest (absent before the first pull).", []string{"image", "digest"}, nil)
+	imageCheckDesc    = prometheus.NewDesc("libvirt_executor_image_last_check_timestamp_seconds", "When the registry last confirmed what an image's source names (a successful pull or check).", []string{"image"}, nil)
+	imageFailDesc     = prometheus.NewDesc("libvirt_executor_image_pull_failures", "Pulls of an image's source failed in a row (0 once one succeeds): the last verified image keeps serving meanwhile.", []string{"image"}, nil)
+	scrapeErrors      = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans, cache, images): 1 each.", []string{"part"}, nil)
 )
 
 // Describe implements prometheus.Collector (unchecked: the folded series
@@ -232,6 +246,16 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(cacheProjectsDesc, prometheus.GaugeValue, float64(snap.cache.Projects))
 		ch <- prometheus.MustNewConstMetric(cacheLimitDesc, prometheus.GaugeValue, float64(snap.cache.Limit))
 	}
+	if snap.imagesErr != nil {
+		failed("images", snap.imagesErr)
+	}
+	for _, g := range snap.images {
+		if g.Digest != "" {
+			ch <- prometheus.MustNewConstMetric(imageInfoDesc, prometheus.GaugeValue, 1, g.Image, g.Digest)
+			ch <- prometheus.MustNewConstMetric(imageCheckDesc, prometheus.GaugeValue, float64(g.LastCheck.UnixMilli())/1000, g.Image)
+		}
+		ch <- prometheus.MustNewConstMetric(imageFailDesc, prometheus.GaugeValue, float64(g.Failures), g.Image)
+	}
 	if snap.capErr != nil {
 		failed("capacity", snap.capErr)
 	} else if snap.hasCap {
@@ -259,6 +283,8 @@ type snapshot struct {
 	capErr                            error
 	cache                             CacheGauge
 	cacheErr                          error
+	images                            []ImageGauge
+	imagesErr                         error
 }
 
 // look asks Live once, bounded by Wait.
@@ -281,6 +307,9 @@ func (c *Collector) look() *snapshot {
 	}
 	if c.Live.Cache != nil {
 		s.cache, s.cacheErr = c.Live.Cache()
+	}
+	if c.Live.Images != nil {
+		s.images, s.imagesErr = c.Live.Images()
 	}
 	if c.Live.Capacity != nil {
 		s.capVMs, s.capMiB, s.maxVMs, s.budgetMiB, s.capErr = c.Live.Capacity()

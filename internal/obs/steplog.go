@@ -345,14 +345,20 @@ func openCreate(path string, flags int) (int, error) {
 	return -1, &os.PathError{Op: "open", Path: path, Err: err}
 }
 
+// hostName is this host's name (os.Hostname), "" when it has none.
+var hostName, _ = os.Hostname()
+
 // stepJSONLine is r (cleaned) as one JSON line by log/slog's JSONHandler:
-// time, level, msg "step", stage, step, job_id, instance, vm, image,
+// time, level, msg "step", host (this host's name: one file gathered
+// from a fleet tells the hosts apart; journald records carry _HOSTNAME),
+// stage, step, job_id, instance, vm, image,
 // path (omitted when empty), duration_ms, outcome, class, reason and error
 // (omitted when empty). The encoder escapes every control character, and
 // writes invalid UTF-8 (of which a cleaned record has none) as U+FFFD.
 func stepJSONLine(r StepRecord) ([]byte, error) {
 	rec := slog.NewRecord(r.Time, stepLevel(r.Outcome), "step", 0)
 	rec.AddAttrs(
+		slog.String("host", hostName),
 		slog.String("stage", r.Stage),
 		slog.String("step", r.Step),
 		slog.String("job_id", r.Job),

@@ -105,7 +105,7 @@ func TestStepLogFileFields(t *testing.T) {
 	lines := fileLines(t, path)
 	require.Len(t, lines, 1)
 	require.Equal(t, []string{
-		"time", "level", "msg", "stage", "step", "job_id", "instance", "vm", "image", "path",
+		"time", "level", "msg", "host", "stage", "step", "job_id", "instance", "vm", "image", "path",
 		"duration_ms", "outcome", "class", "reason", "error",
 	}, lineKeys(t, lines[0]))
 
@@ -116,9 +116,12 @@ func TestStepLogFileFields(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, rec.Time.Equal(got), "time %s, want %s", got, rec.Time)
 	delete(m, "time")
+	host, _ := os.Hostname()
+	require.NotEmpty(t, host)
 	require.Equal(t, map[string]any{
 		"level":       "ERROR",
 		"msg":         "step",
+		"host":        host,
 		"stage":       "prepare",
 		"step":        "create",
 		"job_id":      "123",
@@ -147,7 +150,7 @@ func TestStepLogFileOmitsEmptyAndLevels(t *testing.T) {
 	require.Len(t, lines, 3)
 	for i, level := range []string{"INFO", "WARN", "ERROR"} {
 		require.Equal(t, []string{
-			"time", "level", "msg", "stage", "step", "job_id", "instance", "vm", "image",
+			"time", "level", "msg", "host", "stage", "step", "job_id", "instance", "vm", "image",
 			"duration_ms", "outcome", "class",
 		}, lineKeys(t, lines[i]))
 		m := decodeLine(t, lines[i])

@@ -63,6 +63,8 @@ type Service struct {
 	bootID int
 	sem    chan struct{}
 	wg     sync.WaitGroup
+	// images follows the images with a source (oci://).
+	images *follower
 }
 
 type backoff struct {
@@ -86,6 +88,7 @@ func (s *Service) init() {
 	s.failing = map[string]failure{}
 	s.boots = map[int]context.CancelFunc{}
 	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
+	s.images = newFollower(s.M.Cfg, s)
 }
 
 // Run keeps the pools until ctx ends. Only one service runs per
@@ -115,6 +118,15 @@ func (s *Service) Run(ctx context.Context) error {
 		s.Log.Info("keeping standby pool", "image", img.Name, "idle_count", p.IdleCount, "max_idle", p.MaxIdle,
 			"idle_time", p.IdleTime.D().String(), "max_age", p.MaxAge.D().String())
 	}
+	for _, img := range s.M.Cfg.Pooled() {
+		if !img.Pulled() {
+			s.Log.Warn("no standbys of this image until its first pull (registry.pull_interval) stores it", "image", img.Name, "source", img.Source)
+		}
+	}
+	imageChanged := make(chan string, 1)
+	fctx, stopFollow := context.WithCancel(ctx)
+	defer stopFollow()
+	go s.images.run(fctx, imageChanged)
 	cfgVersion, _ := state.VersionOf(s.M.Cfg.Path)
 	t := time.NewTicker(s.M.Cfg.Serve.Interval.D())
 	defer t.Stop()
@@ -132,9 +144,21 @@ func (s *Service) Run(ctx context.Context) error {
 		case <-ctx.Done():
 			s.stop()
 			return nil
+		case name := <-imageChanged:
+			s.Log.Warn("stopping to be restarted with the new image", "image", name)
+			s.stop()
+			return ErrImageChanged
 		case <-t.C:
 		}
 	}
+}
+
+// ImageGauges is the images with a source, for the metrics endpoint.
+func (s *Service) ImageGauges() ([]metrics.ImageGauge, error) {
+	if s.images == nil {
+		return nil, nil // not running
+	}
+	return s.images.gauges()
 }
 
 // ErrConfigChanged ends Run when the configuration file changed under it.
@@ -198,7 +222,9 @@ func (s *Service) Tick(ctx context.Context) {
 		}
 	}
 	for _, img := range s.M.Cfg.Pooled() {
-		s.keep(ctx, img, idle[img.Name], now)
+		if img.Pulled() { // an image with a source waits for its first pull
+			s.keep(ctx, img, idle[img.Name], now)
+		}
 	}
 }
 

@@ -71,6 +71,8 @@ type Exe struct {
 	// place of the explanation. The host cache's restore disk is asked of
 	// it the same way (gitlab.Env.CacheDisk, jobvm.CacheDiskCommand).
 	ExplainViaAdminTool bool
+	// Pull pulls images with a source (gitlab.Env.Pull): prepare's.
+	Pull gitlab.PullFunc
 }
 
 // Process is what a stage executable gets from its process: its argv, its
@@ -140,7 +142,7 @@ func Run(p Process, e Exe) int {
 				return err
 			}
 			report := &obs.Report{Stage: strings.TrimPrefix(name, jobvm.AdminExecutable+"-")}
-			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report}
+			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report, Pull: e.Pull}
 			if e.ExplainViaAdminTool {
 				tool := newAdminTool(cfgPath, logger)
 				env.Explain = tool.Explain

@@ -56,6 +56,9 @@ type Hypervisor interface {
 	VolumePath(ctx context.Context, pool, name string) (string, error)
 	// VolumeNames lists the volumes in pool.
 	VolumeNames(ctx context.Context, pool string) ([]string, error)
+	// VolumeBacking returns the path of a volume's backing file ("" for
+	// none; ErrNotFound if the volume is absent).
+	VolumeBacking(ctx context.Context, pool, name string) (string, error)
 	// VolumeCapacity returns the virtual size of the volume at path.
 	VolumeCapacity(ctx context.Context, path string) (uint64, error)
 	// Define defines a persistent domain from XML.

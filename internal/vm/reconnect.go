@@ -248,6 +248,11 @@ func (r *Reconnecting) VolumePath(ctx context.Context, pool, name string) (strin
 	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.VolumePath(ctx, pool, name) })
 }
 
+// VolumeBacking implements Hypervisor.
+func (r *Reconnecting) VolumeBacking(ctx context.Context, pool, name string) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.VolumeBacking(ctx, pool, name) })
+}
+
 // VolumeNames implements Hypervisor.
 func (r *Reconnecting) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.VolumeNames(ctx, pool) })

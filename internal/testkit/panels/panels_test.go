@@ -71,6 +71,10 @@ var knownMetrics = map[string]string{
 	"libvirt_executor_cache_size_bytes":  "gauge",
 	"libvirt_executor_cache_projects":    "gauge",
 	"libvirt_executor_cache_limit_bytes": "gauge",
+
+	"libvirt_executor_image_info":                         "gauge",
+	"libvirt_executor_image_last_check_timestamp_seconds": "gauge",
+	"libvirt_executor_image_pull_failures":                "gauge",
 }
 
 // knownMetric says whether name is a series of a known metric, and which.

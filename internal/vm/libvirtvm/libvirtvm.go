@@ -430,6 +430,29 @@ func (l *Conn) VolumePath(ctx context.Context, pool, name string) (string, error
 	})
 }
 
+// VolumeBacking implements vm.Hypervisor.
+func (l *Conn) VolumeBacking(ctx context.Context, pool, name string) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		v, err := l.volume(pool, name)
+		if err != nil {
+			return "", err
+		}
+		defer v.Free()
+		x, err := v.GetXMLDesc(0)
+		if err != nil {
+			return "", notFound(err, libvirt.ERR_NO_STORAGE_VOL)
+		}
+		var desc libvirtxml.StorageVolume
+		if err := desc.Unmarshal(x); err != nil {
+			return "", err
+		}
+		if desc.BackingStore == nil {
+			return "", nil
+		}
+		return desc.BackingStore.Path, nil
+	})
+}
+
 // VolumeNames implements vm.Hypervisor.
 func (l *Conn) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	return call(ctx, l, func() ([]string, error) {

@@ -24,6 +24,8 @@ type Fake struct {
 	mu sync.Mutex
 	// Volumes maps "pool/name" to the uploaded data.
 	Volumes map[string][]byte
+	// Backing maps "pool/name" to the volume's backing file, if any.
+	Backing map[string]string
 	// Domains maps names to defined domains.
 	Domains map[string]*Domain
 	// LeaseMap maps a domain to its reported leases.
@@ -136,6 +138,12 @@ func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.St
 		return "", fmt.Errorf("volume %s already exists", key)
 	}
 	f.Volumes[key] = nil
+	if vol.BackingStore != nil {
+		if f.Backing == nil {
+			f.Backing = map[string]string{}
+		}
+		f.Backing[key] = vol.BackingStore.Path
+	}
 	return "/pool/" + key, nil
 }
 func (f *Fake) UploadVolume(ctx context.Context, pool, name string, data []byte) error {
@@ -211,7 +219,20 @@ func (f *Fake) DeleteVolume(ctx context.Context, pool, name string) error {
 		return vm.ErrNotFound
 	}
 	delete(f.Volumes, pool+"/"+name)
+	delete(f.Backing, pool+"/"+name)
 	return nil
+}
+func (f *Fake) VolumeBacking(ctx context.Context, pool, name string) (string, error) {
+	f.wait("VolumeBacking")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("VolumeBacking"); err != nil {
+		return "", err
+	}
+	if _, ok := f.Volumes[pool+"/"+name]; !ok {
+		return "", vm.ErrNotFound
+	}
+	return f.Backing[pool+"/"+name], nil
 }
 func (f *Fake) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	f.wait("VolumeNames")

@@ -1,0 +1,125 @@
+package config
+
+import (
+	"fmt"
+	"net"
+	"path/filepath"
+	"strconv"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+)
+
+// Registry is [registry]: where the images with a source
+// ("oci://HOST/REPO:TAG" or "...@sha256:...") come from and where this
+// host keeps them. docs/fleet.md.
+type Registry struct {
+	// Dir is the host's content-addressed image store (ociimage.Store).
+	// Default "/var/cache/libvirt-executor/oci".
+	Dir string `toml:"dir"`
+	// Credentials is a docker-style config.json ("auths") with the
+	// registries' logins, readable by the driver's user only. Empty:
+	// anonymous pulls. Credential helpers are not run.
+	Credentials string `toml:"credentials"`
+	// PlainHTTP lists registries ("HOST:PORT") reached over plain HTTP
+	// (a registry on a private network); every other one over HTTPS.
+	PlainHTTP []string `toml:"plain_http"`
+	// PullInterval is how often the pool service asks the registry what
+	// each tag names now. Default 5m.
+	PullInterval Duration `toml:"pull_interval"`
+	// MaxImageGiB bounds each file of an image pulled. Default 64.
+	MaxImageGiB int `toml:"max_image_gib"`
+}
+
+func (r *Registry) applyDefaults() {
+	if r.Dir == "" {
+		r.Dir = "/var/cache/libvirt-executor/oci"
+	}
+	if r.PullInterval == 0 {
+		r.PullInterval = Duration(5 * time.Minute)
+	}
+	if r.MaxImageGiB == 0 {
+		r.MaxImageGiB = 64
+	}
+}
+
+func (r Registry) validate(p *problems) {
+	if !filepath.IsAbs(r.Dir) || filepath.Clean(r.Dir) != r.Dir || r.Dir == "/" {
+		p.bad("registry.dir", "%q must be a clean absolute path of a directory of its own (e.g. \"/var/cache/libvirt-executor/oci\")", r.Dir)
+	}
+	if r.Credentials != "" && !filepath.IsAbs(r.Credentials) {
+		p.bad("registry.credentials", "%q must be an absolute path (a docker-style config.json)", r.Credentials)
+	}
+	for i, h := range r.PlainHTTP {
+		host, port, err := net.SplitHostPort(h)
+		if n, perr := strconv.Atoi(port); err != nil || host == "" || perr != nil || n < 1 || n > 65535 {
+			p.bad(fmt.Sprintf("registry.plain_http[%d]", i), "%q: want HOST:PORT", h)
+		}
+	}
+	if r.PullInterval.D() < 10*time.Second {
+		p.bad("registry.pull_interval", "%s is too short: at least 10s", r.PullInterval.D())
+	}
+	p.inRange("registry.max_image_gib", r.MaxImageGiB, 1, 4096)
+}
+
+// Store is the host's image store.
+func (r Registry) Store() *ociimage.Store {
+	return &ociimage.Store{Dir: r.Dir, MaxFileBytes: int64(r.MaxImageGiB) << 30}
+}
+
+// validateSource checks an image with a source: no base, kernel or initrd
+// of its own (they come from the artifact), a qcow2 disk.
+func (img *Image) validateSource(p *problems, key string) {
+	if _, err := ociimage.ParseSource(img.Source); err != nil {
+		p.bad(key+".source", "%v", err)
+	}
+	if img.Base != "" {
+		p.bad(key+".base", "set base (a file on this host) or source (an image in a registry), not both")
+	}
+	if img.Kernel != "" || img.Initrd != "" {
+		p.bad(key+".kernel", "an image with a source gets its kernel and initrd from the registry's artifact: remove kernel and initrd")
+	}
+	if img.Format != "qcow2" {
+		p.bad(key+".format", "an image with a source is a qcow2 disk, got %q", img.Format)
+	}
+}
+
+// resolveSources points every image with a source at the files of the
+// image the host's store has for it now (ociimage.Store.Current): what the
+// last verified pull stored. An image without one (not pulled yet, or a
+// record that cannot be read) keeps an empty Base (Image.Pulled is false):
+// prepare pulls it on first use, and says why it could not.
+func (c *Config) resolveSources() {
+	for _, name := range c.ImageNames() {
+		if img := c.Images[name]; img != nil && img.Source != "" {
+			_ = c.ResolveSource(img)
+		}
+	}
+}
+
+// ResolveSource points img at the stored image its source names now.
+func (c *Config) ResolveSource(img *Image) error {
+	src, err := ociimage.ParseSource(img.Source)
+	if err != nil {
+		return err
+	}
+	rec, stored, err := c.Registry.Store().Current(src)
+	if err != nil {
+		return err
+	}
+	if stored.Path(ociimage.DiskFile) == "" {
+		return fmt.Errorf("image %s (%s) has no %s", src, rec.Digest, ociimage.DiskFile)
+	}
+	if img.Boot == BootKernel && stored.Path(ociimage.KernelFile) == "" {
+		return fmt.Errorf("boot = \"kernel\" but the image %s (%s) has no kernel", src, rec.Digest)
+	}
+	img.Base = stored.Path(ociimage.DiskFile)
+	img.Kernel = stored.Path(ociimage.KernelFile)
+	img.Initrd = stored.Path(ociimage.InitrdFile)
+	img.Digest = rec.Digest.String()
+	return nil
+}
+
+// Pulled reports whether an image with a source has a stored image (its
+// Base is set); an image without a source always has.
+func (img *Image) Pulled() bool { return img.Base != "" }

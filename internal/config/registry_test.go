@@ -1,0 +1,87 @@
+package config_test
+
+import (
+	"context"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
+)
+
+func TestRegistryConfigRefuses(t *testing.T) {
+	src := "[images.a]\nsource = \"oci://r.example:5000/vm/a:v1\"\n"
+	for _, tc := range []struct{ name, toml, want string }{
+		{"not oci", "[images.a]\nsource = \"https://r.example/a.qcow2\"\n", `images.a.source: image source "https://r.example/a.qcow2": must start with oci://`},
+		{"no tag", "[images.a]\nsource = \"oci://r.example/a\"\n", `names no tag or digest`},
+		{"base and source", src + "base = \"/a.qcow2\"\n", "images.a.base: set base (a file on this host) or source (an image in a registry), not both"},
+		{"kernel of its own", src + "boot = \"kernel\"\nkernel = \"/k\"\n", "images.a.kernel: an image with a source gets its kernel and initrd from the registry's artifact"},
+		{"raw", src + "format = \"raw\"\n", `images.a.format: an image with a source is a qcow2 disk, got "raw"`},
+		{"store dir", "[registry]\ndir = \"oci\"\n" + src, `registry.dir: "oci" must be a clean absolute path`},
+		{"credentials", "[registry]\ncredentials = \"auth.json\"\n" + src, `registry.credentials: "auth.json" must be an absolute path`},
+		{"plain http", "[registry]\nplain_http = [\"r.example\"]\n" + src, `registry.plain_http[0]: "r.example": want HOST:PORT`},
+		{"interval", "[registry]\npull_interval = \"1s\"\n" + src, "registry.pull_interval: 1s is too short: at least 10s"},
+		{"size", "[registry]\nmax_image_gib = 5000\n" + src, "registry.max_image_gib: 5000 is out of range 1-4096"},
+		{"neither", "[images.a]\nuser = \"root\"\n", `images.a.base: "" must be an absolute path to the base disk image (or set source = "oci://...")`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := config.Parse([]byte(tc.toml))
+			require.ErrorContains(t, err, tc.want)
+		})
+	}
+}
+
+// TestSourceResolves: an image with a source has no base until the host's
+// store has it; once pulled, loading the configuration points it at the
+// stored files, kernel and initrd included, and at the digest.
+func TestSourceResolves(t *testing.T) {
+	reg := registrytest.Start(t)
+	dir := t.TempDir()
+	var files []transfer.PushFile
+	for _, n := range ociimage.FileNames {
+		p := filepath.Join(dir, n)
+		require.NoError(t, os.WriteFile(p, []byte(strings.Repeat(n, 100)), 0o644))
+		files = append(files, transfer.PushFile{Name: n, Path: p})
+	}
+	store := filepath.Join(t.TempDir(), "oci")
+	text := []byte("[registry]\ndir = \"" + store + "\"\nplain_http = [\"" + reg.Host + "\"]\n" +
+		"[images.tiny]\nsource = \"oci://" + reg.Host + "/vm/tiny:v1\"\nboot = \"kernel\"\ncmdline = \"console=ttyS0\"\n")
+	cfg, err := config.Parse(text)
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	require.False(t, img.Pulled(), "nothing stored yet")
+	require.Empty(t, img.Base)
+
+	src, err := ociimage.ParseSource(img.Source)
+	require.NoError(t, err)
+	pushed, err := transfer.Push(context.Background(), transfer.RemoteOf(cfg.Registry, "test"), src, files, t.TempDir(), "")
+	require.NoError(t, err)
+	res, err := transfer.Pull(context.Background(), cfg.Registry.Store(), transfer.RemoteOf(cfg.Registry, "test"), src)
+	require.NoError(t, err)
+
+	cfg, err = config.Parse(text)
+	require.NoError(t, err)
+	img, _ = cfg.Image("tiny")
+	require.True(t, img.Pulled())
+	require.Equal(t, res.Image.Path(ociimage.DiskFile), img.Base)
+	require.Equal(t, res.Image.Path(ociimage.KernelFile), img.Kernel)
+	require.Equal(t, res.Image.Path(ociimage.InitrdFile), img.Initrd)
+	require.Equal(t, pushed.Descriptor.Digest.String(), img.Digest)
+	require.True(t, strings.HasPrefix(img.Base, store+"/images/sha256-"), img.Base)
+
+	// A damaged record counts as not pulled (prepare pulls again), never
+	// as a configuration error for every job.
+	recs, _ := filepath.Glob(filepath.Join(store, "refs", "*.json"))
+	require.Len(t, recs, 1)
+	require.NoError(t, os.WriteFile(recs[0], []byte("{"), 0o644))
+	cfg, err = config.Parse(text)
+	require.NoError(t, err)
+	img, _ = cfg.Image("tiny")
+	require.False(t, img.Pulled())
+}

@@ -1,0 +1,75 @@
+package gitlab
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// PullFunc pulls src into cfg's image store (transfer.Pull).
+type PullFunc func(ctx context.Context, cfg *config.Config, src ociimage.Source) (PullReport, error)
+
+// PullReport is what a pull did: the digest stored, the bytes received
+// (0: stored already) and stored.
+type PullReport struct {
+	Digest           string
+	Received, Stored int64
+}
+
+// staleChecks is how many pull intervals may pass without the registry
+// answering before a job's log warns that it runs the last verified image.
+const staleChecks = 3
+
+// ensurePulled makes sure an image with a source (oci://) is on this
+// host: a job on an image not pulled yet pulls it (the first job on a
+// new host, or after a new source was configured), under the store's
+// lock so that jobs at once pull it once. A stored image is used as it
+// is: the pool service follows the tag (registry.pull_interval); when
+// the registry has not answered for a while, the job log says the job
+// runs the last verified image.
+func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, say func(string, ...any), log *slog.Logger) error {
+	if img.Source == "" {
+		return nil
+	}
+	src, err := ociimage.ParseSource(img.Source)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	if img.Pulled() {
+		rec, _, err := cfg.Registry.Store().Current(src)
+		if err == nil {
+			say("Image %s: %s from %s", img.Name, rec.Digest, src)
+			if age := time.Since(rec.Checked); !src.Pinned() && age > staleChecks*cfg.Registry.PullInterval.D() {
+				say("Warning: the registry has not confirmed %s for %s (last at %s): this job runs the last verified image",
+					src, vm.Round(age), rec.Checked.Format(time.RFC3339))
+			}
+		}
+		return nil
+	}
+	if pull == nil {
+		return exitcodes.System(fmt.Errorf("image %s (%s) is not on this host, and this executable does not pull: run libvirt-executor image pull %s", img.Name, src, img.Name))
+	}
+	say("Image %s is not on this host yet: pulling %s", img.Name, src)
+	t0 := time.Now()
+	res, err := pull(ctx, cfg, src)
+	if err != nil {
+		log.Error("image pull failed", "image", img.Name, "source", src.String(), "err", err)
+		if errors.Is(err, ociimage.ErrRefused) {
+			return exitcodes.System(fmt.Errorf("image %s: the registry's image was refused: %w", img.Name, err))
+		}
+		return exitcodes.System(fmt.Errorf("image %s: pull %s: %w", img.Name, src, err))
+	}
+	say("Pulled %s (%s, %.1f MiB received, %.1f MiB stored) in %s", src, res.Digest,
+		float64(res.Received)/(1<<20), float64(res.Stored)/(1<<20), vm.Round(time.Since(t0)))
+	if err := cfg.ResolveSource(img); err != nil {
+		return exitcodes.System(fmt.Errorf("image %s: %w", img.Name, err))
+	}
+	return nil
+}

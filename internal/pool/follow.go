@@ -1,0 +1,137 @@
+package pool
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
+)
+
+// ErrImageChanged ends Run when an image's source (oci://) names another
+// image than the one the service was started with, now stored and
+// verified: the service is restarted (systemd: Restart=on-failure) with
+// it, and the standbys of the old image are retired by the next service
+// (their base differs). Jobs take the new image from then on: a prepare
+// reads the store's record when it starts.
+var ErrImageChanged = errors.New("an image's source names a new image: restart the service to boot standbys of it")
+
+// follower asks the registry, every registry.pull_interval, what each
+// image's source names and pulls what is new (docs/fleet.md).
+type follower struct {
+	cfg *config.Config
+	svc *Service
+
+	mu       sync.Mutex
+	failures map[string]int    // pulls failed in a row, by image
+	lastErr  map[string]string // the last failure, by image (logged when it changes)
+}
+
+func newFollower(cfg *config.Config, svc *Service) *follower {
+	return &follower{cfg: cfg, svc: svc, failures: map[string]int{}, lastErr: map[string]string{}}
+}
+
+// sourced lists the images with a source.
+func (f *follower) sourced() []*config.Image {
+	var out []*config.Image
+	for _, name := range f.cfg.ImageNames() {
+		if img := f.cfg.Images[name]; img != nil && img.Source != "" {
+			out = append(out, img)
+		}
+	}
+	return out
+}
+
+// run pulls at once and then every interval until ctx ends; it sends on
+// changed when an image now names another digest than the service's.
+func (f *follower) run(ctx context.Context, changed chan<- string) {
+	if len(f.sourced()) == 0 {
+		return
+	}
+	t := time.NewTicker(f.cfg.Registry.PullInterval.D())
+	defer t.Stop()
+	for {
+		if name := f.round(ctx); name != "" {
+			select {
+			case changed <- name:
+			default:
+			}
+			return
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+	}
+}
+
+// round pulls every sourced image once; it returns the name of one whose
+// stored image is not the one the service runs with.
+func (f *follower) round(ctx context.Context) string {
+	remote := transfer.RemoteOf(f.cfg.Registry, "libvirt-executor/"+buildinfo.Version)
+	store := f.cfg.Registry.Store()
+	changed := ""
+	for _, img := range f.sourced() {
+		src, err := ociimage.ParseSource(img.Source)
+		if err != nil {
+			continue // refused when the configuration was loaded
+		}
+		t0 := time.Now()
+		res, err := transfer.Pull(ctx, store, remote, src)
+		if ctx.Err() != nil {
+			return ""
+		}
+		f.mu.Lock()
+		if err != nil {
+			f.failures[img.Name]++
+			n := f.failures[img.Name]
+			if f.lastErr[img.Name] != err.Error() {
+				f.lastErr[img.Name] = err.Error()
+				f.svc.Log.Warn("image pull failed: the last verified image keeps serving", "image", img.Name, "source", img.Source,
+					"failures_in_a_row", n, "err", err)
+			}
+			f.mu.Unlock()
+			continue
+		}
+		if f.failures[img.Name] > 0 {
+			f.svc.Log.Info("image source answers again", "image", img.Name, "source", img.Source, "after_failures", f.failures[img.Name])
+		}
+		f.failures[img.Name], f.lastErr[img.Name] = 0, ""
+		f.mu.Unlock()
+		if res.Fetched > 0 {
+			f.svc.Log.Info("image pulled", "image", img.Name, "source", img.Source, "digest", res.Record.Digest.String(),
+				"received_bytes", res.Fetched, "stored_bytes", res.Image.Bytes, "took", time.Since(t0).Round(time.Millisecond).String())
+		}
+		if res.Record.Digest.String() != img.Digest && changed == "" {
+			f.svc.Log.Info("image source names a new image", "image", img.Name, "source", img.Source,
+				"was", img.Digest, "now", res.Record.Digest.String())
+			changed = img.Name
+		}
+	}
+	return changed
+}
+
+// gauges is the sourced images' state for the metrics endpoint.
+func (f *follower) gauges() ([]metrics.ImageGauge, error) {
+	store := f.cfg.Registry.Store()
+	var out []metrics.ImageGauge
+	for _, img := range f.sourced() {
+		g := metrics.ImageGauge{Image: img.Name}
+		if src, err := ociimage.ParseSource(img.Source); err == nil {
+			if rec, _, err := store.Current(src); err == nil {
+				g.Digest, g.LastCheck = rec.Digest.String(), rec.Checked
+			}
+		}
+		f.mu.Lock()
+		g.Failures = f.failures[img.Name]
+		f.mu.Unlock()
+		out = append(out, g)
+	}
+	return out, nil
+}

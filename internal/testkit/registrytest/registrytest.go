@@ -1,0 +1,126 @@
+// Package registrytest runs a real OCI registry (Debian's docker-registry,
+// the CNCF Distribution registry) for tests: on a free port of 127.0.0.1,
+// storing into the test's temporary directory, stopped when the test ends.
+package registrytest
+
+import (
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"syscall"
+	"testing"
+	"time"
+)
+
+// Registry is a running registry.
+type Registry struct {
+	Host    string // 127.0.0.1:PORT
+	Storage string // its root directory
+	cmd     *exec.Cmd
+	exited  chan struct{}
+	config  string
+}
+
+// Binary is the registry's executable, found on PATH; without it the test
+// skips, or fails under make test (LVE_REQUIRE_PROMETHEUS=1: make deps
+// installed the test tools, docker-registry among them).
+func Binary(t *testing.T) string {
+	t.Helper()
+	p, err := exec.LookPath("docker-registry")
+	if err == nil {
+		return p
+	}
+	if os.Getenv("LVE_E2E_REQUIRED") == "1" || os.Getenv("LVE_REQUIRE_PROMETHEUS") == "1" {
+		t.Fatalf("%v: make deps installs it (Debian: apt-get install docker-registry)", err)
+	}
+	t.Skipf("%v: install it (Debian: apt-get install docker-registry) to run this test", err)
+	return ""
+}
+
+// Start runs a registry until the test ends.
+func Start(t *testing.T) *Registry {
+	t.Helper()
+	bin := Binary(t)
+	dir := t.TempDir()
+	r := &Registry{Storage: filepath.Join(dir, "storage"), config: filepath.Join(dir, "config.yml")}
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Host = l.Addr().String()
+	_ = l.Close()
+	cfg := fmt.Sprintf("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\n  delete:\n    enabled: true\nhttp:\n  addr: %s\n",
+		r.Storage, r.Host)
+	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	r.start(t, bin)
+	t.Cleanup(r.stop)
+	return r
+}
+
+func (r *Registry) start(t *testing.T, bin string) {
+	t.Helper()
+	log, err := os.Create(filepath.Join(filepath.Dir(r.config), fmt.Sprintf("registry-%d.log", time.Now().UnixNano())))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.cmd = exec.Command(bin, "serve", r.config)
+	r.cmd.Stdout, r.cmd.Stderr = log, log
+	r.cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := r.cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	r.exited = exited
+	go func() { _ = r.cmd.Wait(); _ = log.Close(); close(exited) }()
+	deadline := time.Now().Add(20 * time.Second)
+	for {
+		resp, err := http.Get("http://" + r.Host + "/v2/")
+		if err == nil {
+			_ = resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return
+			}
+		}
+		select {
+		case <-exited:
+			b, _ := os.ReadFile(log.Name())
+			t.Fatalf("docker-registry exited at its start: %s", b)
+		case <-time.After(50 * time.Millisecond): // the poll's interval
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("docker-registry on %s did not answer within 20 s", r.Host)
+		}
+	}
+}
+
+// Stop stops the registry (a test of an unreachable registry).
+func (r *Registry) Stop() { r.stop() }
+
+func (r *Registry) stop() {
+	if r.exited == nil {
+		return
+	}
+	select {
+	case <-r.exited:
+		return
+	default:
+	}
+	_ = r.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-r.exited:
+	case <-time.After(10 * time.Second):
+		_ = r.cmd.Process.Kill()
+		<-r.exited
+	}
+}
+
+// BlobPath is where the registry keeps the blob of digest "sha256:HEX"
+// (to corrupt it in a test).
+func (r *Registry) BlobPath(hex string) string {
+	return filepath.Join(r.Storage, "docker", "registry", "v2", "blobs", "sha256", hex[:2], hex, "data")
+}

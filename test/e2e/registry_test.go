@@ -1,0 +1,156 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
+)
+
+// TestImageFromRegistry: VM images from an OCI registry (a real
+// docker-registry on the rig namespace's loopback), on real VMs:
+//   - `image push --image tiny` sends the rig's tiny image (disk, kernel,
+//     initrd) as one artifact;
+//   - a job on an image whose source names it pulls it at prepare (the job
+//     log says so, with the digest) and runs on it;
+//   - the tag moves to another image (the same disk converted with
+//     another cluster size: other bytes); `image pull` stores it and the
+//     next job runs on the new digest;
+//   - a tag whose disk blob was corrupted in the registry is refused,
+//     nothing of it stored, the current image kept;
+//   - with the registry stopped, a job still runs on the last verified
+//     image;
+//   - `image prune` removes the old digest once no VM uses it, and keeps
+//     the current one.
+func TestImageFromRegistry(t *testing.T) {
+	base := setup(t)
+	reg := registrytest.Start(t)
+	store, err := os.MkdirTemp("/var/cache/libvirt-executor", "oci-e2e-") // QEMU reads the stored files
+	require.NoError(t, err)
+	require.NoError(t, os.Chmod(store, 0o755))
+	t.Cleanup(func() { _ = os.RemoveAll(store) })
+	tiny, ok := base.cfg.Image("tiny")
+	require.True(t, ok, "the rig's tiny image")
+	src := "oci://" + reg.Host + "/vm/tiny:stable"
+	r := base.withConfig(t, func(s string) string {
+		return s + fmt.Sprintf(`
+[registry]
+dir = %q
+plain_http = [%q]
+
+[images.oci]
+source = %q
+user = %q
+shell = %q
+builds_dir = %q
+cache_dir = %q
+key_injection = %q
+boot = "kernel"
+cmdline = %q
+`, store, reg.Host, src, tiny.User, tiny.Shell, tiny.BuildsDir, tiny.CacheDir, tiny.KeyInjection, tiny.Cmdline)
+	})
+	admin := func(args ...string) (string, error) {
+		out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), append([]string{"--config", r.cfgPath}, args...)...).CombinedOutput()
+		t.Logf("libvirt-executor %s:\n%s", strings.Join(args, " "), out)
+		return string(out), err
+	}
+	digestRE := regexp.MustCompile(`sha256:[0-9a-f]{64}`)
+
+	out, err := admin("image", "push", "--image", "tiny", src)
+	require.NoError(t, err)
+	v1 := digestRE.FindString(out)
+	require.NotEmpty(t, v1)
+	require.Contains(t, out, "3 files")
+
+	job := func(what string) *harness.Result {
+		t.Helper()
+		opts, lw := r.options(t)
+		res, err := harness.RunJob(context.Background(), opts, harness.Job{Image: "oci", Script: []string{"echo " + what, "uname -r"}})
+		require.NoError(t, err)
+		require.Equal(t, harness.StateSuccess, res.State, "%s: %s\n%s", res.FailureReason, res.Message, lw.buf.String())
+		require.Contains(t, res.Log, what)
+		return res
+	}
+	// First use: prepare pulls it.
+	res := job("on-v1")
+	require.Contains(t, res.Log, "Image oci is not on this host yet: pulling "+src)
+	require.Regexp(t, `Pulled `+regexp.QuoteMeta(src)+` \(`+v1+`, [0-9.]+ MiB received, [0-9.]+ MiB stored\) in `, res.Log)
+
+	// The tag moves: the same disk in other bytes, same kernel and initrd.
+	disk2 := filepath.Join(t.TempDir(), "disk.qcow2")
+	conv, err := exec.Command("qemu-img", "convert", "-O", "qcow2", "-o", "cluster_size=131072", tiny.Base, disk2).CombinedOutput()
+	require.NoError(t, err, "%s", conv)
+	out, err = admin("image", "push", "--disk", disk2, "--kernel", tiny.Kernel, "--initrd", tiny.Initrd, src)
+	require.NoError(t, err)
+	v2 := digestRE.FindString(out)
+	require.NotEqual(t, v1, v2)
+	out, err = admin("image", "pull", "oci")
+	require.NoError(t, err)
+	require.Contains(t, out, "oci: new "+v2)
+	res = job("on-v2")
+	require.Contains(t, res.Log, "Image oci: "+v2+" from "+src)
+	require.NotContains(t, res.Log, "pulling")
+
+	// A corrupted blob under another tag: refused, nothing stored.
+	bad := "oci://" + reg.Host + "/vm/tiny:bad"
+	small := filepath.Join(t.TempDir(), "disk.qcow2")
+	conv, err = exec.Command("qemu-img", "create", "-f", "qcow2", small, "64M").CombinedOutput()
+	require.NoError(t, err, "%s", conv)
+	_, err = admin("image", "push", "--disk", small, bad)
+	require.NoError(t, err)
+	// The registry's stored bytes of the disk layer change behind its back
+	// (a disk error, a tampered mirror).
+	req, err := http.NewRequest(http.MethodGet, "http://"+reg.Host+"/v2/vm/tiny/manifests/bad", nil)
+	require.NoError(t, err)
+	req.Header.Set("Accept", "application/vnd.oci.image.manifest.v1+json")
+	resp, err := http.DefaultClient.Do(req)
+	require.NoError(t, err)
+	var man struct {
+		Layers []struct{ Digest string } `json:"layers"`
+	}
+	require.NoError(t, json.NewDecoder(resp.Body).Decode(&man))
+	_ = resp.Body.Close()
+	require.Len(t, man.Layers, 1)
+	blob := reg.BlobPath(strings.TrimPrefix(man.Layers[0].Digest, "sha256:"))
+	data, err := os.ReadFile(blob)
+	require.NoError(t, err)
+	data[len(data)/2] ^= 0xff
+	require.NoError(t, os.WriteFile(blob, data, 0o644))
+	out, err = admin("image", "pull", bad)
+	require.Error(t, err)
+	require.Contains(t, out, "refused")
+	out, err = admin("image", "list")
+	require.NoError(t, err)
+	require.Equal(t, 2, len(regexp.MustCompile(`(?m)^sha256:`).FindAllString(out, -1)), "v1 and v2 only: %s", out)
+	require.Contains(t, out, v2)
+	left, _ := os.ReadDir(filepath.Join(store, "tmp"))
+	require.Empty(t, left, "nothing of the refused pull")
+
+	// The registry gone: the last verified image serves.
+	reg.Stop()
+	res = job("registry-gone")
+	require.Contains(t, res.Log, "Image oci: "+v2)
+
+	// v1 is no longer named; no VM uses it once the jobs are gone.
+	r.requireNoLeftovers(t, "after the jobs")
+	out, err = admin("image", "prune")
+	require.NoError(t, err)
+	require.Contains(t, out, "removed "+v1)
+	out, err = admin("image", "list")
+	require.NoError(t, err)
+	require.NotContains(t, out, v1)
+	require.Contains(t, out, v2)
+}
