@@ -558,10 +558,16 @@ func needBinary(t *testing.T, name string) string {
 // of 127.0.0.1 until the test ends, and returns its URL.
 func startPrometheus(t *testing.T) string {
 	t.Helper()
+	return startPrometheusWith(t, "scrape_configs: []\n")
+}
+
+// startPrometheusWith is startPrometheus with the configuration given.
+func startPrometheusWith(t *testing.T, config string) string {
+	t.Helper()
 	bin := needBinary(t, "prometheus")
 	dir := t.TempDir()
 	cfg := filepath.Join(dir, "prometheus.yml")
-	require.NoError(t, os.WriteFile(cfg, []byte("scrape_configs: []\n"), 0o600))
+	require.NoError(t, os.WriteFile(cfg, []byte(config), 0o600))
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	addr := l.Addr().String()
