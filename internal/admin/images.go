@@ -16,6 +16,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // userAgent names this client to registries.
@@ -37,6 +38,19 @@ func sourceOf(cfg *config.Config, name string) (ociimage.Source, error) {
 	return ociimage.ParseSource(img.Source)
 }
 
+// CheckStoreOwner refuses (a *state.OwnerError) to write the image store
+// as another user than the installation's: files root made there could not
+// be replaced by the stages' user, whose prepare pulls on first use.
+func CheckStoreOwner(cfg *config.Config) error {
+	if err := (state.Store{Dir: cfg.StateDir}).CheckOwner(); err != nil {
+		return err
+	}
+	if err := (state.Store{Dir: cfg.Registry.Dir}).CheckOwner(); err != nil {
+		return fmt.Errorf("image store: %w", err)
+	}
+	return nil
+}
+
 // ImagePull pulls the named images (configured names or oci:// sources;
 // none: every configured image with a source) into the host's store.
 func ImagePull(ctx context.Context, w io.Writer, cfg *config.Config, names []string) error {
@@ -49,6 +63,9 @@ func ImagePull(ctx context.Context, w io.Writer, cfg *config.Config, names []str
 		if len(names) == 0 {
 			return errors.New("no configured image has a source (source = \"oci://...\"): name one to pull")
 		}
+	}
+	if err := CheckStoreOwner(cfg); err != nil {
+		return err
 	}
 	store, remote := cfg.Registry.Store(), transfer.RemoteOf(cfg.Registry, userAgent())
 	var errs []error
@@ -150,6 +167,9 @@ func ImagePrune(ctx context.Context, w io.Writer, cfg *config.Config, inUse []st
 			fmt.Fprintf(w, "would remove %s (%.1f MiB)\n", img.Digest, float64(img.Bytes)/(1<<20))
 		}
 		return k || dryRun
+	}
+	if err := CheckStoreOwner(cfg); err != nil {
+		return err
 	}
 	removed, err := transfer.Remove(ctx, cfg.Registry.Store(), keep)
 	for _, d := range removed {

@@ -9,7 +9,9 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -46,7 +48,7 @@ func TestDebianPackage(t *testing.T) {
 	if out, err := exec.Command("dpkg-query", "-W", "-f=${Status}", pkgName).Output(); err == nil && strings.Contains(string(out), "installed") {
 		t.Fatalf("%s is installed on this machine already (%s): the test would replace it", pkgName, out)
 	}
-	for _, p := range []string{"/var/lib/libvirt-executor", "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
+	for _, p := range []string{"/var/lib/libvirt-executor", "/var/cache/libvirt-executor/oci", "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
 		"/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", "/etc/libvirt/hooks/libvirt-executor-guard.conf"} {
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s exists on this machine already: the test would change it", p)
@@ -67,6 +69,7 @@ func TestDebianPackage(t *testing.T) {
 	t.Cleanup(func() {
 		_ = exec.Command("dpkg", "--purge", pkgName).Run()
 		_ = os.RemoveAll("/var/lib/libvirt-executor")
+		_ = os.RemoveAll("/var/cache/libvirt-executor/oci")
 		_ = os.RemoveAll("/etc/libvirt-executor")
 	})
 
@@ -242,9 +245,19 @@ exec /usr/bin/libvirt-executor-run "$@"
 	require.DirExists(t, "/var/lib/libvirt-executor")
 	// Install again, purge asking for the state: it goes.
 	run(nil, "dpkg", "-i", newDeb)
+	// The default image store (docs/fleet.md): the runner's user writes it
+	// (prepare pulls on first use), QEMU reads it.
+	st, err = os.Stat("/var/cache/libvirt-executor/oci")
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o755), st.Mode().Perm())
+	runner, err := user.Lookup("gitlab-runner")
+	require.NoError(t, err)
+	require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "the image store belongs to the runner's user")
 	out3 := run([]string{"LIBVIRT_EXECUTOR_PURGE_STATE=yes"}, "dpkg", "--purge", pkgName)
 	require.Regexp(t, regexp.MustCompile(`removed /var/lib/libvirt-executor`), out3)
 	require.NoDirExists(t, "/var/lib/libvirt-executor")
+	require.Contains(t, out3, "removed /var/cache/libvirt-executor/oci")
+	require.NoDirExists(t, "/var/cache/libvirt-executor/oci")
 	_, err = exec.Command("dpkg-query", "-W", pkgName).Output()
 	require.Error(t, err, "purged")
 }
