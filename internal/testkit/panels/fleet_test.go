@@ -31,7 +31,7 @@ func newFleetHost(t *testing.T, vms int) *fleetHost {
 	h := &fleetHost{spool: obs.Spool{Dir: t.TempDir()}}
 	col := &metrics.Collector{
 		Folder: &metrics.Folder{Spool: h.spool, Images: []string{"tiny"}, Log: slog.New(slog.DiscardHandler)},
-		Live: metrics.Live{Capacity: func() (int, int, int, int, error) { return vms, vms * 512, 8, 0, nil }},
+		Live:   metrics.Live{Capacity: func() (int, int, int, int, error) { return vms, vms * 512, 8, 0, nil }},
 	}
 	handler, err := metrics.Handler(col)
 	require.NoError(t, err)
