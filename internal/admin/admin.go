@@ -290,6 +290,11 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 
 	for _, n := range cfg.ImageNames() {
 		img, _ := cfg.Image(n)
+		if img.Source != "" && !img.Pulled() {
+			add(Check{Name: "image " + n, OK: true, Warn: true, Info: img.Source + ": not pulled on this host yet (the first job pulls it)",
+				Fix: "libvirt-executor image pull " + n + " (as the stages' user)"})
+			continue
+		}
 		files := []string{img.Base}
 		if img.Boot == config.BootKernel {
 			files = append(files, img.Kernel)
@@ -316,6 +321,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 	}
 	add(stateDirCheck(cfg.StateDir))
+	if c, ok := imageStoreCheck(cfg); ok {
+		add(c)
+	}
 	if cfg.Cache.Enabled() {
 		add(cacheDirCheck(cfg.Cache))
 	}

@@ -177,3 +177,32 @@ func ImagePrune(ctx context.Context, w io.Writer, cfg *config.Config, inUse []st
 	}
 	return err
 }
+
+// imageStoreCheck is doctor's look at the image store and the registry
+// credentials, when an image has a source (false otherwise): the store is
+// this user's (the stages pull into it) and the credentials file is not
+// readable by others.
+func imageStoreCheck(cfg *config.Config) (Check, bool) {
+	sourced := false
+	for _, n := range cfg.ImageNames() {
+		sourced = sourced || cfg.Images[n].Source != ""
+	}
+	if !sourced {
+		return Check{}, false
+	}
+	name := "image store " + cfg.Registry.Dir
+	if err := CheckStoreOwner(cfg); err != nil {
+		return Check{Name: name, Info: err.Error(), Fix: "run as the stages' user, or chown -R that user " + cfg.Registry.Dir}, true
+	}
+	if cfg.Registry.Credentials != "" {
+		st, err := os.Stat(cfg.Registry.Credentials)
+		if err != nil {
+			return Check{Name: name, Info: "registry.credentials: " + err.Error(), Fix: "write a docker-style config.json there, or remove registry.credentials"}, true
+		}
+		if st.Mode().Perm()&0o004 != 0 {
+			return Check{Name: name, Info: fmt.Sprintf("registry.credentials %s is readable by every user (%v)", cfg.Registry.Credentials, st.Mode().Perm()),
+				Fix: "chmod 0600 " + cfg.Registry.Credentials + " (owned by the stages' user)"}, true
+		}
+	}
+	return Check{Name: name, OK: true, Info: "this user's; images with a source pull into it"}, true
+}

@@ -101,3 +101,39 @@ func mustDigest(t *testing.T, s string) digest.Digest {
 	require.NoError(t, d.Validate())
 	return d
 }
+
+// TestImageStoreCheck: doctor's look at the store and the credentials.
+func TestImageStoreCheck(t *testing.T) {
+	dir := t.TempDir()
+	creds := filepath.Join(dir, "auth.json")
+	require.NoError(t, os.WriteFile(creds, []byte(`{"auths":{}}`), 0o600))
+	parse := func(extra string) *config.Config {
+		cfg, err := config.Parse([]byte(`
+state_dir = "` + filepath.Join(dir, "state") + `"
+[registry]
+dir = "` + filepath.Join(dir, "oci") + `"
+credentials = "` + creds + `"
+[images.tiny]
+` + extra))
+		require.NoError(t, err)
+		return cfg
+	}
+	_, ok := imageStoreCheck(parse(`base = "/img/tiny.qcow2"` + "\n"))
+	require.False(t, ok, "no image with a source: no check")
+
+	cfg := parse(`source = "oci://r.example/vm/tiny:v1"` + "\n")
+	c, ok := imageStoreCheck(cfg)
+	require.True(t, ok)
+	require.True(t, c.OK, "%+v", c)
+
+	require.NoError(t, os.Chmod(creds, 0o644))
+	c, _ = imageStoreCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "is readable by every user")
+	require.Contains(t, c.Fix, "chmod 0600 "+creds)
+
+	require.NoError(t, os.Remove(creds))
+	c, _ = imageStoreCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "registry.credentials: ")
+}
