@@ -6,6 +6,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/opencontainers/go-digest"
+
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
@@ -30,10 +32,81 @@ type follower struct {
 	mu       sync.Mutex
 	failures map[string]int    // pulls failed in a row, by image
 	lastErr  map[string]string // the last failure, by image (logged when it changes)
+	// collecting serializes collect; unnamed is when each stored image no
+	// configured source names was first seen so.
+	collecting sync.Mutex
+	unnamed    map[digest.Digest]time.Time
+	now        func() time.Time
 }
 
 func newFollower(cfg *config.Config, svc *Service) *follower {
-	return &follower{cfg: cfg, svc: svc, failures: map[string]int{}, lastErr: map[string]string{}}
+	return &follower{cfg: cfg, svc: svc, failures: map[string]int{}, lastErr: map[string]string{},
+		unnamed: map[digest.Digest]time.Time{}, now: time.Now}
+}
+
+// collectGrace is how long a stored image must have been named by no
+// configured source before it is removed: a prepare that loaded the
+// configuration before the tag moved clones the old image seconds later.
+const collectGrace = 10 * time.Minute
+
+// collect removes the stored images that no configured source names, that
+// no volume of the storage pool is backed by, and that have been so for
+// collectGrace (as seen by this service): the old digests of moved tags.
+func (f *follower) collect(ctx context.Context) {
+	f.collecting.Lock()
+	defer f.collecting.Unlock()
+	store := f.cfg.Registry.Store()
+	named := map[digest.Digest]bool{}
+	for _, img := range f.sourced() {
+		if src, err := ociimage.ParseSource(img.Source); err == nil {
+			if rec, _, err := store.Current(src); err == nil {
+				named[rec.Digest] = true
+			}
+		}
+	}
+	imgs, _, err := store.List()
+	if err != nil {
+		f.svc.Log.Warn("image store: cannot list it", "dir", store.Dir, "err", err)
+		return
+	}
+	now, due := f.now(), false
+	seen := map[digest.Digest]bool{}
+	for _, img := range imgs {
+		if named[img.Digest] {
+			continue
+		}
+		seen[img.Digest] = true
+		since, ok := f.unnamed[img.Digest]
+		if !ok {
+			f.unnamed[img.Digest] = now
+		} else if now.Sub(since) >= collectGrace {
+			due = true
+		}
+	}
+	for d := range f.unnamed {
+		if !seen[d] {
+			delete(f.unnamed, d)
+		}
+	}
+	if !due {
+		return
+	}
+	inUse, err := f.svc.M.BackingFiles(ctx)
+	if err != nil {
+		f.svc.Log.Warn("image store: old images kept: cannot list the pool's backing files", "err", err)
+		return
+	}
+	removed, err := transfer.Remove(ctx, store, func(img ociimage.Image, _ []ociimage.Record) bool {
+		since, ok := f.unnamed[img.Digest]
+		return named[img.Digest] || !ok || now.Sub(since) < collectGrace || img.InUse(inUse)
+	})
+	for _, d := range removed {
+		delete(f.unnamed, d)
+		f.svc.Log.Info("removed an old image: no configured source names it, no VM uses it", "digest", d.String())
+	}
+	if err != nil {
+		f.svc.Log.Warn("image store: removing old images failed", "err", err)
+	}
 }
 
 // sourced lists the images with a source.
@@ -63,6 +136,7 @@ func (f *follower) run(ctx context.Context, changed chan<- string) {
 			}
 			return
 		}
+		f.collect(ctx)
 		select {
 		case <-ctx.Done():
 			return

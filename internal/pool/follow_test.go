@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/opencontainers/go-digest"
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
@@ -141,6 +142,24 @@ idle_count = 1
 	require.Equal(t, v2, img.Digest)
 	require.Eventually(t, func() bool { b := backings(); return len(b) == 1 && b[0] == img.Base }, 20*time.Second, 20*time.Millisecond,
 		"v1's standby retired, one on v2 booted")
+
+	// v1 is named by no source now and its standby is gone: collected once
+	// it has been so for collectGrace, v2 kept.
+	store := s.M.Cfg.Registry.Store()
+	v1Dir, v2Dir := store.ImageDir(digest.Digest(v1)), store.ImageDir(digest.Digest(v2))
+	require.DirExists(t, v1Dir)
+	s.images.collect(context.Background())
+	require.DirExists(t, v1Dir, "not before its grace")
+	s.images.collecting.Lock()
+	s.images.now = func() time.Time { return time.Now().Add(collectGrace + time.Minute) }
+	s.images.collecting.Unlock()
+	s.images.collect(context.Background())
+	require.NoDirExists(t, v1Dir)
+	require.DirExists(t, v2Dir)
+	backed, err := s.M.BackingFiles(context.Background())
+	require.NoError(t, err)
+	require.Equal(t, []string{img.Base}, backed, "v2's standby is what the pool's volumes are backed by")
+	require.Contains(t, log.String(), "removed an old image: no configured source names it, no VM uses it")
 
 	// The registry gone: the service keeps running on v2, counting.
 	reg.Stop()
