@@ -94,8 +94,15 @@ func TestFaultRandomJobs(t *testing.T) {
 	rnd := rand.New(rand.NewPCG(seed, seed^0x6c76652d736f616b))
 	plans := make([]randomPlan, jobs)
 	firstID := 100000 + rnd.Int64N(800000-int64(jobs))
+	// The first faultKinds jobs take each fault once, in a drawn order
+	// (make test's 4 jobs see every kind); later ones draw theirs.
+	kinds := rnd.Perm(int(faultKinds))
 	for i := range plans {
-		plans[i] = randomPlan{n: i + 1, id: firstID + int64(i), fault: randomFault(rnd.IntN(int(faultKinds)))}
+		kind := randomFault(rnd.IntN(int(faultKinds)))
+		if i < len(kinds) {
+			kind = randomFault(kinds[i])
+		}
+		plans[i] = randomPlan{n: i + 1, id: firstID + int64(i), fault: kind}
 		switch plans[i].fault {
 		case faultCancel, faultKill:
 			plans[i].at = time.Duration(rnd.Int64N(int64(randomWindow)))
