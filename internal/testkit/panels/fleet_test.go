@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"net/http/httptest"
 	"net/url"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -137,6 +138,11 @@ func TestFleetPanelsSeeEveryHost(t *testing.T) {
 		}
 	}
 	require.Equal(t, 6, n, "the fleet row's queries")
+	// The host variable narrows a panel to the hosts chosen.
+	one := `sum by (instance) (rate(libvirt_executor_jobs_total{instance=~"` + strings.ReplaceAll(regexp.QuoteMeta(hosts[1].target(t)), `\`, `\\`) + `"}[1m]))`
+	vec := instant(one)
+	require.Len(t, vec, 1, one)
+	require.Equal(t, hosts[1].target(t), string(vec[0].Metric["instance"]))
 	// The values are each host's own.
 	vms := instant(`max by (instance) (libvirt_executor_capacity_used{resource="vms"})`)
 	byHost := map[string]float64{}

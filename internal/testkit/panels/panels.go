@@ -269,6 +269,8 @@ func expandVars(expr string, step time.Duration) (string, error) {
 		"__interval_ms":   strconv.FormatInt(step.Milliseconds(), 10),
 		"__rate_interval": promDuration(max(4*step, time.Minute)),
 		"datasource":      "",
+		// The host variable, as Grafana's "All" writes it: every host.
+		"instance": ".*",
 	}
 	var bad []string
 	out := varRE.ReplaceAllStringFunc(expr, func(m string) string {

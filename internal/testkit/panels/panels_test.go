@@ -217,8 +217,11 @@ func TestExpandVars(t *testing.T) {
 		require.NoError(t, err, tc.expr)
 		require.Equal(t, tc.want, got, tc.expr)
 	}
-	_, err := expandVars(`x{instance=~"$instance"}`, 15*time.Second)
-	require.ErrorContains(t, err, "unknown dashboard variable $instance")
+	got, err := expandVars(`x{instance=~"$instance"}`, 15*time.Second)
+	require.NoError(t, err)
+	require.Equal(t, `x{instance=~".*"}`, got, "the host variable's All")
+	_, err = expandVars(`x{host=~"$host"}`, 15*time.Second)
+	require.ErrorContains(t, err, "unknown dashboard variable $host")
 }
 
 func TestLegend(t *testing.T) {
@@ -366,7 +369,7 @@ func TestRunFailures(t *testing.T) {
 	defer srv.Close()
 	o := fakeOptions(t, srv.URL)
 	err := Run(context.Background(), o, io.Discard)
-	require.ErrorContains(t, err, `panel "Jobs per hour by result": query "sum by (result) (rate(libvirt_executor_jobs_total[1m])) * 3600"`)
+	require.ErrorContains(t, err, `panel "Jobs per hour by result": query "sum by (result) (rate(libvirt_executor_jobs_total{instance=~\".*\"}[1m])) * 3600"`)
 	require.ErrorContains(t, err, "HTTP 400: bad_data: 1:10: parse error")
 	require.NoFileExists(t, o.Out, "no half picture")
 
@@ -394,7 +397,11 @@ func TestDashboardShape(t *testing.T) {
 		UID           string `json:"uid"`
 		SchemaVersion int    `json:"schemaVersion"`
 		Templating    struct {
-			List []struct{ Name, Type, Query string }
+			List []struct {
+				Name, Type, Definition, AllValue string
+				Query                            any
+				Multi, IncludeAll                bool
+			}
 		}
 		Panels []struct {
 			ID         int
@@ -412,10 +419,16 @@ func TestDashboardShape(t *testing.T) {
 	require.NoError(t, json.Unmarshal(raw, &d))
 	require.Equal(t, "libvirt-executor", d.UID)
 	require.Equal(t, 38, d.SchemaVersion)
-	require.Len(t, d.Templating.List, 1)
+	require.Len(t, d.Templating.List, 2)
 	require.Equal(t, "datasource", d.Templating.List[0].Name)
 	require.Equal(t, "datasource", d.Templating.List[0].Type)
-	require.Equal(t, "prometheus", d.Templating.List[0].Query)
+	require.Equal(t, "prometheus", d.Templating.List[0].Query.(string))
+	// The host variable: every panel shows the hosts chosen (all by default).
+	require.Equal(t, "instance", d.Templating.List[1].Name)
+	require.Equal(t, "query", d.Templating.List[1].Type)
+	require.Equal(t, "label_values(libvirt_executor_build_info, instance)", d.Templating.List[1].Definition)
+	require.True(t, d.Templating.List[1].Multi && d.Templating.List[1].IncludeAll)
+	require.Equal(t, ".*", d.Templating.List[1].AllValue)
 	ids := map[int]bool{}
 	for _, p := range d.Panels {
 		require.False(t, ids[p.ID], "panel id %d twice", p.ID)
@@ -430,6 +443,10 @@ func TestDashboardShape(t *testing.T) {
 		for _, tg := range p.Targets {
 			require.Equal(t, "${datasource}", tg.Datasource.UID, p.Title)
 			require.NotEmpty(t, tg.Expr, p.Title)
+			// Every series selector takes the host variable.
+			for _, name := range metricNames(tg.Expr) {
+				require.Regexp(t, regexp.QuoteMeta(name)+`\{instance=~"\$instance"`, tg.Expr, "panel %q: %s without the host variable", p.Title, name)
+			}
 		}
 	}
 }
