@@ -156,13 +156,21 @@ func ImageList(w io.Writer, cfg *config.Config, now time.Time) error {
 // pool's backing files, lifecycle.Manager.BackingFiles).
 func ImagePrune(ctx context.Context, w io.Writer, cfg *config.Config, inUse []string, dryRun bool) error {
 	named := map[digest.Digest]bool{}
+	configured := map[string]bool{}
 	for _, n := range cfg.ImageNames() {
-		if img := cfg.Images[n]; img.Digest != "" {
+		img := cfg.Images[n]
+		if img.Digest != "" {
 			named[digest.Digest(img.Digest)] = true
 		}
+		if src, err := ociimage.ParseSource(img.Source); err == nil {
+			configured[src.String()] = true
+		}
 	}
-	keep := func(img ociimage.Image, _ []ociimage.Record) bool {
+	keep := func(img ociimage.Image, recs []ociimage.Record) bool {
 		k := named[img.Digest] || img.InUse(inUse)
+		for _, rec := range recs { // read under the store's lock: a pull since the configuration was loaded
+			k = k || configured[rec.Source]
+		}
 		if !k && dryRun {
 			fmt.Fprintf(w, "would remove %s (%.1f MiB)\n", img.Digest, float64(img.Bytes)/(1<<20))
 		}

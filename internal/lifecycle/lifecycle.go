@@ -164,6 +164,11 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 	if err := vm.CheckName(req.Name); err != nil {
 		return nil, err
 	}
+	if img := req.Image; img != nil && img.Source != "" && !img.Pulled() {
+		// Only prepare pulls on first use; garm's creates and anything
+		// else need the image stored (docs/fleet.md).
+		return nil, fmt.Errorf("image %s (%s) is not on this host: libvirt-executor image pull %s (as the stages' user), or let a job pull it", img.Name, img.Source, img.Name)
+	}
 	// The machine lock keeps sweeps (and a concurrent attempt) away while
 	// this machine is being made; the kernel drops it if we are killed.
 	unlock, err := m.Store.Lock(ctx, req.Name)

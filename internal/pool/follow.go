@@ -23,6 +23,10 @@ import (
 // reads the store's record when it starts.
 var ErrImageChanged = errors.New("an image's source names a new image: restart the service to boot standbys of it")
 
+// pullTimeout bounds one pull of the service (an image of many GiB over a
+// slow link still fits; a stalled transfer ends sooner: transfer.IdleTimeout).
+const pullTimeout = 2 * time.Hour
+
 // follower asks the registry, every registry.pull_interval, what each
 // image's source names and pulls what is new (docs/fleet.md).
 type follower struct {
@@ -96,7 +100,18 @@ func (f *follower) collect(ctx context.Context) {
 		f.svc.Log.Warn("image store: old images kept: cannot list the pool's backing files", "err", err)
 		return
 	}
-	removed, err := transfer.Remove(ctx, store, func(img ociimage.Image, _ []ociimage.Record) bool {
+	configured := map[string]bool{}
+	for _, img := range f.sourced() {
+		if src, err := ociimage.ParseSource(img.Source); err == nil {
+			configured[src.String()] = true
+		}
+	}
+	removed, err := transfer.Remove(ctx, store, func(img ociimage.Image, recs []ociimage.Record) bool {
+		for _, rec := range recs { // read under the store's lock: a pull since the look above
+			if configured[rec.Source] {
+				return true
+			}
+		}
 		since, ok := f.unnamed[img.Digest]
 		return named[img.Digest] || !ok || now.Sub(since) < collectGrace || img.InUse(inUse)
 	})
@@ -157,7 +172,9 @@ func (f *follower) round(ctx context.Context) string {
 			continue // refused when the configuration was loaded
 		}
 		t0 := time.Now()
-		res, err := transfer.Pull(ctx, store, remote, src)
+		pctx, cancel := context.WithTimeout(ctx, pullTimeout)
+		res, err := transfer.Pull(pctx, store, remote, src)
+		cancel()
 		if ctx.Err() != nil {
 			return ""
 		}
@@ -182,11 +199,26 @@ func (f *follower) round(ctx context.Context) string {
 			f.svc.Log.Info("image pulled", "image", img.Name, "source", img.Source, "digest", res.Record.Digest.String(),
 				"received_bytes", res.Fetched, "stored_bytes", res.Image.Bytes, "took", time.Since(t0).Round(time.Millisecond).String())
 		}
-		if res.Record.Digest.String() != img.Digest && changed == "" {
-			f.svc.Log.Info("image source names a new image", "image", img.Name, "source", img.Source,
-				"was", img.Digest, "now", res.Record.Digest.String())
-			changed = img.Name
+		if res.Record.Digest.String() == img.Digest || changed != "" {
+			continue
 		}
+		// Restart only for an image this configuration can run: one it
+		// cannot (boot = "kernel" and no kernel in the artifact) would
+		// restart the service every round.
+		probe := *img
+		if err := f.cfg.ResolveSource(&probe); err != nil {
+			f.mu.Lock()
+			if f.lastErr[img.Name] != err.Error() {
+				f.lastErr[img.Name] = err.Error()
+				f.svc.Log.Error("image source names an image this configuration cannot use: kept the last one", "image", img.Name,
+					"source", img.Source, "digest", res.Record.Digest.String(), "err", err)
+			}
+			f.mu.Unlock()
+			continue
+		}
+		f.svc.Log.Info("image source names a new image", "image", img.Name, "source", img.Source,
+			"was", img.Digest, "now", res.Record.Digest.String())
+		changed = img.Name
 	}
 	return changed
 }

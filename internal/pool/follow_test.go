@@ -138,8 +138,14 @@ idle_count = 1
 	require.ErrorIs(t, wait(done), ErrImageChanged)
 	ctx, cancel = context.WithCancel(context.Background())
 	defer cancel()
+	started := time.Now()
 	s, img, done = start(ctx)
 	require.Equal(t, v2, img.Digest)
+	// Its first round (at its start) has asked the registry.
+	require.Eventually(t, func() bool {
+		g, err := s.ImageGauges()
+		return err == nil && len(g) == 1 && g[0].LastCheck.After(started)
+	}, 20*time.Second, 10*time.Millisecond)
 	require.Eventually(t, func() bool { b := backings(); return len(b) == 1 && b[0] == img.Base }, 20*time.Second, 20*time.Millisecond,
 		"v1's standby retired, one on v2 booted")
 
@@ -148,12 +154,13 @@ idle_count = 1
 	store := s.M.Cfg.Registry.Store()
 	v1Dir, v2Dir := store.ImageDir(digest.Digest(v1)), store.ImageDir(digest.Digest(v2))
 	require.DirExists(t, v1Dir)
-	s.images.collect(context.Background())
+	s.followerForTest().collect(context.Background())
 	require.DirExists(t, v1Dir, "not before its grace")
-	s.images.collecting.Lock()
-	s.images.now = func() time.Time { return time.Now().Add(collectGrace + time.Minute) }
-	s.images.collecting.Unlock()
-	s.images.collect(context.Background())
+	f := s.followerForTest()
+	f.collecting.Lock()
+	f.now = func() time.Time { return time.Now().Add(collectGrace + time.Minute) }
+	f.collecting.Unlock()
+	s.followerForTest().collect(context.Background())
 	require.NoDirExists(t, v1Dir)
 	require.DirExists(t, v2Dir)
 	backed, err := s.M.BackingFiles(context.Background())
@@ -164,7 +171,7 @@ idle_count = 1
 	// The registry gone: the service keeps running on v2, counting.
 	reg.Stop()
 	for range 2 {
-		require.Empty(t, s.images.round(context.Background()))
+		require.Empty(t, s.followerForTest().round(context.Background()))
 	}
 	gauges, err = s.ImageGauges()
 	require.NoError(t, err)
@@ -174,4 +181,10 @@ idle_count = 1
 	require.Contains(t, log.String(), "image pull failed: the last verified image keeps serving")
 	cancel()
 	require.NoError(t, wait(done))
+}
+
+func (s *Service) followerForTest() *follower {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.images
 }

@@ -88,7 +88,9 @@ func (s *Service) init() {
 	s.failing = map[string]failure{}
 	s.boots = map[int]context.CancelFunc{}
 	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
+	s.mu.Lock()
 	s.images = newFollower(s.M.Cfg, s)
+	s.mu.Unlock()
 }
 
 // Run keeps the pools until ctx ends. Only one service runs per
@@ -155,10 +157,13 @@ func (s *Service) Run(ctx context.Context) error {
 
 // ImageGauges is the images with a source, for the metrics endpoint.
 func (s *Service) ImageGauges() ([]metrics.ImageGauge, error) {
-	if s.images == nil {
+	s.mu.Lock()
+	f := s.images
+	s.mu.Unlock()
+	if f == nil {
 		return nil, nil // not running
 	}
-	return s.images.gauges()
+	return f.gauges()
 }
 
 // ErrConfigChanged ends Run when the configuration file changed under it.

@@ -37,6 +37,7 @@ import (
 func TestImageFromRegistry(t *testing.T) {
 	base := setup(t)
 	reg := registrytest.Start(t)
+	require.NoError(t, os.MkdirAll("/var/cache/libvirt-executor", 0o755))
 	store, err := os.MkdirTemp("/var/cache/libvirt-executor", "oci-e2e-") // QEMU reads the stored files
 	require.NoError(t, err)
 	require.NoError(t, os.Chmod(store, 0o755))

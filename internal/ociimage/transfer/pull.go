@@ -12,6 +12,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/gofrs/flock"
@@ -28,6 +29,9 @@ func lock(ctx context.Context, s *ociimage.Store) (func(), error) {
 	if err := os.MkdirAll(s.Dir, 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
 		return nil, err
 	}
+	if err := os.Chmod(s.Dir, 0o755); err != nil { //nolint:gosec // G302: libvirt's QEMU user reads the stored images (no secret: as a base file)
+		return nil, err
+	}
 	l := flock.New(filepath.Join(s.Dir, "lock"))
 	ok, err := l.TryLockContext(ctx, 100*time.Millisecond)
 	if err != nil {
@@ -36,7 +40,23 @@ func lock(ctx context.Context, s *ociimage.Store) (func(), error) {
 	if !ok {
 		return nil, fmt.Errorf("image store %s: lock not taken", s.Dir)
 	}
+	// Whatever is in tmp/ now was left by a pull or removal that died
+	// holding the lock (SIGKILL, power loss): it goes.
+	if left, err := os.ReadDir(filepath.Join(s.Dir, "tmp")); err == nil {
+		for _, e := range left {
+			_ = os.RemoveAll(filepath.Join(s.Dir, "tmp", e.Name()))
+		}
+	}
 	return func() { _ = l.Unlock() }, nil
+}
+
+// mkdirs makes dir (and its parents) 0755 whatever the umask: the
+// service runs with UMask=0077, and QEMU must reach the stored files.
+func mkdirs(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
+		return err
+	}
+	return os.Chmod(dir, 0o755) //nolint:gosec // G302: as above
 }
 
 // PullResult says what a pull did.
@@ -52,10 +72,25 @@ type PullResult struct {
 // interrupted pull is visible: the image directory appears by a rename
 // once every file was checked, and the record changes after that.
 func Pull(ctx context.Context, s *ociimage.Store, r Remote, src ociimage.Source) (PullResult, error) {
+	if want, err := src.Ref.Digest(); err == nil {
+		// A pinned digest never moves: stored is stored.
+		if img, err := s.Image(want); err == nil {
+			rec, _, cerr := s.Current(src)
+			if cerr != nil || rec.Digest != want {
+				now := time.Now().UTC()
+				rec = ociimage.Record{Source: src.String(), Digest: want, Pulled: now, Checked: now}
+				if err := s.WriteRecord(rec); err != nil {
+					return PullResult{}, err
+				}
+			}
+			return PullResult{Record: rec, Image: img, Changed: cerr != nil}, nil
+		}
+	}
 	repo, err := r.repository(src)
 	if err != nil {
 		return PullResult{}, err
 	}
+	asked := time.Now().UTC()
 	desc, err := repo.Resolve(ctx, src.Ref.Reference)
 	if err != nil {
 		return PullResult{}, fmt.Errorf("image %s: %w", src, err)
@@ -76,7 +111,25 @@ func Pull(ctx context.Context, s *ociimage.Store, r Remote, src ociimage.Source)
 	defer unlock()
 	res := PullResult{}
 	old, _, oldErr := s.Current(src)
+	if oldErr == nil && old.Digest != desc.Digest && old.Checked.After(asked) {
+		// Another pull asked the registry after this one and recorded its
+		// answer meanwhile: the newer answer stands.
+		img, err := s.Image(old.Digest)
+		if err == nil {
+			return PullResult{Record: old, Image: img}, nil
+		}
+	}
 	img, err := s.Image(desc.Digest)
+	if err != nil && !errors.Is(err, ociimage.ErrNotPulled) {
+		// A damaged image directory (a power loss before its files
+		// reached the disk): set aside, fetched again.
+		if _, serr := os.Stat(s.ImageDir(desc.Digest)); serr == nil {
+			if aside, terr := tempDir(s, "damaged-"); terr == nil {
+				_ = os.Rename(s.ImageDir(desc.Digest), filepath.Join(aside, "image"))
+			}
+		}
+		err = fmt.Errorf("%w (damaged)", ociimage.ErrNotPulled)
+	}
 	if errors.Is(err, ociimage.ErrNotPulled) {
 		res.Fetched, err = fetch(ctx, s, repo, src, desc)
 		if err == nil {
@@ -136,11 +189,14 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 		return 0, refused("image %s: %v", src, err)
 	}
 
-	tmpRoot := filepath.Join(s.Dir, "tmp")
-	if err := os.MkdirAll(tmpRoot, 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
-		return 0, err
+	var need uint64
+	for _, f := range cfg.Files {
+		need += uint64(f.Size) //nolint:gosec // G115: CheckLayout bounded each size to 0..MaxFile
 	}
-	tmp, err := os.MkdirTemp(tmpRoot, "pull-")
+	if err := checkRoom(s.Dir, need); err != nil {
+		return 0, fmt.Errorf("image %s: %w", src, err)
+	}
+	tmp, err := tempDir(s, "pull-")
 	if err != nil {
 		return 0, err
 	}
@@ -154,7 +210,7 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 		}
 	}
 	for name, b := range map[string][]byte{"manifest.json": mb, "config.json": cb} {
-		if err := os.WriteFile(filepath.Join(tmp, name), b, 0o644); err != nil { //nolint:gosec // G306: libvirt's QEMU user reads the stored images (no secret: as a base file)
+		if err := writeSynced(filepath.Join(tmp, name), b); err != nil {
 			return fetched, err
 		}
 	}
@@ -164,7 +220,7 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 	if err := os.Chmod(tmp, 0o755); err != nil { //nolint:gosec // G302: libvirt's QEMU user reads the stored images (no secret: as a base file)
 		return fetched, err
 	}
-	if err := os.MkdirAll(filepath.Join(s.Dir, "images"), 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
+	if err := mkdirs(filepath.Join(s.Dir, "images")); err != nil {
 		return fetched, err
 	}
 	if err := os.Rename(tmp, s.ImageDir(desc.Digest)); err != nil {
@@ -177,12 +233,31 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 // uncompressed, size and sha256 checked against the config. It returns
 // the compressed bytes received.
 func fetchFile(ctx context.Context, repo fetcher, layer ocispec.Descriptor, info ociimage.FileInfo, path string) (int64, error) {
+	// A registry that stops sending holds the store's lock: the transfer
+	// ends once nothing came for IdleTimeout.
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	idle := time.AfterFunc(IdleTimeout, func() { cancel(errIdle) })
+	defer idle.Stop()
+	n, err := fetchFileWatched(ctx, repo, layer, info, path, func() { idle.Reset(IdleTimeout) })
+	if err != nil && errors.Is(context.Cause(ctx), errIdle) {
+		return n, fmt.Errorf("the registry sent nothing for %s: %w", IdleTimeout, err)
+	}
+	return n, err
+}
+
+// IdleTimeout ends a layer's transfer that received nothing for so long.
+var IdleTimeout = 60 * time.Second
+
+var errIdle = errors.New("registry idle")
+
+func fetchFileWatched(ctx context.Context, repo fetcher, layer ocispec.Descriptor, info ociimage.FileInfo, path string, progress func()) (int64, error) {
 	rc, err := repo.Fetch(ctx, layer)
 	if err != nil {
 		return 0, fetchError(err)
 	}
 	defer rc.Close()
-	counted := &countingReader{r: rc}
+	counted := &countingReader{r: rc, progress: progress}
 	vr := content.NewVerifyReader(counted, layer)
 	zr, err := zstd.NewReader(vr, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(64<<20))
 	if err != nil {
@@ -194,9 +269,16 @@ func fetchFile(ctx context.Context, repo fetcher, layer ocispec.Descriptor, info
 		return counted.n, err
 	}
 	defer f.Close()
+	if err := f.Chmod(0o644); err != nil { //nolint:gosec // G302: whatever the umask (the service's is 0077)
+		return counted.n, err
+	}
 	h := sha256.New()
-	n, err := io.Copy(io.MultiWriter(f, h), io.LimitReader(zr, info.Size+1))
+	w := &errWriter{w: f}
+	n, err := io.Copy(io.MultiWriter(w, h), io.LimitReader(zr, info.Size+1))
 	if err != nil {
+		if w.err != nil || ctx.Err() != nil {
+			return counted.n, err // the host's disk, or the caller gave up: not the registry's fault
+		}
 		return counted.n, counted.classify(err)
 	}
 	if n != info.Size {
@@ -205,9 +287,15 @@ func fetchFile(ctx context.Context, repo fetcher, layer ocispec.Descriptor, info
 	// The rest of the layer (the zstd frame's end) must be there and
 	// the digest right.
 	if _, err := io.Copy(io.Discard, io.LimitReader(zr, 1)); err != nil {
+		if ctx.Err() != nil {
+			return counted.n, err
+		}
 		return counted.n, counted.classify(err)
 	}
 	if err := vr.Verify(); err != nil {
+		if counted.err != nil || ctx.Err() != nil {
+			return counted.n, err
+		}
 		return counted.n, refused("layer %s: %v", layer.Digest, err)
 	}
 	if got := hex.EncodeToString(h.Sum(nil)); got != info.SHA256 {
@@ -222,14 +310,18 @@ func fetchFile(ctx context.Context, repo fetcher, layer ocispec.Descriptor, info
 // countingReader counts what the registry sent and keeps the error its
 // connection failed with, if any.
 type countingReader struct {
-	r   io.Reader
-	n   int64
-	err error
+	r        io.Reader
+	n        int64
+	err      error
+	progress func() // called when bytes arrive (nil: nothing)
 }
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
+	if n > 0 && c.progress != nil {
+		c.progress()
+	}
 	if err != nil && err != io.EOF {
 		c.err = err
 	}
@@ -263,11 +355,76 @@ func fetchSmall(ctx context.Context, repo fetcher, desc ocispec.Descriptor) ([]b
 		return nil, fetchError(err)
 	}
 	defer rc.Close()
-	b, err := content.ReadAll(rc, desc)
+	counted := &countingReader{r: rc}
+	b, err := content.ReadAll(counted, desc)
 	if err != nil {
-		return nil, refused("%v", err)
+		if ctx.Err() != nil {
+			return nil, err
+		}
+		return nil, counted.classify(err)
 	}
 	return b, nil
+}
+
+// errWriter keeps the error its writer failed with (the host's disk).
+type errWriter struct {
+	w   io.Writer
+	err error
+}
+
+func (e *errWriter) Write(p []byte) (int, error) {
+	n, err := e.w.Write(p)
+	if err != nil {
+		e.err = err
+	}
+	return n, err
+}
+
+// tempDir makes a directory of its own under the store's tmp/ (cleared
+// when the lock is next taken).
+func tempDir(s *ociimage.Store, prefix string) (string, error) {
+	root := filepath.Join(s.Dir, "tmp")
+	if err := mkdirs(root); err != nil {
+		return "", err
+	}
+	return os.MkdirTemp(root, prefix)
+}
+
+// writeSynced writes a small file 0644, whatever the umask, and syncs it.
+func writeSynced(path string, b []byte) error {
+	f, err := os.OpenFile(path, os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o644) //nolint:gosec // G302: libvirt's QEMU user reads the stored images (no secret: as a base file)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	if err := f.Chmod(0o644); err != nil { //nolint:gosec // G302: as above
+		return err
+	}
+	if _, err := f.Write(b); err != nil {
+		return err
+	}
+	if err := f.Sync(); err != nil {
+		return err
+	}
+	return f.Close()
+}
+
+// roomSlack is what a pull leaves free on the store's filesystem.
+const roomSlack = 1 << 30
+
+// checkRoom refuses a pull whose files (need bytes) would leave less than
+// roomSlack free where the store is.
+func checkRoom(dir string, need uint64) error {
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return err
+	}
+	free := st.Bavail * uint64(st.Bsize) //nolint:gosec // G115: block sizes are positive
+	if free < need+roomSlack {
+		return fmt.Errorf("%.1f GiB free in %s, the image needs %.1f GiB and 1 GiB is kept free: remove old images (libvirt-executor image prune) or make room",
+			float64(free)/(1<<30), dir, float64(need)/(1<<30))
+	}
+	return nil
 }
 
 // Remove deletes stored images for which keep is false, and the records
@@ -293,14 +450,15 @@ func Remove(ctx context.Context, s *ociimage.Store, keep func(ociimage.Image, []
 			}
 		}
 		// Renamed away first, so that no reader finds half an image.
-		gone := filepath.Join(s.Dir, "tmp", "remove-"+img.Digest.Encoded())
-		if err := os.MkdirAll(filepath.Join(s.Dir, "tmp"), 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
+		aside, err := tempDir(s, "remove-")
+		if err != nil {
 			return removed, err
 		}
+		gone := filepath.Join(aside, "image")
 		if err := os.Rename(img.Dir, gone); err != nil {
 			return removed, err
 		}
-		if err := os.RemoveAll(gone); err != nil {
+		if err := os.RemoveAll(aside); err != nil {
 			return removed, err
 		}
 		removed = append(removed, img.Digest)

@@ -11,6 +11,7 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -96,8 +97,16 @@ func TestPushPullRetag(t *testing.T) {
 	store := &ociimage.Store{Dir: filepath.Join(t.TempDir(), "oci")}
 	_, _, err = store.Current(src)
 	require.ErrorIs(t, err, ociimage.ErrNotPulled)
+	// The service's umask (0077) makes nothing QEMU cannot read.
+	mask := syscall.Umask(0o077)
 	res, err := Pull(ctx, store, r, src)
+	syscall.Umask(mask)
 	require.NoError(t, err)
+	for _, p := range []string{store.Dir, filepath.Dir(res.Image.Dir), res.Image.Dir} {
+		st, err := os.Stat(p)
+		require.NoError(t, err)
+		require.Equal(t, os.FileMode(0o755), st.Mode().Perm(), p)
+	}
 	require.True(t, res.Changed)
 	require.Equal(t, pushed.Descriptor.Digest, res.Record.Digest)
 	require.Positive(t, res.Fetched)
@@ -163,10 +172,17 @@ func TestPushPullRetag(t *testing.T) {
 	require.Error(t, err)
 	require.Contains(t, err.Error(), "not found")
 
-	// The registry gone: the pull fails, the last verified image stays.
+	// The registry gone: the pull fails, not as a refusal of what a
+	// registry sent; the last verified image stays; a pinned digest that
+	// is stored does not need the registry.
 	reg.Stop()
 	_, err = Pull(ctx, store, r, src)
 	require.Error(t, err)
+	require.False(t, errors.Is(err, ociimage.ErrRefused), "a transport error is not a refusal: %v", err)
+	pinned2 := mustSource(t, "oci://"+reg.Host+"/vm/tiny@"+pushed2.Descriptor.Digest.String())
+	still, err := Pull(ctx, store, r, pinned2)
+	require.NoError(t, err, "stored: the registry is not asked")
+	require.Equal(t, moved.Image.Dir, still.Image.Dir)
 	_, cur, err = store.Current(src)
 	require.NoError(t, err)
 	require.Equal(t, moved.Image.Dir, cur.Dir)
@@ -319,4 +335,36 @@ func TestPushRefuses(t *testing.T) {
 func mediaTypeOf(name string) string {
 	mt, _ := ociimage.MediaTypeOf(name)
 	return mt
+}
+
+// TestPullAfterACrash: what a pull killed half-way left in tmp/ goes at
+// the next pull; an image directory whose config.json did not reach the
+// disk (a power loss) is set aside and fetched again, not an error forever.
+func TestPullAfterACrash(t *testing.T) {
+	reg := registrytest.Start(t)
+	ctx := context.Background()
+	r := remoteFor(reg)
+	src := mustSource(t, "oci://"+reg.Host+"/vm/tiny:v1")
+	pushed, err := Push(ctx, r, src, files(t, map[string]int{ociimage.DiskFile: 1 << 20}), t.TempDir(), "")
+	require.NoError(t, err)
+	store := &ociimage.Store{Dir: filepath.Join(t.TempDir(), "oci")}
+	left := filepath.Join(store.Dir, "tmp", "pull-123")
+	require.NoError(t, os.MkdirAll(left, 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(left, ociimage.DiskFile), make([]byte, 1<<20), 0o644))
+	res, err := Pull(ctx, store, r, src)
+	require.NoError(t, err)
+	requireNothingHalf(t, store, pushed.Descriptor.Digest)
+
+	// The image's config.json empty, as after a power loss.
+	require.NoError(t, os.WriteFile(filepath.Join(res.Image.Dir, "config.json"), nil, 0o644))
+	_, err = store.Image(pushed.Descriptor.Digest)
+	require.Error(t, err)
+	again, err := Pull(ctx, store, r, src)
+	require.NoError(t, err)
+	require.Positive(t, again.Fetched, "fetched again")
+	_, err = store.Image(pushed.Descriptor.Digest)
+	require.NoError(t, err)
+	_, err = Pull(ctx, store, r, src) // and the damaged copy set aside goes at the next lock
+	require.NoError(t, err)
+	requireNothingHalf(t, store, pushed.Descriptor.Digest)
 }
