@@ -2,7 +2,6 @@ package pool
 
 import (
 	"context"
-	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -13,13 +12,10 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
 
@@ -78,14 +74,9 @@ idle_count = 1
 	start := func(ctx context.Context) (*Service, *config.Image, chan error) {
 		cfg, err := config.Parse(text)
 		require.NoError(t, err)
-		m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
-		require.NoError(t, err)
-		m.SSHPort = g.Port()
-		m.SSHPollInterval = 20 * time.Millisecond
-		m.AddressPollInterval = 10 * time.Millisecond
-		s := &Service{M: m, Log: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+		s := newService(t, cfg, hv, g, log)
 		done := make(chan error, 1)
-		go func() { done <- s.Run(ctx); _ = m.Close() }()
+		go func() { done <- s.Run(ctx); _ = s.M.Close() }()
 		img, _ := cfg.Image("tiny")
 		return s, img, done
 	}

@@ -74,13 +74,9 @@ base = "` + base + `"
 	img, _ := cfg.Image("tiny")
 	hv := vmtest.New()
 	g := newGuest(t, hv)
-	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
-	require.NoError(t, err)
-	m.SSHPort = g.Port()
-	m.SSHPollInterval = 20 * time.Millisecond
-	m.AddressPollInterval = 10 * time.Millisecond
 	log := &sshtest.Buffer{}
-	s := &Service{M: m, Log: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
+	s := newService(t, cfg, hv, g, log)
+	m := s.M
 	s.init()
 	e := &env{t: t, hv: hv, g: g, m: m, s: s, img: img, log: log}
 	// Runs first: nothing of the service outlives the test.
@@ -92,6 +88,18 @@ base = "` + base + `"
 		}
 	})
 	return e
+}
+
+// newService is a service of cfg over the fake hypervisor hv, whose
+// guests answer on g, logging to log.
+func newService(t *testing.T, cfg *config.Config, hv *vmtest.Fake, g *guest, log *sshtest.Buffer) *Service {
+	t.Helper()
+	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	require.NoError(t, err)
+	m.SSHPort = g.Port()
+	m.SSHPollInterval = 20 * time.Millisecond
+	m.AddressPollInterval = 10 * time.Millisecond
+	return &Service{M: m, Log: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
 }
 
 // tick is one look of the service, and the work it started.
