@@ -29,6 +29,9 @@ type Spec struct {
 	// Log is the file (created 0600, appended to) that receives its
 	// stderr; stdout goes to /dev/null.
 	Log string
+	// EnvExtra is added to Env ("NAME=value": the host's proxy settings
+	// for a process that reaches a registry; never a job's variables).
+	EnvExtra []string
 }
 
 // stdinWait bounds writing Stdin (the process reads it at its start).
@@ -44,7 +47,7 @@ func Start(s Spec) (int, error) {
 	}
 	defer logf.Close()
 	cmd := exec.Command(s.Exe, s.Args...) //nolint:gosec // G204: the driver's own executable with arguments it chose
-	cmd.Env = Env
+	cmd.Env = append(append([]string{}, Env...), s.EnvExtra...)
 	cmd.Stderr = logf
 	cmd.ExtraFiles = s.Extra
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}

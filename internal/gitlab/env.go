@@ -45,6 +45,10 @@ type Env struct {
 	// executable links the registry client (stagecli.Exe.Pull); without
 	// it an image not pulled yet fails the stage, saying so.
 	Pull PullFunc
+	// Refresh, if set, asks the registry again in the background what an
+	// image's source names (a detached `libvirt-executor image pull`):
+	// prepare's, for a host without the pool service to follow the tags.
+	Refresh func(image string) error
 	// Report, if set, is told what the stage did, step by step, for the
 	// host's metrics and structured log (the stage shell records it).
 	Report *obs.Report

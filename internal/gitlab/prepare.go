@@ -49,7 +49,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
-	if err := ensurePulled(ctx, cfg, img, e.Pull, say, j.log); err != nil {
+	if err := ensurePulled(ctx, cfg, img, e.Pull, e.Refresh, say, j.log); err != nil {
 		return err
 	}
 	if err := j.m.Dial(ctx); err != nil {

@@ -10,6 +10,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -34,7 +35,7 @@ const staleChecks = 3
 // is: the pool service follows the tag (registry.pull_interval); when
 // the registry has not answered for a while, the job log says the job
 // runs the last verified image.
-func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, say func(string, ...any), log *slog.Logger) error {
+func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, refresh func(string) error, say func(string, ...any), log *slog.Logger) error {
 	if img.Source == "" {
 		return nil
 	}
@@ -46,9 +47,21 @@ func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pu
 		rec, _, err := cfg.Registry.Store().Current(src)
 		if err == nil {
 			say("Image %s: %s from %s", img.Name, rec.Digest, src)
-			if age := time.Since(rec.Checked); !src.Pinned() && age > staleChecks*cfg.Registry.PullInterval.D() {
+			age := time.Since(rec.Checked)
+			if !src.Pinned() && age > staleChecks*cfg.Registry.PullInterval.D() {
 				say("Warning: the registry has not confirmed %s for %s (last at %s): this job runs the last verified image",
 					src, vm.Round(age), rec.Checked.Format(time.RFC3339))
+			}
+			// Without the pool service (which asks every pull_interval), the
+			// tag is followed from here: one background pull per interval,
+			// for the jobs after this one.
+			if !src.Pinned() && age > cfg.Registry.PullInterval.D() && refresh != nil &&
+				(state.Store{Dir: cfg.StateDir}).Due("image-refresh-"+img.Name, cfg.Registry.PullInterval.D()) {
+				if err := refresh(img.Name); err != nil {
+					log.Warn("could not start a background pull", "image", img.Name, "err", err)
+				} else {
+					say("The registry was last asked %s ago: asking it again in the background (the jobs after this one get what it names once stored)", vm.Round(age))
+				}
 			}
 		}
 		return nil

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detach"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -139,3 +140,31 @@ func (c *capped) Write(p []byte) (int, error) {
 }
 
 func (c *capped) String() string { return c.buf.String() }
+
+// refreshImage implements gitlab.Env.Refresh: the admin tool's
+// `image pull NAME`, detached (it outlives the stage), with the host's
+// proxy settings and nothing of the job's environment; its errors go to
+// state_dir/log/image-pull.log.
+func (a *adminTool) refreshImage(stateDir string) func(image string) error {
+	return func(image string) error {
+		path, err := a.find()
+		if err != nil {
+			return err
+		}
+		var proxy []string
+		for _, kv := range a.environ {
+			name, _, _ := strings.Cut(kv, "=")
+			switch strings.ToUpper(name) {
+			case "HTTPS_PROXY", "HTTP_PROXY", "NO_PROXY":
+				proxy = append(proxy, kv)
+			}
+		}
+		logDir := filepath.Join(stateDir, "log")
+		if err := os.MkdirAll(logDir, 0o700); err != nil {
+			return err
+		}
+		_, err = detach.Start(detach.Spec{Exe: path, Args: []string{"--config", a.configPath, "image", "pull", "--", image},
+			Log: filepath.Join(logDir, "image-pull.log"), EnvExtra: proxy})
+		return err
+	}
+}

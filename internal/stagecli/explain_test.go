@@ -154,3 +154,31 @@ func TestExplainViaAdminToolOption(t *testing.T) {
 		require.Equal(t, via, got.Explain != nil)
 	}
 }
+
+// refreshImage starts the admin tool's image pull detached, from its argv,
+// with the host's proxy settings and none of the job's variables.
+func TestRefreshImageStartsTheAdminToolDetached(t *testing.T) {
+	dir := installFake(t)
+	cfgPath := filepath.Join(t.TempDir(), "config; rm -rf $HOME.toml")
+	a, _ := testExplainer(t, dir, cfgPath, "HTTPS_PROXY=http://proxy.example:3128", "CUSTOM_ENV_CI_JOB_TOKEN=secret", "LANG=C")
+	stateDir := t.TempDir()
+	require.NoError(t, a.refreshImage(stateDir)("tiny"))
+	// Detached: it is not waited for; its argv file appears once it ran.
+	var argv []byte
+	require.Eventually(t, func() bool {
+		b, err := os.ReadFile(filepath.Join(dir, "argv"))
+		argv = b
+		return err == nil && bytes.Count(b, []byte{0}) == 6
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Equal(t, []string{"--config", cfgPath, "image", "pull", "--", "tiny"}, strings.Split(strings.TrimSuffix(string(argv), "\x00"), "\x00"))
+	var env []byte
+	require.Eventually(t, func() bool {
+		b, err := os.ReadFile(filepath.Join(dir, "env"))
+		env = b
+		return err == nil && bytes.Contains(b, []byte("HTTPS_PROXY"))
+	}, 10*time.Second, 10*time.Millisecond)
+	require.Contains(t, string(env), "HTTPS_PROXY=http://proxy.example:3128")
+	require.NotContains(t, string(env), "secret")
+	require.NotContains(t, string(env), "LANG=C", "PATH and the proxy settings only")
+	require.FileExists(t, filepath.Join(stateDir, "log", "image-pull.log"))
+}

@@ -71,7 +71,9 @@ type Exe struct {
 	// place of the explanation. The host cache's restore disk is asked of
 	// it the same way (gitlab.Env.CacheDisk, jobvm.CacheDiskCommand).
 	ExplainViaAdminTool bool
-	// Pull pulls images with a source (gitlab.Env.Pull): prepare's.
+	// Pull pulls images with a source (gitlab.Env.Pull): prepare's. With
+	// it, the stage also refreshes a stale image in the background
+	// (gitlab.Env.Refresh: the admin tool's image pull, detached).
 	Pull gitlab.PullFunc
 }
 
@@ -143,6 +145,9 @@ func Run(p Process, e Exe) int {
 			}
 			report := &obs.Report{Stage: strings.TrimPrefix(name, jobvm.AdminExecutable+"-")}
 			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report, Pull: e.Pull}
+			if e.Pull != nil {
+				env.Refresh = newAdminTool(cfgPath, logger).refreshImage(cfg.StateDir)
+			}
 			if e.ExplainViaAdminTool {
 				tool := newAdminTool(cfgPath, logger)
 				env.Explain = tool.Explain
