@@ -902,7 +902,7 @@ func (c *Config) validateImages(p *problems) {
 			p.bad(key, "image name %q is not allowed: 1-63 lower-case letters, digits, '.', '_' or '-', starting with a letter or digit", name)
 		}
 		if img := c.Images[name]; img != nil {
-			img.validate(p, key)
+			img.validate(p, key, c.LocalLibvirt(), c.LibvirtURI)
 			if img.EgressAllow != nil && c.L2Filter != nil && !*c.L2Filter {
 				p.bad(key+".egress_allow", "needs l2_filter = true (the lve-vm-egress network filter enforces it)")
 			}
@@ -911,7 +911,7 @@ func (c *Config) validateImages(p *problems) {
 }
 
 // validate checks one image's table, named key.
-func (img *Image) validate(p *problems, key string) {
+func (img *Image) validate(p *problems, key string, local bool, uri string) {
 	if len(img.EgressAllow) > maxEgress {
 		p.bad(key+".egress_allow", "%d entries: at most %d (use wider CIDRs)", len(img.EgressAllow), maxEgress)
 	}
@@ -921,7 +921,7 @@ func (img *Image) validate(p *problems, key string) {
 		}
 	}
 	if img.Source != "" {
-		img.validateSource(p, key)
+		img.validateSource(p, key, local, uri)
 	} else if !filepath.IsAbs(img.Base) {
 		p.bad(key+".base", "%q must be an absolute path to the base disk image (or set source = \"oci://...\")", img.Base)
 	}

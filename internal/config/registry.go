@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"net/url"
 	"net"
 	"path/filepath"
 	"strconv"
@@ -67,9 +68,20 @@ func (r Registry) Store() *ociimage.Store {
 	return &ociimage.Store{Dir: r.Dir, MaxFileBytes: int64(r.MaxImageGiB) << 30}
 }
 
+// LocalLibvirt reports whether libvirt_uri names a libvirt on this host
+// (no host part: qemu:///system, or a UNIX socket), as opposed to a remote
+// one (qemu+ssh://HOST/system, qemu+tls://HOST/system).
+func (c *Config) LocalLibvirt() bool {
+	u, err := url.Parse(c.LibvirtURI)
+	return err != nil || u.Host == "" || u.Host == "localhost"
+}
+
 // validateSource checks an image with a source: no base, kernel or initrd
 // of its own (they come from the artifact), a qcow2 disk.
-func (img *Image) validateSource(p *problems, key string) {
+func (img *Image) validateSource(p *problems, key string, local bool, uri string) {
+	if !local {
+		p.bad(key+".source", "needs a libvirt on this host (libvirt_uri %q is another host's): the image store is on this host and that libvirt cannot open its files; put the image in a storage pool of that host and set base", uri)
+	}
 	if _, err := ociimage.ParseSource(img.Source); err != nil {
 		p.bad(key+".source", "%v", err)
 	}

@@ -29,11 +29,24 @@ func TestRegistryConfigRefuses(t *testing.T) {
 		{"interval", "[registry]\npull_interval = \"1s\"\n" + src, "registry.pull_interval: 1s is too short: at least 10s"},
 		{"size", "[registry]\nmax_image_gib = 5000\n" + src, "registry.max_image_gib: 5000 is out of range 1-4096"},
 		{"neither", "[images.a]\nuser = \"root\"\n", `images.a.base: "" must be an absolute path to the base disk image (or set source = "oci://...")`},
+		{"remote libvirt", "libvirt_uri = \"qemu+ssh://kvm2.example/system\"\n" + src, `images.a.source: needs a libvirt on this host (libvirt_uri "qemu+ssh://kvm2.example/system" is another host's)`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := config.Parse([]byte(tc.toml))
 			require.ErrorContains(t, err, tc.want)
 		})
+	}
+}
+
+func TestLocalLibvirt(t *testing.T) {
+	for uri, local := range map[string]bool{
+		"qemu:///system": true, "qemu:///session": true, "test:///default": true,
+		"qemu+unix:///system?socket=/run/lve/libvirt-sock": true, "qemu+ssh://localhost/system": true,
+		"qemu+ssh://kvm2.example/system": false, "qemu+tls://10.0.0.2/system": false, "qemu+tcp://kvm3:16509/system": false,
+	} {
+		cfg, err := config.Parse([]byte("libvirt_uri = \"" + uri + "\"\n[images.a]\nbase = \"/a.qcow2\"\n"))
+		require.NoError(t, err, uri)
+		require.Equal(t, local, cfg.LocalLibvirt(), uri)
 	}
 }
 
