@@ -2,8 +2,8 @@ package config
 
 import (
 	"fmt"
-	"net/url"
 	"net"
+	"net/url"
 	"path/filepath"
 	"strconv"
 	"time"
