@@ -182,7 +182,9 @@ var bootedRE = regexp.MustCompile(`Booted, address (\S+) \(MAC (\S+?),`)
 // runRandomJob runs one job as the runner would and faults it as p says.
 func runRandomJob(t *testing.T, r *rig, p randomPlan, dir string) addressLease {
 	require.NoError(t, os.MkdirAll(dir, 0o700))
-	defer func() { _ = os.RemoveAll(dir) }()
+	// Registered first, so it runs last: after the cleanup a failed job
+	// still gets below (it runs in this directory).
+	t.Cleanup(func() { _ = os.RemoveAll(dir) })
 	s := newStageRunnerFor(t, r, p.id, dir)
 	// The stages' output, in the test's log when the job failed.
 	var outputs strings.Builder
@@ -232,11 +234,16 @@ func runRandomJob(t *testing.T, r *rig, p randomPlan, dir string) addressLease {
 			}
 			for {
 				mu.Lock()
-				// A runner cancels a stage long after it started: a
-				// SIGTERM waits for the stage's handler (catches);
-				// a SIGKILL needs none. Between two stages it waits
-				// for the next.
-				if current != nil && current.alive() && (sig == syscall.SIGKILL || current.catches(sig)) {
+				// A SIGTERM lands once the stage has said something: its
+				// handler exists from its package initialisation, but a
+				// SIGTERM before that (while the dynamic loader and the
+				// Go runtime start it, a few ms after exec) kills it by
+				// the signal with nothing made yet (docs/reliability.md),
+				// and from outside only its first output shows that it
+				// runs (the Go runtime catches SIGTERM before our
+				// handler exists: catches cannot tell). A SIGKILL needs
+				// none. Between two stages it waits for the next.
+				if current != nil && current.alive() && (sig == syscall.SIGKILL || current.catches(sig) && current.said()) {
 					current.signal(sig)
 					hit = stage
 					mu.Unlock()
@@ -415,6 +422,9 @@ func (rn *running) quietWait(t *testing.T, within time.Duration, out *strings.Bu
 	fmt.Fprintf(out, "%s: exit %d\nstdout: %s\nstderr: %s\n", filepath.Base(rn.cmd.Args[0]), rn.res.code, rn.res.stdout, rn.res.stderr)
 	return rn.res
 }
+
+// said reports whether the stage has written anything yet.
+func (rn *running) said() bool { return rn.out.String() != "" || rn.err.String() != "" }
 
 func envInt(t *testing.T, name string, def int) int {
 	v := os.Getenv(name)
