@@ -107,8 +107,12 @@ func ImagePush(ctx context.Context, w io.Writer, cfg *config.Config, dst string,
 	for _, f := range res.Files {
 		raw += f.Size
 	}
-	_, err = fmt.Fprintf(w, "pushed %s: %s (%d files, %.1f MiB, %.1f MiB compressed, %s)\n", src, res.Descriptor.Digest,
-		len(res.Files), float64(raw)/(1<<20), float64(res.Compressed)/(1<<20), time.Since(t0).Round(time.Millisecond))
+	count := fmt.Sprintf("%d files", len(res.Files))
+	if len(res.Files) == 1 {
+		count = "1 file"
+	}
+	_, err = fmt.Fprintf(w, "pushed %s: %s (%s, %.1f MiB, %.1f MiB compressed, %s)\n", src, res.Descriptor.Digest,
+		count, float64(raw)/(1<<20), float64(res.Compressed)/(1<<20), time.Since(t0).Round(time.Millisecond))
 	return err
 }
 
