@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"io/fs"
 	"os"
 	"path/filepath"
@@ -184,7 +185,10 @@ func (s *Store) WriteRecord(rec Record) error {
 	if err != nil {
 		return err
 	}
-	return writeAtomic(s.RecordPath(rec.Source), append(b, '\n'), 0o644)
+	if err := os.MkdirAll(filepath.Dir(s.RecordPath(rec.Source)), 0o755); err != nil { //nolint:gosec // G301: records name no secret
+		return err
+	}
+	return state.WriteFileDurableMode(s.RecordPath(rec.Source), append(b, '\n'), 0o644)
 }
 
 // CheckLayout checks the config against the layers: one layer per file,
@@ -227,44 +231,4 @@ func (s *Store) CheckLayout(cfg ImageConfig, layers []ocispec.Descriptor) error 
 // paths given (the backing files of the host's VMs).
 func (i Image) InUse(paths []string) bool {
 	return slices.ContainsFunc(paths, func(p string) bool { return strings.HasPrefix(p, i.Dir+string(filepath.Separator)) })
-}
-
-func writeAtomic(path string, data []byte, mode os.FileMode) error {
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil { //nolint:gosec // G301: libvirt's QEMU user reads the stored images (no secret: as a base file)
-		return err
-	}
-	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+"-*")
-	if err != nil {
-		return err
-	}
-	defer func() { _ = os.Remove(tmp.Name()) }()
-	if err := tmp.Chmod(mode); err != nil {
-		tmp.Close()
-		return err
-	}
-	if _, err := tmp.Write(data); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Sync(); err != nil {
-		tmp.Close()
-		return err
-	}
-	if err := tmp.Close(); err != nil {
-		return err
-	}
-	if err := os.Rename(tmp.Name(), path); err != nil {
-		return err
-	}
-	return SyncDir(filepath.Dir(path))
-}
-
-// SyncDir flushes a directory's entries to disk.
-func SyncDir(dir string) error {
-	d, err := os.Open(dir)
-	if err != nil {
-		return err
-	}
-	defer d.Close()
-	return d.Sync()
 }

@@ -231,19 +231,25 @@ func (s Store) Names() ([]string, error) {
 
 // WriteFileAtomic replaces the file at path with data (mode 0600) by a
 // rename, so that a reader sees the old content or the new, never a part.
-func WriteFileAtomic(path string, data []byte) error { return writeFile(path, data, false) }
+func WriteFileAtomic(path string, data []byte) error { return writeFile(path, data, false, 0o600) }
 
 // WriteFileDurable is WriteFileAtomic that also survives a power loss: the
 // data and the rename reach the disk before it returns.
-func WriteFileDurable(path string, data []byte) error { return writeFile(path, data, true) }
+func WriteFileDurable(path string, data []byte) error { return writeFile(path, data, true, 0o600) }
 
-func writeFile(path string, data []byte, durable bool) error {
+// WriteFileDurableMode is WriteFileDurable with the file's mode (set
+// whatever the umask): for a file others must read.
+func WriteFileDurableMode(path string, data []byte, mode os.FileMode) error {
+	return writeFile(path, data, true, mode)
+}
+
+func writeFile(path string, data []byte, durable bool, mode os.FileMode) error {
 	tmp, err := os.CreateTemp(filepath.Dir(path), "."+filepath.Base(path)+"-*")
 	if err != nil {
 		return err
 	}
 	defer func() { _ = os.Remove(tmp.Name()) }() // gone already once renamed
-	if err := tmp.Chmod(0o600); err != nil {
+	if err := tmp.Chmod(mode); err != nil {
 		return err
 	}
 	if _, err := tmp.Write(data); err != nil {
@@ -262,7 +268,12 @@ func writeFile(path string, data []byte, durable bool) error {
 	if err := os.Rename(tmp.Name(), path); err != nil || !durable {
 		return err
 	}
-	d, err := os.Open(filepath.Dir(path))
+	return SyncDir(filepath.Dir(path))
+}
+
+// SyncDir flushes a directory's entries (a rename into it) to disk.
+func SyncDir(dir string) error {
+	d, err := os.Open(dir)
 	if err != nil {
 		return err
 	}

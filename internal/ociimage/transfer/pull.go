@@ -22,6 +22,7 @@ import (
 	"oras.land/oras-go/v2/content"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // lock takes the store's lock (a pull or a removal at a time).
@@ -214,7 +215,7 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 			return fetched, err
 		}
 	}
-	if err := ociimage.SyncDir(tmp); err != nil {
+	if err := state.SyncDir(tmp); err != nil {
 		return fetched, err
 	}
 	if err := os.Chmod(tmp, 0o755); err != nil { //nolint:gosec // G302: libvirt's QEMU user reads the stored images (no secret: as a base file)
@@ -226,7 +227,7 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 	if err := os.Rename(tmp, s.ImageDir(desc.Digest)); err != nil {
 		return fetched, err
 	}
-	return fetched, ociimage.SyncDir(filepath.Join(s.Dir, "images"))
+	return fetched, state.SyncDir(filepath.Join(s.Dir, "images"))
 }
 
 // fetchFile streams one layer into path: its digest checked as it comes,
