@@ -247,14 +247,22 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	lv, hv, err := l.Version(ctx)
 	add(Check{Name: "libvirt", OK: err == nil, Info: fmt.Sprintf("%s, libvirt %s, hypervisor %s", cfg.LibvirtURI, ver(lv), ver(hv)), Fix: "check libvirtd"})
 
+	local := cfg.LocalLibvirt()
+	if !local {
+		add(remoteHostCheck(cfg))
+	}
 	kvm, kerr := l.KVMAvailable(ctx)
-	devOK := unix.Access("/dev/kvm", unix.R_OK|unix.W_OK) == nil
+	// /dev/kvm of this host says nothing of another's: there libvirt's
+	// answer is all doctor has.
+	devOK := !local || unix.Access("/dev/kvm", unix.R_OK|unix.W_OK) == nil
 	switch {
 	case cfg.DomainType == config.DomainQEMU:
 		add(Check{Name: "domain type", OK: true, Warn: true, Info: "qemu (software emulation, much slower than kvm)",
 			Fix: "use domain_type = \"auto\" or \"kvm\" on hosts with working KVM"})
 	case kerr != nil:
 		add(Check{Name: "domain type", Info: kerr.Error(), Fix: "check libvirtd"})
+	case kvm && !local:
+		add(Check{Name: "domain type", OK: true, Info: "kvm available (that host's libvirt says so)"})
 	case kvm && devOK:
 		add(Check{Name: "domain type", OK: true, Info: "kvm available (/dev/kvm usable)"})
 	case cfg.DomainType == config.DomainKVM:
@@ -304,14 +312,25 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 		var problems []string
 		for _, f := range files {
+			if !local {
+				// Another host's files: libvirt knows them as volumes of
+				// its pools, or nobody here can tell.
+				if _, err := l.VolumeCapacity(ctx, f); err != nil {
+					problems = append(problems, err.Error())
+				}
+				continue
+			}
 			if fh, err := os.Open(f); err != nil {
 				problems = append(problems, err.Error())
 			} else {
 				fh.Close()
 			}
 		}
-		add(Check{Name: "image " + n, OK: len(problems) == 0, Info: strings.Join(append([]string{img.Base}, problems...), "; "),
-			Fix: "make the files readable by this user and by libvirt (see docs/images.md)"})
+		fix := "make the files readable by this user and by libvirt (see docs/images.md)"
+		if !local {
+			fix = "put the image's files into a storage pool of that host (its libvirt must list them as volumes: virsh pool-refresh POOL there; docs/garm.md)"
+		}
+		add(Check{Name: "image " + n, OK: len(problems) == 0, Info: strings.Join(append([]string{img.Base}, problems...), "; "), Fix: fix})
 	}
 
 	if len(cfg.Garm.Endpoints) > 0 {
@@ -335,6 +354,15 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		add(metricsCheck(ctx, cfg.Serve.MetricsListen))
 	}
 	return out
+}
+
+// remoteHostCheck says what doctor cannot see of another host's libvirt:
+// what lives outside libvirt there is that host's own setup.
+func remoteHostCheck(cfg *config.Config) Check {
+	return Check{Name: "libvirt host", OK: true, Warn: true,
+		Info: fmt.Sprintf("%s is another host's libvirt: its network, storage pool, network filters and images are checked over that connection below; "+
+			"its network guard (the libvirt hook), /dev/kvm and free memory are not", cfg.LibvirtURI),
+		Fix: "run libvirt-executor doctor on that host too, with a configuration naming qemu:///system (docs/garm.md, \"Across hosts\")"}
 }
 
 // nwfilterCheck checks that libvirt has the network filter the project's

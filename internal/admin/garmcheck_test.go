@@ -95,6 +95,16 @@ func TestGarmEndpointChecks(t *testing.T) {
 	require.Len(t, cs, 2)
 	require.True(t, cs[0].Warn)
 	require.True(t, strings.HasPrefix(cs[0].Info, "cannot read the guard's configuration"), cs[0].Info)
+
+	// another host's libvirt: its guests are there, and so is its guard
+	// (this host's configuration says nothing of it): a warning naming
+	// what that host must allow, even for an endpoint nothing answers here
+	write("ci 1\n")
+	cfg.LibvirtURI = "qemu+ssh://kvm2.example/system"
+	cs = check("127.0.0.1", fmt.Sprintf("http://127.0.0.1:%d", silentPort))
+	require.Len(t, cs, 1)
+	require.True(t, cs[0].OK && cs[0].Warn, cs[0].Info)
+	require.Contains(t, cs[0].Info, fmt.Sprintf("not checked from here: the guests run on the host of qemu+ssh://kvm2.example/system; its guard configuration must let network \"ci\" reach port %d", silentPort))
 }
 
 func TestPortListed(t *testing.T) {

@@ -3,12 +3,12 @@ package config
 import (
 	"fmt"
 	"net"
-	"net/url"
 	"path/filepath"
 	"strconv"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // Registry is [registry]: where the images with a source
@@ -71,10 +71,7 @@ func (r Registry) Store() *ociimage.Store {
 // LocalLibvirt reports whether libvirt_uri names a libvirt on this host
 // (no host part: qemu:///system, or a UNIX socket), as opposed to a remote
 // one (qemu+ssh://HOST/system, qemu+tls://HOST/system).
-func (c *Config) LocalLibvirt() bool {
-	u, err := url.Parse(c.LibvirtURI)
-	return err != nil || u.Host == "" || u.Host == "localhost"
-}
+func (c *Config) LocalLibvirt() bool { return vm.LocalURI(c.LibvirtURI) }
 
 // validateSource checks an image with a source: no base, kernel or initrd
 // of its own (they come from the artifact), a qcow2 disk.

@@ -6,7 +6,6 @@ import (
 	"errors"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"slices"
 	"syscall"
 	"time"
@@ -63,7 +62,9 @@ func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 			continue
 		}
 		old := !o.Owner.Created.IsZero() && now.Sub(o.Owner.Created) >= p.Cfg.Garm.SeedKeep.D()
-		if !old && !bootstrapDone(filepath.Join(p.M.Store.MachineDir(o.Name), "console.log")) {
+		// A machine on another host has no console log here: its seed
+		// goes at seed_keep (docs/garm.md, "Across hosts").
+		if log := p.M.ConsoleLog(o.Name); !old && (log == "" || !bootstrapDone(log)) {
 			continue
 		}
 		dctx, cancel := context.WithTimeout(ctx, seedDropTimeout)

@@ -18,6 +18,7 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
@@ -229,6 +230,19 @@ func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine
 }
 
 // touchPrivate creates an empty 0600 file owned by this process's user.
+// ConsoleLog is the file on this host that keeps the serial console of
+// the named machine (in its state directory), or "" when libvirt is
+// another host's: that host's virtlogd could not write here, and a path
+// of this host's there would leave files on it that nothing removes. A
+// machine on another host has a console nobody keeps (virsh console
+// still reaches it while it runs).
+func (m *Manager) ConsoleLog(name string) string {
+	if !m.Cfg.LocalLibvirt() {
+		return ""
+	}
+	return filepath.Join(m.Store.MachineDir(name), "console.log")
+}
+
 func touchPrivate(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {
@@ -238,6 +252,9 @@ func touchPrivate(path string) error {
 }
 
 func tail(path string, lines int) []byte {
+	if path == "" {
+		return nil
+	}
 	b, err := os.ReadFile(path)
 	if err != nil {
 		return nil

@@ -44,7 +44,8 @@ type Options struct {
 // built without libvirt (run asks the admin tool's explain-machine when it
 // wants an explanation); it reconnects when libvirtd restarts. Close
 // releases it. A state directory of another user is refused
-// (*state.OwnerError, from ControllerID), unless o.ReadOnly.
+// (*state.OwnerError, from ControllerID), unless o.ReadOnly, and so is one
+// that keeps another libvirt's machines (*state.HostError).
 func Open(cfg *config.Config, o Options) (*Manager, error) {
 	store := state.Store{Dir: cfg.StateDir}
 	ctrl, err := store.ControllerID()
@@ -54,6 +55,11 @@ func Open(cfg *config.Config, o Options) (*Manager, error) {
 		}
 	}
 	if err != nil {
+		return nil, err
+	}
+	// One state directory per libvirt: another host's machines are not
+	// this directory's to count or sweep.
+	if err := store.BindHost(vm.HostKey(cfg.LibvirtURI), o.ReadOnly); err != nil {
 		return nil, err
 	}
 	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o), hooks: o.Hooks}, nil

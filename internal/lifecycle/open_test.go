@@ -10,6 +10,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -98,4 +99,28 @@ func TestOpenWithoutLibvirt(t *testing.T) {
 	err = m.Dial(context.Background())
 	require.ErrorIs(t, err, vm.ErrNoConnector)
 	require.ErrorContains(t, err, "built without libvirt")
+}
+
+// A state directory keeps one libvirt's machines: a configuration naming
+// another host's libvirt is refused before anything is made (garm's entries
+// for two hosts sharing one would sweep each other's machine records);
+// the same libvirt through another transport is the same.
+func TestOpenRefusesAnotherHostsStateDir(t *testing.T) {
+	cfg := openConfig(t)
+	cfg.LibvirtURI = "qemu+ssh://kvm2.example/system"
+	m, err := Open(cfg, Options{})
+	require.NoError(t, err)
+	require.NoError(t, m.Close())
+	cfg.LibvirtURI = "qemu+tls://kvm2.example/system?pkipath=/etc/pki/kvm2"
+	m, err = Open(cfg, Options{ReadOnly: true})
+	require.NoError(t, err)
+	require.NoError(t, m.Close())
+
+	cfg.LibvirtURI = "qemu+ssh://kvm3.example/system"
+	_, err = Open(cfg, Options{})
+	var he *state.HostError
+	require.ErrorAs(t, err, &he)
+	require.ErrorContains(t, err, "keeps the machines of libvirt qemu://kvm2.example/system, and this configuration's libvirt_uri names qemu://kvm3.example/system, another one")
+	_, err = Open(cfg, Options{ReadOnly: true})
+	require.ErrorAs(t, err, &he)
 }

@@ -3,7 +3,6 @@ package lifecycle
 import (
 	"context"
 	"fmt"
-	"path/filepath"
 	"time"
 
 	"golang.org/x/crypto/ssh"
@@ -53,7 +52,7 @@ func (m *Manager) newProvision(ctx context.Context, req request) (*provision, er
 	}
 	return &provision{
 		m: m, req: req, eng: eng, domainType: domainType,
-		consoleLog: filepath.Join(m.Store.MachineDir(req.Name), "console.log"),
+		consoleLog: m.ConsoleLog(req.Name),
 		endBoot:    func() {},
 	}, nil
 }
@@ -194,8 +193,10 @@ func (p *provision) create(ctx context.Context) error {
 	p.created = time.Now().UTC()
 	// The console log is written by libvirt (as root); made here first, it
 	// stays this user's, who reads it when a boot fails.
-	if err := touchPrivate(p.consoleLog); err != nil {
-		return err
+	if p.consoleLog != "" {
+		if err := touchPrivate(p.consoleLog); err != nil {
+			return err
+		}
 	}
 	spec := MachineSpec(p.m.Cfg, SpecInput{
 		Request: p.req.Request, Controller: p.m.Controller, DomainType: p.domainType,

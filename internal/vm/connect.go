@@ -3,6 +3,8 @@ package vm
 import (
 	"context"
 	"errors"
+	"net/url"
+	"strings"
 	"sync"
 )
 
@@ -42,4 +44,38 @@ func Connect(ctx context.Context, uri string) (Hypervisor, error) {
 		return nil, ErrNoConnector
 	}
 	return c(ctx, uri)
+}
+
+// LocalURI reports whether the libvirt URI names a libvirt on this host
+// (no host part: qemu:///system, qemu+unix:///system?socket=...) rather
+// than another host's (qemu+ssh://HOST/system, qemu+tls://HOST/system).
+// On another host the files of this one are out of reach: disks must be
+// volumes of that host's storage pools, and nothing of a machine may be a
+// path on this host (console log, base image read by hand).
+func LocalURI(uri string) bool {
+	u, err := url.Parse(uri)
+	return err != nil || u.Host == "" || u.Hostname() == "localhost"
+}
+
+// HostKey is what tells the libvirt of uri from every other: the driver
+// (qemu, without the transport), the host (lower case, with its port) and
+// the path, plus the socket a local URI names. Two URIs of one host and
+// driver reached over different transports (qemu+ssh://h/system and
+// qemu+tls://h/system) have the same key; so have a URI with and without
+// its keyfile or pkipath.
+func HostKey(uri string) string {
+	u, err := url.Parse(uri)
+	if err != nil {
+		return uri
+	}
+	driver, _, _ := strings.Cut(strings.ToLower(u.Scheme), "+")
+	host := strings.ToLower(u.Host)
+	if host == "localhost" {
+		host = ""
+	}
+	key := driver + "://" + host + u.Path
+	if s := u.Query().Get("socket"); s != "" {
+		key += "?socket=" + s
+	}
+	return key
 }

@@ -30,3 +30,33 @@ func TestConnectThroughTheRegisteredConnector(t *testing.T) {
 	require.Same(t, hv, got)
 	require.Equal(t, []string{"test:///default"}, uris)
 }
+
+// LocalURI tells this host's libvirt from another's; HostKey tells one
+// libvirt from another whatever the transport or its parameters.
+func TestLocalURIAndHostKey(t *testing.T) {
+	for uri, local := range map[string]bool{
+		"qemu:///system": true, "qemu+unix:///system?socket=/run/x/libvirt-sock": true, "qemu://localhost/system": true,
+		"qemu+ssh://kvm2.example/system": false, "qemu+tls://10.0.0.2/system": false, "qemu+ssh://root@kvm2:2222/system?keyfile=/k": false,
+	} {
+		require.Equal(t, local, LocalURI(uri), uri)
+	}
+	same := [][2]string{
+		{"qemu+ssh://kvm2.example/system", "qemu+tls://KVM2.example/system"},
+		{"qemu+ssh://kvm2.example/system?keyfile=/a", "qemu+ssh://kvm2.example/system?keyfile=/b&no_tty=1"},
+		{"qemu:///system", "qemu+unix:///system"},
+		{"qemu:///system", "qemu://localhost/system"},
+	}
+	for _, p := range same {
+		require.Equal(t, HostKey(p[0]), HostKey(p[1]), p)
+	}
+	differ := [][2]string{
+		{"qemu+ssh://kvm2.example/system", "qemu+ssh://kvm3.example/system"},
+		{"qemu:///system", "qemu:///session"},
+		{"qemu:///system", "qemu+unix:///system?socket=/run/other/libvirt-sock"},
+		{"qemu:///system", "qemu+tls://kvm2/system"},
+		{"qemu+tls://kvm2:16514/system", "qemu+tls://kvm2:16515/system"},
+	}
+	for _, p := range differ {
+		require.NotEqual(t, HostKey(p[0]), HostKey(p[1]), p)
+	}
+}

@@ -51,6 +51,9 @@ func init() {
 // when they go unanswered.
 type Conn struct {
 	conn *libvirt.Connect
+	// remote: the libvirt is another host's (vm.LocalURI): a path that is
+	// no volume of its pools is never looked up in this host's files.
+	remote bool
 
 	mu      sync.Mutex
 	calls   int  // calls using conn, abandoned ones included
@@ -83,7 +86,7 @@ func Connect(ctx context.Context, uri string) (*Conn, error) {
 		_, _ = conn.Close()
 		return nil, fmt.Errorf("libvirt at %s: %w", uri, err)
 	}
-	return &Conn{conn: conn}, nil
+	return &Conn{conn: conn, remote: !vm.LocalURI(uri)}, nil
 }
 
 // eventLoop is libvirt's default event loop, registered once per process
@@ -467,16 +470,22 @@ func (l *Conn) VolumeNames(ctx context.Context, pool string) ([]string, error) {
 	})
 }
 
-// VolumeCapacity implements vm.Hypervisor. It asks libvirt first and falls back
-// to reading the image header (qcow2) or size (raw) for a base that lives
-// outside any pool.
+// VolumeCapacity implements vm.Hypervisor. It asks libvirt first and, on
+// this host's libvirt, falls back to reading the image header (qcow2) or
+// size (raw) for a base that lives outside any pool. Another host's
+// libvirt must know the path as a volume of one of its pools: this host's
+// file of that name, if any, is not that host's.
 func (l *Conn) VolumeCapacity(ctx context.Context, path string) (uint64, error) {
 	return call(ctx, l, func() (uint64, error) {
-		if v, err := l.conn.LookupStorageVolByPath(path); err == nil {
+		v, err := l.conn.LookupStorageVolByPath(path)
+		if err == nil {
 			defer v.Free()
 			if info, err := v.GetInfo(); err == nil {
 				return info.Capacity, nil
 			}
+		}
+		if l.remote {
+			return 0, fmt.Errorf("%s is not a volume of a storage pool of that host's libvirt (%v): on another host the image must be in one of its pools (copy it into the pool's directory there, then virsh pool-refresh POOL)", path, err)
 		}
 		return imageVirtualSize(path)
 	})
