@@ -76,6 +76,12 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 	if err != nil {
 		return nil, err
 	}
+	if !cfg.LocalLibvirt() {
+		// The stages reach their guest over SSH on this host's network
+		// and keep its console, holder and cache disks here.
+		return nil, fmt.Errorf("libvirt_uri %q is another host's libvirt: GitLab's stages run on the host of their VMs; "+
+			"register a runner on that host with libvirt_uri = \"qemu:///system\" (docs/fleet.md); another host's libvirt is for garm's provider entries (docs/garm.md)", cfg.LibvirtURI)
+	}
 	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
 	if err != nil {
 		return nil, err

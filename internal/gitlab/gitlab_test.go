@@ -171,6 +171,32 @@ func TestConfigStageOutput(t *testing.T) {
 	require.Zero(t, r.connected, "config needs no libvirt")
 }
 
+// Another host's libvirt is garm's: every GitLab stage refuses it, naming
+// what to do, before it connects or writes anything.
+func TestStagesRefuseAnotherHostsLibvirt(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.LibvirtURI = "qemu+ssh://kvm2.example/system"
+	payload := filepath.Join(t.TempDir(), "response.json")
+	require.NoError(t, os.WriteFile(payload, []byte(`{"id":42}`), 0o600))
+	r := &recorder{}
+	var out bytes.Buffer
+	env := r.env(map[string]string{"JOB_RESPONSE_FILE": payload}, &out)
+	for name, stage := range map[string]func() error{
+		"config":  func() error { return Config(context.Background(), env, cfg) },
+		"prepare": func() error { return Prepare(context.Background(), env, cfg) },
+		"cleanup": func() error { return Cleanup(context.Background(), env, cfg) },
+	} {
+		err := stage()
+		require.ErrorContains(t, err, `libvirt_uri "qemu+ssh://kvm2.example/system" is another host's libvirt: GitLab's stages run on the host of their VMs`, name)
+		require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), name)
+	}
+	require.Zero(t, r.connected)
+	require.Empty(t, out.String())
+	entries, err := os.ReadDir(cfg.StateDir)
+	require.NoError(t, err)
+	require.Empty(t, entries, "nothing written to the state dir")
+}
+
 func TestPrepareRefusesUnknownImageBeforeLibvirt(t *testing.T) {
 	cfg := testConfig(t)
 	payload := filepath.Join(t.TempDir(), "response.json")
