@@ -1,0 +1,28 @@
+// lve-agent is the job-long agent in the guest (internal/agent): started
+// once per job in one SSH session of the job's connection, it runs the
+// job's stages, one fork each. It takes no arguments; its protocol is on
+// stdin and stdout. Built static (CGO_ENABLED=0): it runs on any guest.
+package main
+
+import (
+	"fmt"
+	"os"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/agent"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+)
+
+func main() {
+	if len(os.Args) > 1 {
+		if os.Args[1] == "--version" {
+			fmt.Println(buildinfo.String())
+			return
+		}
+		fmt.Fprintln(os.Stderr, "lve-agent takes no arguments: the host starts it and speaks to it on stdin and stdout (--version prints its version)")
+		os.Exit(2)
+	}
+	if err := agent.Serve(os.Stdin, os.Stdout, buildinfo.Version); err != nil {
+		fmt.Fprintln(os.Stderr, "lve-agent:", err)
+		os.Exit(1)
+	}
+}

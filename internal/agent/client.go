@@ -1,0 +1,171 @@
+package agent
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"sync"
+	"time"
+)
+
+// Client is the host's side of one agent: stages one at a time.
+type Client struct {
+	w      io.Writer
+	frames chan inFrame
+	hello  Hello
+
+	mu  sync.Mutex // one stage at a time
+	err error      // the channel's end, once seen
+}
+
+// ErrGone is the agent's channel ending (the connection, the agent or the
+// guest is gone); a stage running then has no exit status.
+var ErrGone = errors.New("the agent's channel ended")
+
+// helloTimeout bounds the wait for the agent's first frame.
+const helloTimeout = 10 * time.Second
+
+// NewClient reads the agent's Hello from r (within ctx and 10 s) and
+// returns the client that sends requests on w.
+func NewClient(ctx context.Context, r io.Reader, w io.Writer) (*Client, error) {
+	c := &Client{w: w, frames: make(chan inFrame, 16)}
+	go func() {
+		for {
+			typ, b, err := readFrame(r, hostLimit)
+			c.frames <- inFrame{typ, b, err}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	hctx, cancel := context.WithTimeout(ctx, helloTimeout)
+	defer cancel()
+	select {
+	case f := <-c.frames:
+		if f.err != nil {
+			return nil, fmt.Errorf("agent: no hello: %w", f.err)
+		}
+		if f.typ != frameHello {
+			return nil, fmt.Errorf("%w: first frame %q, not a hello", ErrProtocol, f.typ)
+		}
+		if err := json.Unmarshal(f.payload, &c.hello); err != nil {
+			return nil, fmt.Errorf("%w: hello: %v", ErrProtocol, err)
+		}
+		if c.hello.Protocol != Protocol {
+			return nil, fmt.Errorf("%w: the agent speaks protocol %d, this host %d", ErrProtocol, c.hello.Protocol, Protocol)
+		}
+		return c, nil
+	case <-hctx.Done():
+		return nil, fmt.Errorf("agent: no hello within %s: %w", helloTimeout, context.Cause(hctx))
+	}
+}
+
+// Hello is what the agent said of itself.
+func (c *Client) Hello() Hello { return c.hello }
+
+// RunOptions are a stage's.
+type RunOptions struct {
+	Shell string
+	// Output receives the script's output, Notes the agent's own lines
+	// (each with its newline).
+	Output, Notes io.Writer
+	// LeftoverGrace, DrainGrace: see Start; KillGrace: see Cancel. Zero
+	// is the agent's default.
+	LeftoverGrace, DrainGrace, KillGrace time.Duration
+}
+
+// stopSlack is how long after a cancel's grace (and the leftovers' and
+// the drain's) the host waits for the stage's exit before it gives up on
+// the agent.
+const stopSlack = 5 * time.Second
+
+// Run runs script and returns its Exit. When ctx ends first the stage is
+// cancelled and Run still returns its Exit (Cancelled set), or an error
+// if the agent does not end it in time. An error: the stage's result is
+// unknown (ErrGone, ErrProtocol, a refused request) — a system failure,
+// never the script's.
+func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.err != nil {
+		return Exit{}, c.err
+	}
+	if len(script) > MaxScript {
+		return Exit{}, fmt.Errorf("a script of %d bytes: at most %d", len(script), MaxScript)
+	}
+	out, notes := orDiscard(o.Output), orDiscard(o.Notes)
+	if err := writeJSON(c.w, frameStart, Start{Shell: o.Shell, ScriptSize: len(script),
+		LeftoverGraceMS: int(o.LeftoverGrace.Milliseconds()), DrainGraceMS: int(o.DrainGrace.Milliseconds())}); err != nil {
+		return Exit{}, c.gone(err)
+	}
+	for rest := script; len(rest) > 0; {
+		n := min(len(rest), maxChunk)
+		if err := writeFrame(c.w, frameScript, rest[:n]); err != nil {
+			return Exit{}, c.gone(err)
+		}
+		rest = rest[n:]
+	}
+	done := ctx.Done()
+	var giveUp <-chan time.Time
+	for {
+		select {
+		case f := <-c.frames:
+			if f.err != nil {
+				return Exit{}, c.gone(f.err)
+			}
+			switch f.typ {
+			case frameOutput:
+				_, _ = out.Write(f.payload)
+			case frameNote:
+				_, _ = fmt.Fprintf(notes, "%s\n", f.payload)
+			case frameError:
+				return Exit{}, fmt.Errorf("the agent refused the stage: %s", f.payload)
+			case frameExit:
+				var x Exit
+				if err := json.Unmarshal(f.payload, &x); err != nil {
+					return Exit{}, c.gone(fmt.Errorf("%w: exit: %v", ErrProtocol, err))
+				}
+				if x.Code < 0 || x.Code > 255 {
+					return Exit{}, c.gone(fmt.Errorf("%w: exit status %d", ErrProtocol, x.Code))
+				}
+				return x, nil
+			default:
+				return Exit{}, c.gone(fmt.Errorf("%w: frame %q during a stage", ErrProtocol, f.typ))
+			}
+		case <-done:
+			done = nil
+			grace := o.KillGrace
+			if grace <= 0 {
+				grace = defaultCancelGrace
+			}
+			if err := writeJSON(c.w, frameCancel, Cancel{GraceMS: int(grace.Milliseconds())}); err != nil {
+				return Exit{}, c.gone(err)
+			}
+			giveUp = time.After(grace + max(o.LeftoverGrace, 2*time.Second) + max(o.DrainGrace, time.Second) + stopSlack)
+		case <-giveUp:
+			return Exit{}, c.gone(fmt.Errorf("%w: the agent did not end the cancelled stage in time", ErrGone))
+		}
+	}
+}
+
+// defaultCancelGrace is the agent's default, for the host's own deadline.
+const defaultCancelGrace = 5 * time.Second
+
+// gone records the channel's end, or the agent breaking the protocol:
+// every later Run fails at once with the same error.
+func (c *Client) gone(err error) error {
+	if !errors.Is(err, ErrProtocol) && !errors.Is(err, ErrGone) {
+		err = fmt.Errorf("%w: %v", ErrGone, err)
+	}
+	c.err = err
+	return err
+}
+
+func orDiscard(w io.Writer) io.Writer {
+	if w == nil {
+		return io.Discard
+	}
+	return w
+}
