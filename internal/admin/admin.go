@@ -213,7 +213,11 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 
 	u, uerr := user.Current()
 	root := uerr == nil && u.Uid == "0"
+	local := cfg.LocalLibvirt()
 	switch {
+	case !local:
+		// Another host's libvirt decides who may use it (its SSH user's
+		// groups, or its TLS settings): nothing of this host's to check.
 	case uerr != nil:
 		add(Check{Name: "user", Info: uerr.Error(), Fix: "run doctor as the user the runner runs the stages as"})
 	case root:
@@ -234,7 +238,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	}
 
 	l, err := connect(ctx, cfg.LibvirtURI)
-	if uerr == nil {
+	if uerr == nil && local {
 		add(polkitCheck(polkitRuleDirs, err == nil, root))
 	}
 	if err != nil {
@@ -247,7 +251,6 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	lv, hv, err := l.Version(ctx)
 	add(Check{Name: "libvirt", OK: err == nil, Info: fmt.Sprintf("%s, libvirt %s, hypervisor %s", cfg.LibvirtURI, ver(lv), ver(hv)), Fix: "check libvirtd"})
 
-	local := cfg.LocalLibvirt()
 	if !local {
 		add(remoteHostCheck(cfg))
 	}
@@ -310,13 +313,19 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 				files = append(files, img.Initrd)
 			}
 		}
-		var problems []string
-		for _, f := range files {
+		var problems, unseen []string
+		for i, f := range files {
 			if !local {
 				// Another host's files: libvirt knows them as volumes of
-				// its pools, or nobody here can tell.
+				// its pools, or nobody here can tell. The base must be
+				// one (the clone is made through the pool); a kernel or
+				// initrd need only be a file there.
 				if _, err := l.VolumeCapacity(ctx, f); err != nil {
-					problems = append(problems, err.Error())
+					if i == 0 {
+						problems = append(problems, err.Error())
+					} else {
+						unseen = append(unseen, f)
+					}
 				}
 				continue
 			}
@@ -330,7 +339,13 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		if !local {
 			fix = "put the image's files into a storage pool of that host (its libvirt must list them as volumes: virsh pool-refresh POOL there; docs/garm.md)"
 		}
-		add(Check{Name: "image " + n, OK: len(problems) == 0, Info: strings.Join(append([]string{img.Base}, problems...), "; "), Fix: fix})
+		c := Check{Name: "image " + n, OK: len(problems) == 0, Info: strings.Join(append([]string{img.Base}, problems...), "; "), Fix: fix}
+		if c.OK && len(unseen) > 0 {
+			c.Warn = true
+			c.Info += "; not checked (no volume of that host's pools, so only a file there): " + strings.Join(unseen, ", ")
+			c.Fix = "make sure they exist on that host, or put them into one of its pools so that doctor can see them"
+		}
+		add(c)
 	}
 
 	if len(cfg.Garm.Endpoints) > 0 {
@@ -340,11 +355,17 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 	}
 	add(stateDirCheck(cfg.StateDir))
+	add(stateHostCheck(cfg))
 	if c, ok := imageStoreCheck(cfg); ok {
 		add(c)
 	}
 	if cfg.Cache.Enabled() {
 		add(cacheDirCheck(cfg.Cache))
+	}
+	if !local {
+		// The guest tools, the step-runner and the service are GitLab's,
+		// on the host of its VMs: none of them is this entry's.
+		return out
 	}
 	add(guestToolsCheck(cfg))
 	add(stepRunnerCheck(cfg))
@@ -662,6 +683,28 @@ func stateDirCheck(dir string) Check {
 		c.Warn = true
 		c.Info = fmt.Sprintf("%s is %o (key files inside are 0600 in 0700 directories)", dir, perm)
 		c.Fix = "chmod 0700 " + dir
+	}
+	return c
+}
+
+// stateHostCheck says which libvirt's machines the state directory keeps,
+// and fails when that is not this configuration's (state.BindHost).
+func stateHostCheck(cfg *config.Config) Check {
+	key := vm.HostKey(cfg.LibvirtURI)
+	c := Check{Name: "state dir libvirt", OK: true}
+	st := state.Store{Dir: cfg.StateDir}
+	if err := st.BindHost(key, !cfg.LocalLibvirt(), true); err != nil {
+		c.OK, c.Info = false, err.Error()
+		c.Fix = "set state_dir to a directory of this configuration's own"
+		return c
+	}
+	switch kept, err := st.BoundHost(); {
+	case err != nil:
+		c.OK, c.Info, c.Fix = false, err.Error(), "remove the file once no machine is left (libvirt-executor list)"
+	case kept == "":
+		c.Info = "not tied to a libvirt yet: the first use ties it to " + key
+	default:
+		c.Info = "keeps the machines of " + kept
 	}
 	return c
 }

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"io"
+	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -20,6 +21,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -91,6 +93,28 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 	require.Contains(t, out.String(), "[FAIL] storage pool nope")
 	require.Contains(t, out.String(), "virsh pool-define-as nope")
 	require.Contains(t, out.String(), "[FAIL] network nope")
+}
+
+// doctor says which libvirt's machines the state directory keeps, and
+// fails when that is another libvirt than the configuration's; the
+// service refuses another host's libvirt.
+func TestStateHostCheckAndRemoteService(t *testing.T) {
+	cfg := testConfig(t, "")
+	c := stateHostCheck(cfg)
+	require.True(t, c.OK)
+	require.Equal(t, "not tied to a libvirt yet: the first use ties it to qemu:///system", c.Info)
+	require.NoError(t, os.MkdirAll(cfg.StateDir, 0o700))
+	require.NoError(t, state.Store{Dir: cfg.StateDir}.BindHost("qemu:///system", false, false))
+	c = stateHostCheck(cfg)
+	require.True(t, c.OK)
+	require.Equal(t, "keeps the machines of qemu:///system", c.Info)
+	cfg.LibvirtURI = "qemu+ssh://kvm2.example/system"
+	c = stateHostCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "keeps the machines of libvirt qemu:///system, and this configuration's libvirt_uri names qemu://kvm2.example/system")
+
+	err := Serve(context.Background(), cfg, slog.New(slog.NewTextHandler(io.Discard, nil)), nil)
+	require.ErrorContains(t, err, `libvirt_uri "qemu+ssh://kvm2.example/system" is another host's libvirt: the service (standby pools, metrics) runs on the host of its VMs`)
 }
 
 func TestStateDirCheck(t *testing.T) {

@@ -2,6 +2,7 @@ package admin
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"sync"
 	"time"
@@ -21,6 +22,10 @@ import (
 // (serve.metrics_listen), until ctx ends. connect opens libvirt (nil: the
 // linked-in default).
 func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect lifecycle.Connector) error {
+	if !cfg.LocalLibvirt() {
+		// Standby VMs are GitLab's, whose stages run on their VMs' host.
+		return fmt.Errorf("libvirt_uri %q is another host's libvirt: the service (standby pools, metrics) runs on the host of its VMs; run it there with libvirt_uri = \"qemu:///system\"", cfg.LibvirtURI)
+	}
 	var m *jobvm.Host
 	m, err := jobvm.Open(cfg, lifecycle.Options{
 		Connect: connect, Log: log,

@@ -562,7 +562,7 @@ func (c *Config) applyDefaults() {
 	def(&c.StoragePool, "default")
 	def(&c.Network, "default")
 	def(&c.NamePrefix, "lve")
-	def(&c.StateDir, "/var/lib/libvirt-executor")
+	def(&c.StateDir, DefaultStateDir)
 	def(&c.HostKeyPolicy, HostKeyPinned)
 	def(&c.GuestTools.GitLabRunner, GuestToolsAuto)
 	def(&c.GuestTools.StepRunner, GuestToolsAuto)
@@ -757,11 +757,40 @@ func (p *problems) err() error {
 	return errors.New(strings.Join(p.errs, "; "))
 }
 
+// DefaultStateDir is state_dir's default.
+const DefaultStateDir = "/var/lib/libvirt-executor"
+
+// validateRemote checks a libvirt_uri of another host: a transport that
+// authenticates the host and keeps the traffic private (garm's instance
+// token travels in the seed volume), and a state directory of the
+// configuration's own (the default one is this host's runner's).
+func (c *Config) validateRemote(p *problems) {
+	u, err := url.Parse(c.LibvirtURI)
+	if err != nil {
+		p.bad("libvirt_uri", "%q does not parse: %v", c.LibvirtURI, err)
+		return
+	}
+	_, transport, _ := strings.Cut(strings.ToLower(u.Scheme), "+")
+	switch transport {
+	case "ssh", "libssh", "libssh2", "tls", "":
+	default:
+		p.bad("libvirt_uri", "transport %q to another host is not allowed: use qemu+ssh:// or qemu+tls:// (the connection carries garm's instance token)", transport)
+	}
+	if v := u.Query().Get("no_verify"); v != "" && v != "0" {
+		p.bad("libvirt_uri", "no_verify=%s accepts any host as %s: pin its key (ssh) or certificate (tls) instead", v, u.Hostname())
+	}
+	if c.StateDir == DefaultStateDir {
+		p.bad("state_dir", "libvirt_uri names another host's libvirt: give this configuration a state_dir of its own (one per host, e.g. /var/lib/libvirt-executor-garm/%s); %s is this host's", u.Hostname(), DefaultStateDir)
+	}
+}
+
 // validateTop checks the top-level keys but default_image (which needs the
 // images checked first).
 func (c *Config) validateTop(p *problems) {
 	if !strings.Contains(c.LibvirtURI, ":") {
 		p.bad("libvirt_uri", "%q is not a libvirt URI (example: \"qemu:///system\")", c.LibvirtURI)
+	} else if !c.LocalLibvirt() {
+		c.validateRemote(p)
 	}
 	p.oneOf("domain_type", c.DomainType, DomainAuto, DomainKVM, DomainQEMU)
 	p.oneOf("host_key_policy", c.HostKeyPolicy, HostKeyPinned, HostKeyInsecureIgnore)

@@ -42,11 +42,32 @@ func TestLocalLibvirt(t *testing.T) {
 	for uri, local := range map[string]bool{
 		"qemu:///system": true, "qemu:///session": true, "test:///default": true,
 		"qemu+unix:///system?socket=/run/lve/libvirt-sock": true, "qemu+ssh://localhost/system": true,
-		"qemu+ssh://kvm2.example/system": false, "qemu+tls://10.0.0.2/system": false, "qemu+tcp://kvm3:16509/system": false,
+		"qemu+ssh://kvm2.example/system": false, "qemu+tls://10.0.0.2/system": false, "qemu+ssh://localhost:2222/system": false,
 	} {
-		cfg, err := config.Parse([]byte("libvirt_uri = \"" + uri + "\"\n[images.a]\nbase = \"/a.qcow2\"\n"))
+		cfg, err := config.Parse([]byte("libvirt_uri = \"" + uri + "\"\nstate_dir = \"/var/lib/lve-h\"\n[images.a]\nbase = \"/a.qcow2\"\n"))
 		require.NoError(t, err, uri)
 		require.Equal(t, local, cfg.LocalLibvirt(), uri)
+	}
+}
+
+// Another host's libvirt: only transports that authenticate the host and
+// keep the traffic private, no no_verify, and a state_dir of its own.
+func TestRemoteLibvirtRefusals(t *testing.T) {
+	own := "state_dir = \"/var/lib/lve-kvm2\"\n[images.a]\nbase = \"/a.qcow2\"\n"
+	for uri, want := range map[string]string{
+		"qemu+tcp://kvm3:16509/system":            `libvirt_uri: transport "tcp" to another host is not allowed: use qemu+ssh:// or qemu+tls://`,
+		"qemu+ssh://kvm2/system?no_verify=1":      "libvirt_uri: no_verify=1 accepts any host as kvm2: pin its key (ssh) or certificate (tls) instead",
+		"qemu+tls://kvm2/system?no_verify=1":      "libvirt_uri: no_verify=1 accepts any host as kvm2",
+		"qemu+ext://kvm2/system?command=/bin/foo": `transport "ext" to another host is not allowed`,
+	} {
+		_, err := config.Parse([]byte("libvirt_uri = \"" + uri + "\"\n" + own))
+		require.ErrorContains(t, err, want, uri)
+	}
+	_, err := config.Parse([]byte("libvirt_uri = \"qemu+ssh://kvm2.example/system\"\n[images.a]\nbase = \"/a.qcow2\"\n"))
+	require.ErrorContains(t, err, "state_dir: libvirt_uri names another host's libvirt: give this configuration a state_dir of its own")
+	for _, uri := range []string{"qemu+ssh://garm@kvm2/system?keyfile=/etc/garm/k", "qemu+tls://kvm2/system?pkipath=/etc/garm/pki", "qemu+libssh2://kvm2/system?known_hosts=/k"} {
+		_, err := config.Parse([]byte("libvirt_uri = \"" + uri + "\"\n" + own))
+		require.NoError(t, err, uri)
 	}
 }
 

@@ -456,6 +456,43 @@ func TestCapacityCountsGarmInstances(t *testing.T) {
 // seed volume, detaches its disk and deletes it; a marker the guest could
 // place behind a link, or far back in a long console, does not count;
 // Delete still removes everything afterwards.
+// On another host's libvirt a machine has no console log here: the domain
+// names no log file, nothing is made in its state directory for one, a
+// done line planted at that path is not read, and the seed goes at
+// garm.seed_keep.
+func TestRemoteHostSeedAndConsole(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.LibvirtURI = "qemu+tls://kvm2.example/system"
+	hv := vmtest.New()
+	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = m.Close() })
+	r := &rig{t: t, cfg: cfg, hv: hv, m: m}
+	name := create(r, ctrlA, poolA, "garm-Remote1").ProviderID
+	require.Empty(t, m.ConsoleLog(name))
+	require.NotContains(t, hv.Domains[name].XML, "<log ")
+	console := filepath.Join(m.Store.MachineDir(name), "console.log")
+	_, err = os.Stat(console)
+	require.True(t, os.IsNotExist(err), "a console log made on this host")
+	require.NoError(t, os.WriteFile(console, []byte(SeedDoneMarker+"\n"), 0o600))
+	seedKey := "default-pool/" + vm.SeedVolume(name)
+	list := func() {
+		t.Helper()
+		out, code := r.call(map[string]string{"GARM_COMMAND": CmdList, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, "")
+		require.Equal(t, ExitOK, code, out)
+		require.Contains(t, out, name)
+	}
+	list()
+	hv.Lock()
+	require.Contains(t, hv.Volumes, seedKey, "a file of this host decided for the remote guest")
+	hv.Unlock()
+	cfg.Garm.SeedKeep = config.Duration(time.Nanosecond)
+	list()
+	hv.Lock()
+	require.NotContains(t, hv.Volumes, seedKey, "the seed outlived seed_keep")
+	hv.Unlock()
+}
+
 func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r := newRig(t)
 	in := create(r, ctrlA, poolA, "garm-Seed1")

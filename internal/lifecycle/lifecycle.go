@@ -229,7 +229,6 @@ func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine
 	return r.Machine, nil
 }
 
-// touchPrivate creates an empty 0600 file owned by this process's user.
 // ConsoleLog is the file on this host that keeps the serial console of
 // the named machine (in its state directory), or "" when libvirt is
 // another host's: that host's virtlogd could not write here, and a path
@@ -243,6 +242,7 @@ func (m *Manager) ConsoleLog(name string) string {
 	return filepath.Join(m.Store.MachineDir(name), "console.log")
 }
 
+// touchPrivate creates an empty 0600 file owned by this process's user.
 func touchPrivate(path string) error {
 	f, err := os.OpenFile(path, os.O_CREATE|os.O_WRONLY|os.O_TRUNC, 0o600)
 	if err != nil {

@@ -59,7 +59,7 @@ func Open(cfg *config.Config, o Options) (*Manager, error) {
 	}
 	// One state directory per libvirt: another host's machines are not
 	// this directory's to count or sweep.
-	if err := store.BindHost(vm.HostKey(cfg.LibvirtURI), o.ReadOnly); err != nil {
+	if err := store.BindHost(vm.HostKey(cfg.LibvirtURI), !cfg.LocalLibvirt(), o.ReadOnly); err != nil {
 		return nil, err
 	}
 	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o), hooks: o.Hooks}, nil

@@ -22,20 +22,35 @@ type HostError struct {
 }
 
 func (e *HostError) Error() string {
+	if e.Kept == legacyHost {
+		return fmt.Sprintf("state dir %s keeps the machines of %s, and this configuration's libvirt_uri names %s, another host's: "+
+			"give this configuration a state_dir of its own (one per garm provider entry)", e.Dir, e.Kept, e.Want)
+	}
 	return fmt.Sprintf("state dir %s keeps the machines of libvirt %s, and this configuration's libvirt_uri names %s, another one: "+
 		"give each host's configuration a state_dir of its own (one per garm provider entry); "+
 		"if both name the same libvirt, remove %s once no machine is left (libvirt-executor list)",
 		e.Dir, e.Kept, e.Want, filepath.Join(e.Dir, hostFile))
 }
 
+// legacyHost is what a directory keeps whose machine records predate the
+// record of its libvirt: before it, only this host's libvirt worked.
+const legacyHost = "this host's libvirt (its machine records predate the record of the directory's libvirt)"
+
 // BindHost ties the state directory to the libvirt of key (vm.HostKey of
 // the configuration's libvirt_uri) on first use and refuses (*HostError)
-// when it is tied to another. Concurrent first calls agree on one value;
-// readOnly creates nothing (a directory tied to none yet is no refusal).
-func (s Store) BindHost(key string, readOnly bool) error {
+// when it is tied to another. A directory not tied yet that holds machine
+// records keeps this host's libvirt's machines: a remote key is refused
+// there. Concurrent first calls agree on one value; readOnly creates
+// nothing (a directory tied to none yet is no refusal).
+func (s Store) BindHost(key string, remote, readOnly bool) error {
 	path := filepath.Join(s.Dir, hostFile)
 	kept, err := readHost(path)
 	if errors.Is(err, os.ErrNotExist) {
+		if remote {
+			if entries, _ := os.ReadDir(filepath.Join(s.Dir, "machines")); len(entries) > 0 {
+				return &HostError{Dir: s.Dir, Kept: legacyHost, Want: key}
+			}
+		}
 		if readOnly {
 			return nil
 		}
@@ -90,4 +105,14 @@ func readHost(path string) (string, error) {
 		return "", fmt.Errorf("%s: not one libvirt host key", path)
 	}
 	return key, nil
+}
+
+// BoundHost is the libvirt the directory keeps the machines of ("" when
+// it is not tied to one yet).
+func (s Store) BoundHost() (string, error) {
+	kept, err := readHost(filepath.Join(s.Dir, hostFile))
+	if errors.Is(err, os.ErrNotExist) {
+		return "", nil
+	}
+	return kept, err
 }

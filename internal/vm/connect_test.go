@@ -37,6 +37,7 @@ func TestLocalURIAndHostKey(t *testing.T) {
 	for uri, local := range map[string]bool{
 		"qemu:///system": true, "qemu+unix:///system?socket=/run/x/libvirt-sock": true, "qemu://localhost/system": true,
 		"qemu+ssh://kvm2.example/system": false, "qemu+tls://10.0.0.2/system": false, "qemu+ssh://root@kvm2:2222/system?keyfile=/k": false,
+		"qemu+ssh://LOCALHOST/system": true, "qemu+ssh://localhost:2222/system": false, "qemu+ssh://%zz/system": false,
 	} {
 		require.Equal(t, local, LocalURI(uri), uri)
 	}
@@ -45,6 +46,10 @@ func TestLocalURIAndHostKey(t *testing.T) {
 		{"qemu+ssh://kvm2.example/system?keyfile=/a", "qemu+ssh://kvm2.example/system?keyfile=/b&no_tty=1"},
 		{"qemu:///system", "qemu+unix:///system"},
 		{"qemu:///system", "qemu://localhost/system"},
+		{"qemu:///system", "qemu+ssh://LocalHost/system"},
+		{"qemu+ssh://kvm2:2222/system", "qemu+tls://kvm2/system"},
+		{"qemu+tls://kvm2:16514/system", "qemu+tls://kvm2/system"},
+		{"qemu+tcp://kvm2:16509/system", "qemu+ssh://root@kvm2/system"},
 	}
 	for _, p := range same {
 		require.Equal(t, HostKey(p[0]), HostKey(p[1]), p)
@@ -55,6 +60,7 @@ func TestLocalURIAndHostKey(t *testing.T) {
 		{"qemu:///system", "qemu+unix:///system?socket=/run/other/libvirt-sock"},
 		{"qemu:///system", "qemu+tls://kvm2/system"},
 		{"qemu+tls://kvm2:16514/system", "qemu+tls://kvm2:16515/system"},
+		{"qemu+ssh://localhost:2222/system", "qemu:///system"},
 	}
 	for _, p := range differ {
 		require.NotEqual(t, HostKey(p[0]), HostKey(p[1]), p)

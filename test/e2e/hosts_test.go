@@ -15,6 +15,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -138,7 +139,9 @@ auth_tls = "none"
 tls_no_verify_certificate = 0
 `, hostIP, filepath.Join(server, "serverkey.pem"), filepath.Join(server, "servercert.pem"), filepath.Join(server, "cacert.pem"))), 0o644))
 
-	// its network namespace, reached through a veth pair
+	// its network namespace, reached through a veth pair (what an earlier
+	// run killed half-way left of host n goes first)
+	removeStaleHosts(t, n)
 	run("ip", "netns", "add", tag)
 	t.Cleanup(func() { _ = exec.Command("ip", "netns", "del", tag).Run() })
 	run("ip", "link", "add", tag, "type", "veth", "peer", "name", "eth0", "netns", tag)
@@ -192,12 +195,14 @@ LIBVIRT_LOG_OUTPUTS="3:file:$d/run/libvirtd.log" libvirtd -d -l -f "$d/libvirtd.
 				continue // not ours (any more)
 			}
 			_ = syscall.Kill(pid, syscall.SIGTERM)
-			for deadline := time.Now().Add(15 * time.Second); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
-				if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err != nil {
-					break
-				}
+			if !processEnds(pid, 15*time.Second) {
+				_ = syscall.Kill(pid, syscall.SIGKILL)
+				processEnds(pid, 5*time.Second)
 			}
 		}
+		// whatever else still runs in its namespace is the host's (its
+		// QEMUs and dnsmasq if its libvirt could not be asked): it goes
+		killNetnsPids(tag)
 	}
 	t.Cleanup(stop)
 	require.NoError(t, err, "start host %d: %s", n, out)
@@ -232,6 +237,46 @@ LIBVIRT_LOG_OUTPUTS="3:file:$d/run/libvirtd.log" libvirtd -d -l -f "$d/libvirtd.
 	require.NoError(t, err, "host %d: pool", n)
 	_ = pool.Free()
 	return h
+}
+
+// processEnds waits up to d for pid to end.
+func processEnds(pid int, d time.Duration) bool {
+	for deadline := time.Now().Add(d); time.Now().Before(deadline); time.Sleep(50 * time.Millisecond) {
+		if _, err := os.Stat(fmt.Sprintf("/proc/%d", pid)); err != nil {
+			return true
+		}
+	}
+	return false
+}
+
+// killNetnsPids SIGKILLs every process in network namespace ns (one of
+// this test's hosts).
+func killNetnsPids(ns string) {
+	out, _ := exec.Command("ip", "netns", "pids", ns).Output()
+	for _, f := range strings.Fields(string(out)) {
+		if pid, err := strconv.Atoi(f); err == nil && pid > 1 {
+			_ = syscall.Kill(pid, syscall.SIGKILL)
+		}
+	}
+}
+
+// removeStaleHosts removes what a run of this test killed before its
+// cleanup left of host n: its namespaces (lvehN-PID), their processes and
+// the links of that name here.
+func removeStaleHosts(t *testing.T, n int) {
+	t.Helper()
+	out, _ := exec.Command("ip", "netns", "list").Output()
+	stale := regexp.MustCompile(fmt.Sprintf(`^lveh%d-[0-9]+$`, n))
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		if len(f) == 0 || !stale.MatchString(f[0]) {
+			continue
+		}
+		t.Logf("removing host %d of an earlier run: %s", n, f[0])
+		killNetnsPids(f[0])
+		_ = exec.Command("ip", "netns", "del", f[0]).Run()
+		_ = exec.Command("ip", "link", "del", f[0]).Run()
+	}
 }
 
 func tailLines(s string, n int) string {
@@ -351,13 +396,19 @@ cmdline = %q
 
 	// doctor over the connection: the host's libvirt, pool, network,
 	// filters and image volumes; what it cannot see said as a warning
-	doc, _ := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgs[1], "doctor").CombinedOutput()
+	doc, err := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgs[1], "doctor").CombinedOutput()
+	t.Logf("doctor:\n%s", doc)
+	require.NoError(t, err, "doctor fails on a remote host that is fine")
+	for _, absent := range []string{"[FAIL]", "] user ", "] polkit", "] service:", "] guest tools:"} {
+		require.NotContains(t, string(doc), absent, "not this entry's to check")
+	}
 	for _, want := range []string{
 		"[warn] libvirt host: " + hosts[1].URI + " is another host's libvirt",
 		"[ok  ] libvirt: " + hosts[1].URI,
 		"[ok  ] storage pool " + hosts[1].Pool,
 		"[ok  ] network " + hosts[1].Network,
 		"[ok  ] image tiny: " + filepath.Join(hosts[1].PoolDir, filepath.Base(tiny.Base)),
+		"[ok  ] state dir libvirt: not tied to a libvirt yet: the first use ties it to qemu://" + hostAddr(hosts[1].URI) + "/system",
 	} {
 		require.Contains(t, string(doc), want, string(doc))
 	}

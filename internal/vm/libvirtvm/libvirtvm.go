@@ -480,11 +480,14 @@ func (l *Conn) VolumeCapacity(ctx context.Context, path string) (uint64, error) 
 		v, err := l.conn.LookupStorageVolByPath(path)
 		if err == nil {
 			defer v.Free()
-			if info, err := v.GetInfo(); err == nil {
+			info, err := v.GetInfo()
+			if err == nil {
 				return info.Capacity, nil
 			}
-		}
-		if l.remote {
+			if l.remote {
+				return 0, fmt.Errorf("volume %s: %w", path, err)
+			}
+		} else if l.remote {
 			return 0, fmt.Errorf("%s is not a volume of a storage pool of that host's libvirt (%v): on another host the image must be in one of its pools (copy it into the pool's directory there, then virsh pool-refresh POOL)", path, err)
 		}
 		return imageVirtualSize(path)
