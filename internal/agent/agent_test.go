@@ -56,10 +56,14 @@ func startAgent(t *testing.T) *running {
 	cmd := exec.Command(agentBin)
 	stdin, err := cmd.StdinPipe()
 	require.NoError(t, err)
-	stdout, err := cmd.StdoutPipe()
+	// Not StdoutPipe: Wait closes that once the agent exits, maybe before
+	// the client has read the agent's last frames.
+	stdout, w, err := os.Pipe()
 	require.NoError(t, err)
-	cmd.Stderr = os.Stderr
+	t.Cleanup(func() { _ = stdout.Close() })
+	cmd.Stdout, cmd.Stderr = w, os.Stderr
 	require.NoError(t, cmd.Start())
+	require.NoError(t, w.Close())
 	a := &running{cmd: cmd, stdin: stdin, exited: make(chan struct{})}
 	go func() { a.err = cmd.Wait(); close(a.exited) }()
 	t.Cleanup(func() {

@@ -43,6 +43,10 @@ type RunOptions struct {
 	// session's start to the script's exit status (what a stage costs
 	// beyond it is its overhead).
 	Span *time.Duration
+	// Agent, when set, runs the stage: one fork in the guest instead of a
+	// session and the wrapper (StartAgent). Tag is then unused: the agent
+	// stops its stage itself when its channel ends.
+	Agent *AgentSession
 }
 
 // NewTag returns a fresh stage tag for RunOptions.Tag.
@@ -73,6 +77,9 @@ func validTag(tag string) bool {
 //   - a system failure: anything else, including ctx cancellation, after the
 //     script's whole process group in the guest was terminated.
 func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) error {
+	if o.Agent != nil {
+		return c.runOnAgent(ctx, script, o)
+	}
 	tag := o.Tag
 	if tag == "" {
 		var err error

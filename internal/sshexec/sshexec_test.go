@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -33,12 +34,31 @@ func dial(t *testing.T, tg Target) *Client {
 	c, err := Dial(context.Background(), tg)
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = c.Close() })
+	if bin := os.Getenv(agentEnv); bin != "" {
+		// TestWrapperTestsThroughTheAgent: the stages of this connection
+		// go through one agent, as a job's will.
+		a, err := c.StartAgent(context.Background(), "exec "+ShellQuote(bin))
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = a.Close() })
+		agents.Store(c, a)
+	}
 	return c
 }
 
+// agentEnv names the agent binary the wrapper's tests run through (set by
+// TestWrapperTestsThroughTheAgent for the run of this test binary it
+// starts); agents is each connection's agent then.
+const agentEnv = "LVE_SSHEXEC_TEST_AGENT"
+
+var agents sync.Map // *Client -> *AgentSession
+
 func run(c *Client, ctx context.Context, script string) (string, string, error) {
 	var out, errb sshtest.Buffer
-	err := c.Run(ctx, []byte(script), RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
+	o := RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second}
+	if a, ok := agents.Load(c); ok {
+		o.Agent = a.(*AgentSession)
+	}
+	err := c.Run(ctx, []byte(script), o)
 	return out.String(), errb.String(), err
 }
 
@@ -90,6 +110,9 @@ var loginShells = map[string][]string{"bash": {"bash"}, "dash": {"dash"}, "busyb
 
 func eachLoginShell(t *testing.T, f func(t *testing.T, ts *sshtest.Server)) {
 	for name, argv := range loginShells {
+		if os.Getenv(agentEnv) != "" && name != "bash" {
+			continue // through the agent the login shell only starts it
+		}
 		t.Run(name, func(t *testing.T) {
 			_, err := exec.LookPath(argv[0])
 			require.NoError(t, err, "%s is needed to test the wrapper under %s (make deps installs it)", argv[0], name)

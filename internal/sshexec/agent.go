@@ -1,0 +1,119 @@
+package sshexec
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"time"
+
+	"golang.org/x/crypto/ssh"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/agent"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+)
+
+// AgentSession is the job's agent in the guest (internal/agent), running
+// in one session of the connection for as long as the session lasts.
+type AgentSession struct {
+	*agent.Client
+	ch     ssh.Channel
+	stderr *lockedCapped // what the agent says of itself (bounded)
+}
+
+// ErrNoAgent is StartAgent's error when the guest has no agent to start
+// (the command is not there or did not speak the protocol).
+var ErrNoAgent = errors.New("no agent in the guest")
+
+// StartAgent runs command (a fixed command line of the host's, never job
+// input: the agent's path on the guest tools disk) in one session of the
+// connection and returns the agent once it said hello (within ctx).
+// Closing it ends the session: the agent stops a stage it still runs and
+// exits.
+func (c *Client) StartAgent(ctx context.Context, command string) (*AgentSession, error) {
+	ch, reqs, err := c.c.OpenChannel("session", nil)
+	if err != nil {
+		return nil, c.lost(err)
+	}
+	s := &session{ch: ch, exited: make(chan exitResult, 1), drained: make(chan struct{})}
+	go s.watch(reqs)
+	ok, err := ch.SendRequest("exec", true, ssh.Marshal(struct{ Command string }{command}))
+	if err == nil && !ok {
+		err = errors.New("the guest refused to run a command")
+	}
+	if err != nil {
+		_ = ch.Close()
+		return nil, c.lost(err)
+	}
+	a := &AgentSession{ch: ch, stderr: &lockedCapped{c: capped{limit: 4 << 10}}}
+	stderrDone := make(chan struct{})
+	go func() { _, _ = io.Copy(a.stderr, ch.Stderr()); close(stderrDone) }()
+	if a.Client, err = agent.NewClient(ctx, ch, ch); err != nil {
+		if c.Dead() != nil {
+			_ = ch.Close()
+			return nil, c.lost(err)
+		}
+		select { // what the guest said of it, once it has said it
+		case <-stderrDone:
+		case <-time.After(time.Second):
+		}
+		_ = ch.Close()
+		if said := strings.TrimSpace(a.stderr.String()); said != "" {
+			err = fmt.Errorf("%w (the guest said: %s)", err, said)
+		}
+		return nil, fmt.Errorf("%w: %w", ErrNoAgent, err)
+	}
+	return a, nil
+}
+
+// Close ends the agent's session.
+func (a *AgentSession) Close() error { return a.ch.Close() }
+
+// runOnAgent is Run through the agent, with Run's result classes: nil,
+// *exitcodes.ScriptError, or a system failure (a cancel, the agent or the
+// connection gone, the agent refusing the stage).
+func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) error {
+	stdout, stderr := newGate(orDiscard(o.Stdout)), newGate(orDiscard(o.Stderr))
+	defer stdout.shut()
+	defer stderr.shut()
+	began := time.Now()
+	x, err := o.Agent.Run(ctx, script, agent.RunOptions{Shell: o.Shell, Output: stdout, Notes: stderr,
+		LeftoverGrace: o.LeftoverGrace, DrainGrace: o.DrainGrace, KillGrace: o.KillGrace})
+	if o.Span != nil {
+		*o.Span = time.Since(began)
+	}
+	switch {
+	case err != nil && (errors.Is(err, agent.ErrGone) || c.Dead() != nil):
+		if said := strings.TrimSpace(o.Agent.stderr.String()); said != "" && c.Dead() == nil {
+			err = fmt.Errorf("%w (the agent said: %s)", err, said)
+		}
+		return c.lost(err)
+	case err != nil:
+		return exitcodes.System(err)
+	case x.Cancelled || ctx.Err() != nil:
+		return exitcodes.System(fmt.Errorf("script stopped: %w", context.Cause(ctx)))
+	case x.Code == 0:
+		return nil
+	}
+	return &exitcodes.ScriptError{Code: x.Code}
+}
+
+// lockedCapped is a capped buffer one goroutine writes while another reads.
+type lockedCapped struct {
+	mu sync.Mutex
+	c  capped
+}
+
+func (l *lockedCapped) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.c.Write(p)
+}
+
+func (l *lockedCapped) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return string(l.c.b)
+}

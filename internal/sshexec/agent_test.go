@@ -1,0 +1,107 @@
+package sshexec
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/agent"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+)
+
+// wrapperTests are the stage tests whose guarantees the agent keeps as the
+// wrapper does (the wrapper's own mechanics, an upload to a full disk, a
+// guest without setsid, an SSH server holding the stage's channel, are
+// not the agent's).
+var wrapperTests = []string{
+	"TestRunExitCodes", "TestRunStreamsStderrAndClosesStdin", "TestStdoutAndStderrKeepTheirOrder",
+	"TestBackgroundProcessDoesNotHoldTheStage", "TestDetachedProcessCannotHoldTheStage",
+	"TestBackgroundServiceServesTheRestOfTheStage", "TestScriptNeverOnCommandLineAndNotLeftBehind",
+	"TestScriptKilledBySignalIsBuildFailure", "TestCancelKillsRemoteProcessGroup", "TestCancelEscalatesToKill",
+	"TestConnectionDroppedMidStreamIsSystemFailure", "TestFrozenGuestDetectedByKeepalive",
+}
+
+// buildAgent builds cmd/lve-agent (static) for a test.
+func buildAgent(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "lve-agent")
+	build := exec.Command("go", "build", "-o", bin, "../../cmd/lve-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "build lve-agent: %s", out)
+	return bin
+}
+
+// The wrapper's stage tests, every one of them, through the agent: this
+// test binary runs them again with every connection's stages going
+// through one agent (started in a session of the connection, as a job's).
+func TestWrapperTestsThroughTheAgent(t *testing.T) {
+	if os.Getenv(agentEnv) != "" {
+		t.Skip("this is the run through the agent")
+	}
+	bin := buildAgent(t)
+	cmd := exec.Command(os.Args[0], "-test.run", "^("+strings.Join(wrapperTests, "|")+")$", "-test.count=1", "-test.v")
+	cmd.Env = append(os.Environ(), agentEnv+"="+bin)
+	out, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	for _, name := range wrapperTests {
+		require.Contains(t, string(out), "--- PASS: "+name+" ", "%s did not run through the agent", name)
+	}
+}
+
+// The agent's failures are the infrastructure's: a guest without the
+// agent (its path not there) is ErrNoAgent, naming what the guest said;
+// the agent killed mid-stage, or its session cut, is a lost connection,
+// never the script's class; the connection keeps working for the
+// wrapper.
+func TestAgentFailuresAreSystemFailures(t *testing.T) {
+	bin := buildAgent(t)
+	ts := sshtest.Start(t)
+	c, err := Dial(context.Background(), target(ts))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+
+	_, err = c.StartAgent(context.Background(), "exec /nonexistent/lve-agent")
+	require.ErrorIs(t, err, ErrNoAgent)
+	require.ErrorContains(t, err, "/nonexistent/lve-agent")
+
+	a, err := c.StartAgent(context.Background(), "exec "+ShellQuote(bin))
+	require.NoError(t, err)
+	defer a.Close()
+	var out sshtest.Buffer
+	ready := make(chan struct{})
+	go func() {
+		for !strings.Contains(out.String(), "ready") {
+			time.Sleep(10 * time.Millisecond)
+		}
+		close(ready)
+	}()
+	result := make(chan error, 1)
+	go func() {
+		result <- c.Run(context.Background(), []byte("echo ready; sleep 30; exit 3"), RunOptions{Shell: "bash", Stdout: &out, Agent: a})
+	}()
+	<-ready
+	require.NoError(t, syscall.Kill(a.Hello().PID, syscall.SIGKILL))
+	err = <-result
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorIs(t, err, ErrConnectionLost)
+	_, err = a.Run(context.Background(), []byte("true"), agent.RunOptions{Shell: "bash"})
+	require.Error(t, err, "a dead agent runs nothing more")
+
+	// the connection itself is fine: the wrapper still runs stages on it
+	var again sshtest.Buffer
+	require.NoError(t, c.Run(context.Background(), []byte("echo wrapper"), RunOptions{Shell: "bash", Stdout: &again}))
+	require.Equal(t, "wrapper\n", again.String())
+	require.False(t, pidRunning(a.Hello().PID))
+}
+
+func pidRunning(pid int) bool { return pidAlive(strconv.Itoa(pid)) }
