@@ -105,3 +105,39 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 }
 
 func pidRunning(pid int) bool { return pidAlive(strconv.Itoa(pid)) }
+
+// BenchmarkNoopStage: a no-op stage through the wrapper (a session, the
+// login shell and the wrapper's processes) and through the agent (one
+// fork), over the in-process SSH server on this host: the difference is
+// what the guest saves per stage, before TCG multiplies it.
+func BenchmarkNoopStage(b *testing.B) {
+	bin := filepath.Join(b.TempDir(), "lve-agent")
+	build := exec.Command("go", "build", "-o", bin, "../../cmd/lve-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		b.Fatalf("build lve-agent: %v\n%s", err, out)
+	}
+	ts := sshtest.Start(b)
+	c, err := Dial(context.Background(), target(ts))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer c.Close()
+	a, err := c.StartAgent(context.Background(), "exec "+ShellQuote(bin))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer a.Close()
+	for _, mode := range []struct {
+		name  string
+		agent *AgentSession
+	}{{"wrapper", nil}, {"agent", a}} {
+		b.Run(mode.name, func(b *testing.B) {
+			for i := 0; i < b.N; i++ {
+				if err := c.Run(context.Background(), []byte("true\n"), RunOptions{Shell: "bash", Agent: mode.agent}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
