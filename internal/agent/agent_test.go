@@ -46,6 +46,7 @@ func TestMain(m *testing.M) {
 type running struct {
 	cmd    *exec.Cmd
 	stdin  io.WriteCloser
+	stdout *os.File
 	c      *Client
 	exited chan struct{} // closed once the agent has exited, with err
 	err    error
@@ -75,7 +76,8 @@ func startAgent(t *testing.T) *running {
 			t.Error("the agent did not exit when its channel ended")
 		}
 	})
-	a.c, err = NewClient(context.Background(), stdout, stdin)
+	a.stdout = stdout
+	a.c, err = NewClient(context.Background(), stdout, stdin, nil)
 	require.NoError(t, err)
 	require.Equal(t, cmd.Process.Pid, a.c.Hello().PID)
 	return a
@@ -110,6 +112,8 @@ func run(t *testing.T, a *running, shell, script string, o RunOptions) (Exit, st
 	o.Shell, o.Output, o.Notes = shell, &out, &notes
 	x, err := a.c.Run(context.Background(), []byte(script), o)
 	require.NoError(t, err)
+	require.Positive(t, x.Seq)
+	x.Seq = 0 // compared without it
 	return x, out.String(), notes.String()
 }
 
@@ -265,12 +269,13 @@ func TestCancel(t *testing.T) {
 			a := startAgent(t)
 			for _, tc := range []struct {
 				script string
+				grace  time.Duration
 				want   Exit
 				out    string
 			}{
 				// (the shell may report its killed sleep: "Terminated")
-				{"trap 'echo trapped; exit 7' TERM; echo ready; while :; do sleep 0.05; done", Exit{Code: 7, Cancelled: true}, "trapped\n"},
-				{"trap '' TERM; echo ready; while :; do sleep 0.05; done", Exit{Code: 137, Signal: "KILL", Cancelled: true}, ""},
+				{"trap 'echo trapped; exit 7' TERM; echo ready; while :; do sleep 0.05; done", 5 * time.Second, Exit{Code: 7, Cancelled: true}, "trapped\n"},
+				{"trap '' TERM; echo ready; while :; do sleep 0.05; done", 300 * time.Millisecond, Exit{Code: 137, Signal: "KILL", Cancelled: true}, ""},
 			} {
 				ctx, cancel := context.WithCancel(context.Background())
 				out := &readyWriter{ready: make(chan struct{})}
@@ -281,9 +286,10 @@ func TestCancel(t *testing.T) {
 					}
 					cancel()
 				}()
-				x, err := a.c.Run(ctx, []byte(tc.script), RunOptions{Shell: sh, Output: out, KillGrace: 300 * time.Millisecond, LeftoverGrace: 200 * time.Millisecond})
+				x, err := a.c.Run(ctx, []byte(tc.script), RunOptions{Shell: sh, Output: out, KillGrace: tc.grace, LeftoverGrace: 200 * time.Millisecond})
 				cancel()
 				require.NoError(t, err)
+				x.Seq = 0
 				require.Equal(t, tc.want, x, tc.script)
 				require.True(t, strings.HasPrefix(out.String(), "ready\n") && strings.HasSuffix(out.String(), tc.out), "%q", out.String())
 			}
@@ -359,10 +365,16 @@ func TestClientRefusesHostileAgent(t *testing.T) {
 			_, _ = w.Write(hdr[:])
 		},
 		"unknown frame":  func(w io.Writer) { _ = writeFrame(w, 'Z', nil) },
-		"exit 300":       func(w io.Writer) { _ = writeJSON(w, frameExit, Exit{Code: 300}) },
-		"exit not json":  func(w io.Writer) { _ = writeFrame(w, frameExit, []byte("{")) },
-		"hello again":    func(w io.Writer) { hello(w, Protocol) },
-		"channel closes": func(w io.Writer) {},
+		"oversized note": func(w io.Writer) { _ = writeFrame(w, frameNote, bytes.Repeat([]byte("n"), maxControl+1)) },
+		"oversized refusal": func(w io.Writer) {
+			_ = writeFrame(w, frameError, bytes.Repeat([]byte("e"), maxControl+1))
+		},
+		"another stage's exit":    func(w io.Writer) { _ = writeJSON(w, frameExit, Exit{Seq: 7}) },
+		"another stage's refusal": func(w io.Writer) { _ = writeJSON(w, frameError, Refusal{Seq: 7, Reason: "x"}) },
+		"exit 300":                func(w io.Writer) { _ = writeJSON(w, frameExit, Exit{Seq: 1, Code: 300}) },
+		"exit not json":           func(w io.Writer) { _ = writeFrame(w, frameExit, []byte("{")) },
+		"hello again":             func(w io.Writer) { hello(w, Protocol) },
+		"channel closes":          func(w io.Writer) {},
 	}
 	for name, send := range cases {
 		t.Run(name, func(t *testing.T) {
@@ -372,7 +384,7 @@ func TestClientRefusesHostileAgent(t *testing.T) {
 				send(agentOut)
 				_ = agentOut.Close()
 			}()
-			c, err := NewClient(context.Background(), fromAgent, io.Discard)
+			c, err := NewClient(context.Background(), fromAgent, io.Discard, nil)
 			require.NoError(t, err)
 			_, err = c.Run(context.Background(), []byte("true"), RunOptions{Shell: "sh"})
 			require.Error(t, err)
@@ -387,13 +399,13 @@ func TestClientRefusesHostileAgent(t *testing.T) {
 	}
 	fromAgent, agentOut := io.Pipe()
 	go hello(agentOut, Protocol+1)
-	_, err := NewClient(context.Background(), fromAgent, io.Discard)
+	_, err := NewClient(context.Background(), fromAgent, io.Discard, nil)
 	require.ErrorContains(t, err, fmt.Sprintf("the agent speaks protocol %d", Protocol+1))
 
 	silent, _ := io.Pipe()
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
-	_, err = NewClient(ctx, silent, io.Discard)
+	_, err = NewClient(ctx, silent, io.Discard, nil)
 	require.ErrorContains(t, err, "no hello")
 }
 
@@ -402,8 +414,111 @@ func TestClientRefusesHostileAgent(t *testing.T) {
 func TestUnknownShellRefused(t *testing.T) {
 	a := startAgent(t)
 	_, err := a.c.Run(context.Background(), []byte("true"), RunOptions{Shell: "/nonexistent/sh"})
-	require.ErrorContains(t, err, "the agent refused the stage: start /nonexistent/sh")
+	require.ErrorContains(t, err, `the agent refused the stage: "start /nonexistent/sh`)
 	x, out, _ := run(t, a, "/bin/sh", "echo fine", RunOptions{})
 	require.Equal(t, Exit{}, x)
 	require.Equal(t, "fine\n", out)
 }
+
+// A script that reads its own file ("$0") reads a copy of its own offset:
+// the rest of the script still runs (a pipe would have given the child
+// the unread tail). Bigger than a frame and a pipe's buffer.
+func TestScriptReadingItselfRunsWhole(t *testing.T) {
+	for name, sh := range shells(t) {
+		t.Run(name, func(t *testing.T) {
+			a := startAgent(t)
+			script := "wc -c < \"$0\" > /dev/null; cat \"$0\" > /dev/null\n" + strings.Repeat("# padding\n", 10000) + "echo TAIL-RAN; exit 3\n"
+			x, out, _ := run(t, a, sh, script, RunOptions{})
+			require.Equal(t, Exit{Code: 3}, x)
+			require.Equal(t, "TAIL-RAN\n", out)
+		})
+	}
+}
+
+// As under the wrapper (an asynchronous command of a non-interactive
+// shell), a script starts with SIGINT and SIGQUIT ignored.
+func TestScriptIgnoresINTAndQUITAsUnderTheWrapper(t *testing.T) {
+	a := startAgent(t)
+	x, out, _ := run(t, a, "bash", "kill -INT $$; kill -QUIT $$; echo survived", RunOptions{})
+	require.Equal(t, Exit{}, x)
+	require.Equal(t, "survived\n", out)
+}
+
+// The agent's stdout closed mid-stage (sshd closing the channel): the
+// agent does not die of SIGPIPE leaving the stage behind; it stops the
+// stage's group and exits.
+func TestOutputClosedMidStage(t *testing.T) {
+	dir := t.TempDir()
+	a := startAgent(t)
+	pids := filepath.Join(dir, "pids")
+	out := &readyWriter{ready: make(chan struct{})}
+	go func() {
+		_, _ = a.c.Run(context.Background(), []byte(fmt.Sprintf("sleep 1000 & echo $! > %s; echo $$ >> %s; echo ready; while :; do echo tick; sleep 0.01; done", pids, pids)),
+			RunOptions{Shell: "/bin/sh", Output: out})
+	}()
+	select {
+	case <-out.ready:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the stage did not start")
+	}
+	require.NoError(t, a.stdout.Close())
+	select {
+	case <-a.exited:
+		var ee *exec.ExitError
+		if errors.As(a.err, &ee) {
+			require.False(t, ee.Sys().(syscall.WaitStatus).Signaled(), "the agent died of a signal: %v", a.err)
+		}
+	case <-time.After(15 * time.Second):
+		t.Fatal("the agent did not exit")
+	}
+	for _, pid := range pidsIn(t, pids) {
+		require.True(t, gone(pid), "process %d outlived the channel", pid)
+	}
+}
+
+// The host's side keeps its bounds against an agent that stops answering:
+// a cancel it ignores is given up on after the graces and the slack, and
+// a cancel during an upload the agent does not read gives the channel up
+// at once; either way the channel is closed.
+func TestClientGivesUpOnSilentAgent(t *testing.T) {
+	newAgent := func(t *testing.T, read bool) (*Client, chan struct{}) {
+		fromAgent, agentOut := io.Pipe()
+		toAgentR, toAgent := io.Pipe()
+		closed := make(chan struct{})
+		var once sync.Once
+		go func() { _ = writeJSON(agentOut, frameHello, Hello{Protocol: Protocol}) }()
+		if read {
+			go func() { _, _ = io.Copy(io.Discard, toAgentR) }()
+		}
+		c, err := NewClient(context.Background(), fromAgent, toAgent, closerFunc(func() error {
+			once.Do(func() { close(closed); _ = toAgentR.Close(); _ = agentOut.Close() })
+			return nil
+		}))
+		require.NoError(t, err)
+		return c, closed
+	}
+
+	c, closed := newAgent(t, true)
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	t0 := time.Now()
+	_, err := c.Run(ctx, []byte("sleep 100"), RunOptions{Shell: "sh", KillGrace: 10 * time.Millisecond, LeftoverGrace: 10 * time.Millisecond, DrainGrace: 10 * time.Millisecond})
+	require.ErrorIs(t, err, ErrGone)
+	require.ErrorContains(t, err, "did not end the cancelled stage in time")
+	require.Less(t, time.Since(t0), stopSlack+3*time.Second)
+	<-closed
+
+	c, closed = newAgent(t, false)
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 100*time.Millisecond)
+	defer cancel2()
+	t0 = time.Now()
+	_, err = c.Run(ctx2, bytes.Repeat([]byte("x"), 1<<20), RunOptions{Shell: "sh"})
+	require.ErrorIs(t, err, ErrGone)
+	require.ErrorContains(t, err, "cancelled while the script was sent")
+	require.Less(t, time.Since(t0), 3*time.Second)
+	<-closed
+}
+
+type closerFunc func() error
+
+func (f closerFunc) Close() error { return f() }

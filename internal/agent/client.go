@@ -13,10 +13,12 @@ import (
 // Client is the host's side of one agent: stages one at a time.
 type Client struct {
 	w      io.Writer
+	closer io.Closer // the channel, closed when the client gives up on it
 	frames chan inFrame
 	hello  Hello
 
 	mu  sync.Mutex // one stage at a time
+	seq int        // the last stage's Start.Seq
 	err error      // the channel's end, once seen
 }
 
@@ -28,9 +30,12 @@ var ErrGone = errors.New("the agent's channel ended")
 const helloTimeout = 10 * time.Second
 
 // NewClient reads the agent's Hello from r (within ctx and 10 s) and
-// returns the client that sends requests on w.
-func NewClient(ctx context.Context, r io.Reader, w io.Writer) (*Client, error) {
-	c := &Client{w: w, frames: make(chan inFrame, 16)}
+// returns the client that sends requests on w. closer (nil: none) ends
+// the channel: the client closes it when it gives up on the agent (a
+// protocol error, a cancel it could not deliver), so that the agent, seeing
+// its channel end, stops what it runs.
+func NewClient(ctx context.Context, r io.Reader, w io.Writer, closer io.Closer) (*Client, error) {
+	c := &Client{w: w, closer: closer, frames: make(chan inFrame, 16)}
 	go func() {
 		for {
 			typ, b, err := readFrame(r, hostLimit)
@@ -95,17 +100,33 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 	if len(script) > MaxScript {
 		return Exit{}, fmt.Errorf("a script of %d bytes: at most %d", len(script), MaxScript)
 	}
-	out, notes := orDiscard(o.Output), orDiscard(o.Notes)
-	if err := writeJSON(c.w, frameStart, Start{Shell: o.Shell, ScriptSize: len(script),
-		LeftoverGraceMS: int(o.LeftoverGrace.Milliseconds()), DrainGraceMS: int(o.DrainGrace.Milliseconds())}); err != nil {
-		return Exit{}, c.gone(err)
+	if err := ctx.Err(); err != nil {
+		return Exit{}, fmt.Errorf("stage not started: %w", context.Cause(ctx))
 	}
-	for rest := script; len(rest) > 0; {
-		n := min(len(rest), maxChunk)
-		if err := writeFrame(c.w, frameScript, rest[:n]); err != nil {
+	out, notes := orDiscard(o.Output), orDiscard(o.Notes)
+	c.seq++
+	seq := c.seq
+	// The upload may block (an agent that stopped reading fills the
+	// channel's window): a cancel must still end the stage, and half a
+	// script never runs, so a cancel during it gives the channel up.
+	uploaded := make(chan error, 1)
+	go func() {
+		err := writeJSON(c.w, frameStart, Start{Seq: seq, Shell: o.Shell, ScriptSize: len(script),
+			LeftoverGraceMS: int(o.LeftoverGrace.Milliseconds()), DrainGraceMS: int(o.DrainGrace.Milliseconds())})
+		for rest := script; err == nil && len(rest) > 0; {
+			n := min(len(rest), maxChunk)
+			err = writeFrame(c.w, frameScript, rest[:n])
+			rest = rest[n:]
+		}
+		uploaded <- err
+	}()
+	select {
+	case err := <-uploaded:
+		if err != nil {
 			return Exit{}, c.gone(err)
 		}
-		rest = rest[n:]
+	case <-ctx.Done():
+		return Exit{}, c.gone(fmt.Errorf("%w: cancelled while the script was sent (%v): the channel is given up", ErrGone, context.Cause(ctx)))
 	}
 	done := ctx.Done()
 	var giveUp <-chan time.Time
@@ -121,7 +142,11 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 			case frameNote:
 				_, _ = fmt.Fprintf(notes, "%s\n", f.payload)
 			case frameError:
-				return Exit{}, fmt.Errorf("the agent refused the stage: %s", f.payload)
+				var r Refusal
+				if err := json.Unmarshal(f.payload, &r); err != nil || r.Seq != seq {
+					return Exit{}, c.gone(fmt.Errorf("%w: a refusal of stage %d (this is %d): %q", ErrProtocol, r.Seq, seq, cut(string(f.payload), 200)))
+				}
+				return Exit{}, fmt.Errorf("the agent refused the stage: %q", cut(r.Reason, 500))
 			case frameExit:
 				var x Exit
 				if err := json.Unmarshal(f.payload, &x); err != nil {
@@ -129,6 +154,9 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 				}
 				if x.Code < 0 || x.Code > 255 {
 					return Exit{}, c.gone(fmt.Errorf("%w: exit status %d", ErrProtocol, x.Code))
+				}
+				if x.Seq != seq {
+					return Exit{}, c.gone(fmt.Errorf("%w: the exit of stage %d (this is %d)", ErrProtocol, x.Seq, seq))
 				}
 				return x, nil
 			default:
@@ -143,15 +171,26 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 			if err := writeJSON(c.w, frameCancel, Cancel{GraceMS: int(grace.Milliseconds())}); err != nil {
 				return Exit{}, c.gone(err)
 			}
-			giveUp = time.After(grace + max(o.LeftoverGrace, 2*time.Second) + max(o.DrainGrace, time.Second) + stopSlack)
+			giveUp = time.After(grace + orDefault(o.LeftoverGrace, defaultLeftoverGraceHost) + orDefault(o.DrainGrace, defaultDrainGraceHost) + stopSlack)
 		case <-giveUp:
 			return Exit{}, c.gone(fmt.Errorf("%w: the agent did not end the cancelled stage in time", ErrGone))
 		}
 	}
 }
 
-// defaultCancelGrace is the agent's default, for the host's own deadline.
-const defaultCancelGrace = 5 * time.Second
+// The agent's defaults, for the host's own deadline.
+const (
+	defaultCancelGrace       = 5 * time.Second
+	defaultLeftoverGraceHost = 2 * time.Second
+	defaultDrainGraceHost    = time.Second
+)
+
+func orDefault(d, def time.Duration) time.Duration {
+	if d <= 0 {
+		return def
+	}
+	return d
+}
 
 // gone records the channel's end, or the agent breaking the protocol:
 // every later Run fails at once with the same error.
@@ -160,7 +199,18 @@ func (c *Client) gone(err error) error {
 		err = fmt.Errorf("%w: %v", ErrGone, err)
 	}
 	c.err = err
+	if c.closer != nil {
+		_ = c.closer.Close()
+	}
 	return err
+}
+
+// Close ends the channel (the agent stops a stage it runs and exits).
+func (c *Client) Close() error {
+	if c.closer == nil {
+		return nil
+	}
+	return c.closer.Close()
 }
 
 func orDiscard(w io.Writer) io.Writer {

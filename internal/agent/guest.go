@@ -3,16 +3,21 @@
 package agent
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"os"
 	"os/exec"
+	"os/signal"
 	"strconv"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
+
+	"golang.org/x/sys/unix"
 )
 
 // Defaults of a Start or Cancel that leaves a grace out, and of a stage
@@ -25,14 +30,24 @@ const (
 
 // server is the agent's side: one stage at a time.
 type server struct {
-	mu  sync.Mutex // one frame at a time on out
-	out io.Writer
+	mu     sync.Mutex // one frame at a time on out
+	out    io.Writer
+	failed bool
+	broken chan struct{} // closed when a write to out failed: the channel is gone
 }
 
+// send writes a frame; once a write failed (the channel is gone) nothing
+// more is written and broken is closed.
 func (s *server) send(typ byte, payload []byte) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	_ = writeFrame(s.out, typ, payload) // a channel that is gone: the reader's end decides
+	if s.failed {
+		return
+	}
+	if err := writeFrame(s.out, typ, payload); err != nil {
+		s.failed = true
+		close(s.broken)
+	}
 }
 
 func (s *server) sendJSON(typ byte, v any) {
@@ -58,7 +73,15 @@ type inFrame struct {
 // protocol error otherwise (after stopping the stage).
 func Serve(in io.Reader, out io.Writer, version string) error {
 	keepInherited()
-	s := &server{out: out}
+	// A write to a closed channel (sshd closed the agent's stdout) is an
+	// error to handle, not the SIGPIPE that would end the agent before it
+	// stops the stage. Handled, not ignored: the scripts get the default.
+	signal.Notify(make(chan os.Signal, 1), syscall.SIGPIPE)
+	// As the wrapper's "setsid shell &" (an asynchronous command of a
+	// non-interactive shell), the scripts start with SIGINT and SIGQUIT
+	// ignored: ignored dispositions are inherited across exec.
+	signal.Ignore(syscall.SIGINT, syscall.SIGQUIT)
+	s := &server{out: out, broken: make(chan struct{})}
 	s.sendJSON(frameHello, Hello{Protocol: Protocol, Version: version, PID: os.Getpid()})
 	frames := make(chan inFrame)
 	go func() {
@@ -109,13 +132,19 @@ func Serve(in io.Reader, out io.Writer, version string) error {
 		}
 		stage, err := s.start(st, script)
 		if err != nil {
-			s.send(frameError, []byte(cut(err.Error(), maxControl)))
+			s.sendJSON(frameError, Refusal{Seq: st.Seq, Reason: cut(err.Error(), 1000)})
 			continue
 		}
 		// Until it ends: a cancel, or the channel's end, stops it.
 		var gone error
+		broken := s.broken
 		for stage.running() {
 			select {
+			case <-broken:
+				broken = nil
+				gone = errors.New("the channel is gone (a write failed)")
+				stage.cancel(defaultKillGrace)
+				stage.wait()
 			case f = <-frames:
 				switch {
 				case f.err != nil:
@@ -134,6 +163,7 @@ func Serve(in io.Reader, out io.Writer, version string) error {
 			case <-stage.done:
 			}
 		}
+		stage.exit.Seq = st.Seq
 		s.sendJSON(frameExit, stage.exit)
 		if gone != nil {
 			return end(gone)
@@ -161,13 +191,6 @@ func ms(n int, def time.Duration) time.Duration {
 		return def
 	}
 	return time.Duration(n) * time.Millisecond
-}
-
-func cut(s string, n int) string {
-	if len(s) > n {
-		return s[:n]
-	}
-	return s
 }
 
 // stage is one running script.
@@ -215,44 +238,46 @@ func (st *stage) cancel(grace time.Duration) {
 }
 
 // start starts the script's shell in a session of its own: stdin closed,
-// stdout and stderr one pipe, the script on a pipe the shell opens by
-// name through /proc (so that nothing the script starts inherits it).
+// stdout and stderr one pipe, the script in a sealed memory file (memfd;
+// a pipe on kernels without it) that the shell opens by name through
+// /proc, so that nothing the script starts inherits it, and a child that
+// reads "$0" gets a file of its own offset, not the rest of the script.
 func (s *server) start(req Start, script []byte) (*stage, error) {
 	if req.Shell == "" {
 		return nil, errors.New("no shell named")
 	}
-	scriptR, scriptW, err := os.Pipe() // close-on-exec: the shell opens it by name
+	src, err := scriptFile(script)
 	if err != nil {
 		return nil, err
+	}
+	path := "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(int(src.Fd()))
+	if _, err := os.Stat(path); err != nil {
+		// No /proc here: the shell could not open the script, and that
+		// would look like the script's failure.
+		src.Close()
+		return nil, fmt.Errorf("the script cannot be passed through /proc (is it mounted?): %w", err)
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
-		scriptR.Close()
-		scriptW.Close()
+		src.Close()
 		return nil, err
 	}
-	path := "/proc/" + strconv.Itoa(os.Getpid()) + "/fd/" + strconv.Itoa(int(scriptR.Fd()))
 	cmd := exec.Command(req.Shell, path)
 	cmd.Stdout, cmd.Stderr = outW, outW // stdin: nil is /dev/null
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
 	if err := cmd.Start(); err != nil {
-		for _, f := range []*os.File{scriptR, scriptW, outR, outW} {
+		for _, f := range []*os.File{src, outR, outW} {
 			f.Close()
 		}
 		return nil, fmt.Errorf("start %s: %w", req.Shell, err)
 	}
 	outW.Close()
 	st := &stage{s: s, cmd: cmd, pgid: cmd.Process.Pid, done: make(chan struct{}), shellDone: make(chan struct{})}
-	go func() {
-		// A shell that ends before reading it all gets EPIPE here.
-		_, _ = scriptW.Write(script)
-		scriptW.Close()
-	}()
 	relay := newRelay(s, outR)
 	go func() {
 		err := cmd.Wait()
 		close(st.shellDone)
-		scriptR.Close()
+		src.Close()
 		st.mu.Lock()
 		if st.killTimer != nil {
 			st.killTimer.Stop()
@@ -269,6 +294,39 @@ func (s *server) start(req Start, script []byte) (*stage, error) {
 		close(st.done)
 	}()
 	return st, nil
+}
+
+// scriptFile is the script in a sealed memory file read from its start,
+// or, where the kernel has no memfd, the read end of a pipe it is being
+// written into.
+func scriptFile(script []byte) (*os.File, error) {
+	fd, err := unix.MemfdCreate("lve-script", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		r, w, perr := os.Pipe()
+		if perr != nil {
+			return nil, perr
+		}
+		go func() {
+			// A shell that ends before reading it all gets EPIPE here.
+			_, _ = w.Write(script)
+			w.Close()
+		}()
+		return r, nil
+	}
+	f := os.NewFile(uintptr(fd), "lve-script")
+	if _, err := f.Write(script); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("write the script into memory: %w", err)
+	}
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_SEAL|unix.F_SEAL_SHRINK|unix.F_SEAL_GROW|unix.F_SEAL_WRITE); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("seal the script: %w", err)
+	}
+	if _, err := f.Seek(0, io.SeekStart); err != nil {
+		f.Close()
+		return nil, err
+	}
+	return f, nil
 }
 
 // exitOf is the exit status the way a shell's wait reports it.
@@ -306,14 +364,45 @@ func (st *stage) stopLeftovers(grace time.Duration) {
 	st.s.note("libvirt-executor: the script has ended; stopping the processes it left running")
 	deadline := time.Now().Add(grace)
 	for time.Now().Before(deadline) {
-		if syscall.Kill(-st.pgid, 0) != nil {
+		if !groupAlive(st.pgid) {
 			return
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
-	if syscall.Kill(-st.pgid, syscall.SIGKILL) == nil {
+	if groupAlive(st.pgid) && syscall.Kill(-st.pgid, syscall.SIGKILL) == nil {
 		st.s.note("libvirt-executor: they ignored SIGTERM for %s: killed", grace)
 	}
+}
+
+// groupAlive reports whether process group pgid has a member that is not
+// a zombie (a guest whose init does not reap keeps zombies in the group).
+func groupAlive(pgid int) bool {
+	if syscall.Kill(-pgid, 0) != nil {
+		return false
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		return true // cannot tell: as kill says
+	}
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		b, err := os.ReadFile("/proc/" + e.Name() + "/stat")
+		if err != nil {
+			continue
+		}
+		// pid (comm) state ppid pgrp ...: comm may hold anything but ')'
+		i := bytes.LastIndexByte(b, ')')
+		if i < 0 {
+			continue
+		}
+		f := strings.Fields(string(b[i+1:]))
+		if len(f) > 2 && f[0] != "Z" && f[2] == strconv.Itoa(pgid) {
+			return true
+		}
+	}
+	return false
 }
 
 // relay copies the stage's output into output frames until the pipe's
@@ -324,7 +413,8 @@ type relay struct {
 	eof     chan struct{}
 	mu      sync.Mutex
 	drop    bool
-	dropped bool // some output was dropped
+	dropped bool          // some output was dropped
+	sending time.Duration // time spent handing output to the host (its backpressure)
 }
 
 func newRelay(s *server, r *os.File) *relay {
@@ -340,7 +430,9 @@ func newRelay(s *server, r *os.File) *relay {
 				if rl.drop {
 					rl.dropped = true
 				} else {
+					t0 := time.Now()
 					rl.s.send(frameOutput, buf[:n])
+					rl.sending += time.Since(t0)
 				}
 				rl.mu.Unlock()
 			}
@@ -352,17 +444,32 @@ func newRelay(s *server, r *os.File) *relay {
 	return rl
 }
 
-// drain waits up to grace for the output's end; false: it did not come,
-// and from now on the output is dropped.
+// drain waits for the output's end for grace, not counting the time the
+// host took to take the output (a slow host is no detached writer); false:
+// it did not come, and from now on the output is dropped.
 func (rl *relay) drain(grace time.Duration) bool {
-	select {
-	case <-rl.eof:
-		return true
-	case <-time.After(grace):
-	}
+	start := time.Now()
 	rl.mu.Lock()
-	rl.drop = true
+	sent0 := rl.sending
 	rl.mu.Unlock()
+	tick := time.NewTicker(20 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-rl.eof:
+			return true
+		case <-tick.C:
+		}
+		rl.mu.Lock()
+		waited := time.Since(start) - (rl.sending - sent0)
+		if waited >= grace {
+			rl.drop = true
+		}
+		rl.mu.Unlock()
+		if waited >= grace {
+			break
+		}
+	}
 	select {
 	case <-rl.eof: // it came meanwhile
 		rl.mu.Lock()

@@ -52,7 +52,7 @@ const (
 	frameOutput byte = 'O' // the script's output (stdout and stderr, merged in order)
 	frameNote   byte = 'N' // one line of the agent's own (what it did and why)
 	frameExit   byte = 'X' // Exit (JSON), a stage's last frame
-	frameError  byte = 'E' // a request refused (text); the stage did not run
+	frameError  byte = 'E' // Refusal (JSON): the stage did not run
 )
 
 // Bounds of what either side accepts.
@@ -77,6 +77,9 @@ type Hello struct {
 // agent's PATH) runs the script, which follows in script frames,
 // ScriptSize bytes in all.
 type Start struct {
+	// Seq numbers the stages of one agent (1, 2, ...); the stage's exit
+	// or refusal carries it back.
+	Seq        int    `json:"seq"`
 	Shell      string `json:"shell"`
 	ScriptSize int    `json:"script_size"`
 	// LeftoverGraceMS is how long what the script left in its group gets
@@ -93,8 +96,16 @@ type Cancel struct {
 	GraceMS int `json:"grace_ms"`
 }
 
+// Refusal is a stage the agent did not run (its shell could not start).
+type Refusal struct {
+	Seq    int    `json:"seq"`
+	Reason string `json:"reason"`
+}
+
 // Exit ends a stage.
 type Exit struct {
+	// Seq is the stage's (Start.Seq).
+	Seq int `json:"seq"`
 	// Code is the shell's exit status, 128+N if signal N killed it.
 	Code int `json:"code"`
 	// Signal is the signal's name when one killed the shell.
@@ -174,4 +185,12 @@ func agentLimit(typ byte) int {
 		return maxControl
 	}
 	return -1
+}
+
+// cut is s, at most n bytes of it.
+func cut(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
 }

@@ -50,7 +50,7 @@ func (c *Client) StartAgent(ctx context.Context, command string) (*AgentSession,
 	a := &AgentSession{ch: ch, stderr: &lockedCapped{c: capped{limit: 4 << 10}}}
 	stderrDone := make(chan struct{})
 	go func() { _, _ = io.Copy(a.stderr, ch.Stderr()); close(stderrDone) }()
-	if a.Client, err = agent.NewClient(ctx, ch, ch); err != nil {
+	if a.Client, err = agent.NewClient(ctx, ch, ch, ch); err != nil {
 		if c.Dead() != nil {
 			_ = ch.Close()
 			return nil, c.lost(err)

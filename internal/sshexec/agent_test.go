@@ -78,18 +78,16 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 	require.NoError(t, err)
 	defer a.Close()
 	var out sshtest.Buffer
-	ready := make(chan struct{})
-	go func() {
-		for !strings.Contains(out.String(), "ready") {
-			time.Sleep(10 * time.Millisecond)
-		}
-		close(ready)
-	}()
+	pidfile := filepath.Join(t.TempDir(), "script.pid")
 	result := make(chan error, 1)
 	go func() {
-		result <- c.Run(context.Background(), []byte("echo ready; sleep 30; exit 3"), RunOptions{Shell: "bash", Stdout: &out, Agent: a})
+		result <- c.Run(context.Background(), []byte("echo $$ > "+pidfile+"; echo ready; sleep 30; exit 3"), RunOptions{Shell: "bash", Stdout: &out, Agent: a})
 	}()
-	<-ready
+	require.Eventually(t, func() bool { return strings.Contains(out.String(), "ready") }, 10*time.Second, 10*time.Millisecond)
+	// A SIGKILLed agent cannot stop its stage: it lives on (until the VM
+	// goes, in a guest); here the test ends it.
+	script := mustAtoi(t, readPid(t, pidfile))
+	t.Cleanup(func() { _ = syscall.Kill(-script, syscall.SIGKILL) })
 	require.NoError(t, syscall.Kill(a.Hello().PID, syscall.SIGKILL))
 	err = <-result
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
