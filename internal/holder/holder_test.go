@@ -34,7 +34,19 @@ type rig struct {
 	firstGone chan struct{}
 }
 
+// agentEnv names the agent binary every holder of this test binary
+// starts in its guest (TestHolderTestsThroughTheAgent sets it for the run
+// it starts).
+const agentEnv = "LVE_HOLDER_TEST_AGENT"
+
 func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
+	t.Helper()
+	return startHolderWith(t, tune, "")
+}
+
+// startHolderWith is startHolder whose holder starts the agent with
+// agentCommand ("": as agentEnv says).
+func startHolderWith(t *testing.T, tune func(*sshexec.Target), agentCommand string) *rig {
 	t.Helper()
 	r := &rig{ts: sshtest.Start(t), done: make(chan error, 1), firstGone: make(chan struct{})}
 	r.alive.Store(true)
@@ -58,8 +70,14 @@ func startHolder(t *testing.T, tune func(*sshexec.Target)) *rig {
 			}
 			return c, err
 		},
-		Alive:      r.alive.Load,
-		CheckEvery: 50 * time.Millisecond,
+		Alive:        r.alive.Load,
+		CheckEvery:   50 * time.Millisecond,
+		AgentCommand: agentCommand,
+	}
+	if agentCommand == "" {
+		if bin := os.Getenv(agentEnv); bin != "" {
+			s.AgentCommand = "exec " + sshexec.ShellQuote(bin)
+		}
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	r.cancel = cancel

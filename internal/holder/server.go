@@ -32,6 +32,13 @@ type Server struct {
 	Log *slog.Logger
 	// CheckEvery is how often Alive is asked. Default 1s.
 	CheckEvery time.Duration
+	// AgentCommand, when set, starts the job's agent in the guest on
+	// every connection the holder makes (a fixed command of the host's:
+	// the agent's path on the guest tools disk, never job input): the
+	// stages then go through it, one fork in the guest each, instead of
+	// a session and the wrapper. A guest without it keeps the wrapper,
+	// and the next stage says so once.
+	AgentCommand string
 
 	mu      sync.Mutex
 	redial  sync.Mutex    // one reconnection at a time
@@ -39,6 +46,10 @@ type Server struct {
 	client  *sshexec.Client
 	dialErr error
 	broken  chan struct{} // closed when client's connection ended
+	// agent is client's agent (nil: none, or it ended); agentNote is what
+	// the next stage tells the job log about it ("" once told).
+	agent     *sshexec.AgentSession
+	agentNote string
 }
 
 // Serve dials the guest and serves stages on ln until ctx ends, the
@@ -125,10 +136,23 @@ func (s *Server) watch(ctx context.Context, cancel context.CancelFunc) {
 	}
 }
 
-// connect (re)makes the connection.
+// connect (re)makes the connection, and starts the guest's agent on it
+// (AgentCommand).
 func (s *Server) connect(ctx context.Context) {
 	t0 := time.Now()
 	c, err := s.Dial(ctx)
+	var a *sshexec.AgentSession
+	note := ""
+	if err == nil && s.AgentCommand != "" {
+		t1 := time.Now()
+		var aerr error
+		if a, aerr = c.StartAgent(ctx, s.AgentCommand); aerr != nil {
+			s.Log.Warn("the guest's agent did not start: stages use the wrapper", "err", aerr)
+			note = fmt.Sprintf("libvirt-executor: the guest has no agent (%v): stages run through the wrapper (a session and a few processes each)", aerr)
+		} else {
+			s.Log.Info("the guest's agent started", "took", time.Since(t1), "version", fmt.Sprintf("%q", a.Hello().Version))
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.client, s.dialErr = c, err
@@ -137,6 +161,7 @@ func (s *Server) connect(ctx context.Context) {
 		return
 	}
 	s.Log.Info("connected to the guest", "took", time.Since(t0))
+	s.agent, s.agentNote = a, note
 	s.broken = make(chan struct{})
 	broken := s.broken
 	go func() {
@@ -260,10 +285,17 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	}
 	t0 := time.Now()
 	var span time.Duration
+	a, note := s.agentFor(c)
+	if note != "" {
+		_ = out.frame(frameStderr, []byte(note+"\n"))
+	}
 	err = c.Run(sctx, req.Script, sshexec.RunOptions{
 		Shell: req.Shell, Tag: req.Tag, KillGrace: req.KillGrace,
-		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr), Span: &span,
+		Stdout: out.stream(frameStdout), Stderr: out.stream(frameStderr), Span: &span, Agent: a,
 	})
+	if errors.Is(err, sshexec.ErrAgentGone) {
+		s.agentGone(a, err)
+	}
 	awaitLost(ctx, err, ended)
 	res = resultOf(err)
 	res.SpanNs = int64(span)
@@ -271,6 +303,33 @@ func (s *Server) serve(ctx context.Context, conn net.Conn) {
 	if err := out.result(res); err != nil && sctx.Err() == nil {
 		s.Log.Warn("the stage did not receive its result", "err", err)
 	}
+}
+
+// agentFor is the agent of connection c (nil: the wrapper), and the
+// note for the job log about it, once.
+func (s *Server) agentFor(c *sshexec.Client) (*sshexec.AgentSession, string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.client != c {
+		return nil, ""
+	}
+	note := s.agentNote
+	s.agentNote = ""
+	return s.agent, note
+}
+
+// agentGone: agent a ended while its connection lived on; the stages
+// after it use the wrapper, and the next one says so.
+func (s *Server) agentGone(a *sshexec.AgentSession, err error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.agent != a {
+		return
+	}
+	_ = a.Close()
+	s.agent = nil
+	s.agentNote = "libvirt-executor: the guest's agent ended during the previous stage: the stages after it run through the wrapper"
+	s.Log.Warn("the guest's agent ended; stages use the wrapper", "err", err)
 }
 
 // serveStream runs one stream: a fixed command whose stdin comes in

@@ -68,6 +68,36 @@ func (c *Client) StartAgent(ctx context.Context, command string) (*AgentSession,
 	return a, nil
 }
 
+// ErrAgentGone is a stage whose agent ended (or broke its protocol) while
+// the connection lived on: a system failure; the connection can still run
+// stages through the wrapper.
+var ErrAgentGone = errors.New("the guest's agent ended mid-stage")
+
+// agentGoneNotice bounds the wait, after the agent's channel ended, for
+// the connection's own end (a dropped connection ends both at once).
+const agentGoneNotice = 500 * time.Millisecond
+
+// connectionEnded reports whether the connection has ended, or ends
+// within d.
+func (c *Client) connectionEnded(d time.Duration) bool {
+	if c.Dead() != nil {
+		return true
+	}
+	select {
+	case <-c.ended:
+		return true
+	case <-time.After(d):
+		return false
+	}
+}
+
+func cut(s string, n int) string {
+	if len(s) > n {
+		return s[:n]
+	}
+	return s
+}
+
 // Close ends the agent's session.
 func (a *AgentSession) Close() error { return a.ch.Close() }
 
@@ -86,10 +116,15 @@ func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) er
 	}
 	switch {
 	case err != nil && (errors.Is(err, agent.ErrGone) || c.Dead() != nil):
-		if said := strings.TrimSpace(o.Agent.stderr.String()); said != "" && c.Dead() == nil {
-			err = fmt.Errorf("%w (the agent said: %s)", err, said)
+		if c.connectionEnded(agentGoneNotice) {
+			return c.lost(err)
 		}
-		return c.lost(err)
+		// The connection lives on: the agent alone is gone (killed, or
+		// it broke the protocol). The stage's result is unknown.
+		if said := strings.TrimSpace(o.Agent.stderr.String()); said != "" {
+			err = fmt.Errorf("%w (the agent said: %q)", err, cut(said, 500))
+		}
+		return exitcodes.System(fmt.Errorf("%w: %w", ErrAgentGone, err))
 	case err != nil:
 		return exitcodes.System(err)
 	case x.Cancelled || ctx.Err() != nil:

@@ -61,8 +61,8 @@ func TestWrapperTestsThroughTheAgent(t *testing.T) {
 // The agent's failures are the infrastructure's: a guest without the
 // agent (its path not there) is ErrNoAgent, naming what the guest said;
 // the agent killed mid-stage, or its session cut, is a lost connection,
-// never the script's class; the connection keeps working for the
-// wrapper.
+// never the script's class (ErrAgentGone: the connection lives); the
+// connection keeps working for the wrapper.
 func TestAgentFailuresAreSystemFailures(t *testing.T) {
 	bin := buildAgent(t)
 	ts := sshtest.Start(t)
@@ -91,7 +91,8 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 	require.NoError(t, syscall.Kill(a.Hello().PID, syscall.SIGKILL))
 	err = <-result
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
-	require.ErrorIs(t, err, ErrConnectionLost)
+	require.ErrorIs(t, err, ErrAgentGone, "the connection lives: the agent alone is gone")
+	require.NotErrorIs(t, err, ErrConnectionLost)
 	_, err = a.Run(context.Background(), []byte("true"), agent.RunOptions{Shell: "bash"})
 	require.Error(t, err, "a dead agent runs nothing more")
 

@@ -101,6 +101,8 @@ type Client struct {
 	c    *ssh.Client
 	once sync.Once
 	done chan struct{}
+	// ended is closed once the connection has ended, for whatever reason.
+	ended chan struct{}
 
 	mu      sync.Mutex
 	deadErr error
@@ -144,7 +146,8 @@ func dialWith(ctx context.Context, t Target, connectTimeout time.Duration) (*Cli
 		return nil, err
 	}
 	_ = conn.SetDeadline(time.Time{})
-	c := &Client{c: ssh.NewClient(sc, chans, reqs), done: make(chan struct{})}
+	c := &Client{c: ssh.NewClient(sc, chans, reqs), done: make(chan struct{}), ended: make(chan struct{})}
+	go func() { _ = c.c.Wait(); close(c.ended) }()
 	interval, count := t.KeepaliveInterval, t.KeepaliveCount
 	if interval <= 0 {
 		interval = 5 * time.Second
