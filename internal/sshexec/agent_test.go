@@ -76,7 +76,7 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 
 	a, err := c.StartAgent(context.Background(), "exec "+ShellQuote(bin))
 	require.NoError(t, err)
-	defer a.Close()
+	defer func() { _ = a.Close() }()
 	var out sshtest.Buffer
 	pidfile := filepath.Join(t.TempDir(), "script.pid")
 	result := make(chan error, 1)
@@ -126,7 +126,7 @@ func BenchmarkNoopStage(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
-	defer a.Close()
+	defer func() { _ = a.Close() }()
 	for _, mode := range []struct {
 		name  string
 		agent *AgentSession
