@@ -93,7 +93,7 @@ test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; i
 SOAK_ROUNDS ?= 1
 SOAK_JOBS ?= 1000
 SOAK_AT_ONCE ?= 3
-soak: deps build ## a thousand faulted jobs on real VMs, unattended (root; installs what it needs; not in CI; SOAK_ROUNDS=1 rounds of the fault suite, whose TestFaultRandomJobs runs SOAK_JOBS=1000 jobs, SOAK_AT_ONCE=3 at a time, each faulted once at random: about 1 h 55 min on 2 cores (TCG); cumulative figures every 25 jobs and after every round, and in $(BIN)/soak-figures.json)
+soak: deps build ## a thousand faulted jobs on real VMs, unattended (root; installs what it needs; not in CI; SOAK_ROUNDS=1 rounds of the fault suite, whose TestFaultRandomJobs runs SOAK_JOBS=1000 jobs, SOAK_AT_ONCE=3 at a time, each faulted once at random: 1 h 34 min to 1 h 53 min on 2 cores (TCG), from a bare machine; cumulative figures every 25 jobs and after every round, and in $(BIN)/soak-figures.json)
 	@deploy/rig/start.sh
 	@set -o pipefail; rc=0; rm -f $(BIN)/soak-figures.json; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 \
