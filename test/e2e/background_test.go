@@ -24,9 +24,12 @@ const stageBound = 20 * time.Second
 // later stages (it dies with the VM); a backgrounded service serves the rest
 // of its own stage.
 // changed is a shell condition: the file's content changes (to something
-// not empty) within 10 s.
+// not empty) within 10 s. The file may not exist yet (the background loop
+// that writes it may not have run): a failed read is an empty content, not
+// the end of the job's script (which runs with errexit).
 func changed(file string) string {
-	return `a=$(cat ` + file + `); b=$a; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do sleep 0.5; b=$(cat ` + file + `); [ -n "$b" ] && [ "$a" != "$b" ] && break; done; [ -n "$b" ] && [ "$a" != "$b" ]`
+	read := `$(cat ` + file + ` 2>/dev/null || true)`
+	return `a=` + read + `; b=$a; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do sleep 0.5; b=` + read + `; [ -n "$b" ] && [ "$a" != "$b" ] && break; done; [ -n "$b" ] && [ "$a" != "$b" ]`
 }
 
 func TestBackgroundProcessesEndWithTheirStage(t *testing.T) {
