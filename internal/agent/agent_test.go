@@ -18,6 +18,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 )
 
 // agentBin is cmd/lve-agent, built static once for the package's tests:
@@ -30,11 +32,8 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
-	agentBin = filepath.Join(dir, "lve-agent")
-	build := exec.Command("go", "build", "-o", agentBin, "../../cmd/lve-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		fmt.Fprintf(os.Stderr, "build lve-agent: %v\n%s", err, out)
+	if agentBin, err = agenttest.Build(dir); err != nil {
+		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
 	code := m.Run()

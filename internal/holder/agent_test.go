@@ -15,18 +15,9 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
-
-func buildAgent(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "lve-agent")
-	build := exec.Command("go", "build", "-o", bin, "../../cmd/lve-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "build lve-agent: %s", out)
-	return bin
-}
 
 // The holder's stage tests through the agent: this test binary runs them
 // again with every holder starting the agent on its connections (the
@@ -35,7 +26,7 @@ func TestHolderTestsThroughTheAgent(t *testing.T) {
 	if os.Getenv(agentEnv) != "" {
 		t.Skip("this is the run through the agent")
 	}
-	bin := buildAgent(t)
+	bin := agenttest.BuildT(t)
 	tests := []string{"TestStagesShareOneConnection", "TestLargeScriptAndOutput", "TestCancelStopsTheScriptInTheGuest",
 		"TestStageProcessGoneStopsTheScript", "TestHolderDyingMidStageIsSystemFailure", "TestCancelWhileTheHolderDoesNotRead",
 		"TestDeadGuestFailsTheNextStageFast", "TestLostConnectionIsMadeAgain", "TestStreamOverTheHeldConnection",
@@ -88,7 +79,7 @@ func TestAgentMissingOrEndedFallsBackToTheWrapper(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, errb.String(), "said once")
 
-	bin := buildAgent(t)
+	bin := agenttest.BuildT(t)
 	r = startHolderWith(t, nil, "exec "+sshexec.ShellQuote(bin))
 	pidfile := filepath.Join(t.TempDir(), "agent.pid")
 	// The script finds its agent: its shell's parent.

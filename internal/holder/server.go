@@ -45,7 +45,7 @@ type Server struct {
 	ready   chan struct{} // closed once the first dial ended
 	client  *sshexec.Client
 	dialErr error
-	broken  chan struct{} // closed when client's connection ended
+	broken  <-chan struct{} // closed when client's connection ended (its Ended)
 	// agent is client's agent (nil: none, or it ended); agentNote is what
 	// the next stage tells the job log about it ("" once told).
 	agent     *sshexec.AgentSession
@@ -162,12 +162,7 @@ func (s *Server) connect(ctx context.Context) {
 	}
 	s.Log.Info("connected to the guest", "took", time.Since(t0))
 	s.agent, s.agentNote = a, note
-	s.broken = make(chan struct{})
-	broken := s.broken
-	go func() {
-		_ = c.Wait()
-		close(broken)
-	}()
+	s.broken = c.Ended()
 }
 
 func (s *Server) closeClient() {

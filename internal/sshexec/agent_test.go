@@ -15,6 +15,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/agent"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
@@ -30,17 +31,6 @@ var wrapperTests = []string{
 	"TestConnectionDroppedMidStreamIsSystemFailure", "TestFrozenGuestDetectedByKeepalive",
 }
 
-// buildAgent builds cmd/lve-agent (static) for a test.
-func buildAgent(t *testing.T) string {
-	t.Helper()
-	bin := filepath.Join(t.TempDir(), "lve-agent")
-	build := exec.Command("go", "build", "-o", bin, "../../cmd/lve-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	out, err := build.CombinedOutput()
-	require.NoError(t, err, "build lve-agent: %s", out)
-	return bin
-}
-
 // The wrapper's stage tests, every one of them, through the agent: this
 // test binary runs them again with every connection's stages going
 // through one agent (started in a session of the connection, as a job's).
@@ -48,7 +38,7 @@ func TestWrapperTestsThroughTheAgent(t *testing.T) {
 	if os.Getenv(agentEnv) != "" {
 		t.Skip("this is the run through the agent")
 	}
-	bin := buildAgent(t)
+	bin := agenttest.BuildT(t)
 	cmd := exec.Command(os.Args[0], "-test.run", "^("+strings.Join(wrapperTests, "|")+")$", "-test.count=1", "-test.v")
 	cmd.Env = append(os.Environ(), agentEnv+"="+bin)
 	out, err := cmd.CombinedOutput()
@@ -64,7 +54,7 @@ func TestWrapperTestsThroughTheAgent(t *testing.T) {
 // never the script's class (ErrAgentGone: the connection lives); the
 // connection keeps working for the wrapper.
 func TestAgentFailuresAreSystemFailures(t *testing.T) {
-	bin := buildAgent(t)
+	bin := agenttest.BuildT(t)
 	ts := sshtest.Start(t)
 	c, err := Dial(context.Background(), target(ts))
 	require.NoError(t, err)
@@ -110,12 +100,7 @@ func pidRunning(pid int) bool { return pidAlive(strconv.Itoa(pid)) }
 // fork), over the in-process SSH server on this host: the difference is
 // what the guest saves per stage, before TCG multiplies it.
 func BenchmarkNoopStage(b *testing.B) {
-	bin := filepath.Join(b.TempDir(), "lve-agent")
-	build := exec.Command("go", "build", "-o", bin, "../../cmd/lve-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		b.Fatalf("build lve-agent: %v\n%s", err, out)
-	}
+	bin := agenttest.BuildT(b)
 	ts := sshtest.Start(b)
 	c, err := Dial(context.Background(), target(ts))
 	if err != nil {

@@ -185,5 +185,8 @@ func (c *Client) lost(err error) error {
 // under it ended (a transport failure, not the script's).
 var ErrConnectionLost = errors.New("connection to guest lost")
 
+// Ended is closed once the connection has ended, for whatever reason.
+func (c *Client) Ended() <-chan struct{} { return c.ended }
+
 // Wait blocks until the connection has ended, for whatever reason.
 func (c *Client) Wait() error { return c.c.Wait() }
