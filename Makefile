@@ -46,11 +46,12 @@ help: ## show this help
 deps: ## install what build, lint and the tests need: Debian packages, shellcheck, a verified Go toolchain, golangci-lint (Debian 12, root)
 	@deploy/install-deps.sh
 
-build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the test harness and the benchmark into bin/ (needs Go: make deps)
+build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the guest agent (static), the test harness and the benchmark into bin/ (needs Go: make deps)
 	@mkdir -p $(BIN); t0=$$(date +%s); \
 	for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin || exit 1; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm || exit 1; \
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/lve-agent ./cmd/lve-agent || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-panels ./cmd/lve-panels || exit 1; \
@@ -143,9 +144,10 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 	echo "shellcheck -x" $$files; \
 	printf '%s\n' "$$files" | xargs -d '\n' shellcheck -x -P SCRIPTDIR
 
-install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
+install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent into $(PREFIX)/lib/libvirt-executor and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
 	@install -m 0755 $(BIN)/libvirt-executor $(BIN)/libvirt-executor-garm $(PREFIX)/bin/
+	@install -d -m 0755 $(PREFIX)/lib/libvirt-executor && install -m 0755 $(BIN)/lve-agent $(PREFIX)/lib/libvirt-executor/
 	@install -d -m 0755 /etc/libvirt-executor
 	@[ -e /etc/libvirt-executor/config.toml ] || install -m 0640 deploy/config.example.toml /etc/libvirt-executor/config.toml
 	@# the units name /usr/local/bin: point them at $(PREFIX)/bin

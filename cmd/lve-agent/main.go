@@ -15,7 +15,7 @@ import (
 func main() {
 	if len(os.Args) > 1 {
 		if os.Args[1] == "--version" {
-			fmt.Println(buildinfo.String())
+			fmt.Println("lve-agent version " + buildinfo.String())
 			return
 		}
 		fmt.Fprintln(os.Stderr, "lve-agent takes no arguments: the host starts it and speaks to it on stdin and stdout (--version prints its version)")

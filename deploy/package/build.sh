@@ -2,8 +2,8 @@
 # Builds the Debian package: deploy/package/build.sh [--binaries DIR] [--version V] OUTDIR
 # (make package). Prints the .deb's path on stdout, nothing else.
 #
-# It packages make build's six executables from bin/ (position-independent, stamped
-# with deploy/package/version.sh's identity), stripped; --binaries DIR packages those
+# It packages make build's six executables (position-independent) and the guest agent
+# (static) from bin/, stamped with deploy/package/version.sh's identity, stripped; --binaries DIR packages those
 # found in DIR instead (the e2e upgrade test packages an earlier commit's build this
 # way, with --version naming it). Needs binutils' strip and dpkg-deb; not root: the
 # files are root's in the archive.
@@ -42,6 +42,17 @@ for e in "${exes[@]}"; do
 	strip --remove-section=.comment --remove-section=.note --strip-unneeded -o "$root/usr/bin/$e" "$bins/$e"
 	chmod 0755 "$root/usr/bin/$e"
 done
+
+# The guest agent (static; it goes onto the guests' tools disk, never runs on the host):
+# where guest_tools.agent = "auto" finds it, ../lib/libvirt-executor from /usr/bin.
+# A build from before the agent (--binaries of an earlier commit) has none.
+if [ -x "$bins/lve-agent" ]; then
+	install -d -m 0755 "$root/usr/lib/libvirt-executor"
+	strip --remove-section=.comment --remove-section=.note --strip-unneeded -o "$root/usr/lib/libvirt-executor/lve-agent" "$bins/lve-agent"
+	chmod 0755 "$root/usr/lib/libvirt-executor/lve-agent"
+elif [ -z "$from_flag" ]; then
+	die "no lve-agent in $bins (make build first)"
+fi
 
 # systemd units, pointed at /usr/bin.
 install -d -m 0755 "$root/lib/systemd/system"

@@ -369,6 +369,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	}
 	add(guestToolsCheck(cfg))
 	add(stepRunnerCheck(cfg))
+	add(agentCheck(cfg))
 	svc := serviceCheck(cfg)
 	add(svc)
 	if svc.OK && !svc.Warn {
@@ -507,6 +508,27 @@ func stepRunnerCheck(cfg *config.Config) Check {
 		c.Info, c.Fix = err.Error(), "point [guest_tools] step_runner at a linux/amd64 step-runner binary this user can read"
 	default:
 		c.OK, c.Info = true, "step-runner "+src+" goes read-only into every VM (run: jobs, GitLab Steps)"
+	}
+	return c
+}
+
+// agentCheck: the guest agent the guests get on the tools disk (the
+// stages run through it), or why there is none: "none" is the admin's
+// choice, none installed a warning (every stage then costs an SSH session
+// and the wrapper's processes).
+func agentCheck(cfg *config.Config) Check {
+	c := Check{Name: "guest agent"}
+	src, err := guesttools.GuestAgentSource(cfg)
+	switch {
+	case errors.Is(err, guesttools.ErrNoTools) && cfg.GuestTools.Agent == config.GuestToolsNone:
+		c.OK, c.Info = true, err.Error()+": stages run through the wrapper (an SSH session and a few processes each)"
+	case errors.Is(err, guesttools.ErrNoTools):
+		c.OK, c.Warn, c.Info = true, true, err.Error()+": stages run through the wrapper, slower"
+		c.Fix = "install lve-agent with the executables (make install, or the package: /usr/lib/libvirt-executor/lve-agent), or set [guest_tools] agent to its path"
+	case err != nil:
+		c.Info, c.Fix = err.Error(), "point [guest_tools] agent at the lve-agent built with this version (static, linux/amd64), or set it to \"auto\""
+	default:
+		c.OK, c.Info = true, "lve-agent "+src+" goes read-only into every VM; the stages run through it"
 	}
 	return c
 }

@@ -22,6 +22,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -417,6 +418,35 @@ func TestStepRunnerCheck(t *testing.T) {
 	c = stepRunnerCheck(cfg)
 	require.False(t, c.OK)
 	require.Contains(t, c.Info, "linux/amd64 step-runner")
+}
+
+func TestAgentCheck(t *testing.T) {
+	cfg := &config.Config{}
+	cfg.GuestTools.Agent = "none"
+	c := agentCheck(cfg)
+	require.True(t, c.OK)
+	require.False(t, c.Warn, `"none" is the admin's choice`)
+	require.Contains(t, c.Info, `guest_tools.agent = "none"`)
+
+	// The test binary's directory has no lve-agent beside it.
+	cfg.GuestTools.Agent = "auto"
+	c = agentCheck(cfg)
+	require.True(t, c.OK)
+	require.True(t, c.Warn, "no agent: every stage is slower")
+	require.Contains(t, c.Info, "no lve-agent installed with these executables")
+	require.Contains(t, c.Fix, "/usr/lib/libvirt-executor/lve-agent")
+
+	cfg.GuestTools.Agent = agenttest.BuildT(t)
+	c = agentCheck(cfg)
+	require.True(t, c.OK, c.Info)
+	require.Contains(t, c.Info, "the stages run through it")
+
+	// A dynamically linked program cannot be the agent (a guest may lack
+	// its libraries).
+	cfg.GuestTools.Agent = "/bin/true"
+	c = agentCheck(cfg)
+	require.False(t, c.OK)
+	require.Contains(t, c.Info, "dynamically linked")
 }
 
 // doctor asks the metrics endpoint: this service's metrics, another

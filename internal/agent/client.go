@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -20,7 +21,15 @@ type Client struct {
 	mu  sync.Mutex // one stage at a time
 	seq int        // the last stage's Start.Seq
 	err error      // the channel's end, once seen
+	// group is the process group of the last stage's shell, once the
+	// agent said it (0 before); read by Group while Run runs.
+	group atomic.Int64
 }
+
+// Group is the process group (and session) of the last stage's shell in
+// the guest, as the agent said it started it; 0 when it has not said so.
+// When the agent is gone mid-stage, the host stops that group itself.
+func (c *Client) Group() int { return int(c.group.Load()) }
 
 // ErrGone is the agent's channel ending (the connection, the agent or the
 // guest is gone); a stage running then has no exit status.
@@ -106,6 +115,7 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 	out, notes := orDiscard(o.Output), orDiscard(o.Notes)
 	c.seq++
 	seq := c.seq
+	c.group.Store(0)
 	// The upload may block (an agent that stopped reading fills the
 	// channel's window): a cancel must still end the stage, and half a
 	// script never runs, so a cancel during it gives the channel up.
@@ -141,6 +151,12 @@ func (c *Client) Run(ctx context.Context, script []byte, o RunOptions) (Exit, er
 				_, _ = out.Write(f.payload)
 			case frameNote:
 				_, _ = fmt.Fprintf(notes, "%s\n", f.payload)
+			case frameGroup:
+				var g Group
+				if err := json.Unmarshal(f.payload, &g); err != nil || g.Seq != seq || g.PGID <= 1 {
+					return Exit{}, c.gone(fmt.Errorf("%w: a group for stage %d (this is %d): %q", ErrProtocol, g.Seq, seq, cut(string(f.payload), 200)))
+				}
+				c.group.Store(int64(g.PGID))
 			case frameError:
 				var r Refusal
 				if err := json.Unmarshal(f.payload, &r); err != nil || r.Seq != seq {

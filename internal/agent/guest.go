@@ -135,6 +135,7 @@ func Serve(in io.Reader, out io.Writer, version string) error {
 			s.sendJSON(frameError, Refusal{Seq: st.Seq, Reason: cut(err.Error(), 1000)})
 			continue
 		}
+		s.sendJSON(frameGroup, Group{Seq: st.Seq, PGID: stage.pgid})
 		// Until it ends: a cancel, or the channel's end, stops it.
 		var gone error
 		broken := s.broken

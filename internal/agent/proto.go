@@ -38,7 +38,7 @@ import (
 )
 
 // Protocol is the version of the frames below; the agent says it first.
-const Protocol = 1
+const Protocol = 2
 
 // Frame types.
 const (
@@ -49,6 +49,7 @@ const (
 
 	// agent -> host
 	frameHello  byte = 'H' // Hello (JSON), the agent's first frame
+	frameGroup  byte = 'G' // Group (JSON): the stage's shell started, in this process group
 	frameOutput byte = 'O' // the script's output (stdout and stderr, merged in order)
 	frameNote   byte = 'N' // one line of the agent's own (what it did and why)
 	frameExit   byte = 'X' // Exit (JSON), a stage's last frame
@@ -100,6 +101,14 @@ type Cancel struct {
 type Refusal struct {
 	Seq    int    `json:"seq"`
 	Reason string `json:"reason"`
+}
+
+// Group says a stage's shell started, leading process group (and
+// session) PGID: the host stops that group itself when the agent is gone
+// mid-stage (killed), which would leave the stage running.
+type Group struct {
+	Seq  int `json:"seq"`
+	PGID int `json:"pgid"`
 }
 
 // Exit ends a stage.
@@ -170,7 +179,7 @@ func hostLimit(typ byte) int {
 	switch typ {
 	case frameOutput:
 		return maxChunk
-	case frameHello, frameNote, frameExit, frameError:
+	case frameHello, frameNote, frameExit, frameError, frameGroup:
 		return maxControl
 	}
 	return -1

@@ -238,6 +238,16 @@ type GuestTools struct {
 	// then need one in the image); else the absolute path of a linux/amd64
 	// step-runner.
 	StepRunner string `toml:"step_runner"`
+	// Agent is the guest agent (lve-agent, a static program built with
+	// the driver) the guests get at /opt/libvirt-executor/bin/lve-agent:
+	// the job's connection holder starts it once per job and runs every
+	// stage through it (one fork in the guest per stage instead of an SSH
+	// session and the stage wrapper's processes). "auto" (default): the
+	// one installed with these executables (next to them, or in
+	// ../lib/libvirt-executor/); "none": no agent (stages use the
+	// wrapper); else the absolute path of an lve-agent binary of this
+	// version.
+	Agent string `toml:"agent"`
 }
 
 // Guest tools settings.
@@ -566,6 +576,7 @@ func (c *Config) applyDefaults() {
 	def(&c.HostKeyPolicy, HostKeyPinned)
 	def(&c.GuestTools.GitLabRunner, GuestToolsAuto)
 	def(&c.GuestTools.StepRunner, GuestToolsAuto)
+	def(&c.GuestTools.Agent, GuestToolsAuto)
 	if c.IsolateGuests == nil {
 		yes := true
 		c.IsolateGuests = &yes
@@ -815,6 +826,9 @@ func (g GuestTools) validate(p *problems) {
 	}
 	if r := g.StepRunner; r != GuestToolsAuto && r != GuestToolsNone && !filepath.IsAbs(r) {
 		p.bad("guest_tools.step_runner", "%q is not allowed; use \"auto\" (the step-runner on PATH), \"none\" or the absolute path of a step-runner binary", r)
+	}
+	if r := g.Agent; r != GuestToolsAuto && r != GuestToolsNone && !filepath.IsAbs(r) {
+		p.bad("guest_tools.agent", "%q is not allowed; use \"auto\" (the lve-agent installed with these executables), \"none\" (stages use the wrapper) or the absolute path of an lve-agent binary", r)
 	}
 }
 

@@ -36,6 +36,10 @@ const (
 	// GuestStepRunnerPath is the step-runner binary in the guest; the
 	// images link /usr/local/bin/step-runner to it.
 	GuestStepRunnerPath = ToolsMountPoint + "/bin/step-runner"
+	// GuestAgentPath is the guest agent (cmd/lve-agent) in the guest: the
+	// job's connection holder starts it there, by this path (images need
+	// only mount the disk).
+	GuestAgentPath = ToolsMountPoint + "/bin/lve-agent"
 )
 
 // ToolsManifest is tools.json at the root of the tools disk: where its

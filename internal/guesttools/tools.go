@@ -44,6 +44,8 @@ type Tools struct {
 	Source, SHA256 string
 	// StepRunner is the host step-runner it holds (nil: none).
 	StepRunner *state.ToolOrigin
+	// Agent is the guest agent it holds (nil: none).
+	Agent *state.ToolOrigin
 	// Built is how long building and uploading took; 0 when the volume
 	// was there already.
 	Built time.Duration
@@ -76,6 +78,9 @@ func DescribeTools(t *state.Tools, built time.Duration) string {
 	}
 	if sr := t.StepRunner; sr != nil {
 		parts = append(parts, fmt.Sprintf("step-runner for the guest (GitLab Steps): %s (sha256 %s), read-only at %s", sr.Source, short(sr.SHA256), guestinit.GuestStepRunnerPath))
+	}
+	if a := t.Agent; a != nil {
+		parts = append(parts, fmt.Sprintf("guest agent (runs the stages): %s (sha256 %s), read-only at %s", a.Source, short(a.SHA256), guestinit.GuestAgentPath))
 	}
 	s := strings.Join(parts, "; ")
 	if built > 0 {
@@ -127,7 +132,7 @@ func (t *Tools) record() *state.Tools {
 	if t == nil {
 		return nil
 	}
-	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, StepRunner: t.StepRunner}
+	return &state.Tools{Volume: t.Volume, Source: t.Source, SHA256: t.SHA256, StepRunner: t.StepRunner, Agent: t.Agent}
 }
 
 // VolumeOf is the tools volume a machine was booted with ("" for none).
@@ -164,7 +169,7 @@ func Now(m *lifecycle.Manager) (t *state.Tools, exact bool) {
 			return nil, false
 		}
 		if src == "" {
-			if isAuto(m.Cfg, p) {
+			if isAuto(m.Cfg, p) && !p.installed {
 				if _, err := exec.LookPath(p.name); err == nil {
 					exact = false // the next boot's Get takes it
 				}
@@ -198,10 +203,13 @@ func Now(m *lifecycle.Manager) (t *state.Tools, exact bool) {
 func recordOf(m *lifecycle.Manager, have []origin) *state.Tools {
 	t := &state.Tools{Volume: ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, contentKey(have))}
 	for _, o := range have {
-		if o.name == "gitlab-runner" {
+		switch o.name {
+		case "gitlab-runner":
 			t.Source, t.SHA256 = o.Source, o.SHA256
-		} else {
+		case "step-runner":
 			t.StepRunner = &state.ToolOrigin{Source: o.Source, SHA256: o.SHA256}
+		case agentName:
+			t.Agent = &state.ToolOrigin{Source: o.Source, SHA256: o.SHA256}
 		}
 	}
 	return t
@@ -218,6 +226,10 @@ type program struct {
 	autoKey, hashKey string
 	// missing says what a guest without it lacks.
 	missing string
+	// installed: "auto" is the program installed with the running
+	// executables (installedAgent), never one on PATH, and so the same
+	// for every process of one installation: not recorded.
+	installed bool
 }
 
 // programs are the tools disk's programs, in the order of its content key.
@@ -234,6 +246,43 @@ var programs = []program{
 		autoKey: "step-runner-auto", hashKey: "guest-tools-source-step-runner",
 		missing: "run: jobs (GitLab Steps) need one in the image (see docs/steps.md)",
 	},
+	{
+		name: agentName, key: "guest_tools.agent",
+		setting:   func(g *config.GuestTools) string { return g.Agent },
+		hashKey:   "guest-tools-source-agent",
+		missing:   "stages run through the wrapper (an SSH session and a few processes each, see docs/design.md)",
+		installed: true,
+	},
+}
+
+// agentName is the guest agent's program name (cmd/lve-agent), on the
+// host and on the tools disk.
+const agentName = "lve-agent"
+
+// agentDirs are where "auto" looks for the guest agent, relative to the
+// running executable's directory: beside it (make build's bin/), then
+// ../lib/libvirt-executor (make install and the Debian package).
+var agentDirs = []string{".", "../lib/libvirt-executor"}
+
+// executable is the running executable's path (a test's stand-in).
+var executable = os.Executable
+
+// installedAgent is the guest agent installed with the running
+// executables (agentDirs), or errNoProgram saying where it looked.
+func installedAgent() (string, error) {
+	self, err := executable()
+	if err != nil {
+		return "", &noProgram{fmt.Sprintf("no %s: this executable's path is unknown (%v)", agentName, err)}
+	}
+	var looked []string
+	for _, d := range agentDirs {
+		p := filepath.Clean(filepath.Join(filepath.Dir(self), d, agentName))
+		if st, err := os.Stat(p); err == nil && st.Mode().IsRegular() {
+			return p, nil
+		}
+		looked = append(looked, p)
+	}
+	return "", &noProgram{fmt.Sprintf("no %s installed with these executables (looked for %s; guest_tools.agent = \"auto\")", agentName, strings.Join(looked, ", "))}
 }
 
 // origin is a program the disk holds, from Source with hash SHA256.
@@ -320,7 +369,7 @@ type autoRecord struct {
 // booted was "outdated" for the stages. A recorded "none found" is looked
 // for again (a binary installed later is taken; once found, it stays).
 func source(m *lifecycle.Manager, p program) (string, error) {
-	if !isAuto(m.Cfg, p) {
+	if !isAuto(m.Cfg, p) || p.installed {
 		return toolsSource(m.Cfg, p)
 	}
 	if path, ok := recordedAuto(m, p); ok && path != "" {
@@ -368,7 +417,7 @@ func recordedAuto(m *lifecycle.Manager, p program) (string, bool) {
 // that must not resolve "auto" itself (VolumeNow, Sweep): the recorded one
 // ("" for none); false when "auto" was never resolved.
 func knownSource(m *lifecycle.Manager, p program) (string, bool, error) {
-	if !isAuto(m.Cfg, p) {
+	if !isAuto(m.Cfg, p) || p.installed {
 		path, err := toolsSource(m.Cfg, p)
 		if errors.Is(err, errNoProgram) {
 			return "", true, nil
@@ -391,6 +440,9 @@ func toolsSource(cfg *config.Config, p program) (string, error) {
 	case config.GuestToolsNone:
 		return "", &noProgram{fmt.Sprintf("no %s for the guests: %s = \"none\"", p.name, p.key)}
 	case config.GuestToolsAuto, "":
+		if p.installed {
+			return installedAgent()
+		}
 		path, err := exec.LookPath(p.name)
 		if err != nil {
 			return "", &noProgram{fmt.Sprintf("no %s on this host's PATH (%s = \"auto\")", p.name, p.key)}
@@ -413,6 +465,13 @@ func GuestToolsSource(cfg *config.Config) (string, error) {
 // none.
 func GuestStepRunnerSource(cfg *config.Config) (string, error) {
 	return guestSource(cfg, programs[1])
+}
+
+// GuestAgentSource is GuestToolsSource for guest_tools.agent; an error
+// matching ErrNoTools when the configuration or the installation gives
+// none.
+func GuestAgentSource(cfg *config.Config) (string, error) {
+	return guestSource(cfg, programs[2])
 }
 
 func guestSource(cfg *config.Config, p program) (string, error) {
@@ -474,8 +533,9 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 		src, err := source(m, p)
 		if errors.Is(err, errNoProgram) {
 			// step-runner matters to run: jobs only: prepare says what is
-			// missing for those (a note on every job would be noise).
-			if p.name != "step-runner" {
+			// missing for those (a note on every job would be noise). An
+			// agent the admin turned off needs no note either.
+			if p.name != "step-runner" && !(p.installed && !isAuto(m.Cfg, p)) {
 				t.Notes = append(t.Notes, fmt.Sprintf("Note: %v: %s", err, p.missing))
 			}
 			continue
@@ -486,7 +546,11 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 		sum, err := sourceHash(m, p, src)
 		switch {
 		case err != nil && isAuto(m.Cfg, p) && ctx.Err() == nil:
-			t.Notes = append(t.Notes, fmt.Sprintf("Warning: the %s found on this host's PATH cannot go to the guest: %v", p.name, err))
+			where := "found on this host's PATH"
+			if p.installed {
+				where = "installed with these executables"
+			}
+			t.Notes = append(t.Notes, fmt.Sprintf("Warning: the %s %s cannot go to the guest: %v", p.name, where, err))
 			continue
 		case err != nil:
 			return nil, fmt.Errorf("%s %s: %w", p.key, src, err)
@@ -497,7 +561,7 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 		return nil, &noToolsError{notes: t.Notes}
 	}
 	rec0 := recordOf(m, have)
-	t.Volume, t.Source, t.SHA256, t.StepRunner = rec0.Volume, rec0.Source, rec0.SHA256, rec0.StepRunner
+	t.Volume, t.Source, t.SHA256, t.StepRunner, t.Agent = rec0.Volume, rec0.Source, rec0.SHA256, rec0.StepRunner, rec0.Agent
 	var rec toolsRecord
 	if m.Store.GetTools(recordKey(m, t.Volume), &rec) && rec.Ready {
 		path, err := m.Hypervisor().VolumePath(ctx, m.Cfg.StoragePool, t.Volume)
@@ -645,6 +709,13 @@ func checkGuestBinary(path, name string) error {
 	}
 	if f.Type != elf.ET_EXEC && f.Type != elf.ET_DYN {
 		return fmt.Errorf("ELF type %s is not an executable", f.Type)
+	}
+	if name == agentName {
+		for _, p := range f.Progs {
+			if p.Type == elf.PT_INTERP {
+				return fmt.Errorf("dynamically linked: the guest agent must be static to run on any guest (make build builds it with CGO_ENABLED=0)")
+			}
+		}
 	}
 	return nil
 }

@@ -261,6 +261,7 @@ func TestGuestToolsPerStoragePool(t *testing.T) {
 // guest, with the guest tools disk as its shared disk and sweeper.
 func manager(t *testing.T, hv *vmtest.Fake, g *lifecycletest.Guest) (*lifecycle.Manager, *config.Image) {
 	cfg, img := lifecycletest.TinyConfig(t)
+	cfg.GuestTools.Agent = "none" // agent_test.go has the agent's
 	m := lifecycle.New(cfg, hv, lifecycletest.Controller, lifecycle.Options{Say: lifecycletest.NewSayings(t).Say,
 		Hooks: lifecycle.Hooks{Shared: Disk{}, Sweepers: []lifecycle.Sweeper{Sweep}}})
 	m.SSHPort, m.SSHPollInterval, m.AddressPollInterval = g.Port(), 20*time.Millisecond, 10*time.Millisecond

@@ -48,9 +48,17 @@ func TestAgentRunsTheStages(t *testing.T) {
 	}
 	r := startHolder(t, nil)
 	for i := 0; i < 3; i++ {
-		out, _, err := r.stage(context.Background(), "echo stage\n")
+		var out, errb sshtest.Buffer
+		tag, _ := sshexec.NewTag()
+		_, err := RunStage(context.Background(), r.sock, Stage{Tag: tag, Shell: "bash", Script: []byte("echo stage\n"), Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second})
 		require.NoError(t, err)
-		require.Equal(t, "stage\n", out)
+		require.Equal(t, "stage\n", out.String())
+		errOut := errb.String()
+		if i == 0 {
+			require.Regexp(t, `^libvirt-executor: the stages run through the guest agent \(started in \d+ms\): one process in the guest per stage\n$`, errOut, "the job log says it once")
+		} else {
+			require.Empty(t, errOut)
+		}
 	}
 	cmds := r.ts.Commands()
 	require.Len(t, cmds, 1, "one command in the guest for three stages: %q", cmds)
@@ -102,13 +110,23 @@ func TestAgentMissingOrEndedFallsBackToTheWrapper(t *testing.T) {
 		script, _ = strconv.Atoi(f[1])
 		return agentPID > 1 && script > 1
 	}, 10*time.Second, 10*time.Millisecond)
-	// A SIGKILLed agent cannot stop its stage: the test ends it.
+	// A SIGKILLed agent cannot stop its stage: the holder does, from a
+	// session of its own.
 	t.Cleanup(func() { _ = syscall.Kill(-script, syscall.SIGKILL) })
 	require.NoError(t, syscall.Kill(agentPID, syscall.SIGKILL))
 	err = <-result
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorContains(t, err, "its stage's processes were stopped")
+	require.Eventually(t, func() bool { return syscall.Kill(script, 0) != nil || zombie(script) },
+		5*time.Second, 20*time.Millisecond, "the stage's shell was stopped")
 	out, err = run("echo after\n")
 	require.NoError(t, err)
 	require.Equal(t, "after\n", out)
 	require.Contains(t, errb.String(), "the guest's agent ended during the previous stage")
+}
+
+// zombie says process pid has ended and waits for its parent.
+func zombie(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	return err == nil && strings.Contains(string(b), ") Z ")
 }

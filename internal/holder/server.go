@@ -150,7 +150,9 @@ func (s *Server) connect(ctx context.Context) {
 			s.Log.Warn("the guest's agent did not start: stages use the wrapper", "err", aerr)
 			note = fmt.Sprintf("libvirt-executor: the guest has no agent (%v): stages run through the wrapper (a session and a few processes each)", aerr)
 		} else {
-			s.Log.Info("the guest's agent started", "took", time.Since(t1), "version", fmt.Sprintf("%q", a.Hello().Version))
+			took := time.Since(t1)
+			s.Log.Info("the guest's agent started", "took", took, "version", fmt.Sprintf("%q", a.Hello().Version))
+			note = fmt.Sprintf("libvirt-executor: the stages run through the guest agent (started in %s): one process in the guest per stage", took.Round(time.Millisecond))
 		}
 	}
 	s.mu.Lock()

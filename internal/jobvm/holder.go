@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -68,7 +69,15 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 	}
 	dir := h.Store.MachineDir(name)
 	go h.pinForHolder(ctx, name, log)
+	// The stages go through the guest agent when the machine's tools
+	// disk has one (a fixed path: never job input); a guest that does not
+	// mount the disk keeps the wrapper, and the first stage says so.
+	agentCmd := ""
+	if rec, err := h.Store.Record(name); err == nil && rec.Tools != nil && rec.Tools.Agent != nil {
+		agentCmd = guestinit.GuestAgentPath
+	}
 	s := &holder.Server{
+		AgentCommand: agentCmd,
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
 			_, c, err := h.Connect(ctx, name)
 			return c, err

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -98,6 +99,20 @@ func cut(s string, n int) string {
 	return s
 }
 
+// stopGroup stops process group g in the guest, from a session of its
+// own: SIGTERM, SIGKILL after grace (default 5 s) if it is still there.
+// g is a number the agent said (more than 1), never text.
+func (c *Client) stopGroup(g int, grace time.Duration) error {
+	ticks := int(orDefault(grace, 5*time.Second) / (100 * time.Millisecond))
+	ctx, cancel := context.WithTimeout(context.Background(), orDefault(grace, 5*time.Second)+10*time.Second)
+	defer cancel()
+	cmd := strings.NewReplacer("{g}", strconv.Itoa(g), "{ticks}", strconv.Itoa(ticks)).Replace(
+		`if kill -TERM -{g} 2>/dev/null; then i=0; while kill -0 -{g} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
+			`kill -KILL -{g} 2>/dev/null; fi; exit 0`)
+	_, err := c.Output(ctx, cmd)
+	return err
+}
+
 // Close ends the agent's session.
 func (a *AgentSession) Close() error { return a.ch.Close() }
 
@@ -120,9 +135,18 @@ func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) er
 			return c.lost(err)
 		}
 		// The connection lives on: the agent alone is gone (killed, or
-		// it broke the protocol). The stage's result is unknown.
+		// it broke the protocol). The stage's result is unknown, and its
+		// shell may still run (nothing stops it now): it is stopped as a
+		// cancel would, over a session of its own.
 		if said := strings.TrimSpace(o.Agent.stderr.String()); said != "" {
 			err = fmt.Errorf("%w (the agent said: %q)", err, cut(said, 500))
+		}
+		if g := o.Agent.Group(); g > 1 {
+			if serr := c.stopGroup(g, o.KillGrace); serr != nil {
+				err = fmt.Errorf("%w; its stage's processes (group %d) could not be stopped: %v", err, g, serr)
+			} else {
+				err = fmt.Errorf("%w; its stage's processes were stopped", err)
+			}
 		}
 		return exitcodes.System(fmt.Errorf("%w: %w", ErrAgentGone, err))
 	case err != nil:

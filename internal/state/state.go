@@ -56,6 +56,9 @@ type Tools struct {
 	SHA256 string `json:"sha256"`
 	// StepRunner is the step-runner's (nil when the disk has none).
 	StepRunner *ToolOrigin `json:"step_runner,omitempty"`
+	// Agent is the guest agent's (lve-agent; nil when the disk has none):
+	// the job's connection holder runs the stages through it.
+	Agent *ToolOrigin `json:"agent,omitempty"`
 }
 
 // ToolOrigin is where a program of the tools disk came from on the host.

@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"debug/elf"
 	"os"
 	"os/exec"
 	"os/user"
@@ -188,6 +189,15 @@ exec /usr/bin/libvirt-executor-run "$@"
 		v := run(nil, "/usr/bin/"+e, "--version")
 		require.Regexp(t, `^`+regexp.QuoteMeta(e+" version "+newVersion)+` \(commit [0-9a-f]{40}(-dirty)?, built \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)\n$`, v, e)
 	}
+	// The guest agent, where guest_tools.agent = "auto" finds it, static
+	// (it runs in the guests), of the same version.
+	require.Regexp(t, `^`+regexp.QuoteMeta("lve-agent version "+newVersion)+` \(commit `, run(nil, "/usr/lib/libvirt-executor/lve-agent", "--version"))
+	agentELF, err := elf.Open("/usr/lib/libvirt-executor/lve-agent")
+	require.NoError(t, err)
+	for _, prog := range agentELF.Progs {
+		require.NotEqual(t, elf.PT_INTERP, prog.Type, "the packaged guest agent is dynamically linked: it must run on any guest")
+	}
+	_ = agentELF.Close()
 
 	// What postinst's try-restart does: the earlier service stops (its
 	// idle VM stays), the new one starts and retires the earlier version's
