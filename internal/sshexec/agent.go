@@ -99,15 +99,18 @@ func cut(s string, n int) string {
 	return s
 }
 
-// stopGroup stops process group g in the guest, from a session of its
-// own: SIGTERM, SIGKILL after grace (default 5 s) if it is still there.
-// g is a number the agent said (more than 1), never text.
-func (c *Client) stopGroup(g int, grace time.Duration) error {
+// stopGroup stops a stage whose agent the host gave up on, from a
+// session of its own: the agent (pid, if it still runs: a stalled one
+// holds the stage's output) gets SIGKILL, the stage's process group g
+// SIGTERM, then SIGKILL after grace (default 5 s) if it is still there.
+// pid and g are numbers the agent said, never text.
+func (c *Client) stopGroup(pid, g int, grace time.Duration) error {
 	ticks := int(orDefault(grace, 5*time.Second) / (100 * time.Millisecond))
 	ctx, cancel := context.WithTimeout(context.Background(), orDefault(grace, 5*time.Second)+10*time.Second)
 	defer cancel()
-	cmd := strings.NewReplacer("{g}", strconv.Itoa(g), "{ticks}", strconv.Itoa(ticks)).Replace(
-		`if kill -TERM -{g} 2>/dev/null; then i=0; while kill -0 -{g} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
+	cmd := strings.NewReplacer("{pid}", strconv.Itoa(max(pid, 0)), "{g}", strconv.Itoa(g), "{ticks}", strconv.Itoa(ticks)).Replace(
+		`[ {pid} -gt 1 ] && [ "$(cat /proc/{pid}/comm 2>/dev/null)" = lve-agent ] && kill -KILL {pid} 2>/dev/null; ` +
+			`if kill -TERM -{g} 2>/dev/null; then i=0; while kill -0 -{g} 2>/dev/null && [ $i -lt {ticks} ]; do sleep 0.1; i=$((i+1)); done; ` +
 			`kill -KILL -{g} 2>/dev/null; fi; exit 0`)
 	_, err := c.Output(ctx, cmd)
 	return err
@@ -142,7 +145,7 @@ func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) er
 			err = fmt.Errorf("%w (the agent said: %q)", err, cut(said, 500))
 		}
 		if g := o.Agent.Group(); g > 1 {
-			if serr := c.stopGroup(g, o.KillGrace); serr != nil {
+			if serr := c.stopGroup(o.Agent.Hello().PID, g, o.KillGrace); serr != nil {
 				err = fmt.Errorf("%w; its stage's processes (group %d) could not be stopped: %v", err, g, serr)
 			} else {
 				err = fmt.Errorf("%w; its stage's processes were stopped", err)

@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -32,8 +33,19 @@ func changed(file string) string {
 	return `a=` + read + `; b=$a; for i in 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20; do sleep 0.5; b=` + read + `; [ -n "$b" ] && [ "$a" != "$b" ] && break; done; [ -n "$b" ] && [ "$a" != "$b" ]`
 }
 
+// Both ways a stage runs: through the guest agent (the default) and
+// through the wrapper (an image without the agent, or agent = "none").
 func TestBackgroundProcessesEndWithTheirStage(t *testing.T) {
 	r := setup(t)
+	t.Run("agent", func(t *testing.T) { backgroundProcesses(t, r, true) })
+	t.Run("wrapper", func(t *testing.T) {
+		backgroundProcesses(t, r.withConfig(t, func(s string) string {
+			return strings.Replace(s, "[guest_tools]\n", "[guest_tools]\nagent = \"none\"\n", 1)
+		}), false)
+	})
+}
+
+func backgroundProcesses(t *testing.T, r *rig, agent bool) {
 	opts, lw := r.options(t)
 	start := time.Now()
 	res, err := harness.RunJob(context.Background(), opts, harness.Job{
@@ -59,6 +71,12 @@ func TestBackgroundProcessesEndWithTheirStage(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
 	log := lw.buf.String()
+	if agent {
+		require.Contains(t, log, agentSaid)
+	} else {
+		require.NotContains(t, log, agentSaid)
+		require.NotContains(t, log, "the guest has no agent", "agent = \"none\" is the admin's choice: nothing to say")
+	}
 	for _, want := range []string{"SERVICE-SERVED-42", "script-done", "bg-GONE", "nohup-GONE",
 		"INSTAGE-SERVICE-STOPPED", "DETACHED-SERVICE-ALIVE", "after-done",
 		"stopping the processes it left running"} {

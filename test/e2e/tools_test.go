@@ -3,8 +3,6 @@
 package e2e
 
 import (
-	"crypto/sha256"
-	"encoding/hex"
 	"os"
 	"os/exec"
 	"strings"
@@ -13,6 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // requireGuestRunner skips a test that needs the guest tools disk's
@@ -38,6 +37,7 @@ func TestGuestToolsDisk(t *testing.T) {
 	require.NoError(t, err)
 	wantVersion := strings.SplitN(string(want), "\n", 3)[1] // "Version:      17.9.3"
 
+	var vol string
 	for i := range 2 {
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
@@ -48,6 +48,14 @@ func TestGuestToolsDisk(t *testing.T) {
 		if i == 1 {
 			require.NotContains(t, prep.stdout, "tools disk was built", "the second job reuses the volume")
 		}
+		rec, err := state.Store{Dir: r.cfg.StateDir}.Record(s.name(t))
+		require.NoError(t, err)
+		require.NotNil(t, rec.Tools)
+		if i == 0 {
+			vol = rec.Tools.Volume
+		}
+		require.Equal(t, vol, rec.Tools.Volume, "one tools volume for both jobs")
+		require.Equal(t, r.cfg.GuestTools.GitLabRunner, rec.Tools.Source)
 		res := s.runScript(t, "build_script", "command -v gitlab-runner\ngitlab-runner --version\n"+
 			"if touch /opt/libvirt-executor/x 2>/dev/null; then echo WRITABLE; else echo READ-ONLY; fi\n")
 		require.Equal(t, 0, res.code, res.stderr)
@@ -56,9 +64,8 @@ func TestGuestToolsDisk(t *testing.T) {
 		require.Contains(t, res.stdout, "READ-ONLY")
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	}
-	sum := sha256.Sum256(mustRead(t, r.cfg.GuestTools.GitLabRunner))
-	vol := guesttools.ToolsVolumeName(r.cfg.NamePrefix, r.controller(t), hex.EncodeToString(sum[:]))
-	require.Contains(t, r.poolVolumes(t), vol, "the binary's tools volume is kept after the jobs")
+	require.True(t, guesttools.IsToolsVolume(r.cfg.NamePrefix, r.controller(t), vol), vol)
+	require.Contains(t, r.poolVolumes(t), vol, "the tools volume is kept after the jobs")
 }
 
 func mustRead(t *testing.T, path string) []byte {
