@@ -107,11 +107,11 @@ demo: deps build ## run a sample job end to end on a real VM, cold, then again w
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --warm --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round, BENCH_DIRECT=N jobs with a connection per stage beside the connection holder's (default BENCH_RUNS, 0 skips); then a cache of BENCH_CACHE_MIB (100; 0 skips) MiB kept by the runner's distributed cache and by the host cache, BENCH_CACHE_RUNS rounds; then BENCH_STEPS_RUNS (3; 0 skips) no-op run: jobs (GitLab Steps, shim mode) beside no-op script: jobs; leaves the rig up: make rig-down)
+bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round, BENCH_DIRECT=N jobs with a connection per stage beside the connection holder's and BENCH_WRAPPER=N jobs through the holder without the guest agent (each default BENCH_RUNS, 0 skips); then a cache of BENCH_CACHE_MIB (100; 0 skips) MiB kept by the runner's distributed cache and by the host cache, BENCH_CACHE_RUNS rounds; then BENCH_STEPS_RUNS (3; 0 skips) no-op run: jobs (GitLab Steps, shim mode) beside no-op script: jobs; leaves the rig up: make rig-down)
 	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES="$(BENCH_IMAGES)" deploy/rig/start.sh
 	ip netns exec $(RIG_NS) $(BIN)/lve-bench --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) \
 	  $(foreach img,$(subst $(comma), ,$(BENCH_IMAGES)),--image $(img)) \
-	  --runs $(BENCH_RUNS) $(if $(BENCH_DIRECT),--direct-runs $(BENCH_DIRECT)) --concurrency $(BENCH_CONCURRENCY) --warm=$(BENCH_WARM) --json $(BIN)/bench.json
+	  --runs $(BENCH_RUNS) $(if $(BENCH_DIRECT),--direct-runs $(BENCH_DIRECT)) $(if $(BENCH_WRAPPER),--wrapper-runs $(BENCH_WRAPPER)) --concurrency $(BENCH_CONCURRENCY) --warm=$(BENCH_WARM) --json $(BIN)/bench.json
 	@runner=$(TEST_RUNNER); if [ "$(BENCH_CACHE_MIB)" != 0 ] && [ -n "$$runner" ]; then \
 	  ip netns exec $(RIG_NS) $(BIN)/lve-bench cache --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --runner "$$runner" \
 	    --listen "$$(. deploy/rig/env.sh && echo $$LVE_RIG_GATEWAY):20999" --mib $(BENCH_CACHE_MIB) --runs $(BENCH_CACHE_RUNS) --json $(BIN)/bench-cache.json; \

@@ -7,10 +7,12 @@
 // vs cold prepare (--warm=false skips it). Between the cold jobs it runs
 // --direct-runs jobs (default: --runs; 0 skips them) with a copy of the
 // configuration with [ssh] connection_holder = false, for the stages
-// before and after the connection holder side by side. Run it inside the
-// rig's network namespace (make bench). See docs/performance.md.
+// before and after the connection holder side by side, and --wrapper-runs
+// jobs (the same default) with [guest_tools] agent = "none", for the
+// stages before and after the guest agent. Run it inside the rig's network
+// namespace (make bench). See docs/performance.md.
 //
-//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--direct-runs N] [--concurrency 2] [--warm=false] [--json FILE]
+//	lve-bench --config FILE --bin DIR [--image NAME ...] [--runs 5] [--direct-runs N] [--wrapper-runs N] [--concurrency 2] [--warm=false] [--json FILE]
 package main
 
 import (
@@ -79,6 +81,7 @@ func flags() []cli.Flag {
 		&cli.StringFlag{Name: "bin", Usage: "directory with libvirt-executor-{config,prepare,run,cleanup} (default: this program's directory)"},
 		&cli.StringSliceFlag{Name: "image", Usage: "image to measure (repeatable; default: the configuration's default image)"},
 		&cli.IntFlag{Name: "runs", Value: 5, Usage: "sequential jobs and floor boots per image"},
+		&cli.IntFlag{Name: "wrapper-runs", Usage: "jobs per image with [guest_tools] agent = \"none\" (through the holder, each stage a session and the stage wrapper: the path before the guest agent), interleaved with the cold jobs (default: --runs; 0: skip)"},
 		&cli.IntFlag{Name: "direct-runs", Usage: "jobs per image with [ssh] connection_holder = false (a connection per stage, the path before the holder), interleaved with the cold jobs (default: --runs; 0: skip)"},
 		&cli.IntFlag{Name: "concurrency", Value: 2, Usage: "jobs at once in the concurrent round (0: skip it)"},
 		&cli.BoolFlag{Name: "warm", Value: true, Usage: "after each image's cold jobs, run --runs jobs on standby VMs that a libvirt-executor serve started by the benchmark keeps (--warm=false: skip)"},
@@ -111,15 +114,20 @@ func options(c *cli.Context) (bench.Options, error) {
 	if conc == 0 {
 		conc = -1 // bench.Options: 0 is the default, negative skips
 	}
-	direct := 0 // bench.Options: the default, as many as --runs
-	if c.IsSet("direct-runs") {
-		direct = c.Int("direct-runs")
-		if direct < 0 {
-			return bench.Options{}, fmt.Errorf("--direct-runs %d: want 0 (skip) or more", direct)
+	// bench.Options: 0 is the default (as many as --runs), negative skips.
+	rounds := map[string]int{}
+	for _, flag := range []string{"direct-runs", "wrapper-runs"} {
+		if !c.IsSet(flag) {
+			continue
 		}
-		if direct == 0 {
-			direct = -1
+		n := c.Int(flag)
+		if n < 0 {
+			return bench.Options{}, fmt.Errorf("--%s %d: want 0 (skip) or more", flag, n)
 		}
+		if n == 0 {
+			n = -1
+		}
+		rounds[flag] = n
 	}
 	o := bench.Options{
 		ConfigPath:  c.String("config"),
@@ -129,7 +137,8 @@ func options(c *cli.Context) (bench.Options, error) {
 		Concurrency: conc,
 		Poll:        c.Duration("poll"),
 		SkipWarm:    !c.Bool("warm"),
-		DirectRuns:  direct,
+		DirectRuns:  rounds["direct-runs"],
+		WrapperRuns: rounds["wrapper-runs"],
 		Progress:    c.App.ErrWriter,
 	}
 	if c.Bool("job-logs") {

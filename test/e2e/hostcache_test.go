@@ -169,6 +169,7 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	for _, img := range append([]string{def}, others...) {
 		x := byName["use-"+img]
 		require.Regexp(t, `restored: cached-\d+ 3145728`, x.Trace, img)
+		require.Contains(t, x.Trace, agentSaid, "%s: the guest agent runs the stages on every image", img)
 		if img == def {
 			require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
 		} else {

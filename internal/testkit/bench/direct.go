@@ -88,6 +88,7 @@ func (j *JobSample) readNoops(noops []Noop) (missing []string) {
 var (
 	holderStartedLine = regexp.MustCompile(`Connection holder started in `)
 	directStageLine   = regexp.MustCompile(`this stage connects directly`)
+	agentLine         = regexp.MustCompile(`the stages run through the guest agent`)
 )
 
 // readHolder reads from a job log whether prepare started the connection
@@ -95,6 +96,23 @@ var (
 func (j *JobSample) readHolder(log string) {
 	j.HolderStarted = holderStartedLine.MatchString(log)
 	j.DirectStages = len(directStageLine.FindAllStringIndex(log, -1))
+	j.Agent = agentLine.MatchString(log)
+}
+
+// agentProblem is what is wrong with how a succeeded job of the holder
+// path ran its stages: one of the wrapper round (wrapper) must not have
+// used the guest agent; one of the other rounds must have, when the
+// configuration gives the guests one (agentOn).
+func (j *JobSample) agentProblem(wrapper, agentOn bool) string {
+	switch {
+	case !j.HolderStarted:
+		return ""
+	case wrapper && j.Agent:
+		return "the wrapper round's job ran its stages through the guest agent ([guest_tools] agent = \"none\" did not take)"
+	case !wrapper && agentOn && !j.Agent:
+		return "the job's stages ran through the wrapper although the configuration gives the guests the agent (its log says why)"
+	}
+	return ""
 }
 
 // holderProblem is what is wrong with how a succeeded job reached its
@@ -128,6 +146,9 @@ func SummarizePath(jobs []JobSample) PathSummary {
 		ok = append(ok, j)
 		if j.HolderStarted {
 			p.HolderStarted++
+		}
+		if j.Agent {
+			p.Agent++
 		}
 		p.DirectStages += j.DirectStages
 	}
@@ -310,25 +331,38 @@ func (b *bench) vmGone(name string) goneCheck {
 }
 
 var (
-	sshTable  = regexp.MustCompile(`^[ \t]*\[[ \t]*"?ssh"?[ \t]*\][ \t]*(#.*)?$`)
-	anyTable  = regexp.MustCompile(`^[ \t]*\[`)
-	holderKey = regexp.MustCompile(`^[ \t]*"?connection_holder"?[ \t]*=`)
+	sshTable   = regexp.MustCompile(`^[ \t]*\[[ \t]*"?ssh"?[ \t]*\][ \t]*(#.*)?$`)
+	anyTable   = regexp.MustCompile(`^[ \t]*\[`)
+	holderKey  = regexp.MustCompile(`^[ \t]*"?connection_holder"?[ \t]*=`)
+	toolsTable = regexp.MustCompile(`^[ \t]*\[[ \t]*"?guest_tools"?[ \t]*\][ \t]*(#.*)?$`)
+	agentKey   = regexp.MustCompile(`^[ \t]*"?agent"?[ \t]*=`)
 )
 
 // WithoutHolder is configuration text with [ssh] connection_holder = false:
 // the key's value replaced if the [ssh] table has it, the key added to the
 // table if it has not, the table added if there is none.
 func WithoutHolder(text string) string {
-	const line = "connection_holder = false"
+	return withKey(text, "ssh", sshTable, holderKey, "connection_holder = false")
+}
+
+// WithoutAgent is configuration text with [guest_tools] agent = "none",
+// as WithoutHolder.
+func WithoutAgent(text string) string {
+	return withKey(text, "guest_tools", toolsTable, agentKey, `agent = "none"`)
+}
+
+// withKey sets line in the table that tableRe finds (named name when it
+// is added), in place of the key keyRe finds.
+func withKey(text, name string, tableRe, keyRe *regexp.Regexp, line string) string {
 	lines := strings.Split(text, "\n")
-	inSSH, header := false, -1
+	in, header := false, -1
 	for i, l := range lines {
 		switch {
-		case sshTable.MatchString(l):
-			inSSH, header = true, i
+		case tableRe.MatchString(l):
+			in, header = true, i
 		case anyTable.MatchString(l):
-			inSSH = false
-		case inSSH && holderKey.MatchString(l):
+			in = false
+		case in && keyRe.MatchString(l):
 			lines[i] = line
 			return strings.Join(lines, "\n")
 		}
@@ -337,7 +371,7 @@ func WithoutHolder(text string) string {
 		lines = append(lines[:header+1], append([]string{line}, lines[header+1:]...)...)
 		return strings.Join(lines, "\n")
 	}
-	return text + "\n[ssh]\n" + line + "\n"
+	return text + "\n[" + name + "]\n" + line + "\n"
 }
 
 // directRound is the direct round's set-up for every image: the
@@ -352,22 +386,38 @@ type directRound struct {
 // the caller removes after the benchmark: the reapers of the round's jobs
 // read it) and checks that it loads and turns the holder off.
 func (b *bench) setupDirect(dir string) *directRound {
-	d := &directRound{config: filepath.Join(dir, "config-direct.toml")}
+	return b.setupRound(dir, "direct", "[ssh] connection_holder = false", WithoutHolder, func(cfg *config.Config) bool { return !cfg.SSH.HolderEnabled() },
+		jobMode{exec: b.exec, direct: true})
+}
+
+// setupWrapper is setupDirect for the wrapper round: [guest_tools] agent =
+// "none", the holder on.
+func (b *bench) setupWrapper(dir string) *directRound {
+	return b.setupRound(dir, "wrapper", `[guest_tools] agent = "none"`, WithoutAgent, func(cfg *config.Config) bool {
+		return cfg.GuestTools.Agent == config.GuestToolsNone && cfg.SSH.HolderEnabled()
+	}, jobMode{exec: b.exec, wrapper: true})
+}
+
+// setupRound writes a round's configuration copy (edit of the
+// benchmark's, named by what) into dir and checks that it loads and
+// does what it should (took).
+func (b *bench) setupRound(dir, name, what string, edit func(string) string, took func(*config.Config) bool, mode jobMode) *directRound {
+	d := &directRound{config: filepath.Join(dir, "config-"+name+".toml")}
 	text, err := os.ReadFile(b.opts.ConfigPath)
 	if err == nil {
-		err = os.WriteFile(d.config, []byte(WithoutHolder(string(text))), 0o600)
+		err = os.WriteFile(d.config, []byte(edit(string(text))), 0o600)
 	}
 	if err == nil {
 		var cfg *config.Config
-		if cfg, err = config.Load(d.config); err == nil && cfg.SSH.HolderEnabled() {
-			err = errors.New("[ssh] connection_holder is still on")
+		if cfg, err = config.Load(d.config); err == nil && !took(cfg) {
+			err = errors.New("it did not take")
 		}
 	}
 	if err != nil {
-		d.err = fmt.Errorf("the direct round's configuration (a copy with [ssh] connection_holder = false): %w", err)
+		d.err = fmt.Errorf("the %s round's configuration (a copy with %s): %w", name, what, err)
 		return d
 	}
-	d.mode = jobMode{exec: b.exec, direct: true}
+	d.mode = mode
 	args := []string{"--config", d.config}
 	d.mode.exec.ConfigArgs, d.mode.exec.PrepareArgs, d.mode.exec.RunArgs, d.mode.exec.CleanupArgs = args, args, args, args
 	return d

@@ -21,9 +21,14 @@ type Report struct {
 	// connection holder. DirectRuns is how many jobs per image ran with a
 	// copy of the configuration that turns it off (ImageReport.Direct), 0
 	// for none.
-	ConnectionHolder bool    `json:"connection_holder"`
-	DirectRuns       int     `json:"direct_runs"`
-	PollMs           float64 `json:"floor_poll_ms"`
+	ConnectionHolder bool `json:"connection_holder"`
+	DirectRuns       int  `json:"direct_runs"`
+	// WrapperRuns is how many jobs per image ran with a copy of the
+	// configuration that turns the guest agent off (ImageReport.Wrapper):
+	// through the holder, each stage a session and the stage wrapper; 0
+	// for none.
+	WrapperRuns int     `json:"wrapper_runs"`
+	PollMs      float64 `json:"floor_poll_ms"`
 	// Startup is each executable's start on the host (`--version`, run
 	// repeatedly): the fixed cost every stage pays before doing anything.
 	Startup   map[string]Summary `json:"startup_ms"`
@@ -48,6 +53,10 @@ type ImageReport struct {
 	// an SSH connection of its own (the path before the connection holder),
 	// interleaved with the jobs above.
 	Direct *DirectRound `json:"direct,omitempty"`
+	// Wrapper is the wrapper round: the same cold jobs with a copy of the
+	// configuration that sets [guest_tools] agent = "none" (the path
+	// before the guest agent); nil when there was none.
+	Wrapper *DirectRound `json:"wrapper,omitempty"`
 	// FloorSpec says whether the floor's domain definition matched
 	// prepare's once per-machine values are blanked: "same", "differs" (see
 	// FloorSpecDiff) or why it could not be checked.
@@ -84,9 +93,11 @@ type JobSample struct {
 	// job-log line); DirectStages counts the run stages that connected
 	// directly although the holder was on (run's "this stage connects
 	// directly" line).
-	HolderStarted bool    `json:"holder_started,omitempty"`
-	DirectStages  int     `json:"direct_stages,omitempty"`
-	CleanupMs     float64 `json:"cleanup_ms"`
+	HolderStarted bool `json:"holder_started,omitempty"`
+	DirectStages  int  `json:"direct_stages,omitempty"`
+	// Agent: the job log says its stages ran through the guest agent.
+	Agent     bool    `json:"agent,omitempty"`
+	CleanupMs float64 `json:"cleanup_ms"`
 	// Gone is how long after cleanup returned the job's VM was really gone:
 	// cleanup leaves the destroy, undefine and volumes to a detached reaper.
 	Gone *GoneMs `json:"vm_gone,omitempty"`
@@ -337,6 +348,9 @@ type ImageSummary struct {
 	// was no direct round. Side by side: before and after the holder.
 	HolderPath PathSummary  `json:"holder_path"`
 	DirectPath *PathSummary `json:"direct_path,omitempty"`
+	// WrapperPath summarizes the wrapper round's jobs the same way: before
+	// and after the guest agent.
+	WrapperPath *PathSummary `json:"wrapper_path,omitempty"`
 }
 
 // PathSummary is one way of running the stages (connection holder or a
@@ -351,6 +365,9 @@ type PathSummary struct {
 	// connected directly all the same.
 	HolderStarted int `json:"holder_started"`
 	DirectStages  int `json:"direct_stages"`
+	// Agent counts the succeeded jobs whose stages ran through the guest
+	// agent.
+	Agent int `json:"agent"`
 
 	ConfigWall  Summary `json:"config_wall_ms"`
 	PrepareWall Summary `json:"prepare_wall_ms"`
@@ -480,6 +497,10 @@ func (r *ImageReport) Summarize() ImageSummary {
 	if r.Direct != nil {
 		d := SummarizePath(r.Direct.Jobs)
 		s.DirectPath = &d
+	}
+	if r.Wrapper != nil {
+		w := SummarizePath(r.Wrapper.Jobs)
+		s.WrapperPath = &w
 	}
 	s.Overlay = col(func(j *JobSample) float64 { return optU(j.OverlayBytes) })
 	s.SeedVol = col(func(j *JobSample) float64 { return optU(j.SeedBytes) })

@@ -55,6 +55,12 @@ type Options struct {
 	// a connection of its own), interleaved with the cold jobs, for the
 	// before/after comparison (default: Runs; negative skips them).
 	DirectRuns int
+	// WrapperRuns is how many jobs per image run with a copy of the
+	// configuration with [guest_tools] agent = "none" (through the holder,
+	// each stage a session and the stage wrapper), interleaved the same
+	// way: before and after the guest agent (default: Runs; negative
+	// skips them).
+	WrapperRuns int
 	// Progress receives one line per job and floor boot; JobLog, if set,
 	// every job log. Nil discards.
 	Progress, JobLog io.Writer
@@ -69,6 +75,9 @@ func (o *Options) defaults() {
 	}
 	if o.DirectRuns == 0 {
 		o.DirectRuns = o.Runs
+	}
+	if o.WrapperRuns == 0 {
+		o.WrapperRuns = o.Runs
 	}
 	if o.Poll == 0 {
 		o.Poll = 50 * time.Millisecond
@@ -94,6 +103,9 @@ func (o Options) Validate() error {
 	if o.DirectRuns > 50 {
 		errs = append(errs, fmt.Errorf("direct runs = %d: at most 50", o.DirectRuns))
 	}
+	if o.WrapperRuns > 50 {
+		errs = append(errs, fmt.Errorf("wrapper runs = %d: at most 50", o.WrapperRuns))
+	}
 	if o.Concurrency > 8 {
 		errs = append(errs, fmt.Errorf("concurrency = %d: at most 8 VMs at once", o.Concurrency))
 	}
@@ -116,8 +128,9 @@ type bench struct {
 	timings string
 	// startupSum is the executables' start (Report.Startup), for the targets.
 	startupSum map[string]Summary
-	// direct is the direct round's set-up; nil when there is none.
-	direct *directRound
+	// direct is the direct round's set-up; nil when there is none;
+	// wrapper the wrapper round's.
+	direct, wrapper *directRound
 }
 
 // Run measures every image and returns the report. The error is for setup
@@ -192,6 +205,23 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			rep.DirectRuns = o.DirectRuns
 		}
 	}
+	switch {
+	case o.WrapperRuns < 1:
+	case !rep.ConnectionHolder || cfg.GuestTools.Agent == config.GuestToolsNone:
+		b.progress("warning: %s turns the connection holder or the guest agent off: no wrapper round to compare the agent with", o.ConfigPath)
+	default:
+		dir, err := os.MkdirTemp("", "lve-bench-wrapper-")
+		if err != nil {
+			return nil, err
+		}
+		defer func() { _ = os.RemoveAll(dir) }()
+		b.wrapper = b.setupWrapper(dir)
+		if b.wrapper.err != nil {
+			b.progress("ERROR: %s", b.wrapper.err)
+		} else {
+			rep.WrapperRuns = o.WrapperRuns
+		}
+	}
 	rep.Startup = b.startup(ctx, 15)
 	b.startupSum = rep.Startup
 	for _, name := range images {
@@ -232,6 +262,14 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 			runs = max(runs, b.opts.DirectRuns)
 		}
 	}
+	if w := b.wrapper; w != nil {
+		r.Wrapper = &DirectRound{Config: w.config}
+		if w.err != nil {
+			r.Wrapper.Errors = append(r.Wrapper.Errors, w.err.Error())
+		} else {
+			runs = max(runs, b.opts.WrapperRuns)
+		}
+	}
 	for run := 1; run <= runs && ctx.Err() == nil; run++ {
 		job := func() {
 			j := b.job(ctx, name, run)
@@ -265,6 +303,18 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 				seq = append([]func(){direct}, seq...)
 			}
 		}
+		if b.wrapper != nil && b.wrapper.err == nil && run <= b.opts.WrapperRuns {
+			wrapper := func() {
+				j := b.runJob(ctx, name, run, b.wrapper.mode)
+				r.Wrapper.Jobs = append(r.Wrapper.Jobs, j)
+				b.progress("%s run %d/%d: wrapper (holder, no agent) %s", name, run, b.opts.WrapperRuns, describeJob(j))
+			}
+			if run%2 == 0 {
+				seq = append(seq, wrapper)
+			} else {
+				seq = append([]func(){wrapper}, seq...)
+			}
+		}
 		for _, step := range seq {
 			if ctx.Err() == nil {
 				step()
@@ -286,6 +336,7 @@ func (b *bench) image(ctx context.Context, name string) ImageReport {
 	}
 	r.Summary = r.Summarize()
 	r.Targets = append(Evaluate(r.Summary), EvaluateStartup(b.startupSum)...)
+	r.Targets = append(r.Targets, EvaluateTCG(r)...)
 	return r
 }
 
@@ -321,9 +372,10 @@ func (b *bench) job(ctx context.Context, image string, run int) JobSample {
 // standby VM instead of booting the job's own, and whether to the direct
 // round, whose configuration turns the connection holder off.
 type jobMode struct {
-	exec   harness.Executables
-	warm   bool
-	direct bool
+	exec    harness.Executables
+	warm    bool
+	direct  bool
+	wrapper bool
 }
 
 // runJob runs one no-op job through the harness and collects its figures.
@@ -447,6 +499,9 @@ func (b *bench) runJob(ctx context.Context, image string, run int, mode jobMode)
 		if p := j.holderProblem(mode.direct, b.cfg.SSH.HolderEnabled()); p != "" {
 			problems = append(problems, p)
 		}
+		if p := j.agentProblem(mode.wrapper, b.cfg.GuestTools.Agent != config.GuestToolsNone); p != "" {
+			problems = append(problems, p)
+		}
 	}
 	if j.Gone != nil && j.Gone.Error != "" {
 		problems = append(problems, j.Gone.Error)
@@ -499,6 +554,8 @@ func describeJob(j JobSample) string {
 		s += ", no-op stage overhead " + fmtMs(*j.BuildOverheadMs)
 	}
 	switch {
+	case j.HolderStarted && j.DirectStages == 0 && j.Agent:
+		s += " (holder, agent)"
 	case j.HolderStarted && j.DirectStages == 0:
 		s += " (holder)"
 	case j.HolderStarted:

@@ -26,6 +26,9 @@ func (r *Report) WriteTable(w io.Writer) error {
 	default:
 		fmt.Fprintf(tw, "stages: through the connection holder; no direct round\n")
 	}
+	if r.WrapperRuns > 0 {
+		fmt.Fprintf(tw, "plus %d wrapper job(s) per image ([guest_tools] agent = \"none\": through the holder, each stage a session and the stage wrapper), interleaved\n", r.WrapperRuns)
+	}
 	if len(r.Startup) > 0 {
 		fmt.Fprintf(tw, "\nexecutable start on the host (--version)\tmedian\tmin - max\tn\n")
 		for _, exe := range Executables {
@@ -119,6 +122,9 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	if s.DirectPath != nil {
 		writePaths(tw, *s.DirectPath, s.HolderPath)
 	}
+	if s.WrapperPath != nil {
+		writeAgentPaths(tw, *s.WrapperPath, s.HolderPath)
+	}
 	if img.Warm != nil && s.Warm != nil {
 		writeWarm(tw, img.Warm, s, row)
 	}
@@ -133,6 +139,9 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	if img.Direct != nil {
 		writeDirectNotes(tw, img.Direct)
 	}
+	if img.Wrapper != nil {
+		writeRoundNotes(tw, "wrapper", img.Wrapper)
+	}
 	if img.Warm != nil {
 		writeWarmNotes(tw, img.Warm)
 	}
@@ -143,8 +152,21 @@ func writeImage(tw io.Writer, img *ImageReport) {
 // run, stage by stage: medians [min - max], and the holder's change.
 func writePaths(tw io.Writer, direct, holder PathSummary) {
 	fmt.Fprintf(tw, "direct vs connection holder (same run)\tdirect (old)\tholder (new)\tholder - direct\n")
+	writePathRows(tw, direct, holder)
+}
+
+// writeAgentPaths prints the wrapper round's jobs (through the holder,
+// each stage a session and the stage wrapper: the path before the guest
+// agent) beside the jobs of the same run, which used the agent.
+func writeAgentPaths(tw io.Writer, wrapper, agent PathSummary) {
+	fmt.Fprintf(tw, "wrapper vs guest agent (same run)\twrapper (old)\tagent (new)\tagent - wrapper\n")
+	writePathRows(tw, wrapper, agent)
+}
+
+func writePathRows(tw io.Writer, direct, holder PathSummary) {
 	fmt.Fprintf(tw, "  jobs: succeeded (failed)\t%d (%d)\t%d (%d)\t\n", direct.Jobs-direct.Failures, direct.Failures, holder.Jobs-holder.Failures, holder.Failures)
 	fmt.Fprintf(tw, "  holder started / stages connected directly\t%d / %d\t%d / %d\t\n", direct.HolderStarted, direct.DirectStages, holder.HolderStarted, holder.DirectStages)
+	fmt.Fprintf(tw, "  jobs whose stages ran through the guest agent\t%d\t%d\t\n", direct.Agent, holder.Agent)
 	row := func(label string, d, h Summary) {
 		fmt.Fprintf(tw, "  %s\t%s\t%s\t%s\n", label, fmtCell(d), fmtCell(h), fmtDelta(d, h))
 	}
@@ -192,16 +214,20 @@ func fmtDelta(d, h Summary) string {
 
 // writeDirectNotes lists the direct round's own errors and its jobs that
 // failed or did not run as they should (after the targets).
-func writeDirectNotes(tw io.Writer, d *DirectRound) {
+func writeDirectNotes(tw io.Writer, d *DirectRound) { writeRoundNotes(tw, "direct", d) }
+
+// writeRoundNotes lists a comparison round's own errors and its jobs that
+// failed or did not run as they should.
+func writeRoundNotes(tw io.Writer, name string, d *DirectRound) {
 	for _, e := range d.Errors {
-		fmt.Fprintf(tw, "DIRECT ROUND ERROR: %s\n", firstLine(e))
+		fmt.Fprintf(tw, "%s ROUND ERROR: %s\n", strings.ToUpper(name), firstLine(e))
 	}
 	for _, j := range d.Jobs {
 		switch {
 		case !j.OK:
-			fmt.Fprintf(tw, "direct run %d FAILED: %s\n", j.Run, firstLine(j.Error))
+			fmt.Fprintf(tw, "%s run %d FAILED: %s\n", name, j.Run, firstLine(j.Error))
 		case j.Error != "":
-			fmt.Fprintf(tw, "direct run %d: %s\n", j.Run, firstLine(j.Error))
+			fmt.Fprintf(tw, "%s run %d: %s\n", name, j.Run, firstLine(j.Error))
 		}
 	}
 }

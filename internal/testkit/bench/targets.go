@@ -105,6 +105,35 @@ func Evaluate(s ImageSummary) []Target {
 	return out
 }
 
+// The guest agent's goals under TCG (#27): a no-op stage's overhead
+// (all no-op stages of a job) on the tiny guest and on the others (Debian
+// and cloud, whose sshd and login are heavier), and a whole warm no-op job
+// on the tiny guest, in the harness.
+const (
+	TargetTCGStageTinyMs  = 100.0
+	TargetTCGStageOtherMs = 250.0
+	TargetTCGWarmJobMs    = 1500.0
+	tinyImage             = "tiny"
+	tcgDomainType         = "qemu"
+)
+
+// EvaluateTCG compares an image's figures with the goals under TCG (none
+// for a KVM run: there the 20 ms goal of Evaluate applies).
+func EvaluateTCG(r ImageReport) []Target {
+	if r.DomainType != tcgDomainType {
+		return nil
+	}
+	limit := TargetTCGStageOtherMs
+	if r.Image == tinyImage {
+		limit = TargetTCGStageTinyMs
+	}
+	out := []Target{compare("run overhead per stage, all no-op stages (TCG goal)", statMedian, unitMs, limit, r.Summary.OverheadAll)}
+	if w := r.Summary.Warm; w != nil && r.Image == tinyImage {
+		out = append(out, compare("warm no-op job wall, tiny (TCG goal)", statMedian, unitMs, TargetTCGWarmJobMs, w.JobWall))
+	}
+	return out
+}
+
 // EvaluateStartup compares the executables' start on the host (the
 // benchmark's `--version` figures, Report.Startup) with TargetStartupMs.
 func EvaluateStartup(startup map[string]Summary) []Target {
