@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
 	"sync"
 	"syscall"
 	"time"
@@ -26,7 +27,11 @@ type Server struct {
 	// its machine.
 	Alive func() bool
 	// Until is when the holder ends at the latest (the job's deadline).
-	Until time.Time
+	// A later deadline written to UntilFile (SetUntil) replaces it: a
+	// standby machine's holder is started with the machine, and the job
+	// that claims the machine gives it the job's deadline.
+	Until     time.Time
+	UntilFile string
 	// Log receives the holder's own messages (never a script or its
 	// output).
 	Log *slog.Logger
@@ -61,12 +66,10 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	if s.Log == nil {
 		s.Log = slog.New(slog.DiscardHandler)
 	}
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	if !s.Until.IsZero() {
-		var stop context.CancelFunc
-		ctx, stop = context.WithDeadline(ctx, s.Until)
-		defer stop()
+	ctx, cancel := context.WithCancelCause(ctx)
+	defer cancel(nil)
+	if s.deadlinePassed() {
+		return nil
 	}
 	s.ready = make(chan struct{})
 	go func() {
@@ -75,6 +78,7 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	}()
 	go s.watch(ctx, cancel)
 	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
+	defer func() { _ = ln.Close() }()
 	defer stopAccept()
 	var stages sync.WaitGroup
 	defer func() {
@@ -118,8 +122,8 @@ const lostNoticeWait = 2 * time.Second
 // reading for this long is dropped (its script is stopped in the guest).
 const frameWriteWait = 60 * time.Second
 
-// watch ends the holder when the machine is gone.
-func (s *Server) watch(ctx context.Context, cancel context.CancelFunc) {
+// watch ends the holder when the machine is gone or its deadline passed.
+func (s *Server) watch(ctx context.Context, cancel context.CancelCauseFunc) {
 	t := time.NewTicker(s.CheckEvery)
 	defer t.Stop()
 	for {
@@ -129,11 +133,51 @@ func (s *Server) watch(ctx context.Context, cancel context.CancelFunc) {
 		case <-t.C:
 			if s.Alive != nil && !s.Alive() {
 				s.Log.Info("the machine is gone")
-				cancel()
+				cancel(errors.New("the machine is gone"))
+				return
+			}
+			if s.deadlinePassed() {
+				cancel(context.DeadlineExceeded)
 				return
 			}
 		}
 	}
+}
+
+// deadline is when the holder ends: the deadline in UntilFile if there is
+// one, else Until (zero: none).
+func (s *Server) deadline() time.Time {
+	if s.UntilFile != "" {
+		if b, err := os.ReadFile(s.UntilFile); err == nil {
+			var sec int64
+			if _, err := fmt.Sscan(string(b), &sec); err == nil && sec > 0 {
+				return time.Unix(sec, 0)
+			}
+		}
+	}
+	return s.Until
+}
+
+func (s *Server) deadlinePassed() bool {
+	d := s.deadline()
+	return !d.IsZero() && !time.Now().Before(d)
+}
+
+// UntilFile is where SetUntil records a holder's new deadline in the
+// machine directory dir.
+func UntilFile(dir string) string { return filepath.Join(dir, untilFile) }
+
+const untilFile = "holder-until"
+
+// SetUntil gives the holder of the machine directory dir the deadline
+// until (written whole: a temporary file renamed). The holder looks at
+// it once a second.
+func SetUntil(dir string, until time.Time) error {
+	tmp := UntilFile(dir) + ".new"
+	if err := os.WriteFile(tmp, []byte(fmt.Sprintf("%d\n", until.Unix())), 0o600); err != nil {
+		return err
+	}
+	return os.Rename(tmp, UntilFile(dir))
 }
 
 // connect (re)makes the connection, and starts the guest's agent on it

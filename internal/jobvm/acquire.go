@@ -9,6 +9,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -225,13 +226,26 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 
 // startHolder starts the job's connection holder (StartHolder) if the
 // request asks for one. Without one the job still runs: each stage
-// connects directly, as the job log says.
+// connects directly, as the job log says. A claimed standby machine's
+// holder, started with the machine (BootStandby) and still running, is
+// kept and given the job's deadline: its connection (and the guest agent)
+// is open already.
 func (h *Host) startHolder(req JobRequest, name string) bool {
 	if !req.Holder {
 		return false
 	}
 	t0 := time.Now()
 	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
+	dir := h.Store.MachineDir(name)
+	if holder.Running(dir) != 0 {
+		err := holder.SetUntil(dir, until)
+		if err == nil && holder.Running(dir) != 0 {
+			h.Sayf("Connection holder of the standby VM kept (connected while the VM waited): the job's stages share its SSH connection")
+			return true
+		}
+		// Not given the job's deadline, or gone meanwhile: a new one.
+		holder.Stop(dir)
+	}
 	if err := h.StartHolder(name, until); err != nil {
 		if req.Log != nil {
 			req.Log.Warn("no connection holder", "err", err)

@@ -86,8 +86,9 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 			_, err := os.Stat(dir)
 			return !errors.Is(err, os.ErrNotExist)
 		},
-		Until: until,
-		Log:   log,
+		Until:     until,
+		UntilFile: holder.UntilFile(dir),
+		Log:       log,
 	}
 	return s.Serve(ctx, ln)
 }

@@ -127,6 +127,7 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 		return nil, err
 	}
 	size := h.Cfg.ImageSize(img)
+	booted := time.Now()
 	ready, err := h.Provision(ctx, lifecycle.Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
@@ -142,8 +143,19 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 			}
 			unlock()
 		}
+		return ready, err
 	}
-	return ready, err
+	// Its connection holder, started now: it connects (and starts the
+	// guest agent) while the machine waits, so that the job that claims
+	// it has its first stage's connection ready (acquireWarm keeps it and
+	// gives it the job's deadline). Until then it ends with the machine.
+	// Without one the claiming job starts its own.
+	if h.Cfg.SSH.HolderEnabled() {
+		if herr := h.StartHolder(name, booted.Add(img.Pool.MaxAge.D()+h.Cfg.Timeouts.JobSlack.D())); herr != nil {
+			h.Sayf("Note: no connection holder started with the standby VM %s (the job that claims it starts one): %v", name, herr)
+		}
+	}
+	return ready, nil
 }
 
 // ClaimRequest is a job asking for an idle standby machine.

@@ -158,6 +158,10 @@ func TestPoolWarmJob(t *testing.T) {
 	prep := stageExit(t, res, "prepare")
 	require.Less(t, prep.Duration, 2*time.Second, "a warm prepare takes well under a boot (target 0.5 s, measured by make bench)")
 	require.NotContains(t, log, "Booted, address", "no boot in the job's prepare")
+	// The standby VM's connection holder, connected (and its guest agent
+	// started) while the VM waited, runs the job's stages.
+	require.Contains(t, log, "Connection holder of the standby VM kept")
+	require.Contains(t, log, agentSaid)
 
 	// The claimed VM is gone with the job; a replacement booted at once.
 	waitFor(t, reaperWait, "the job's VM destroyed after the job (by its cleanup's reaper)", func() bool {

@@ -86,7 +86,7 @@ func (j *JobSample) readNoops(noops []Noop) (missing []string) {
 // What the driver says in the job log about the connection holder
 // (internal/gitlab: startHolder in prepare, runHeld in run).
 var (
-	holderStartedLine = regexp.MustCompile(`Connection holder started in `)
+	holderStartedLine = regexp.MustCompile(`Connection holder (started in |of the standby VM kept)`)
 	directStageLine   = regexp.MustCompile(`this stage connects directly`)
 	agentLine         = regexp.MustCompile(`the stages run through the guest agent`)
 )
