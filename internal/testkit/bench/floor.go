@@ -15,6 +15,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -119,13 +120,22 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	if err != nil {
 		return fail(err)
 	}
+	// The guest tools disk a job's machine gets now, as prepare attaches
+	// it (the images mount it while they boot): the floor boots the same
+	// machine, and its agent is measured below.
+	var shared []vm.SharedDisk
+	if t, _ := guesttools.Now(&lifecycle.Manager{Cfg: e.cfg, Store: e.store, Controller: e.controller}); t != nil {
+		if p, err := e.hv.VolumePath(ctx, e.cfg.StoragePool, t.Volume); err == nil {
+			shared = []vm.SharedDisk{{Path: p, Serial: guestinit.ToolsDiskSerial}}
+		}
+	}
 	spec := lifecycle.MachineSpec(e.cfg, lifecycle.SpecInput{
 		Request: lifecycle.Request{Name: name, Image: img, VCPUs: res.VCPUs, MemoryMiB: res.MemoryMiB, DiskGiB: res.DiskGiB,
 			// An hour (plus timeouts.job_slack) is plenty: a sweep removes
 			// the machine after that if the benchmark was killed.
 			Frontend: "lve-bench", Job: "floor", Lifetime: time.Hour},
 		Controller: e.controller, DomainType: domainType, Keys: keys, CloudInitSeed: seed, MAC: mac,
-		Created: time.Now().UTC(), ConsoleLog: filepath.Join(dir, "console.log"),
+		Created: time.Now().UTC(), ConsoleLog: filepath.Join(dir, "console.log"), Shared: shared,
 	})
 	if _, err := eng.Create(ctx, spec); err != nil {
 		return fail(err)
@@ -206,14 +216,26 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	st := sshexec.Target{Addr: target, User: img.User, Signer: keys.Client, HostKey: keys.Host,
 		InsecureIgnoreHostKey: e.cfg.HostKeyPolicy == config.HostKeyInsecureIgnore}
 	if wc, err := sshexec.Dial(ctx, st); err == nil {
-		for _, sh := range []struct {
+		// The same through the guest agent (the floor VM's tools disk has
+		// it when the jobs' machines have it).
+		var agent *sshexec.AgentSession
+		if len(shared) > 0 {
+			agent, _ = wc.StartAgent(ctx, guestinit.GuestAgentPath)
+		}
+		type way struct {
 			shell string
+			agent *sshexec.AgentSession
 			into  *float64
-		}{{"sh", &fs.WrapperShMs}, {"bash", &fs.WrapperBashMs}} {
+		}
+		ways := []way{{"sh", nil, &fs.WrapperShMs}, {"bash", nil, &fs.WrapperBashMs}}
+		if agent != nil {
+			ways = append(ways, way{"sh", agent, &fs.AgentShMs}, way{"bash", agent, &fs.AgentBashMs})
+		}
+		for _, sh := range ways {
 			var w []float64
 			for range 5 {
 				t := time.Now()
-				if err := wc.Run(ctx, []byte("exit 0\n"), sshexec.RunOptions{Shell: sh.shell}); err != nil {
+				if err := wc.Run(ctx, []byte("exit 0\n"), sshexec.RunOptions{Shell: sh.shell, Agent: sh.agent}); err != nil {
 					break
 				}
 				w = append(w, ms(time.Since(t)))
@@ -221,6 +243,9 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 			if len(w) > 0 {
 				*sh.into = Summarize(w).Median
 			}
+		}
+		if agent != nil {
+			_ = agent.Close()
 		}
 		_ = wc.Close()
 	}

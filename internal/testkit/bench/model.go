@@ -262,6 +262,11 @@ type FloorSample struct {
 	// connection (medians of five; 0 if not measured).
 	WrapperShMs   float64 `json:"wrapper_sh_ms,omitempty"`
 	WrapperBashMs float64 `json:"wrapper_bash_ms,omitempty"`
+	// AgentShMs and AgentBashMs: the same script through the guest agent
+	// (started once on the floor VM's connection from its tools disk);
+	// 0 when the floor VM has no agent.
+	AgentShMs   float64 `json:"agent_sh_ms,omitempty"`
+	AgentBashMs float64 `json:"agent_bash_ms,omitempty"`
 	// DestroyMs is the destroy call alone, RemoveMs the whole removal
 	// (destroy, undefine, volumes).
 	DestroyMs float64 `json:"destroy_ms"`
@@ -307,6 +312,8 @@ type ImageSummary struct {
 	Exec           Summary `json:"exec_ms"`
 	WrapperSh      Summary `json:"wrapper_sh_ms"`
 	WrapperBash    Summary `json:"wrapper_bash_ms"`
+	AgentSh        Summary `json:"agent_sh_ms"`
+	AgentBash      Summary `json:"agent_bash_ms"`
 	FloorDestroy   Summary `json:"floor_destroy_ms"`
 	FloorRemove    Summary `json:"floor_remove_ms"`
 	// Ratio is prepare wall / floor, paired run by run.
@@ -536,6 +543,8 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.Exec = fcol(func(f *FloorSample) float64 { return f.ExecMs })
 	s.WrapperSh = fcol(func(f *FloorSample) float64 { return zeroNaN(f.WrapperShMs) })
 	s.WrapperBash = fcol(func(f *FloorSample) float64 { return zeroNaN(f.WrapperBashMs) })
+	s.AgentSh = fcol(func(f *FloorSample) float64 { return zeroNaN(f.AgentShMs) })
+	s.AgentBash = fcol(func(f *FloorSample) float64 { return zeroNaN(f.AgentBashMs) })
 	s.FloorDestroy = fcol(func(f *FloorSample) float64 { return f.DestroyMs })
 	s.FloorRemove = fcol(func(f *FloorSample) float64 { return f.RemoveMs })
 	s.FloorOverlayAtCreate = fcol(func(f *FloorSample) float64 {

@@ -99,6 +99,8 @@ func writeImage(tw io.Writer, img *ImageReport) {
 	row("  of which: one session exec (one per stage)", s.Exec, fmtMs)
 	row("  the stage wrapper, script `exit 0` by sh (session included)", s.WrapperSh, fmtMs)
 	row("  the stage wrapper, script `exit 0` by bash (session included)", s.WrapperBash, fmtMs)
+	row("  the guest agent, script `exit 0` by sh", s.AgentSh, fmtMs)
+	row("  the guest agent, script `exit 0` by bash", s.AgentBash, fmtMs)
 	row("cleanup wall", s.Cleanup, fmtMs)
 	row("  cleanup -> VM gone (domain, state dir)", s.VMGone, fmtMs)
 	row("  floor VM: destroy call", s.FloorDestroy, fmtMs)
