@@ -390,4 +390,18 @@ func TestGuestToolCheckKnowsTheToolsDisk(t *testing.T) {
 	require.NoError(t, checkGuestTools(context.Background(), mounted, say, store, img, imageVersion(img).withTools(&other), &other, false))
 	require.Equal(t, 1, mounted.calls)
 	require.Empty(t, said)
+
+	// Machines of two tools disks in turn (two configurations sharing the
+	// state directory, e.g. one without the guest agent): each answer is
+	// kept, neither evicts the other.
+	third := other
+	third.Volume = "lve-0123abcd-tools-0123456789abcdef.iso"
+	require.NoError(t, checkGuestTools(context.Background(), mounted, say, store, img, imageVersion(img).withTools(&third), &third, false))
+	require.Equal(t, 2, mounted.calls)
+	for range 2 {
+		for _, v := range []*state.Tools{&other, &third} {
+			require.NoError(t, checkGuestTools(context.Background(), mounted, say, store, img, imageVersion(img).withTools(v), v, false))
+		}
+	}
+	require.Equal(t, 2, mounted.calls, "both answers remembered")
 }

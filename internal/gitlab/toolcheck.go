@@ -37,6 +37,17 @@ type toolCheck struct {
 	Missing []string `json:"missing"`
 }
 
+// toolCheckKey names what the check found for img's machines with the
+// tools disk tools: one entry per tools volume, so that configurations
+// sharing a state directory with different [guest_tools] (another
+// runner's, or make bench's wrapper round) do not evict each other's.
+func toolCheckKey(img *config.Image, tools *state.Tools) string {
+	if tools == nil || tools.Volume == "" {
+		return "tools-" + img.Name
+	}
+	return "tools-" + img.Name + "-" + tools.Volume
+}
+
 // toolCheckFormat is the version of what the check looks for.
 const toolCheckFormat = 5
 
@@ -94,7 +105,7 @@ func toolCheckCommand(shell string) string {
 // A GitLab Steps job (steps) needs step-runner: without it the check fails
 // (a system failure naming the fix), before any stage of the job runs.
 func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck, tools *state.Tools, steps bool) error {
-	key := "tools-" + img.Name
+	key := toolCheckKey(img, tools)
 	if version != nil {
 		var old toolCheck
 		if store.Recall(key, &old) && old.sameVersion(version) {
@@ -150,7 +161,7 @@ func knownStepRunnerMissing(store state.Store, img *config.Image, version *toolC
 		return nil
 	}
 	var old toolCheck
-	if !store.Recall("tools-"+img.Name, &old) || !old.sameVersion(version.withTools(tools)) {
+	if !store.Recall(toolCheckKey(img, tools), &old) || !old.sameVersion(version.withTools(tools)) {
 		return nil
 	}
 	return stepRunnerMissing(img, old.Missing, tools, true)
