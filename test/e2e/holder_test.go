@@ -116,7 +116,8 @@ func TestFaultHolderKilledBetweenStages(t *testing.T) {
 }
 
 // TestFaultGuestDiesWhileOnlyHolderConnected: the guest dies between
-// stages. Once the holder's keepalive noticed, the next stage fails at once;
+// stages, while only the guest agent's session of the holder's connection
+// is open. Once the holder's keepalive noticed, the next stage fails at once;
 // a stage that starts before that fails within the keepalive bound. Both
 // are system failures that say what became of the VM.
 func TestFaultGuestDiesWhileOnlyHolderConnected(t *testing.T) {
@@ -133,7 +134,9 @@ func TestFaultGuestDiesWhileOnlyHolderConnected(t *testing.T) {
 			s := newStageRunner(t, r)
 			require.Equal(t, 0, s.run(t, "config").code)
 			require.Equal(t, 0, s.run(t, "prepare").code)
-			require.Equal(t, 0, s.runScript(t, "prepare_script", "echo alive\n").code)
+			alive := s.runScript(t, "prepare_script", "echo alive\n")
+			require.Equal(t, 0, alive.code)
+			require.Contains(t, alive.stderr, agentSaid, "between stages only the guest agent's session is open")
 			pid := s.holderPID(t)
 			require.NotEmpty(t, tcpSockets(pid), "the holder is connected to the guest")
 			require.NoError(t, r.destroyJobDomain())
