@@ -51,7 +51,7 @@ build: build-prereqs ## build the four stage executables, the admin tool, the ga
 	for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin || exit 1; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm || exit 1; \
-	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS)' -o $(BIN)/lve-agent ./cmd/lve-agent || exit 1; \
+	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS) -s -w' -o $(BIN)/lve-agent ./cmd/lve-agent || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-panels ./cmd/lve-panels || exit 1; \

@@ -74,7 +74,7 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 	// mount the disk keeps the wrapper, and the first stage says so.
 	agentCmd := ""
 	if rec, err := h.Store.Record(name); err == nil && rec.Tools != nil && rec.Tools.Agent != nil {
-		agentCmd = guestinit.GuestAgentPath
+		agentCmd = "exec " + guestinit.GuestAgentPath // the login shell does not wait for it
 	}
 	s := &holder.Server{
 		AgentCommand: agentCmd,
