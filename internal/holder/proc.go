@@ -35,6 +35,7 @@ func Start(dir, exe string, args []string, stdin []byte) (int, error) {
 		return 0, fmt.Errorf("socket path %s is %d bytes long, more than the %d a unix socket allows (shorten state_dir)", sock, len(sock), maxSocketPath)
 	}
 	_ = os.Remove(sock)
+	_ = os.Remove(filepath.Join(dir, readyFile))
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		return 0, err
@@ -150,5 +151,6 @@ func Stop(dir string) bool {
 	}
 	_ = os.Remove(Socket(dir))
 	_ = os.Remove(filepath.Join(dir, PidFile))
+	_ = os.Remove(filepath.Join(dir, readyFile))
 	return pid != 0
 }

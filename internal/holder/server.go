@@ -44,6 +44,9 @@ type Server struct {
 	// a session and the wrapper. A guest without it keeps the wrapper,
 	// and the next stage says so once.
 	AgentCommand string
+	// Connected, if set, is called once the first connection was made
+	// (and the agent started), or failed.
+	Connected func()
 
 	mu      sync.Mutex
 	redial  sync.Mutex    // one reconnection at a time
@@ -75,6 +78,9 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	go func() {
 		s.connect(ctx)
 		close(s.ready)
+		if s.Connected != nil {
+			s.Connected()
+		}
 	}()
 	go s.watch(ctx, cancel)
 	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
@@ -168,6 +174,25 @@ func (s *Server) deadlinePassed() bool {
 func UntilFile(dir string) string { return filepath.Join(dir, untilFile) }
 
 const untilFile = "holder-until"
+
+// readyFile is written in the machine directory once the holder's first
+// connection was made (MarkReady).
+const readyFile = "holder-ready"
+
+// MarkReady records in the machine directory dir that its holder has made
+// its first connection.
+func MarkReady(dir string) error {
+	return os.WriteFile(filepath.Join(dir, readyFile), []byte("ready\n"), 0o600)
+}
+
+// Ready reports whether the holder of dir has made its first connection
+// (MarkReady) and still runs.
+func Ready(dir string) bool {
+	if _, err := os.Stat(filepath.Join(dir, readyFile)); err != nil {
+		return false
+	}
+	return Running(dir) != 0
+}
 
 // SetUntil gives the holder of the machine directory dir the deadline
 // until (written whole: a temporary file renamed). The holder looks at

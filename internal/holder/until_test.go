@@ -4,6 +4,7 @@ import (
 	"context"
 	"net"
 	"os"
+	"path/filepath"
 	"testing"
 	"time"
 
@@ -30,6 +31,7 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 			Until:      until,
 			UntilFile:  UntilFile(d),
 			CheckEvery: 20 * time.Millisecond,
+			Connected:  func() { require.NoError(t, MarkReady(d)) },
 		}
 		ctx, c := context.WithCancel(context.Background())
 		done = make(chan error, 1)
@@ -50,6 +52,9 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 	// The machine's deadline is an hour away; the job's, given later, has
 	// passed: the holder ends.
 	dir, sock, done, _ := serve(time.Now().Add(time.Hour))
+	require.Eventually(t, func() bool { _, err := os.Stat(filepath.Join(dir, readyFile)); return err == nil },
+		5*time.Second, 10*time.Millisecond, "Connected is called once the first connection is made")
+	require.False(t, Ready(dir), "Ready also asks for the recorded process, which this in-process holder has not")
 	require.NoError(t, stage(sock))
 	require.NoError(t, SetUntil(dir, time.Now().Add(-time.Second)))
 	select {

@@ -88,7 +88,12 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 		},
 		Until:     until,
 		UntilFile: holder.UntilFile(dir),
-		Log:       log,
+		Connected: func() {
+			if err := holder.MarkReady(dir); err != nil {
+				log.Warn("could not record the first connection", "err", err)
+			}
+		},
+		Log: log,
 	}
 	return s.Serve(ctx, ln)
 }

@@ -145,17 +145,35 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 		}
 		return ready, err
 	}
-	// Its connection holder, started now: it connects (and starts the
-	// guest agent) while the machine waits, so that the job that claims
-	// it has its first stage's connection ready (acquireWarm keeps it and
-	// gives it the job's deadline). Until then it ends with the machine.
-	// Without one the claiming job starts its own.
 	if h.Cfg.SSH.HolderEnabled() {
-		if herr := h.StartHolder(name, booted.Add(img.Pool.MaxAge.D()+h.Cfg.Timeouts.JobSlack.D())); herr != nil {
-			h.Sayf("Note: no connection holder started with the standby VM %s (the job that claims it starts one): %v", name, herr)
-		}
+		h.standbyHolder(ctx, name, booted.Add(img.Pool.MaxAge.D()+h.Cfg.Timeouts.JobSlack.D()))
 	}
 	return ready, nil
+}
+
+// standbyHolder starts a standby machine's connection holder under the
+// machine's lock (a claim passes a locked machine over, as one still
+// booting; starting the holder takes milliseconds), unless a job claimed
+// the machine in the moment after its boot: that job starts its own. The
+// holder connects and starts the guest agent while the machine waits, so
+// that the first stage of the job that claims it finds them ready
+// (acquireWarm keeps the holder and gives it the job's deadline; a job
+// that comes within the connection's first second waits for the rest of
+// it, as every job did before). Until claimed, the holder ends with the
+// machine or at until. Without one the claiming job starts its own:
+// nothing fails for it.
+func (h *Host) standbyHolder(ctx context.Context, name string, until time.Time) {
+	unlock, err := h.Store.Lock(ctx, name)
+	if err != nil {
+		return
+	}
+	defer unlock()
+	if cl, err := h.Store.ClaimOf(name); err != nil || cl != nil {
+		return
+	}
+	if err := h.StartHolder(name, until); err != nil {
+		h.Sayf("Note: no connection holder started with the standby VM %s (the job that claims it starts one): %v", name, err)
+	}
 }
 
 // ClaimRequest is a job asking for an idle standby machine.

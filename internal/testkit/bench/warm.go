@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
@@ -182,9 +183,15 @@ func (w *standbyWatch) snapshot() map[string]time.Time {
 }
 
 // atRest reports whether the pool is exactly one idle standby VM of image:
-// nothing booting, claimed or retiring.
-func atRest(all []lifecycle.Standby, image string) (string, bool) {
+// nothing booting, claimed or retiring; with the connection holder on
+// (holderDir: the machine directory of a name), the VM's holder has made
+// its connection (and started the guest agent), as it has for a VM that
+// waited a moment for its job.
+func atRest(all []lifecycle.Standby, image string, holderDir func(string) string) (string, bool) {
 	if len(all) == 1 && all[0].Idle() && all[0].Record.Standby.Image == image {
+		if holderDir != nil && !holder.Ready(holderDir(all[0].Name)) {
+			return "", false
+		}
 		return all[0].Name, true
 	}
 	return "", false
@@ -199,7 +206,11 @@ func (b *bench) waitPool(ctx context.Context, m *jobvm.Host, svc *poolsvc.Servic
 		watch.look()
 		all, err := m.Standbys()
 		if err == nil {
-			if name, ok := atRest(all, image); ok {
+			var dir func(string) string
+			if b.cfg.SSH.HolderEnabled() {
+				dir = b.store.MachineDir
+			}
+			if name, ok := atRest(all, image, dir); ok {
 				return name, nil
 			}
 		}

@@ -297,14 +297,18 @@ func TestAtRest(t *testing.T) {
 	booting := lifecycle.Standby{Name: "sb-b"}
 	claimed := lifecycle.Standby{Name: "sb-c", Record: rec("tiny"), Claim: &state.Claim{Job: "lve-x-1"}}
 	retiring := lifecycle.Standby{Name: "sb-d", Record: rec("tiny"), Claim: &state.Claim{Retire: true, Reason: "SSH does not answer"}}
-	name, ok := atRest([]lifecycle.Standby{idle}, "tiny")
+	name, ok := atRest([]lifecycle.Standby{idle}, "tiny", nil)
 	require.True(t, ok)
 	require.Equal(t, "sb-a", name)
 	for _, all := range [][]lifecycle.Standby{nil, {booting}, {idle, booting}, {idle, claimed}, {retiring}, {claimed}} {
-		_, ok := atRest(all, "tiny")
+		_, ok := atRest(all, "tiny", nil)
 		require.False(t, ok, poolsvc.Describe(all))
 	}
-	_, ok = atRest([]lifecycle.Standby{idle}, "debian")
+	// With the holder on: only once the idle VM's holder has connected
+	// (a directory without its record is a holder not ready).
+	_, ok = atRest([]lifecycle.Standby{idle}, "tiny", func(string) string { return t.TempDir() })
+	require.False(t, ok, "the idle VM's holder has not connected")
+	_, ok = atRest([]lifecycle.Standby{idle}, "debian", nil)
 	require.False(t, ok, "another image's VM")
 	require.Equal(t, "sb-a idle (tiny), sb-b booting, sb-c claimed by lve-x-1, sb-d retiring (SSH does not answer)",
 		poolsvc.Describe([]lifecycle.Standby{retiring, booting, claimed, idle}))
