@@ -535,7 +535,7 @@ func Get(ctx context.Context, m *lifecycle.Manager) (*Tools, error) {
 			// step-runner matters to run: jobs only: prepare says what is
 			// missing for those (a note on every job would be noise). An
 			// agent the admin turned off needs no note either.
-			if p.name != "step-runner" && !(p.installed && !isAuto(m.Cfg, p)) {
+			if p.name != "step-runner" && (!p.installed || isAuto(m.Cfg, p)) {
 				t.Notes = append(t.Notes, fmt.Sprintf("Note: %v: %s", err, p.missing))
 			}
 			continue
