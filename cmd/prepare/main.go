@@ -22,6 +22,10 @@ func main() {
 		Stage: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
 			return gitlab.Prepare(ctx, env, cfg)
 		},
+		// A signal after the machine was ready: it goes again at once.
+		Undo: func(ctx context.Context, env gitlab.Env, cfg *config.Config, _ []string) error {
+			return gitlab.UndoPrepare(ctx, env, cfg)
+		},
 		Pull: pull,
 	})
 }

@@ -206,11 +206,15 @@ func TestStagesOnEveryShell(t *testing.T) {
 			require.Equal(t, "0 1 2 3 ", lines[1], "what a child of the script has open")
 
 			// leftovers: plain & and nohup end with the stage, setsid lives
+			// (once it has detached: the script waits for its session of
+			// its own; one still on its way when the script ends is in the
+			// stage's group, and goes with it)
 			pids := filepath.Join(dir, "pids")
 			service := filepath.Join(dir, "service")
 			x, out, notes := run(t, a, sh, fmt.Sprintf(`sleep 1000 & echo $! > %[1]s
 nohup sleep 1000 > /dev/null 2>&1 & echo $! >> %[1]s
-setsid sleep 1000 < /dev/null > /dev/null 2>&1 & echo $! > %[2]s
+setsid sleep 1000 < /dev/null > /dev/null 2>&1 & s=$!; echo $s > %[2]s
+while [ "$(cut -d' ' -f6 /proc/$s/stat)" != "$s" ]; do sleep 0.01; done
 echo started`, pids, service), RunOptions{LeftoverGrace: time.Second})
 			require.Equal(t, Exit{}, x)
 			require.Equal(t, "started\n", out)

@@ -366,12 +366,29 @@ func (st *stage) stopLeftovers(grace time.Duration) {
 	deadline := time.Now().Add(grace)
 	for time.Now().Before(deadline) {
 		if !groupAlive(st.pgid) {
+			awaitReaped(st.pgid)
 			return
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
 	if groupAlive(st.pgid) && syscall.Kill(-st.pgid, syscall.SIGKILL) == nil {
 		st.s.note("libvirt-executor: they ignored SIGTERM for %s: killed", grace)
+	}
+	awaitReaped(st.pgid)
+}
+
+// reapWait bounds awaitReaped.
+const reapWait = 1500 * time.Millisecond
+
+// awaitReaped gives the guest's init a moment to reap what the stage left
+// (orphans are its children, and some inits reap once a second): until
+// then a process that ended is still there for the next stage's `kill -0`.
+// An init that never reaps costs a stage that left processes this bound
+// (the wrapper waits out its whole grace then).
+func awaitReaped(pgid int) {
+	deadline := time.Now().Add(reapWait)
+	for syscall.Kill(-pgid, 0) == nil && time.Now().Before(deadline) {
+		time.Sleep(20 * time.Millisecond)
 	}
 }
 

@@ -11,6 +11,26 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
+// UndoPrepare removes what a prepare made whose work finished but which
+// is reported as stopped (a signal came after the machine was ready): the
+// job's machine goes as at cleanup, so that a stopped prepare leaves
+// nothing, whichever came first. The runner's cleanup finds nothing more.
+func UndoPrepare(ctx context.Context, e Env, cfg *config.Config) error {
+	j, err := e.load(cfg)
+	if err != nil {
+		return err
+	}
+	defer j.m.Close()
+	if err := j.m.Dial(ctx); err != nil {
+		return err
+	}
+	r, err := j.m.Release(ctx, j.name, jobvm.Observer{Step: e.Report.Step}, j.log)
+	if err == nil {
+		e.say("The job was stopped as its VM became ready: VM %s removed", r.Machine.Name)
+	}
+	return err
+}
+
 // Cleanup is the cleanup stage: it ends the job's machine (jobvm.Host.Release)
 // or, for a failed job that asked for it where the admin allows it, keeps it
 // for debugging. It runs on its own deadline, also after a cancel.

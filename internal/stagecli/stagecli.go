@@ -59,6 +59,12 @@ type Exe struct {
 	// was stopped, and the exit code must not depend on which of the two
 	// came first.
 	RunsToCompletion bool
+	// Undo, if set, undoes a stage whose work finished but which is
+	// reported as stopped (a signal came after its work was done): so
+	// that a stopped stage leaves nothing, whichever came first
+	// (prepare: its machine goes, as at cleanup). It runs on the
+	// configuration's cleanup timeout, not on the signalled context.
+	Undo Stage
 	// ExplainViaAdminTool marks a stage built without libvirt (run): when
 	// a guest stops answering, the stage asks the admin tool
 	// (jobvm.AdminExecutable, next to the running executable, else on
@@ -160,6 +166,14 @@ func Run(p Process, e Exe) int {
 				stopped := fmt.Errorf("stopped: %w", context.Cause(ctx))
 				if stageErr != nil {
 					stopped = fmt.Errorf("%w (the stage had ended: %v)", stopped, stageErr)
+				} else if e.Undo != nil {
+					uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+					if uerr := e.Undo(uctx, env, cfg, c.Args().Slice()); uerr != nil {
+						stopped = fmt.Errorf("%w; undoing what the stage had done failed: %v", stopped, uerr)
+					} else {
+						stopped = fmt.Errorf("%w (what the stage had done is undone)", stopped)
+					}
+					cancel()
 				}
 				stageErr = exitcodes.System(stopped)
 			}

@@ -118,6 +118,36 @@ func TestSignalledStageIsSystemFailure(t *testing.T) {
 			}
 		})
 	}
+
+	// A stage with an undo (prepare) that finished its work gets it
+	// undone when it is reported as stopped, on a context of its own;
+	// one whose work failed, or that runs to completion, does not.
+	for _, tc := range []struct {
+		name      string
+		result    error
+		undoErr   error
+		wantUndo  bool
+		wantInErr string
+	}{
+		{"work done", nil, nil, true, "(what the stage had done is undone)"},
+		{"work done, undo failed", nil, errors.New("libvirt gone"), true, "undoing what the stage had done failed: libvirt gone"},
+		{"work failed", &exitcodes.ScriptError{Code: 3}, nil, false, "the stage had ended"},
+	} {
+		t.Run("undo: "+tc.name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			undone := false
+			undo := func(ctx context.Context, e gitlab.Env, cfg *config.Config, args []string) error {
+				require.NoError(t, ctx.Err(), "the undo runs on a context the signal did not end")
+				undone = true
+				return tc.undoErr
+			}
+			code := Run(Process{Args: []string{"x", "--config", cfgPath}, Getenv: func(k string) string { return env[k] }, Stdout: &bytes.Buffer{}, Stderr: &stderr},
+				Exe{Name: "x", Stage: endsAnyway(tc.result), Undo: undo})
+			require.Equal(t, 2, code, stderr.String())
+			require.Equal(t, tc.wantUndo, undone)
+			require.Contains(t, stderr.String(), tc.wantInErr)
+		})
+	}
 }
 
 // Every stage leaves one event record for the metrics and its step
