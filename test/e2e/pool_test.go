@@ -311,11 +311,13 @@ func TestPoolFaults(t *testing.T) {
 		keep(t)
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		// Without a remembered tool check the claimed prepare asks the
-		// guest (an SSH connection): the window after the claim.
-		cache := filepath.Join(r.cfg.StateDir, "cache", "tools-tiny.json")
+		// guest (an SSH connection): the window after the claim. It is
+		// remembered per image and tools disk (tools-tiny-<volume>.json).
 		for attempt := 1; ; attempt++ {
-			if err := os.Remove(cache); err != nil {
-				require.ErrorIs(t, err, os.ErrNotExist)
+			remembered, err := filepath.Glob(filepath.Join(r.cfg.StateDir, "cache", "tools-tiny*.json"))
+			require.NoError(t, err)
+			for _, f := range remembered {
+				require.NoError(t, os.Remove(f))
 			}
 			s := newStageRunner(t, r)
 			require.Equal(t, 0, s.run(t, "config").code)
