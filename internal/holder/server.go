@@ -27,7 +27,7 @@ type Server struct {
 	// its machine.
 	Alive func() bool
 	// Until is when the holder ends at the latest (the job's deadline).
-	// A later deadline written to UntilFile (SetUntil) replaces it: a
+	// A deadline written to UntilFile (SetUntil) replaces it: a
 	// standby machine's holder is started with the machine, and the job
 	// that claims the machine gives it the job's deadline.
 	Until     time.Time
@@ -44,9 +44,11 @@ type Server struct {
 	// a session and the wrapper. A guest without it keeps the wrapper,
 	// and the next stage says so once.
 	AgentCommand string
-	// Connected, if set, is called once the first connection was made
-	// (and the agent started), or failed.
-	Connected func()
+	// Connected, if set, is told whether each connection the holder
+	// makes (the first and any made again) succeeded, and again (false)
+	// when that connection ends: whether the holder has a connection to
+	// offer now.
+	Connected func(ok bool)
 
 	mu      sync.Mutex
 	redial  sync.Mutex    // one reconnection at a time
@@ -58,6 +60,7 @@ type Server struct {
 	// the next stage tells the job log about it ("" once told).
 	agent     *sshexec.AgentSession
 	agentNote string
+	badUntil  sync.Once // the deadline file's complaint, once
 }
 
 // Serve dials the guest and serves stages on ln until ctx ends, the
@@ -78,9 +81,6 @@ func (s *Server) Serve(ctx context.Context, ln net.Listener) error {
 	go func() {
 		s.connect(ctx)
 		close(s.ready)
-		if s.Connected != nil {
-			s.Connected()
-		}
 	}()
 	go s.watch(ctx, cancel)
 	stopAccept := context.AfterFunc(ctx, func() { _ = ln.Close() })
@@ -159,6 +159,9 @@ func (s *Server) deadline() time.Time {
 			if _, err := fmt.Sscan(string(b), &sec); err == nil && sec > 0 {
 				return time.Unix(sec, 0)
 			}
+			s.badUntil.Do(func() {
+				s.Log.Warn("unreadable deadline file: keeping the deadline the holder was started with", "file", s.UntilFile, "until", s.Until)
+			})
 		}
 	}
 	return s.Until
@@ -179,13 +182,20 @@ const untilFile = "holder-until"
 // connection was made (MarkReady).
 const readyFile = "holder-ready"
 
-// MarkReady records in the machine directory dir that its holder has made
-// its first connection.
-func MarkReady(dir string) error {
-	return os.WriteFile(filepath.Join(dir, readyFile), []byte("ready\n"), 0o600)
+// MarkReady records in the machine directory dir whether its holder has a
+// connection to offer (Server.Connected).
+func MarkReady(dir string, ok bool) error {
+	p := filepath.Join(dir, readyFile)
+	if !ok {
+		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
+			return err
+		}
+		return nil
+	}
+	return os.WriteFile(p, []byte("ready\n"), 0o600)
 }
 
-// Ready reports whether the holder of dir has made its first connection
+// Ready reports whether the holder of dir has a connection to offer
 // (MarkReady) and still runs.
 func Ready(dir string) bool {
 	if _, err := os.Stat(filepath.Join(dir, readyFile)); err != nil {
@@ -224,6 +234,9 @@ func (s *Server) connect(ctx context.Context) {
 			note = fmt.Sprintf("libvirt-executor: the stages run through the guest agent (started in %s): one process in the guest per stage", took.Round(time.Millisecond))
 		}
 	}
+	if s.Connected != nil {
+		defer s.Connected(err == nil) // after the lock: it may be slow
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.client, s.dialErr = c, err
@@ -234,6 +247,9 @@ func (s *Server) connect(ctx context.Context) {
 	s.Log.Info("connected to the guest", "took", time.Since(t0))
 	s.agent, s.agentNote = a, note
 	s.broken = c.Ended()
+	if s.Connected != nil {
+		go func() { <-c.Ended(); s.Connected(false) }()
+	}
 }
 
 func (s *Server) closeClient() {

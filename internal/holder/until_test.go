@@ -31,7 +31,7 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 			Until:      until,
 			UntilFile:  UntilFile(d),
 			CheckEvery: 20 * time.Millisecond,
-			Connected:  func() { require.NoError(t, MarkReady(d)) },
+			Connected:  func(ok bool) { require.NoError(t, MarkReady(d, ok)) },
 		}
 		ctx, c := context.WithCancel(context.Background())
 		done = make(chan error, 1)

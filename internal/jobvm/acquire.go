@@ -231,21 +231,26 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 // kept and given the job's deadline: its connection (and the guest agent)
 // is open already.
 func (h *Host) startHolder(req JobRequest, name string) bool {
+	dir := h.Store.MachineDir(name)
 	if !req.Holder {
+		holder.Stop(dir) // a standby's, which this job does not use
 		return false
 	}
 	t0 := time.Now()
 	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
-	dir := h.Store.MachineDir(name)
-	if holder.Running(dir) != 0 {
+	// Kept only while it has a connection to offer: one whose connection
+	// died while the machine waited (a stalled host, the guest's sshd)
+	// would fail the job's first stage.
+	if holder.Ready(dir) {
 		err := holder.SetUntil(dir, until)
 		if err == nil && holder.Running(dir) != 0 {
 			h.Sayf("Connection holder of the standby VM kept (connected while the VM waited): the job's stages share its SSH connection")
 			return true
 		}
 		// Not given the job's deadline, or gone meanwhile: a new one.
-		holder.Stop(dir)
 	}
+	holder.Stop(dir) // a standby's without a connection, if any
+
 	if err := h.StartHolder(name, until); err != nil {
 		if req.Log != nil {
 			req.Log.Warn("no connection holder", "err", err)

@@ -88,9 +88,9 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 		},
 		Until:     until,
 		UntilFile: holder.UntilFile(dir),
-		Connected: func() {
-			if err := holder.MarkReady(dir); err != nil {
-				log.Warn("could not record the first connection", "err", err)
+		Connected: func(ok bool) {
+			if err := holder.MarkReady(dir, ok); err != nil {
+				log.Warn("could not record whether the connection is up", "err", err)
 			}
 		},
 		Log: log,

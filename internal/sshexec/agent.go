@@ -133,7 +133,7 @@ func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) er
 		*o.Span = time.Since(began)
 	}
 	switch {
-	case err != nil && (errors.Is(err, agent.ErrGone) || c.Dead() != nil):
+	case err != nil && (errors.Is(err, agent.ErrGone) || errors.Is(err, agent.ErrProtocol) || c.Dead() != nil):
 		if c.connectionEnded(agentGoneNotice) {
 			return c.lost(err)
 		}

@@ -2,6 +2,7 @@ package sshexec
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -74,8 +75,8 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 		result <- c.Run(context.Background(), []byte("echo $$ > "+pidfile+"; echo ready; sleep 30; exit 3"), RunOptions{Shell: "bash", Stdout: &out, Agent: a})
 	}()
 	require.Eventually(t, func() bool { return strings.Contains(out.String(), "ready") }, 10*time.Second, 10*time.Millisecond)
-	// A SIGKILLed agent cannot stop its stage: it lives on (until the VM
-	// goes, in a guest); here the test ends it.
+	// A SIGKILLed agent cannot stop its stage: the host does, by the
+	// group the agent said, from a session of its own.
 	script := mustAtoi(t, readPid(t, pidfile))
 	t.Cleanup(func() { _ = syscall.Kill(-script, syscall.SIGKILL) })
 	require.NoError(t, syscall.Kill(a.Hello().PID, syscall.SIGKILL))
@@ -83,6 +84,8 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
 	require.ErrorIs(t, err, ErrAgentGone, "the connection lives: the agent alone is gone")
 	require.NotErrorIs(t, err, ErrConnectionLost)
+	require.ErrorContains(t, err, "its stage's processes were stopped")
+	require.Eventually(t, func() bool { return !pidRunning(script) || zombie(script) }, 5*time.Second, 20*time.Millisecond)
 	_, err = a.Run(context.Background(), []byte("true"), agent.RunOptions{Shell: "bash"})
 	require.Error(t, err, "a dead agent runs nothing more")
 
@@ -94,6 +97,41 @@ func TestAgentFailuresAreSystemFailures(t *testing.T) {
 }
 
 func pidRunning(pid int) bool { return pidAlive(strconv.Itoa(pid)) }
+
+func zombie(pid int) bool {
+	b, err := os.ReadFile("/proc/" + strconv.Itoa(pid) + "/stat")
+	return err == nil && strings.Contains(string(b), ") Z ")
+}
+
+// An agent that breaks the protocol mid-stage (here: an unknown frame) is
+// given up like a dead one: ErrAgentGone (the holder then falls back to
+// the wrapper), never a stage result, and the connection stays usable.
+func TestAgentBreakingTheProtocolIsGone(t *testing.T) {
+	ts := sshtest.Start(t)
+	c, err := Dial(context.Background(), target(ts))
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	hello := []byte(`{"protocol":` + strconv.Itoa(agent.Protocol) + `,"version":"fake","pid":0}`)
+	frame := func(typ byte, payload []byte) string {
+		b := append([]byte{typ, 0, 0, 0, byte(len(payload))}, payload...)
+		var q strings.Builder
+		for _, c := range b {
+			q.WriteString(fmt.Sprintf("\\%03o", c))
+		}
+		return "printf '" + q.String() + "'"
+	}
+	fake := frame('H', hello) + "; head -c 1 > /dev/null; " + frame('Z', nil) + "; sleep 10"
+	a, err := c.StartAgent(context.Background(), fake)
+	require.NoError(t, err)
+	defer func() { _ = a.Close() }()
+	err = c.Run(context.Background(), []byte("echo never"), RunOptions{Shell: "sh", Agent: a})
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err), "%v", err)
+	require.ErrorIs(t, err, ErrAgentGone)
+	require.ErrorIs(t, err, agent.ErrProtocol)
+	var again sshtest.Buffer
+	require.NoError(t, c.Run(context.Background(), []byte("echo wrapper"), RunOptions{Shell: "sh", Stdout: &again}))
+	require.Equal(t, "wrapper\n", again.String())
+}
 
 // BenchmarkNoopStage: a no-op stage through the wrapper (a session, the
 // login shell and the wrapper's processes) and through the agent (one
