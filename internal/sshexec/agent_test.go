@@ -116,7 +116,7 @@ func TestAgentBreakingTheProtocolIsGone(t *testing.T) {
 		b := append([]byte{typ, 0, 0, 0, byte(len(payload))}, payload...)
 		var q strings.Builder
 		for _, c := range b {
-			q.WriteString(fmt.Sprintf("\\%03o", c))
+			fmt.Fprintf(&q, "\\%03o", c)
 		}
 		return "printf '" + q.String() + "'"
 	}
