@@ -152,6 +152,8 @@ func TestNativeRunSucceedsAndFails(t *testing.T) {
 
 // A step that signals its own process group (kill 0) ends the service too:
 // the steps' doing, a build failure at once, not a reconnection in vain.
+// Whether the service said the step failed before it died, or died first
+// (ErrServiceGone), is the signal's interleaving: either is exit 1.
 func TestNativeStepKillsItsGroup(t *testing.T) {
 	t.Parallel()
 	g := newLocalGuest(t)
@@ -160,7 +162,6 @@ func TestNativeStepKillsItsGroup(t *testing.T) {
 	r.ReconnectFor = time.Minute
 	t0 := time.Now()
 	err := r.Run(context.Background(), Request{ID: "51", BuildDir: t.TempDir(), Steps: `[{"name":"k","script":"echo before; kill -TERM 0; sleep 5"}]`})
-	require.ErrorIs(t, err, ErrServiceGone)
 	code, ok := exitcodes.ScriptCode(err)
 	require.True(t, ok, "%v", err)
 	require.Equal(t, 1, code)
