@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -183,26 +184,36 @@ const untilFile = "holder-until"
 const readyFile = "holder-ready"
 
 // MarkReady records in the machine directory dir whether its holder has a
-// connection to offer (Server.Connected).
+// connection to offer (Server.Connected): "up" or "down"; no record yet
+// while its first connection is being made.
 func MarkReady(dir string, ok bool) error {
-	p := filepath.Join(dir, readyFile)
-	if !ok {
-		if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
-			return err
-		}
-		return nil
+	state := "down\n"
+	if ok {
+		state = "up\n"
 	}
-	return os.WriteFile(p, []byte("ready\n"), 0o600)
+	p := filepath.Join(dir, readyFile)
+	if err := os.WriteFile(p+".new", []byte(state), 0o600); err != nil {
+		return err
+	}
+	return os.Rename(p+".new", p)
+}
+
+func readyState(dir string) string {
+	b, err := os.ReadFile(filepath.Join(dir, readyFile))
+	if err != nil {
+		return ""
+	}
+	return strings.TrimSpace(string(b))
 }
 
 // Ready reports whether the holder of dir has a connection to offer
 // (MarkReady) and still runs.
-func Ready(dir string) bool {
-	if _, err := os.Stat(filepath.Join(dir, readyFile)); err != nil {
-		return false
-	}
-	return Running(dir) != 0
-}
+func Ready(dir string) bool { return readyState(dir) == "up" && Running(dir) != 0 }
+
+// Usable reports whether the holder of dir still runs and has not lost
+// its connection or failed to make it: connected, or still making its
+// first connection (a stage then waits for it).
+func Usable(dir string) bool { return readyState(dir) != "down" && Running(dir) != 0 }
 
 // SetUntil gives the holder of the machine directory dir the deadline
 // until (written whole: a temporary file renamed). The holder looks at

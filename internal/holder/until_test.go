@@ -4,7 +4,6 @@ import (
 	"context"
 	"net"
 	"os"
-	"path/filepath"
 	"testing"
 	"time"
 
@@ -52,9 +51,12 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 	// The machine's deadline is an hour away; the job's, given later, has
 	// passed: the holder ends.
 	dir, sock, done, _ := serve(time.Now().Add(time.Hour))
-	require.Eventually(t, func() bool { _, err := os.Stat(filepath.Join(dir, readyFile)); return err == nil },
+	require.Eventually(t, func() bool { return readyState(dir) == "up" },
 		5*time.Second, 10*time.Millisecond, "Connected is called once the first connection is made")
 	require.False(t, Ready(dir), "Ready also asks for the recorded process, which this in-process holder has not")
+	require.False(t, Usable(dir), "as Usable does")
+	require.NoError(t, MarkReady(dir, false))
+	require.Equal(t, "down", readyState(dir))
 	require.NoError(t, stage(sock))
 	require.NoError(t, SetUntil(dir, time.Now().Add(-time.Second)))
 	select {

@@ -238,10 +238,12 @@ func (h *Host) startHolder(req JobRequest, name string) bool {
 	}
 	t0 := time.Now()
 	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
-	// Kept only while it has a connection to offer: one whose connection
-	// died while the machine waited (a stalled host, the guest's sshd)
-	// would fail the job's first stage.
-	if holder.Ready(dir) {
+	// Kept unless it lost its connection (or could not make it): one whose
+	// connection died while the machine waited (a stalled host, the
+	// guest's sshd) would fail the job's first stage. One still making its
+	// first connection (a VM claimed right after its boot) is kept: the
+	// first stage waits for the rest of it.
+	if holder.Usable(dir) {
 		err := holder.SetUntil(dir, until)
 		if err == nil && holder.Running(dir) != 0 {
 			h.Sayf("Connection holder of the standby VM kept (connected while the VM waited): the job's stages share its SSH connection")
