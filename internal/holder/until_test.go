@@ -30,7 +30,7 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 			Until:      until,
 			UntilFile:  UntilFile(d),
 			CheckEvery: 20 * time.Millisecond,
-			Connected:  func(ok bool) { require.NoError(t, MarkReady(d, ok)) },
+			Connected:  func(ok bool) { _ = MarkReady(d, ok) }, // the directory may be gone at the end
 		}
 		ctx, c := context.WithCancel(context.Background())
 		done = make(chan error, 1)

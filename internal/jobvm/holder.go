@@ -89,7 +89,7 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 		Until:     until,
 		UntilFile: holder.UntilFile(dir),
 		Connected: func(ok bool) {
-			if err := holder.MarkReady(dir, ok); err != nil {
+			if err := holder.MarkReady(dir, ok); err != nil && !errors.Is(err, os.ErrNotExist) { // the machine gone
 				log.Warn("could not record whether the connection is up", "err", err)
 			}
 		},
