@@ -369,7 +369,12 @@ func TestPoolFaults(t *testing.T) {
 		r.conn, base.conn = c, c
 		r.waitIdle(t, 2, 3*time.Minute)
 		figures.fault()
-		require.Contains(t, svc.Log(), "standby VM ready")
+		// The replacement's record says idle a moment before the service
+		// logs it (the log line waits for the service's lock, which its
+		// look at the pool after the reconnect may hold): wait for the line.
+		waitFor(t, 30*time.Second, "the service logging the replacement ready", func() bool {
+			return strings.Contains(svc.Log(), "standby VM ready")
+		})
 		runJob(t, "after-libvirtd-restart")
 	})
 }
