@@ -1,7 +1,9 @@
 // lve-agent is the job-long agent in the guest (internal/agent): started
 // once per job in one SSH session of the job's connection, it runs the
-// job's stages, one fork each. It takes no arguments; its protocol is on
-// stdin and stdout. Built static (CGO_ENABLED=0): it runs on any guest.
+// job's stages, one fork each. Its protocol is on stdin and stdout; it
+// takes no arguments, but for `cache-save` (agent.CacheSave: the host
+// cache's save on a scratch disk, started by the host in a session of
+// its own). Built static (CGO_ENABLED=0): it runs on any guest.
 package main
 
 import (
@@ -18,7 +20,10 @@ func main() {
 			fmt.Println("lve-agent version " + buildinfo.String())
 			return
 		}
-		fmt.Fprintln(os.Stderr, "lve-agent takes no arguments: the host starts it and speaks to it on stdin and stdout (--version prints its version)")
+		if os.Args[1] == "cache-save" {
+			os.Exit(agent.CacheSave(os.Args[2:], os.Stdin, os.Stdout, os.Stderr))
+		}
+		fmt.Fprintln(os.Stderr, "lve-agent takes no arguments: the host starts it and speaks to it on stdin and stdout (--version prints its version; cache-save [--armed] DEVICE DIR writes the host cache's save on its scratch disk)")
 		os.Exit(2)
 	}
 	if err := agent.Serve(os.Stdin, os.Stdout, buildinfo.Version); err != nil {

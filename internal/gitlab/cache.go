@@ -10,7 +10,9 @@ import (
 	"strings"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -36,12 +38,13 @@ const (
 	saveCommand    = "mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + " && tar -cf - ."
 	// What the disk commands say on their last line.
 	diskOK         = "lve-cache-restored"
-	diskWritten    = "lve-cache-written" // and the guest tar's exit status
+	diskWritten    = cachelayout.Written // and the guest tar's exit status
 	diskMissing    = "lve-cache-no-disk"
 	diskUnreadable = "lve-cache-disk-unreadable"
 	diskUnwritable = "lve-cache-disk-unwritable"
-	diskNotAsked   = "lve-cache-not-asked" // the armed save's stdin ended without go
-	diskGo         = "go"                  // the armed save's signal on its stdin
+	diskNotAsked   = cachelayout.NotAsked  // the armed save's stdin ended without go
+	diskNotDirect  = cachelayout.NotDirect // the guest agent's save could not write the direct layout
+	diskGo         = cachelayout.Go        // the armed save's signal on its stdin
 )
 
 // directFirst is where the direct layout's first file starts: after the
@@ -81,17 +84,45 @@ else
   echo ` + diskUnreadable + `
 fi`
 	// diskSaveCommand writes cache_dir on the scratch disk (serial
-	// vm.ScratchDiskSerial): see diskSaveBody.
-	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + diskSaveBody
+	// vm.ScratchDiskSerial): through the guest agent where the tools disk
+	// carries it (agentSave), else see diskSaveBody.
+	diskSaveCommand = findDisk(vm.ScratchDiskSerial) + agentSave("") + diskSaveBody
+	// diskSaveShell is diskSaveCommand without the agent: after the
+	// agent said diskNotDirect.
+	diskSaveShell = findDisk(vm.ScratchDiskSerial) + diskSaveBody
 	// diskSaveArmed is diskSaveCommand started while the runner's script
 	// still makes the archive (earlyScratch): it finds the disk, sees
-	// whether it needs sudo and defines its functions, then waits for a
-	// line "go" on its stdin before it touches cache_dir; at the end of
-	// its stdin without it, it says diskNotAsked and ends.
-	diskSaveArmed = findDisk(vm.ScratchDiskSerial) + diskSavePrep + `IFS= read -r g || g=
+	// whether it needs sudo and starts the agent's save, or defines its
+	// functions, then waits for a line "go" on its stdin before it touches
+	// cache_dir; at the end of its stdin without it, it says diskNotAsked
+	// and ends.
+	diskSaveArmed = findDisk(vm.ScratchDiskSerial) + agentSave("--armed ") + diskSavePrep + `IFS= read -r g || g=
 if [ "$g" != ` + diskGo + ` ]; then echo ` + diskNotAsked + `; exit 0; fi
 ` + diskSaveAct
 )
+
+// guestAgent is the guest agent's path on the tools disk (a variable: the
+// tests point it at a built one).
+var guestAgent = guestinit.GuestAgentPath
+
+// agentSave is the disk save commands' part that hands the save to the
+// guest agent (agent.CacheSave: one process writes the direct layout,
+// where the shell's way starts five, each tens of milliseconds in a TCG
+// guest), through one sudo where the job's user cannot write the disk.
+// Where the tools disk does not carry the agent (guest_tools.agent =
+// "none", an image that does not mount the disk) the shell's way follows.
+// An agent that cannot write the layout says diskNotDirect: the host
+// runs diskSaveShell then.
+func agentSave(flags string) string {
+	run := `"$A" cache-save ` + flags + `"$d" ` + guestCacheDir
+	return `A=` + guestAgent + `
+if [ -x "$A" ]; then
+  if [ -w "$d" ]; then exec ` + run + `
+  elif sudo -n true 2>/dev/null; then exec sudo -n ` + run + `
+  fi
+fi
+`
+}
 
 // diskSaveBody writes the files of cache_dir on the disk $d in hostcache's
 // direct layout: each file copied by one dd with O_DIRECT (the guest's
@@ -569,30 +600,22 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	}
 	attached := time.Since(t0)
 	t1 := time.Now()
-	out := &headBuffer{limit: 4096}
 	way := "" // the direct layout, or said
-	if a := early.armedCommand(); a != nil && a.fire(ctx) {
-		select {
-		case <-a.done:
-		case <-ctx.Done():
-			return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", context.Cause(ctx))
-		}
-		if a.err != nil {
-			return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", a.err)
-		}
-		out = a.out
-	} else if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
+	last, err := guestWrite(ctx, client, early.armedCommand())
+	if err != nil {
 		return res, false, "", nil, fmt.Errorf("writing the cache to the scratch disk: %w", err)
 	}
-	last := lastLine(out.String())
 	switch {
 	case strings.HasPrefix(last, diskWritten+" "):
 		status, how, _ := strings.Cut(strings.TrimPrefix(last, diskWritten+" "), " ")
 		if status != "0" {
 			gerr = fmt.Errorf("exit status %.8s", status)
 		}
-		if how == "tar" {
+		switch how {
+		case "tar":
 			way = "as a tar stream, "
+		case "direct agent":
+			way = "agent " // "written by the guest agent in"
 		}
 	case last == diskMissing:
 		e.say("Host cache: the guest did not see the scratch disk within 10 s (does its kernel do PCI hot plug? cache_via = \"ssh\" avoids the wait); copying over SSH instead")
@@ -611,6 +634,37 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 		early.dropped = true
 	}
 	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, read and deleted in %s", made, vm.Round(attached), way, vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
+}
+
+// guestWrite has the guest write its cache_dir on the scratch disk: by the
+// armed command a where it takes the go, else by a command of its own
+// (diskSaveCommand); after the agent's diskNotDirect, the shell's way
+// (diskSaveShell). last is the guest's last line.
+func guestWrite(ctx context.Context, client *sshexec.Client, a *armedSave) (last string, err error) {
+	out := &headBuffer{limit: 4096}
+	if a != nil && a.fire(ctx) {
+		select {
+		case <-a.done:
+		case <-ctx.Done():
+			return "", context.Cause(ctx)
+		}
+		if a.err != nil {
+			return "", a.err
+		}
+		out = a.out
+	} else if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
+		return "", err
+	}
+	if last = lastLine(out.String()); last != diskNotDirect {
+		return last, nil
+	}
+	// The agent's layout cannot carry this cache: the shell's way writes
+	// a tar stream.
+	out = &headBuffer{limit: 4096}
+	if err := client.Stream(ctx, diskSaveShell, bytes.NewReader(nil), out); err != nil {
+		return "", err
+	}
+	return lastLine(out.String()), nil
 }
 
 // duCommand says how many KiB the guest's cache_dir holds.

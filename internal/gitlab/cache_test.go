@@ -20,6 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
@@ -94,7 +95,7 @@ func TestHostCacheIdentity(t *testing.T) {
 // The guest's commands for the host cache are POSIX sh (dash, busybox
 // ash): they parse, and shellcheck finds nothing in them.
 func TestCacheCommandsArePOSIX(t *testing.T) {
-	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand, diskSaveCommand, diskWriter} {
+	for _, cmd := range []string{restoreCommand, saveCommand, diskRestoreCommand, diskSaveCommand, diskSaveShell, diskSaveArmed, diskWriter} {
 		out, err := exec.Command("/bin/sh", "-n", "-c", cmd).CombinedOutput()
 		require.NoError(t, err, "%s\n%s", cmd, out)
 		sc, err := exec.LookPath("shellcheck")
@@ -525,4 +526,89 @@ func TestDiskWriterRefuses(t *testing.T) {
 			require.False(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic)), "no manifest on the disk")
 		})
 	}
+}
+
+// The save through the guest agent (agentSave, over a real SSH session:
+// sshtest runs its commands on this host, with the agent built as the
+// tools disk carries it): armed and fired, and started after the script,
+// the agent writes the direct layout the host reads back; a cache the
+// layout cannot carry (a name with a newline) makes the agent say so, and
+// the shell's way writes it as a tar stream.
+func TestGuestWriteThroughTheAgent(t *testing.T) {
+	ctx := context.Background()
+	was := []string{guestAgent, diskSaveArmed, diskSaveCommand, diskSaveShell}
+	t.Cleanup(func() { guestAgent, diskSaveArmed, diskSaveCommand, diskSaveShell = was[0], was[1], was[2], was[3] })
+	guestAgent = agenttest.BuildT(t)
+
+	dir := t.TempDir()
+	cacheDir := filepath.Join(dir, "cache")
+	require.NoError(t, os.MkdirAll(filepath.Join(cacheDir, "k"), 0o755))
+	zip := bytes.Repeat([]byte("zip bytes "), 300000)
+	require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "cache.zip"), zip, 0o644))
+	disk := filepath.Join(dir, "disk")
+	const size = 16 << 20
+	newDisk := func() {
+		require.NoError(t, os.WriteFile(disk, nil, 0o600))
+		require.NoError(t, os.Truncate(disk, size))
+	}
+	here := func(script string) string {
+		for old, repl := range map[string]string{
+			`"$d" ` + guestCacheDir:                      `"$d" ` + cacheDir,
+			`c=; read -r c < "/sys/block/${d##*/}/size"`: "c=" + strconv.Itoa(size/512),
+			"cd " + guestCacheDir + " 2>/dev/null || { mkdir -p " + guestCacheDir + " && cd " + guestCacheDir + "; }": "cd " + cacheDir,
+		} {
+			script = strings.ReplaceAll(script, old, repl)
+		}
+		return "d=" + disk + "\n" + script
+	}
+	diskSaveArmed = here(agentSave("--armed ") + "echo the agent did not start; exit 1\n")
+	diskSaveCommand = here(agentSave("") + "echo the agent did not start; exit 1\n")
+	diskSaveShell = here(diskSaveBody)
+	kept := func() map[string][]byte {
+		f, err := os.Open(disk)
+		require.NoError(t, err)
+		defer f.Close()
+		r, err := hostcache.FromDisk(f, size)
+		require.NoError(t, err)
+		defer r.Close()
+		got := map[string][]byte{}
+		tr := tar.NewReader(r)
+		for {
+			h, err := tr.Next()
+			if err == io.EOF {
+				return got
+			}
+			require.NoError(t, err)
+			b, err := io.ReadAll(tr)
+			require.NoError(t, err)
+			got[h.Name] = b
+		}
+	}
+
+	srv := sshtest.Start(t)
+	c, err := sshexec.Dial(ctx, sshexec.Target{Addr: srv.Addr(), User: "root", Signer: srv.ClientSigner(), HostKey: srv.HostKey()})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+
+	newDisk()
+	last, err := guestWrite(ctx, c, arm(ctx, c))
+	require.NoError(t, err)
+	require.Equal(t, diskWritten+" 0 direct agent", last)
+	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
+
+	newDisk()
+	last, err = guestWrite(ctx, c, nil)
+	require.NoError(t, err)
+	require.Equal(t, diskWritten+" 0 direct agent", last, "started after the script")
+	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
+
+	newDisk()
+	require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "odd\nname"), []byte("x"), 0o644))
+	last, err = guestWrite(ctx, c, arm(ctx, c))
+	require.NoError(t, err)
+	require.Equal(t, diskWritten+" 0 tar", last, "the agent's layout cannot carry it: the shell's tar")
+	b, err := os.ReadFile(disk)
+	require.NoError(t, err)
+	require.False(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic)), "a tar stream, not the layout")
+	require.Equal(t, zip, kept()["./k/cache.zip"])
 }

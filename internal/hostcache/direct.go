@@ -9,6 +9,8 @@ import (
 	"io"
 	"strconv"
 	"strings"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
 )
 
 // The direct layout: what a guest writes on a scratch disk when it copies
@@ -26,10 +28,10 @@ import (
 // Each file's bytes are at its offset. A disk that does not start with the
 // first line is read as a tar stream (the guest's fallback).
 const (
-	DirectMagic       = "lve-cache-direct 1"
-	DirectEnd         = "end"
-	DirectManifestMax = 1 << 20
-	DirectAlign       = 4096
+	DirectMagic       = cachelayout.Magic
+	DirectEnd         = cachelayout.End
+	DirectManifestMax = cachelayout.ManifestMax
+	DirectAlign       = cachelayout.Align
 	// maxDirectName bounds a manifest line's name (tar's limits and
 	// cleanName's refuse far shorter ones).
 	maxDirectName = MaxDepth * (MaxComponent + 1)

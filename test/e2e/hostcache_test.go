@@ -192,9 +192,11 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		require.Regexp(t, `Host cache: restored \d+ file\(s\), [0-9.]+ MiB, into /cache `+how, x.Trace, img)
 		// Each saves again (pull-push).
 		// Attached while the runner made its archive (disk_min_mib = 0),
-		// and written in the direct layout (dd with O_DIRECT; "as a tar
-		// stream" where the guest could not).
-		how = `from a scratch disk \(made during the script in [^)]*, written by the guest in `
+		// and written in the direct layout by the guest agent from the
+		// tools disk (one process, O_DIRECT; "by the guest in" where the
+		// shell's way wrote it, "as a tar stream" where the layout could
+		// not carry it), through sudo where the image's user is not root.
+		how = `from a scratch disk \(made during the script in [^)]*, written by the guest agent in `
 		if img == def {
 			how = "over SSH"
 		}

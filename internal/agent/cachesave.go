@@ -1,0 +1,222 @@
+//go:build linux
+
+package agent
+
+import (
+	"bufio"
+	"errors"
+	"fmt"
+	"io"
+	"io/fs"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
+)
+
+// CacheSave is `lve-agent cache-save DEVICE DIR`: the host cache's save in
+// the guest (internal/gitlab's armed save), in one process: it writes the
+// regular files under DIR on the scratch disk DEVICE in the direct layout
+// (cachelayout) with O_DIRECT, each file's bytes at its offset, then the
+// manifest, then flushes the disk; the shell's way does the same with five
+// processes (find, stat, dd, stat, sync), each of which costs a TCG guest
+// tens of milliseconds. armed: it waits for a line cachelayout.Go on in
+// first (the host sends it once the runner's archive is made; started
+// before, the process's start, and sudo's where the job's user cannot
+// write the disk, are paid while the runner zips); without it it says
+// cachelayout.NotAsked. It says cachelayout.Written "0 direct agent" on
+// its last line when the disk holds the layout, else
+// cachelayout.NotDirect (why on errOut): the host then runs the shell's
+// save, which writes a tar stream where the layout cannot carry the cache
+// (more than cachelayout.MaxDirectFiles files, a name with a newline, a
+// file whose size changed, no room on the disk). Symbolic links and other
+// files that are not regular are not followed and not written (the
+// shell's `find -type f` leaves them out alike). Nothing is written in
+// DIR. The exit status is 0 in every one of these cases; 2 for bad
+// arguments.
+func CacheSave(args []string, in io.Reader, out, errOut io.Writer) int {
+	armed := len(args) > 0 && args[0] == "--armed"
+	if armed {
+		args = args[1:]
+	}
+	if len(args) != 2 || args[0] == "" || args[1] == "" {
+		fmt.Fprintln(errOut, "lve-agent cache-save: want [--armed] DEVICE DIR")
+		return 2
+	}
+	dev, dir := args[0], args[1]
+	if armed {
+		line, err := bufio.NewReaderSize(in, 64).ReadString('\n')
+		if err != nil || strings.TrimSuffix(line, "\n") != cachelayout.Go {
+			fmt.Fprintln(out, cachelayout.NotAsked)
+			return 0
+		}
+	}
+	if err := writeDirectLayout(dev, dir); err != nil {
+		fmt.Fprintln(errOut, "lve-agent cache-save:", err)
+		fmt.Fprintln(out, cachelayout.NotDirect)
+		return 0
+	}
+	fmt.Fprintln(out, cachelayout.Written+" 0 direct agent")
+	return 0
+}
+
+// layoutFile is one file of the layout being written.
+type layoutFile struct {
+	name string // as the manifest says it: "./" and the path under DIR
+	size int64
+	off  int64
+}
+
+// copyChunk is how much of a file goes to the disk in one write.
+const copyChunk = 1 << 20
+
+// writeDirectLayout writes the regular files under dir on the device dev in
+// the direct layout; an error means the disk does not hold it (a manifest
+// is written only once every file is whole on the disk).
+func writeDirectLayout(dev, dir string) error {
+	files, end, err := listLayout(dir)
+	if err != nil {
+		return err
+	}
+	manifest := manifestOf(files)
+	d, err := openDirect(dev)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = d.Close() }()
+	capacity, err := d.Seek(0, io.SeekEnd)
+	if err != nil {
+		return fmt.Errorf("the size of %s: %w", dev, err)
+	}
+	if end > capacity {
+		return fmt.Errorf("the files need %d bytes of the disk, which has %d", end, capacity)
+	}
+	buf := alignedBuffer(copyChunk)
+	for _, f := range files {
+		if err := copyAt(d, buf, dir, f); err != nil {
+			return err
+		}
+	}
+	head := alignedBuffer(roundUp(int64(len(manifest)), cachelayout.Align))
+	copy(head, manifest)
+	if _, err := d.WriteAt(head, 0); err != nil {
+		return fmt.Errorf("writing the manifest on %s: %w", dev, err)
+	}
+	if err := d.Sync(); err != nil {
+		return fmt.Errorf("flushing %s: %w", dev, err)
+	}
+	return nil
+}
+
+// listLayout lists the regular files under dir with their offsets, and
+// where the last one ends; a layout that cannot carry them is an error. A
+// dir that does not exist is an empty cache.
+func listLayout(dir string) ([]layoutFile, int64, error) {
+	var files []layoutFile
+	off := int64(cachelayout.ManifestMax)
+	err := filepath.WalkDir(dir, func(path string, e fs.DirEntry, err error) error {
+		switch {
+		case err != nil:
+			if path == dir && errors.Is(err, fs.ErrNotExist) {
+				return fs.SkipAll
+			}
+			return err
+		case !e.Type().IsRegular():
+			return nil
+		}
+		rel, err := filepath.Rel(dir, path)
+		if err != nil {
+			return err
+		}
+		if strings.ContainsAny(rel, "\n\x00") {
+			return fmt.Errorf("the name %s has a newline", strconv.QuoteToASCII(rel))
+		}
+		info, err := e.Info()
+		if err != nil {
+			return err
+		}
+		if len(files) == cachelayout.MaxDirectFiles {
+			return fmt.Errorf("more than %d files", cachelayout.MaxDirectFiles)
+		}
+		files = append(files, layoutFile{name: "./" + rel, size: info.Size(), off: off})
+		off += roundUp(info.Size(), cachelayout.Align)
+		return nil
+	})
+	if err != nil {
+		return nil, 0, err
+	}
+	if n := len(manifestOf(files)); n > cachelayout.ManifestMax {
+		return nil, 0, fmt.Errorf("the manifest takes %d bytes, over %d", n, cachelayout.ManifestMax)
+	}
+	return files, off, nil
+}
+
+// manifestOf is the layout's manifest for files.
+func manifestOf(files []layoutFile) []byte {
+	var b strings.Builder
+	b.WriteString(cachelayout.Magic + "\n")
+	for _, f := range files {
+		fmt.Fprintf(&b, "%d %d %s\n", f.off, f.size, f.name)
+	}
+	b.WriteString(cachelayout.End + "\n")
+	return []byte(b.String())
+}
+
+// copyAt copies the file f under dir to its offset on d, each write a
+// multiple of cachelayout.Align (its last one padded with zeros, which the
+// next file's offset leaves room for). A file that is not f.size bytes any
+// more, or not a regular file, is an error.
+func copyAt(d *os.File, buf []byte, dir string, f layoutFile) error {
+	src, err := os.OpenFile(filepath.Join(dir, f.name), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = src.Close() }()
+	var done int64
+	for done < f.size {
+		n, err := io.ReadFull(src, buf[:min(int64(len(buf)), f.size-done)])
+		if err != nil {
+			return fmt.Errorf("%s: %d of its %d bytes read: %w", strconv.QuoteToASCII(f.name), done+int64(n), f.size, err)
+		}
+		w := roundUp(int64(n), cachelayout.Align)
+		clear(buf[n:w])
+		if _, err := d.WriteAt(buf[:w], f.off+done); err != nil {
+			return fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(f.name), err)
+		}
+		done += int64(n)
+	}
+	info, err := src.Stat()
+	switch {
+	case err != nil:
+		return err
+	case !info.Mode().IsRegular() || info.Size() != f.size:
+		return fmt.Errorf("%s changed while it was copied (%d bytes, was %d)", strconv.QuoteToASCII(f.name), info.Size(), f.size)
+	}
+	return nil
+}
+
+// openDirect opens the device for writes that bypass the guest's page
+// cache; where the file system refuses O_DIRECT (a file on tmpfs: the
+// tests), without it.
+func openDirect(dev string) (*os.File, error) {
+	d, err := os.OpenFile(dev, os.O_RDWR|unix.O_DIRECT, 0)
+	if errors.Is(err, unix.EINVAL) {
+		d, err = os.OpenFile(dev, os.O_RDWR, 0)
+	}
+	return d, err
+}
+
+// alignedBuffer is n bytes (a multiple of cachelayout.Align) starting at
+// an address aligned for O_DIRECT.
+func alignedBuffer(n int64) []byte {
+	b := make([]byte, n+cachelayout.Align)
+	skip := (cachelayout.Align - int(uintptr(unsafe.Pointer(&b[0]))%cachelayout.Align)) % cachelayout.Align
+	return b[skip : int64(skip)+n : int64(skip)+n]
+}
+
+func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
