@@ -832,3 +832,40 @@ func TestSnapshotOnly(t *testing.T) {
 	assert.NotContains(t, got, "ns/p/a/cache.zip")
 	assert.Equal(t, RestoreResult{Files: 1, Bytes: 4}, sn.Files())
 }
+
+// A save of a few files makes each durable by its own fdatasync (not a
+// syncfs, which would write every dirty page of the file system); one of
+// more than syncEach files ends with one syncfs. A failed sync keeps
+// nothing.
+func TestSaveSyncs(t *testing.T) {
+	var fs, ds int
+	was := []func(int) error{syncFS, dataSync}
+	t.Cleanup(func() { syncFS, dataSync = was[0], was[1] })
+	failFS := false
+	syncFS = func(fd int) error {
+		fs++
+		if failFS {
+			return errors.New("no sync")
+		}
+		return was[0](fd)
+	}
+	dataSync = func(fd int) error { ds++; return was[1](fd) }
+	s, _ := newStore(t, 1<<20, 1<<20)
+	p := project(t, 1)
+
+	save(t, s, p, files("cache.zip", "zip", "other", "x")...)
+	assert.Equal(t, []int{0, 2}, []int{fs, ds}, "syncfs, fdatasync calls")
+
+	fs, ds = 0, 0
+	var many []string
+	for i := range syncEach + 1 {
+		many = append(many, fmt.Sprintf("f%d", i), "x")
+	}
+	save(t, s, p, files(many...)...)
+	assert.Equal(t, []int{1, syncEach}, []int{fs, ds}, "syncfs, fdatasync calls")
+
+	failFS = true
+	_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files(append(many, "new", "y")...)...)))
+	require.ErrorContains(t, err, "no sync")
+	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose sync failed is kept")
+}
