@@ -374,8 +374,7 @@ func app() *cli.App {
 								if err != nil {
 									return err
 								}
-								res, dropErr, err := m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))
-								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(res, dropErr, err))
+								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))))
 							})
 						},
 					},

@@ -628,12 +628,16 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	}
 	written := time.Since(t1)
 	t2 := time.Now()
-	var dropErr error
-	res, dropErr, serr = disk.Keep(ctx, name, project)
-	if dropped = dropErr == nil; dropped && early != nil {
+	k := disk.Keep(ctx, name, project)
+	res, serr = k.Result, k.Err
+	if dropped = k.DropErr == nil; dropped && early != nil {
 		early.dropped = true
 	}
-	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, read and deleted in %s", made, vm.Round(attached), way, vm.Round(written), vm.Round(time.Since(t2))), gerr, serr
+	read := "read"
+	if k.FromFile {
+		read = "read from the volume's file"
+	}
+	return res, true, fmt.Sprintf("%s%s, written by the guest %sin %s, %s and deleted in %s", made, vm.Round(attached), way, vm.Round(written), read, vm.Round(time.Since(t2))), gerr, serr
 }
 
 // guestWrite has the guest write its cache_dir on the scratch disk: by the
@@ -788,8 +792,8 @@ type CacheDisk interface {
 	AttachScratch(ctx context.Context, name string) error
 	// Keep saves what the guest wrote on the scratch disk into the
 	// project's cache (hostcache.Store.Save), then deletes the disks'
-	// volumes as Drop does: dropErr says how that went.
-	Keep(ctx context.Context, name, project string) (res hostcache.SaveResult, dropErr, err error)
+	// volumes as Drop does (jobvm.Kept says how each went).
+	Keep(ctx context.Context, name, project string) jobvm.Kept
 	// Drop deletes the disks' volumes of machine name.
 	Drop(ctx context.Context, name string) error
 }
@@ -816,7 +820,7 @@ func (l localCacheDisk) AttachScratch(ctx context.Context, name string) error {
 	return l.h.AttachScratch(ctx, name, jobvm.ScratchCapacity(l.store.ProjectLimit))
 }
 
-func (l localCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error, error) {
+func (l localCacheDisk) Keep(ctx context.Context, name, project string) jobvm.Kept {
 	return l.h.KeepCache(ctx, l.store, name, project)
 }
 

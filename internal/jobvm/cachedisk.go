@@ -64,16 +64,17 @@ var errSaved = errors.New("the host cache has read the archive")
 // that went (the caller drops them again where it failed). One call for
 // both saves the run stage a second start of the admin tool and its
 // libvirt connection (0.1-0.2 s on a TCG host).
-func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (res hostcache.SaveResult, dropErr, err error) {
+func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (k Kept) {
 	if err := h.CheckOurName(name); err != nil {
-		return hostcache.SaveResult{}, err, err
+		return Kept{DropErr: err, Err: err}
 	}
-	defer func() { dropErr = h.DropDisks(ctx, name) }()
+	defer func() { k.DropErr = h.DropDisks(ctx, name) }()
 	pr, pw := io.Pipe()
 	read := make(chan struct{})
 	go func() {
 		defer close(read)
-		err := h.ReadScratch(ctx, name, pw)
+		var err error
+		k.FromFile, err = h.ReadScratch(ctx, name, pw)
 		if err == nil {
 			err = errors.New("the scratch disk ended before the archive did")
 		}
@@ -83,12 +84,24 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	// the rest of the disk is not read.
 	stream, err := hostcache.FromDisk(pr, store.ProjectLimit)
 	if err == nil {
-		res, err = store.Save(ctx, project, stream)
+		k.Result, err = store.Save(ctx, project, stream)
 		_ = stream.Close()
 	}
 	_ = pr.CloseWithError(errSaved)
 	<-read
-	return res, nil, err
+	k.Err = err
+	return k
+}
+
+// Kept is what KeepCache did: the save's result and error (Err), whether
+// the scratch volume was read from its file (FromFile; else through
+// libvirt's stream), and whether the disks' volumes were deleted after
+// (DropErr nil).
+type Kept struct {
+	Result   hostcache.SaveResult
+	FromFile bool
+	DropErr  error
+	Err      error
 }
 
 // KeepAnswer is what `cache-disk keep` prints: the save's result, or its
@@ -102,20 +115,26 @@ type KeepAnswer struct {
 	OverLimit bool                 `json:"over_limit,omitempty"`
 	Dropped   bool                 `json:"dropped,omitempty"`
 	DropError string               `json:"drop_error,omitempty"`
+	FromFile  bool                 `json:"from_file,omitempty"`
 }
 
-// NewKeepAnswer is the answer for KeepCache's res, dropErr and err.
-func NewKeepAnswer(res hostcache.SaveResult, dropErr, err error) KeepAnswer {
-	a := KeepAnswer{Result: res}
-	if err != nil {
-		a.Error, a.OverLimit = err.Error(), errors.Is(err, hostcache.ErrProjectLimit)
+// NewKeepAnswer is the answer for KeepCache's k.
+func NewKeepAnswer(k Kept) KeepAnswer {
+	a := KeepAnswer{Result: k.Result, FromFile: k.FromFile}
+	if k.Err != nil {
+		a.Error, a.OverLimit = k.Err.Error(), errors.Is(k.Err, hostcache.ErrProjectLimit)
 	}
-	if dropErr != nil {
-		a.DropError = dropErr.Error()
+	if k.DropErr != nil {
+		a.DropError = k.DropErr.Error()
 	} else {
 		a.Dropped = true
 	}
 	return a
+}
+
+// Kept is the answer as KeepCache said it.
+func (a KeepAnswer) Kept() Kept {
+	return Kept{Result: a.Result, FromFile: a.FromFile, DropErr: a.DropErr(), Err: a.Err()}
 }
 
 // DropErr is nil when the answer says the volumes were deleted, else why

@@ -42,15 +42,16 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 			hv.Lock()
 			hv.Volumes[vol] = tc.disk
 			hv.Unlock()
-			res, dropErr, err := m.KeepCache(ctx, store, name, project)
-			require.NoError(t, dropErr)
+			k := m.KeepCache(ctx, store, name, project)
+			require.NoError(t, k.DropErr)
 			if tc.saved {
-				require.NoError(t, err)
-				require.Equal(t, int64(1), res.Files)
-				require.Equal(t, int64(len(data)), res.Bytes)
+				require.NoError(t, k.Err)
+				require.Equal(t, int64(1), k.Result.Files)
+				require.Equal(t, int64(len(data)), k.Result.Bytes)
 			} else {
-				require.Error(t, err)
+				require.Error(t, k.Err)
 			}
+			require.False(t, k.FromFile, "the fake has no file for the volume: libvirt's stream")
 			hv.Lock()
 			_, left := hv.Volumes[vol]
 			hv.Unlock()
@@ -61,7 +62,7 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 		})
 	}
 
-	_, dropErr, err := m.KeepCache(ctx, store, "lve-ffffffff-7", project)
-	require.Error(t, err)
-	require.Error(t, dropErr, "nothing of another installation is touched")
+	k := m.KeepCache(ctx, store, "lve-ffffffff-7", project)
+	require.Error(t, k.Err)
+	require.Error(t, k.DropErr, "nothing of another installation is touched")
 }

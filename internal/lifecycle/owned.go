@@ -161,10 +161,11 @@ func (m *Manager) AttachScratch(ctx context.Context, name string, capacity int64
 }
 
 // ReadScratch copies what the guest of machine name wrote on its scratch
-// disk to w (vm.Engine.ReadScratch): hostile bytes.
-func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) error {
+// disk to w (vm.Engine.ReadScratch): hostile bytes. fromFile: read from
+// the volume's file, not libvirt's stream.
+func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) (fromFile bool, err error) {
 	if err := m.checkOurName(name); err != nil {
-		return err
+		return false, err
 	}
 	return m.engine().ReadScratch(ctx, name, m.Cfg.StoragePool, w)
 }

@@ -37,17 +37,17 @@ func (c adminCacheDisk) AttachScratch(ctx context.Context, name string) error {
 }
 
 // Keep implements gitlab.CacheDisk.
-func (c adminCacheDisk) Keep(ctx context.Context, name, project string) (hostcache.SaveResult, error, error) {
+func (c adminCacheDisk) Keep(ctx context.Context, name, project string) jobvm.Kept {
 	out, err := c.run(ctx, jobvm.CacheDiskKeep, "--", name, project)
 	if err != nil {
-		return hostcache.SaveResult{}, err, err
+		return jobvm.Kept{DropErr: err, Err: err}
 	}
 	var a jobvm.KeepAnswer
 	if err := json.Unmarshal([]byte(out), &a); err != nil {
 		err = fmt.Errorf("%s %s %s: answer %q: %w", jobvm.AdminExecutable, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, strings.TrimSpace(out), err)
-		return hostcache.SaveResult{}, err, err
+		return jobvm.Kept{DropErr: err, Err: err}
 	}
-	return a.Result, a.DropErr(), a.Err()
+	return a.Kept()
 }
 
 // Drop implements gitlab.CacheDisk.

@@ -31,7 +31,7 @@ hang) sleep 30; echo late ;;
 fail) echo "libvirt said no" >&2; exit 3 ;;
 attach) echo "3 1234" ;;
 keep) echo '{"result":{"Files":2,"Bytes":10,"Unchanged":1},"error":"too big","over_limit":true,"drop_error":"volume busy"}' ;;
-kept) echo '{"result":{"Files":1,"Bytes":3},"dropped":true}' ;;
+kept) echo '{"result":{"Files":1,"Bytes":3},"dropped":true,"from_file":true}' ;;
 kept-old) echo '{"result":{"Files":1,"Bytes":3}}' ;;
 garbage) echo "3 lots" ;;
 *) echo "VM $4 is shut off (destroyed)"; echo "a second line is not read" ;;

@@ -4,6 +4,9 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -148,17 +151,48 @@ func TestScratchDiskRoundTrip(t *testing.T) {
 	f.Volumes["jobs/"+ScratchVolume(s.Name)] = []byte("from the guest")
 	f.Unlock()
 	var got bytes.Buffer
-	require.NoError(t, e.ReadScratch(context.Background(), s.Name, "jobs", &got))
+	fromFile, err := e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	require.NoError(t, err)
+	assert.False(t, fromFile, "no file to read: libvirt's stream")
 	assert.Equal(t, "from the guest", got.String())
+
+	// Where this process may read the volume's file, the file is read.
+	file := filepath.Join(t.TempDir(), "vol")
+	require.NoError(t, os.WriteFile(file, []byte("the file's bytes"), 0o640))
+	f.Lock()
+	f.Files = map[string]string{"jobs/" + ScratchVolume(s.Name): file}
+	f.Unlock()
+	got.Reset()
+	fromFile, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	require.NoError(t, err)
+	assert.True(t, fromFile)
+	assert.Equal(t, "the file's bytes", got.String())
+	// A link in its place is not followed: the stream is read.
+	require.NoError(t, os.Remove(file))
+	require.NoError(t, os.Symlink("/etc/hostname", file))
+	got.Reset()
+	fromFile, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	require.NoError(t, err)
+	assert.False(t, fromFile)
+	assert.Equal(t, "from the guest", got.String())
+	// A cancelled read stops.
+	require.NoError(t, os.Remove(file))
+	require.NoError(t, os.WriteFile(file, []byte("x"), 0o640))
+	cctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	_, err = e.ReadScratch(cctx, s.Name, "jobs", &got)
+	require.Error(t, err)
 
 	// Another controller reads nothing of it.
 	other := &Engine{HV: f, Controller: "ffffffff-0000-4000-8000-000000000000"}
-	require.ErrorIs(t, other.ReadScratch(context.Background(), s.Name, "jobs", &got), ErrNotOurs)
+	_, err = other.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	require.ErrorIs(t, err, ErrNotOurs)
 
 	require.NoError(t, e.DropScratch(context.Background(), s.Name, "jobs"))
 	assert.NotContains(t, f.Volumes, "jobs/"+ScratchVolume(s.Name))
 	assert.NotContains(t, ownerVolumes(t, f, s.Name), ScratchVolume(s.Name))
-	require.ErrorIs(t, e.ReadScratch(context.Background(), s.Name, "jobs", &got), ErrNotFound)
+	_, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	require.ErrorIs(t, err, ErrNotFound)
 
 	// Both disks at once: each its own volume, removed with the machine.
 	require.NoError(t, f.DetachDisk(context.Background(), s.Name, "/pool/jobs/"+ScratchVolume(s.Name)))
@@ -166,4 +200,62 @@ func TestScratchDiskRoundTrip(t *testing.T) {
 	require.NoError(t, e.AttachData(context.Background(), s.Name, "jobs", strings.NewReader("x"), 1))
 	require.NoError(t, e.Remove(context.Background(), s.Name, "jobs", false))
 	assert.Empty(t, f.Volumes)
+}
+
+// Where libvirt says the machine's QEMU opens its disks as a DAC owner,
+// the scratch volume is made that owner's, readable to this process's
+// group (mode 0640), and the disk tells libvirt not to relabel it: the
+// host's read then opens the file. Without a label it is made as the
+// others: 0600, relabelled by libvirt.
+func TestScratchDiskReadableToItsGroup(t *testing.T) {
+	f, e, s := dataMachine(t)
+	scratch := func() libvirtxml.DomainDisk {
+		var dx libvirtxml.Domain
+		require.NoError(t, dx.Unmarshal(f.Domains[s.Name].XML))
+		for _, d := range dx.Devices.Disks {
+			if d.Serial == ScratchDiskSerial {
+				return d
+			}
+		}
+		t.Fatal("no scratch disk")
+		return libvirtxml.DomainDisk{}
+	}
+	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
+	assert.Equal(t, libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"}, f.Perms["jobs/"+ScratchVolume(s.Name)])
+	assert.Empty(t, scratch().Source.File.SecLabel)
+	require.NoError(t, e.DropScratch(context.Background(), s.Name, "jobs"))
+	require.NoError(t, f.DetachDisk(context.Background(), s.Name, "/pool/jobs/"+ScratchVolume(s.Name)))
+
+	// A running domain's live XML, as libvirt's DAC driver writes it.
+	f.Lock()
+	var dx libvirtxml.Domain
+	require.NoError(t, dx.Unmarshal(f.Domains[s.Name].XML))
+	dx.SecLabel = []libvirtxml.DomainSecLabel{{Type: "dynamic", Model: "dac", Relabel: "yes", Label: "+64055:+994", ImageLabel: "+64055:+993"}}
+	x, err := dx.Marshal()
+	require.NoError(t, err)
+	f.Domains[s.Name].XML = x
+	f.Unlock()
+	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
+	assert.Equal(t, libvirtxml.StorageVolumeTargetPermissions{Owner: "64055", Group: strconv.Itoa(os.Getgid()), Mode: "0640"}, f.Perms["jobs/"+ScratchVolume(s.Name)])
+	assert.Equal(t, []libvirtxml.DomainDeviceSecLabel{{Model: "dac", Relabel: "no"}}, scratch().Source.File.SecLabel)
+}
+
+func TestParseDACLabel(t *testing.T) {
+	for label, want := range map[string][3]int{
+		"+64055:+994":                        {64055, 994, 1},
+		"+0:+0":                              {0, 0, 1},
+		"64055:994":                          {0, 0, 0},
+		"+a:+1":                              {0, 0, 0},
+		"+1:+1:+1":                           {0, 0, 0},
+		"+99999999999:+1":                    {0, 0, 0},
+		"":                                   {0, 0, 0},
+		"system_u:system_r:svirt_t:s0:c1,c2": {0, 0, 0},
+	} {
+		uid, gid, ok := ParseDACLabel(label)
+		okInt := 0
+		if ok {
+			okInt = 1
+		}
+		assert.Equal(t, want, [3]int{uid, gid, okInt}, label)
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"os"
 
 	"libvirt.org/go/libvirtxml"
 )
@@ -49,6 +50,10 @@ type Hypervisor interface {
 	// StreamFromVolume copies a volume to w from its start, until its end
 	// or until w fails (w's error is returned then).
 	StreamFromVolume(ctx context.Context, pool, name string, w io.Writer) error
+	// VolumeFile opens a volume's file for reading, where libvirt is this
+	// host's and this process may read it (OpenVolumeFile); else nil (the
+	// caller streams it: StreamFromVolume). ErrNotFound if absent.
+	VolumeFile(ctx context.Context, pool, name string) (*os.File, error)
 	// DeleteVolume removes a volume (ErrNotFound if absent).
 	DeleteVolume(ctx context.Context, pool, name string) error
 	// VolumePath returns the path of a volume in pool (ErrNotFound if
@@ -80,6 +85,11 @@ type Hypervisor interface {
 	// guest (a hot unplug the guest may complete late, or never). A disk
 	// no longer there is success; ErrNotFound if the domain is absent.
 	DetachDisk(ctx context.Context, name, source string) error
+	// DACImageLabel returns the running domain's DAC image label, the
+	// owner its QEMU opens disks as ("+UID:+GID"; DACImageLabelOf), or ""
+	// where libvirt says none (no DAC security driver, a domain not
+	// running). ErrNotFound if the domain is absent.
+	DACImageLabel(ctx context.Context, name string) (string, error)
 	// AttachDisk adds disk to the running domain, live only (a hot plug;
 	// the domain's persistent definition does not get it). ErrNotFound if
 	// the domain is absent.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"time"
 
 	"libvirt.org/go/libvirtxml"
@@ -231,6 +232,16 @@ func (r *Reconnecting) StreamFromVolume(ctx context.Context, pool, name string, 
 	}
 	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.StreamFromVolume(ctx, pool, name, w) }, nil)
 	return err // the next call reconnects if the connection is lost
+}
+
+// VolumeFile implements Hypervisor.
+func (r *Reconnecting) VolumeFile(ctx context.Context, pool, name string) (*os.File, error) {
+	return retry(ctx, r, func(h Hypervisor) (*os.File, error) { return h.VolumeFile(ctx, pool, name) })
+}
+
+// DACImageLabel implements Hypervisor.
+func (r *Reconnecting) DACImageLabel(ctx context.Context, name string) (string, error) {
+	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.DACImageLabel(ctx, name) })
 }
 
 // AttachDisk implements Hypervisor.

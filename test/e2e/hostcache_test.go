@@ -196,7 +196,9 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		// tools disk (one process, O_DIRECT; "by the guest in" where the
 		// shell's way wrote it, "as a tar stream" where the layout could
 		// not carry it), through sudo where the image's user is not root.
-		how = `from a scratch disk \(made during the script in [^)]*, written by the guest agent in `
+		// The host reads the volume's file (made readable to the
+		// stages' group), not libvirt's stream.
+		how = `from a scratch disk \(made during the script in [^)]*, written by the guest agent in [^,]*, read from the volume's file and deleted in `
 		if img == def {
 			how = "over SSH"
 		}

@@ -667,6 +667,38 @@ func (l *Conn) DetachDisk(ctx context.Context, name, source string) error {
 	})
 }
 
+// VolumeFile implements vm.Hypervisor.
+func (l *Conn) VolumeFile(ctx context.Context, pool, name string) (*os.File, error) {
+	if l.remote {
+		return nil, nil
+	}
+	path, err := l.VolumePath(ctx, pool, name)
+	if err != nil {
+		return nil, err
+	}
+	return vm.OpenVolumeFile(path), nil
+}
+
+// DACImageLabel implements vm.Hypervisor.
+func (l *Conn) DACImageLabel(ctx context.Context, name string) (string, error) {
+	return call(ctx, l, func() (string, error) {
+		d, err := l.domain(name)
+		if err != nil {
+			return "", err
+		}
+		defer d.Free()
+		x, err := d.GetXMLDesc(0)
+		if err != nil {
+			return "", notFound(err, libvirt.ERR_NO_DOMAIN)
+		}
+		var dx libvirtxml.Domain
+		if err := dx.Unmarshal(x); err != nil {
+			return "", err
+		}
+		return vm.DACImageLabelOf(&dx), nil
+	})
+}
+
 // AttachDisk implements vm.Hypervisor.
 func (l *Conn) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
 	x, err := disk.Marshal()

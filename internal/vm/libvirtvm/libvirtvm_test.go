@@ -265,5 +265,6 @@ func TestLibvirtHotDiskRefusedLeavesNothing(t *testing.T) {
 	o, err := vm.ParseOwner(ownerXML)
 	require.NoError(t, err)
 	require.Equal(t, []string{vm.DiskVolume(s.Name)}, o.Volumes)
-	require.ErrorIs(t, e.ReadScratch(context.Background(), s.Name, s.Pool, io.Discard), vm.ErrNotFound)
+	_, err = e.ReadScratch(context.Background(), s.Name, s.Pool, io.Discard)
+	require.ErrorIs(t, err, vm.ErrNotFound)
 }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
 	"sort"
 	"strings"
 	"sync"
@@ -26,6 +27,12 @@ type Fake struct {
 	Volumes map[string][]byte
 	// Backing maps "pool/name" to the volume's backing file, if any.
 	Backing map[string]string
+	// Files maps "pool/name" to a file VolumeFile opens for the volume
+	// (a test's stand-in for the volume's file on the host).
+	Files map[string]string
+	// Perms maps "pool/name" to the permissions the volume was created
+	// with, if any.
+	Perms map[string]libvirtxml.StorageVolumeTargetPermissions
 	// Domains maps names to defined domains.
 	Domains map[string]*Domain
 	// LeaseMap maps a domain to its reported leases.
@@ -138,6 +145,12 @@ func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.St
 		return "", fmt.Errorf("volume %s already exists", key)
 	}
 	f.Volumes[key] = nil
+	if vol.Target != nil && vol.Target.Permissions != nil {
+		if f.Perms == nil {
+			f.Perms = map[string]libvirtxml.StorageVolumeTargetPermissions{}
+		}
+		f.Perms[key] = *vol.Target.Permissions
+	}
 	if vol.BackingStore != nil {
 		if f.Backing == nil {
 			f.Backing = map[string]string{}
@@ -368,6 +381,49 @@ func (f *Fake) Owner(ctx context.Context, name string) (string, error) {
 		return "", vm.ErrNoOwner
 	}
 	return d.OwnerXML, nil
+}
+
+// VolumeFile implements vm.Hypervisor: the file in Files, where a test
+// put one for the volume, else nil (the caller streams the volume).
+func (f *Fake) VolumeFile(ctx context.Context, pool, name string) (*os.File, error) {
+	f.wait("VolumeFile")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("VolumeFile"); err != nil {
+		return nil, err
+	}
+	key := pool + "/" + name
+	if _, ok := f.Volumes[key]; !ok {
+		return nil, vm.ErrNotFound
+	}
+	if p, ok := f.Files[key]; ok {
+		return vm.OpenVolumeFile(p), nil
+	}
+	return nil, nil
+}
+
+// DACImageLabel implements vm.Hypervisor: the label in the running
+// domain's XML (a test puts a <seclabel model='dac'> with an imagelabel in
+// it, as libvirt does for a running domain).
+func (f *Fake) DACImageLabel(ctx context.Context, name string) (string, error) {
+	f.wait("DACImageLabel")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("DACImageLabel"); err != nil {
+		return "", err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return "", vm.ErrNotFound
+	}
+	if !d.Active {
+		return "", nil
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(d.XML); err != nil {
+		return "", err
+	}
+	return vm.DACImageLabelOf(&dx), nil
 }
 
 // AttachDisk implements vm.Hypervisor: disk joins the domain's XML (the
