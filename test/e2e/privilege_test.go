@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"io/fs"
@@ -17,10 +18,13 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 )
 
@@ -66,6 +70,13 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 
 	t.Run("job as a libvirt group member", func(t *testing.T) {
 		rv, cfgPath := r.privateConfig(t, top, "runner", runner)
+		// A host cache of the runner's own, for the scratch disk below.
+		cacheDir := filepath.Join(top, "cache-runner")
+		require.NoError(t, os.Mkdir(cacheDir, 0o700))
+		require.NoError(t, os.Chown(cacheDir, int(runner.cred.Uid), int(runner.cred.Gid)))
+		b, err := os.ReadFile(cfgPath)
+		require.NoError(t, err)
+		require.NoError(t, os.WriteFile(cfgPath, fmt.Appendf(b, "\n[cache]\ndir = %q\n", cacheDir), 0o644))
 		opts, lw := rv.options(t)
 		opts.Exec = installed(bin, cfgPath)
 		opts.WorkDir = filepath.Join(top, "work-runner")
@@ -74,11 +85,13 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 		var mu sync.Mutex
 		uids := map[string]string{}
 		var files []string
+		scratch := make(chan scratchRead, 1)
 		opts.OnStage = func(name string, pid int) {
 			if name == "build_script" {
 				mu.Lock()
 				files = ownership(filepath.Join(top, "state-runner"))
 				mu.Unlock()
+				go func() { scratch <- readScratchAs(bin, cfgPath, filepath.Join(top, "state-runner"), runner) }()
 			}
 			b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 			if m := regexp.MustCompile(`(?m)^Uid:\s+(\d+)`).FindSubmatch(b); err == nil && m != nil {
@@ -88,11 +101,26 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 			}
 		}
 		res, err := harness.RunJob(context.Background(), opts, harness.Job{
-			Script: []string{"echo built-by-$((6*7))"},
+			// Long enough for the scratch disk's attach and read below
+			// (a hot plug: ~2 s under TCG).
+			Script: []string{"echo built-by-$((6*7))", "sleep 12"},
 		})
 		require.NoError(t, err)
 		require.Equal(t, harness.StateSuccess, res.State, "%s: %s", res.FailureReason, res.Message)
 		require.Contains(t, lw.buf.String(), "built-by-42")
+		// The host cache's scratch disk, attached and read back as the
+		// stages' unprivileged user does it (the admin tool): the volume's
+		// file is readable to that user's group, so the host reads it
+		// instead of libvirt's stream (jobvm.KeepAnswer.FromFile).
+		select {
+		case sr := <-scratch:
+			require.NoError(t, sr.err, "%s", sr.out)
+			require.Empty(t, sr.answer.Error, sr.out)
+			require.True(t, sr.answer.Dropped, sr.out)
+			require.True(t, sr.answer.FromFile, "the unprivileged user read the scratch volume's file: %s", sr.out)
+		case <-time.After(time.Minute):
+			t.Fatal("the scratch disk's attach and read did not end")
+		}
 		for _, stage := range []string{"config", "prepare", "build_script", "cleanup"} {
 			require.Equal(t, strconv.Itoa(int(runner.cred.Uid)), uids[stage], "stage %s ran as the runner's user", stage)
 		}
@@ -153,6 +181,42 @@ func doctor(t *testing.T, bin, cfgPath string, u testUser) ([]byte, error) {
 	out, err := cmd.CombinedOutput()
 	t.Logf("doctor as %s:\n%s", u.name, out)
 	return out, err
+}
+
+// scratchRead is what readScratchAs found.
+type scratchRead struct {
+	answer jobvm.KeepAnswer
+	out    string
+	err    error
+}
+
+// readScratchAs attaches a scratch disk to the one machine in state and
+// keeps what is on it (nothing: the guest writes nothing), through the
+// admin tool as u.
+func readScratchAs(bin, cfgPath, state string, u testUser) scratchRead {
+	ms, err := os.ReadDir(filepath.Join(state, "machines"))
+	if err != nil || len(ms) != 1 {
+		return scratchRead{err: fmt.Errorf("want one machine in %s: %v %v", state, ms, err)}
+	}
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 42)
+	if err != nil {
+		return scratchRead{err: err}
+	}
+	run := func(args ...string) (string, error) {
+		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), append([]string{"--config", cfgPath, jobvm.CacheDiskCommand}, args...)...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: u.cred}
+		out, err := cmd.CombinedOutput()
+		return string(out), err
+	}
+	if out, err := run(jobvm.CacheDiskScratch, "--", ms[0].Name()); err != nil {
+		return scratchRead{out: out, err: err}
+	}
+	out, err := run(jobvm.CacheDiskKeep, "--", ms[0].Name(), project)
+	sr := scratchRead{out: out, err: err}
+	if err == nil {
+		sr.err = json.Unmarshal([]byte(out), &sr.answer)
+	}
+	return sr
 }
 
 type testUser struct {
