@@ -12,7 +12,6 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -212,11 +211,16 @@ func openDirect(dev string) (*os.File, error) {
 }
 
 // alignedBuffer is n bytes (a multiple of cachelayout.Align) starting at
-// an address aligned for O_DIRECT.
+// an address aligned for O_DIRECT: anonymous memory of its own, page
+// aligned (the process ends after the save; it is not unmapped).
 func alignedBuffer(n int64) []byte {
-	b := make([]byte, n+cachelayout.Align)
-	skip := (cachelayout.Align - int(uintptr(unsafe.Pointer(&b[0]))%cachelayout.Align)) % cachelayout.Align
-	return b[skip : int64(skip)+n : int64(skip)+n]
+	b, err := unix.Mmap(-1, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if err != nil {
+		// O_DIRECT may refuse an unaligned buffer (EINVAL): the write
+		// fails and the host runs the shell's way.
+		return make([]byte, n)
+	}
+	return b
 }
 
 func roundUp(n, to int64) int64 { return (n + to - 1) / to * to }
