@@ -110,15 +110,16 @@ var guestAgent = guestinit.GuestAgentPath
 // where the shell's way starts five, each tens of milliseconds in a TCG
 // guest), through one sudo where the job's user cannot write the disk.
 // Where the tools disk does not carry the agent (guest_tools.agent =
-// "none", an image that does not mount the disk) the shell's way follows.
-// An agent that cannot write the layout says diskNotDirect: the host
-// runs diskSaveShell then.
+// "none", an image that does not mount the disk), or the agent does not
+// know cache-save (exit status 2: guest_tools.agent naming an older one)
+// or sudo refuses it, the shell's way follows. An agent that cannot write
+// the layout says diskNotDirect: the host runs diskSaveShell then.
 func agentSave(flags string) string {
-	run := `"$A" cache-save ` + flags + `"$d" ` + guestCacheDir
+	run := `"$A" cache-save ` + flags + `"$d" ` + guestCacheDir + ` && exit 0`
 	return `A=` + guestAgent + `
 if [ -x "$A" ]; then
-  if [ -w "$d" ]; then exec ` + run + `
-  elif sudo -n true 2>/dev/null; then exec sudo -n ` + run + `
+  if [ -w "$d" ]; then ` + run + `
+  elif sudo -n true 2>/dev/null; then sudo -n ` + run + `
   fi
 fi
 `

@@ -538,7 +538,8 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 	ctx := context.Background()
 	was := []string{guestAgent, diskSaveArmed, diskSaveCommand, diskSaveShell}
 	t.Cleanup(func() { guestAgent, diskSaveArmed, diskSaveCommand, diskSaveShell = was[0], was[1], was[2], was[3] })
-	guestAgent = agenttest.BuildT(t)
+	built := agenttest.BuildT(t)
+	guestAgent = built
 
 	dir := t.TempDir()
 	cacheDir := filepath.Join(dir, "cache")
@@ -601,6 +602,22 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, diskWritten+" 0 direct agent", last, "started after the script")
 	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
+
+	// An agent that does not know cache-save (an older one) leaves the
+	// save to the shell's way.
+	old := filepath.Join(dir, "old-agent")
+	require.NoError(t, os.WriteFile(old, []byte("#!/bin/sh\necho 'lve-agent takes no arguments' >&2\nexit 2\n"), 0o755))
+	guestAgent = old
+	diskSaveArmed = here(agentSave("--armed ") + diskSavePrep + `IFS= read -r g || g=
+if [ "$g" != ` + diskGo + ` ]; then echo ` + diskNotAsked + `; exit 0; fi
+` + diskSaveAct)
+	newDisk()
+	last, err = guestWrite(ctx, c, arm(ctx, c))
+	require.NoError(t, err)
+	require.Equal(t, diskWritten+" 0 direct", last, "the shell's direct layout")
+	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
+	guestAgent = built
+	diskSaveArmed = here(agentSave("--armed ") + "echo the agent did not start; exit 1\n")
 
 	newDisk()
 	require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "odd\nname"), []byte("x"), 0o644))
