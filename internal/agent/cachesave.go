@@ -95,9 +95,9 @@ func writeDirectLayout(dev, dir string) error {
 	if end > capacity {
 		return fmt.Errorf("the files need %d bytes of the disk, which has %d", end, capacity)
 	}
-	buf := alignedBuffer(copyChunk)
+	bufs := newBuffers()
 	for _, f := range files {
-		if err := copyAt(d, buf, dir, f); err != nil {
+		if err := copyAt(d, bufs, dir, f); err != nil {
 			return err
 		}
 	}
@@ -166,28 +166,78 @@ func manifestOf(files []layoutFile) []byte {
 	return []byte(b.String())
 }
 
+// inFlight is how many chunks a copy reads ahead of its writes: the
+// guest's read of the next chunk (a copy out of its page cache, slow in a
+// TCG guest) overlaps the disk's write of the one before (QEMU's, on the
+// host), where one at a time adds them up.
+const inFlight = 3
+
+// buffers are a copy's chunk buffers, reused from file to file.
+type buffers chan []byte
+
+func newBuffers() buffers {
+	b := make(buffers, inFlight)
+	for range inFlight {
+		b <- alignedBuffer(copyChunk)
+	}
+	return b
+}
+
+// chunk is a buffer read and waiting to be written at off (w bytes: n read,
+// padded to cachelayout.Align).
+type chunk struct {
+	buf  []byte
+	w    int64
+	off  int64
+	name string
+}
+
 // copyAt copies the file f under dir to its offset on d, each write a
 // multiple of cachelayout.Align (its last one padded with zeros, which the
-// next file's offset leaves room for). A file that is not f.size bytes any
-// more, or not a regular file, is an error.
-func copyAt(d *os.File, buf []byte, dir string, f layoutFile) error {
+// next file's offset leaves room for), reading ahead of the writes (up to
+// inFlight chunks of bufs). A file that is not f.size bytes any more, or
+// not a regular file, is an error.
+func copyAt(d *os.File, bufs buffers, dir string, f layoutFile) error {
 	src, err := os.OpenFile(filepath.Join(dir, f.name), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = src.Close() }()
+	full := make(chan chunk, inFlight)
+	written := make(chan error, 1)
+	go func() {
+		var werr error
+		for c := range full {
+			if werr == nil {
+				if _, err := d.WriteAt(c.buf[:c.w], c.off); err != nil {
+					werr = fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(c.name), err)
+				}
+			}
+			bufs <- c.buf
+		}
+		written <- werr
+	}()
 	var done int64
-	for done < f.size {
+	var rerr error
+	for done < f.size && rerr == nil {
+		buf := <-bufs
 		n, err := io.ReadFull(src, buf[:min(int64(len(buf)), f.size-done)])
 		if err != nil {
-			return fmt.Errorf("%s: %d of its %d bytes read: %w", strconv.QuoteToASCII(f.name), done+int64(n), f.size, err)
+			rerr = fmt.Errorf("%s: %d of its %d bytes read: %w", strconv.QuoteToASCII(f.name), done+int64(n), f.size, err)
+			bufs <- buf
+			break
 		}
 		w := roundUp(int64(n), cachelayout.Align)
 		clear(buf[n:w])
-		if _, err := d.WriteAt(buf[:w], f.off+done); err != nil {
-			return fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(f.name), err)
-		}
+		full <- chunk{buf: buf, w: w, off: f.off + done, name: f.name}
 		done += int64(n)
+	}
+	close(full)
+	if werr := <-written; rerr == nil {
+		rerr = werr
+	}
+	if rerr != nil {
+		return rerr
 	}
 	info, err := src.Stat()
 	switch {
