@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -13,6 +14,7 @@ import (
 	"sync"
 	"syscall"
 	"testing"
+	"testing/iotest"
 	"time"
 
 	"github.com/stretchr/testify/assert"
@@ -869,3 +871,32 @@ func TestSaveSyncs(t *testing.T) {
 	require.ErrorContains(t, err, "no sync")
 	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose sync failed is kept")
 }
+
+// copyHashing copies and hashes every byte, whatever the sizes against
+// its chunk, and a write that fails fails the copy.
+func TestCopyHashing(t *testing.T) {
+	for _, size := range []int{0, 1, hashChunk - 1, hashChunk, hashChunk + 1, 3*hashChunk + 5} {
+		in := bytes.Repeat([]byte("0123456789abcdef"), size/16+1)[:size]
+		var out bytes.Buffer
+		h := sha256.New()
+		n, err := copyHashing(&out, h, iotest.OneByteReader(bytes.NewReader(in[:min(size, 3)])))
+		require.NoError(t, err)
+		require.EqualValues(t, min(size, 3), n)
+		out.Reset()
+		h.Reset()
+		n, err = copyHashing(&out, h, bytes.NewReader(in))
+		require.NoError(t, err)
+		require.EqualValues(t, size, n)
+		require.Equal(t, string(in), out.String(), "size %d", size)
+		want := sha256.Sum256(in)
+		require.Equal(t, want[:], h.Sum(nil), "size %d", size)
+	}
+	_, err := copyHashing(failingWriter{}, sha256.New(), bytes.NewReader(make([]byte, 3*hashChunk)))
+	require.ErrorContains(t, err, "disk full")
+	_, err = copyHashing(io.Discard, sha256.New(), iotest.ErrReader(errors.New("cut short")))
+	require.ErrorContains(t, err, "cut short")
+}
+
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("disk full") }
