@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"io/fs"
+	"math"
 	"os"
 	"path/filepath"
 	"strconv"
@@ -194,15 +195,71 @@ type chunk struct {
 
 // copyAt copies the file f under dir to its offset on d, each write a
 // multiple of cachelayout.Align (its last one padded with zeros, which the
-// next file's offset leaves room for), reading ahead of the writes (up to
-// inFlight chunks of bufs). A file that is not f.size bytes any more, or
-// not a regular file, is an error.
+// next file's offset leaves room for): from a mapping of the file
+// (copyMapped), else read ahead of the writes (copyRead). A file that is
+// not f.size bytes any more, or not a regular file, is an error.
 func copyAt(d *os.File, bufs buffers, dir string, f layoutFile) error {
 	src, err := os.OpenFile(filepath.Join(dir, f.name), os.O_RDONLY|unix.O_NOFOLLOW|unix.O_NONBLOCK, 0)
 	if err != nil {
 		return err
 	}
 	defer func() { _ = src.Close() }()
+	mapped, err := copyMapped(d, src, f)
+	if err != nil {
+		return err
+	}
+	if !mapped {
+		if err := copyRead(d, bufs, src, f); err != nil {
+			return err
+		}
+	}
+	info, err := src.Stat()
+	switch {
+	case err != nil:
+		return err
+	case !info.Mode().IsRegular() || info.Size() != f.size:
+		return fmt.Errorf("%s changed while it was copied (%d bytes, was %d)", strconv.QuoteToASCII(f.name), info.Size(), f.size)
+	}
+	return nil
+}
+
+// mappedChunk is how much of a mapped file goes to the disk in one write.
+const mappedChunk = 2 << 20
+
+// copyMapped writes the file src to its offset on d from a mapping of the
+// file (page aligned, as O_DIRECT wants): the disk's writes take the bytes
+// from the guest's page cache, and nothing copies them in the guest (the
+// read's copy is most of the cost in a TCG guest). The last write reaches
+// past the file's end to the next multiple of cachelayout.Align: the
+// mapping's last page holds zeros there. The process only hands the
+// mapping to write(2), never reads it itself: a file cut short meanwhile
+// fails the write, it cannot fault the agent. false where the file cannot
+// be mapped (the caller reads it).
+func copyMapped(d, src *os.File, f layoutFile) (bool, error) {
+	if f.size == 0 {
+		return true, nil
+	}
+	length := roundUp(f.size, int64(os.Getpagesize()))
+	if length > math.MaxInt || length < roundUp(f.size, cachelayout.Align) {
+		return false, nil
+	}
+	m, err := unix.Mmap(int(src.Fd()), 0, int(length), unix.PROT_READ, unix.MAP_SHARED)
+	if err != nil {
+		return false, nil
+	}
+	defer func() { _ = unix.Munmap(m) }()
+	for done := int64(0); done < f.size; done += mappedChunk {
+		w := min(mappedChunk, roundUp(f.size-done, cachelayout.Align))
+		if _, err := d.WriteAt(m[done:done+w], f.off+done); err != nil {
+			return true, fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(f.name), err)
+		}
+	}
+	return true, nil
+}
+
+// copyRead is copyMapped for a file that cannot be mapped: read into bufs,
+// up to inFlight chunks ahead of the disk's writes.
+func copyRead(d *os.File, bufs buffers, src *os.File, f layoutFile) error {
 	full := make(chan chunk, inFlight)
 	written := make(chan error, 1)
 	go func() {
@@ -236,17 +293,7 @@ func copyAt(d *os.File, bufs buffers, dir string, f layoutFile) error {
 	if werr := <-written; rerr == nil {
 		rerr = werr
 	}
-	if rerr != nil {
-		return rerr
-	}
-	info, err := src.Stat()
-	switch {
-	case err != nil:
-		return err
-	case !info.Mode().IsRegular() || info.Size() != f.size:
-		return fmt.Errorf("%s changed while it was copied (%d bytes, was %d)", strconv.QuoteToASCII(f.name), info.Size(), f.size)
-	}
-	return nil
+	return rerr
 }
 
 // openDirect opens the device for writes that bypass the guest's page

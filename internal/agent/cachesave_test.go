@@ -207,12 +207,33 @@ func TestCacheSaveFileChanged(t *testing.T) {
 	bufs := newBuffers()
 	require.NoError(t, copyAt(d, bufs, dir, layoutFile{name: "./f", size: 10000, off: cachelayout.ManifestMax}))
 	require.ErrorContains(t, copyAt(d, bufs, dir, layoutFile{name: "./f", size: 9000, off: cachelayout.ManifestMax}), "changed while it was copied")
-	require.ErrorContains(t, copyAt(d, bufs, dir, layoutFile{name: "./f", size: 20000, off: cachelayout.ManifestMax}), "10000 of its 20000 bytes read")
+	// Shrunk since it was listed: the mapping's pages past the file's end
+	// fail the write (EFAULT), they do not fault the agent.
+	require.ErrorContains(t, copyAt(d, bufs, dir, layoutFile{name: "./f", size: 20000, off: cachelayout.ManifestMax}), "bad address")
+	// The same through reads (a file that cannot be mapped).
+	src, err := os.Open(filepath.Join(dir, "f"))
+	require.NoError(t, err)
+	defer src.Close()
+	require.ErrorContains(t, copyRead(d, bufs, src, layoutFile{name: "./f", size: 20000, off: cachelayout.ManifestMax}), "10000 of its 20000 bytes read")
 	require.Len(t, bufs, inFlight, "every buffer back after a failed copy")
-	// A write that fails (a disk opened read-only) fails the copy.
+	// A write that fails (a disk opened read-only) fails the copy, both
+	// ways.
 	ro, err := os.Open(d.Name())
 	require.NoError(t, err)
 	defer ro.Close()
 	require.ErrorContains(t, copyAt(ro, bufs, dir, layoutFile{name: "./f", size: 10000, off: cachelayout.ManifestMax}), "writing \"./f\" on the disk")
+	_, err = src.Seek(0, io.SeekStart)
+	require.NoError(t, err)
+	require.ErrorContains(t, copyRead(ro, bufs, src, layoutFile{name: "./f", size: 10000, off: cachelayout.ManifestMax}), "writing \"./f\" on the disk")
 	require.Len(t, bufs, inFlight)
+	// Read, a file's bytes land as mapped ones do.
+	_, err = src.Seek(0, io.SeekStart)
+	require.NoError(t, err)
+	require.NoError(t, copyRead(d, bufs, src, layoutFile{name: "./f", size: 10000, off: cachelayout.ManifestMax + 1<<20}))
+	got := make([]byte, 10000)
+	_, err = d.ReadAt(got, cachelayout.ManifestMax+1<<20)
+	require.NoError(t, err)
+	want, err := os.ReadFile(filepath.Join(dir, "f"))
+	require.NoError(t, err)
+	require.Equal(t, want, got)
 }
