@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -25,15 +26,17 @@ const hostSaveLog = "2026-11-27T05:15:52.716652Z 00O+\x1b[0Ksection_start:179575
 	"2026-11-27T05:15:58.348148Z 00O section_end:1795756558:archive_cache\r\x1b[0K\n"
 
 func TestSaveSplit(t *testing.T) {
-	zip, after, err := saveSplit(s3SaveLog)
+	zip, after, cp, err := saveSplit(s3SaveLog)
 	require.NoError(t, err)
 	require.Equal(t, 1828682*time.Microsecond, zip, "Creating cache to Uploading")
 	require.Equal(t, 219796*time.Microsecond, after, "the upload and the stage's end")
+	require.Equal(t, 185666*time.Microsecond, cp, "Uploading to Created cache: the upload")
 
-	zip, after, err = saveSplit(hostSaveLog)
+	zip, after, cp, err = saveSplit(hostSaveLog)
 	require.NoError(t, err)
 	require.Equal(t, 2029159*time.Microsecond, zip, "Creating cache to No URL provided")
 	require.Equal(t, 700747*time.Microsecond, after, "the host cache's copy and the stage's end")
+	require.Equal(t, 696278*time.Microsecond, cp, "No URL provided to the host cache's line")
 }
 
 func TestSaveSplitNeedsTimestamps(t *testing.T) {
@@ -41,8 +44,9 @@ func TestSaveSplitNeedsTimestamps(t *testing.T) {
 		"no timestamps": "Creating cache bench-0...\nUploading cache.zip to http://x\nsection_end:1:archive_cache\n",
 		"no archive":    "2026-11-27T05:15:55.618242Z 01O Creating cache bench-0...\n2026-11-27T05:15:58.348148Z 00O section_end:1795756558:archive_cache\r\x1b[0K\n",
 		"empty":         "",
+		"no copy line":  strings.Replace(hostSaveLog, "Host cache: kept", "Host cache: not kept", 1),
 	} {
-		_, _, err := saveSplit(log)
+		_, _, _, err := saveSplit(log)
 		require.Error(t, err, name)
 	}
 }
