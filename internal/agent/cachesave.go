@@ -108,6 +108,10 @@ func writeDirectLayout(dev, dir string) error {
 		return fmt.Errorf("writing the manifest on %s: %w", dev, err)
 	}
 	if err := d.Sync(); err != nil {
+		// The shell's way writes next; a manifest of this try left on
+		// the disk could describe bytes it rewrote.
+		clear(head)
+		_, _ = d.WriteAt(head, 0)
 		return fmt.Errorf("flushing %s: %w", dev, err)
 	}
 	return nil
@@ -115,10 +119,15 @@ func writeDirectLayout(dev, dir string) error {
 
 // listLayout lists the regular files under dir with their offsets, and
 // where the last one ends; a layout that cannot carry them is an error. A
-// dir that does not exist is an empty cache.
+// dir that does not exist is an empty cache; a dir that is a link (an
+// image's /cache on another disk) is followed, as the shell's cd does, the
+// links under it are not.
 func listLayout(dir string) ([]layoutFile, int64, error) {
 	var files []layoutFile
 	off := int64(cachelayout.ManifestMax)
+	if real, err := filepath.EvalSymlinks(dir); err == nil {
+		dir = real
+	}
 	err := filepath.WalkDir(dir, func(path string, e fs.DirEntry, err error) error {
 		switch {
 		case err != nil:

@@ -170,6 +170,17 @@ func TestCacheSaveNotDirect(t *testing.T) {
 		require.Equal(t, cachelayout.Written+" 0 direct agent\n", out.String())
 		require.Empty(t, readDisk(t, disk))
 	})
+	t.Run("cache_dir a link to a directory", func(t *testing.T) {
+		real := t.TempDir()
+		require.NoError(t, os.WriteFile(filepath.Join(real, "f"), []byte("through the link"), 0o600))
+		link := filepath.Join(t.TempDir(), "cache")
+		require.NoError(t, os.Symlink(real, link))
+		disk := cacheDisk(t, 4<<20)
+		var out bytes.Buffer
+		require.Equal(t, 0, CacheSave([]string{disk, link}, strings.NewReader(""), &out, io.Discard))
+		require.Equal(t, cachelayout.Written+" 0 direct agent\n", out.String())
+		require.Equal(t, map[string][]byte{"./f": []byte("through the link")}, readDisk(t, disk), "followed, as the shell's cd does")
+	})
 	t.Run("bad arguments", func(t *testing.T) {
 		var errOut bytes.Buffer
 		require.Equal(t, 2, CacheSave([]string{"only-one"}, strings.NewReader(""), io.Discard, &errOut))

@@ -116,7 +116,7 @@ var guestAgent = guestinit.GuestAgentPath
 // the layout says diskNotDirect: the host runs diskSaveShell then.
 func agentSave(flags string) string {
 	run := `"$A" cache-save ` + flags + `"$d" ` + guestCacheDir + ` && exit 0`
-	return `A=` + guestAgent + `
+	return `A='` + guestAgent + `'
 if [ -x "$A" ]; then
   if [ -w "$d" ]; then ` + run + `
   elif sudo -n true 2>/dev/null; then sudo -n ` + run + `
@@ -647,7 +647,8 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 // (diskSaveShell). last is the guest's last line.
 func guestWrite(ctx context.Context, client *sshexec.Client, a *armedSave) (last string, err error) {
 	out := &headBuffer{limit: 4096}
-	if a != nil && a.fire(ctx) {
+	fired := a != nil && a.fire(ctx)
+	if fired {
 		select {
 		case <-a.done:
 		case <-ctx.Done():
@@ -660,11 +661,13 @@ func guestWrite(ctx context.Context, client *sshexec.Client, a *armedSave) (last
 	} else if err := client.Stream(ctx, diskSaveCommand, bytes.NewReader(nil), out); err != nil {
 		return "", err
 	}
-	if last = lastLine(out.String()); last != diskNotDirect {
+	last = lastLine(out.String())
+	if last != diskNotDirect && (!fired || last != diskNotAsked) {
 		return last, nil
 	}
-	// The agent's layout cannot carry this cache: the shell's way writes
-	// a tar stream.
+	// The agent's layout cannot carry this cache (the shell's way writes a
+	// tar stream), or the armed agent took the go and died (its shell
+	// found its stdin ended: not asked).
 	out = &headBuffer{limit: 4096}
 	if err := client.Stream(ctx, diskSaveShell, bytes.NewReader(nil), out); err != nil {
 		return "", err

@@ -18,10 +18,12 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // Only the runner's cache sub-stages whose scripts call its cache helper
@@ -562,9 +564,19 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 		}
 		return "d=" + disk + "\n" + script
 	}
-	diskSaveArmed = here(agentSave("--armed ") + "echo the agent did not start; exit 1\n")
-	diskSaveCommand = here(agentSave("") + "echo the agent did not start; exit 1\n")
-	diskSaveShell = here(diskSaveBody)
+	// The commands as they are, but for the disk (no /sys here) and the
+	// agent's path.
+	find := findDisk(vm.ScratchDiskSerial)
+	withAgent := func(script, agent string) string {
+		require.True(t, strings.HasPrefix(script, find))
+		require.Equal(t, 1, strings.Count(script, "A='"+guestinit.GuestAgentPath+"'"))
+		return here(strings.Replace(strings.TrimPrefix(script, find), "A='"+guestinit.GuestAgentPath+"'", "A='"+agent+"'", 1))
+	}
+	useAgent := func(agent string) {
+		diskSaveArmed, diskSaveCommand = withAgent(was[1], agent), withAgent(was[2], agent)
+	}
+	useAgent(built)
+	diskSaveShell = here(strings.TrimPrefix(was[3], find))
 	kept := func() map[string][]byte {
 		f, err := os.Open(disk)
 		require.NoError(t, err)
@@ -604,20 +616,22 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
 
 	// An agent that does not know cache-save (an older one) leaves the
-	// save to the shell's way.
-	old := filepath.Join(dir, "old-agent")
-	require.NoError(t, os.WriteFile(old, []byte("#!/bin/sh\necho 'lve-agent takes no arguments' >&2\nexit 2\n"), 0o755))
-	guestAgent = old
-	diskSaveArmed = here(agentSave("--armed ") + diskSavePrep + `IFS= read -r g || g=
-if [ "$g" != ` + diskGo + ` ]; then echo ` + diskNotAsked + `; exit 0; fi
-` + diskSaveAct)
-	newDisk()
-	last, err = guestWrite(ctx, c, arm(ctx, c))
-	require.NoError(t, err)
-	require.Equal(t, diskWritten+" 0 direct", last, "the shell's direct layout")
-	require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept())
-	guestAgent = built
-	diskSaveArmed = here(agentSave("--armed ") + "echo the agent did not start; exit 1\n")
+	// save to the shell's way; so does one that took the go and died (its
+	// shell finds its stdin ended: the host runs the shell's save).
+	for name, script := range map[string]string{
+		"older agent":       "#!/bin/sh\necho 'lve-agent takes no arguments' >&2\nexit 2\n",
+		"died after the go": "#!/bin/sh\nread -r g\nkill -9 $$\n",
+	} {
+		stand := filepath.Join(dir, strings.ReplaceAll(name, " ", "-"))
+		require.NoError(t, os.WriteFile(stand, []byte(script), 0o755))
+		useAgent(stand)
+		newDisk()
+		last, err = guestWrite(ctx, c, arm(ctx, c))
+		require.NoError(t, err, name)
+		require.Equal(t, diskWritten+" 0 direct", last, "%s: the shell's direct layout", name)
+		require.Equal(t, map[string][]byte{"./k/cache.zip": zip}, kept(), name)
+	}
+	useAgent(built)
 
 	newDisk()
 	require.NoError(t, os.WriteFile(filepath.Join(cacheDir, "k", "odd\nname"), []byte("x"), 0o644))

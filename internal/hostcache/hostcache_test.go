@@ -870,6 +870,11 @@ func TestSaveSyncs(t *testing.T) {
 	_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files(append(many, "new", "y")...)...)))
 	require.ErrorContains(t, err, "no sync")
 	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose sync failed is kept")
+	dataSync = func(int) error { return errors.New("no data sync") }
+	_, err = s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files("new", "y")...)))
+	require.ErrorContains(t, err, "no data sync")
+	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose fdatasync failed is kept")
+	assert.Empty(t, stageEntries(t, s))
 }
 
 // copyHashing copies and hashes every byte, whatever the sizes against
@@ -882,6 +887,9 @@ func TestCopyHashing(t *testing.T) {
 		n, err := copyHashing(&out, h, iotest.OneByteReader(bytes.NewReader(in[:min(size, 3)])))
 		require.NoError(t, err)
 		require.EqualValues(t, min(size, 3), n)
+		require.Equal(t, string(in[:min(size, 3)]), out.String())
+		short := sha256.Sum256(in[:min(size, 3)])
+		require.Equal(t, short[:], h.Sum(nil))
 		out.Reset()
 		h.Reset()
 		n, err = copyHashing(&out, h, bytes.NewReader(in))

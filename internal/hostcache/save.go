@@ -293,7 +293,12 @@ func stageFile(root *os.Root, r io.Reader, size int64, sync bool, sf *stagedFile
 	}
 	defer func() { _ = f.Close() }()
 	h := sha256.New()
-	n, err := copyHashing(f, h, r)
+	var n int64
+	if size <= hashChunk {
+		n, err = io.Copy(io.MultiWriter(f, h), r) // one chunk: nothing to overlap
+	} else {
+		n, err = copyHashing(f, h, r)
+	}
 	if err == nil && n != size {
 		err = io.ErrUnexpectedEOF
 	}

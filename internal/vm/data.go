@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"os/user"
 	"slices"
 	"strconv"
 
@@ -171,16 +172,25 @@ func (e *Engine) attach(ctx context.Context, name, pool string, d hotDisk, capac
 }
 
 // scratchOwner is the permissions of a scratch volume its machine's QEMU
-// writes and this process's group reads: owned by the user QEMU opens the
+// writes and this process reads: owned by the user QEMU opens the
 // machine's disks as (its DAC image label, so that libvirt need not
-// relabel the file: the disk says relabel="no"), group this process's,
-// mode 0640. The host's read of the guest's save then opens the file
-// (several GB/s from the page cache) instead of libvirt's stream (about
-// 400 MB/s on a TCG host); the stages run as a member of the libvirt
-// group, which may read every volume through libvirt anyway. ok is false
+// relabel the file: the disk says relabel="no"), group the one this
+// process reads it as (ScratchGroup: the libvirt group, whose members may
+// read every volume through libvirt anyway), mode 0640. The host's read of
+// the guest's save then opens the file (several GB/s from the page cache)
+// instead of libvirt's stream (about 400 MB/s on a TCG host). ok is false
 // where libvirt says no DAC label for the machine (no DAC security
-// driver; a session libvirt): the volume is made as the others, 0600.
+// driver; a session libvirt; another host's libvirt) or there is no such
+// group: the volume is made as the others, 0600.
 func (e *Engine) scratchOwner(ctx context.Context, name string) (libvirtxml.StorageVolumeTargetPermissions, bool) {
+	group := e.ScratchGroup
+	if group == nil {
+		group = LibvirtGroupOfProcess
+	}
+	gid, ok := group()
+	if !ok {
+		return libvirtxml.StorageVolumeTargetPermissions{}, false
+	}
 	label, err := e.HV.DACImageLabel(ctx, name)
 	if err != nil {
 		return libvirtxml.StorageVolumeTargetPermissions{}, false
@@ -189,7 +199,31 @@ func (e *Engine) scratchOwner(ctx context.Context, name string) (libvirtxml.Stor
 	if !ok {
 		return libvirtxml.StorageVolumeTargetPermissions{}, false
 	}
-	return libvirtxml.StorageVolumeTargetPermissions{Owner: strconv.Itoa(uid), Group: strconv.Itoa(os.Getgid()), Mode: "0640"}, true
+	return libvirtxml.StorageVolumeTargetPermissions{Owner: strconv.Itoa(uid), Group: strconv.Itoa(gid), Mode: "0640"}, true
+}
+
+// LibvirtGroupOfProcess is the group this process may read a scratch
+// volume as: root's (0) when it runs as root, else the group "libvirt"
+// where the process is in it (the stages' user is: docs/install.md), else
+// none (ok false). Never the user's primary group, which other users may
+// share.
+func LibvirtGroupOfProcess() (gid int, ok bool) {
+	if os.Geteuid() == 0 {
+		return 0, true
+	}
+	g, err := user.LookupGroup("libvirt")
+	if err != nil {
+		return 0, false
+	}
+	gid, err = strconv.Atoi(g.Gid)
+	if err != nil {
+		return 0, false
+	}
+	if os.Getegid() == gid {
+		return gid, true
+	}
+	groups, err := os.Getgroups()
+	return gid, err == nil && slices.Contains(groups, gid)
 }
 
 // drop deletes the volume of disk kind d of machine name, and the

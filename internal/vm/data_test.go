@@ -5,7 +5,9 @@ import (
 	"context"
 	"errors"
 	"os"
+	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -235,9 +237,38 @@ func TestScratchDiskReadableToItsGroup(t *testing.T) {
 	require.NoError(t, err)
 	f.Domains[s.Name].XML = x
 	f.Unlock()
+	e.ScratchGroup = func() (int, bool) { return 127, true }
 	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
-	assert.Equal(t, libvirtxml.StorageVolumeTargetPermissions{Owner: "64055", Group: strconv.Itoa(os.Getgid()), Mode: "0640"}, f.Perms["jobs/"+ScratchVolume(s.Name)])
+	assert.Equal(t, libvirtxml.StorageVolumeTargetPermissions{Owner: "64055", Group: "127", Mode: "0640"}, f.Perms["jobs/"+ScratchVolume(s.Name)])
 	assert.Equal(t, []libvirtxml.DomainDeviceSecLabel{{Model: "dac", Relabel: "no"}}, scratch().Source.File.SecLabel)
+	require.NoError(t, e.DropScratch(context.Background(), s.Name, "jobs"))
+	require.NoError(t, f.DetachDisk(context.Background(), s.Name, "/pool/jobs/"+ScratchVolume(s.Name)))
+
+	// A process outside the libvirt group: as the others, whatever the
+	// label.
+	e.ScratchGroup = func() (int, bool) { return 0, false }
+	require.NoError(t, e.AttachScratch(context.Background(), s.Name, "jobs", 1000))
+	assert.Equal(t, libvirtxml.StorageVolumeTargetPermissions{Mode: "0600"}, f.Perms["jobs/"+ScratchVolume(s.Name)])
+	assert.Empty(t, scratch().Source.File.SecLabel)
+}
+
+// The group is root's for root, else the libvirt group if this process is
+// in it, never the primary group.
+func TestLibvirtGroupOfProcess(t *testing.T) {
+	gid, ok := LibvirtGroupOfProcess()
+	if os.Geteuid() == 0 {
+		assert.True(t, ok)
+		assert.Equal(t, 0, gid)
+		return
+	}
+	g, err := user.LookupGroup("libvirt")
+	if err != nil {
+		assert.False(t, ok, "no libvirt group")
+		return
+	}
+	groups, _ := os.Getgroups()
+	want, _ := strconv.Atoi(g.Gid)
+	assert.Equal(t, slices.Contains(groups, want) || os.Getegid() == want, ok)
 }
 
 func TestParseDACLabel(t *testing.T) {

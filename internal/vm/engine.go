@@ -26,6 +26,9 @@ type Engine struct {
 	// PollInterval is how often WaitAddress asks for leases, at a fixed rate
 	// (default 50ms, the rate of the benchmark's floor).
 	PollInterval time.Duration
+	// ScratchGroup, if set, replaces LibvirtGroupOfProcess: the group a
+	// scratch volume is made readable to (AttachScratch).
+	ScratchGroup func() (gid int, ok bool)
 }
 
 func (e *Engine) progress(format string, args ...any) {

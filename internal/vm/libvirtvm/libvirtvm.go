@@ -679,8 +679,13 @@ func (l *Conn) VolumeFile(ctx context.Context, pool, name string) (*os.File, err
 	return vm.OpenVolumeFile(path), nil
 }
 
-// DACImageLabel implements vm.Hypervisor.
+// DACImageLabel implements vm.Hypervisor: "" for another host's libvirt
+// (its users and groups are not this host's: a scratch volume there stays
+// 0600, read through libvirt's stream).
 func (l *Conn) DACImageLabel(ctx context.Context, name string) (string, error) {
+	if l.remote {
+		return "", nil
+	}
 	return call(ctx, l, func() (string, error) {
 		d, err := l.domain(name)
 		if err != nil {

@@ -268,3 +268,15 @@ func TestLibvirtHotDiskRefusedLeavesNothing(t *testing.T) {
 	_, err = e.ReadScratch(context.Background(), s.Name, s.Pool, io.Discard)
 	require.ErrorIs(t, err, vm.ErrNotFound)
 }
+
+// Another host's libvirt gives no DAC label and no volume file (its users,
+// groups and paths are not this host's), without asking it.
+func TestRemoteGivesNoLabelNorFile(t *testing.T) {
+	l := &Conn{remote: true} // no connection: a call would fail
+	label, err := l.DACImageLabel(context.Background(), "lve-x")
+	require.NoError(t, err)
+	require.Empty(t, label)
+	f, err := l.VolumeFile(context.Background(), "pool", "lve-x-scratch.img")
+	require.NoError(t, err)
+	require.Nil(t, f)
+}
