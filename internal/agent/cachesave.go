@@ -196,10 +196,8 @@ func newBuffers() buffers {
 // chunk is a buffer read and waiting to be written at off (w bytes: n read,
 // padded to cachelayout.Align).
 type chunk struct {
-	buf  []byte
-	w    int64
-	off  int64
-	name string
+	buf    []byte
+	w, off int64
 }
 
 // copyAt copies the file f under dir to its offset on d, each write a
@@ -276,7 +274,7 @@ func copyRead(d *os.File, bufs buffers, src *os.File, f layoutFile) error {
 		for c := range full {
 			if werr == nil {
 				if _, err := d.WriteAt(c.buf[:c.w], c.off); err != nil {
-					werr = fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(c.name), err)
+					werr = fmt.Errorf("writing %s on the disk: %w", strconv.QuoteToASCII(f.name), err)
 				}
 			}
 			bufs <- c.buf
@@ -295,7 +293,7 @@ func copyRead(d *os.File, bufs buffers, src *os.File, f layoutFile) error {
 		}
 		w := roundUp(int64(n), cachelayout.Align)
 		clear(buf[n:w])
-		full <- chunk{buf: buf, w: w, off: f.off + done, name: f.name}
+		full <- chunk{buf: buf, w: w, off: f.off + done}
 		done += int64(n)
 	}
 	close(full)

@@ -3,7 +3,6 @@
 package agent
 
 import (
-	"archive/tar"
 	"bytes"
 	"crypto/rand"
 	"fmt"
@@ -18,7 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/cachetest"
 )
 
 // cacheDisk is a file standing in for the scratch disk, of size bytes.
@@ -30,8 +29,8 @@ func cacheDisk(t *testing.T, size int64) string {
 	return p
 }
 
-// readDisk is what the host keeps of the disk: hostcache.FromDisk's tar
-// stream, as name -> bytes.
+// readDisk is what the host keeps of the disk, which must hold the direct
+// layout.
 func readDisk(t *testing.T, disk string) map[string][]byte {
 	t.Helper()
 	f, err := os.Open(disk)
@@ -41,23 +40,7 @@ func readDisk(t *testing.T, disk string) map[string][]byte {
 	_, err = io.ReadFull(f, head)
 	require.NoError(t, err)
 	require.Equal(t, cachelayout.Magic, string(head), "the disk holds the direct layout")
-	_, err = f.Seek(0, io.SeekStart)
-	require.NoError(t, err)
-	r, err := hostcache.FromDisk(f, 1<<30)
-	require.NoError(t, err)
-	defer r.Close()
-	got := map[string][]byte{}
-	tr := tar.NewReader(r)
-	for {
-		h, err := tr.Next()
-		if err == io.EOF {
-			return got
-		}
-		require.NoError(t, err)
-		b, err := io.ReadAll(tr)
-		require.NoError(t, err)
-		got[h.Name] = b
-	}
+	return cachetest.Kept(t, disk, 1<<30)
 }
 
 func randomBytes(t *testing.T, n int) []byte {

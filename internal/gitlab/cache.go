@@ -176,7 +176,7 @@ direct() {
   for x in $L; do
     s=${x%% *}; f=${x#* }
     case $s in '' | *[!0-9]*) r=1; break ;; esac
-    n=$((n + 1)); [ $n -le 100 ] || { r=1; break; }
+    n=$((n + 1)); [ $n -le ` + strconv.Itoa(cachelayout.MaxDirectFiles) + ` ] || { r=1; break; }
     M="$M$o $s $f
 "
     t=$((o + (s + 1048575) / 1048576 * 1048576)); [ $t -le $e ] || e=$t

@@ -22,6 +22,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/cachetest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -577,26 +578,7 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 	}
 	useAgent(built)
 	diskSaveShell = here(strings.TrimPrefix(was[3], find))
-	kept := func() map[string][]byte {
-		f, err := os.Open(disk)
-		require.NoError(t, err)
-		defer f.Close()
-		r, err := hostcache.FromDisk(f, size)
-		require.NoError(t, err)
-		defer r.Close()
-		got := map[string][]byte{}
-		tr := tar.NewReader(r)
-		for {
-			h, err := tr.Next()
-			if err == io.EOF {
-				return got
-			}
-			require.NoError(t, err)
-			b, err := io.ReadAll(tr)
-			require.NoError(t, err)
-			got[h.Name] = b
-		}
-	}
+	kept := func() map[string][]byte { return cachetest.Kept(t, disk, size) }
 
 	srv := sshtest.Start(t)
 	c, err := sshexec.Dial(ctx, sshexec.Target{Addr: srv.Addr(), User: "root", Signer: srv.ClientSigner(), HostKey: srv.HostKey()})

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"io"
 	"os"
 	"os/user"
 	"path/filepath"
@@ -152,11 +153,16 @@ func TestScratchDiskRoundTrip(t *testing.T) {
 	f.Lock()
 	f.Volumes["jobs/"+ScratchVolume(s.Name)] = []byte("from the guest")
 	f.Unlock()
-	var got bytes.Buffer
-	fromFile, err := e.ReadScratch(context.Background(), s.Name, "jobs", &got)
-	require.NoError(t, err)
+	read := func() (bool, string) {
+		t.Helper()
+		var got bytes.Buffer
+		fromFile, err := e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+		require.NoError(t, err)
+		return fromFile, got.String()
+	}
+	fromFile, got := read()
 	assert.False(t, fromFile, "no file to read: libvirt's stream")
-	assert.Equal(t, "from the guest", got.String())
+	assert.Equal(t, "from the guest", got)
 
 	// Where this process may read the volume's file, the file is read.
 	file := filepath.Join(t.TempDir(), "vol")
@@ -164,36 +170,32 @@ func TestScratchDiskRoundTrip(t *testing.T) {
 	f.Lock()
 	f.Files = map[string]string{"jobs/" + ScratchVolume(s.Name): file}
 	f.Unlock()
-	got.Reset()
-	fromFile, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
-	require.NoError(t, err)
+	fromFile, got = read()
 	assert.True(t, fromFile)
-	assert.Equal(t, "the file's bytes", got.String())
+	assert.Equal(t, "the file's bytes", got)
 	// A link in its place is not followed: the stream is read.
 	require.NoError(t, os.Remove(file))
 	require.NoError(t, os.Symlink("/etc/hostname", file))
-	got.Reset()
-	fromFile, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
-	require.NoError(t, err)
+	fromFile, got = read()
 	assert.False(t, fromFile)
-	assert.Equal(t, "from the guest", got.String())
+	assert.Equal(t, "from the guest", got)
 	// A cancelled read stops.
 	require.NoError(t, os.Remove(file))
 	require.NoError(t, os.WriteFile(file, []byte("x"), 0o640))
 	cctx, cancel := context.WithCancel(context.Background())
 	cancel()
-	_, err = e.ReadScratch(cctx, s.Name, "jobs", &got)
+	_, err := e.ReadScratch(cctx, s.Name, "jobs", io.Discard)
 	require.Error(t, err)
 
 	// Another controller reads nothing of it.
 	other := &Engine{HV: f, Controller: "ffffffff-0000-4000-8000-000000000000"}
-	_, err = other.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	_, err = other.ReadScratch(context.Background(), s.Name, "jobs", io.Discard)
 	require.ErrorIs(t, err, ErrNotOurs)
 
 	require.NoError(t, e.DropScratch(context.Background(), s.Name, "jobs"))
 	assert.NotContains(t, f.Volumes, "jobs/"+ScratchVolume(s.Name))
 	assert.NotContains(t, ownerVolumes(t, f, s.Name), ScratchVolume(s.Name))
-	_, err = e.ReadScratch(context.Background(), s.Name, "jobs", &got)
+	_, err = e.ReadScratch(context.Background(), s.Name, "jobs", io.Discard)
 	require.ErrorIs(t, err, ErrNotFound)
 
 	// Both disks at once: each its own volume, removed with the machine.

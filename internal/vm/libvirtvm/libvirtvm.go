@@ -639,12 +639,8 @@ func (l *Conn) DetachDisk(ctx context.Context, name, source string) error {
 			defs = append(defs, def{0, libvirt.DOMAIN_DEVICE_MODIFY_LIVE})
 		}
 		for _, df := range defs {
-			x, err := d.GetXMLDesc(df.read)
+			dx, err := domainXML(d, df.read)
 			if err != nil {
-				return notFound(err, libvirt.ERR_NO_DOMAIN)
-			}
-			var dx libvirtxml.Domain
-			if err := dx.Unmarshal(x); err != nil {
 				return err
 			}
 			if dx.Devices == nil {
@@ -679,6 +675,19 @@ func (l *Conn) VolumeFile(ctx context.Context, pool, name string) (*os.File, err
 	return vm.OpenVolumeFile(path), nil
 }
 
+// domainXML is the domain's XML (live, or as flags say), parsed.
+func domainXML(d *libvirt.Domain, flags libvirt.DomainXMLFlags) (*libvirtxml.Domain, error) {
+	x, err := d.GetXMLDesc(flags)
+	if err != nil {
+		return nil, notFound(err, libvirt.ERR_NO_DOMAIN)
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(x); err != nil {
+		return nil, err
+	}
+	return &dx, nil
+}
+
 // DACImageLabel implements vm.Hypervisor: "" for another host's libvirt
 // (its users and groups are not this host's: a scratch volume there stays
 // 0600, read through libvirt's stream).
@@ -692,15 +701,11 @@ func (l *Conn) DACImageLabel(ctx context.Context, name string) (string, error) {
 			return "", err
 		}
 		defer d.Free()
-		x, err := d.GetXMLDesc(0)
+		dx, err := domainXML(d, 0)
 		if err != nil {
-			return "", notFound(err, libvirt.ERR_NO_DOMAIN)
-		}
-		var dx libvirtxml.Domain
-		if err := dx.Unmarshal(x); err != nil {
 			return "", err
 		}
-		return vm.DACImageLabelOf(&dx), nil
+		return vm.DACImageLabelOf(dx), nil
 	})
 }
 
@@ -1049,15 +1054,11 @@ func (l *Conn) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 			return err
 		}
 		defer d.Free()
-		x, err := d.GetXMLDesc(0)
+		dx, err := domainXML(d, 0)
 		if err != nil {
-			return notFound(err, libvirt.ERR_NO_DOMAIN)
-		}
-		var dx libvirtxml.Domain
-		if err := dx.Unmarshal(x); err != nil {
 			return err
 		}
-		iface, changed, err := vm.PinDomainFilterIP(&dx, mac, ip)
+		iface, changed, err := vm.PinDomainFilterIP(dx, mac, ip)
 		if err != nil || !changed {
 			return err
 		}
