@@ -7,7 +7,6 @@ import (
 	"io"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"golang.org/x/crypto/ssh"
@@ -21,7 +20,7 @@ import (
 type AgentSession struct {
 	*agent.Client
 	ch     ssh.Channel
-	stderr *lockedCapped // what the agent says of itself (bounded)
+	stderr *capped // what the agent says of itself (bounded)
 }
 
 // ErrNoAgent is StartAgent's error when the guest has no agent to start
@@ -48,7 +47,7 @@ func (c *Client) StartAgent(ctx context.Context, command string) (*AgentSession,
 		_ = ch.Close()
 		return nil, c.lost(err)
 	}
-	a := &AgentSession{ch: ch, stderr: &lockedCapped{c: capped{limit: 4 << 10}}}
+	a := &AgentSession{ch: ch, stderr: &capped{limit: 4 << 10}}
 	stderrDone := make(chan struct{})
 	go func() { _, _ = io.Copy(a.stderr, ch.Stderr()); close(stderrDone) }()
 	if a.Client, err = agent.NewClient(ctx, ch, ch, ch); err != nil {
@@ -160,22 +159,4 @@ func (c *Client) runOnAgent(ctx context.Context, script []byte, o RunOptions) er
 		return nil
 	}
 	return &exitcodes.ScriptError{Code: x.Code}
-}
-
-// lockedCapped is a capped buffer one goroutine writes while another reads.
-type lockedCapped struct {
-	mu sync.Mutex
-	c  capped
-}
-
-func (l *lockedCapped) Write(p []byte) (int, error) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.c.Write(p)
-}
-
-func (l *lockedCapped) String() string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return string(l.c.b)
 }

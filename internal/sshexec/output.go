@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync"
 )
 
 // OutputLimit is how much of a command's stdout Output keeps: the first
@@ -23,16 +24,41 @@ const stderrLimit = 4 << 10
 // capped keeps the first limit bytes written to it and drops the rest,
 // while accepting every write: the SSH channel is drained, so its window
 // keeps moving and the guest's exit status still arrives after a flood.
+//
+// The copy from the channel writes to it on its own goroutine, which may
+// still be running when Stream returns on its context's end: what was kept
+// is read only through String or take, which also ends the keeping.
 type capped struct {
 	limit int
+	mu    sync.Mutex
+	taken bool
 	b     []byte
 }
 
 func (w *capped) Write(p []byte) (int, error) {
-	if room := w.limit - len(w.b); room > 0 {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if room := w.limit - len(w.b); room > 0 && !w.taken {
 		w.b = append(w.b, p[:min(room, len(p))]...)
 	}
 	return len(p), nil
+}
+
+// String returns a copy of what was kept so far (another goroutine may
+// still be writing).
+func (w *capped) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return string(w.b)
+}
+
+// take returns what was kept; whatever is written after it is dropped, so
+// the bytes returned are the caller's alone.
+func (w *capped) take() []byte {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.taken = true
+	return w.b
 }
 
 // Output runs a fixed command (never built from job input) and returns its
@@ -46,10 +72,11 @@ func (w *capped) Write(p []byte) (int, error) {
 func (c *Client) Output(ctx context.Context, cmd string) ([]byte, error) {
 	out := &capped{limit: OutputLimit}
 	err := c.Stream(ctx, cmd, strings.NewReader(""), out)
-	if err != nil && out.b == nil {
+	b := out.take()
+	if err != nil && b == nil {
 		return nil, err
 	}
-	return out.b, err
+	return b, err
 }
 
 // Stream runs a fixed command (never built from job input) with stdin as its
@@ -108,9 +135,9 @@ func (c *Client) Stream(ctx context.Context, cmd string, stdin io.Reader, stdout
 	case !res.ok:
 		return c.lost(errors.New("the command ended without an exit status"))
 	case res.signal != "":
-		return fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.b)))
+		return fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.take())))
 	case res.status != 0:
-		return fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.b)))
+		return fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.take())))
 	}
 	return nil
 }

@@ -3,6 +3,7 @@ package sshexec
 import (
 	"context"
 	"runtime"
+	"strings"
 	"testing"
 	"time"
 
@@ -81,4 +82,26 @@ func TestOutputKeepsABoundedPart(t *testing.T) {
 	_, err = c.Output(ctx, "true")
 	require.ErrorContains(t, err, "exit status 3: nope")
 	require.Less(t, len(err.Error()), 2*stderrLimit, "the error keeps a bounded part of stderr")
+}
+
+// A guest that answers a little, slowly, and never exits: Output returns when
+// its context ends while the command's output is still being copied in.
+// Before, Output read the kept bytes while the copy still appended to them (a
+// data race: go test -race -count=200 -run TestOutputWhenItsContextEnds);
+// now what Output returns is no longer written to, and nothing that comes
+// after is kept.
+func TestOutputWhenItsContextEnds(t *testing.T) {
+	ts := sshtest.Start(t)
+	ts.SetLogin("sh", "-c", "while :; do echo tick; sleep 0.001; done")
+	c := dial(t, target(ts))
+	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+	defer cancel()
+	out, err := c.Output(ctx, "true")
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	kept := string(out)
+	require.True(t, strings.HasPrefix(strings.Repeat("tick\n", len(kept)/5+1), kept), "only the guest's ticks: %q", kept)
+	for i := range out {
+		out[i] = 'x' // the caller owns what Output returned
+	}
+	require.NoError(t, c.Dead(), "the connection itself stays usable")
 }
