@@ -20,6 +20,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"gitlab.com/gitlab-org/step-runner/proto"
@@ -230,19 +231,35 @@ func (r *Runner) output(ctx context.Context, cmd string) ([]byte, error) {
 	ctx, cancel := context.WithTimeout(ctx, r.StartWait+r.StopGrace+30*time.Second)
 	defer cancel()
 	err := r.Stream(ctx, cmd, strings.NewReader(""), out)
-	return out.b, err
+	return out.take(), err
 }
 
+// capped keeps the first limit bytes written to it. A StreamFunc may return
+// when its context ends while its copy still writes (sshexec.Stream does):
+// what was kept is read only through take, which ends the keeping.
 type capped struct {
+	mu    sync.Mutex
+	taken bool
 	b     []byte
 	limit int
 }
 
 func (c *capped) Write(p []byte) (int, error) {
-	if room := c.limit - len(c.b); room > 0 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if room := c.limit - len(c.b); room > 0 && !c.taken {
 		c.b = append(c.b, p[:min(room, len(p))]...)
 	}
 	return len(p), nil
+}
+
+// take returns what was kept; later writes are dropped, so the bytes
+// returned are the caller's alone.
+func (c *capped) take() []byte {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.taken = true
+	return c.b
 }
 
 // session is one run's client side: the current gRPC connection and where

@@ -319,3 +319,37 @@ func alive(pid int) bool {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	return err == nil && !strings.Contains(string(b), ") Z ")
 }
+
+// A StreamFunc returns when its context ends while its copy may still write
+// (sshexec.Stream does): output must not read what it kept while that copy
+// still appends to it (go test -race -run TestOutputWhenItsContextEnds).
+func TestOutputWhenItsContextEnds(t *testing.T) {
+	stop := make(chan struct{})
+	copied := make(chan struct{})
+	t.Cleanup(func() { close(stop); <-copied })
+	r := &Runner{StartWait: time.Second, Stream: func(ctx context.Context, _ string, _ io.Reader, w io.Writer) error {
+		go func() {
+			defer close(copied)
+			tick := time.NewTicker(time.Millisecond) // a slow guest: the limit is never reached
+			defer tick.Stop()
+			for {
+				select {
+				case <-stop:
+					return
+				case <-tick.C:
+					_, _ = w.Write([]byte("tick\n"))
+				}
+			}
+		}()
+		<-ctx.Done()
+		return ctx.Err()
+	}}
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	defer cancel()
+	out, err := r.output(ctx, "true")
+	require.ErrorIs(t, err, context.DeadlineExceeded)
+	require.True(t, strings.HasPrefix(strings.Repeat("tick\n", len(out)/5+1), string(out)), "only the ticks: %q", out)
+	for i := range out {
+		out[i] = 'x' // the caller owns what output returned
+	}
+}
