@@ -773,8 +773,9 @@ const DefaultStateDir = "/var/lib/libvirt-executor"
 
 // validateRemote checks a libvirt_uri of another host: a transport that
 // authenticates the host and keeps the traffic private (garm's instance
-// token travels in the seed volume), and a state directory of the
-// configuration's own (the default one is this host's runner's).
+// token travels in the seed volume), its host verification left on
+// (validateHostVerification), and a state directory of the configuration's
+// own (the default one is this host's runner's).
 func (c *Config) validateRemote(p *problems) {
 	u, err := url.Parse(c.LibvirtURI)
 	if err != nil {
@@ -787,9 +788,7 @@ func (c *Config) validateRemote(p *problems) {
 	default:
 		p.bad("libvirt_uri", "transport %q to another host is not allowed: use qemu+ssh:// or qemu+tls:// (the connection carries garm's instance token)", transport)
 	}
-	if v := u.Query().Get("no_verify"); v != "" && v != "0" {
-		p.bad("libvirt_uri", "no_verify=%s accepts any host as %s: pin its key (ssh) or certificate (tls) instead", v, u.Hostname())
-	}
+	validateHostVerification(p, u, true)
 	if c.StateDir == DefaultStateDir {
 		p.bad("state_dir", "libvirt_uri names another host's libvirt: give this configuration a state_dir of its own (one per host, e.g. /var/lib/libvirt-executor-garm/%s); %s is this host's", u.Hostname(), DefaultStateDir)
 	}
@@ -802,6 +801,8 @@ func (c *Config) validateTop(p *problems) {
 		p.bad("libvirt_uri", "%q is not a libvirt URI (example: \"qemu:///system\")", c.LibvirtURI)
 	} else if !c.LocalLibvirt() {
 		c.validateRemote(p)
+	} else if u, err := url.Parse(c.LibvirtURI); err == nil {
+		validateHostVerification(p, u, false)
 	}
 	p.oneOf("domain_type", c.DomainType, DomainAuto, DomainKVM, DomainQEMU)
 	p.oneOf("host_key_policy", c.HostKeyPolicy, HostKeyPinned, HostKeyInsecureIgnore)
