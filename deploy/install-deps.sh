@@ -31,7 +31,8 @@ set -euo pipefail
 # lintian: the e2e package test checks the built .deb (make package) with it.
 # docker-registry: the registry the image tests push to and pull from (started by the
 # tests on 127.0.0.1 or in the rig's namespace; the package's own service is not started).
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry)
+# qemu-utils: the unit tests make hostile images with qemu-img (internal/imagecheck).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 # The package manager's and go install's output go here, not to the terminal; a

@@ -44,7 +44,7 @@ source = "oci://` + reg.Host + `/vm/tiny:stable"
 	ctx := context.Background()
 	push := func(content string) string {
 		p := filepath.Join(t.TempDir(), "disk.qcow2")
-		require.NoError(t, os.WriteFile(p, []byte(content), 0o644))
+		require.NoError(t, os.WriteFile(p, registrytest.Qcow2(1<<30, []byte(content)), 0o644))
 		var out bytes.Buffer
 		require.NoError(t, ImagePush(ctx, &out, cfg, "oci://"+reg.Host+"/vm/tiny:stable", []transfer.PushFile{{Name: ociimage.DiskFile, Path: p}}))
 		d := regexp.MustCompile(`sha256:[0-9a-f]{64}`).FindString(out.String())

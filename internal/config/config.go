@@ -534,6 +534,7 @@ func Parse(data []byte) (*Config, error) {
 	if err := c.Validate(); err != nil {
 		return nil, err
 	}
+	c.Registry.maxVirtual = c.MaxBaseBytes()
 	c.resolveSources()
 	c.Text = data
 	return &c, nil

@@ -1,12 +1,15 @@
 package config
 
 import (
+	"errors"
 	"fmt"
+	"io/fs"
 	"net"
 	"path/filepath"
 	"strconv"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/imagecheck"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -30,6 +33,10 @@ type Registry struct {
 	PullInterval Duration `toml:"pull_interval"`
 	// MaxImageGiB bounds each file of an image pulled. Default 64.
 	MaxImageGiB int `toml:"max_image_gib"`
+
+	// maxVirtual bounds a stored disk's virtual size (limits.max_disk_gib,
+	// set by Parse; 0: imagecheck's default).
+	maxVirtual uint64
 }
 
 func (r *Registry) applyDefaults() {
@@ -65,7 +72,7 @@ func (r Registry) validate(p *problems) {
 
 // Store is the host's image store.
 func (r Registry) Store() *ociimage.Store {
-	return &ociimage.Store{Dir: r.Dir, MaxFileBytes: int64(r.MaxImageGiB) << 30}
+	return &ociimage.Store{Dir: r.Dir, MaxFileBytes: int64(r.MaxImageGiB) << 30, MaxVirtualBytes: r.maxVirtual}
 }
 
 // LocalLibvirt reports whether libvirt_uri names a libvirt on this host
@@ -122,6 +129,9 @@ func (c *Config) ResolveSource(img *Image) error {
 	if img.Boot == BootKernel && stored.Path(ociimage.KernelFile) == "" {
 		return fmt.Errorf("boot = \"kernel\" but the image %s (%s) has no kernel", src, rec.Digest)
 	}
+	if err := c.Registry.Store().Verify(stored); err != nil {
+		return fmt.Errorf("image %s (%s): %w", src, rec.Digest, err)
+	}
 	img.Base = stored.Path(ociimage.DiskFile)
 	img.Kernel = stored.Path(ociimage.KernelFile)
 	img.Initrd = stored.Path(ociimage.InitrdFile)
@@ -132,3 +142,30 @@ func (c *Config) ResolveSource(img *Image) error {
 // Pulled reports whether an image with a source has a stored image (its
 // Base is set); an image without a source always has.
 func (img *Image) Pulled() bool { return img.Base != "" }
+
+// MaxBaseBytes bounds a base image's virtual size: limits.max_disk_gib
+// (every job's disk is at least as large as its base).
+func (c *Config) MaxBaseBytes() uint64 {
+	return uint64(max(c.Limits.MaxDiskGiB, 0)) << 30 //nolint:gosec // G115: non-negative, at most 4096
+}
+
+// CheckBase looks inside img's base disk before a machine is made on it
+// (imagecheck.Check: the format it is declared as, no backing or data
+// file, no unknown incompatible feature, a virtual size within
+// limits.max_disk_gib). A base missing here (another host's libvirt, or a
+// file libvirt will report missing) is not checked: nil.
+func (c *Config) CheckBase(img *Image) error {
+	if img == nil || img.Base == "" || !c.LocalLibvirt() {
+		return nil
+	}
+	if _, err := imagecheck.Check(img.Base, img.Format, c.MaxBaseBytes()); err != nil {
+		if errors.Is(err, fs.ErrNotExist) {
+			return nil
+		}
+		if errors.Is(err, imagecheck.ErrRefused) {
+			return fmt.Errorf("image %s refused: %w", img.Name, err)
+		}
+		return fmt.Errorf("image %s: the base image cannot be checked (it must be readable by this user): %w", img.Name, err)
+	}
+	return nil
+}

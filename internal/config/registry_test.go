@@ -3,6 +3,7 @@ package config_test
 import (
 	"context"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -80,7 +81,11 @@ func TestSourceResolves(t *testing.T) {
 	var files []transfer.PushFile
 	for _, n := range ociimage.FileNames {
 		p := filepath.Join(dir, n)
-		require.NoError(t, os.WriteFile(p, []byte(strings.Repeat(n, 100)), 0o644))
+		b := []byte(strings.Repeat(n, 100))
+		if n == ociimage.DiskFile {
+			b = registrytest.Qcow2(1<<30, b)
+		}
+		require.NoError(t, os.WriteFile(p, b, 0o644))
 		files = append(files, transfer.PushFile{Name: n, Path: p})
 	}
 	store := filepath.Join(t.TempDir(), "oci")
@@ -118,4 +123,80 @@ func TestSourceResolves(t *testing.T) {
 	require.NoError(t, err)
 	img, _ = cfg.Image("tiny")
 	require.False(t, img.Pulled())
+}
+
+// TestStoredImageCheckedAgain: an image stored before the disk check (no
+// record of it) is checked on its next use: a standalone disk is used and
+// its check recorded; one whose header names a host file is not used, and
+// the reason names the field and the file.
+func TestStoredImageCheckedAgain(t *testing.T) {
+	reg := registrytest.Start(t)
+	store := filepath.Join(t.TempDir(), "oci")
+	text := []byte("[registry]\ndir = \"" + store + "\"\nplain_http = [\"" + reg.Host + "\"]\n" +
+		"[images.tiny]\nsource = \"oci://" + reg.Host + "/vm/tiny:v1\"\n")
+	cfg, err := config.Parse(text)
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	src, err := ociimage.ParseSource(img.Source)
+	require.NoError(t, err)
+	disk := filepath.Join(t.TempDir(), ociimage.DiskFile)
+	require.NoError(t, os.WriteFile(disk, registrytest.Qcow2(1<<30, []byte("disk")), 0o644))
+	_, err = transfer.Push(context.Background(), transfer.RemoteOf(cfg.Registry, "test"), src, []transfer.PushFile{{Name: ociimage.DiskFile, Path: disk}}, t.TempDir(), "")
+	require.NoError(t, err)
+	res, err := transfer.Pull(context.Background(), cfg.Registry.Store(), transfer.RemoteOf(cfg.Registry, "test"), src)
+	require.NoError(t, err)
+	checked := filepath.Join(res.Image.Dir, ociimage.CheckedFile)
+	require.FileExists(t, checked, "the pull records its check")
+
+	require.NoError(t, os.Remove(checked)) // as an older version stored it
+	cfg, err = config.Parse(text)
+	require.NoError(t, err)
+	img, _ = cfg.Image("tiny")
+	require.True(t, img.Pulled())
+	require.FileExists(t, checked, "checked again, and recorded")
+
+	// The stored disk replaced by one naming a host file (as an older
+	// version would have stored it: it did not look inside).
+	require.NoError(t, os.Remove(checked))
+	evil := filepath.Join(t.TempDir(), "evil.qcow2")
+	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-b", "/etc/shadow", "-F", "raw", evil, "1M").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	b, err := os.ReadFile(evil)
+	require.NoError(t, err)
+	require.NoError(t, os.WriteFile(res.Image.Path(ociimage.DiskFile), b, 0o644))
+	cfg, err = config.Parse(text)
+	require.NoError(t, err)
+	img, _ = cfg.Image("tiny")
+	require.False(t, img.Pulled(), "a refused image is not used")
+	err = cfg.ResolveSource(img)
+	require.ErrorIs(t, err, ociimage.ErrRefused)
+	require.Contains(t, err.Error(), `backing file "/etc/shadow"`)
+	require.NoFileExists(t, checked)
+}
+
+// TestCheckBase: a configured base file is checked before a machine is
+// made on it; a missing one is left to libvirt to report.
+func TestCheckBase(t *testing.T) {
+	dir := t.TempDir()
+	good, evil, huge := filepath.Join(dir, "good.qcow2"), filepath.Join(dir, "evil.qcow2"), filepath.Join(dir, "huge.qcow2")
+	for _, args := range [][]string{{good, "1G"}, {evil, "-b", "/etc/shadow", "-F", "raw", "1G"}, {huge, "1P"}} {
+		cmd := append([]string{"create", "-q", "-f", "qcow2"}, args[1:len(args)-1]...)
+		out, err := exec.Command("qemu-img", append(cmd, args[0], args[len(args)-1])...).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+	}
+	cfg, err := config.Parse([]byte("default_image = \"good\"\n[limits]\nmax_disk_gib = 20\n[images.good]\nbase = \"" + good + "\"\n[images.evil]\nbase = \"" + evil +
+		"\"\n[images.huge]\nbase = \"" + huge + "\"\n[images.gone]\nbase = \"" + filepath.Join(dir, "gone.qcow2") + "\"\n"))
+	require.NoError(t, err)
+	check := func(name string) error {
+		img, ok := cfg.Image(name)
+		require.True(t, ok)
+		return cfg.CheckBase(img)
+	}
+	require.NoError(t, check("good"))
+	require.NoError(t, check("gone"))
+	err = check("evil")
+	require.ErrorContains(t, err, "image evil refused: "+evil+`: backing file "/etc/shadow"`)
+	err = check("huge")
+	require.ErrorContains(t, err, "image huge refused: "+huge+": virtual size 1125899906842624 bytes")
+	require.ErrorContains(t, err, "limits.max_disk_gib")
 }

@@ -18,6 +18,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -34,7 +35,7 @@ func testConfig(t *testing.T) *config.Config {
 	t.Helper()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
-	require.NoError(t, os.WriteFile(base, []byte("QFI"), 0o644))
+	require.NoError(t, os.WriteFile(base, registrytest.Qcow2(1<<30, []byte("")), 0o644))
 	cfg, err := config.Parse([]byte(`
 storage_pool = "default-pool"
 network = "default"

@@ -42,7 +42,7 @@ source = "oci://127.0.0.1:1/vm/gone:v1"
 	cfg, err := config.Parse(text)
 	require.NoError(t, err)
 	disk := filepath.Join(t.TempDir(), "disk.qcow2")
-	require.NoError(t, os.WriteFile(disk, []byte("QFI disk"), 0o644))
+	require.NoError(t, os.WriteFile(disk, registrytest.Qcow2(1<<30, []byte("disk")), 0o644))
 	src, _ := ociimage.ParseSource("oci://" + reg.Host + "/vm/tiny:v1")
 	_, err = transfer.Push(context.Background(), transfer.RemoteOf(cfg.Registry, "test"), src, []transfer.PushFile{{Name: ociimage.DiskFile, Path: disk}}, t.TempDir(), "")
 	require.NoError(t, err)

@@ -18,6 +18,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -39,7 +40,7 @@ func newWarmJob(t *testing.T) *warmJob {
 	t.Helper()
 	dir := t.TempDir()
 	base := filepath.Join(dir, "tiny.qcow2")
-	require.NoError(t, os.WriteFile(base, []byte("QFI"), 0o644))
+	require.NoError(t, os.WriteFile(base, registrytest.Qcow2(1<<30, []byte("")), 0o644))
 	cfg, err := config.Parse([]byte(`
 state_dir = "` + filepath.Join(dir, "state") + `"
 storage_pool = "jobs"

@@ -20,6 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
 )
@@ -66,8 +67,8 @@ func poolManager(t *testing.T, hv *vmtest.Fake, sshPort int, extra string) (*Hos
 	dir := t.TempDir()
 	base := filepath.Join(dir, "tiny.qcow2")
 	otherBase := filepath.Join(dir, "other.qcow2")
-	require.NoError(t, os.WriteFile(base, []byte("QFI tiny"), 0o644))
-	require.NoError(t, os.WriteFile(otherBase, []byte("QFI other"), 0o644))
+	require.NoError(t, os.WriteFile(base, registrytest.Qcow2(1<<30, []byte("tiny")), 0o644))
+	require.NoError(t, os.WriteFile(otherBase, registrytest.Qcow2(1<<30, []byte("other")), 0o644))
 	cfg, err := config.Parse([]byte(`
 domain_type = "qemu"
 state_dir = "` + filepath.Join(dir, "state") + `"
@@ -466,7 +467,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 			spoil: func(t *testing.T, _ *Host, _ *vmtest.Fake, img *config.Image, _ string) {
 				st, err := os.Stat(img.Base)
 				require.NoError(t, err)
-				require.NoError(t, os.WriteFile(img.Base, []byte("QFI a longer new image"), 0o644))
+				require.NoError(t, os.WriteFile(img.Base, registrytest.Qcow2(1<<30, []byte("a longer new image")), 0o644))
 				require.NoError(t, os.Chtimes(img.Base, st.ModTime(), st.ModTime()))
 			}},
 		{name: "older than max_age", age: 61 * time.Minute, want: "older than pool.max_age"},

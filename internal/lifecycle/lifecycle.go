@@ -170,6 +170,11 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 		// else need the image stored (docs/fleet.md).
 		return nil, fmt.Errorf("image %s (%s) is not on this host: libvirt-executor image pull %s (as the stages' user), or let a job pull it", img.Name, img.Source, img.Name)
 	}
+	// A base image is input: one that names a host file or claims a size
+	// past the limits never gets a machine (docs/security.md).
+	if err := m.Cfg.CheckBase(req.Image); err != nil {
+		return nil, err
+	}
 	// The machine lock keeps sweeps (and a concurrent attempt) away while
 	// this machine is being made; the kernel drops it if we are killed.
 	unlock, err := m.Store.Lock(ctx, req.Name)

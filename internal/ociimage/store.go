@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/imagecheck"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"io/fs"
 	"os"
@@ -34,6 +35,62 @@ type Store struct {
 	// MaxFileBytes bounds each file of an image once uncompressed, and
 	// its compressed layer (default 64 GiB).
 	MaxFileBytes int64
+	// MaxVirtualBytes bounds the virtual size of an image's disk
+	// (imagecheck.Check; 0: its default).
+	MaxVirtualBytes uint64
+}
+
+// CheckedFile is the file of an image directory that records the disk's
+// check (Checked): a store written before the check, or by an older
+// check, has its images checked again on their next use.
+const CheckedFile = "checked.json"
+
+// Checked records imagecheck's verdict on an image's disk.
+type Checked struct {
+	Version     int    `json:"version"`
+	VirtualSize uint64 `json:"virtual_size"`
+}
+
+// CheckDisk checks the disk file at path as a stored image's disk must be
+// (imagecheck.Check: a standalone qcow2 within MaxVirtualBytes): a
+// refusal wraps ErrRefused and names the file, the field and the value.
+func (s *Store) CheckDisk(path string) (Checked, error) {
+	info, err := imagecheck.Check(path, "qcow2", s.MaxVirtualBytes)
+	if err != nil {
+		if errors.Is(err, imagecheck.ErrRefused) {
+			return Checked{}, fmt.Errorf("%w: %w", ErrRefused, err)
+		}
+		return Checked{}, err
+	}
+	return Checked{Version: imagecheck.Version, VirtualSize: info.VirtualSize}, nil
+}
+
+// Verify says whether a stored image may be used: its record of the
+// check is current and its virtual size within today's bound, or, where
+// the record is missing or older (a store written before the check), the
+// disk passes the check now (recorded when the store can be written).
+func (s *Store) Verify(img Image) error {
+	bound := s.MaxVirtualBytes
+	if bound == 0 {
+		bound = imagecheck.DefaultMaxVirtual
+	}
+	var rec Checked
+	if b, err := os.ReadFile(filepath.Join(img.Dir, CheckedFile)); err == nil && json.Unmarshal(b, &rec) == nil &&
+		rec.Version >= imagecheck.Version && rec.VirtualSize <= bound {
+		return nil
+	}
+	disk := img.Path(DiskFile)
+	if disk == "" {
+		return fmt.Errorf("%s has no %s: %w", img.Digest, DiskFile, ErrRefused)
+	}
+	rec, err := s.CheckDisk(disk)
+	if err != nil {
+		return err
+	}
+	if b, err := json.Marshal(rec); err == nil {
+		_ = state.WriteFileDurableMode(filepath.Join(img.Dir, CheckedFile), append(b, '\n'), 0o644) // best effort: checked again next time
+	}
+	return nil
 }
 
 // Record says which image a source names on this host.

@@ -51,7 +51,7 @@ idle_count = 1
 `)
 	push := func(content string) string {
 		p := filepath.Join(t.TempDir(), "disk.qcow2")
-		require.NoError(t, os.WriteFile(p, []byte("QFI "+content), 0o644))
+		require.NoError(t, os.WriteFile(p, registrytest.Qcow2(1<<30, []byte(content)), 0o644))
 		src, err := ociimage.ParseSource("oci://" + reg.Host + "/vm/tiny:stable")
 		require.NoError(t, err)
 		res, err := transfer.Push(context.Background(), transfer.Remote{PlainHTTP: []string{reg.Host}}, src,

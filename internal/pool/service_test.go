@@ -21,6 +21,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -53,7 +54,7 @@ func newEnv(t *testing.T, pool, serve, extra string) *env {
 	}
 	dir := t.TempDir()
 	base := filepath.Join(dir, "tiny.qcow2")
-	require.NoError(t, os.WriteFile(base, []byte("QFI tiny"), 0o644))
+	require.NoError(t, os.WriteFile(base, registrytest.Qcow2(1<<30, []byte("tiny")), 0o644))
 	cfg, err := config.Parse([]byte(`
 domain_type = "qemu"
 state_dir = "` + filepath.Join(dir, "state") + `"

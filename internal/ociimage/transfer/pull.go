@@ -76,6 +76,9 @@ func Pull(ctx context.Context, s *ociimage.Store, r Remote, src ociimage.Source)
 	if want, err := src.Ref.Digest(); err == nil {
 		// A pinned digest never moves: stored is stored.
 		if img, err := s.Image(want); err == nil {
+			if err := s.Verify(img); err != nil {
+				return PullResult{}, fmt.Errorf("image %s: stored as %s: %w", src, want, err)
+			}
 			rec, _, cerr := s.Current(src)
 			if cerr != nil || rec.Digest != want {
 				now := time.Now().UTC()
@@ -139,6 +142,10 @@ func Pull(ctx context.Context, s *ociimage.Store, r Remote, src ociimage.Source)
 	}
 	if err != nil {
 		return PullResult{}, err
+	}
+	if err := s.Verify(img); err != nil {
+		// Stored by a version before the check: left as it is, not named.
+		return PullResult{}, fmt.Errorf("image %s: stored as %s: %w", src, desc.Digest, err)
 	}
 	now := time.Now().UTC()
 	rec := ociimage.Record{Source: src.String(), Digest: desc.Digest, Pulled: now, Checked: now}
@@ -210,7 +217,17 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 			return fetched, fmt.Errorf("image %s: %s: %w", src, cfg.Files[i].Name, err)
 		}
 	}
-	for name, b := range map[string][]byte{"manifest.json": mb, "config.json": cb} {
+	// The disk is input too: a header that names a host file (a backing
+	// or data file) or claims a size past the limits is never stored.
+	checked, err := s.CheckDisk(filepath.Join(tmp, ociimage.DiskFile))
+	if err != nil {
+		return fetched, fmt.Errorf("image %s: %s: %w", src, ociimage.DiskFile, err)
+	}
+	ck, err := json.Marshal(checked)
+	if err != nil {
+		return fetched, err
+	}
+	for name, b := range map[string][]byte{"manifest.json": mb, "config.json": cb, ociimage.CheckedFile: append(ck, '\n')} {
 		if err := writeSynced(filepath.Join(tmp, name), b); err != nil {
 			return fetched, err
 		}

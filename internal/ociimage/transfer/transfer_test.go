@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -37,6 +38,9 @@ func files(t *testing.T, sizes map[string]int) []PushFile {
 		}
 		b := make([]byte, n)
 		_, _ = rand.Read(b[:n/2]) // half random, half zeros: compressible as a disk is
+		if name == ociimage.DiskFile {
+			b = registrytest.Qcow2(1<<30, b) // a standalone disk as the pull checks it
+		}
 		p := filepath.Join(dir, name)
 		require.NoError(t, os.WriteFile(p, b, 0o644))
 		out = append(out, PushFile{Name: name, Path: p})
@@ -367,4 +371,50 @@ func TestPullAfterACrash(t *testing.T) {
 	_, err = Pull(ctx, store, r, src) // and the damaged copy set aside goes at the next lock
 	require.NoError(t, err)
 	requireNothingHalf(t, store, pushed.Descriptor.Digest)
+}
+
+// TestPullRefusesADiskNamingAHostFile: a disk whose qcow2 header names a
+// backing file, an external data file, or a virtual size past the bound
+// is refused by the pull, naming the field and the value; the store is
+// left as it was (the image stored before still named, nothing half).
+func TestPullRefusesADiskNamingAHostFile(t *testing.T) {
+	reg := registrytest.Start(t)
+	ctx := context.Background()
+	r := remoteFor(reg)
+	store := &ociimage.Store{Dir: filepath.Join(t.TempDir(), "oci"), MaxVirtualBytes: 8 << 30}
+	src := mustSource(t, "oci://"+reg.Host+"/vm/tiny:v1")
+	good, err := Push(ctx, r, src, files(t, map[string]int{ociimage.DiskFile: 1 << 20}), t.TempDir(), "")
+	require.NoError(t, err)
+	first, err := Pull(ctx, store, r, src)
+	require.NoError(t, err)
+	require.Equal(t, good.Descriptor.Digest, first.Record.Digest)
+
+	dir := t.TempDir()
+	secret := filepath.Join(dir, "secret")
+	require.NoError(t, os.WriteFile(secret, []byte("root only"), 0o600))
+	for _, c := range []struct {
+		name, want string
+		args       []string
+	}{
+		{"backing", `backing file "` + secret + `"`, []string{"-b", secret, "-F", "raw", "1M"}},
+		{"data", "data", []string{"-o", "data_file=" + secret + ".data", "1M"}},
+		{"huge", "virtual size 1125899906842624 bytes", []string{"1P"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := filepath.Join(dir, c.name+".qcow2")
+			args := append([]string{"create", "-q", "-f", "qcow2"}, c.args[:len(c.args)-1]...)
+			out, err := exec.Command("qemu-img", append(args, p, c.args[len(c.args)-1])...).CombinedOutput()
+			require.NoError(t, err, "%s", out)
+			_, err = Push(ctx, r, src, []PushFile{{Name: ociimage.DiskFile, Path: p}}, t.TempDir(), "")
+			require.NoError(t, err)
+			_, err = Pull(ctx, store, r, src)
+			require.ErrorIs(t, err, ociimage.ErrRefused)
+			require.ErrorContains(t, err, c.want)
+			require.ErrorContains(t, err, "vm/tiny:v1")
+			requireNothingHalf(t, store, good.Descriptor.Digest)
+			rec, _, err := store.Current(src)
+			require.NoError(t, err)
+			require.Equal(t, good.Descriptor.Digest, rec.Digest, "the source still names the image stored before")
+		})
+	}
 }

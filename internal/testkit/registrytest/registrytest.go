@@ -4,6 +4,7 @@
 package registrytest
 
 import (
+	"encoding/binary"
 	"fmt"
 	"net"
 	"net/http"
@@ -123,4 +124,19 @@ func (r *Registry) stop() {
 // (to corrupt it in a test).
 func (r *Registry) BlobPath(hex string) string {
 	return filepath.Join(r.Storage, "docker", "registry", "v2", "blobs", "sha256", hex[:2], hex, "data")
+}
+
+// Qcow2 is a standalone qcow2 (version 3) header of a disk of virtual
+// bytes followed by tail: what imagecheck accepts as a base image (no
+// backing or data file), not a disk QEMU could boot. Tests push it where
+// only the bytes matter.
+func Qcow2(virtual uint64, tail []byte) []byte {
+	h := make([]byte, 112) // the header (104 bytes) and the extensions' end
+	copy(h, "QFI\xfb")
+	binary.BigEndian.PutUint32(h[4:], 3)   // version
+	binary.BigEndian.PutUint32(h[20:], 16) // cluster bits
+	binary.BigEndian.PutUint64(h[24:], virtual)
+	binary.BigEndian.PutUint32(h[96:], 4)    // refcount order
+	binary.BigEndian.PutUint32(h[100:], 104) // header length
+	return append(h, tail...)
 }
