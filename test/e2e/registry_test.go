@@ -12,10 +12,12 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 )
@@ -152,4 +154,80 @@ cmdline = %q
 	require.NoError(t, err)
 	require.NotContains(t, out, v1)
 	require.Contains(t, out, v2)
+}
+
+// TestImageNamingAHostFileRefused (#42): a registry image whose qcow2
+// header names a root-only file of the host as its raw backing file is
+// pushed and configured; a job on it through a real runner fails as a
+// system failure that names the field and the file, before any VM is
+// made; nothing of it is stored, and the file is as it was (content,
+// owner, mode: libvirt's labelling would have made it the QEMU user's).
+func TestImageNamingAHostFileRefused(t *testing.T) {
+	rr := newRealRunner(t)
+	reg := registrytest.Start(t)
+	require.NoError(t, os.MkdirAll("/var/cache/libvirt-executor", 0o755))
+	store, err := os.MkdirTemp("/var/cache/libvirt-executor", "oci-e2e-")
+	require.NoError(t, err)
+	require.NoError(t, os.Chmod(store, 0o755))
+	t.Cleanup(func() { _ = os.RemoveAll(store) })
+
+	secretDir, err := os.MkdirTemp("/var/lib", "lve-e2e-secret-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(secretDir) })
+	secret := filepath.Join(secretDir, "host-key")
+	content := []byte("LVE-HOST-SECRET-" + strings.Repeat("x", 4000) + "\n")
+	require.NoError(t, os.WriteFile(secret, content, 0o600))
+	before, err := os.Stat(secret)
+	require.NoError(t, err)
+
+	evil := filepath.Join(t.TempDir(), "disk.qcow2")
+	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-b", secret, "-F", "raw", evil, "64M").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	tiny, ok := rr.r.cfg.Image("tiny")
+	require.True(t, ok, "the rig's tiny image")
+	src := "oci://" + reg.Host + "/vm/evil:v1"
+	r := rr.r.withConfig(t, func(s string) string {
+		return s + fmt.Sprintf(`
+[registry]
+dir = %q
+plain_http = [%q]
+
+[images.evil]
+source = %q
+user = %q
+shell = %q
+builds_dir = %q
+cache_dir = %q
+key_injection = %q
+boot = "kernel"
+cmdline = %q
+`, store, reg.Host, src, tiny.User, tiny.Shell, tiny.BuildsDir, tiny.CacheDir, tiny.KeyInjection, tiny.Cmdline)
+	})
+	rr.cfgPath = r.cfgPath
+	push, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "image", "push",
+		"--disk", evil, "--kernel", tiny.Kernel, "--initrd", tiny.Initrd, src).CombinedOutput()
+	require.NoError(t, err, "%s", push)
+
+	res := rr.runJobs(t, jobapi.Job{Name: "reads-the-host", Image: "evil",
+		Script: []string{"echo SCRIPT-RAN", "grep -a LVE-HOST-SECRET /dev/vda | head -c 40"}})[0]
+	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
+	require.Equal(t, "runner_system_failure", res.FailureReason, res.Trace)
+	require.NotContains(t, res.Trace, "SCRIPT-RAN")
+	require.Contains(t, res.Trace, `backing file "`+secret+`"`, "the job log names the field and the file")
+	require.Contains(t, res.Trace, "refused")
+
+	after, err := os.Stat(secret)
+	require.NoError(t, err)
+	got, err := os.ReadFile(secret)
+	require.NoError(t, err)
+	require.Equal(t, content, got, "the host file's content")
+	require.Equal(t, before.Mode(), after.Mode(), "the host file's mode")
+	require.Equal(t, before.Sys().(*syscall.Stat_t).Uid, after.Sys().(*syscall.Stat_t).Uid, "the host file's owner")
+	require.Equal(t, before.Sys().(*syscall.Stat_t).Gid, after.Sys().(*syscall.Stat_t).Gid, "the host file's group")
+	imgs, _ := os.ReadDir(filepath.Join(store, "images"))
+	require.Empty(t, imgs, "nothing of the refused image stored")
+	refs, _ := os.ReadDir(filepath.Join(store, "refs"))
+	require.Empty(t, refs, "no record names it")
+	tmp, _ := os.ReadDir(filepath.Join(store, "tmp"))
+	require.Empty(t, tmp, "nothing of the pull left")
 }
