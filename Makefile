@@ -132,6 +132,9 @@ images: ## build (or reuse cached) test guest images
 
 lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the shell scripts in deploy/ and .ci/ (needs make deps)
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+	@# no binary or build output in git: a tracked file over 1 MiB fails, test fixtures (testdata/) aside
+	@big=$$(git ls-files -z | grep -zv '/testdata/' | xargs -0 -r stat -c '%s %n' 2>/dev/null | awk '$$1 > 1048576 {print $$2 " (" $$1 " bytes)"}'); \
+	  if [ -n "$$big" ]; then echo "tracked files over 1 MiB (build outputs belong in bin/, ignored):"; echo "$$big"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) vet -tags e2e ./test/e2e/
 	@command -v golangci-lint >/dev/null || { echo "make lint needs golangci-lint: run 'make deps' as root" >&2; exit 1; }
