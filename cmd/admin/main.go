@@ -324,11 +324,11 @@ func app() *cli.App {
 				Subcommands: []*cli.Command{
 					{
 						Name:      jobvm.CacheDiskAttach,
-						Usage:     "attach the project's cache (the files named; none: all) to the VM; prints FILES BYTES (0 0: nothing cached, no disk)",
+						Usage:     "attach the project's cache (the files named; none: nothing) to the VM; prints FILES BYTES (0 0: nothing cached or named, no disk)",
 						ArgsUsage: "NAME PROJECT [FILE...]",
 						Action: func(c *cli.Context) error {
 							if c.NArg() < 2 {
-								return fmt.Errorf("%s %s takes a machine name, a project and the files wanted (none: all), got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
+								return fmt.Errorf("%s %s takes a machine name, a project and the files wanted, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
 							}
 							var want []string
 							if c.NArg() > 2 {
@@ -363,18 +363,19 @@ func app() *cli.App {
 					},
 					{
 						Name:      jobvm.CacheDiskKeep,
-						Usage:     "keep what the VM's guest wrote on its scratch disk in the project's cache, then delete the VM's cache disks' volumes; prints the result as JSON",
-						ArgsUsage: "NAME PROJECT",
+						Usage:     "keep the files named (the archives the runner's archive_cache script names; none: nothing) of what the VM's guest wrote on its scratch disk in the project's cache, then delete the VM's cache disks' volumes; prints the result as JSON",
+						ArgsUsage: "NAME PROJECT [FILE...]",
 						Action: func(c *cli.Context) error {
-							if c.NArg() != 2 {
-								return fmt.Errorf("%s %s takes a machine name and a project, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, c.NArg())
+							if c.NArg() < 2 {
+								return fmt.Errorf("%s %s takes a machine name, a project and the files to keep, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, c.NArg())
 							}
+							keep := c.Args().Slice()[2:]
 							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
 								store, err := admin.CacheStore(cfg)
 								if err != nil {
 									return err
 								}
-								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1))))
+								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1), keep)))
 							})
 						},
 					},

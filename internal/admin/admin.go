@@ -297,6 +297,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 
 	if cfg.L2Filter == nil || *cfg.L2Filter {
 		add(nwfilterCheck(func(name string) (bool, error) { return l.NWFilterDefined(ctx, name) }))
+		if local {
+			add(bridgeNFCheck(bridgeNFPath))
+		}
 	}
 
 	for _, n := range cfg.ImageNames() {
@@ -383,7 +386,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 func remoteHostCheck(cfg *config.Config) Check {
 	return Check{Name: "libvirt host", OK: true, Warn: true,
 		Info: fmt.Sprintf("%s is another host's libvirt: its network, storage pool, network filters and images are checked over that connection below; "+
-			"its network guard (the libvirt hook), /dev/kvm and free memory are not", cfg.LibvirtURI),
+			"its network guard (the libvirt hook), br_netfilter, /dev/kvm and free memory are not", cfg.LibvirtURI),
 		Fix: "run libvirt-executor doctor on that host too, with a configuration naming qemu:///system (docs/garm.md, \"Across hosts\")"}
 }
 

@@ -32,7 +32,7 @@ func TestCacheListAndPrune(t *testing.T) {
 	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
 	require.Contains(t, out.String(), "no caches in "+dir)
 
-	project, err := hostcache.ProjectID("https://gitlab.example.com", 42)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 42, true)
 	require.NoError(t, err)
 	saveOne(t, store, project, "lve/p/key/cache.zip", 1<<20)
 
@@ -104,7 +104,7 @@ func TestCacheGauge(t *testing.T) {
 	require.Equal(t, metrics.CacheGauge{Limit: 8 << 20}, g)
 	require.NoDirExists(t, store.Dir, "the gauge makes nothing (the service's sandbox may keep cache.dir read-only)")
 
-	project, err := hostcache.ProjectID("https://gitlab.example.com", 7)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 7, false)
 	require.NoError(t, err)
 	saveOne(t, store, project, "k/cache.zip", 3000)
 
@@ -127,6 +127,6 @@ func saveOne(t *testing.T, store *hostcache.Store, project, name string, size in
 	_, err := tw.Write(body)
 	require.NoError(t, err)
 	require.NoError(t, tw.Close())
-	_, err = store.Save(context.Background(), project, &stream)
+	_, err = store.Save(context.Background(), project, &stream, hostcache.All)
 	require.NoError(t, err)
 }

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -259,16 +260,19 @@ func cacheOpOf(stage string, script []byte) cacheOp {
 }
 
 // hostCache is the store of j's project, or nil (with the reason for the
-// job log, "" when the host cache is simply off for the image).
+// job log, "" when the host cache is simply off for the image). The
+// project's cache is that of its protected refs or of its other refs, as
+// the job's: a job of an unprotected branch never sees nor replaces what
+// a protected one extracts.
 func hostCache(j *job, img *config.Image) (*hostcache.Store, string, string) {
 	c := j.cfg.Cache
 	if !c.For(img) {
 		return nil, "", ""
 	}
-	if !j.job.FromPayload || j.job.ProjectID <= 0 || j.job.Server == "" {
+	if !j.job.FromPayload || j.job.ProjectID <= 0 || j.job.ServerURL == "" {
 		return nil, "", "Host cache: not used: the job's project is not known from the runner's payload (JOB_RESPONSE_FILE)"
 	}
-	project, err := hostcache.ProjectID(j.job.Server, j.job.ProjectID)
+	project, err := hostcache.ProjectID(j.job.ServerURL, j.job.ProjectID, j.job.Protected)
 	if err != nil {
 		return nil, "", "Host cache: not used: " + err.Error()
 	}
@@ -283,6 +287,17 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	if store == nil {
 		if why != "" {
 			e.say("%s", why)
+		}
+		return
+	}
+	named := namedArchives(script)
+	if len(named) == 0 {
+		// Nothing named, nothing copied: never the project's whole cache.
+		if op == cacheRestore {
+			e.Report.Cache("restore", cacheResult(false, nil), 0, 0)
+			e.say("Host cache: nothing restored: the runner's restore_cache script names no cache archive under %s", guestCacheDir)
+		} else {
+			e.say("Host cache: nothing kept: the runner's archive_cache script names no cache archive under %s", guestCacheDir)
 		}
 		return
 	}
@@ -301,9 +316,9 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	defer client.Close()
 	switch op {
 	case cacheRestore:
-		restoreCache(ctx, e, j, name, img, store, project, client, script, t0)
+		restoreCache(ctx, e, j, name, img, store, project, client, named, t0)
 	case cacheSave:
-		saveCache(ctx, e, j, name, img, store, project, client, t0, early)
+		saveCache(ctx, e, j, name, img, store, project, client, named, t0, early)
 	}
 }
 
@@ -389,18 +404,23 @@ func (a *armedSave) fire(ctx context.Context) bool {
 const predictWait = 2 * time.Second
 
 // startScratch attaches the scratch disk for a save in the background,
-// when the save will go through a disk: the image's cache_via = "disk" and
-// the cache the script names (or, for a key not cached yet, the project's
-// whole cache) is at least cache.disk_min_mib, or that is 0. Else nil.
+// when the save will go through a disk: the image's cache_via = "disk", the
+// script names an archive, and the cache it names (or, for a key not
+// cached yet, the project's whole cache) is at least cache.disk_min_mib,
+// or that is 0. Else nil.
 func startScratch(ctx context.Context, e Env, j *job, name string, img *config.Image, script []byte) *earlyScratch {
 	store, project, _ := hostCache(j, img)
-	if store == nil || img.CacheVia != config.CacheViaDisk {
+	named := namedArchives(script)
+	if store == nil || img.CacheVia != config.CacheViaDisk || len(named) == 0 {
 		return nil
 	}
 	if min := j.cfg.Cache.DiskMin(); min > 0 {
 		pctx, cancel := context.WithTimeout(ctx, predictWait)
-		_, size, err := wantedFiles(pctx, store, project, script)
+		want, size, all, err := wantedFiles(pctx, store, project, named)
 		cancel()
+		if len(want) == 0 {
+			size = all
+		}
 		if err != nil || size < min {
 			return nil
 		}
@@ -496,22 +516,24 @@ func (es *earlyScratch) drop(ctx context.Context, e Env, j *job, name string) {
 	}
 }
 
-// saveCache keeps the guest's cache_dir in the project's cache: written by
-// the guest on a scratch disk (the image's cache_via = "disk"), else, or
-// when the guest cannot use the disk, over the client's connection. The
-// job log says what was kept, left out and evicted, and how long it took.
-func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, t0 time.Time, early *earlyScratch) {
+// saveCache keeps the archives named in keep (those the runner's
+// archive_cache script names) of the guest's cache_dir in the project's
+// cache: written by the guest on a scratch disk (the image's cache_via =
+// "disk"), else, or when the guest cannot use the disk, over the client's
+// connection. Any other file in cache_dir is left out. The job log says
+// what was kept, left out and evicted, and how long it took.
+func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, keep []string, t0 time.Time, early *earlyScratch) {
 	var res hostcache.SaveResult
 	var serr, gerr error
 	how, done := "", false
 	if img.CacheVia == config.CacheViaDisk {
 		var steps string
-		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, client, early)
+		res, done, steps, gerr, serr = saveByDisk(ctx, e, j, name, project, keep, client, early)
 		how = " from a scratch disk (" + steps + ")"
 	}
 	if !done && serr == nil {
 		how = " over SSH"
-		res, gerr, serr = saveBySSH(ctx, store, project, client)
+		res, gerr, serr = saveBySSH(ctx, store, project, keep, client)
 	}
 	e.Report.Cache("save", cacheResult(true, serr), res.Bytes, res.Evicted.Bytes)
 	took := vm.Round(time.Since(t0))
@@ -528,7 +550,7 @@ func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Imag
 		e.say("Host cache: (the guest's tar ended with: %v)", gerr)
 	}
 	if res.SkipCount > 0 {
-		e.say("Host cache: left out %d entr(ies) that are not plain files or have names not allowed (first: %s)", res.SkipCount, strings.Join(res.Skipped, "; "))
+		e.say("Host cache: left out %d entr(ies) that are not archives the runner's script names, not plain files, or have names not allowed (first: %s)", res.SkipCount, strings.Join(res.Skipped, "; "))
 	}
 	if res.Evicted.Files > 0 {
 		e.say("Host cache: made room: %d older file(s), %s, removed", res.Evicted.Files, mib(res.Evicted.Bytes))
@@ -536,15 +558,16 @@ func saveCache(ctx context.Context, e Env, j *job, name string, img *config.Imag
 }
 
 // saveBySSH reads the guest's tar stream of its cache_dir over the
-// client's connection into the store. gerr is how the guest's side ended.
-func saveBySSH(ctx context.Context, store *hostcache.Store, project string, client *sshexec.Client) (res hostcache.SaveResult, gerr, serr error) {
+// client's connection into the store, keeping the files named in keep.
+// gerr is how the guest's side ended.
+func saveBySSH(ctx context.Context, store *hostcache.Store, project string, keep []string, client *sshexec.Client) (res hostcache.SaveResult, gerr, serr error) {
 	pr, pw := io.Pipe()
 	done := make(chan struct{})
 	sctx, stop := context.WithCancel(ctx)
 	defer stop()
 	go func() {
 		defer close(done)
-		res, serr = store.Save(sctx, project, pr)
+		res, serr = store.Save(sctx, project, pr, hostcache.Only(keep))
 		// The guest's tar is not waited for once the host has what it
 		// keeps, or refused it: what it still sends is dropped.
 		_ = pr.CloseWithError(errors.New("the host stopped reading the guest's cache"))
@@ -559,13 +582,13 @@ func saveBySSH(ctx context.Context, store *hostcache.Store, project string, clie
 }
 
 // saveByDisk has the guest write its cache_dir as a tar stream on an empty
-// disk hot-plugged into its VM, and keeps what is on the disk (checked as
-// any guest's stream is). done is false (with nil errors) when the guest
+// disk hot-plugged into its VM, and keeps the files named in keep of what
+// is on the disk (checked as any guest's stream is). done is false (with nil errors) when the guest
 // could not use the disk: the job log says why, and the caller copies over
 // SSH instead. The disk's volume is deleted once read. steps says how
 // long the disk took to make, the guest to write it and the host to keep
 // it.
-func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client *sshexec.Client, early *earlyScratch) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
+func saveByDisk(ctx context.Context, e Env, j *job, name, project string, keep []string, client *sshexec.Client, early *earlyScratch) (res hostcache.SaveResult, done bool, steps string, gerr, serr error) {
 	// A disk attached during the script is used whatever the size: its
 	// hot plug is paid, and writing a small cache on it costs less than
 	// asking the guest how small it is.
@@ -629,7 +652,7 @@ func saveByDisk(ctx context.Context, e Env, j *job, name, project string, client
 	}
 	written := time.Since(t1)
 	t2 := time.Now()
-	k := disk.Keep(ctx, name, project)
+	k := disk.Keep(ctx, name, project, keep)
 	res, serr = k.Result, k.Err
 	if dropped = k.DropErr == nil; dropped && early != nil {
 		early.dropped = true
@@ -709,13 +732,24 @@ func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
 	}
 }
 
-// restoreCache copies the project's cache into the guest's cache_dir:
-// on a restore disk (the image's cache_via = "disk"), else, or when
-// the guest cannot have the disk, over the client's connection.
-func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, script []byte, t0 time.Time) {
-	want, size, err := wantedFiles(ctx, store, project, script)
+// restoreCache copies the project's archives that the runner's
+// restore_cache script names (named) into the guest's cache_dir: on a
+// restore disk (the image's cache_via = "disk"), else, or when the guest
+// cannot have the disk, over the client's connection. Nothing else of the
+// project's cache reaches the guest.
+func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.Image, store *hostcache.Store, project string, client *sshexec.Client, named []string, t0 time.Time) {
+	want, size, all, err := wantedFiles(ctx, store, project, named)
 	var res hostcache.RestoreResult
 	how, done := "", false
+	if err == nil && len(want) == 0 {
+		e.Report.Cache("restore", cacheResult(false, nil), 0, 0)
+		if all == 0 {
+			e.say("Host cache: nothing cached for this project yet (%s)", vm.Round(time.Since(t0)))
+		} else {
+			e.say("Host cache: nothing cached yet for the archive(s) the runner's script names (%s)", vm.Round(time.Since(t0)))
+		}
+		return
+	}
 	// Below cache.disk_min_mib the hot plug costs more than SSH's copy.
 	if err == nil && img.CacheVia == config.CacheViaDisk && size >= j.cfg.Cache.DiskMin() {
 		var steps string
@@ -737,29 +771,63 @@ func restoreCache(ctx context.Context, e Env, j *job, name string, img *config.I
 	}
 }
 
-// wantedFiles are the project's cached files that the runner's
-// restore_cache script names (its cache-extractor's --file, for the job's
-// key and its fallback keys), and their bytes: only they need to reach the
-// guest. nil (all of them) when the script names none: a name written in a
-// way this does not see costs a larger copy, never a missing cache. The
-// script is only searched for names the store made, never parsed.
-func wantedFiles(ctx context.Context, store *hostcache.Store, project string, script []byte) ([]string, int64, error) {
+// wantedFiles are the project's cached files among named (the archives
+// the runner's script names: namedArchives), and their bytes (size), and
+// the bytes of all the project's cached files (all).
+func wantedFiles(ctx context.Context, store *hostcache.Store, project string, named []string) (want []string, size, all int64, err error) {
 	sn, err := store.Open(ctx, project)
 	if err != nil {
-		return nil, 0, err
+		return nil, 0, 0, err
 	}
 	defer func() { _ = sn.Close() }()
-	var want []string
 	for _, n := range sn.Names() {
-		if bytes.Contains(script, []byte(n)) {
+		if slices.Contains(named, n) {
 			want = append(want, n)
 		}
 	}
-	return want, sn.Bytes(hostcache.Only(want)), nil
+	return want, sn.Bytes(hostcache.Only(want)), sn.Bytes(nil), nil
 }
 
-// restoreBySSH streams the project's cache (the files in want; nil: all)
-// into the guest's tar.
+// archiveFile is the file the runner keeps a cache key's archive in
+// (cache_dir/<project path>/<key>/cache.zip).
+const archiveFile = "cache.zip"
+
+// maxNamed bounds the archives taken from one script (the runner names
+// one per cache: entry and fallback key).
+const maxNamed = 64
+
+// namedArchives are the cache archives the runner's script names, as
+// paths relative to cache_dir: its cache-extractor's and cache-archiver's
+// --file, a path through cache_dir (../../cache/<project>/<key>/cache.zip
+// from the build directory, or absolute), however the runner quotes it.
+// The script is searched, never run or parsed as a shell: each
+// "/cache/" followed by a name up to a quote, a backslash, a blank or a
+// shell operator, ending in "/cache.zip". A name quoted in a way this does
+// not see is not copied: a cache miss, never someone else's archive.
+func namedArchives(script []byte) []string {
+	marker := []byte(guestCacheDir + "/")
+	var out []string
+	for rest := script; len(out) < maxNamed; {
+		i := bytes.Index(rest, marker)
+		if i < 0 {
+			break
+		}
+		rest = rest[i+len(marker):]
+		end := bytes.IndexAny(rest, "'\"\\ \t\r\n;&|()<>`$")
+		if end < 0 {
+			end = len(rest)
+		}
+		name := string(rest[:end])
+		rest = rest[end:]
+		if len(name) > len(archiveFile) && strings.HasSuffix(name, "/"+archiveFile) && len(name) <= 4096 && !slices.Contains(out, name) {
+			out = append(out, name)
+		}
+	}
+	return out
+}
+
+// restoreBySSH streams the project's cache (the files in want; none:
+// nothing) into the guest's tar.
 func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, want []string, client *sshexec.Client) (hostcache.RestoreResult, error) {
 	sn, err := store.OpenOnly(ctx, project, hostcache.Only(want))
 	if err != nil {
@@ -787,17 +855,18 @@ func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, w
 // hot-plugged disks (jobvm.Host.AttachCache, AttachScratch, KeepCache,
 // DropDisks).
 type CacheDisk interface {
-	// Attach attaches the cache of project (the files in want; nil: all)
-	// to machine name on a read-only disk; nothing is attached when nothing
-	// is cached (Files 0).
+	// Attach attaches the cache of project (the files in want; none:
+	// nothing) to machine name on a read-only disk; nothing is attached
+	// when nothing is cached (Files 0).
 	Attach(ctx context.Context, name, project string, want []string) (hostcache.RestoreResult, error)
 	// AttachScratch attaches an empty disk for the guest to write its
 	// cache on.
 	AttachScratch(ctx context.Context, name string) error
-	// Keep saves what the guest wrote on the scratch disk into the
-	// project's cache (hostcache.Store.Save), then deletes the disks'
-	// volumes as Drop does (jobvm.Kept says how each went).
-	Keep(ctx context.Context, name, project string) jobvm.Kept
+	// Keep saves the files named in keep of what the guest wrote on the
+	// scratch disk into the project's cache (hostcache.Store.Save), then
+	// deletes the disks' volumes as Drop does (jobvm.Kept says how each
+	// went).
+	Keep(ctx context.Context, name, project string, keep []string) jobvm.Kept
 	// Drop deletes the disks' volumes of machine name.
 	Drop(ctx context.Context, name string) error
 }
@@ -824,8 +893,8 @@ func (l localCacheDisk) AttachScratch(ctx context.Context, name string) error {
 	return l.h.AttachScratch(ctx, name, jobvm.ScratchCapacity(l.store.ProjectLimit))
 }
 
-func (l localCacheDisk) Keep(ctx context.Context, name, project string) jobvm.Kept {
-	return l.h.KeepCache(ctx, l.store, name, project)
+func (l localCacheDisk) Keep(ctx context.Context, name, project string, keep []string) jobvm.Kept {
+	return l.h.KeepCache(ctx, l.store, name, project, keep)
 }
 
 func (l localCacheDisk) Drop(ctx context.Context, name string) error { return l.h.DropDisks(ctx, name) }

@@ -64,6 +64,8 @@ func TestHostCacheIdentity(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, int64(42), j.ProjectID)
 	require.Equal(t, "https://gitlab.example.com", j.Server)
+	require.Equal(t, "https://gitlab.example.com", j.ServerURL)
+	require.False(t, j.Protected)
 
 	cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(dir, "c") + "\"\nimages = [\"a\"]\n[images.a]\nbase = \"/a\"\n[images.b]\nbase = \"/b\"\n"))
 	require.NoError(t, err)
@@ -74,13 +76,18 @@ func TestHostCacheIdentity(t *testing.T) {
 
 	// the same project of another instance, and another project: other directories
 	other := *j
-	other.Server = "https://evil.example.com"
+	other.ServerURL = "https://evil.example.com"
 	_, p2, _ := hostCache(&job{cfg: cfg, job: &other}, cfg.Images["a"])
 	other = *j
 	other.ProjectID = 7
 	_, p3, _ := hostCache(&job{cfg: cfg, job: &other}, cfg.Images["a"])
 	require.NotEqual(t, project, p2)
 	require.NotEqual(t, project, p3)
+	// the same project's protected refs: another directory
+	other = *j
+	other.Protected = true
+	_, p4, _ := hostCache(&job{cfg: cfg, job: &other}, cfg.Images["a"])
+	require.NotEqual(t, project, p4)
 
 	// image b is not in cache.images: nothing, and nothing said
 	store, _, why = hostCache(jb, cfg.Images["b"])
@@ -124,12 +131,51 @@ func TestCacheCommandsArePOSIX(t *testing.T) {
 	}
 }
 
+// recordedScript is the script GitLab Runner 17.9.3 hands the run stage for
+// stage (restore_cache or archive_cache: testdata/README.md), of a job
+// whose cache key is key (the recording's deps-protected replaced).
+func recordedScript(t *testing.T, stage, key string) []byte {
+	t.Helper()
+	b, err := os.ReadFile(filepath.Join("testdata", "gitlab-runner-17.9.3-"+stage+".script"))
+	require.NoError(t, err)
+	require.Contains(t, string(b), "deps-protected/cache.zip")
+	return bytes.ReplaceAll(b, []byte("deps-protected"), []byte(key))
+}
+
+// The archives a script names are its cache helper's --file paths under
+// cache_dir, however the runner quotes them; nothing else in it (the
+// job's variables, other paths under /cache, a name that does not end in
+// the runner's archive file) is one.
+func TestNamedArchives(t *testing.T) {
+	for _, stage := range []string{"restore_cache", "archive_cache"} {
+		require.Equal(t, []string{"lve/selftest/deps-protected/cache.zip"}, namedArchives(recordedScript(t, stage, "deps-protected")), stage)
+		require.Equal(t, []string{"lve/selftest/deps-non_protected/cache.zip"}, namedArchives(recordedScript(t, stage, "deps-non_protected")), stage)
+	}
+	for _, tc := range []struct {
+		script string
+		want   []string
+	}{
+		// older runners' quoting, fallback keys, an absolute path
+		{`'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/deps-v1-protected/cache.zip' '--timeout' '10'
+'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/fallback-protected/cache.zip' '--timeout' '10'`,
+			[]string{"lve/demo/deps-v1-protected/cache.zip", "lve/demo/fallback-protected/cache.zip"}},
+		{`: | eval $'$\'gitlab-runner\' cache-archiver --file $\'../../cache/ns/p/k 1/cache.zip\' --timeout 10\n'`, nil},
+		{`: | eval $'gitlab-runner cache-archiver --file $\'/cache/ns/p/k-protected/cache.zip\'\n'`, []string{"ns/p/k-protected/cache.zip"}},
+		{"mkdir -p /cache/lve/p/k && head -c 9 /dev/urandom > /cache/lve/p/k/cache.zip\n", []string{"lve/p/k/cache.zip"}},
+		{"gitlab-runner cache-extractor --file elsewhere.zip", nil},
+		{"export X=/cache/ns/p/evil.txt\ncp a /cache/cache.zip\n", nil},
+		{"--file ../cache/cache/ns/k/cache.zip", []string{"cache/ns/k/cache.zip"}},
+	} {
+		require.Equal(t, tc.want, namedArchives([]byte(tc.script)), "%q", tc.script)
+	}
+}
+
 // Only the cached files the runner's restore_cache script names reach the
 // guest (the job's key and its fallback keys); a script that names none
-// of them gets them all.
+// of them gets none.
 func TestWantedFiles(t *testing.T) {
 	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "c"), ProjectLimit: 1 << 20, TotalLimit: 1 << 20}
-	project, err := hostcache.ProjectID("https://gitlab.example.com", 3)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 3, true)
 	require.NoError(t, err)
 	var buf bytes.Buffer
 	tw := tar.NewWriter(&buf)
@@ -139,21 +185,23 @@ func TestWantedFiles(t *testing.T) {
 		require.NoError(t, err)
 	}
 	require.NoError(t, tw.Close())
-	_, err = store.Save(context.Background(), project, &buf)
+	_, err = store.Save(context.Background(), project, &buf, hostcache.All)
 	require.NoError(t, err)
 
 	script := []byte(`'/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/deps-v1-protected/cache.zip' '--timeout' '10'
 '/opt/lve-tools/bin/gitlab-runner' 'cache-extractor' '--file' '../../../../cache/lve/demo/fallback-protected/cache.zip' '--timeout' '10'`)
-	want, n, err := wantedFiles(context.Background(), store, project, script)
+	want, n, all, err := wantedFiles(context.Background(), store, project, namedArchives(script))
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{"lve/demo/deps-v1-protected/cache.zip", "lve/demo/fallback-protected/cache.zip"}, want)
 	require.EqualValues(t, 2, n, "the wanted files' bytes")
+	require.EqualValues(t, 3, all, "all files' bytes")
 
-	want, n, err = wantedFiles(context.Background(), store, project, []byte("gitlab-runner cache-extractor --file elsewhere.zip"))
+	want, n, all, err = wantedFiles(context.Background(), store, project, namedArchives([]byte("gitlab-runner cache-extractor --file elsewhere.zip")))
 	require.NoError(t, err)
-	require.Nil(t, want, "none named: all")
-	require.EqualValues(t, 3, n, "all files' bytes")
-	require.Nil(t, hostcache.Only(nil))
+	require.Empty(t, want, "none named: none")
+	require.Zero(t, n)
+	require.EqualValues(t, 3, all)
+	require.False(t, hostcache.Only(nil)("lve/demo/deps-v1-protected/cache.zip"), "none named keeps none")
 	require.False(t, hostcache.Only([]string{"a"})("b"))
 }
 
@@ -220,7 +268,7 @@ func TestStartScratch(t *testing.T) {
 	_, err = tw.Write(make([]byte, 2<<20))
 	require.NoError(t, err)
 	require.NoError(t, tw.Close())
-	_, err = store.Save(ctx, project, &buf)
+	_, err = store.Save(ctx, project, &buf, hostcache.All)
 	require.NoError(t, err)
 	es = startScratch(ctx, e, j, "vm-2", j.cfg.Images["a"], script)
 	require.NotNil(t, es, "the key's kept archive (2 MiB) is at least disk_min_mib")
@@ -331,11 +379,11 @@ func TestDiskSaveBody(t *testing.T) {
 				require.NoError(t, err)
 				defer f.Close()
 				store := &hostcache.Store{Dir: filepath.Join(dir, "store"), ProjectLimit: 32 << 20, TotalLimit: 64 << 20}
-				project, err := hostcache.ProjectID("https://gitlab.example.com", 3)
+				project, err := hostcache.ProjectID("https://gitlab.example.com", 3, false)
 				require.NoError(t, err)
 				stream, err := hostcache.FromDisk(f, store.ProjectLimit)
 				require.NoError(t, err)
-				res, err := store.Save(context.Background(), project, stream)
+				res, err := store.Save(context.Background(), project, stream, hostcache.All)
 				require.NoError(t, stream.Close())
 				require.NoError(t, err)
 				require.Equal(t, tc.skip, res.SkipCount, "%v", res.Skipped)
@@ -624,4 +672,174 @@ func TestGuestWriteThroughTheAgent(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, bytes.HasPrefix(b, []byte(hostcache.DirectMagic)), "a tar stream, not the layout")
 	require.Equal(t, zip, kept()["./k/cache.zip"])
+}
+
+// readPayload is the job of a payload (JSON) as the stages read it.
+func readPayload(t *testing.T, payload string) *Job {
+	t.Helper()
+	path := filepath.Join(t.TempDir(), "response.json")
+	require.NoError(t, os.WriteFile(path, []byte(payload), 0o600))
+	j, err := ReadJob(envOf(map[string]string{"JOB_RESPONSE_FILE": path}), false, func(string) {})
+	require.NoError(t, err)
+	return j
+}
+
+// A job is protected when GitLab says so: a cache key with its
+// "-protected" suffix, or its own CI_COMMIT_REF_PROTECTED (the first
+// entry: a job's own definition after it does not count). The instance
+// is CI_SERVER_URL with its path: two GitLabs under one host are two.
+func TestJobProtectedAndInstance(t *testing.T) {
+	for _, tc := range []struct {
+		cache, vars string
+		want        bool
+	}{
+		{`[{"key":"deps-protected"}]`, ``, true},
+		{`[{"key":"deps-non_protected"}]`, ``, false},
+		{`[{"key":"deps"}]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"true"}`, true},
+		{`[]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"false"},{"key":"CI_COMMIT_REF_PROTECTED","value":"true"}`, false},
+		{`[{"key":"deps-non_protected"},{"key":"other-non_protected"}]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"false"}`, false},
+		{`null`, ``, false},
+	} {
+		j := readPayload(t, `{"id":5,"job_info":{"project_id":42},"cache":`+tc.cache+`,"variables":[{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"}`+tc.vars+`]}`)
+		require.Equal(t, tc.want, j.Protected, "cache %s, variables %s", tc.cache, tc.vars)
+	}
+
+	cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(t.TempDir(), "c") + "\"\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	projects := map[string]bool{}
+	for _, u := range []string{"https://example.com/gitlab-a", "https://example.com/gitlab-b/", "https://user@example.com"} {
+		j := readPayload(t, `{"id":5,"job_info":{"project_id":42},"variables":[{"key":"CI_SERVER_URL","value":"`+u+`"}]}`)
+		require.Equal(t, "https://example.com", j.Server, "the logs' server: scheme and host")
+		_, p, why := hostCache(&job{cfg: cfg, job: j}, cfg.Images["a"])
+		require.NotEmpty(t, p, why)
+		projects[p] = true
+	}
+	require.Len(t, projects, 3, "each instance's path is part of its identity (the third has none)")
+	j := readPayload(t, `{"id":5,"job_info":{"project_id":42},"variables":[{"key":"CI_SERVER_URL","value":"https://example.com/gitlab-b/?x#y"}]}`)
+	require.Equal(t, "https://example.com/gitlab-b", j.ServerURL, "no query, fragment or trailing slash")
+}
+
+// cacheGuest is an SSH server whose "guest" runs the host cache's fixed
+// commands with cache_dir at a directory of the test's (the login shell
+// puts dir where the commands say /cache); files are what cache_dir holds
+// at first.
+func cacheGuest(t *testing.T, files map[string]string) (*sshexec.Client, string) {
+	t.Helper()
+	dir := t.TempDir()
+	for name, body := range files {
+		p := filepath.Join(dir, "cache", name)
+		require.NoError(t, os.MkdirAll(filepath.Dir(p), 0o755))
+		require.NoError(t, os.WriteFile(p, []byte(body), 0o644))
+	}
+	login := filepath.Join(dir, "login")
+	// The test's own commands (restoreCommand, saveCommand): fixed text
+	// with /cache in it.
+	require.NoError(t, os.WriteFile(login, []byte("#!/bin/sh\n[ \"$1\" = -c ] || exit 2\nc=$(printf '%s' \"$2\" | sed \"s#"+guestCacheDir+"#"+dir+"/cache#g\")\nexec sh -c \"$c\"\n"), 0o755))
+	srv := sshtest.Start(t)
+	srv.SetLogin(login)
+	c, err := sshexec.Dial(context.Background(), sshexec.Target{Addr: srv.Addr(), User: "root", Signer: srv.ClientSigner(), HostKey: srv.HostKey()})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c, filepath.Join(dir, "cache")
+}
+
+// The host cache keeps a project's protected and unprotected caches
+// apart, over the real save and restore paths (SSH here; the scratch
+// disk's keep takes the same filter), with the scripts GitLab Runner
+// 17.9.3 writes: a protected job's archive is kept; a job of an
+// unprotected branch of the same project finds nothing of it, and what it
+// leaves in cache_dir (the protected key's archive with its own bytes
+// among it) never replaces it: only its own key's archive is kept, in its
+// own cache; the protected job's next run restores its archive as it was.
+func TestHostCacheKeepsProtectedApart(t *testing.T) {
+	ctx := context.Background()
+	cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(t.TempDir(), "c") + "\"\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	jobOf := func(key, protected string) *job {
+		return &job{cfg: cfg, job: readPayload(t, `{"id":5,"job_info":{"project_id":42},"cache":[{"key":"`+key+`"}],"variables":[`+
+			`{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"},{"key":"CI_COMMIT_REF_PROTECTED","value":"`+protected+`"}]}`)}
+	}
+	const protArchive = "lve/selftest/deps-protected/cache.zip"
+	const unprotArchive = "lve/selftest/deps-non_protected/cache.zip"
+	protBytes := "PK protected archive " + strings.Repeat("p", 1000)
+
+	// The protected job saves; a file the guest put beside its archive is
+	// left out.
+	store, prot, _ := hostCache(jobOf("deps-protected", "true"), cfg.Images["a"])
+	c, _ := cacheGuest(t, map[string]string{protArchive: protBytes, "planted.txt": "x"})
+	res, gerr, serr := saveBySSH(ctx, store, prot, namedArchives(recordedScript(t, "archive_cache", "deps-protected")), c)
+	require.NoError(t, gerr)
+	require.NoError(t, serr)
+	require.EqualValues(t, 1, res.Files)
+	require.EqualValues(t, 1, res.SkipCount, "%v", res.Skipped)
+	require.Contains(t, res.Skipped[0], "planted.txt")
+
+	// The unprotected job: another cache; its restore finds nothing, even
+	// where its script names the protected key's archive.
+	_, unprot, _ := hostCache(jobOf("deps-non_protected", "false"), cfg.Images["a"])
+	require.NotEqual(t, prot, unprot)
+	restoreScript := append(recordedScript(t, "restore_cache", "deps-non_protected"), recordedScript(t, "restore_cache", "deps-protected")...)
+	want, _, all, err := wantedFiles(ctx, store, unprot, namedArchives(restoreScript))
+	require.NoError(t, err)
+	require.Empty(t, want)
+	require.Zero(t, all)
+	// It leaves the protected key's archive, poisoned, in its cache_dir,
+	// beside its own.
+	c, _ = cacheGuest(t, map[string]string{protArchive: "poison", unprotArchive: "its own", "lve/selftest/x/cache.zip": "other"})
+	res, gerr, serr = saveBySSH(ctx, store, unprot, namedArchives(recordedScript(t, "archive_cache", "deps-non_protected")), c)
+	require.NoError(t, gerr)
+	require.NoError(t, serr)
+	require.EqualValues(t, 1, res.Files, "its own archive only")
+	require.EqualValues(t, 2, res.SkipCount, "%v", res.Skipped)
+
+	// The protected job's next run restores its own archive, untouched.
+	named := namedArchives(recordedScript(t, "restore_cache", "deps-protected"))
+	want, size, _, err := wantedFiles(ctx, store, prot, named)
+	require.NoError(t, err)
+	require.Equal(t, []string{protArchive}, want)
+	require.EqualValues(t, len(protBytes), size)
+	c, guestDir := cacheGuest(t, nil)
+	rr, err := restoreBySSH(ctx, store, prot, want, c)
+	require.NoError(t, err)
+	require.EqualValues(t, 1, rr.Files)
+	got, err := os.ReadFile(filepath.Join(guestDir, protArchive))
+	require.NoError(t, err)
+	require.Equal(t, protBytes, string(got))
+	entries, err := os.ReadDir(filepath.Join(guestDir, "lve", "selftest"))
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "nothing else of the project's caches reaches the guest")
+}
+
+// A restore_cache or archive_cache script that names no archive copies
+// nothing (never the project's whole cache), and says so in the job log,
+// before any connection to the guest is made.
+func TestRunCacheNamesNothing(t *testing.T) {
+	cfg, err := config.Parse([]byte("default_image = \"a\"\n[cache]\ndir = \"" + filepath.Join(t.TempDir(), "c") + "\"\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	j := &job{cfg: cfg, job: readPayload(t, `{"id":5,"job_info":{"project_id":42},"variables":[{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"}]}`)}
+	store, project, _ := hostCache(j, cfg.Images["a"])
+	_, err = store.Save(context.Background(), project, bytes.NewReader(tarOf(t, map[string]string{"lve/selftest/k/cache.zip": "z"})), hostcache.All)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	e := Env{Stdout: &out}
+	// j.m is nil: a connection attempt would panic.
+	runCache(context.Background(), e, j, "vm-1", cfg.Images["a"], cacheRestore, []byte("gitlab-runner cache-extractor --file elsewhere.zip"), nil)
+	require.Contains(t, out.String(), "Host cache: nothing restored: the runner's restore_cache script names no cache archive")
+	out.Reset()
+	runCache(context.Background(), e, j, "vm-1", cfg.Images["a"], cacheSave, []byte("gitlab-runner cache-archiver --file elsewhere.zip"), nil)
+	require.Contains(t, out.String(), "Host cache: nothing kept: the runner's archive_cache script names no cache archive")
+}
+
+// tarOf is a tar stream of files.
+func tarOf(t *testing.T, files map[string]string) []byte {
+	t.Helper()
+	var buf bytes.Buffer
+	tw := tar.NewWriter(&buf)
+	for name, body := range files {
+		require.NoError(t, tw.WriteHeader(&tar.Header{Name: name, Typeflag: tar.TypeReg, Mode: 0o644, Size: int64(len(body))}))
+		_, err := tw.Write([]byte(body))
+		require.NoError(t, err)
+	}
+	require.NoError(t, tw.Close())
+	return buf.Bytes()
 }

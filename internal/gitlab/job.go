@@ -14,6 +14,7 @@ import (
 	"net/url"
 	"os"
 	"strconv"
+	"strings"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
@@ -38,6 +39,17 @@ type Job struct {
 	// Server is the GitLab instance (CI_SERVER_URL's scheme and host only,
 	// as instanceOf chooses it) for the host's logs.
 	Server string
+	// ServerURL is CI_SERVER_URL's scheme, host and path (no user info,
+	// query or fragment, no trailing slash): the instance whose project
+	// the host cache keeps, so that two instances under one host
+	// (https://example.com/gitlab-a, .../gitlab-b) never share a cache.
+	ServerURL string
+	// Protected says the job runs for a protected ref, as GitLab tells
+	// it: one of its cache keys ends in "-protected" (GitLab's separate
+	// caches for protected refs) or its CI_COMMIT_REF_PROTECTED (GitLab's
+	// own, the first entry) is "true". The host cache keeps the caches of
+	// protected and unprotected refs apart.
+	Protected bool
 	// Services are the job's `services:`, which the driver does not
 	// provide (services.go).
 	Services Services
@@ -93,6 +105,12 @@ type payload struct {
 	JobInfo  struct {
 		ProjectID int64 `json:"project_id"`
 	} `json:"job_info"`
+	// Cache is the job's cache: list; only the keys are read (GitLab
+	// appends -protected or -non_protected to them where the project keeps
+	// the caches of protected refs apart, its default).
+	Cache []struct {
+		Key string `json:"key"`
+	} `json:"cache"`
 	// Run is the job's `run:` (GitLab Steps), a JSON string; only whether
 	// there is one is read.
 	Run json.RawMessage `json:"run"`
@@ -145,8 +163,9 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 		steps := getenv("CUSTOM_ENV_STEPS") != ""
 		return &Job{ID: id, Timeout: boundTimeout(timeout), Image: stepsImage(ImageRequest{Name: image, Written: image}, steps),
 			Instance: InstanceOf(getenv("CUSTOM_ENV_CI_SERVER_URL"), getenv("CUSTOM_ENV_CI_RUNNER_ID")),
-			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL")), Services: servicesFromEnv(getenv("CUSTOM_ENV_CI_JOB_SERVICES")),
-			Steps: steps}, nil
+			Server:   serverOf(getenv("CUSTOM_ENV_CI_SERVER_URL")), ServerURL: serverURLOf(getenv("CUSTOM_ENV_CI_SERVER_URL")),
+			Services: servicesFromEnv(getenv("CUSTOM_ENV_CI_JOB_SERVICES")),
+			Steps:    steps}, nil
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -167,7 +186,21 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 	steps := hasRun(p.Run)
 	return &Job{ID: *p.ID, Timeout: boundTimeout(p.RunnerInfo.Timeout), Image: stepsImage(expandImage(p.Image.Name, p.Variables), steps),
 		Instance: instanceOf(p.Variables), FromPayload: true, Server: serverOf(firstVar(p.Variables, "CI_SERVER_URL")),
+		ServerURL: serverURLOf(firstVar(p.Variables, "CI_SERVER_URL")), Protected: protectedOf(p),
 		Services: servicesOf(p.Services, p.Variables), ProjectID: max(0, p.JobInfo.ProjectID), Steps: steps}, nil
+}
+
+// protectedOf says whether a payload's job runs for a protected ref: a
+// cache key ends in "-protected" (GitLab's suffix where the project keeps
+// the caches of protected refs apart), or CI_COMMIT_REF_PROTECTED's first
+// entry (GitLab's own: the job's variables come after it) is "true".
+func protectedOf(p payload) bool {
+	for _, c := range p.Cache {
+		if strings.HasSuffix(c.Key, "-protected") {
+			return true
+		}
+	}
+	return firstVar(p.Variables, "CI_COMMIT_REF_PROTECTED") == "true"
 }
 
 // hasRun says a payload's run is there: not missing, null or "".
@@ -193,6 +226,18 @@ func serverOf(u string) string {
 		return ""
 	}
 	return p.Scheme + "://" + p.Host
+}
+
+// serverURLOf is a GitLab URL's scheme, host and path (no user info,
+// query or fragment; the path without its trailing slashes), or "" if it
+// is not an http(s) URL.
+func serverURLOf(u string) string {
+	s := serverOf(u)
+	if s == "" {
+		return ""
+	}
+	p, _ := url.Parse(u) // serverOf parsed it
+	return s + strings.TrimRight(p.EscapedPath(), "/")
 }
 
 // instanceOf tags the GitLab instance and runner of a payload: its

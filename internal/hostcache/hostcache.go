@@ -1,5 +1,6 @@
 // Package hostcache is the host side of the per-project CI cache: a store
-// of one file tree per project (of one GitLab instance) that the run stage
+// of one file tree per project (of one GitLab instance), one for its
+// protected refs and one for the others (ProjectID), that the run stage
 // streams into a job's VM before restore_cache (Restore writes a tar
 // stream for `tar -x` in the guest) and reads back after archive_cache
 // (Save reads the tar stream of the guest's `tar -c`).
@@ -12,7 +13,9 @@
 // without control characters, at most MaxDepth components, at most
 // MaxFiles files); directories are implied (directory entries are
 // ignored); every other entry (symlink, hardlink, device, fifo, ...) is
-// skipped and reported. Modes, owners and times in the stream are
+// skipped and reported. Save also keeps only the files its filter names
+// (the archives the runner's archive_cache script names): every other
+// file the guest put in its cache directory is skipped and reported. Modes, owners and times in the stream are
 // ignored: files are stored 0600, directories 0700, and a file's mtime is
 // the time of the save that last wrote or confirmed it.
 //
@@ -73,6 +76,7 @@ import (
 	"io/fs"
 	"os"
 	"regexp"
+	"strings"
 	"syscall"
 	"time"
 
@@ -127,12 +131,25 @@ func (s *Store) now() time.Time {
 	return time.Now()
 }
 
-var projectRE = regexp.MustCompile(`^[0-9a-f]{16}-[1-9][0-9]{0,18}$`)
+// projectRE matches the store's project names: ProjectID's, and those of
+// releases before protected and unprotected refs were kept apart (no
+// suffix), which List, Prune, Evict and Remove still see and remove.
+var projectRE = regexp.MustCompile(`^[0-9a-f]{16}-[1-9][0-9]{0,18}(?:-[pu])?$`)
+
+// Suffixes of a project's name: the cache of its protected refs, and of
+// the others (GitLab's protected and unprotected caches kept apart).
+const (
+	protectedSuffix   = "-p"
+	unprotectedSuffix = "-u"
+)
 
 // ProjectID is the name of the cache of project projectID on the GitLab
-// instance tagged instance (any non-empty text; only its hash is used):
-// the first 16 hex digits of the tag's sha256, "-", the project ID.
-func ProjectID(instance string, projectID int64) (string, error) {
+// instance tagged instance (any non-empty text; only its hash is used),
+// for the jobs of its protected refs (protected) or of the others: the
+// first 16 hex digits of the tag's sha256, "-", the project ID, then "-p"
+// or "-u". The two never share a file: a job of an unprotected branch
+// can neither read nor replace what a protected one extracts.
+func ProjectID(instance string, projectID int64, protected bool) (string, error) {
 	if instance == "" {
 		return "", errors.New("hostcache: empty instance tag")
 	}
@@ -140,12 +157,30 @@ func ProjectID(instance string, projectID int64) (string, error) {
 		return "", fmt.Errorf("hostcache: project ID %d: must be > 0", projectID)
 	}
 	sum := sha256.Sum256([]byte(instance))
-	return fmt.Sprintf("%s-%d", hex.EncodeToString(sum[:8]), projectID), nil
+	suffix := unprotectedSuffix
+	if protected {
+		suffix = protectedSuffix
+	}
+	return fmt.Sprintf("%s-%d%s", hex.EncodeToString(sum[:8]), projectID, suffix), nil
 }
 
+// checkProject accepts any project name of the store (Remove).
 func checkProject(project string) error {
 	if !projectRE.MatchString(project) {
 		return fmt.Errorf("hostcache: %q is not a project name (from ProjectID)", project)
+	}
+	return nil
+}
+
+// checkJobProject accepts a name ProjectID makes (Save, Open): never one
+// of an older release, which kept protected and unprotected refs' caches
+// together; those are only listed and removed.
+func checkJobProject(project string) error {
+	if err := checkProject(project); err != nil {
+		return err
+	}
+	if !strings.HasSuffix(project, protectedSuffix) && !strings.HasSuffix(project, unprotectedSuffix) {
+		return fmt.Errorf("hostcache: %q is a cache of an older release that kept protected and unprotected refs together: it is not used for jobs (gc or `cache rm` removes it)", project)
 	}
 	return nil
 }

@@ -40,7 +40,7 @@ func newStore(t *testing.T, projectLimit, totalLimit int64) (*Store, *clock) {
 
 func project(t *testing.T, id int64) string {
 	t.Helper()
-	p, err := ProjectID("https://gitlab.example.com", id)
+	p, err := ProjectID("https://gitlab.example.com", id, true)
 	require.NoError(t, err)
 	return p
 }
@@ -80,7 +80,7 @@ func files(kv ...string) []ent {
 
 func save(t *testing.T, s *Store, p string, ents ...ent) SaveResult {
 	t.Helper()
-	res, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ents...)))
+	res, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ents...)), All)
 	require.NoError(t, err)
 	return res
 }
@@ -143,23 +143,119 @@ func TestProjectID(t *testing.T) {
 		{"gitlab.com", 0, ""},
 		{"gitlab.com", -5, ""},
 	} {
-		p, err := ProjectID(tc.instance, tc.id)
-		if tc.want == "" {
-			assert.Error(t, err, "%q %d", tc.instance, tc.id)
-			continue
+		for _, protected := range []bool{true, false} {
+			p, err := ProjectID(tc.instance, tc.id, protected)
+			if tc.want == "" {
+				assert.Error(t, err, "%q %d", tc.instance, tc.id)
+				continue
+			}
+			require.NoError(t, err)
+			suffix := "-u"
+			if protected {
+				suffix = "-p"
+			}
+			assert.True(t, strings.HasSuffix(p, tc.want+suffix), p)
+			assert.NoError(t, checkJobProject(p))
 		}
-		require.NoError(t, err)
-		assert.True(t, strings.HasSuffix(p, tc.want), p)
-		assert.NoError(t, checkProject(p))
 	}
-	a, _ := ProjectID("a", 1)
-	b, _ := ProjectID("b", 1)
+	a, _ := ProjectID("a", 1, true)
+	b, _ := ProjectID("b", 1, true)
 	assert.NotEqual(t, a, b)
-	for _, bad := range []string{"", "..", "x", "0123456789abcdef-0", "0123456789abcdef-1/..", "0123456789ABCDEF-1"} {
+	for _, bad := range []string{"", "..", "x", "0123456789abcdef-0", "0123456789abcdef-1/..", "0123456789ABCDEF-1", "0123456789abcdef-1-x", "0123456789abcdef-1-p/.."} {
 		assert.Error(t, checkProject(bad), bad)
-		_, err := (&Store{Dir: t.TempDir(), ProjectLimit: 1, TotalLimit: 1}).Save(context.Background(), bad, strings.NewReader(""))
+		_, err := (&Store{Dir: t.TempDir(), ProjectLimit: 1, TotalLimit: 1}).Save(context.Background(), bad, strings.NewReader(""), All)
 		assert.Error(t, err, bad)
 	}
+}
+
+// A project's protected and unprotected refs have caches of their own: a
+// save of one is never seen by a restore of the other, and a save of the
+// unprotected one (whatever names its stream carries, the protected key's
+// archive included) leaves the protected one's archive as it was.
+func TestProtectedApart(t *testing.T) {
+	s, _ := newStore(t, 1<<20, 1<<20)
+	ctx := context.Background()
+	prot, err := ProjectID("https://gitlab.example.com", 7, true)
+	require.NoError(t, err)
+	unprot, err := ProjectID("https://gitlab.example.com", 7, false)
+	require.NoError(t, err)
+	require.NotEqual(t, prot, unprot)
+
+	const key = "ns/p/deps-protected/cache.zip"
+	_, err = s.Save(ctx, prot, bytes.NewReader(mkTar(t, ent{name: key, body: "protected bytes"})), Only([]string{key}))
+	require.NoError(t, err)
+
+	// The unprotected ref's job sends the protected key's name too.
+	res, err := s.Save(ctx, unprot, bytes.NewReader(mkTar(t, ent{name: key, body: "poison"},
+		ent{name: "ns/p/deps-non_protected/cache.zip", body: "mine"})), All)
+	require.NoError(t, err)
+	require.EqualValues(t, 2, res.Files)
+
+	require.Equal(t, map[string]string{key: "protected bytes"}, restore(t, s, prot))
+	require.Equal(t, map[string]string{key: "poison", "ns/p/deps-non_protected/cache.zip": "mine"}, restore(t, s, unprot))
+}
+
+// Only the files the filter names are kept; the others are left out,
+// counted and named in the result, and never reach the store. A filter
+// that names none keeps nothing, and the project's earlier cache stays.
+func TestSaveKeepsOnlyNamed(t *testing.T) {
+	s, _ := newStore(t, 1<<20, 1<<20)
+	ctx := context.Background()
+	p := project(t, 1)
+	const key = "ns/p/k-protected/cache.zip"
+	_, err := s.Save(ctx, p, bytes.NewReader(mkTar(t, ent{name: key, body: "v1"})), All)
+	require.NoError(t, err)
+
+	stream := mkTar(t, ent{name: "./" + key, body: "v2"}, ent{name: "ns/p/other-protected/cache.zip", body: "planted"},
+		ent{name: "k-protected/cache.zip", body: "a suffix of the named one"}, ent{name: "junk", body: "x"})
+	res, err := s.Save(ctx, p, bytes.NewReader(stream), Only([]string{key}))
+	require.NoError(t, err)
+	require.EqualValues(t, 1, res.Files)
+	require.EqualValues(t, 3, res.SkipCount)
+	require.Len(t, res.Skipped, 3)
+	for _, sk := range res.Skipped {
+		require.Contains(t, sk, NotNamed)
+	}
+	require.Equal(t, map[string]string{key: "v2"}, restore(t, s, p))
+
+	res, err = s.Save(ctx, p, bytes.NewReader(mkTar(t, ent{name: key, body: "v3"})), Only(nil))
+	require.NoError(t, err)
+	require.EqualValues(t, 0, res.Files)
+	require.EqualValues(t, 1, res.SkipCount)
+	require.Equal(t, map[string]string{key: "v2"}, restore(t, s, p), "a save that names nothing leaves the cache as it was")
+
+	_, err = s.Save(ctx, p, bytes.NewReader(mkTar(t, ent{name: key, body: "v4"})), nil)
+	require.ErrorContains(t, err, "no filter")
+	require.Equal(t, map[string]string{key: "v2"}, restore(t, s, p))
+}
+
+// A cache of a release that kept protected and unprotected refs together
+// (a name without -p or -u) is never restored into a job nor saved to;
+// List sees it, and Remove and Prune remove it.
+func TestLegacyProjectNotUsed(t *testing.T) {
+	s, c := newStore(t, 1<<20, 1<<20)
+	ctx := context.Background()
+	p := project(t, 3)
+	_, err := s.Save(ctx, p, bytes.NewReader(mkTar(t, ent{name: "ns/p/k/cache.zip", body: "old"})), All)
+	require.NoError(t, err)
+	legacy := strings.TrimSuffix(p, "-p")
+	require.NoError(t, os.Rename(filepath.Join(s.Dir, "projects", p), filepath.Join(s.Dir, "projects", legacy)))
+
+	_, err = s.Open(ctx, legacy)
+	require.ErrorContains(t, err, "older release")
+	_, err = s.Save(ctx, legacy, bytes.NewReader(mkTar(t, ent{name: "ns/p/k/cache.zip", body: "new"})), All)
+	require.ErrorContains(t, err, "older release")
+	us, err := s.List()
+	require.NoError(t, err)
+	require.Len(t, us, 1)
+	require.Equal(t, legacy, us[0].Project)
+	require.EqualValues(t, 1, us[0].Files)
+
+	c.Set(t0.Add(48 * time.Hour))
+	removed, err := s.Prune(ctx, time.Hour)
+	require.NoError(t, err)
+	require.Equal(t, []string{legacy}, removed)
+	require.NoError(t, s.Remove(ctx, legacy), "removing one that is gone is no error")
 }
 
 func TestRoundTrip(t *testing.T) {
@@ -270,7 +366,7 @@ func TestHostileEntries(t *testing.T) {
 		for i := range ents {
 			ents[i] = ent{name: fmt.Sprintf("f/%d", i), body: "x"}
 		}
-		_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ents...)))
+		_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ents...)), All)
 		require.ErrorIs(t, err, ErrTooManyFiles)
 		assert.Equal(t, map[string]string{"old": "old"}, restore(t, s, p))
 		assert.Empty(t, stageEntries(t, s))
@@ -325,7 +421,7 @@ func TestPlantedSymlinks(t *testing.T) {
 	// A project directory that is a link: refused both ways.
 	p2 := project(t, 2)
 	require.NoError(t, os.Symlink(outside, filepath.Join(s.Dir, projectsDir, p2)))
-	_, err = s.Save(context.Background(), p2, bytes.NewReader(mkTar(t, files("a", "b")...)))
+	_, err = s.Save(context.Background(), p2, bytes.NewReader(mkTar(t, files("a", "b")...)), All)
 	assert.Error(t, err)
 	_, err = s.Restore(context.Background(), p2, io.Discard)
 	assert.Error(t, err)
@@ -369,7 +465,7 @@ func TestOverLimitKeepsOld(t *testing.T) {
 	c.Set(t0.Add(time.Minute))
 	// 60 + 50 bytes: over 100 only with the second file.
 	stream := mkTar(t, files("a", strings.Repeat("A", 60), "c", strings.Repeat("C", 50))...)
-	_, err := s.Save(context.Background(), p, bytes.NewReader(stream))
+	_, err := s.Save(context.Background(), p, bytes.NewReader(stream), All)
 	require.ErrorIs(t, err, ErrProjectLimit)
 	assert.ErrorContains(t, err, "100 bytes allowed")
 	assert.Equal(t, map[string]string{"a": "old a", "b": "old b"}, restore(t, s, p))
@@ -467,7 +563,7 @@ func TestEndlessStreams(t *testing.T) {
 			p := project(t, 1)
 			save(t, s, p, ent{name: "old", body: "old"})
 			cr := &countingReader{r: tc.stream()}
-			_, err := s.Save(context.Background(), p, cr)
+			_, err := s.Save(context.Background(), p, cr, All)
 			if tc.err != nil {
 				require.ErrorIs(t, err, tc.err)
 			} else {
@@ -485,7 +581,7 @@ func TestCutStream(t *testing.T) {
 	p := project(t, 1)
 	save(t, s, p, ent{name: "old", body: "old"})
 	stream := mkTar(t, files("a", "aaa", "b", strings.Repeat("b", 5000))...)
-	_, err := s.Save(context.Background(), p, bytes.NewReader(stream[:2048]))
+	_, err := s.Save(context.Background(), p, bytes.NewReader(stream[:2048]), All)
 	require.Error(t, err)
 	assert.Equal(t, map[string]string{"old": "old"}, restore(t, s, p))
 	assert.Empty(t, stageEntries(t, s))
@@ -502,7 +598,7 @@ func TestConcurrentSaveRestore(t *testing.T) {
 	for i, m := range contents {
 		streams[i] = mkTar(t, files("x/y", m["x/y"], "z", m["z"])...)
 	}
-	_, err := s.Save(context.Background(), p, bytes.NewReader(streams[0]))
+	_, err := s.Save(context.Background(), p, bytes.NewReader(streams[0]), All)
 	require.NoError(t, err)
 
 	ctx, cancel := context.WithCancel(context.Background())
@@ -513,7 +609,7 @@ func TestConcurrentSaveRestore(t *testing.T) {
 		defer wg.Done()
 		defer cancel()
 		for i := range 40 {
-			if _, err := s.Save(ctx, p, bytes.NewReader(streams[(i+1)%2])); err != nil {
+			if _, err := s.Save(ctx, p, bytes.NewReader(streams[(i+1)%2]), All); err != nil {
 				errs <- err
 				return
 			}
@@ -739,14 +835,14 @@ func TestCancelMidSave(t *testing.T) {
 	stream := mkTar(t, files("a", strings.Repeat("a", 100_000), "b", strings.Repeat("b", 100_000))...)
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	_, err := s.Save(ctx, p, &cancelAt{r: bytes.NewReader(stream), n: 150_000, cancel: cancel})
+	_, err := s.Save(ctx, p, &cancelAt{r: bytes.NewReader(stream), n: 150_000, cancel: cancel}, All)
 	require.ErrorIs(t, err, context.Canceled)
 	assert.Empty(t, stageEntries(t, s))
 	assert.Equal(t, map[string]string{"a": "old"}, restore(t, s, p))
 
 	// Cancelled before it starts: no project made either.
 	p2 := project(t, 2)
-	_, err = s.Save(ctx, p2, bytes.NewReader(stream))
+	_, err = s.Save(ctx, p2, bytes.NewReader(stream), All)
 	require.True(t, errors.Is(err, context.Canceled), err)
 	_, err = os.Lstat(filepath.Join(s.Dir, projectsDir, p2))
 	assert.ErrorIs(t, err, os.ErrNotExist)
@@ -795,7 +891,7 @@ func TestSnapshotHoldsOffSave(t *testing.T) {
 	require.NoError(t, err)
 	saved := make(chan error, 1)
 	go func() {
-		_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ent{name: "k/cache.zip", body: "newer and longer"})))
+		_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, ent{name: "k/cache.zip", body: "newer and longer"})), All)
 		saved <- err
 	}()
 	select {
@@ -867,11 +963,11 @@ func TestSaveSyncs(t *testing.T) {
 	assert.Equal(t, []int{1, syncEach}, []int{fs, ds}, "syncfs, fdatasync calls")
 
 	failFS = true
-	_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files(append(many, "new", "y")...)...)))
+	_, err := s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files(append(many, "new", "y")...)...)), All)
 	require.ErrorContains(t, err, "no sync")
 	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose sync failed is kept")
 	dataSync = func(int) error { return errors.New("no data sync") }
-	_, err = s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files("new", "y")...)))
+	_, err = s.Save(context.Background(), p, bytes.NewReader(mkTar(t, files("new", "y")...)), All)
 	require.ErrorContains(t, err, "no data sync")
 	assert.NotContains(t, restore(t, s, p), "new", "nothing of a save whose fdatasync failed is kept")
 	assert.Empty(t, stageEntries(t, s))

@@ -52,7 +52,7 @@ func (s *Store) Open(ctx context.Context, project string) (*Snapshot, error) {
 // OpenOnly is Open for the files whose names (relative to the project's
 // cache, as Names lists them) want keeps; nil keeps all.
 func (s *Store) OpenOnly(ctx context.Context, project string, want func(name string) bool) (*Snapshot, error) {
-	if err := checkProject(project); err != nil {
+	if err := checkJobProject(project); err != nil {
 		return nil, err
 	}
 	root, err := s.open()
@@ -170,12 +170,9 @@ func (sn *Snapshot) Bytes(want func(name string) bool) int64 {
 	return n
 }
 
-// Only is the filter for OpenOnly that keeps the files named in want
-// (nil: all).
+// Only is the filter for OpenOnly and Save that keeps exactly the files
+// named in want: none when want is empty (never all).
 func Only(want []string) func(name string) bool {
-	if want == nil {
-		return nil
-	}
 	return func(name string) bool { return slices.Contains(want, name) }
 }
 

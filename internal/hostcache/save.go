@@ -53,15 +53,22 @@ type stagedFile struct {
 
 // Save reads a tar stream of the guest's cache (hostile: see the package
 // doc) and, if it is whole and within the limits, puts its regular files
-// into the project's cache, then evicts down to the limits. Files of the
-// cache the stream does not carry are kept. On any error nothing of this
-// save is kept (save that a failure while renaming staged files into
-// place may leave some in place, each whole) and nothing stays staged.
-// Cancelling ctx is noticed between reads from r.
-func (s *Store) Save(ctx context.Context, project string, r io.Reader) (SaveResult, error) {
+// whose names keep accepts (Only: the archives the runner's script names;
+// All) into the project's cache, then evicts down to the limits. Every
+// other file is left out and counted in SkipCount (its bytes still count
+// against the limits: the host reads no more for it). Files of the cache
+// the stream does not carry are kept. On any error nothing of this save
+// is kept (save that a failure while renaming staged files into place may
+// leave some in place, each whole) and nothing stays staged. Cancelling
+// ctx is noticed between reads from r. A nil keep is an error: a caller
+// says what it keeps.
+func (s *Store) Save(ctx context.Context, project string, r io.Reader, keep func(name string) bool) (SaveResult, error) {
 	var res SaveResult
-	if err := checkProject(project); err != nil {
+	if err := checkJobProject(project); err != nil {
 		return res, err
+	}
+	if keep == nil {
+		return res, errors.New("hostcache: a save names the files it keeps (no filter given)")
 	}
 	root, err := s.open()
 	if err != nil {
@@ -80,7 +87,7 @@ func (s *Store) Save(ctx context.Context, project string, r io.Reader) (SaveResu
 		stageLock.Close()
 	}()
 
-	staged, synced, err := s.readStream(ctx, root, stage, r, &res)
+	staged, synced, err := s.readStream(ctx, root, stage, r, keep, &res)
 	if err == nil && !synced {
 		err = syncStage(root, stage)
 	}
@@ -198,11 +205,17 @@ func (c *capReader) Read(p []byte) (int, error) {
 	return n, err
 }
 
-// readStream stages the stream's acceptable files and returns them sorted
+// NotNamed is why Save left out a file that its filter does not keep.
+const NotNamed = "not an archive the runner's script names"
+
+// All is the filter that keeps every file (Save's tests and tools).
+func All(string) bool { return true }
+
+// readStream stages the stream's acceptable files (those keep accepts) and returns them sorted
 // by name, and whether each was made durable as it was written (at most
 // syncEach staged); it fails if the stream is cut, over a limit, or ctx
 // is done.
-func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r io.Reader, res *SaveResult) ([]stagedFile, bool, error) {
+func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r io.Reader, keep func(string) bool, res *SaveResult) ([]stagedFile, bool, error) {
 	cr := &capReader{ctx: ctx, r: r, max: streamOverhead}
 	fail := func(err error) error {
 		switch {
@@ -250,6 +263,9 @@ func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r i
 		declared += hdr.Size
 		cr.max += hdr.Size
 		name, why := cleanName(hdr.Name)
+		if why == "" && !keep(name) {
+			why = NotNamed
+		}
 		if why == "" {
 			why = conflict(name, byName, dirs)
 		}

@@ -12,8 +12,8 @@ import (
 // AttachCache hands the project's cache in store to the running machine
 // name on a read-only disk hot-plugged into it (lifecycle.Manager.AttachData):
 // one tar stream, taken under the project's shared lock, so each file is
-// whole: the files named in want, or all (nil). A project with nothing
-// cached gets no disk (Files 0). DropDisks deletes the disk's volume once
+// whole: the files named in want (none: nothing, and no disk). A project
+// with nothing cached gets no disk (Files 0). DropDisks deletes the disk's volume once
 // the guest has read it.
 func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, project string, want []string) (hostcache.RestoreResult, error) {
 	if err := h.CheckOurName(name); err != nil {
@@ -58,13 +58,15 @@ var errSaved = errors.New("the host cache has read the archive")
 // KeepCache reads what the guest of machine name wrote on its scratch disk
 // (its cache_dir's files in hostcache's direct layout, or as a tar
 // stream; hostcache.FromDisk) into the project's cache in store
-// (hostcache.Store.Save: hostile input, checked and bounded there). The
+// (hostcache.Store.Save: hostile input, checked and bounded there),
+// keeping only the files named in keep (the archives the runner's
+// archive_cache script names; none: nothing). The
 // read stops where the stream ends. Then it deletes the machine's cache
 // disks' volumes (DropDisks), whatever the save's outcome: dropErr is how
 // that went (the caller drops them again where it failed). One call for
 // both saves the run stage a second start of the admin tool and its
 // libvirt connection (0.1-0.2 s on a TCG host).
-func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string) (k Kept) {
+func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string, keep []string) (k Kept) {
 	if err := h.CheckOurName(name); err != nil {
 		return Kept{DropErr: err, Err: err}
 	}
@@ -84,7 +86,7 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	// the rest of the disk is not read.
 	stream, err := hostcache.FromDisk(pr, store.ProjectLimit)
 	if err == nil {
-		k.Result, err = store.Save(ctx, project, stream)
+		k.Result, err = store.Save(ctx, project, stream, hostcache.Only(keep))
 		_ = stream.Close()
 	}
 	_ = pr.CloseWithError(errSaved)

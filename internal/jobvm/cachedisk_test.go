@@ -20,7 +20,7 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 	ctx := context.Background()
 	hv, m, name := provisioned(t)
 	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimit: 1 << 20, TotalLimit: 4 << 20}
-	project, err := hostcache.ProjectID("https://gitlab.example.com", 7)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 7, true)
 	require.NoError(t, err)
 	vol := m.Cfg.StoragePool + "/" + vm.ScratchVolume(name)
 
@@ -42,7 +42,7 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 			hv.Lock()
 			hv.Volumes[vol] = tc.disk
 			hv.Unlock()
-			k := m.KeepCache(ctx, store, name, project)
+			k := m.KeepCache(ctx, store, name, project, []string{"k/cache.zip"})
 			require.NoError(t, k.DropErr)
 			if tc.saved {
 				require.NoError(t, k.Err)
@@ -62,7 +62,7 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 		})
 	}
 
-	k := m.KeepCache(ctx, store, "lve-ffffffff-7", project)
+	k := m.KeepCache(ctx, store, "lve-ffffffff-7", project, []string{"k/cache.zip"})
 	require.Error(t, k.Err)
 	require.Error(t, k.DropErr, "nothing of another installation is touched")
 }

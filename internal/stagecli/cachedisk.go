@@ -37,8 +37,8 @@ func (c adminCacheDisk) AttachScratch(ctx context.Context, name string) error {
 }
 
 // Keep implements gitlab.CacheDisk.
-func (c adminCacheDisk) Keep(ctx context.Context, name, project string) jobvm.Kept {
-	out, err := c.run(ctx, jobvm.CacheDiskKeep, "--", name, project)
+func (c adminCacheDisk) Keep(ctx context.Context, name, project string, keep []string) jobvm.Kept {
+	out, err := c.run(ctx, append([]string{jobvm.CacheDiskKeep, "--", name, project}, keep...)...)
 	if err != nil {
 		return jobvm.Kept{DropErr: err, Err: err}
 	}

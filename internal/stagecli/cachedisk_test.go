@@ -23,7 +23,7 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 		require.NoError(t, err)
 		return strings.Split(strings.TrimSuffix(string(b), "\x00"), "\x00")
 	}
-	name, project := "lve-0123abcd-89abcdef-42", "dfe2eead3cf71594-7"
+	name, project := "lve-0123abcd-89abcdef-42", "dfe2eead3cf71594-7-p"
 
 	a, _ := testExplainer(t, dir, cfgPath, withoutJobVariables([]string{"FAKE_MODE=attach", "CUSTOM_ENV_CI_JOB_TOKEN=secret"})...)
 	res, err := adminCacheDisk{a}.Attach(context.Background(), name, project, []string{"lve/p/k 1/cache.zip", "lve/p/k2/cache.zip"})
@@ -43,15 +43,16 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	// keep: the save's result and its error class cross the process
 	// boundary, and so does the drop's outcome after it.
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=keep")
-	kept := adminCacheDisk{a}.Keep(context.Background(), name, project)
+	kept := adminCacheDisk{a}.Keep(context.Background(), name, project, []string{"lve/p/k 1-protected/cache.zip"})
 	require.ErrorContains(t, kept.DropErr, "volume busy")
 	require.ErrorIs(t, kept.Err, hostcache.ErrProjectLimit)
 	require.ErrorContains(t, kept.Err, "too big")
 	require.Equal(t, hostcache.SaveResult{Files: 2, Bytes: 10, Unchanged: 1}, kept.Result)
 	require.False(t, kept.FromFile)
-	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, "--", name, project}, argv())
+	require.Equal(t, []string{"--config=" + cfgPath, jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, "--", name, project, "lve/p/k 1-protected/cache.zip"}, argv(),
+		"the archives the runner's script names go to the admin tool as arguments of their own")
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=kept")
-	kept = adminCacheDisk{a}.Keep(context.Background(), name, project)
+	kept = adminCacheDisk{a}.Keep(context.Background(), name, project, nil)
 	require.NoError(t, kept.Err)
 	require.NoError(t, kept.DropErr)
 	require.Equal(t, hostcache.SaveResult{Files: 1, Bytes: 3}, kept.Result)
@@ -59,7 +60,7 @@ func TestCacheDiskThroughTheAdminTool(t *testing.T) {
 	// An admin tool from before keep deleted the volumes says nothing of
 	// them: the stage deletes them itself.
 	a, _ = testExplainer(t, dir, cfgPath, "FAKE_MODE=kept-old")
-	kept = adminCacheDisk{a}.Keep(context.Background(), name, project)
+	kept = adminCacheDisk{a}.Keep(context.Background(), name, project, nil)
 	require.NoError(t, kept.Err)
 	require.ErrorContains(t, kept.DropErr, "did not say")
 
