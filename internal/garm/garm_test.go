@@ -154,7 +154,12 @@ func TestCreateListGetDelete(t *testing.T) {
 	params, err := guestParams(bs)
 	require.NoError(t, err)
 	require.Contains(t, string(params), token)
-	require.True(t, bytes.Contains(seed, []byte(base64.StdEncoding.EncodeToString(params))), "the seed's user-data carries the parameters with the token")
+	require.True(t, bytes.Contains(seed, params), "the seed carries the parameters with the token, as a file of its own")
+	require.False(t, bytes.Contains(seed, []byte(base64.StdEncoding.EncodeToString(params))), "not in the user-data: cloud-init never copies them")
+	require.Equal(t, 1, bytes.Count(seed, []byte(token)), "the token is once on the seed, in the parameters")
+	for _, f := range tokenForms(token)[1:] {
+		require.NotContains(t, string(seed), f, "nor in base64 anywhere")
+	}
 	files, _ := filepath.Glob(filepath.Join(r.cfg.StateDir, "*", "*", "*"))
 	for _, f := range files {
 		b, err := os.ReadFile(f)

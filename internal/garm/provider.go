@@ -39,11 +39,16 @@ const (
 //go:embed bootstrap.py
 var bootstrapScript []byte
 
-// Paths in the guest.
+// Paths in the guest, and the parameters' name on the seed.
 const (
 	bootstrapPath = "/usr/local/sbin/lve-garm-bootstrap"
-	paramsPath    = "/etc/libvirt-executor-garm/bootstrap.json"
 	caPath        = "/usr/local/share/ca-certificates/garm-ca-bundle.crt"
+	// seedParams is the bootstrap's parameter file (garm's instance token
+	// in it) on the seed's filesystem, not in the user-data: cloud-init
+	// never reads it, so no copy of it reaches the guest's disk; the
+	// bootstrap reads it from the seed device (guestinit.WritableSeedSerial)
+	// into its memory and overwrites the device with zeros.
+	seedParams = "lve-garm.json"
 )
 
 // Provider runs one garm command on the engine.
@@ -333,28 +338,31 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 		InstanceID: name, Hostname: name, User: r.Image.User, ExtraKeys: sshKeys(bs.SSHKeys),
 		Files: []guestinit.File{
 			{Path: bootstrapPath, Content: bootstrapScript, Permissions: "0755"},
-			{Path: paramsPath, Content: params, Permissions: "0600"},
 		},
+		Extra: []guestinit.File{{Path: seedParams, Content: params}},
 		// cloud-init's "init" stage runs in every image (runcmd needs its
 		// "final" stage, which lean images mask): bootcmd queues the
 		// bootstrap as a transient unit of its own (--no-block: cloud-init
 		// runs before sysinit.target, which the unit's start waits for).
 		// It starts once cloud-init's init stage is done (write_files has
-		// written the script and its parameters) and the network is
-		// online. Its output goes to the journal and the console (the host
-		// keeps the console in the machine's console.log; it never prints
-		// a token). When it ends it scrubs cloud-init's copies of the token
-		// and writes SeedDoneMarker, after which Get/List remove the seed
-		// (dropSeeds). On later boots it finds no parameters (it removes
-		// them when it ends) and does nothing; cloud-init, without its
-		// seed, does not find its datasource and runs no bootcmd at all. Not a timer (--on-active): a
+		// written the script) and the network is online. It reads its
+		// parameters from the seed device (attached writable, SeedWritable)
+		// and wipes the device at once; it starts the runner service last,
+		// once nothing uses the token any more (docs/garm.md, "The
+		// bootstrap"). Its output goes to the journal and the console (the
+		// host keeps the console in the machine's console.log; it never
+		// prints a token). Its last line is SeedDoneMarker, after which
+		// Get/List detach and delete the (zeroed) seed (dropSeeds). On
+		// later boots cloud-init, without its seed, does not find its
+		// datasource and runs no bootcmd at all; a bootstrap that runs finds
+		// no parameters and does nothing. Not a timer (--on-active): a
 		// transient timer queued this early hung the boot (seen on Debian
 		// 12, systemd 252). python3 runs the script: systemd-run resolves
 		// the executable at once, before write_files.
 		BootCmd: [][]string{{"systemd-run", "--no-block", "--unit=lve-garm-bootstrap",
 			"--property=After=cloud-init.service", "--property=After=network-online.target", "--property=Wants=network-online.target",
 			"--property=StandardOutput=journal+console", "--property=StandardError=journal+console",
-			"python3", bootstrapPath, paramsPath}},
+			"python3", bootstrapPath}},
 	}
 	if len(bs.CACertBundle) > 0 {
 		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
@@ -364,8 +372,9 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
 		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name},
 			{Key: TagImage, Value: r.Image.Name}},
-		OnStep: rep.Step,
-		Seed:   func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
+		OnStep:       rep.Step,
+		SeedWritable: true,
+		Seed:         func(keys *guestinit.Keys, dir string) ([]byte, error) { return ci.SeedISO(keys, name, dir) },
 	}
 	if _, err := p.M.Launch(ctx, req); err != nil {
 		if errors.Is(err, lifecycle.ErrExists) {
@@ -390,8 +399,9 @@ func sshKeys(keys []string) []string {
 }
 
 // guestParams is the bootstrap's parameter file: garm's instance token and
-// the rest of what the guest needs. It travels only inside the seed volume,
-// which dropSeeds removes once the guest's bootstrap is done.
+// the rest of what the guest needs. It travels only inside the seed volume
+// (seedParams), which the guest's bootstrap wipes once it has read it
+// (and dropSeeds removes once the bootstrap is done).
 func guestParams(bs *Bootstrap) ([]byte, error) {
 	arch := map[string]string{"amd64": "x64"}[bs.Arch]
 	var tool *Tool

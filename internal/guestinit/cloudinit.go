@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 
 	diskfs "github.com/diskfs/go-diskfs"
 	"github.com/diskfs/go-diskfs/disk"
@@ -29,7 +30,17 @@ type CloudInit struct {
 	// stage, before Files are written), each an argument vector (never a
 	// shell string).
 	BootCmd [][]string
+	// Extra are files on the seed's own filesystem beside user-data and
+	// meta-data (Path is the name at its root, Permissions unused):
+	// cloud-init neither reads nor copies them, only a program in the guest
+	// that reads the seed device itself does (garm's bootstrap: its
+	// parameters, which thus never reach the guest's disk).
+	Extra []File
 }
+
+// WritableSeedSerial is the serial of a seed attached writable
+// (vm.Spec.SeedWritable): the guest finds the disk it may wipe by it.
+const WritableSeedSerial = "lve-seed-rw"
 
 // File is one file of the seed's write_files; Content travels base64
 // encoded (no YAML quoting question).
@@ -128,7 +139,15 @@ func (c CloudInit) SeedISO(k *Keys, comment, workDir string) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("seed filesystem: %w", err)
 	}
-	for name, data := range map[string][]byte{"/user-data": ud, "/meta-data": md} {
+	files := []File{{Path: "/user-data", Content: ud}, {Path: "/meta-data", Content: md}}
+	for _, e := range c.Extra {
+		if n := strings.TrimPrefix(e.Path, "/"); n == "" || strings.Contains(n, "/") || n == "user-data" || n == "meta-data" {
+			return nil, fmt.Errorf("seed file %q: a name at the seed's root, not user-data or meta-data", e.Path)
+		}
+		files = append(files, File{Path: "/" + strings.TrimPrefix(e.Path, "/"), Content: e.Content})
+	}
+	for _, file := range files {
+		name, data := file.Path, file.Content
 		f, err := fs.OpenFile(name, os.O_CREATE|os.O_RDWR)
 		if err != nil {
 			return nil, err

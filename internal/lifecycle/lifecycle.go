@@ -104,6 +104,8 @@ type Request struct {
 	NoWait bool
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
+	// SeedWritable: LaunchRequest.SeedWritable.
+	SeedWritable bool
 	// DeferFilterPin: the network filter is not given the machine's
 	// address at boot (PinAddress); the caller has it done later, off the
 	// critical path (libvirt re-instantiates the filter, seconds on a busy
@@ -131,6 +133,10 @@ type LaunchRequest struct {
 	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
+	// SeedWritable attaches the cloud-init seed writable, with the serial
+	// guestinit.WritableSeedSerial: the guest wipes it once it has read it
+	// (garm's bootstrap), not waiting for the host to take it away.
+	SeedWritable bool
 	// OnStep, if set, is told about each step as it ends (Request.OnStep).
 	OnStep func(name string, took time.Duration, err error)
 }
@@ -227,6 +233,7 @@ func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine
 	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
 		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
 		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags, OnStep: req.OnStep,
+		SeedWritable: req.SeedWritable,
 	}})
 	if err != nil {
 		return nil, err

@@ -68,6 +68,9 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 	switch img.KeyInjection {
 	case config.InjectCloudInit:
 		s.Seed = in.CloudInitSeed
+		if req.SeedWritable {
+			s.SeedWritable, s.SeedSerial = true, guestinit.WritableSeedSerial
+		}
 	case config.InjectSMBIOS:
 		s.Seed, s.SeedSerial = in.Keys.CredentialDisk(), guestinit.CredentialDiskSerial
 		s.OEMStrings = in.Keys.OEMStrings(req.Name)

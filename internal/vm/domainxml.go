@@ -57,14 +57,18 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		Target: &libvirtxml.DomainDiskTarget{Dev: "vda", Bus: "virtio"},
 	})
 	if seedPath != "" {
-		dev.Disks = append(dev.Disks, libvirtxml.DomainDisk{
+		seed := libvirtxml.DomainDisk{
 			Device:   "disk",
 			Driver:   &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
 			Source:   &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: seedPath}},
 			Target:   &libvirtxml.DomainDiskTarget{Dev: "vdb", Bus: "virtio"},
 			ReadOnly: &libvirtxml.DomainDiskReadOnly{},
 			Serial:   s.SeedSerial,
-		})
+		}
+		if s.SeedWritable {
+			seed.ReadOnly = nil // the guest wipes it (Spec.SeedWritable)
+		}
+		dev.Disks = append(dev.Disks, seed)
 	}
 	for i, sd := range s.Shared {
 		if i >= 20 {

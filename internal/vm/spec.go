@@ -41,6 +41,11 @@ type Spec struct {
 	// SeedSerial is the seed disk's serial number (the guest finds it as
 	// /dev/disk/by-id/virtio-SERIAL); empty for none.
 	SeedSerial string
+	// SeedWritable attaches the seed writable instead: a guest that wipes
+	// it itself once it has read it (garm's bootstrap overwrites it with
+	// zeros, which reach the volume), so that its secrets do not wait for
+	// the host to take the disk away.
+	SeedWritable bool
 	// Shared are read-only disks that many machines attach at once (such
 	// as the guest tools disk). They are not the machine's: Remove never
 	// deletes them.
