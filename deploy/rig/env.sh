@@ -11,8 +11,11 @@ LVE_RIG_PREFIX=${LVE_RIG_PREFIX:-lve}                      # name_prefix of the 
 LVE_RIG_BRIDGE=virbr-lve
 LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
 LVE_RIG_NETMASK=255.255.255.0
-LVE_RIG_DHCP_START=10.213.7.10
-LVE_RIG_DHCP_END=10.213.7.250
+# No dynamic DHCP range: every VM gets a static host entry of its own (static_addresses),
+# so a guest gets one lease whatever client identifier it sends. The one entry the
+# network starts with keeps libvirt's dnsmasq serving DHCP (dhcp-range=...,static) from
+# the start, so that the first VM's entry does not restart it.
+LVE_RIG_DHCP_RESERVED=10.213.7.254
 LVE_RIG_SERVICE_PORTS=${LVE_RIG_SERVICE_PORTS:-20000:20999} # host-side TCP ports guests may reach (test git servers)
 LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
 LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh

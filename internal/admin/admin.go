@@ -25,6 +25,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
@@ -294,6 +295,11 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			Info: fmt.Sprintf("active=%v dhcp=%v", active, dhcp),
 			Fix:  "virsh net-start " + cfg.Network + "; images with address_source = \"lease\" need libvirt's DHCP on it"})
 	}
+	if cfg.StaticAddresses == nil || *cfg.StaticAddresses {
+		if d, err := l.NetworkDHCP(ctx, cfg.Network); err == nil {
+			add(dhcpRangeCheck(cfg.Network, d))
+		}
+	}
 
 	if cfg.L2Filter == nil || *cfg.L2Filter {
 		add(nwfilterCheck(func(name string) (bool, error) { return l.NWFilterDefined(ctx, name) }))
@@ -305,6 +311,12 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	for _, n := range cfg.ImageNames() {
 		img, _ := cfg.Image(n)
 		if img.Source != "" && !img.Pulled() {
+			probe := *img
+			if err := cfg.ResolveSource(&probe); errors.Is(err, ociimage.ErrRefused) {
+				add(Check{Name: "image " + n, OK: false, Info: err.Error(),
+					Fix: "push a standalone image within limits.max_disk_gib (qemu-img convert -O qcow2 IMAGE NEW; libvirt-executor image push), then libvirt-executor image pull " + n})
+				continue
+			}
 			add(Check{Name: "image " + n, OK: true, Warn: true, Info: img.Source + ": not pulled on this host yet (the first job pulls it)",
 				Fix: "libvirt-executor image pull " + n + " (as the stages' user)"})
 			continue
@@ -336,6 +348,11 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 				problems = append(problems, err.Error())
 			} else {
 				fh.Close()
+				if i == 0 {
+					if err := cfg.CheckBase(img); err != nil {
+						problems = append(problems, err.Error())
+					}
+				}
 			}
 		}
 		fix := "make the files readable by this user and by libvirt (see docs/images.md)"
@@ -757,4 +774,27 @@ func PrintChecks(w io.Writer, checks []Check) error {
 		return fmt.Errorf("%d check(s) failed", failed)
 	}
 	return nil
+}
+
+// dhcpRangeCheck warns about a dynamic DHCP range on the network of VMs
+// with static host entries (static_addresses): a guest can take addresses
+// of the range with other client identifiers, a second lease or all of
+// them.
+func dhcpRangeCheck(network string, d vm.DHCPInfo) Check {
+	c := Check{Name: "network " + network + " DHCP", OK: true}
+	switch {
+	case !d.Enabled:
+		c.Info = "no libvirt DHCP: VM addresses are learnt from the guests (no static host entries)"
+	case len(d.Ranges) == 0:
+		c.Info = fmt.Sprintf("static host entries only (%d now): one lease per VM", len(d.Hosts))
+	default:
+		var rs []string
+		for _, r := range d.Ranges {
+			rs = append(rs, r[0].String()+"-"+r[1].String())
+		}
+		c.Warn = true
+		c.Info = "a dynamic range (" + strings.Join(rs, ", ") + "): a guest that asks with other client identifiers can take more addresses of it, or all"
+		c.Fix = "remove the <range> from the network's <dhcp> (virsh net-edit " + network + "; keep one <host> entry of its own: docs/configuration.md, \"The libvirt network\"), then restart the network"
+	}
+	return c
 }

@@ -8,7 +8,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/http/httptest"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -23,6 +25,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/agenttest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
@@ -31,7 +34,12 @@ import (
 func testConfig(t *testing.T, extra string) *config.Config {
 	dir := t.TempDir()
 	base := filepath.Join(dir, "base.qcow2")
-	require.NoError(t, os.WriteFile(base, []byte("QFI"), 0o644))
+	require.NoError(t, os.WriteFile(base, registrytest.Qcow2(1<<30, nil), 0o644))
+	evil := filepath.Join(dir, "evil.qcow2")
+	hostFile := filepath.Join(dir, "host-file")
+	require.NoError(t, os.WriteFile(hostFile, []byte("root only"), 0o600))
+	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-b", hostFile, "-F", "raw", evil, "1M").CombinedOutput()
+	require.NoError(t, err, "%s", out)
 	cfg, err := config.Parse([]byte(`
 storage_pool = "default-pool"
 network = "default"
@@ -43,6 +51,8 @@ default_image = "ok"
 base = "` + base + `"
 [images.missing]
 base = "/nonexistent/base.qcow2"
+[images.evil]
+base = "` + evil + `"
 `))
 	require.NoError(t, err)
 	return cfg
@@ -76,6 +86,8 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 	require.True(t, byName["image ok"].OK)
 	require.False(t, byName["image missing"].OK)
 	require.Contains(t, byName["image missing"].Info, "no such file")
+	require.False(t, byName["image evil"].OK, "a base naming a host file")
+	require.Contains(t, byName["image evil"].Info, "backing file")
 	require.True(t, byName["domain type"].Warn, "qemu is slow: a warning")
 	// The test driver has no network filters: l2_filter (default on) fails.
 	require.False(t, byName["network filters"].OK)
@@ -83,7 +95,7 @@ func TestDoctorAgainstTestDriver(t *testing.T) {
 
 	var out bytes.Buffer
 	err := PrintChecks(&out, checks)
-	require.ErrorContains(t, err, "2 check(s) failed")
+	require.ErrorContains(t, err, "3 check(s) failed")
 	require.Contains(t, out.String(), "[FAIL] image missing")
 	require.Contains(t, out.String(), "fix: ")
 
@@ -527,4 +539,17 @@ func TestListReportsGarmOrphans(t *testing.T) {
 	out.Reset()
 	require.NoError(t, GC(context.Background(), &out, m, false))
 	require.Contains(t, hv.Domains, p+"gone", "an orphan stays until garm.max_age")
+}
+
+func TestDHCPRangeCheck(t *testing.T) {
+	_, sub, _ := net.ParseCIDR("10.0.0.0/24")
+	c := dhcpRangeCheck("ci", vm.DHCPInfo{Enabled: true, Subnet: sub, Ranges: [][2]net.IP{{net.ParseIP("10.0.0.10"), net.ParseIP("10.0.0.250")}}})
+	require.True(t, c.OK)
+	require.True(t, c.Warn)
+	require.Contains(t, c.Info, "10.0.0.10-10.0.0.250")
+	require.Contains(t, c.Fix, "virsh net-edit ci")
+	c = dhcpRangeCheck("ci", vm.DHCPInfo{Enabled: true, Subnet: sub, Hosts: []vm.DHCPHost{{}}})
+	require.True(t, c.OK)
+	require.False(t, c.Warn)
+	require.Contains(t, c.Info, "one lease per VM")
 }

@@ -92,6 +92,13 @@ type Config struct {
 	// defines the filters on first use; they need libvirt's clean-traffic
 	// (docs/security.md; doctor checks). Default true.
 	L2Filter *bool `toml:"l2_filter"`
+	// StaticAddresses gives every VM a static DHCP host entry of its own on
+	// the network (its MAC to a free address, named after it), added before
+	// its domain is defined and removed with it: the filter carries the
+	// address from the first packet, and on a network without a dynamic
+	// range a guest gets no second lease whatever client identifier it
+	// sends. A network without libvirt's DHCP is left alone. Default true.
+	StaticAddresses *bool `toml:"static_addresses"`
 	// HostKeyPolicy is "pinned" (default: the per-job host key must match) or
 	// "insecure-ignore-host-key" (no verification; for debugging images only).
 	HostKeyPolicy string `toml:"host_key_policy"`
@@ -585,6 +592,10 @@ func (c *Config) applyDefaults() {
 	if c.L2Filter == nil {
 		yes := true
 		c.L2Filter = &yes
+	}
+	if c.StaticAddresses == nil {
+		yes := true
+		c.StaticAddresses = &yes
 	}
 	if c.Defaults.VCPUs == 0 {
 		c.Defaults.VCPUs = 2

@@ -73,7 +73,7 @@ func (m *Manager) say(format string, args ...any) {
 
 func (m *Manager) engine() *vm.Engine {
 	return &vm.Engine{HV: m.hv, Controller: m.Controller, UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
-		PollInterval: m.AddressPollInterval}
+		PollInterval: m.AddressPollInterval, Network: m.Cfg.Network}
 }
 
 // Request asks for one machine.

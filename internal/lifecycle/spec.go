@@ -51,6 +51,8 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskBytes: uint64(max(req.DiskGiB, 0)) << 30, //nolint:gosec // G115: non-negative and bounded by limits.max_disk_gib
 		Base: img.Base, BaseFormat: img.Format, Machine: img.Machine,
 		Pool: cfg.StoragePool, Network: cfg.Network, MAC: in.MAC,
+		// nil only in a Config not made by config.Parse: the default, on.
+		StaticAddress: cfg.StaticAddresses == nil || *cfg.StaticAddresses,
 		GuestAgent: img.AddressSource == string(vm.SourceAgent),
 		// nil only in a Config not made by config.Parse: the default, on.
 		Isolated:   cfg.IsolateGuests == nil || *cfg.IsolateGuests,

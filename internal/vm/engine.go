@@ -29,6 +29,9 @@ type Engine struct {
 	// ScratchGroup, if set, replaces LibvirtGroupOfProcess: the group a
 	// scratch volume is made readable to (AttachScratch).
 	ScratchGroup func() (gid int, ok bool)
+	// Network, if set, is the network whose static DHCP host entry named
+	// after a machine Remove removes with it (Spec.StaticAddress).
+	Network string
 }
 
 func (e *Engine) progress(format string, args ...any) {
@@ -105,6 +108,9 @@ type creation struct {
 // create seed volume and upload seed (with a seed only), define, start.
 func (c *creation) steps() []steps.Step {
 	list := []steps.Step{{Name: "clone disk", Do: c.cloneDisk, Undo: c.deleteVolume(c.disk)}}
+	if c.s.StaticAddress {
+		list = append(list, steps.Step{Name: "reserve address", Do: c.reserveAddress, Undo: c.releaseAddress})
+	}
 	if c.seed != "" {
 		list = append(list,
 			steps.Step{Name: "create seed volume", Do: c.createSeedVolume, Undo: c.deleteVolume(c.seed)},
@@ -171,6 +177,11 @@ func (c *creation) deleteVolume(name string) func(context.Context) error {
 // define defines the domain on the volumes made before.
 func (c *creation) define(ctx context.Context) error {
 	s := c.s
+	if s.Filter != nil && c.m.IP != "" {
+		f := *s.Filter
+		f.IP = c.m.IP
+		s.Filter = &f
+	}
 	if s.Filter != nil && s.Filter.Gateway == "" {
 		gw, err := c.e.HV.NetworkGateway(ctx, s.Network)
 		if err != nil {
@@ -349,6 +360,9 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 		}
 	}
 	var errs []error
+	if err := e.removeDHCPHost(ctx, e.Network, name); err != nil {
+		errs = append(errs, err)
+	}
 	for _, v := range volumes {
 		if !strings.HasPrefix(v, name) {
 			continue // never delete a volume outside this machine's names

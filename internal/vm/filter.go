@@ -78,6 +78,10 @@ type Filter struct {
 	// though the guard opens them for the network (garm's endpoint, opened
 	// for garm's guests only).
 	DenyHostPorts []int
+	// IP, when set, is the machine's address from its static DHCP host
+	// entry: the filter carries it from the first packet (nothing is
+	// learnt). Empty: learnt from the machine's DHCP exchange.
+	IP string
 }
 
 // EgressRule is one allowed destination.
@@ -109,9 +113,18 @@ func filterRef(f *Filter) (*libvirtxml.DomainInterfaceFilterRef, error) {
 		}
 		gw = ip.To4().String()
 	}
-	// libvirt learns the address from the machine's DHCP exchange, trusting
-	// only the network's DHCP server when it is known.
-	add("CTRL_IP_LEARNING", "dhcp")
+	// The address of the machine's static DHCP host entry, or libvirt
+	// learns it from the machine's DHCP exchange, trusting only the
+	// network's DHCP server when it is known.
+	if f.IP != "" {
+		ip := net.ParseIP(f.IP)
+		if ip == nil || ip.To4() == nil {
+			return nil, fmt.Errorf("filter: address %q is not an IPv4 address", f.IP)
+		}
+		add("IP", ip.To4().String())
+	} else {
+		add("CTRL_IP_LEARNING", "dhcp")
+	}
 	if gw != "" {
 		add("DHCPSERVER", gw)
 	}

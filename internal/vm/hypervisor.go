@@ -111,6 +111,16 @@ type Hypervisor interface {
 	Addresses(ctx context.Context, name string, source AddressSource) ([]Lease, error)
 	// NetworkLeaseMACs returns the MACs holding leases on a network.
 	NetworkLeaseMACs(ctx context.Context, network string) ([]string, error)
+	// NetworkDHCP describes the network's IPv4 DHCP now: subnet, own
+	// address, dynamic ranges, static host entries and leased addresses.
+	NetworkDHCP(ctx context.Context, network string) (DHCPInfo, error)
+	// AddDHCPHost adds a static DHCP host entry to the network, live and
+	// persistent (ErrAddressTaken when one for its MAC, name or address
+	// exists).
+	AddDHCPHost(ctx context.Context, network string, h DHCPHost) error
+	// DeleteDHCPHost removes the static DHCP host entry named name, live
+	// and persistent (ErrNotFound when there is none).
+	DeleteDHCPHost(ctx context.Context, network, name string) error
 	// NetworkGateway returns the network's own IPv4 address (its DHCP
 	// server and the guests' gateway), or "" for a network without one (a
 	// bridge of the host's LAN).

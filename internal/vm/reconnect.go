@@ -334,6 +334,21 @@ func (r *Reconnecting) Addresses(ctx context.Context, name string, source Addres
 	return retry(ctx, r, func(h Hypervisor) ([]Lease, error) { return h.Addresses(ctx, name, source) })
 }
 
+// NetworkDHCP implements Hypervisor.
+func (r *Reconnecting) NetworkDHCP(ctx context.Context, network string) (DHCPInfo, error) {
+	return retry(ctx, r, func(h Hypervisor) (DHCPInfo, error) { return h.NetworkDHCP(ctx, network) })
+}
+
+// AddDHCPHost implements Hypervisor.
+func (r *Reconnecting) AddDHCPHost(ctx context.Context, network string, host DHCPHost) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.AddDHCPHost(ctx, network, host) })
+}
+
+// DeleteDHCPHost implements Hypervisor.
+func (r *Reconnecting) DeleteDHCPHost(ctx context.Context, network, name string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteDHCPHost(ctx, network, name) })
+}
+
 // NetworkLeaseMACs implements Hypervisor.
 func (r *Reconnecting) NetworkLeaseMACs(ctx context.Context, network string) ([]string, error) {
 	return retry(ctx, r, func(h Hypervisor) ([]string, error) { return h.NetworkLeaseMACs(ctx, network) })

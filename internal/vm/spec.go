@@ -31,6 +31,13 @@ type Spec struct {
 	Network string
 	// MAC is the interface's address; see NewMAC.
 	MAC string
+	// StaticAddress gives the machine a static DHCP host entry of its own
+	// on Network (MAC to a free address, named Name) before the domain is
+	// defined, removed with it (Engine.Remove): the filter carries the
+	// address from the first packet, and a network without a dynamic
+	// range gives the guest no second lease, whatever client identifier
+	// it sends. A network without libvirt's DHCP is left as it is.
+	StaticAddress bool
 	// OEMStrings are SMBIOS type 11 strings (systemd credentials).
 	OEMStrings []string
 	// Seed, when not nil, is attached read-only as a second disk: a
@@ -90,6 +97,10 @@ type Machine struct {
 	Name     string
 	MAC      string
 	DiskPath string
+	// IP is the address of the machine's static DHCP host entry, "" when
+	// it has none (Spec.StaticAddress off, or a network without libvirt's
+	// DHCP).
+	IP string
 	// Steps is how long each of Create's steps took, in order, unrounded
 	// (the progress lines print them rounded).
 	Steps []StepTime

@@ -205,3 +205,84 @@ func machineMAC(t *testing.T, r *rig, name string) string {
 	t.Helper()
 	return machineRecordField(t, r, name, "mac")
 }
+
+// l2ClientIDs: DHCP from the VM's own MAC with a new client identifier
+// each time (busybox udhcpc -C -x 0x3d:...), as a guest that wants more
+// addresses than its own would.
+const l2ClientIDs = l2Prelude + `hook=$(mktemp) || exit 3
+printf '#!/bin/sh\n[ "$1" = bound ] && echo "clid-lease=$ip"\nexit 0\n' > "$hook"; chmod 755 "$hook"
+i=0
+while [ $i -lt 10 ]; do
+	id=$(od -An -N6 -tx1 /dev/urandom | tr -d ' \n')
+	$S timeout 3 udhcpc -n -q -t 1 -T 1 -C -x "0x3d:ff$id" -i "$dev" -s "$hook" 2>/dev/null
+	i=$((i + 1))
+done
+echo clid-done
+`
+
+// TestOneLeasePerVM (#42): every VM has a static DHCP host entry of its
+// own (static_addresses) and the rig's network no dynamic range, so a
+// guest that asks again and again with a new client identifier from its
+// own MAC holds one lease, its own address, and a new VM still gets its
+// address. The entries go with their VMs.
+func TestOneLeasePerVM(t *testing.T) {
+	r := setup(t)
+	a := newStageRunner(t, r)
+	require.Equal(t, 0, a.run(t, "config").code)
+	require.Equal(t, 0, a.run(t, "prepare").code)
+	aName := a.name(t)
+	aAddr, aMAC := machineAddress(t, r, aName), strings.ToLower(machineMAC(t, r, aName))
+	hosts := func() map[string]string { // name -> "mac ip"
+		n, err := r.conn.LookupNetworkByName(r.cfg.Network)
+		require.NoError(t, err)
+		defer func() { _ = n.Free() }()
+		x, err := n.GetXMLDesc(0)
+		require.NoError(t, err)
+		out := map[string]string{}
+		for _, m := range regexp.MustCompile(`<host mac=['"]([^'"]+)['"] name=['"]([^'"]+)['"] ip=['"]([^'"]+)['"]`).FindAllStringSubmatch(x, -1) {
+			out[m[2]] = strings.ToLower(m[1]) + " " + m[3]
+		}
+		return out
+	}
+	require.Equal(t, aMAC+" "+aAddr, hosts()[aName], "A's entry: its MAC to the address it has")
+
+	res := a.runScript(t, "build_script", l2ClientIDs)
+	if res.code == 0 && containsLine(res.stdout, "NOTOOLS") {
+		t.Fatalf("the rig's tiny guest has ip and udhcpc: %s", res.stdout)
+	}
+	require.Equal(t, 0, res.code, "client ids: %s %s", res.stdout, res.stderr)
+	require.Contains(t, res.stdout, "clid-done")
+	for _, l := range splitLines(res.stdout) {
+		if ip, ok := strings.CutPrefix(l, "clid-lease="); ok {
+			require.Equal(t, aAddr, ip, "a new client id gets no other address")
+		}
+	}
+	n, err := r.conn.LookupNetworkByName(r.cfg.Network)
+	require.NoError(t, err)
+	leases, err := n.GetDHCPLeases()
+	_ = n.Free()
+	require.NoError(t, err)
+	var mine []string
+	for _, l := range leases {
+		if strings.EqualFold(l.Mac, aMAC) || l.IPaddr == aAddr {
+			mine = append(mine, l.IPaddr+" "+l.Clientid)
+		}
+	}
+	require.LessOrEqual(t, len(mine), 1, "A holds one lease: %v", mine)
+
+	c := newStageRunner(t, r)
+	require.Equal(t, 0, c.run(t, "config").code)
+	require.Equal(t, 0, c.run(t, "prepare").code, "a new VM still gets its address")
+	cName := c.name(t)
+	require.Equal(t, strings.ToLower(machineMAC(t, r, cName))+" "+machineAddress(t, r, cName), hosts()[cName])
+	for _, s := range []*stageRunner{a, c} {
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+	}
+	// cleanup's reaper removes the VMs (and their entries) after it returns
+	waitFor(t, 2*time.Minute, "the entries go with their VMs", func() bool {
+		h := hosts()
+		_, ha := h[aName]
+		_, hc := h[cName]
+		return !ha && !hc
+	})
+}

@@ -79,7 +79,7 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 		return fail(err)
 	}
 	hv := &timedHV{Hypervisor: e.hv}
-	eng := &vm.Engine{HV: hv, Controller: e.controller, UndoTimeout: e.cfg.Timeouts.Cleanup.D(), PollInterval: e.poll}
+	eng := &vm.Engine{HV: hv, Controller: e.controller, UndoTimeout: e.cfg.Timeouts.Cleanup.D(), PollInterval: e.poll, Network: e.cfg.Network}
 	defer func() {
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.Timeouts.Cleanup.D())
 		defer cancel()

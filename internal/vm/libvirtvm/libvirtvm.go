@@ -1110,3 +1110,118 @@ func (l *Conn) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 		return nil
 	})
 }
+
+// NetworkDHCP implements vm.Hypervisor: the first IPv4 <ip> of the
+// network's XML (its address, netmask or prefix, ranges and hosts) and
+// the addresses of its leases.
+func (l *Conn) NetworkDHCP(ctx context.Context, network string) (vm.DHCPInfo, error) {
+	return call(ctx, l, func() (vm.DHCPInfo, error) {
+		var d vm.DHCPInfo
+		n, err := l.conn.LookupNetworkByName(network)
+		if err != nil {
+			return d, fmt.Errorf("network %q: %w", network, err)
+		}
+		defer n.Free()
+		x, err := n.GetXMLDesc(0)
+		if err != nil {
+			return d, err
+		}
+		var nx libvirtxml.Network
+		if err := nx.Unmarshal(x); err != nil {
+			return d, err
+		}
+		for _, ip := range nx.IPs {
+			a := net.ParseIP(ip.Address)
+			if a == nil || a.To4() == nil || (ip.Family != "" && ip.Family != "ipv4") {
+				continue
+			}
+			mask := net.CIDRMask(int(ip.Prefix), 32) //nolint:gosec // G115: a prefix of at most 32
+			if ip.Netmask != "" {
+				if m := net.ParseIP(ip.Netmask); m != nil && m.To4() != nil {
+					mask = net.IPMask(m.To4())
+				}
+			} else if ip.Prefix == 0 {
+				mask = net.CIDRMask(24, 32) // libvirt's default for an IPv4 address without one
+			}
+			d.Gateway = a.To4()
+			d.Subnet = &net.IPNet{IP: a.To4().Mask(mask), Mask: mask}
+			if ip.DHCP == nil {
+				break
+			}
+			d.Enabled = true
+			for _, r := range ip.DHCP.Ranges {
+				s, e := net.ParseIP(r.Start), net.ParseIP(r.End)
+				if s != nil && e != nil {
+					d.Ranges = append(d.Ranges, [2]net.IP{s.To4(), e.To4()})
+				}
+			}
+			for _, h := range ip.DHCP.Hosts {
+				d.Hosts = append(d.Hosts, vm.DHCPHost{MAC: strings.ToLower(h.MAC), Name: h.Name, IP: h.IP})
+			}
+			break
+		}
+		if !d.Enabled {
+			return d, nil
+		}
+		leases, err := n.GetDHCPLeases()
+		if err != nil {
+			return d, err
+		}
+		for _, le := range leases {
+			if a := net.ParseIP(le.IPaddr); a != nil && a.To4() != nil {
+				d.Leased = append(d.Leased, a.To4())
+			}
+		}
+		return d, nil
+	})
+}
+
+// updateDHCPHost applies cmd to the network's DHCP host entries with h:
+// on the persistent definition, and on the running network when it runs.
+func (l *Conn) updateDHCPHost(network string, cmd libvirt.NetworkUpdateCommand, h libvirtxml.NetworkDHCPHost) error {
+	x, err := h.Marshal()
+	if err != nil {
+		return err
+	}
+	n, err := l.conn.LookupNetworkByName(network)
+	if err != nil {
+		return fmt.Errorf("network %q: %w", network, err)
+	}
+	defer n.Free()
+	flags := libvirt.NETWORK_UPDATE_AFFECT_CONFIG
+	if active, err := n.IsActive(); err == nil && active {
+		flags |= libvirt.NETWORK_UPDATE_AFFECT_LIVE
+	}
+	return n.Update(cmd, libvirt.NETWORK_SECTION_IP_DHCP_HOST, -1, x, flags)
+}
+
+// AddDHCPHost implements vm.Hypervisor.
+func (l *Conn) AddDHCPHost(ctx context.Context, network string, h vm.DHCPHost) error {
+	mac, err := net.ParseMAC(h.MAC)
+	ip := net.ParseIP(h.IP)
+	if err != nil || ip == nil || ip.To4() == nil || vm.CheckName(h.Name) != nil {
+		return fmt.Errorf("DHCP host entry %q %q %q: want a MAC, a machine name and an IPv4 address", h.MAC, h.Name, h.IP)
+	}
+	return call0(ctx, l, func() error {
+		err := l.updateDHCPHost(network, libvirt.NETWORK_UPDATE_COMMAND_ADD_LAST,
+			libvirtxml.NetworkDHCPHost{MAC: mac.String(), Name: h.Name, IP: ip.To4().String()})
+		if code(err) == libvirt.ERR_OPERATION_INVALID && strings.Contains(err.Error(), "existing") {
+			return fmt.Errorf("%w: %v", vm.ErrAddressTaken, err)
+		}
+		return err
+	})
+}
+
+// DeleteDHCPHost implements vm.Hypervisor.
+func (l *Conn) DeleteDHCPHost(ctx context.Context, network, name string) error {
+	if err := vm.CheckName(name); err != nil {
+		return err
+	}
+	return call0(ctx, l, func() error {
+		err := l.updateDHCPHost(network, libvirt.NETWORK_UPDATE_COMMAND_DELETE, libvirtxml.NetworkDHCPHost{Name: name})
+		if code(err) == libvirt.ERR_OPERATION_INVALID && strings.Contains(err.Error(), "locate") {
+			return fmt.Errorf("%w: %v", vm.ErrNotFound, err)
+		}
+		return err
+	})
+}

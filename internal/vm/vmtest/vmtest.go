@@ -10,6 +10,7 @@ import (
 	"os"
 	"sort"
 	"strings"
+	"slices"
 	"sync"
 
 	"libvirt.org/go/libvirtxml"
@@ -42,6 +43,10 @@ type Fake struct {
 	// Gateway is the network's own address NetworkGateway reports (New:
 	// 192.168.150.1).
 	Gateway string
+	// DHCP, if set, is the network's libvirt DHCP (NetworkDHCP reports it
+	// with NetIPs as its leases; AddDHCPHost and DeleteDHCPHost change its
+	// Hosts); nil: a network without libvirt's DHCP.
+	DHCP *vm.DHCPInfo
 	// NWFilters are the network filters libvirt has, by name (New: libvirt's
 	// clean-traffic); EnsureNWFilters adds to them.
 	NWFilters map[string]string
@@ -564,6 +569,65 @@ func (f *Fake) NetworkLeaseMACs(ctx context.Context, _ string) ([]string, error)
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	return append([]string(nil), f.NetMACs...), nil
+}
+
+// NetworkDHCP implements vm.Hypervisor: DHCP, or a network without
+// libvirt's DHCP. Not recorded in Calls; FailOn["NetworkDHCP"] injects an
+// error.
+func (f *Fake) NetworkDHCP(ctx context.Context, _ string) (vm.DHCPInfo, error) {
+	f.wait("NetworkDHCP")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.FailOn["NetworkDHCP"]; err != nil {
+		return vm.DHCPInfo{}, err
+	}
+	if f.DHCP == nil {
+		return vm.DHCPInfo{}, nil
+	}
+	d := *f.DHCP
+	d.Hosts = append([]vm.DHCPHost(nil), f.DHCP.Hosts...)
+	return d, nil
+}
+
+// AddDHCPHost implements vm.Hypervisor as libvirt does: an entry whose
+// MAC, name or address one has is refused (vm.ErrAddressTaken).
+func (f *Fake) AddDHCPHost(ctx context.Context, _ string, h vm.DHCPHost) error {
+	f.wait("AddDHCPHost")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("AddDHCPHost"); err != nil {
+		return err
+	}
+	if f.DHCP == nil {
+		return errors.New("the network has no DHCP")
+	}
+	for _, have := range f.DHCP.Hosts {
+		if have.MAC == h.MAC || have.Name == h.Name || have.IP == h.IP {
+			return vm.ErrAddressTaken
+		}
+	}
+	f.DHCP.Hosts = append(f.DHCP.Hosts, h)
+	return nil
+}
+
+// DeleteDHCPHost implements vm.Hypervisor. Not recorded in Calls.
+func (f *Fake) DeleteDHCPHost(ctx context.Context, _ string, name string) error {
+	f.wait("DeleteDHCPHost")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.FailOn["DeleteDHCPHost"]; err != nil {
+		return err
+	}
+	if f.DHCP == nil {
+		return vm.ErrNotFound
+	}
+	for i, have := range f.DHCP.Hosts {
+		if have.Name == name {
+			f.DHCP.Hosts = slices.Delete(f.DHCP.Hosts, i, i+1)
+			return nil
+		}
+	}
+	return vm.ErrNotFound
 }
 
 // NetworkGateway implements vm.Hypervisor: it reports Gateway. It is not
