@@ -53,7 +53,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		Pool: cfg.StoragePool, Network: cfg.Network, MAC: in.MAC,
 		// nil only in a Config not made by config.Parse: the default, on.
 		StaticAddress: cfg.StaticAddresses == nil || *cfg.StaticAddresses,
-		GuestAgent: img.AddressSource == string(vm.SourceAgent),
+		GuestAgent:    img.AddressSource == string(vm.SourceAgent),
 		// nil only in a Config not made by config.Parse: the default, on.
 		Isolated:   cfg.IsolateGuests == nil || *cfg.IsolateGuests,
 		ConsoleLog: in.ConsoleLog,

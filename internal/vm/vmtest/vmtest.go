@@ -8,9 +8,9 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"sort"
 	"strings"
-	"slices"
 	"sync"
 
 	"libvirt.org/go/libvirtxml"
