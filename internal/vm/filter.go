@@ -2,8 +2,10 @@ package vm
 
 import (
 	"embed"
+	"encoding/xml"
 	"fmt"
 	"net"
+	"reflect"
 	"strconv"
 	"strings"
 
@@ -236,4 +238,152 @@ func PinDomainFilterIP(dx *libvirtxml.Domain, mac, ip string) (*libvirtxml.Domai
 		}
 	}
 	return nil, false, fmt.Errorf("%w: %s has no interface with MAC %s", ErrNotFound, dx.Name, mac)
+}
+
+// ruleDefaultPriority is the priority libvirt gives a rule without one.
+const ruleDefaultPriority = 500
+
+// CheckFilter compares have, the XML libvirt holds under def's name, with
+// def, the project's own definition: a filter of that name defined by
+// someone else (other rules, another chain, another base filter) must not
+// be put on a job VM's interface as if it were ours. libvirt re-serialises
+// what it is given, so the comparison is structural: the chain, the
+// UUID, the filter references with their parameters and the rules in
+// order, each field as libvirt means it (a number in decimal or hex, an
+// address in any of its spellings, a rule without a priority at
+// libvirt's default); comments, attribute order and whitespace do not
+// count. The error names the filter, the first difference and the fix.
+func CheckFilter(def NWFilter, have string) error {
+	var want, got libvirtxml.NWFilter
+	if err := want.Unmarshal(def.XML); err != nil {
+		return fmt.Errorf("network filter %s: this version's definition does not parse: %w", def.Name, err)
+	}
+	diff := ""
+	if err := got.Unmarshal(have); err != nil {
+		diff = "its XML does not parse: " + err.Error()
+	} else {
+		diff = filterDiff(&want, &got)
+	}
+	if diff == "" {
+		return nil
+	}
+	return fmt.Errorf("libvirt already has a network filter named %s that is not this project's (%s), so it is not put on a job VM's interface: "+
+		"undefine it (virsh nwfilter-undefine %s, once no running VM uses it) and the executor defines its own, "+
+		"or set l2_filter = false", def.Name, diff, def.Name)
+}
+
+// filterDiff is the first meaningful difference of got from want ("" for
+// none).
+func filterDiff(want, got *libvirtxml.NWFilter) string {
+	chain := func(f *libvirtxml.NWFilter) string {
+		if f.Chain == "" {
+			return "root"
+		}
+		return f.Chain
+	}
+	switch {
+	case want.Name != got.Name:
+		return fmt.Sprintf("its name is %q", got.Name)
+	case chain(want) != chain(got):
+		return fmt.Sprintf("chain %q, not %q", chain(got), chain(want))
+	case want.Priority != got.Priority:
+		return fmt.Sprintf("chain priority %d, not %d", got.Priority, want.Priority)
+	case want.UUID != "" && !strings.EqualFold(want.UUID, got.UUID):
+		return fmt.Sprintf("UUID %q, not %q", got.UUID, want.UUID)
+	case len(want.Entries) != len(got.Entries):
+		return fmt.Sprintf("%d rules and filter references, not %d", len(got.Entries), len(want.Entries))
+	}
+	for i := range want.Entries {
+		w, g := normalEntry(want.Entries[i]), normalEntry(got.Entries[i])
+		if reflect.DeepEqual(w, g) {
+			continue
+		}
+		return fmt.Sprintf("entry %d is %s, not %s", i+1, entryText(g), entryText(w))
+	}
+	return ""
+}
+
+// normalEntry is e with every field as libvirt means it, ready for
+// reflect.DeepEqual.
+func normalEntry(e libvirtxml.NWFilterEntry) libvirtxml.NWFilterEntry {
+	if e.Ref != nil {
+		r := *e.Ref
+		r.Parameters = append([]libvirtxml.NWFilterParameter(nil), r.Parameters...)
+		if len(r.Parameters) == 0 {
+			r.Parameters = nil
+		}
+		e.Ref = &r
+	}
+	if e.Rule != nil {
+		r := *e.Rule
+		if r.Priority == 0 {
+			r.Priority = ruleDefaultPriority
+		}
+		// A copy of every protocol element, its fields normalised.
+		v := reflect.ValueOf(&r).Elem()
+		for i := 0; i < v.NumField(); i++ {
+			f := v.Field(i)
+			if f.Kind() != reflect.Pointer || f.IsNil() {
+				continue
+			}
+			c := reflect.New(f.Elem().Type())
+			c.Elem().Set(f.Elem())
+			normalFields(c.Elem())
+			f.Set(c)
+		}
+		e.Rule = &r
+	}
+	return e
+}
+
+var filterFieldType = reflect.TypeOf(libvirtxml.NWFilterField{})
+
+// normalFields rewrites each NWFilterField in the struct v (and its
+// embedded structs) to one spelling: a variable as written, a number in
+// decimal, an address in its canonical form.
+func normalFields(v reflect.Value) {
+	for i := 0; i < v.NumField(); i++ {
+		f := v.Field(i)
+		switch {
+		case f.Type() == filterFieldType:
+			f.Set(reflect.ValueOf(normalField(f.Interface().(libvirtxml.NWFilterField))))
+		case f.Kind() == reflect.Struct:
+			normalFields(f)
+		}
+	}
+}
+
+func normalField(x libvirtxml.NWFilterField) libvirtxml.NWFilterField {
+	s := x.Str
+	if s == "" && x.Uint != nil {
+		s = strconv.FormatUint(uint64(*x.Uint), 10)
+	}
+	if x.Var == "" && s != "" {
+		if n, err := strconv.ParseUint(s, 0, 64); err == nil {
+			s = strconv.FormatUint(n, 10)
+		} else if ip := net.ParseIP(s); ip != nil {
+			s = ip.String()
+		} else if mac, err := net.ParseMAC(s); err == nil {
+			s = mac.String()
+		}
+	}
+	return libvirtxml.NWFilterField{Var: x.Var, Str: s}
+}
+
+// entryText is e as XML, for the error.
+func entryText(e libvirtxml.NWFilterEntry) string {
+	var v any = e.Rule
+	name := "rule"
+	if e.Ref != nil {
+		v, name = e.Ref, "filterref"
+	}
+	var b strings.Builder
+	if err := xml.NewEncoder(&b).EncodeElement(v, xml.StartElement{Name: xml.Name{Local: name}}); err != nil {
+		return fmt.Sprintf("%+v", v)
+	}
+	s := b.String()
+	if len(s) > 300 {
+		s = s[:300] + "..."
+	}
+	return s
 }

@@ -2,6 +2,7 @@ package vm
 
 import (
 	"net"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -129,4 +130,72 @@ func TestPinFilterIP(t *testing.T) {
 	changed, err = PinFilterIP(&libvirtxml.DomainInterface{}, "10.0.0.1")
 	require.NoError(t, err)
 	require.False(t, changed, "no filter: nothing to pin")
+}
+
+// libvirtEgress is lve-vm-egress-v1 as libvirt 9 hands it back (virsh
+// nwfilter-dumpxml on the rig): comments gone, attributes re-ordered.
+const libvirtEgress = `<filter name='lve-vm-egress-v1' chain='root'>
+  <uuid>6F1F7A52-3C1E-4D55-9B0E-2A7C51D0E112</uuid>
+  <filterref filter='lve-vm-v1'/>
+  <rule action='accept' direction='out' priority='100'>
+    <udp srcipaddr='0.0.0.0' dstipaddr='255.255.255.255' srcportstart='0x44' dstportstart='67'/>
+  </rule>
+  <rule action='accept' direction='in' priority='100'>
+    <udp srcportstart='67' dstportstart='68' srcipaddr='$DHCPSERVER'/>
+  </rule>
+  <rule action='accept' direction='out' priority='110'>
+    <all dstipaddr='$DHCPSERVER'/>
+  </rule>
+  <rule action='accept' direction='in' priority='110'>
+    <all srcipaddr='$DHCPSERVER'/>
+  </rule>
+  <rule action='accept' direction='out' priority='200'>
+    <all dstipaddr='$EGRESS_NET[@1]' dstipmask='$EGRESS_MASK[@1]'/>
+  </rule>
+  <rule action='accept' direction='out' priority='210'>
+    <tcp dstipaddr='$EGRESS_PNET[@2]' dstipmask='$EGRESS_PMASK[@2]' dstportstart='$EGRESS_PORT[@2]'/>
+  </rule>
+  <rule action='accept' direction='out' priority='210'>
+    <udp dstipaddr='$EGRESS_PNET[@2]' dstipmask='$EGRESS_PMASK[@2]' dstportstart='$EGRESS_PORT[@2]'/>
+  </rule>
+  <rule action='reject' direction='out' priority='1000'>
+    <all/>
+  </rule>
+  <rule action='drop' direction='in' priority='1000'>
+    <all/>
+  </rule>
+</filter>
+`
+
+func TestCheckFilter(t *testing.T) {
+	defs := Filters()
+	for _, d := range defs {
+		require.NoError(t, CheckFilter(d, d.XML), "our own definition, as written")
+	}
+	egress := defs[1]
+	require.Equal(t, FilterEgressName, egress.Name)
+	require.NoError(t, CheckFilter(egress, libvirtEgress), "as libvirt re-serialises it")
+
+	base := defs[0]
+	for what, have := range map[string]string{
+		"no rules":            `<filter name='lve-vm-v1' chain='root'><uuid>6f1f7a52-3c1e-4d55-9b0e-2a7c51d0e111</uuid></filter>`,
+		"another base filter": strings.Replace(base.XML, "filter='clean-traffic'", "filter='allow-all'", 1),
+		"a rule accepting":    strings.Replace(base.XML, "action='reject'", "action='accept'", 1),
+		"another chain":       strings.Replace(base.XML, "chain='root'", "chain='ipv4'", 1),
+		"another UUID":        strings.Replace(base.XML, "0e111", "0e999", 1),
+		"another port":        strings.Replace(base.XML, "dstportstart='$DENY_PORT'", "dstportstart='22'", 1),
+		"a rule more": strings.Replace(base.XML, "</filter>",
+			"<rule action='accept' direction='inout' priority='-1000'><all/></rule></filter>", 1),
+		"not XML": "<filter",
+	} {
+		err := CheckFilter(base, have)
+		require.Error(t, err, what)
+		require.ErrorContains(t, err, "network filter named lve-vm-v1 that is not this project's", what)
+		require.ErrorContains(t, err, "virsh nwfilter-undefine lve-vm-v1", what)
+	}
+	err := CheckFilter(base, strings.Replace(base.XML, "action='reject'", "action='accept'", 1))
+	require.ErrorContains(t, err, `action="accept"`, "the error shows the rule that differs")
+
+	// The egress filter's rules, one number changed.
+	require.Error(t, CheckFilter(egress, strings.Replace(libvirtEgress, "priority='1000'", "priority='999'", 1)))
 }

@@ -128,7 +128,9 @@ type Hypervisor interface {
 	// EnsureNWFilters defines each filter of defs that libvirt does not
 	// have (in order: one may refer to those before it). A filter of
 	// requires that libvirt lacks is an error naming it; nothing is
-	// defined then.
+	// defined then. A filter of defs that libvirt has must be that
+	// definition (CheckFilter); one of that name with other rules is
+	// refused, never used.
 	EnsureNWFilters(ctx context.Context, requires []string, defs []NWFilter) error
 	// PinFilterAddress gives the network filter on the running domain's
 	// interface of MAC mac the address ip (vm.PinFilterIP), live only: the

@@ -402,6 +402,31 @@ func TestCreateDefinesFilters(t *testing.T) {
 	require.NotContains(t, f.NWFilters, FilterName)
 }
 
+// A filter of our name that libvirt has with other rules (defined by
+// someone else) is refused, not trusted by its name: the machine is not
+// made, and the error names the filter and the fix.
+func TestCreateRefusesAForeignFilterOfOurName(t *testing.T) {
+	s := testSpec()
+	s.Filter = &Filter{}
+	f := vmtest.New()
+	foreign := "<filter name='" + FilterName + "' chain='root'><filterref filter='allow-all'/></filter>"
+	f.NWFilters[FilterName] = foreign
+	e := &Engine{HV: f, Controller: s.Owner.Controller}
+	_, err := e.Create(context.Background(), s)
+	require.ErrorContains(t, err, "network filter named "+FilterName+" that is not this project's")
+	require.ErrorContains(t, err, "virsh nwfilter-undefine "+FilterName)
+	require.Empty(t, f.Domains)
+	require.Empty(t, f.Volumes)
+	require.Equal(t, foreign, f.NWFilters[FilterName], "left as it was")
+	require.NotContains(t, f.NWFilters, FilterEgressName, "nothing built on it")
+
+	// Ours, as libvirt hands it back: used.
+	f.NWFilters[FilterName] = Filters()[0].XML
+	f.NWFilters[FilterEgressName] = strings.ReplaceAll(Filters()[1].XML, "'", "\"")
+	_, err = e.Create(context.Background(), s)
+	require.NoError(t, err)
+}
+
 // Each version of a filter has a UUID of its own, and none of the retired
 // ones: libvirt refuses a new name under a UUID it already has (a host
 // upgraded from a version that defined lve-vm could start no VM).

@@ -1094,14 +1094,24 @@ func (l *Conn) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 			}
 		}
 		for _, d := range defs {
-			ok, err := has(d.Name)
-			if err != nil {
-				return err
-			}
-			if ok {
+			// One of ours by name is ours only when its rules are
+			// (vm.CheckFilter): one defined by someone else is refused.
+			f, err := l.conn.LookupNWFilterByName(d.Name)
+			if err == nil {
+				x, xerr := f.GetXMLDesc(0)
+				_ = f.Free()
+				if xerr != nil {
+					return fmt.Errorf("network filter %s: %w", d.Name, xerr)
+				}
+				if err := vm.CheckFilter(d, x); err != nil {
+					return err
+				}
 				continue
 			}
-			f, err := l.conn.NWFilterDefineXML(d.XML)
+			if code(err) != libvirt.ERR_NO_NWFILTER {
+				return err
+			}
+			f, err = l.conn.NWFilterDefineXML(d.XML)
 			if err != nil {
 				return fmt.Errorf("define network filter %s: %w", d.Name, err)
 			}

@@ -704,7 +704,7 @@ func (f *Fake) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 
 // EnsureNWFilters implements vm.Hypervisor on NWFilters: a name in
 // requires must be there (New puts clean-traffic there), a def missing is
-// added.
+// added, a def there must match (vm.CheckFilter) as libvirtvm's does.
 func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm.NWFilter) error {
 	f.wait("EnsureNWFilters")
 	f.mu.Lock()
@@ -718,8 +718,13 @@ func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 		}
 	}
 	for _, d := range defs {
-		if _, ok := f.NWFilters[d.Name]; !ok {
+		have, ok := f.NWFilters[d.Name]
+		if !ok {
 			f.NWFilters[d.Name] = d.XML
+			continue
+		}
+		if err := vm.CheckFilter(d, have); err != nil {
+			return err
 		}
 	}
 	return nil
