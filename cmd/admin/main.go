@@ -408,6 +408,20 @@ func app() *cli.App {
 				Action: runSelftest,
 			},
 			{
+				Name:  "polkit-rules",
+				Usage: "print polkit rules that confine the runner's user to this configuration's prefix, pool, network and filters under libvirt's polkit access driver (docs/security.md)",
+				Flags: []cli.Flag{
+					&cli.StringFlag{Name: "user", Value: "gitlab-runner", Usage: "the user the stages run as"},
+				},
+				Action: func(c *cli.Context) error {
+					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
+					if err != nil {
+						return err
+					}
+					return admin.PolkitRules(os.Stdout, cfg, c.String("user"))
+				},
+			},
+			{
 				Name:  "doctor",
 				Usage: "check libvirt, KVM, pool, network, images and permissions, with the fix for each problem",
 				Action: func(c *cli.Context) error {

@@ -195,6 +195,14 @@ type Debug struct {
 	// KeepMaxAge is how long a kept VM lives; then the sweep removes it.
 	// Default "2h".
 	KeepMaxAge Duration `toml:"keep_max_age"`
+	// KeepMaxPerProject is how many kept VMs one project (a GitLab
+	// instance's project) holds at most: keeping one more removes that
+	// project's oldest kept VM. Default 1, allowed 1-16.
+	KeepMaxPerProject int `toml:"keep_max_per_project"`
+	// KeepMax is how many kept VMs the host holds at most, all projects
+	// together: at the cap, a failed job's VM is not kept (another
+	// project's is never removed for it). Default 2, allowed 1-64.
+	KeepMax int `toml:"keep_max"`
 }
 
 // Timeouts bound the waits.
@@ -615,6 +623,12 @@ func (c *Config) applyDefaults() {
 	if c.Debug.KeepMaxAge == 0 {
 		c.Debug.KeepMaxAge = Duration(2 * time.Hour)
 	}
+	if c.Debug.KeepMaxPerProject == 0 {
+		c.Debug.KeepMaxPerProject = 1
+	}
+	if c.Debug.KeepMax == 0 {
+		c.Debug.KeepMax = 2
+	}
 	if c.Capacity.Wait == 0 {
 		c.Capacity.Wait = Duration(30 * time.Minute)
 	}
@@ -870,6 +884,11 @@ func (cp Capacity) validate(p *problems, limits Limits) {
 // validate checks [debug].
 func (d Debug) validate(p *problems) {
 	p.positive("debug.keep_max_age", d.KeepMaxAge)
+	p.inRange("debug.keep_max_per_project", d.KeepMaxPerProject, 1, 16)
+	p.inRange("debug.keep_max", d.KeepMax, 1, 64)
+	if d.KeepMaxPerProject > d.KeepMax {
+		p.bad("debug.keep_max_per_project", "%d is more than the host keeps at all (debug.keep_max = %d)", d.KeepMaxPerProject, d.KeepMax)
+	}
 }
 
 // validate checks [timeouts].

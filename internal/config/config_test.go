@@ -19,6 +19,8 @@ func TestLoadValid(t *testing.T) {
 	require.Equal(t, 90*time.Second, c.Timeouts.Boot.D())
 	require.Equal(t, 2*time.Minute, c.Timeouts.Cleanup.D(), "default cleanup timeout")
 	require.Equal(t, 4, c.SSH.KeepaliveCount)
+	require.Equal(t, 1, c.Debug.KeepMaxPerProject, "default: one kept VM per project")
+	require.Equal(t, 2, c.Debug.KeepMax, "default: two kept VMs on the host")
 	require.Equal(t, []string{"cloud", "debian-12", "tiny"}, c.ImageNames())
 
 	img, ok := c.Image("debian-12")
@@ -83,6 +85,9 @@ func TestValidateMessages(t *testing.T) {
 		{"cache disk min", "[cache]\ndisk_min_mib = -1\n" + base, `cache.disk_min_mib: -1 is out of range 0-1048576`},
 		{"cache via", "[images.x]\nbase = \"/x\"\ncache_via = \"9p\"\n" + base, `images.x.cache_via: "9p" is not allowed`},
 		{"cache image", "[cache]\ndir = \"/c\"\nimages = [\"b\"]\n" + base, `cache.images: "b" is not a configured image; use one of "a"`},
+		{"keep per project", "[debug]\nkeep_max_per_project = 100\n" + base, "debug.keep_max_per_project: 100 is out of range 1-16"},
+		{"keep max", "[debug]\nkeep_max = -1\n" + base, "debug.keep_max: -1 is out of range 1-64"},
+		{"keep per project over host", "[debug]\nkeep_max_per_project = 4\nkeep_max = 3\n" + base, "debug.keep_max_per_project: 4 is more than the host keeps at all (debug.keep_max = 3)"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -8,6 +8,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -48,17 +49,8 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		return err
 	}
 	if e.Getenv("CUSTOM_ENV_CI_JOB_STATUS") == "failed" && keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
-		until := time.Now().Add(cfg.Debug.KeepMaxAge.D())
-		jm, err := m.MachineOf(j.name)
-		if err == nil {
-			err = m.Keep(ctx, jm.Name, until)
-		}
-		if err == nil {
-			j.log.Warn("kept the failed job's VM for debugging", "until", until.UTC().Format(time.RFC3339))
+		if keepVM(ctx, j, cfg) {
 			return nil
-		}
-		if !errors.Is(err, vm.ErrNotFound) {
-			j.log.Error("could not keep the VM; removing it", "err", err)
 		}
 	}
 	t0 := time.Now()
@@ -72,4 +64,60 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	j.log.Info("cleaned up", "vm", r.Machine.Name, "warm", r.Machine.Warm, "reaper", r.Reaper, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
 	return nil
+}
+
+// keepVM keeps the failed job's VM for debugging, within the caps
+// (planKeep): the project's oldest kept VM goes first where the project
+// is at debug.keep_max_per_project; at debug.keep_max nothing is kept. It
+// reports whether the VM was kept; otherwise the caller removes it. The
+// decision is made under the host's keep lock, so two cleanups at once
+// cannot both take the last place.
+func keepVM(ctx context.Context, j *job, cfg *config.Config) bool {
+	m := j.m
+	unlock, err := m.Store.LockKept(ctx)
+	if err != nil {
+		j.log.Error("could not keep the VM; removing it", "err", err)
+		return false
+	}
+	defer unlock()
+	jm, err := m.MachineOf(j.name)
+	if err != nil {
+		if !errors.Is(err, vm.ErrNotFound) {
+			j.log.Error("could not keep the VM; removing it", "err", err)
+		}
+		return false
+	}
+	kept, err := m.Store.KeptMachines()
+	if err != nil {
+		j.log.Error("could not keep the VM (the kept VMs cannot be counted); removing it", "err", err)
+		return false
+	}
+	now := time.Now()
+	project := keepProject(j.job)
+	plan := planKeep(kept, jm.Name, project, now, cfg.Debug)
+	if !plan.Keep {
+		j.log.Warn("not keeping the failed job's VM; removing it", "vm", jm.Name, "why", plan.Why)
+		return false
+	}
+	for _, k := range plan.Release {
+		if err := m.Teardown(ctx, k.Name); err != nil {
+			j.log.Error("could not remove the project's oldest kept VM; not keeping this one", "vm", jm.Name, "oldest", k.Name, "err", err)
+			return false
+		}
+		j.log.Info("removed a kept VM: its project keeps a newer one (debug.keep_max_per_project)", "vm", k.Name, "kept_since", k.At.UTC().Format(time.RFC3339), "for", jm.Name)
+	}
+	until := now.Add(cfg.Debug.KeepMaxAge.D())
+	// The mark first: a kept VM the cap cannot count must not exist.
+	if err := m.Store.MarkKept(jm.Name, state.Kept{Project: project, At: now, Until: until}); err != nil {
+		j.log.Error("could not keep the VM; removing it", "err", err)
+		return false
+	}
+	if err := m.Keep(ctx, jm.Name, until); err != nil {
+		if !errors.Is(err, vm.ErrNotFound) {
+			j.log.Error("could not keep the VM; removing it", "err", err)
+		}
+		return false
+	}
+	j.log.Warn("kept the failed job's VM for debugging", "vm", jm.Name, "until", until.UTC().Format(time.RFC3339))
+	return true
 }

@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"os"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -254,6 +255,8 @@ func TestKeepOnFailure(t *testing.T) {
 
 	// Allowed: kept, deadline moved to now + keep_max_age.
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
+	_, err = j.m.Store.Create(j.name)
+	require.NoError(t, err)
 	cfg.Debug.AllowKeepOnFailure = true
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
 	require.Contains(t, hv.Domains, j.name)
@@ -265,6 +268,104 @@ func TestKeepOnFailure(t *testing.T) {
 	env["CUSTOM_ENV_CI_JOB_STATUS"] = "success"
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
 	require.NotContains(t, hv.Domains, j.name)
+}
+
+// Kept VMs are capped: a project keeps at most keep_max_per_project (its
+// oldest goes for the newest), the host at most keep_max (then a failed
+// job's VM is not kept, and no other project's VM goes for it).
+func TestKeepOnFailureCapped(t *testing.T) {
+	cfg := testConfig(t)
+	cfg.StoragePool = "jobs"
+	cfg.Debug.AllowKeepOnFailure = true
+	hv := vmtest.New()
+	env := map[string]string{"JOB_RESPONSE_FILE": "testdata/response.json", "CUSTOM_ENV_CI_JOB_STATUS": "failed",
+		"CUSTOM_ENV_LIBVIRT_EXECUTOR_KEEP_ON_FAILURE": "true"}
+	logs := &bytes.Buffer{}
+	e := Env{Getenv: envOf(env), Stdout: &bytes.Buffer{}, Stderr: &bytes.Buffer{},
+		Log: slog.New(slog.NewTextHandler(logs, nil)), Connect: fake(hv)}
+	j, err := e.load(cfg)
+	require.NoError(t, err)
+	project := keepProject(j.job)
+	now := time.Now()
+	machine := func(id int64, keptBy string, at time.Time) string {
+		name := lifecycle.MachineName(cfg.NamePrefix, j.m.Controller, j.job.Instance, id)
+		x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: strconv.FormatInt(id, 10), Deadline: now.Add(time.Hour)})
+		require.NoError(t, err)
+		hv.Domains[name] = &vmtest.Domain{OwnerXML: x, Active: true}
+		_, err = j.m.Store.Create(name)
+		require.NoError(t, err)
+		if keptBy != "" {
+			require.NoError(t, j.m.Store.MarkKept(name, state.Kept{Project: keptBy, At: at, Until: at.Add(2 * time.Hour)}))
+		}
+		return name
+	}
+
+	// The project keeps one already: it goes, this job's VM stays.
+	older := machine(900, project, now.Add(-time.Hour))
+	machine(1000, "", time.Time{})
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.Contains(t, hv.Domains, j.name)
+	require.NotContains(t, hv.Domains, older, "the project's oldest kept VM gave way")
+	require.Contains(t, logs.String(), "removed a kept VM")
+	kept, err := j.m.Store.KeptMachines()
+	require.NoError(t, err)
+	require.Len(t, kept, 1)
+	require.Equal(t, j.name, kept[0].Name)
+	require.Equal(t, project, kept[0].Project)
+	require.NoError(t, j.m.Teardown(context.Background(), j.name))
+
+	// The host keeps two (keep_max) of other projects: not kept, theirs untouched.
+	a := machine(901, "https://gitlab.example#7", now.Add(-time.Hour))
+	b := machine(902, "https://gitlab.example#8", now.Add(-time.Minute))
+	machine(1000, "", time.Time{})
+	var stderr bytes.Buffer
+	e.Stderr = &stderr
+	require.True(t, sayKeepPlan(e, j, cfg, j.name))
+	require.Contains(t, stderr.String(), "will not be kept if the job fails: the host already keeps 2 VM(s) of failed jobs, its most (debug.keep_max = 2)")
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.NotContains(t, hv.Domains, j.name, "not kept")
+	require.Contains(t, hv.Domains, a)
+	require.Contains(t, hv.Domains, b)
+	require.Contains(t, logs.String(), "not keeping the failed job's VM")
+
+	// One of them past its deadline counts for nothing (the sweep's).
+	require.NoError(t, j.m.Store.MarkKept(a, state.Kept{Project: "https://gitlab.example#7", At: now.Add(-3 * time.Hour), Until: now.Add(-time.Hour)}))
+	machine(1000, "", time.Time{})
+	require.NoError(t, Cleanup(context.Background(), e, cfg))
+	require.Contains(t, hv.Domains, j.name)
+}
+
+func TestPlanKeep(t *testing.T) {
+	now := time.Now()
+	d := config.Debug{KeepMaxPerProject: 2, KeepMax: 3}
+	k := func(name, project string, ago time.Duration) state.Kept {
+		return state.Kept{Name: name, Project: project, At: now.Add(-ago), Until: now.Add(time.Hour - ago)}
+	}
+	// Oldest first, as KeptMachines lists them.
+	kept := []state.Kept{k("a1", "A", 50*time.Minute), k("a2", "A", 40*time.Minute), k("b1", "B", 30*time.Minute)}
+
+	p := planKeep(kept, "new", "A", now, d)
+	require.True(t, p.Keep)
+	require.Equal(t, []state.Kept{kept[0]}, p.Release, "A gives up its oldest")
+	require.Contains(t, p.Why, "a1")
+	require.Contains(t, p.Why, "debug.keep_max_per_project")
+
+	p = planKeep(kept, "new", "C", now, d)
+	require.False(t, p.Keep, "the host is full and C has none to give up")
+	require.Empty(t, p.Release)
+	require.Contains(t, p.Why, "debug.keep_max = 3")
+
+	p = planKeep(kept, "new", "B", now, config.Debug{KeepMaxPerProject: 2, KeepMax: 4})
+	require.True(t, p.Keep)
+	require.Empty(t, p.Release)
+	require.Empty(t, p.Why)
+
+	// Itself (a second cleanup) and expired marks count for nothing.
+	kept = append(kept, state.Kept{Name: "new", Project: "C", At: now, Until: now.Add(time.Hour)})
+	kept[0].Until = now.Add(-time.Minute)
+	p = planKeep(kept, "new", "C", now, d)
+	require.True(t, p.Keep)
+	require.Empty(t, p.Release)
 }
 
 // When run cannot reach the job's machine, it asks libvirt what became of

@@ -64,7 +64,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
-			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil && !sayKeepPlan(e, j, cfg, jm.Name) {
 				fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
 					"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
 					VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
