@@ -241,6 +241,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	l, err := connect(ctx, cfg.LibvirtURI)
 	if uerr == nil && local {
 		add(polkitCheck(polkitRuleDirs, err == nil, root))
+		add(accessModeCheck(libvirtConfPaths, polkitRuleDirs))
 	}
 	if err != nil {
 		add(Check{Name: "libvirt", Info: err.Error(),
