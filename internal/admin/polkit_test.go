@@ -55,8 +55,12 @@ func TestPolkitRulesDecide(t *testing.T) {
 	}
 	var buf bytes.Buffer
 	require.NoError(t, PolkitRules(&buf, polkitConfig(), "runner"))
-	dom := func(name string) map[string]string { return map[string]string{"connect_driver": "QEMU", "domain_name": name} }
-	vol := func(pool, name string) map[string]string { return map[string]string{"pool_name": pool, "vol_name": name} }
+	dom := func(name string) map[string]string {
+		return map[string]string{"connect_driver": "QEMU", "domain_name": name}
+	}
+	vol := func(pool, name string) map[string]string {
+		return map[string]string{"pool_name": pool, "vol_name": name}
+	}
 	cases := []polkitCase{
 		// what the driver does
 		{Want: "yes", ID: "org.libvirt.api.connect.getattr", User: "runner", Details: map[string]string{"connect_driver": "QEMU"}},
@@ -80,8 +84,8 @@ func TestPolkitRulesDecide(t *testing.T) {
 		{Want: "no", ID: "org.libvirt.api.storage-vol.data-read", User: "runner", Details: vol("other", "ci-a-x.qcow2")},
 		{Want: "no", ID: "org.libvirt.api.domain.save", User: "runner", Details: dom("other-vm")},
 		{Want: "no", ID: "org.libvirt.api.domain.getattr", User: "runner", Details: dom("ci-b-0123abcd-89abcdef-17")},
-		{Want: "no", ID: "org.libvirt.api.domain.save", User: "runner", Details: dom("ci-a")},      // the prefix alone
-		{Want: "no", ID: "org.libvirt.api.domain.save", User: "runner", Details: dom("ci-abc-1")},  // a longer prefix
+		{Want: "no", ID: "org.libvirt.api.domain.save", User: "runner", Details: dom("ci-a")},     // the prefix alone
+		{Want: "no", ID: "org.libvirt.api.domain.save", User: "runner", Details: dom("ci-abc-1")}, // a longer prefix
 		{Want: "no", ID: "org.libvirt.api.domain.read-secure", User: "runner", Details: dom("ci-a-0123abcd-89abcdef-17")},
 		{Want: "no", ID: "org.libvirt.api.domain.migrate", User: "runner", Details: dom("ci-a-0123abcd-89abcdef-17")},
 		{Want: "no", ID: "org.libvirt.api.domain.start", User: "runner", Details: map[string]string{}},
