@@ -69,6 +69,10 @@ install -m 0640 "$top/deploy/config.example.toml" "$root/etc/libvirt-executor/co
 install -m 0755 "$top/deploy/network/libvirt-executor-guard" "$root/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
 sed 's/^\([a-z]\)/# \1/' "$top/deploy/network/libvirt-executor-guard.conf" >"$root/etc/libvirt/hooks/libvirt-executor-guard.conf"
 chmod 0644 "$root/etc/libvirt/hooks/libvirt-executor-guard.conf"
+# polkit rules for libvirt's access driver, for the example configuration (they do
+# nothing until access_drivers = [ "polkit" ]; /etc/polkit-1/rules.d/ of the same name wins).
+install -d -m 0755 "$root/usr/share/polkit-1/rules.d"
+install -m 0644 "$top/deploy/polkit/50-libvirt-executor.rules" "$root/usr/share/polkit-1/rules.d/50-libvirt-executor.rules"
 
 # Documentation and examples.
 doc=$root/usr/share/doc/$pkg
