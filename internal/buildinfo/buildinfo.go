@@ -16,8 +16,11 @@ var (
 	Date = ""
 )
 
+// License is the project's licence (LICENSE at the repository's root).
+const License = "MIT License"
+
 // String is what every executable's --version prints after its name:
-// the version, the commit and the build date.
+// the version, the commit and the build date, and the licence.
 func String() string {
 	var b strings.Builder
 	b.WriteString(Version)
@@ -28,6 +31,6 @@ func String() string {
 	if d == "" {
 		d = "unknown"
 	}
-	b.WriteString(" (commit " + c + ", built " + d + ")")
+	b.WriteString(" (commit " + c + ", built " + d + "), " + License)
 	return b.String()
 }

@@ -187,7 +187,7 @@ exec /usr/bin/libvirt-executor-run "$@"
 	// Every executable says its version, commit and build date.
 	for _, e := range []string{"libvirt-executor", "libvirt-executor-config", "libvirt-executor-prepare", "libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor-garm"} {
 		v := run(nil, "/usr/bin/"+e, "--version")
-		require.Regexp(t, `^`+regexp.QuoteMeta(e+" version "+newVersion)+` \(commit [0-9a-f]{40}(-dirty)?, built \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)\n$`, v, e)
+		require.Regexp(t, `^`+regexp.QuoteMeta(e+" version "+newVersion)+` \(commit [0-9a-f]{40}(-dirty)?, built \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\), MIT License\n$`, v, e)
 	}
 	// The guest agent, where guest_tools.agent = "auto" finds it, static
 	// (it runs in the guests), of the same version.
