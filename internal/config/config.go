@@ -791,7 +791,7 @@ func (p *problems) err() error {
 	if len(p.errs) == 0 {
 		return nil
 	}
-	return errors.New(strings.Join(p.errs, "; "))
+	return &invalidError{errs: p.errs}
 }
 
 // DefaultStateDir is state_dir's default.
