@@ -49,10 +49,13 @@ func main() {
 const ExitNotOwner = 3
 
 // exitCode is the exit status for a command's error: ExitNotOwner for a
-// *state.OwnerError, else 1.
+// *state.OwnerError, ExitConfigInvalid for config check's problems, else 1.
 func exitCode(err error) int {
 	if _, ok := errors.AsType[*state.OwnerError](err); ok {
 		return ExitNotOwner
+	}
+	if _, ok := errors.AsType[*configInvalidError](err); ok {
+		return ExitConfigInvalid
 	}
 	return 1
 }
@@ -103,7 +106,8 @@ func app() *cli.App {
 		Flags: []cli.Flag{
 			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
 		},
-		Commands: []*cli.Command{
+		Commands: withConfigFlag([]*cli.Command{
+			configCommand(),
 			{
 				Name:  "list",
 				Usage: "list this installation's job VMs, volumes and state with what a sweep would do",
@@ -433,7 +437,7 @@ func app() *cli.App {
 					return admin.PrintChecks(os.Stdout, admin.Doctor(c.Context, cfg, libvirtvm.Connect))
 				},
 			},
-		},
+		}),
 	}
 }
 
