@@ -113,6 +113,14 @@ memory_mib = 8192
 	_, err = json.Marshal(c.Settings())
 	require.NoError(t, err)
 
+	// An image with a source has its files from the store.
+	c.Images["b"].Source, c.Images["b"].Kernel = "oci://registry.example/b:1", "/store/b/kernel"
+	for _, s := range c.Settings() {
+		if s.Key == "images.b.kernel" {
+			require.Equal(t, Setting{"images.b.kernel", "/store/b/kernel", SourceStore}, s)
+		}
+	}
+
 	// The only image is the default.
 	c, err = Parse([]byte("[images.a]\nbase = \"/a\"\n"))
 	require.NoError(t, err)
