@@ -5,6 +5,7 @@ package e2e
 import (
 	"archive/zip"
 	"bytes"
+	"crypto/sha256"
 	"errors"
 	"fmt"
 	"io"
@@ -226,6 +227,83 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	require.Len(t, projects, 2, "one directory per project: %v", zips)
 }
 
+// TestHostCacheProtectedApart: GitLab keeps the caches of protected refs
+// apart from the others' (a -protected or -non_protected suffix on each
+// key, CI_COMMIT_REF_PROTECTED); so does the host cache, through the
+// scratch disk (cache.disk_min_mib = 0: the admin tool's keep). A
+// protected job saves; an unprotected job of the same project finds
+// nothing of it, though its script looks for the protected key's archive,
+// and what it then leaves in cache_dir (that archive, its bytes replaced,
+// and a file of its own) never reaches the host: only its own key's
+// archive is kept, in a cache of its own. The protected job's next run
+// restores its archive, byte for byte as the first run kept it.
+func TestHostCacheProtectedApart(t *testing.T) {
+	rr, dir := hostCacheRunner(t, "disk_min_mib = 0\n")
+	protected := func(on string) []jobapi.Variable {
+		return []jobapi.Variable{{Key: "CI_COMMIT_REF_PROTECTED", Value: on, Public: true}}
+	}
+	paths := []string{"vendor/"}
+	const archive = `/cache/$CI_PROJECT_PATH/deps-protected/cache.zip`
+	res := rr.runJobs(t, jobapi.Job{Name: "protected-fill", Variables: protected("true"),
+		Cache:  &jobapi.Cache{Key: "deps-protected", Paths: paths},
+		Script: []string{"mkdir -p vendor", "echo protected-$CI_JOB_ID > vendor/dep.txt"}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Regexp(t, `Host cache: kept 1 file\(s\)`, res[0].Trace)
+	files, odd := hostCacheFiles(t, dir)
+	require.Empty(t, odd)
+	zips := cacheZips(files)
+	require.Len(t, zips, 1, "%v", files)
+	require.Contains(t, zips[0], "/deps-protected/cache.zip")
+	protPath := filepath.Join(dir, zips[0])
+	kept, err := os.ReadFile(protPath)
+	require.NoError(t, err)
+	sum := fmt.Sprintf("%x", sha256.Sum256(kept))
+
+	res = rr.runJobs(t, jobapi.Job{Name: "unprotected", Variables: protected("false"),
+		Cache: &jobapi.Cache{Key: "deps-non_protected", Paths: paths},
+		Script: []string{
+			// "FOUND""-PROTECTED": the echoed command does not match.
+			`if [ -e vendor/dep.txt ] || [ -e "` + archive + `" ]; then echo "FOUND""-PROTECTED"; ls -lR /cache; else echo "no-protected-cache-here"; fi`,
+			"mkdir -p vendor && echo poison > vendor/dep.txt",
+			`mkdir -p "$(dirname "` + archive + `")" && head -c 4096 /dev/urandom > "` + archive + `"`,
+			"echo planted > /cache/planted.txt",
+		}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Contains(t, res[0].Trace, "no-protected-cache-here")
+	require.NotContains(t, res[0].Trace, "FOUND-PROTECTED")
+	require.Contains(t, res[0].Trace, "Host cache: nothing cached for this project yet")
+	require.Regexp(t, `Host cache: kept 1 file\(s\), [0-9.]+ MiB \(0 unchanged\) from a scratch disk`, res[0].Trace)
+	require.Regexp(t, `Host cache: left out 2 entr\(ies\) that are not archives the runner's script names`, res[0].Trace)
+	require.Regexp(t, `deps-protected/cache\.zip": not an archive the runner's script names`, res[0].Trace, "the protected key's name, left out")
+
+	files, odd = hostCacheFiles(t, dir)
+	require.Empty(t, odd)
+	zips = cacheZips(files)
+	require.Len(t, zips, 2, "the protected archive, and the unprotected job's own: %v", files)
+	projects := map[string]string{}
+	for _, z := range zips {
+		parts := strings.Split(z, string(filepath.Separator))
+		projects[parts[1]] = z
+		require.NotContains(t, z, "planted")
+	}
+	require.Len(t, projects, 2, "two caches of the one project: %v", zips)
+	for p, z := range projects {
+		require.Equal(t, strings.HasSuffix(p, "-p"), strings.HasSuffix(z, "/deps-protected/cache.zip"), "%s", z)
+	}
+	after, err := os.ReadFile(protPath)
+	require.NoError(t, err)
+	require.True(t, bytes.Equal(kept, after), "the protected archive is untouched")
+
+	res = rr.runJobs(t, jobapi.Job{Name: "protected-use", Variables: protected("true"),
+		Cache:  &jobapi.Cache{Key: "deps-protected", Paths: paths, Policy: "pull"},
+		Script: []string{`echo "restored: $(cat vendor/dep.txt)"`, `sha256sum "` + archive + `"`}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Regexp(t, `Host cache: restored 1 file\(s\)`, res[0].Trace)
+	require.Regexp(t, `(?m)^restored: protected-\d+`, res[0].Trace)
+	require.NotContains(t, res[0].Trace, "restored: poison")
+	require.Regexp(t, `(?m)^`+sum+`\s`, res[0].Trace, "the archive the guest extracted is the one kept")
+}
+
 // TestHostCacheLimitAndHostileGuest: a job whose cache is above
 // cache.project_limit_mib succeeds, its archive is not kept (the job log
 // says why) and the project's earlier cache stays; links and FIFOs a job
@@ -305,7 +383,7 @@ func TestHostCacheWarmVM(t *testing.T) {
 	require.Regexp(t, `restored: warm-\d+`, res[0].Trace)
 
 	// Unused for longer than cache.max_age (720h by default): gc removes it.
-	project, err := hostcache.ProjectID(strings.TrimSuffix(rr.api.URL(), "/"), 1)
+	project, err := hostcache.ProjectID(strings.TrimSuffix(rr.api.URL(), "/"), 1, false)
 	require.NoError(t, err)
 	files, _ := hostCacheFiles(t, filepath.Join(dir, "projects", project))
 	require.NotEmpty(t, cacheZips(files), "the project's cache: %v", files)
@@ -371,7 +449,7 @@ func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
 	require.Contains(t, res[2].Trace, "Host cache: made room")
 	files, _ := hostCacheFiles(t, dir)
 	require.Len(t, cacheZips(files), 2, "two projects' caches fit: %v", files)
-	a, err := hostcache.ProjectID(strings.TrimSuffix(rr.api.URL(), "/"), 11)
+	a, err := hostcache.ProjectID(strings.TrimSuffix(rr.api.URL(), "/"), 11, false)
 	require.NoError(t, err)
 	for _, z := range cacheZips(files) {
 		require.NotContains(t, z, a, "p-a, used longest ago, was evicted")
@@ -434,7 +512,7 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 	// was, and, unless the stage itself was killed (the admin tool's save
 	// from the scratch disk may still finish then), says so when it was.
 	wholeOrNone := func(t *testing.T, projectID int, log string, stageKilled bool) {
-		project, err := hostcache.ProjectID("http://gitlab.example", int64(projectID))
+		project, err := hostcache.ProjectID("http://gitlab.example", int64(projectID), false)
 		require.NoError(t, err)
 		files, odd := hostCacheFiles(t, filepath.Join(dir, "projects", project))
 		require.Empty(t, odd)

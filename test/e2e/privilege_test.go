@@ -198,7 +198,7 @@ func readScratchAs(bin, cfgPath, state string, u testUser) scratchRead {
 	if err != nil || len(ms) != 1 {
 		return scratchRead{err: fmt.Errorf("want one machine in %s: %v %v", state, ms, err)}
 	}
-	project, err := hostcache.ProjectID("https://gitlab.example.com", 42)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 42, false)
 	if err != nil {
 		return scratchRead{err: err}
 	}
