@@ -8,7 +8,6 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
-	"log/slog"
 	"net"
 	"os"
 	"os/exec"
@@ -26,6 +25,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
@@ -70,7 +70,7 @@ func openManager(c *cli.Context, readOnly bool) (*config.Config, *jobvm.Host, er
 	if err != nil {
 		return nil, nil, err
 	}
-	m, err := jobvm.Open(cfg, lifecycle.Options{Log: slog.New(slog.NewTextHandler(os.Stderr, nil)), ReadOnly: readOnly})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Log: obs.NewTextLogger(os.Stderr, nil), ReadOnly: readOnly})
 	return cfg, m, err
 }
 
@@ -292,7 +292,7 @@ func app() *cli.App {
 					if err != nil {
 						return err
 					}
-					return admin.Serve(c.Context, cfg, slog.New(slog.NewTextHandler(os.Stderr, nil)), nil)
+					return admin.Serve(c.Context, cfg, obs.NewTextLogger(os.Stderr, nil), nil)
 				},
 			},
 			{

@@ -7,7 +7,6 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"log/slog"
 	"os"
 	"os/signal"
 	"syscall"
@@ -16,6 +15,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // lifecycle.Open's libvirt
 )
 
@@ -33,7 +33,7 @@ func main() {
 
 // run is main without os.Exit; connect (nil: libvirt) is for tests.
 func run(ctx context.Context, getenv func(string) string, stdin io.Reader, stdout, stderr io.Writer, connect lifecycle.Connector) int {
-	log := slog.New(slog.NewTextHandler(stderr, nil)).With("exe", "libvirt-executor-garm")
+	log := obs.NewTextLogger(stderr, nil).With("exe", "libvirt-executor-garm")
 	fail := func(err error) int {
 		fmt.Fprintf(stderr, "libvirt-executor-garm: %v\n", err)
 		return garm.ExitCode(err)

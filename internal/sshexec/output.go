@@ -7,6 +7,8 @@ import (
 	"io"
 	"strings"
 	"sync"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
 
 // OutputLimit is how much of a command's stdout Output keeps: the first
@@ -135,9 +137,11 @@ func (c *Client) Stream(ctx context.Context, cmd string, stdin io.Reader, stdout
 	case !res.ok:
 		return c.lost(errors.New("the command ended without an exit status"))
 	case res.signal != "":
-		return fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), strings.TrimSpace(string(errb.take())))
+		// The guest's stderr, quoted and cut (obs.GuestText): this error
+		// reaches the host's logs.
+		return fmt.Errorf("exit status %d: %s", 128+signalNumber(res.signal), obs.GuestText(strings.TrimSpace(string(errb.take()))))
 	case res.status != 0:
-		return fmt.Errorf("exit status %d: %s", res.status, strings.TrimSpace(string(errb.take())))
+		return fmt.Errorf("exit status %d: %s", res.status, obs.GuestText(strings.TrimSpace(string(errb.take()))))
 	}
 	return nil
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
@@ -80,8 +81,27 @@ func TestOutputKeepsABoundedPart(t *testing.T) {
 
 	ts.SetLogin("sh", "-c", "echo nope >&2; head -c 1000000 /dev/zero >&2; exit 3")
 	_, err = c.Output(ctx, "true")
-	require.ErrorContains(t, err, "exit status 3: nope")
+	require.ErrorContains(t, err, `exit status 3: "nope\n`)
 	require.Less(t, len(err.Error()), 2*stderrLimit, "the error keeps a bounded part of stderr")
+}
+
+// A guest's stderr in the error (which reaches the host's logs) is quoted
+// and cut: no forged log line after a newline, no terminal escape, at
+// most about obs.MaxLogText bytes of it.
+func TestOutputErrorQuotesGuestText(t *testing.T) {
+	ts := sshtest.Start(t)
+	ts.SetLogin("sh", "-c", `printf 'no\nlevel=ERROR msg=forged\033[2J' >&2; head -c 4000 /dev/zero | tr '\0' A >&2; exit 3`)
+	c := dial(t, target(ts))
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	_, err := c.Output(ctx, "true")
+	require.Error(t, err)
+	msg := err.Error()
+	require.True(t, strings.HasPrefix(msg, `exit status 3: "no\nlevel=ERROR msg=forged\x1b[2J`), msg)
+	require.NotContains(t, msg, "\n")
+	require.NotContains(t, msg, "\x1b")
+	require.Less(t, len(msg), 2*obs.MaxLogText)
+	require.Contains(t, msg, "bytes cut)")
 }
 
 // A guest that answers a little, slowly, and never exits: Output returns when

@@ -536,7 +536,7 @@ func TestOutput(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "hi\n", string(out))
 	_, err = c.Output(context.Background(), "echo nope >&2; exit 4")
-	require.ErrorContains(t, err, "exit status 4: nope")
+	require.ErrorContains(t, err, `exit status 4: "nope"`)
 }
 
 // A guest without setsid: the script runs in the session shell's process

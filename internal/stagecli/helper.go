@@ -12,6 +12,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
@@ -32,7 +33,7 @@ type helper struct {
 // at most one unless many), reads the configuration and opens the manager.
 // code is the exit code when h is nil. The caller calls h.stop when done.
 func startHelper(command, usage string, many bool, args []string, stdin io.Reader, stderr io.Writer, flags func(*flag.FlagSet)) (h *helper, code int) {
-	log := slog.New(slog.NewTextHandler(stderr, nil)).With("exe", command)
+	log := obs.NewTextLogger(stderr, nil).With("exe", command)
 	fs := flag.NewFlagSet(command, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	cfgPath := fs.String("config", "", "driver configuration file")

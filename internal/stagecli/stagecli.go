@@ -140,7 +140,7 @@ func Run(p Process, e Exe) int {
 			if err := level.UnmarshalText([]byte(c.String("log-level"))); err != nil {
 				return fmt.Errorf("--log-level %q: use debug, info, warn or error", c.String("log-level"))
 			}
-			logger := slog.New(slog.NewTextHandler(stderr, &slog.HandlerOptions{Level: level})).With("exe", name)
+			logger := obs.NewTextLogger(stderr, &slog.HandlerOptions{Level: level}).With("exe", name)
 			if c.NArg() != e.NArgs {
 				return fmt.Errorf("%s takes %d argument(s) (%s), got %d", name, e.NArgs, e.ArgsUsage, c.NArg())
 			}
