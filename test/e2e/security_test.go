@@ -450,6 +450,92 @@ net ci virbr-ci | hook ci started begin -; echo "== order"; iptables -w -S INPUT
 	require.True(t, lv >= 0 && guard > lv, "libvirt's jump first, then the guard's: %s", order)
 }
 
+// TestGuardHookKeepsGuardedNetworksApart: a route or open network forwards,
+// so with two guarded networks on one host a guest of one could reach the
+// guests of the other through the host (libvirt's route rules accept
+// anything addressed to the network's subnet; open adds none). In a network
+// namespace of its own, with forwarding on: two guarded bridges (route and
+// open) and an unguarded one, a guest (a namespace of its own) on each. A
+// guest of one guarded network reaches neither the other's guest nor is
+// reached from it; the unguarded network is still reached (outbound traffic
+// follows the network's forward mode); stopping one network leaves the
+// other's rules, stopping both leaves nothing.
+func TestGuardHookKeepsGuardedNetworksApart(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root for iptables in a private network namespace")
+	}
+	script, err := filepath.Abs("../../deploy/network/libvirt-executor-guard")
+	require.NoError(t, err)
+	dir := t.TempDir()
+	conf := filepath.Join(dir, "guard.conf")
+	require.NoError(t, os.WriteFile(conf, []byte("ci\nci2\n"), 0o644))
+	steps := `
+set -u
+hook() { LIBVIRT_EXECUTOR_GUARD_CONF=` + conf + ` "` + script + `" "$@"; }
+net() { echo "<network><name>$1</name><forward mode='$3'/><bridge name='$2' stp='on' delay='0'/></network>"; }
+dump() { echo "== $1"; iptables -w -t mangle -S | grep -E 'GUARD' || true; }
+pids=()
+mkfifo ` + dir + `/stdin && exec 4<>` + dir + `/stdin
+trap 'kill "${pids[@]}" 2>/dev/null' EXIT
+echo 1 >/proc/sys/net/ipv4/ip_forward
+# guest NAME BRIDGE PREFIX: a bridge at PREFIX.1/24, a guest at PREFIX.2
+# serving TCP port 8080; its namespace's pid in the variable NAME.
+guest() {
+	ip link add "$2" type bridge && ip addr add "$3.1/24" dev "$2" && ip link set "$2" up
+	unshare --net sleep 600 </dev/null >/dev/null 2>&1 & local pid=$!; pids+=("$pid"); sleep 0.2
+	ip link add "$1-h" type veth peer name "$1-g"
+	ip link set "$1-h" master "$2" up
+	ip link set "$1-g" netns "$pid"
+	nsenter -t "$pid" -n sh -c "ip link set lo up && ip link set $1-g up && ip addr add $3.2/24 dev $1-g && ip route add default via $3.1"
+	# (its stdin stays open: the shell holds the FIFO too; it ends when killed)
+	nsenter -t "$pid" -n env ` + helperListenEnv + `=0.0.0.0:8080 "` + os.Args[0] + `" <&4 >/dev/null 2>&1 & pids+=("$!")
+	printf -v "$1" %s "$pid"
+}
+guest a virbr-ci 192.168.150
+guest b virbr-ci2 192.168.151
+guest c virbr-x 192.168.152
+sleep 1
+# reach FROM TO: can the guest FROM open a TCP connection to the guest at TO?
+reach() {
+	if nsenter -t "$1" -n timeout 2 bash -c "exec 3<>/dev/tcp/$2/8080" 2>/dev/null; then echo "$3 reached"; else echo "$3 refused"; fi
+}
+echo "== before"; reach "$a" 192.168.151.2 a-b
+net ci virbr-ci route | hook ci started begin -
+net ci2 virbr-ci2 open | hook ci2 started begin -
+dump started
+echo "== guarded"; reach "$a" 192.168.151.2 a-b; reach "$b" 192.168.150.2 b-a; reach "$a" 192.168.152.2 a-c
+net ci2 virbr-ci2 open | hook ci2 stopped end -
+dump onestopped
+net ci virbr-ci route | hook ci stopped end -
+dump stopped
+`
+	out, err := exec.Command("unshare", "--net", "bash", "-c", steps).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	t.Logf("%s", out)
+	sections := map[string]string{}
+	for _, part := range strings.Split(string(out), "== ")[1:] {
+		name, body, _ := strings.Cut(part, "\n")
+		sections[name] = body
+	}
+	require.Contains(t, sections["before"], "a-b reached", "without the guard the host routes between the two networks")
+	for _, want := range []string{
+		"-A FORWARD -i virbr-ci -j LVE-GUARD-XNET",
+		"-A FORWARD -i virbr-ci2 -j LVE-GUARD-XNET",
+		"-A LVE-GUARD-XNET -o virbr-ci -m physdev ! --physdev-is-bridged -j DROP",
+		"-A LVE-GUARD-XNET -o virbr-ci2 -m physdev ! --physdev-is-bridged -j DROP",
+	} {
+		require.Contains(t, sections["started"], want)
+	}
+	guarded := sections["guarded"]
+	require.Contains(t, guarded, "a-b refused", "route network -> open network")
+	require.Contains(t, guarded, "b-a refused", "open network -> route network")
+	require.Contains(t, guarded, "a-c reached", "an unguarded network still follows the forward mode")
+	one := sections["onestopped"]
+	require.Contains(t, one, "-A LVE-GUARD-XNET -o virbr-ci -m physdev ! --physdev-is-bridged -j DROP")
+	require.NotContains(t, one, "virbr-ci2", "the stopped network's rules are gone")
+	require.Empty(t, strings.TrimSpace(sections["stopped"]), "all rules and the shared chain gone when both networks stop")
+}
+
 // acceptAndClose serves ln as a minimal TCP service until it is closed.
 func acceptAndClose(ln net.Listener) {
 	for {
