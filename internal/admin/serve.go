@@ -4,7 +4,10 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"os"
+	"os/signal"
 	"sync"
+	"syscall"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
@@ -15,13 +18,19 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/pool"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sdnotify"
 )
 
 // Serve is libvirt-executor serve: the standby pools (internal/pool) and,
 // once the service holds its lock, the metrics endpoint
 // (serve.metrics_listen), until ctx ends. connect opens libvirt (nil: the
-// linked-in default).
+// linked-in default). SIGHUP reloads the configuration file (pool.Service.
+// Reload); systemd hears READY once the first look at the pools is done
+// and STOPPING when it stops (Type=notify, internal/sdnotify).
 func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect lifecycle.Connector) error {
+	hup := make(chan os.Signal, 1)
+	signal.Notify(hup, syscall.SIGHUP) // before anything: SIGHUP's default ends the process
+	defer signal.Stop(hup)
 	if !cfg.LocalLibvirt() {
 		// Standby VMs are GitLab's, whose stages run on their VMs' host.
 		return fmt.Errorf("libvirt_uri %q is another host's libvirt: the service (standby pools, metrics) runs on the host of its VMs; run it there with libvirt_uri = \"qemu:///system\"", cfg.LibvirtURI)
@@ -38,7 +47,29 @@ func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect li
 	if err := m.Dial(ctx); err != nil {
 		return err
 	}
-	svc := &pool.Service{M: m, Log: log}
+	svc := &pool.Service{M: m, Log: log, Notify: func(state string) {
+		if _, err := sdnotify.Notify(state); err != nil {
+			log.Warn("cannot tell systemd the service's state", "state", state, "err", err)
+		}
+	}}
+	if cfg.Path != "" {
+		svc.Load = func() (*config.Config, error) { return config.Load(cfg.Path) }
+	}
+	go func() {
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-hup:
+				if svc.Load == nil {
+					log.Warn("SIGHUP: no configuration file to reload")
+					continue
+				}
+				log.Info("SIGHUP: reloading the configuration", "config", cfg.Path)
+				_ = svc.Reload(ctx) // refused: logged by the service
+			}
+		}
+	}()
 	svc.Started = func(context.Context) (func(), error) {
 		if cfg.Serve.MetricsListen == config.MetricsOff {
 			log.Info("no metrics endpoint (serve.metrics_listen = \"off\")")
@@ -67,12 +98,17 @@ const liveEvery = 2 * time.Second
 
 // NewCollector is the metrics collector of this installation: the event
 // spool's folder and the live gauges of libvirt, the pools and capacity.
+// Its looks hold svc's configuration (pool.Service.Hold) against a reload.
 func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.Collector {
 	c := &metrics.Collector{
 		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
 		Live: metrics.Live{
-			VMs: func(ctx context.Context) (map[[2]string]int, error) { return m.CountMachines(ctx, jobvm.OwnerKind) },
+			VMs: func(ctx context.Context) (map[[2]string]int, error) {
+				defer svc.Hold()()
+				return m.CountMachines(ctx, jobvm.OwnerKind)
+			},
 			Orphans: func(ctx context.Context) (int, error) {
+				defer svc.Hold()()
 				now := time.Now()
 				items, err := m.Inventory(ctx, now)
 				n := 0
@@ -85,6 +121,7 @@ func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.C
 			},
 			Pools: svc.Gauges,
 			Capacity: func() (int, int, int, int, error) {
+				defer svc.Hold()()
 				vms, mem, err := m.CapacityUsed()
 				return vms, mem, m.Cfg.Capacity.MaxVMs, m.Cfg.Capacity.MemoryBudgetMiB, err
 			},

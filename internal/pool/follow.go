@@ -15,11 +15,12 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 )
 
-// ErrImageChanged ends Run when an image's source (oci://) names another
-// image than the one the service was started with, now stored and
-// verified: the service is restarted (systemd: Restart=on-failure) with
-// it, and the standbys of the old image are retired by the next service
-// (their base differs). Jobs take the new image from then on: a prepare
+// ErrImageChanged ends Run, when it has no Service.Load, when an image's
+// source (oci://) names another image than the one the service was
+// started with, now stored and verified: the service is restarted
+// (systemd: Restart=on-failure) with it, and the standbys of the old image
+// are retired by the next service (their base differs). With Load the
+// service reloads instead (Service.Reload). Jobs take the new image from then on: a prepare
 // reads the store's record when it starts.
 var ErrImageChanged = errors.New("an image's source names a new image: restart the service to boot standbys of it")
 
@@ -135,11 +136,19 @@ func (f *follower) sourced() []*config.Image {
 	return out
 }
 
-// run pulls at once and then every interval until ctx ends; it sends on
-// changed when an image now names another digest than the service's.
-func (f *follower) run(ctx context.Context, changed chan<- string) {
+// run pulls after wait (0: at once) and then every interval until ctx
+// ends; it sends on changed when an image now names another digest than
+// the service's.
+func (f *follower) run(ctx context.Context, changed chan<- string, wait time.Duration) {
 	if len(f.sourced()) == 0 {
 		return
+	}
+	if wait > 0 {
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(wait):
+		}
 	}
 	t := time.NewTicker(f.cfg.Registry.PullInterval.D())
 	defer t.Stop()

@@ -38,6 +38,22 @@ type Service struct {
 	// service runs per installation): the metrics endpoint starts there.
 	// stop runs when the service ends.
 	Started func(ctx context.Context) (stop func(), err error)
+	// Load, if set, reads the configuration file again (config.Load): Run
+	// then reloads with it on Reload, when the file changes and when an
+	// image's source names a new image, where it would otherwise end with
+	// ErrConfigChanged or ErrImageChanged.
+	Load func() (*config.Config, error)
+	// Notify, if set, hears the service's state for its supervisor
+	// (sd_notify): "READY=1..." once the first look is done,
+	// "RELOADING=1" and "READY=1" around a reload, "STOPPING=1" when it
+	// stops.
+	Notify func(state string)
+
+	// cfgMu is held for writing while a reload replaces M.Cfg; readers
+	// outside Run's goroutine (the metrics endpoint) hold it (Hold).
+	cfgMu sync.RWMutex
+	// reloadReq carries Reload's asks to Run.
+	reloadReq chan chan error
 
 	mu sync.Mutex
 	// booting counts the boots started per image and not yet ended.
@@ -126,15 +142,31 @@ func (s *Service) Run(ctx context.Context) error {
 		}
 	}
 	imageChanged := make(chan string, 1)
-	fctx, stopFollow := context.WithCancel(ctx)
-	defer stopFollow()
-	go s.images.run(fctx, imageChanged)
+	stopFollow := s.follow(ctx, imageChanged, 0)
+	defer func() { stopFollow() }()
 	cfgVersion, _ := state.VersionOf(s.M.Cfg.Path)
 	t := time.NewTicker(s.M.Cfg.Serve.Interval.D())
 	defer t.Stop()
+	// reload reads the configuration again and, unless it is refused,
+	// runs on with it (Reload).
+	reload := func(why string) error {
+		cfgVersion, _ = state.VersionOf(s.M.Cfg.Path)
+		return s.reload(ctx, why, t, func() { stopFollow() }, func(wait time.Duration) {
+			stopFollow = s.follow(ctx, imageChanged, wait)
+		})
+	}
+	ready := false
 	for {
 		s.Tick(ctx)
+		if !ready {
+			ready = true
+			s.notify(fmt.Sprintf("READY=1\nSTATUS=keeping %d standby pools", len(s.M.Cfg.Pooled())))
+		}
 		if v, err := state.VersionOf(s.M.Cfg.Path); s.M.Cfg.Path != "" && (err != nil || v != cfgVersion) {
+			if s.Load != nil {
+				_ = reload("the configuration file changed")
+				continue
+			}
 			// Exit to be restarted (systemd: Restart=on-failure) with the
 			// new file: VMs built under the old one no longer match it and
 			// are drained by the next service (lifecycle.SpecFingerprint).
@@ -144,12 +176,22 @@ func (s *Service) Run(ctx context.Context) error {
 		}
 		select {
 		case <-ctx.Done():
+			s.notify("STOPPING=1")
 			s.stop()
 			return nil
 		case name := <-imageChanged:
+			if s.Load != nil {
+				if reload("image "+name+" names a new image") != nil {
+					// Asked again after registry.pull_interval.
+					stopFollow = s.follow(ctx, imageChanged, s.M.Cfg.Registry.PullInterval.D())
+				}
+				continue
+			}
 			s.Log.Warn("stopping to be restarted with the new image", "image", name)
 			s.stop()
 			return ErrImageChanged
+		case res := <-s.reloads():
+			res <- reload("reload asked (SIGHUP)")
 		case <-t.C:
 		}
 	}
@@ -157,6 +199,7 @@ func (s *Service) Run(ctx context.Context) error {
 
 // ImageGauges is the images with a source, for the metrics endpoint.
 func (s *Service) ImageGauges() ([]metrics.ImageGauge, error) {
+	defer s.Hold()()
 	s.mu.Lock()
 	f := s.images
 	s.mu.Unlock()
@@ -166,7 +209,8 @@ func (s *Service) ImageGauges() ([]metrics.ImageGauge, error) {
 	return f.gauges()
 }
 
-// ErrConfigChanged ends Run when the configuration file changed under it.
+// ErrConfigChanged ends Run, when it has no Service.Load, when the
+// configuration file changed under it.
 var ErrConfigChanged = errors.New("configuration file changed; restart the service to use it")
 
 // stop undoes the boots in progress and waits for the work in the
@@ -564,6 +608,7 @@ func RetireCode(reason string) string {
 // Gauges counts the standby machines of every pooled image now (boots
 // by this service's own count: a booting machine has no record yet).
 func (s *Service) Gauges() ([]metrics.PoolGauge, error) {
+	defer s.Hold()()
 	all, err := s.M.Standbys()
 	if err != nil {
 		return nil, err
