@@ -25,7 +25,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
@@ -70,7 +69,7 @@ func openManager(c *cli.Context, readOnly bool) (*config.Config, *jobvm.Host, er
 	if err != nil {
 		return nil, nil, err
 	}
-	m, err := jobvm.Open(cfg, lifecycle.Options{Log: obs.NewTextLogger(os.Stderr, nil), ReadOnly: readOnly})
+	m, err := jobvm.Open(cfg, lifecycle.Options{Log: logger(c), ReadOnly: readOnly})
 	return cfg, m, err
 }
 
@@ -103,9 +102,9 @@ func app() *cli.App {
 		Name:    "libvirt-executor",
 		Usage:   "administer libvirt-executor job VMs",
 		Version: buildinfo.String(),
-		Flags: []cli.Flag{
+		Flags: append([]cli.Flag{
 			&cli.StringFlag{Name: "config", Usage: "driver configuration file (default " + config.DefaultPath + ")", EnvVars: []string{config.EnvPath}},
-		},
+		}, logFlags()...),
 		Commands: withConfigFlag([]*cli.Command{
 			configCommand(),
 			{
@@ -286,13 +285,14 @@ func app() *cli.App {
 			},
 			{
 				Name:  "serve",
-				Usage: "keep the standby pools (images with a [images.NAME.pool] table) booted for warm starts, and serve Prometheus metrics (serve.metrics_listen), until SIGTERM",
+				Usage: "keep the standby pools (images with a [images.NAME.pool] table) booted for warm starts, and serve Prometheus metrics (serve.metrics_listen), until SIGTERM; SIGHUP reloads the configuration",
+				Flags: logFlags(),
 				Action: func(c *cli.Context) error {
 					cfg, err := config.Load(config.Resolve(c.String("config"), os.Getenv))
 					if err != nil {
 						return err
 					}
-					return admin.Serve(c.Context, cfg, obs.NewTextLogger(os.Stderr, nil), nil)
+					return admin.Serve(c.Context, cfg, logger(c), nil)
 				},
 			},
 			{
