@@ -27,6 +27,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/progress"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
@@ -220,7 +221,7 @@ func app() *cli.App {
 							if err != nil {
 								return err
 							}
-							return admin.ImagePush(c.Context, os.Stdout, cfg, c.Args().First(), files)
+							return admin.ImagePush(progress.With(c.Context, progress.ForFile(os.Stderr)), os.Stdout, cfg, c.Args().First(), files)
 						},
 					},
 					{
@@ -232,7 +233,7 @@ func app() *cli.App {
 							if err != nil {
 								return err
 							}
-							return admin.ImagePull(c.Context, os.Stdout, cfg, c.Args().Slice())
+							return admin.ImagePull(progress.With(c.Context, progress.ForFile(os.Stderr)), os.Stdout, cfg, c.Args().Slice())
 						},
 					},
 					{

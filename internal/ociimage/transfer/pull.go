@@ -22,6 +22,7 @@ import (
 	"oras.land/oras-go/v2/content"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/progress"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
@@ -210,7 +211,10 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 	}
 	defer func() { _ = os.RemoveAll(tmp) }()
 	var fetched int64
+	pr := progress.From(ctx)
+	defer pr.Done()
 	for i, layer := range man.Layers {
+		pr.Step("fetch "+cfg.Files[i].Name, layer.Size)
 		n, err := fetchFile(ctx, repo, layer, cfg.Files[i], filepath.Join(tmp, cfg.Files[i].Name))
 		fetched += n
 		if err != nil {
@@ -219,6 +223,7 @@ func fetch(ctx context.Context, s *ociimage.Store, repo fetcher, src ociimage.So
 	}
 	// The disk is input too: a header that names a host file (a backing
 	// or data file) or claims a size past the limits is never stored.
+	pr.Step("check "+ociimage.DiskFile+" and store the image", 0)
 	checked, err := s.CheckDisk(filepath.Join(tmp, ociimage.DiskFile))
 	if err != nil {
 		return fetched, fmt.Errorf("image %s: %s: %w", src, ociimage.DiskFile, err)
@@ -275,7 +280,7 @@ func fetchFileWatched(ctx context.Context, repo fetcher, layer ocispec.Descripto
 		return 0, fetchError(err)
 	}
 	defer rc.Close()
-	counted := &countingReader{r: rc, progress: progress}
+	counted := &countingReader{r: rc, progress: progress, bytes: progressOf(ctx)}
 	vr := content.NewVerifyReader(counted, layer)
 	zr, err := zstd.NewReader(vr, zstd.WithDecoderConcurrency(1), zstd.WithDecoderMaxWindow(64<<20))
 	if err != nil {
@@ -332,13 +337,20 @@ type countingReader struct {
 	n        int64
 	err      error
 	progress func() // called when bytes arrive (nil: nothing)
+	bytes    progress.Reporter
 }
+
+// progressOf is ctx's progress reporter (progress.From).
+func progressOf(ctx context.Context) progress.Reporter { return progress.From(ctx) }
 
 func (c *countingReader) Read(p []byte) (int, error) {
 	n, err := c.r.Read(p)
 	c.n += int64(n)
 	if n > 0 && c.progress != nil {
 		c.progress()
+	}
+	if n > 0 && c.bytes != nil {
+		c.bytes.Add(int64(n))
 	}
 	if err != nil && err != io.EOF {
 		c.err = err

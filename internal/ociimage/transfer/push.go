@@ -2,6 +2,7 @@ package transfer
 
 import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/progress"
 
 	"context"
 	"crypto/sha256"
@@ -56,6 +57,8 @@ func Push(ctx context.Context, r Remote, dst ociimage.Source, files []PushFile, 
 	}
 	var res PushResult
 	var layers []ocispec.Descriptor
+	pr := progress.From(ctx)
+	defer pr.Done()
 	for _, name := range ociimage.FileNames {
 		if !seen[name] {
 			continue
@@ -66,11 +69,11 @@ func Push(ctx context.Context, r Remote, dst ociimage.Source, files []PushFile, 
 				path = f.Path
 			}
 		}
-		info, desc, cleanup, err := compress(path, name, tmpDir)
+		info, desc, cleanup, err := compress(path, name, tmpDir, pr)
 		if err != nil {
 			return PushResult{}, err
 		}
-		err = pushBlob(ctx, repo, desc, cleanup.path)
+		err = pushBlob(ctx, repo, desc, cleanup.path, name, pr)
 		cleanup.remove()
 		if err != nil {
 			return PushResult{}, fmt.Errorf("push %s: %w", path, err)
@@ -79,6 +82,7 @@ func Push(ctx context.Context, r Remote, dst ociimage.Source, files []PushFile, 
 		res.Compressed += desc.Size
 		layers = append(layers, desc)
 	}
+	pr.Step("push the config and the manifest, tag "+dst.Ref.Reference, 0)
 	cb, err := json.Marshal(ociimage.ImageConfig{Format: ociimage.ConfigFormat, Files: res.Files})
 	if err != nil {
 		return PushResult{}, err
@@ -107,13 +111,19 @@ type tempFile struct{ path string }
 func (t tempFile) remove() { _ = os.Remove(t.path) }
 
 // compress writes path zstd-compressed into a temporary file, returning
-// the file's info (uncompressed) and the layer's descriptor.
-func compress(path, name, tmpDir string) (ociimage.FileInfo, ocispec.Descriptor, tempFile, error) {
+// the file's info (uncompressed) and the layer's descriptor; pr hears its
+// step and bytes read.
+func compress(path, name, tmpDir string, pr progress.Reporter) (ociimage.FileInfo, ocispec.Descriptor, tempFile, error) {
 	in, err := os.Open(path)
 	if err != nil {
 		return ociimage.FileInfo{}, ocispec.Descriptor{}, tempFile{}, err
 	}
 	defer in.Close()
+	var size int64
+	if st, err := in.Stat(); err == nil {
+		size = st.Size()
+	}
+	pr.Step("compress "+name, size)
 	out, err := os.CreateTemp(tmpDir, "lve-push-*.zst")
 	if err != nil {
 		return ociimage.FileInfo{}, ocispec.Descriptor{}, tempFile{}, err
@@ -130,7 +140,7 @@ func compress(path, name, tmpDir string) (ociimage.FileInfo, ocispec.Descriptor,
 	if err != nil {
 		return fail(err)
 	}
-	n, err := io.Copy(zw, io.TeeReader(in, raw))
+	n, err := io.Copy(zw, io.TeeReader(progress.Reader{R: in, P: pr}, raw))
 	if err != nil {
 		return fail(err)
 	}
@@ -156,9 +166,11 @@ type pusher interface {
 	Push(ctx context.Context, desc ocispec.Descriptor, r io.Reader) error
 }
 
-// pushBlob uploads the compressed file unless the registry has it.
-func pushBlob(ctx context.Context, repo pusher, desc ocispec.Descriptor, path string) error {
+// pushBlob uploads the compressed file unless the registry has it; pr
+// hears its step (name's upload) and bytes sent.
+func pushBlob(ctx context.Context, repo pusher, desc ocispec.Descriptor, path, name string, pr progress.Reporter) error {
 	if ok, err := repo.Exists(ctx, desc); err == nil && ok {
+		pr.Step("upload "+name+": the registry has it", 0)
 		return nil
 	}
 	f, err := os.Open(path)
@@ -166,7 +178,8 @@ func pushBlob(ctx context.Context, repo pusher, desc ocispec.Descriptor, path st
 		return err
 	}
 	defer f.Close()
-	return repo.Push(ctx, desc, f)
+	pr.Step("upload "+name, desc.Size)
+	return repo.Push(ctx, desc, progress.Reader{R: f, P: pr})
 }
 
 type countingWriter struct {
