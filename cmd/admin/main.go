@@ -4,6 +4,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -407,6 +408,9 @@ func app() *cli.App {
 					&cli.StringFlag{Name: "listen", Usage: "host:port for the fake GitLab job API, reachable from the guests (default: this host's address on the configured network, a free port)"},
 					&cli.StringFlag{Name: "image", Usage: "the image the jobs ask for (default: the configuration's default image)"},
 					&cli.BoolFlag{Name: "steps", Usage: "also run a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM (docs/steps.md)"},
+					&cli.StringFlag{Name: "url", Usage: "the GitLab the runner is registered with, probed from the guest (DNS, route, TLS, certificate); default: the first [[runners]] url of --runner-config"},
+					&cli.StringFlag{Name: "tls-ca-file", Usage: "the CA file the runner trusts for --url (default: --runner-config's tls-ca-file; none: the system store)"},
+					&cli.StringFlag{Name: "runner-config", Value: "/etc/gitlab-runner/config.toml", Usage: "the runner's config.toml, read for url and tls-ca-file when --url is not given (skipped when it cannot be read)"},
 					&cli.DurationFlag{Name: "timeout", Value: 15 * time.Minute, Usage: "give up after this long"},
 					&cli.BoolFlag{Name: "verbose", Usage: "print the job logs also when all passed"},
 				},
@@ -472,12 +476,24 @@ func runSelftest(c *cli.Context) error {
 		}
 		listen = net.JoinHostPort(addr, "0")
 	}
+	gitlabURL, caFile := c.String("url"), c.String("tls-ca-file")
+	if gitlabURL == "" {
+		if u, ca, err := selftest.RunnerGitLab(c.String("runner-config")); err == nil {
+			gitlabURL, caFile = u, cmp.Or(caFile, ca)
+			fmt.Printf("GitLab from %s: %s\n", c.String("runner-config"), u)
+		} else if c.IsSet("runner-config") {
+			return err
+		} else {
+			fmt.Printf("no GitLab to probe from the guest (%v): pass --url\n", err)
+		}
+	}
 	exe, err := os.Executable()
 	if err != nil {
 		return err
 	}
 	rep, err := selftest.Run(c.Context, selftest.Options{
 		Config: cfg.Path, BinDir: filepath.Dir(exe), Runner: runner, Listen: listen,
+		GitLabURL: gitlabURL, GitLabCA: caFile,
 		Image: c.String("image"), Steps: c.Bool("steps"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
 	})
 	if err != nil {

@@ -16,10 +16,14 @@ LVE_RIG_NETMASK=255.255.255.0
 # network starts with keeps libvirt's dnsmasq serving DHCP (dhcp-range=...,static) from
 # the start, so that the first VM's entry does not restart it.
 LVE_RIG_DHCP_RESERVED=10.213.7.254
+# The host name of the tests' GitLab over HTTPS (the fake job API behind TLS, at the
+# gateway): the network's DNS answers it for the guests (<dns><host>), the namespace's
+# /etc/hosts (/etc/netns/$LVE_RIG_NS/hosts) for the runner on the host side.
+LVE_RIG_GITLAB_HOST=gitlab.lve-rig.test
 LVE_RIG_SERVICE_PORTS=${LVE_RIG_SERVICE_PORTS:-20000:20999} # host-side TCP ports guests may reach (test git servers)
 LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
 LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh
-export LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI LVE_RIG_PREFIX \
+export LVE_RIG_GITLAB_HOST LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI LVE_RIG_PREFIX \
 	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG LVE_RIG_SERVICE_PORTS
 
 rig_log() { printf '[rig] %s\n' "$*" >&2; }

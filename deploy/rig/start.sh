@@ -83,6 +83,10 @@ else
 		if ! rig_netns_exists; then
 			ip netns add "$LVE_RIG_NS"
 			touch "$LVE_RIG_RUN/netns-owned"
+			# the tests' GitLab by name on the host side (ip netns exec binds this over
+			# /etc/hosts); the guests ask the network's DNS
+			mkdir -p "/etc/netns/$LVE_RIG_NS"
+			{ cat /etc/hosts; printf '%s\t%s\n' "$LVE_RIG_GATEWAY" "$LVE_RIG_GITLAB_HOST"; } >"/etc/netns/$LVE_RIG_NS/hosts"
 			rig_log "created network namespace $LVE_RIG_NS"
 		fi
 		ip -n "$LVE_RIG_NS" link set lo up
@@ -139,6 +143,9 @@ if ! rig_virsh net-info "$LVE_RIG_NET" >/dev/null 2>&1; then
       <host mac='52:54:00:00:00:01' name='$LVE_RIG_NET-reserved' ip='$LVE_RIG_DHCP_RESERVED'/>
     </dhcp>
   </ip>
+  <dns>
+    <host ip='$LVE_RIG_GATEWAY'><hostname>$LVE_RIG_GITLAB_HOST</hostname></host>
+  </dns>
   <dnsmasq:options>
     <dnsmasq:option value='no-ping'/>
   </dnsmasq:options>

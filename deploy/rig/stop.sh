@@ -146,6 +146,7 @@ if [ -e "$LVE_RIG_RUN/netns-owned" ] && rig_netns_exists; then
 	left=$(ip netns pids "$LVE_RIG_NS" 2>/dev/null | tr '\n' ' ')
 	[ -z "$left" ] || rig_log "processes still in namespace $LVE_RIG_NS (not started by the rig?): $left"
 	ip netns del "$LVE_RIG_NS" && rig_log "deleted network namespace $LVE_RIG_NS"
+	rm -rf "/etc/netns/$LVE_RIG_NS"
 fi
 rm -f "$LVE_RIG_RUN/netns-owned"
 rig_log "stopped (image cache kept)"

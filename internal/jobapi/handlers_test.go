@@ -389,3 +389,25 @@ func TestStartStopsWithContext(t *testing.T) {
 	_, err = Start(t.Context(), Options{Listen: "256.0.0.1:0"})
 	assert.Error(t, err)
 }
+
+// A public URL (a TLS front with a host name) is what the payload names
+// the server by; a bad one is refused.
+func TestPublicURL(t *testing.T) {
+	s, err := Start(context.Background(), Options{})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = s.Close() })
+	require.Error(t, s.SetPublicURL("gitlab.example:443"))
+	require.Error(t, s.SetPublicURL("https://gitlab.example:8443"))
+	require.NoError(t, s.SetPublicURL("https://gitlab.example:8443/"))
+	id := s.Enqueue(Job{Name: "x", Script: []string{"true"}})
+	s.mu.Lock()
+	p := s.payload(s.jobs[id])
+	s.mu.Unlock()
+	vars := map[string]string{}
+	for _, v := range p.Variables {
+		vars[v.Key] = v.Value
+	}
+	require.Equal(t, "https://gitlab.example:8443", vars["CI_SERVER_URL"])
+	require.Equal(t, "gitlab.example", vars["CI_SERVER_HOST"])
+	require.True(t, strings.HasPrefix(vars["CI_PROJECT_URL"], "https://gitlab.example:8443/"), vars["CI_PROJECT_URL"])
+}

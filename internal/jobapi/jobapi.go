@@ -21,7 +21,9 @@ import (
 	"math/big"
 	"net"
 	"net/http"
+	"net/url"
 	"slices"
+	"strings"
 	"sync"
 	"time"
 )
@@ -180,6 +182,7 @@ type Server struct {
 	log         *slog.Logger
 	runnerToken string
 	url         string
+	public      string // SetPublicURL; "" for url. Guarded by mu.
 	srv         *http.Server
 	serveErr    chan error
 	closed      chan struct{}
@@ -248,6 +251,21 @@ func Start(ctx context.Context, o Options) (*Server, error) {
 
 // URL is the base URL to give `gitlab-runner --url`, e.g. "http://127.0.0.1:4321/".
 func (s *Server) URL() string { return s.url }
+
+// SetPublicURL makes the jobs' payloads name the server by u (CI_SERVER_URL,
+// the project's URLs): the URL runners and guests reach it at when a TLS
+// front with a host name of its own stands before it, as a real GitLab is
+// reached. u must be an absolute http(s) URL ending in "/".
+func (s *Server) SetPublicURL(u string) error {
+	p, err := url.Parse(u)
+	if err != nil || (p.Scheme != "https" && p.Scheme != "http") || p.Host == "" || !strings.HasSuffix(p.Path, "/") {
+		return fmt.Errorf("jobapi: public URL %q: want http(s)://HOST[:PORT]/", u)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.public = u
+	return nil
+}
 
 // RunnerToken is the token the runner must present (Options.RunnerToken or a
 // generated one). It is a secret: do not log it.

@@ -1,6 +1,7 @@
 package jobapi
 
 import (
+	"cmp"
 	"net/url"
 	"strconv"
 	"strings"
@@ -154,13 +155,14 @@ var failureReasons = []string{
 // the runner takes the job, so that dependencies see artifacts uploaded since.
 func (s *Server) payload(j *job) jobResponse {
 	spec := j.spec
-	base, _ := url.Parse(s.url) // s.url is built from a listener address: it parses
+	serverURL := cmp.Or(s.public, s.url)
+	base, _ := url.Parse(serverURL) // a listener's address, or checked by SetPublicURL: it parses
 	project := Project{ID: projectID, Namespace: projectNamespace, Name: projectName}
 	if spec.Project != nil {
 		project = *spec.Project
 	}
 	projectPath := project.Namespace + "/" + project.Name
-	projectURL := s.url + projectPath
+	projectURL := serverURL + projectPath
 	timeout := spec.TimeoutSeconds
 	if timeout <= 0 {
 		timeout = defaultTimeout
@@ -196,7 +198,7 @@ func (s *Server) payload(j *job) jobResponse {
 		pub("CI_COMMIT_REF_NAME", ref),
 		pub("CI_COMMIT_BRANCH", ref),
 		pub("CI_DEFAULT_BRANCH", ref),
-		pub("CI_SERVER_URL", strings.TrimSuffix(s.url, "/")),
+		pub("CI_SERVER_URL", strings.TrimSuffix(serverURL, "/")),
 		pub("CI_SERVER_HOST", base.Hostname()),
 		pub("CI_SERVER_PORT", base.Port()),
 		pub("CI_SERVER_PROTOCOL", "http"),

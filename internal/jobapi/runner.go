@@ -66,6 +66,10 @@ type RunSingleOptions struct {
 	// Env is the runner's environment (nil: this process's), passed on to
 	// jobs and executor stages. Point HOME at a scratch directory.
 	Env []string
+	// TLSCAFile, if set, is the CA certificates file the runner trusts for
+	// URL (--tls-ca-file); the runner hands it to the job too
+	// (CI_SERVER_TLS_CA_FILE), for git and its helper in the guest.
+	TLSCAFile string
 	// Dir is the runner's working directory ("" for this process's).
 	Dir            string
 	Stdout, Stderr io.Writer
@@ -108,6 +112,9 @@ func RunSingle(ctx context.Context, o RunSingleOptions) error {
 	}
 	if o.CacheDir != "" {
 		args = append(args, "--cache-dir", o.CacheDir)
+	}
+	if o.TLSCAFile != "" {
+		args = append(args, "--tls-ca-file", o.TLSCAFile)
 	}
 	if c := o.Custom; c != nil {
 		args = append(args, customArgs(c)...)
@@ -169,6 +176,10 @@ type RunMultiOptions struct {
 	Concurrent int
 	// Env is the runner's environment (nil: this process's); see RunSingle.
 	Env []string
+	// TLSCAFile, if set, is the CA certificates file the runner trusts for
+	// URL (--tls-ca-file); the runner hands it to the job too
+	// (CI_SERVER_TLS_CA_FILE), for git and its helper in the guest.
+	TLSCAFile string
 	// Dir is the runner's working directory ("" for this process's).
 	Dir            string
 	Stdout, Stderr io.Writer

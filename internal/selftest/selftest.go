@@ -41,6 +41,12 @@ type Options struct {
 	// Steps adds a GitLab Steps job (run:), run through `gitlab-runner
 	// run` (the only mode that converts run: jobs), in a fresh VM.
 	Steps bool
+	// GitLabURL, if set, is the GitLab the runner is registered with (its
+	// config.toml's url: RunnerGitLab, or --url): the first job probes it
+	// from the guest (name, route, TLS and certificate) and the report
+	// says which is wrong. GitLabCA is the CA file the runner trusts for
+	// it (tls-ca-file; "" for the system store).
+	GitLabURL, GitLabCA string
 	// Timeout bounds the whole test.
 	Timeout time.Duration
 	// Progress receives one line per step; Log the fake API's logs.
@@ -61,7 +67,9 @@ type JobReport struct {
 // Report is the self test's outcome.
 type Report struct {
 	Runner, Version, Listen string
-	Jobs                    []JobReport
+	// GitLab is the GitLab probe's one line ("" without a GitLab URL).
+	GitLab string
+	Jobs   []JobReport
 	// Fixes say what to do about what failed; empty when all passed.
 	Fixes []string
 	// Wall is the whole test's time.
@@ -113,14 +121,23 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 	rep.Listen = strings.TrimSuffix(strings.TrimPrefix(api.URL(), "http://"), "/")
 	say("fake GitLab job API at %s; gitlab-runner %s (%s)", api.URL(), rep.Version, o.Runner)
 
+	var probeVariables []jobapi.Variable
+	var probe []string
+	if o.GitLabURL != "" {
+		if probeVariables, err = probeVars(o.GitLabURL, o.GitLabCA); err != nil {
+			return nil, err
+		}
+		probe = probeScript
+		say("the first job also asks %s from the guest (DNS, route, TLS, certificate)", o.GitLabURL)
+	}
 	produce := api.Enqueue(jobapi.Job{
-		Name: produceName, Stage: "build", Image: o.Image,
-		Script: []string{
+		Name: produceName, Stage: "build", Image: o.Image, Variables: probeVariables,
+		Script: append(probe,
 			`echo "selftest: running in $(uname -srm) as $(id -un) on $(cat /etc/hostname 2>/dev/null)"`,
 			"mkdir -p out vendor",
 			`echo "artifact-of-$CI_JOB_ID" > out/proof.txt`,
 			`echo "cache-of-$CI_JOB_ID" > vendor/proof.txt`,
-		},
+		),
 		Artifacts: &jobapi.Artifacts{Name: "selftest", Paths: []string{"out/"}, ExpireIn: "1 hour"},
 		Cache:     &jobapi.Cache{Key: cacheKey, Paths: []string{"vendor/"}, Policy: "push"},
 	})
@@ -183,6 +200,17 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		runErr = errors.Join(runErr, stepsErr)
 	}
 	rep.Fixes = diagnose(rep, runErr, runnerOut.String(), ctx.Err())
+	if o.GitLabURL != "" && first.Trace != "" {
+		if out, ok := probeOutput(first.Trace); ok {
+			line, fix := probeVerdict(ClassifyProbe(out, o.GitLabURL), o.GitLabURL, o.GitLabCA, out)
+			rep.GitLab = line
+			if fix != "" {
+				rep.Fixes = append(rep.Fixes, fix)
+			}
+		} else if first.State == jobapi.StateSuccess {
+			rep.Fixes = append(rep.Fixes, errNoProbe.Error())
+		}
+	}
 	return rep, nil
 }
 
@@ -320,6 +348,9 @@ func (r *Report) Print(w io.Writer) {
 			line += fmt.Sprintf(", VM ready in %s", j.Ready)
 		}
 		fmt.Fprintln(w, line)
+	}
+	if r.GitLab != "" {
+		fmt.Fprintln(w, "  "+r.GitLab)
 	}
 	if r.OK() {
 		verdict := "OK: VMs start, run the stages and go; the guest's gitlab-runner uploaded and downloaded an artifact and archived and restored a cache"

@@ -5,6 +5,7 @@ package e2e
 import (
 	"archive/zip"
 	"bytes"
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -45,6 +46,10 @@ type realRunner struct {
 	// noDistributedCache: the runner gets no S3 cache (the host cache's
 	// tests: the archives stay in the guest's cache_dir).
 	noDistributedCache bool
+	// url and caFile, if set, are the GitLab URL the runner is given
+	// instead of the fake's own, and the CA file it trusts for it
+	// (--tls-ca-file): the fake behind a TLS front with a host name.
+	url, caFile string
 }
 
 func newRealRunner(t *testing.T) *realRunner {
@@ -89,7 +94,7 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	go func() {
 		done <- jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
-			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
+			Binary: rr.bin, URL: cmp.Or(rr.url, rr.api.URL()), TLSCAFile: rr.caFile, Token: rr.api.RunnerToken(), Executor: "custom",
 			Custom:    rr.custom(),
 			BuildsDir: "/builds", CacheDir: "/cache",
 			MaxBuilds: n, WaitTimeout: 5 * time.Minute,

@@ -98,6 +98,12 @@ lve_deb_configure_base() {
 	local g
 	install -m 0644 "$lve_deb_dir/20-dhcp.network" "$root/etc/systemd/network/20-dhcp.network"
 	lve_in_root systemctl enable systemd-networkd.service >/dev/null 2>&1
+	# resolv.conf from the DHCP lease's DNS servers (networkd writes none; systemd-resolved
+	# would, as a daemon more to start at every boot)
+	install -D -m 0755 "$lve_deb_dir/dhcp-resolv" "$root/usr/libexec/libvirt-executor/dhcp-resolv"
+	install -m 0644 "$lve_deb_dir/libvirt-executor-resolv.path" "$lve_deb_dir/libvirt-executor-resolv.service" \
+		"$root/etc/systemd/system/"
+	lve_in_root systemctl enable libvirt-executor-resolv.path >/dev/null 2>&1
 	mkdir -p "$root/etc/systemd/system-generators"
 	for g in systemd-cryptsetup-generator systemd-integritysetup-generator \
 		systemd-veritysetup-generator systemd-gpt-auto-generator systemd-hibernate-resume-generator \
@@ -136,14 +142,16 @@ lve_deb_mask() {
 	done
 }
 
-# lve_deb_identity: host name lve-$name, /etc/hosts, fstab, an empty resolv.conf and
+# lve_deb_identity: host name lve-$name, /etc/hosts, fstab, an empty resolv.conf (filled
+# at boot from DHCP) and
 # machine-id.
 lve_deb_identity() {
 	echo "lve-$name" >"$root/etc/hostname"
 	printf '127.0.0.1\tlocalhost\n127.0.1.1\tlve-%s\n::1\tlocalhost ip6-localhost ip6-loopback\n' "$name" >"$root/etc/hosts"
 	echo '/dev/vda / ext4 rw,errors=remount-ro 0 1' >"$root/etc/fstab"
-	# debootstrap copied the build host's resolv.conf. No resolver here: networkd does not
-	# write resolv.conf (systemd-resolved would; it is left out to keep the boot short).
+	# debootstrap copied the build host's resolv.conf: emptied, libvirt-executor-resolv
+	# writes the DHCP lease's servers into it at boot.
+	rm -f "$root/etc/resolv.conf"
 	: >"$root/etc/resolv.conf"
 	# every clone gets its own machine-id at boot
 	: >"$root/etc/machine-id"

@@ -13,7 +13,7 @@ ird=$work/initramfs
 DISK_SIZE=2G
 
 lve_apt_install busybox-static openssh-server openssh-sftp-server openssh-client bash git \
-	e2fsprogs qemu-utils cpio kmod gzip coreutils
+	e2fsprogs qemu-utils cpio kmod gzip coreutils ca-certificates
 
 mkdir -p "$work/kernel" "$root" "$ird"
 
@@ -79,6 +79,9 @@ for f in /usr/lib/git-core/*; do
 done
 mkdir -p "$root/usr/share/git-core"
 cp -a /usr/share/git-core/templates "$root/usr/share/git-core/"
+# the system CA store (Debian's bundle, where git's libcurl looks): a GitLab with a
+# public certificate works without a CA file of the runner's
+install -D -m 0644 /etc/ssl/certs/ca-certificates.crt "$root/etc/ssl/certs/ca-certificates.crt"
 
 cp /bin/busybox "$root/usr/bin/busybox"
 /bin/busybox --list-full | while read -r app; do
