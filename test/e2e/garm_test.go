@@ -41,6 +41,12 @@ type fakeGarm struct {
 	ran      map[string]int // what the runner services said they ran as
 	config   []string       // config.sh's arguments, as the fake runner got them
 	badAuth  []string
+	// down: until then garm's callback and metadata endpoints answer 503
+	down time.Time
+	// patterns are what the guest's job searches for (/patterns); job is
+	// what it reported (/job)
+	patterns string
+	job      []string
 }
 
 func (g *fakeGarm) handler(tokens map[string]string) http.Handler {
@@ -123,7 +129,23 @@ func (g *fakeGarm) handler(tokens map[string]string) http.Handler {
 			_, _ = io.WriteString(w, body)
 		})
 	}
-	return mux
+	mux.HandleFunc("GET /patterns", func(w http.ResponseWriter, r *http.Request) { _, _ = io.WriteString(w, g.patterns) })
+	mux.HandleFunc("POST /job", func(w http.ResponseWriter, r *http.Request) {
+		b, _ := io.ReadAll(io.LimitReader(r.Body, 1<<20))
+		g.mu.Lock()
+		g.job = append(g.job, string(b))
+		g.mu.Unlock()
+	})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		g.mu.Lock()
+		down := time.Now().Before(g.down)
+		g.mu.Unlock()
+		if down && strings.HasPrefix(r.URL.Path, "/api/v1/") {
+			http.Error(w, "garm is down", http.StatusServiceUnavailable)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
 }
 
 func (g *fakeGarm) seq(tok string) []string {
@@ -136,6 +158,62 @@ func (g *fakeGarm) seq(tok string) []string {
 // and writes .runner (agent 4242), svc.sh installs and starts a systemd
 // unit that runs run.sh, which tells the fake garm it ran.
 func runnerTarball(t *testing.T, ranURL, configuredURL string) []byte {
+	return jobTarball(t, ranURL, configuredURL, "")
+}
+
+// tokenJob is a job of the runner: with the runner's sudo it reads every
+// regular file of the guest (all but /proc and /sys) and every block
+// device (whole disks; a partition is part of its disk) for the patterns
+// garm's /patterns serves (never written to a file), and posts what it
+// found to /job: FOUND lines, counts, who it ran as.
+const tokenJob = `import os, stat, sys, urllib.request
+base = sys.argv[1]
+pats = [p for p in urllib.request.urlopen(base + "/patterns").read().split(b"\n") if p]
+keep = max(map(len, pats))
+def holds(path):
+    with open(path, "rb", buffering=0) as f:
+        prev = b""
+        while True:
+            b = f.read(8 << 20)
+            if not b:
+                return False
+            buf = prev + b
+            if any(p in buf for p in pats):
+                return True
+            prev = buf[-keep:]
+out, files, devs, size = [], 0, 0, 0
+for dirpath, dirs, names in os.walk("/"):
+    if dirpath == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys")]
+    for n in names:
+        p = os.path.join(dirpath, n)
+        try:
+            if not stat.S_ISREG(os.lstat(p).st_mode):
+                continue
+            files += 1
+            if holds(p):
+                out.append("FOUND file " + p)
+        except OSError:
+            pass
+for n in sorted(os.listdir("/sys/class/block")):
+    if os.path.exists("/sys/class/block/%s/partition" % n):
+        continue
+    try:
+        if holds("/dev/" + n):
+            out.append("FOUND device /dev/" + n)
+        devs += 1
+        with open("/sys/class/block/%s/size" % n) as f:
+            size += int(f.read()) * 512
+    except OSError as e:
+        out.append("UNREADABLE /dev/%s %s" % (n, e.strerror))
+out += ["FILES %d" % files, "DEVICES %d" % devs, "DEVICE_BYTES %d" % size, "UID %d" % os.getuid(), "SUDO_USER " + os.environ.get("SUDO_USER", "")]
+urllib.request.urlopen(base + "/job", data="\n".join(out).encode())
+`
+
+// jobTarball is runnerTarball whose runner service, when it starts, first
+// runs job (python, with the runner's sudo; its argument the fake garm's
+// base URL) as a job would, the moment the runner can take one.
+func jobTarball(t *testing.T, ranURL, configuredURL, job string) []byte {
 	t.Helper()
 	files := map[string]string{
 		"config.sh": "#!/bin/sh\nset -e\ncd \"$(dirname \"$0\")\"\nprintf '%s\\n' \"$@\" > config.args\n" +
@@ -149,7 +227,13 @@ func runnerTarball(t *testing.T, ranURL, configuredURL string) []byte {
 	var buf bytes.Buffer
 	gz := gzip.NewWriter(&buf)
 	tw := tar.NewWriter(gz)
-	for _, name := range []string{"config.sh", "svc.sh", "run.sh"} {
+	names := []string{"config.sh", "svc.sh", "run.sh"}
+	if job != "" {
+		files["job.py"] = job
+		files["run.sh"] = "#!/bin/sh\ndir=$(cd \"$(dirname \"$0\")\" && pwd)\nsudo -n python3 \"$dir/job.py\" " + strings.TrimSuffix(ranURL, "/ran") + "\n" + files["run.sh"][len("#!/bin/sh\n"):]
+		names = append(names, "job.py")
+	}
+	for _, name := range names {
 		require.NoError(t, tw.WriteHeader(&tar.Header{Name: name, Mode: 0o755, Size: int64(len(files[name])), ModTime: time.Now()}))
 		_, err := tw.Write([]byte(files[name]))
 		require.NoError(t, err)
@@ -536,4 +620,86 @@ func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (str
 	cmd.Stdin = strings.NewReader(stdin)
 	o, err := cmd.CombinedOutput()
 	return string(o), err
+}
+
+// TestGarmTokenGoneBeforeJobs: garm's token is gone from the guest before
+// the runner can take a job, without garm calling the provider again.
+// garm answers 503 for a minute (the bootstrap waits it out), and the test
+// makes no provider call after CreateInstance: the first thing the runner
+// service does is a job that, as the runner user with its sudo, reads
+// every file and every block device of the guest (the seed disk included)
+// for the token, plain or base64, and finds it nowhere. The seed volume is
+// still attached (the host did nothing) and holds only zeros. Before this
+// change the job found the token on the seed device (and the service
+// started before the bootstrap's scrub).
+func TestGarmTokenGoneBeforeJobs(t *testing.T) {
+	base := setup(t)
+	if _, ok := base.cfg.Images["cloud"]; !ok {
+		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
+			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
+		}
+		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
+	}
+	ln := base.serviceListener(t)
+	r := base.withConfig(t, func(s string) string {
+		return s + fmt.Sprintf("\n[garm]\nimages = [\"cloud\"]\nendpoints = [%q]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n", "http://"+ln.Addr().String())
+	})
+	g := &fakeGarm{base: "http://" + ln.Addr().String(), statuses: map[string][]string{}, messages: map[string][]string{},
+		agent: map[string]any{}, info: map[string]map[string]any{}, ran: map[string]int{}}
+	g.tarball = jobTarball(t, g.base+"/ran", g.base+"/configured", tokenJob)
+	sum := sha256.Sum256(g.tarball)
+	tok := "garm-token-job-" + fmt.Sprint(time.Now().UnixNano())
+	g.patterns = strings.Join(tokenForms(tok), "\n") + "\n"
+	g.down = time.Now().Add(time.Minute)
+	srv := &http.Server{Handler: g.handler(map[string]string{tok: ""}), ReadHeaderTimeout: 10 * time.Second}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { _ = srv.Close() })
+	const (
+		ctrl = "77777777-2222-3333-4444-555555555555"
+		pool = "dddddddd-0000-0000-0000-000000000004"
+	)
+	t.Cleanup(func() { _, _, _ = garmCall(t, r.bin, r.cfgPath, ctrl, "", "RemoveAllInstances", "", "") })
+	b, _ := json.Marshal(map[string]any{
+		"name": "garm-Job1", "os_type": "linux", "arch": "amd64", "image": "cloud", "flavor": "small",
+		"callback-url": g.base + "/api/v1/callbacks", "metadata-url": g.base + "/api/v1/metadata",
+		"instance-token": tok, "repo_url": "https://github.com/example/repo", "labels": []string{"lve"},
+		"tools": []map[string]any{{"os": "linux", "architecture": "x64", "download_url": g.base + "/runner.tar.gz",
+			"filename": "runner.tar.gz", "sha256_checksum": hex.EncodeToString(sum[:])}},
+		"extra_specs": map[string]any{},
+	})
+	out, errs, code := garmCall(t, r.bin, r.cfgPath, ctrl, pool, "CreateInstance", "", string(b))
+	require.Equal(t, 0, code, out+errs)
+	var inst struct {
+		ProviderID string `json:"provider_id"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &inst))
+	t.Cleanup(func() {
+		if t.Failed() {
+			b, _ := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", inst.ProviderID, "console.log"))
+			t.Logf("console (last 6 KiB):\n%s", b[max(0, len(b)-6144):])
+			g.mu.Lock()
+			t.Logf("statuses %v messages %v bad auth %v job %q", g.statuses, g.messages, g.badAuth, g.job)
+			g.mu.Unlock()
+		}
+	})
+
+	// No provider call from here until the job has reported.
+	waitFor(t, 10*time.Minute, "the runner's first job reports", func() bool { g.mu.Lock(); defer g.mu.Unlock(); return len(g.job) > 0 })
+	g.mu.Lock()
+	job, seq := g.job[0], slices.Clone(g.statuses[tok])
+	g.mu.Unlock()
+	t.Logf("job: %s", job)
+	require.NotContains(t, job, "FOUND", "the runner's job found garm's token")
+	require.Contains(t, job, "UID 0\n", "the job searched with the runner's sudo")
+	require.Contains(t, job, "SUDO_USER runner")
+	require.Regexp(t, `DEVICES ([2-9]|[1-9][0-9]+)\n`, job, "the root disk and the seed disk were read")
+	require.NotEmpty(t, seq)
+	require.Equal(t, "idle", seq[len(seq)-1], "statuses %v", seq)
+	// the host did nothing: the seed volume is still there, zeros only
+	_, dir, err := poolPath(r)
+	require.NoError(t, err)
+	seed, err := os.ReadFile(filepath.Join(dir, inst.ProviderID+"-seed.img"))
+	require.NoError(t, err, "the seed volume is still attached (no provider call took it)")
+	require.NotEmpty(t, seed)
+	require.Equal(t, len(seed), bytes.Count(seed, []byte{0}), "the guest wiped the seed volume")
 }
