@@ -381,7 +381,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		add(c)
 	}
 	if cfg.Cache.Enabled() {
-		add(cacheDirCheck(cfg.Cache))
+		add(cacheDirCheck(cfg.Cache, cfg.StateDir))
 	}
 	if !local {
 		// The guest tools, the step-runner and the service are GitLab's,
@@ -653,9 +653,11 @@ func configFileCheck(path string) Check {
 }
 
 // cacheDirCheck checks the host cache's directory as the state directory
-// (the stages' user's, 0700, or creatable), that it is no symlink, and that
-// its filesystem has room for cache.total_limit_mib.
-func cacheDirCheck(c config.Cache) Check {
+// (the stages' user's, 0700, or creatable), that it is no symlink, that
+// it belongs to the state directory's owner (the stages' user; doctor as
+// root would otherwise pass a root-owned one), and that its filesystem has
+// room for cache.total_limit_mib.
+func cacheDirCheck(c config.Cache, stateDir string) Check {
 	ch := stateDirCheck(c.Dir)
 	ch.Name = "cache dir"
 	if fi, err := os.Lstat(c.Dir); err == nil && fi.Mode()&os.ModeSymlink != 0 {
@@ -663,6 +665,9 @@ func cacheDirCheck(c config.Cache) Check {
 		ch.Info = c.Dir + " is a symlink: the host cache refuses it"
 		ch.Fix = "set cache.dir to the directory itself"
 		return ch
+	}
+	if bad, ok := cacheOwnerCheck(c.Dir, stateDir); !ok {
+		return bad
 	}
 	dir := c.Dir
 	if _, err := os.Stat(dir); err != nil {
@@ -683,6 +688,47 @@ func cacheDirCheck(c config.Cache) Check {
 		}
 	}
 	return ch
+}
+
+// cacheOwnerCheck fails (false) when the state directory exists and the
+// cache directory belongs to another user, or does not exist yet and that
+// user cannot make it (its parent is another user's, not writable by all):
+// the stages would fail every job that uses the host cache.
+func cacheOwnerCheck(dir, stateDir string) (Check, bool) {
+	st, err := os.Stat(stateDir)
+	if err != nil {
+		return Check{}, true
+	}
+	sys, ok := st.Sys().(*syscall.Stat_t)
+	if !ok {
+		return Check{}, true
+	}
+	name := func(uid uint32) string {
+		if u, err := user.LookupId(fmt.Sprint(uid)); err == nil {
+			return u.Username
+		}
+		return fmt.Sprint(uid)
+	}
+	runner := name(sys.Uid)
+	c := Check{Name: "cache dir", Fix: fmt.Sprintf("install -d -m 0700 -o %s %s (the package makes /var/cache/libvirt-executor/jobs so)", runner, dir)}
+	if fi, err := os.Stat(dir); err == nil {
+		if cs, ok := fi.Sys().(*syscall.Stat_t); ok && cs.Uid != sys.Uid {
+			c.Info = fmt.Sprintf("%s belongs to %s, but state_dir %s to %s (the stages' user): no job could use the host cache", dir, name(cs.Uid), stateDir, runner)
+			c.Fix = fmt.Sprintf("chown -R %s %s && chmod 0700 %s", runner, dir, dir)
+			return c, false
+		}
+		return Check{}, true
+	}
+	parent := filepath.Dir(dir)
+	fi, err := os.Stat(parent)
+	if err != nil {
+		return Check{}, true // the state dir check's "will be created" says whether it can be
+	}
+	if ps, ok := fi.Sys().(*syscall.Stat_t); ok && ps.Uid != sys.Uid && fi.Mode().Perm()&0o002 == 0 && fi.Mode().Perm()&0o020 == 0 {
+		c.Info = fmt.Sprintf("%s does not exist, and %s (state_dir %s's owner, the stages' user) cannot make it in %s (%s's)", dir, runner, stateDir, parent, name(ps.Uid))
+		return c, false
+	}
+	return Check{}, true
 }
 
 func stateDirCheck(dir string) Check {

@@ -9,12 +9,20 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
-// CacheStore is the host cache of cfg, or an error saying it is off.
+// CacheStore is the host cache of cfg, or an error saying it is off. It
+// refuses, as gc, rm and serve do, a process other than the state
+// directory's owner (root's cache list, prune or rm): the store makes its
+// directory, and files in it, which would be that process's, and no job
+// of the stages' user could use the cache any more.
 func CacheStore(cfg *config.Config) (*hostcache.Store, error) {
 	if !cfg.Cache.Enabled() {
 		return nil, fmt.Errorf("the host cache is off: set [cache] dir in %s (docs/caching.md)", cfg.Path)
+	}
+	if err := (state.Store{Dir: cfg.StateDir}).CheckOwner(); err != nil {
+		return nil, fmt.Errorf("host cache %s: %w", cfg.Cache.Dir, err)
 	}
 	return hostcache.ForConfig(cfg.Cache), nil
 }

@@ -24,7 +24,7 @@ func TestCacheListAndPrune(t *testing.T) {
 	_, err = CacheStore(cfg)
 	require.ErrorContains(t, err, "the host cache is off: set [cache] dir")
 
-	cfg, err = config.Parse([]byte("[cache]\ndir = \"" + dir + "\"\nproject_limit_mib = 2\ntotal_limit_mib = 8\n[images.a]\nbase = \"/a\"\n"))
+	cfg, err = config.Parse([]byte("state_dir = \"" + t.TempDir() + "\"\n[cache]\ndir = \"" + dir + "\"\nproject_limit_mib = 2\ntotal_limit_mib = 8\n[images.a]\nbase = \"/a\"\n"))
 	require.NoError(t, err)
 	store, err := CacheStore(cfg)
 	require.NoError(t, err)
@@ -55,21 +55,67 @@ func TestCacheListAndPrune(t *testing.T) {
 func TestCacheDirCheck(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "cache")
 	c := config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1}
-	ch := cacheDirCheck(c)
+	ch := cacheDirCheck(c, "")
 	require.True(t, ch.OK, ch.Info)
 	require.Contains(t, ch.Info, "will be created")
 
 	c.TotalLimitMiB = 16 << 20 // 16 TiB: more than this disk has
-	ch = cacheDirCheck(c)
+	ch = cacheDirCheck(c, "")
 	require.True(t, ch.OK)
 	require.True(t, ch.Warn)
 	require.Contains(t, ch.Info, "less than cache.total_limit_mib")
 
 	real := t.TempDir()
 	require.NoError(t, os.Symlink(real, dir))
-	ch = cacheDirCheck(c)
+	ch = cacheDirCheck(c, "")
 	require.False(t, ch.OK)
 	require.Contains(t, ch.Info, "is a symlink")
+}
+
+// A cache dir that is not the stages' user's (state_dir's owner) fails
+// doctor, run as root too (before, root's doctor passed a root-owned one:
+// its own), and so does one that user cannot make; root's cache commands
+// are refused on that user's state_dir, before they make anything (#42).
+func TestCacheDirOwner(t *testing.T) {
+	if os.Geteuid() != 0 {
+		t.Skip("needs root to give directories to another user")
+	}
+	const runner = 65534 // nobody: the stages' user here
+	top := t.TempDir()
+	stateDir, parent := filepath.Join(top, "state"), filepath.Join(top, "cache")
+	require.NoError(t, os.Mkdir(stateDir, 0o700))
+	require.NoError(t, os.Chown(stateDir, runner, runner))
+	require.NoError(t, os.Mkdir(parent, 0o755)) // root's, as /var/cache/libvirt-executor
+	dir := filepath.Join(parent, "jobs")
+	c := config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1}
+
+	ch := cacheDirCheck(c, stateDir)
+	require.False(t, ch.OK, "the stages' user cannot make it: %s", ch.Info)
+	require.Contains(t, ch.Info, "cannot make it in "+parent)
+	require.Contains(t, ch.Fix, "install -d -m 0700 -o ")
+
+	require.NoError(t, os.Mkdir(dir, 0o700)) // root's, as root's cache list made it
+	ch = cacheDirCheck(c, stateDir)
+	require.False(t, ch.OK, "a root-owned cache dir: %s", ch.Info)
+	require.Contains(t, ch.Info, dir+" belongs to root, but state_dir "+stateDir)
+	require.Contains(t, ch.Fix, "chown -R ")
+
+	require.NoError(t, os.Chown(dir, runner, runner))
+	ch = cacheDirCheck(c, stateDir)
+	require.True(t, ch.OK, "the stages' user's: %s", ch.Info)
+
+	require.NoError(t, os.Remove(dir))
+	require.NoError(t, os.Chown(parent, runner, runner))
+	ch = cacheDirCheck(c, stateDir)
+	require.True(t, ch.OK, "the stages' user can make it: %s", ch.Info)
+	require.Contains(t, ch.Info, "will be created")
+
+	// root's cache list on the stages' user's state_dir: refused, nothing made.
+	cfg, err := config.Parse([]byte("state_dir = \"" + stateDir + "\"\n[cache]\ndir = \"" + dir + "\"\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	_, err = CacheStore(cfg)
+	require.ErrorContains(t, err, "host cache "+dir+": state dir "+stateDir+" belongs to")
+	require.NoDirExists(t, dir)
 }
 
 // A cache dir in memory is gone after a reboot: doctor warns.
@@ -81,14 +127,14 @@ func TestCacheDirCheckTmpfs(t *testing.T) {
 	dir, err := os.MkdirTemp("/dev/shm", "lve-cache-test-")
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = os.RemoveAll(dir) })
-	ch := cacheDirCheck(config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1})
+	ch := cacheDirCheck(config.Cache{Dir: dir, ProjectLimitMiB: 1, TotalLimitMiB: 1}, "")
 	require.True(t, ch.OK)
 	require.True(t, ch.Warn)
 	require.Contains(t, ch.Info, "gone after a reboot")
 
 	disk := t.TempDir()
 	if unix.Statfs(disk, &st) == nil && int64(st.Type) != unix.TMPFS_MAGIC {
-		ch = cacheDirCheck(config.Cache{Dir: filepath.Join(disk, "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 1})
+		ch = cacheDirCheck(config.Cache{Dir: filepath.Join(disk, "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 1}, "")
 		require.NotContains(t, ch.Info, "gone after a reboot")
 	}
 }

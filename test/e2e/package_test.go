@@ -29,6 +29,9 @@ const upgradeFrom = "a8345977f03b3f5d4db559348ee3ba2437d9358f"
 
 const pkgName = "libvirt-executor"
 
+// hostCacheDir is the documented [cache] dir, which the package makes.
+const hostCacheDir = "/var/cache/libvirt-executor/jobs"
+
 // TestDebianPackage builds the package (deploy/package/build.sh, what make
 // package runs) and lintian finds nothing in it. It installs a package of an
 // earlier commit's build, starts its pool service, starts a job through the
@@ -49,7 +52,7 @@ func TestDebianPackage(t *testing.T) {
 	if out, err := exec.Command("dpkg-query", "-W", "-f=${Status}", pkgName).Output(); err == nil && strings.Contains(string(out), "installed") {
 		t.Fatalf("%s is installed on this machine already (%s): the test would replace it", pkgName, out)
 	}
-	for _, p := range []string{"/var/lib/libvirt-executor", "/var/cache/libvirt-executor/oci", "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
+	for _, p := range []string{"/var/lib/libvirt-executor", "/var/cache/libvirt-executor/oci", hostCacheDir, "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
 		"/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", "/etc/libvirt/hooks/libvirt-executor-guard.conf"} {
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s exists on this machine already: the test would change it", p)
@@ -71,6 +74,7 @@ func TestDebianPackage(t *testing.T) {
 		_ = exec.Command("dpkg", "--purge", pkgName).Run()
 		_ = os.RemoveAll("/var/lib/libvirt-executor")
 		_ = os.RemoveAll("/var/cache/libvirt-executor/oci")
+		_ = os.RemoveAll(hostCacheDir)
 		_ = os.RemoveAll("/etc/libvirt-executor")
 	})
 
@@ -135,6 +139,19 @@ func TestDebianPackage(t *testing.T) {
 	st, err := os.Stat("/var/lib/libvirt-executor")
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o700), st.Mode().Perm())
+	runner, err := user.Lookup("gitlab-runner")
+	require.NoError(t, err)
+	// The documented [cache] dir: the runner's user's alone (#42). Before,
+	// nothing made it and its parent is root's: the first job could not.
+	requireOwnDir := func(what string) {
+		t.Helper()
+		st, err := os.Lstat(hostCacheDir)
+		require.NoError(t, err, "%s: the package makes the host cache's directory", what)
+		require.True(t, st.IsDir(), what)
+		require.Equal(t, os.FileMode(0o700), st.Mode().Perm(), "%s: the host cache's directory is 0700", what)
+		require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "%s: the host cache belongs to the runner's user", what)
+	}
+	requireOwnDir("install")
 	require.Contains(t, run(nil, "/usr/bin/libvirt-executor", "--version"), oldVersion)
 	if _, err := os.Stat("/run/systemd/system"); err == nil {
 		out, _ := exec.Command("systemctl", "is-active", "libvirt-executor.service").CombinedOutput()
@@ -253,21 +270,30 @@ exec /usr/bin/libvirt-executor-run "$@"
 	require.Contains(t, out2, "kept /var/lib/libvirt-executor")
 	require.NoFileExists(t, "/etc/libvirt-executor/config.toml")
 	require.DirExists(t, "/var/lib/libvirt-executor")
+	// A host cache left root's (a root admin command made it, with a
+	// project's directory inside): installing again gives it back.
+	require.NoError(t, os.Chown(hostCacheDir, 0, 0))
+	require.NoError(t, os.Chmod(hostCacheDir, 0o755))
+	require.NoError(t, os.Mkdir(filepath.Join(hostCacheDir, "p"), 0o700))
 	// Install again, purge asking for the state: it goes.
-	run(nil, "dpkg", "-i", newDeb)
+	require.Contains(t, run(nil, "dpkg", "-i", newDeb), "gave "+hostCacheDir)
+	requireOwnDir("a root-owned one, installed again")
+	st, err = os.Stat(filepath.Join(hostCacheDir, "p"))
+	require.NoError(t, err)
+	require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "what root made inside is the runner's user's too")
 	// The default image store (docs/fleet.md): the runner's user writes it
 	// (prepare pulls on first use), QEMU reads it.
 	st, err = os.Stat("/var/cache/libvirt-executor/oci")
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o755), st.Mode().Perm())
-	runner, err := user.Lookup("gitlab-runner")
-	require.NoError(t, err)
 	require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "the image store belongs to the runner's user")
 	out3 := run([]string{"LIBVIRT_EXECUTOR_PURGE_STATE=yes"}, "dpkg", "--purge", pkgName)
 	require.Regexp(t, regexp.MustCompile(`removed /var/lib/libvirt-executor`), out3)
 	require.NoDirExists(t, "/var/lib/libvirt-executor")
 	require.Contains(t, out3, "removed /var/cache/libvirt-executor/oci")
 	require.NoDirExists(t, "/var/cache/libvirt-executor/oci")
+	require.Contains(t, out3, "removed "+hostCacheDir)
+	require.NoDirExists(t, hostCacheDir)
 	_, err = exec.Command("dpkg-query", "-W", pkgName).Output()
 	require.Error(t, err, "purged")
 }
