@@ -40,7 +40,9 @@ func (e *Engine) progress(format string, args ...any) {
 	}
 }
 
-// ResolveDomainType turns "auto" into "kvm" or "qemu".
+// ResolveDomainType turns "auto" into "kvm" or "qemu" by what libvirt
+// offers, without asking whether KVM runs guests (lifecycle's
+// Manager.DomainType does, with ProbeKVM).
 func (e *Engine) ResolveDomainType(ctx context.Context, want string) (string, error) {
 	if want != "auto" {
 		return want, nil

@@ -39,6 +39,9 @@ var ErrAgentNotReady = errors.New("guest agent not answering yet")
 type Hypervisor interface {
 	// KVMAvailable reports whether the host offers the kvm domain type.
 	KVMAvailable(ctx context.Context) (bool, error)
+	// Version reports libvirt's version and the hypervisor's (QEMU's),
+	// each as major*1e6 + minor*1e3 + release (FormatVersion).
+	Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error)
 	// CreateVolume creates a volume in pool and returns its path.
 	CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error)
 	// UploadVolume writes data at the start of an existing volume.

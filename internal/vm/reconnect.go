@@ -202,6 +202,15 @@ func (r *Reconnecting) KVMAvailable(ctx context.Context) (bool, error) {
 	return retry(ctx, r, func(h Hypervisor) (bool, error) { return h.KVMAvailable(ctx) })
 }
 
+// Version implements Hypervisor.
+func (r *Reconnecting) Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error) {
+	v, err := retry(ctx, r, func(h Hypervisor) ([2]uint32, error) {
+		lv, hv, err := h.Version(ctx)
+		return [2]uint32{lv, hv}, err
+	})
+	return v[0], v[1], err
+}
+
 // CreateVolume implements Hypervisor.
 func (r *Reconnecting) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
 	return retry(ctx, r, func(h Hypervisor) (string, error) { return h.CreateVolume(ctx, pool, vol) })

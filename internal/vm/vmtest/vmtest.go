@@ -56,6 +56,14 @@ type Fake struct {
 	Calls []string
 	// OnStart, if set, runs when a domain starts (a fake boot).
 	OnStart func(name string, d *libvirtxml.Domain)
+	// StartErr, if set, is asked first when a domain starts: an error it
+	// returns is Start's, and the domain does not start (QEMU exited).
+	StartErr func(name string, d *libvirtxml.Domain) error
+	// KVM is what KVMAvailable reports: libvirt offers the kvm domain type.
+	KVM bool
+	// LibVersion and HVVersion are what Version reports (New: libvirt
+	// 9.0.0, QEMU 7.2.0).
+	LibVersion, HVVersion uint32
 	// Hang, if set, stands for a hung libvirtd: every call but Close blocks
 	// until Hang is closed, whatever its ctx says, as libvirt's C calls do.
 	Hang chan struct{}
@@ -83,6 +91,7 @@ type Domain struct {
 // New returns an empty Fake.
 func New() *Fake {
 	return &Fake{Volumes: map[string][]byte{}, Domains: map[string]*Domain{}, LeaseMap: map[string][]vm.Lease{}, FailOn: map[string]error{}, Gateway: "192.168.150.1",
+		LibVersion: 9000000, HVVersion: 7002000,
 		NWFilters: map[string]string{vm.FilterBase: "<filter name='clean-traffic'/>"}}
 }
 
@@ -136,7 +145,15 @@ func (f *Fake) KVMAvailable(ctx context.Context) (bool, error) {
 	f.wait("KVMAvailable")
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	return false, f.call("KVMAvailable")
+	return f.KVM, f.call("KVMAvailable")
+}
+
+// Version implements vm.Hypervisor.
+func (f *Fake) Version(ctx context.Context) (libvirtVersion, hypervisor uint32, err error) {
+	f.wait("Version")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.LibVersion, f.HVVersion, f.call("Version")
 }
 func (f *Fake) CreateVolume(ctx context.Context, pool string, vol *libvirtxml.StorageVolume) (string, error) {
 	f.wait("CreateVolume")
@@ -306,14 +323,28 @@ func (f *Fake) Start(ctx context.Context, name string) error {
 		f.mu.Unlock()
 		return vm.ErrNotFound
 	}
-	d.Active = true
 	x := d.XML
+	startErr := f.StartErr
+	if startErr == nil {
+		d.Active = true
+	}
 	f.mu.Unlock()
-	if f.OnStart != nil {
-		var dx libvirtxml.Domain
-		if err := dx.Unmarshal(x); err != nil {
+	if f.OnStart == nil && startErr == nil {
+		return nil
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(x); err != nil {
+		return err
+	}
+	if startErr != nil {
+		if err := startErr(name, &dx); err != nil {
 			return err
 		}
+		f.mu.Lock()
+		d.Active = true
+		f.mu.Unlock()
+	}
+	if f.OnStart != nil {
 		f.OnStart(name, &dx)
 	}
 	return nil
