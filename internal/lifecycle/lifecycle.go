@@ -47,6 +47,9 @@ type Manager struct {
 	AddressPollInterval time.Duration
 	// SSHPort is the guest's SSH port (default 22).
 	SSHPort int
+	// KVMProbeBound bounds the KVM probe's wait for the kernel's banner
+	// (default vm.KVMProbeBound; ProbeKVM).
+	KVMProbeBound time.Duration
 	// hooks are what the kinds of machines add (Options.Hooks).
 	hooks Hooks
 	// hv is the hypervisor connection (from Open: one that connects on

@@ -56,8 +56,19 @@ func MachinePrefix(prefix, controller string) string {
 //   - a standby machine: sb-<8 random hex digits> (StandbyName); "sb-" is
 //     not hex, so it never looks like an instance tag;
 //   - a front end's instance: <kind>-<12 hex digits of a hash of its
-//     identity> (InstanceName; garm's runners: "garm-").
+//     identity> (InstanceName; garm's runners: "garm-");
+//   - the KVM probe's guest: kvm-<8 random hex digits> (KVMProbeName).
 const standbyTag = "sb-"
+
+// KVMProbeName is a fresh name for the KVM probe's guest (ProbeKVM):
+// <prefix>-<first 8 of controller>-kvm-<8 random hex digits>.
+func KVMProbeName(prefix, controller string) (string, error) {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return MachinePrefix(prefix, controller) + "kvm-" + hex.EncodeToString(b), nil
+}
 
 // StandbyName is a fresh name for a standby machine:
 // <prefix>-<first 8 of controller>-sb-<8 random hex digits>.

@@ -7,6 +7,7 @@ import (
 
 	"golang.org/x/crypto/ssh"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -46,7 +47,7 @@ type provision struct {
 // newProvision prepares the steps of one Provision call.
 func (m *Manager) newProvision(ctx context.Context, req request) (*provision, error) {
 	eng := m.engine()
-	domainType, err := eng.ResolveDomainType(ctx, m.Cfg.DomainType)
+	domainType, err := m.DomainType(ctx)
 	if err != nil {
 		return nil, err
 	}
@@ -207,6 +208,13 @@ func (p *provision) create(ctx context.Context) error {
 	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
 	t0 := time.Now()
 	mach, err := p.eng.Create(ctx, spec)
+	if err != nil && p.domainType == config.DomainKVM {
+		var retry bool
+		if retry, err = p.m.kvmStartRefused(ctx, err); retry {
+			p.domainType, spec.DomainType = config.DomainQEMU, config.DomainQEMU
+			mach, err = p.eng.Create(ctx, spec)
+		}
+	}
 	if err != nil {
 		return err
 	}

@@ -21,7 +21,7 @@ type SpecInput struct {
 	Request Request
 	// Controller is this installation's id, recorded as the owner.
 	Controller string
-	// DomainType is "kvm" or "qemu" (vm.Engine.ResolveDomainType).
+	// DomainType is "kvm" or "qemu" (Manager.DomainType).
 	DomainType string
 	// Keys are the machine's fresh keys; the comment on its authorized key
 	// is the machine's name.
