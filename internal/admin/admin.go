@@ -267,9 +267,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 	case kerr != nil:
 		add(Check{Name: "domain type", Info: kerr.Error(), Fix: "check libvirtd"})
 	case kvm && !local:
-		add(Check{Name: "domain type", OK: true, Info: "kvm available (that host's libvirt says so)"})
+		add(kvmProbeCheck(ctx, cfg, l, "kvm available (that host's libvirt says so)"))
 	case kvm && devOK:
-		add(Check{Name: "domain type", OK: true, Info: "kvm available (/dev/kvm usable)"})
+		add(kvmProbeCheck(ctx, cfg, l, "kvm available (/dev/kvm usable)"))
 	case cfg.DomainType == config.DomainKVM:
 		add(Check{Name: "domain type", Info: "domain_type = \"kvm\" but KVM is not usable",
 			Fix: "load kvm_intel/kvm_amd, enable virtualization in the firmware, chgrp kvm /dev/kvm && chmod 660 /dev/kvm; or use \"auto\""})
