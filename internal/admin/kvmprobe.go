@@ -19,13 +19,21 @@ import (
 // verdict, which domain_type = "auto" then follows.
 func kvmProbeCheck(ctx context.Context, cfg *config.Config, hv vm.Hypervisor, offered string) Check {
 	store := state.Store{Dir: cfg.StateDir}
-	ctrl, err := store.ExistingControllerID()
+	save := ownStateDir(cfg.StateDir)
+	var ctrl string
+	var err error
+	if save {
+		// The installation's identity, made now if need be: a probe's
+		// guest that a killed doctor left is then the sweep's.
+		ctrl, err = store.ControllerID()
+	} else {
+		ctrl, err = store.ExistingControllerID()
+	}
 	if err != nil {
-		// No machine was ever made here: the probe's guest is named
-		// apart, and removed again before the check ends.
+		// Not this user's to make: the probe's guest is named apart, and
+		// removed again before the check ends.
 		ctrl = "doctor"
 	}
-	save := ownStateDir(cfg.StateDir)
 	m := lifecycle.New(cfg, hv, ctrl, lifecycle.Options{})
 	rec, err := m.ProbeKVM(ctx, save)
 	c := Check{Name: "domain type"}

@@ -50,6 +50,10 @@ type KVMProbe struct {
 // working KVM it comes in well under a second.
 const KVMProbeBound = 20 * time.Second
 
+// unwatchedBound is how long a probe whose console is not watched waits
+// for QEMU to exit.
+const unwatchedBound = 5 * time.Second
+
 // KVMBanner is what the probe waits for on the console: the kernel's
 // first line, printed once it runs in protected mode (the hang of a broken
 // nested KVM comes before it).
@@ -117,7 +121,12 @@ func (e *Engine) watchKVMProbe(ctx context.Context, p KVMProbe) (KVMVerdict, err
 		}
 		return KVMVerdict{}, fmt.Errorf("start the KVM probe domain %s: %w", p.Name, err)
 	}
-	deadline := time.NewTimer(p.Bound)
+	bound := p.Bound
+	if p.ConsoleLog == "" || p.Kernel == "" {
+		// Only QEMU's exit is watched for: it comes at the vCPU's start.
+		bound = min(bound, unwatchedBound)
+	}
+	deadline := time.NewTimer(bound)
 	defer deadline.Stop()
 	tick := time.NewTicker(p.PollInterval)
 	defer tick.Stop()
@@ -145,7 +154,7 @@ func (e *Engine) watchKVMProbe(ctx context.Context, p KVMProbe) (KVMVerdict, err
 			if p.ConsoleLog == "" || p.Kernel == "" {
 				return KVMVerdict{Works: true, Why: fmt.Sprintf("the guest started under KVM and ran for %s (its console is not watched: %s)", Round(took), unwatched(p)), Took: took}, nil
 			}
-			return KVMVerdict{Why: fmt.Sprintf("no kernel banner on the console within %s under KVM%s", Round(took), consoleNote(p)), Took: took}, nil
+			return KVMVerdict{Why: fmt.Sprintf("no kernel banner on the console within %s under KVM%s", p.Bound, consoleNote(p)), Took: took}, nil
 		case <-tick.C:
 		}
 	}
