@@ -32,7 +32,9 @@ set -euo pipefail
 # docker-registry: the registry the image tests push to and pull from (started by the
 # tests on 127.0.0.1 or in the rig's namespace; the package's own service is not started).
 # qemu-utils: the unit tests make hostile images with qemu-img (internal/imagecheck).
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils)
+# rpm: the unit test of the package description (internal/packaging) reads the .rpm
+# with rpm's own query tools (files, modes, config files, scripts, dependencies).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils rpm)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 # The package manager's and go install's output go here, not to the terminal; a
