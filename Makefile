@@ -30,7 +30,7 @@ BENCH_STEPS_RUNS ?= 3
 comma := ,
 GO_WANT := $(shell sed -n 's/^go //p' go.mod)
 
-.PHONY: help deps build build-prereqs package test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
+.PHONY: help deps build build-prereqs package release test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
 
 # `build` needs only Go (and the C toolchain and libvirt-dev of the cgo binding), not
 # root. The targets below install what they need first (root): when one of them is
@@ -166,6 +166,9 @@ install: deps build ## install the stage executables and the admin tool into $(P
 
 package: build ## build the Debian package bin/libvirt-executor_VERSION_amd64.deb (executables, units, example configuration, guard hook, docs; not root; docs/install.md)
 	@deb=$$(deploy/package/build.sh --version '$(VERSION)' $(BIN)) && echo "package: $$deb"
+
+release: ## from a clean tree: the .deb, the .rpm (one description, internal/packaging), SHA256SUMS and the version's CHANGELOG.md entry into bin/release/VERSION/ (not root; docs/install.md)
+	@deploy/package/release.sh
 
 clean: ## remove build output
 	rm -rf $(BIN)
