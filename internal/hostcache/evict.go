@@ -16,40 +16,67 @@ import (
 // EvictResult says what eviction removed.
 type EvictResult struct {
 	Projects []string // whole projects removed (over TotalLimit)
-	Files    int64    // files removed, of those projects and of projects over ProjectLimit
-	Bytes    int64
+	Files    int64    // files removed, of those projects and of projects over ProjectLimit or the entry limit
+	Dirs     int64    // directories removed with them (or found empty)
+	Bytes    int64    // the charged size removed (Usage.Bytes): files' and directories'
 }
 
 func (e *EvictResult) add(o EvictResult) {
 	e.Projects = append(e.Projects, o.Projects...)
 	e.Files += o.Files
+	e.Dirs += o.Dirs
 	e.Bytes += o.Bytes
 }
 
 // Usage is one project's share of the store.
 type Usage struct {
 	Project string
-	Bytes   int64
+	Bytes   int64 // charged: every file rounded up to whole blocks, at least one (Block), and one block per directory
+	Data    int64 // the files' own bytes
 	Files   int64
+	Dirs    int64     // directories of its tree (the tree's own not counted)
 	LastUse time.Time // zero if never marked
 }
 
+// Entries is the inodes the project's tree holds: files and directories.
+func (u Usage) Entries() int64 { return u.Files + u.Dirs }
+
 type treeFile struct {
-	path  string // in the root
-	size  int64
-	mtime time.Time
+	path   string // in the root
+	size   int64
+	charge int64
+	mtime  time.Time
 }
 
-// treeFiles lists the regular files of the project's tree.
-func treeFiles(root *os.Root, project string) ([]treeFile, error) {
+// treeInfo is a project's tree as walkTree found it.
+type treeInfo struct {
+	files []treeFile     // every non-directory (Save makes regular files only)
+	dirs  map[string]int // each directory (the tree's own included) and how many entries it holds
+	use   Usage          // Bytes, Data, Files, Dirs
+}
+
+// walkTree lists the project's tree: files, directories and their
+// charged size.
+func (s *Store) walkTree(root *os.Root, project string) (*treeInfo, error) {
 	tree := projectPath(project, treeName)
-	var out []treeFile
+	t := &treeInfo{dirs: map[string]int{}}
 	err := fs.WalkDir(root.FS(), tree, func(p string, d fs.DirEntry, err error) error {
 		if errors.Is(err, fs.ErrNotExist) {
 			return nil // gone meanwhile (or no tree)
 		}
-		if err != nil || !d.Type().IsRegular() {
+		if err != nil {
 			return err
+		}
+		if p == tree {
+			t.dirs[p] += 0
+			return nil
+		}
+		t.dirs[path.Dir(p)]++
+		if d.IsDir() {
+			t.dirs[p] += 0
+			t.use.Dirs++
+			t.use.Bytes += s.block()
+			return nil
 		}
 		fi, err := d.Info()
 		if errors.Is(err, fs.ErrNotExist) {
@@ -58,43 +85,110 @@ func treeFiles(root *os.Root, project string) ([]treeFile, error) {
 		if err != nil {
 			return err
 		}
-		out = append(out, treeFile{path: p, size: fi.Size(), mtime: fi.ModTime()})
+		f := treeFile{path: p, size: fi.Size(), charge: s.charge(fi.Size()), mtime: fi.ModTime()}
+		t.files = append(t.files, f)
+		t.use.Files++
+		t.use.Data += f.size
+		t.use.Bytes += f.charge
 		return nil
 	})
-	return out, err
+	return t, err
 }
 
-// trimProject removes the project's least recently written files until
-// it is within ProjectLimit. Hold the project's exclusive lock.
+// Block is the least a stored file is charged, and what each directory
+// is charged: a file's size is rounded up to whole blocks, and an empty
+// one costs a block (its inode, and a block on most file systems).
+const Block = 4096
+
+// DefaultEntryLimit is how many files and directories one project's tree
+// may hold (Store.EntryLimit zero): the most files of one save and as
+// many directories.
+const DefaultEntryLimit = 2 * MaxFiles
+
+func (s *Store) block() int64 {
+	if s.blockSize > 0 {
+		return s.blockSize
+	}
+	return Block
+}
+
+// charge is what a file of size bytes is charged.
+func (s *Store) charge(size int64) int64 {
+	b := s.block()
+	if size <= 0 {
+		return b
+	}
+	return (size + b - 1) / b * b
+}
+
+func (s *Store) entryLimit() int64 {
+	if s.EntryLimit > 0 {
+		return s.EntryLimit
+	}
+	return DefaultEntryLimit
+}
+
+// trimProject removes the directories of the project's tree that hold
+// nothing (a save that failed while renaming, an older release), then
+// its least recently written files, and the directories they leave
+// empty, until it is within ProjectLimit (charged) and the entry limit.
+// Hold the project's exclusive lock.
 func (s *Store) trimProject(root *os.Root, project string) (EvictResult, error) {
 	var res EvictResult
-	files, err := treeFiles(root, project)
+	t, err := s.walkTree(root, project)
 	if err != nil {
 		return res, fmt.Errorf("hostcache: %w", err)
 	}
-	var total int64
-	for _, f := range files {
-		total += f.size
+	tree := projectPath(project, treeName)
+	// prune removes d if it holds nothing, then its parents that are left
+	// so; it stops at the first that will not go.
+	prune := func(d string) {
+		for d != tree && t.dirs[d] == 0 {
+			if err := root.Remove(d); err != nil && !errors.Is(err, fs.ErrNotExist) {
+				return
+			}
+			delete(t.dirs, d)
+			t.use.Dirs--
+			t.use.Bytes -= s.block()
+			res.Dirs++
+			res.Bytes += s.block()
+			d = path.Dir(d)
+			t.dirs[d]--
+		}
 	}
+	var empty []string
+	for d, n := range t.dirs {
+		if n == 0 && d != tree {
+			empty = append(empty, d)
+		}
+	}
+	sort.Strings(empty)
+	for _, d := range empty {
+		if n, ok := t.dirs[d]; ok && n == 0 {
+			prune(d)
+		}
+	}
+	files := t.files
 	sort.Slice(files, func(i, j int) bool {
 		if !files[i].mtime.Equal(files[j].mtime) {
 			return files[i].mtime.Before(files[j].mtime)
 		}
 		return files[i].path < files[j].path
 	})
-	tree := projectPath(project, treeName)
 	for _, f := range files {
-		if total <= s.ProjectLimit {
+		if t.use.Bytes <= s.ProjectLimit && t.use.Entries() <= s.entryLimit() {
 			break
 		}
 		if err := root.Remove(f.path); err != nil {
 			return res, fmt.Errorf("hostcache: %w", err)
 		}
-		total -= f.size
+		t.use.Files--
+		t.use.Bytes -= f.charge
 		res.Files++
-		res.Bytes += f.size
-		for d := path.Dir(f.path); d != tree && root.Remove(d) == nil; d = path.Dir(d) {
-		} // and the directories it leaves empty
+		res.Bytes += f.charge
+		d := path.Dir(f.path)
+		t.dirs[d]--
+		prune(d) // and the directories it leaves empty
 	}
 	return res, nil
 }
@@ -124,15 +218,12 @@ func (s *Store) list(root *os.Root) ([]Usage, error) {
 		if !e.IsDir() || !projectRE.MatchString(e.Name()) {
 			continue
 		}
-		u := Usage{Project: e.Name(), LastUse: lastUse(root, e.Name())}
-		files, err := treeFiles(root, e.Name())
+		t, err := s.walkTree(root, e.Name())
 		if err != nil {
 			return nil, fmt.Errorf("hostcache: %w", err)
 		}
-		for _, f := range files {
-			u.Files++
-			u.Bytes += f.size
-		}
+		u := t.use
+		u.Project, u.LastUse = e.Name(), lastUse(root, e.Name())
 		out = append(out, u)
 	}
 	sort.Slice(out, func(i, j int) bool {
@@ -190,15 +281,19 @@ func removeProject(ctx context.Context, root *os.Root, project string, try bool,
 }
 
 // evictTotal removes whole projects, least recently used first, until the
-// store is within TotalLimit; never protect unless it alone is over it.
-// Projects in use are left alone.
+// store, its staging included (stageUsage: saves in flight and the
+// scratch disks reserved for them), is within TotalLimit; never protect
+// unless it alone is over it. Projects in use are left alone.
 func (s *Store) evictTotal(ctx context.Context, root *os.Root, protect string) (EvictResult, error) {
 	var res EvictResult
 	us, err := s.list(root)
 	if err != nil {
 		return res, err
 	}
-	var total int64
+	total, err := s.stageUsage(root)
+	if err != nil {
+		return res, err
+	}
 	for _, u := range us {
 		total += u.Bytes
 	}
@@ -209,6 +304,7 @@ func (s *Store) evictTotal(ctx context.Context, root *os.Root, protect string) (
 			total -= u.Bytes
 			res.Projects = append(res.Projects, u.Project)
 			res.Files += u.Files
+			res.Dirs += u.Dirs
 			res.Bytes += u.Bytes
 		}
 		if errors.Is(err, errBusy) {
@@ -253,7 +349,7 @@ func (s *Store) Evict(ctx context.Context) (EvictResult, error) {
 		return res, err
 	}
 	for _, u := range us {
-		if u.Bytes <= s.ProjectLimit {
+		if u.Bytes <= s.ProjectLimit && u.Entries() <= s.entryLimit() {
 			continue
 		}
 		lock, err := lockProject(ctx, root, u.Project, syscall.LOCK_EX, false, true)

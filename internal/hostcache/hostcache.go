@@ -36,11 +36,19 @@
 // from the stream (headers, skipped entries' data), and at most
 // 2*MaxFiles entries, so an endless or lying stream ends in an error, not
 // in unbounded reading; nothing is held in memory beyond one entry's
-// header. After a save the project is trimmed to ProjectLimit (least
-// recently written files first: files the stream no longer carries are
-// kept until then) and the store to TotalLimit (least recently used
-// projects first, never the project just saved unless it alone exceeds
-// TotalLimit).
+// header. Limits count what fills a disk: every file is charged its size
+// in whole Blocks, at least one, and every directory one Block (Usage);
+// a save whose kept files so charged exceed ProjectLimit, or that would
+// make more than the entry limit's files and directories, keeps nothing.
+// A save replaces the files it keeps, whole, and nothing else (the
+// project's other files are other cache keys' archives). After a save
+// the project is trimmed to ProjectLimit and the entry limit (least
+// recently written files first, with the directories they leave empty;
+// empty directories always) and the store to TotalLimit (least recently
+// used projects first, never the project just saved unless it alone
+// exceeds TotalLimit), counting what is staged and the scratch disks
+// reserved (Reserve) as part of the store; a save also makes that room
+// before it renames its staged files in.
 //
 // # Atomicity and locking
 //
@@ -62,6 +70,7 @@
 //	Dir/projects/<project>/tree/...  the cached files
 //	Dir/stage/<random>/lock          held by the Save that stages here
 //	Dir/stage/<random>/<n>           staged files, numbered
+//	Dir/stage/reserve-<machine>      a scratch disk's size, reserved (Reserve)
 //
 // Last use is the time of the last Restore or Save of the project.
 package hostcache
@@ -116,7 +125,10 @@ type Store struct {
 	Dir          string           // created 0700 if missing; must be owned by the current user
 	ProjectLimit int64            // most bytes of files per project, > 0
 	TotalLimit   int64            // most bytes of files in the store, > 0
+	EntryLimit   int64            // most files and directories per project; 0: DefaultEntryLimit
 	Now          func() time.Time // nil: time.Now
+
+	blockSize int64 // what a directory and an empty file are charged; 0: Block (tests of byte counts use 1)
 }
 
 // ForConfig is the store of the configuration's [cache] table.
@@ -345,7 +357,8 @@ func randomName() string {
 
 // cleanStaging removes staging directories whose Save is gone: those
 // whose lock file nobody holds, and those without one older than
-// staleStage (a Save killed between the mkdir and the lock).
+// staleStage (a Save killed between the mkdir and the lock); and scratch
+// disks' reservations older than staleReservation.
 func (s *Store) cleanStaging(root *os.Root) error {
 	d, err := root.Open(stageDir)
 	if err != nil {
@@ -359,6 +372,11 @@ func (s *Store) cleanStaging(root *os.Root) error {
 	var errs []error
 	for _, e := range entries {
 		name := stageDir + "/" + e.Name()
+		if strings.HasPrefix(e.Name(), reservePrefix) && e.Type().IsRegular() {
+			if fi, err := e.Info(); err != nil || time.Since(fi.ModTime()) < staleReservation {
+				continue
+			}
+		}
 		if e.IsDir() {
 			f, err := root.OpenFile(name+"/"+lockName, os.O_RDWR, 0)
 			if err == nil {

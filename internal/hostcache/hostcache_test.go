@@ -32,7 +32,18 @@ func (c *clock) Set(t time.Time) { c.mu.Lock(); defer c.mu.Unlock(); c.t = t }
 
 var t0 = time.Date(2030, 1, 1, 0, 0, 0, 0, time.UTC)
 
+// newStore is a store whose limits count bytes: a directory and an empty
+// file are charged one byte, not a block (newBlockStore).
 func newStore(t *testing.T, projectLimit, totalLimit int64) (*Store, *clock) {
+	t.Helper()
+	s, c := newBlockStore(t, projectLimit, totalLimit)
+	s.blockSize = 1
+	return s, c
+}
+
+// newBlockStore is a store as configured: every file charged whole
+// blocks, at least one, and each directory one.
+func newBlockStore(t *testing.T, projectLimit, totalLimit int64) (*Store, *clock) {
 	t.Helper()
 	c := &clock{t: t0}
 	return &Store{Dir: filepath.Join(t.TempDir(), "store"), ProjectLimit: projectLimit, TotalLimit: totalLimit, Now: c.Now}, c

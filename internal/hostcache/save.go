@@ -94,6 +94,13 @@ func (s *Store) Save(ctx context.Context, project string, r io.Reader, keep func
 	if err != nil {
 		return res, err
 	}
+	// The staged files take room already: other projects go first where
+	// the store with them is over TotalLimit (evictTotal counts staging).
+	ev, err := s.evictTotal(ctx, root, project)
+	res.Evicted.add(ev)
+	if err != nil {
+		return res, err
+	}
 	lock, err := lockProject(ctx, root, project, syscall.LOCK_EX, true, false)
 	if err != nil {
 		return res, err
@@ -111,7 +118,7 @@ func (s *Store) Save(ctx context.Context, project string, r io.Reader, keep func
 	if err != nil {
 		return res, err
 	}
-	ev, err := s.evictTotal(ctx, root, project)
+	ev, err = s.evictTotal(ctx, root, project)
 	res.Evicted.add(ev)
 	return res, err
 }
@@ -231,6 +238,7 @@ func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r i
 	tr := tar.NewReader(cr)
 	var (
 		declared int64 // the sizes of all regular-file entries so far
+		charged  int64 // what the kept ones cost in the tree (Usage.Bytes)
 		staged   int   // files staged, duplicates' included
 		files    []stagedFile
 		byName   = map[string]int{} // index in files
@@ -276,6 +284,26 @@ func (s *Store) readStream(ctx context.Context, root *os.Root, stage string, r i
 		prev, dup := byName[name]
 		if !dup && len(files) == MaxFiles {
 			return nil, false, fmt.Errorf("hostcache: %w: more than %d files", ErrTooManyFiles, MaxFiles)
+		}
+		// What the kept files will cost in the project's tree: each file
+		// at least a block, each directory a block (Usage).
+		var newDirs int64
+		if dup {
+			charged -= s.charge(files[prev].size)
+		} else {
+			for i := range len(name) {
+				if name[i] == '/' && !dirs[name[:i]] {
+					newDirs++
+				}
+			}
+		}
+		charged += s.charge(hdr.Size) + newDirs*s.block()
+		if charged > s.ProjectLimit {
+			return nil, false, fmt.Errorf("hostcache: %w: the stream's files need more than the %d bytes allowed (each file charged whole %d-byte blocks, at least one, and each directory one)",
+				ErrProjectLimit, s.ProjectLimit, s.block())
+		}
+		if n := int64(len(files)+len(dirs)) + newDirs; !dup && n >= s.entryLimit() {
+			return nil, false, fmt.Errorf("hostcache: %w: more than %d files and directories", ErrTooManyFiles, s.entryLimit())
 		}
 		sf := stagedFile{name: name, file: stage + "/" + strconv.Itoa(entries)}
 		staged++
@@ -501,6 +529,7 @@ func (s *Store) install(root *os.Root, project string, staged []stagedFile, res 
 		return err
 	}
 	now := s.now()
+	known := map[string]bool{}
 	for _, sf := range staged {
 		target := tree + "/" + sf.name
 		if sameContent(root, target, sf) {
@@ -511,7 +540,7 @@ func (s *Store) install(root *os.Root, project string, staged []stagedFile, res 
 			res.Unchanged++
 			continue
 		}
-		if err := makeParents(root, tree, sf.name); err != nil {
+		if err := makeParents(root, tree, sf.name, known); err != nil {
 			return err
 		}
 		if fi, err := root.Lstat(target); err == nil && fi.IsDir() {
@@ -558,11 +587,18 @@ func sameContent(root *os.Root, target string, sf stagedFile) bool {
 
 // makeParents makes name's parent directories under tree, replacing (not
 // following) whatever non-directory (a symlink, a file) is in the way.
-func makeParents(root *os.Root, tree, name string) error {
+// known holds the directories this install has made or found already
+// (under the project's lock they stay so): each is looked at once, not
+// once per file in it (an Lstat through os.Root opens every component).
+func makeParents(root *os.Root, tree, name string, known map[string]bool) error {
 	for i := range len(name) {
 		if name[i] != '/' {
 			continue
 		}
+		if known[name[:i]] {
+			continue
+		}
+		known[name[:i]] = true
 		dir := tree + "/" + name[:i]
 		fi, err := root.Lstat(dir)
 		if err == nil && fi.IsDir() {
