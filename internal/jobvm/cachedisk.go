@@ -52,6 +52,54 @@ func ScratchCapacity(projectLimit int64) int64 {
 	return projectLimit + int64(hostcache.MaxFiles)*4096 + 1<<20
 }
 
+// AttachScratch gives the running machine name an empty writable disk of
+// capacity bytes for a save of the host cache (lifecycle.Manager's), and
+// first reserves that much in the configured host cache
+// (hostcache.Store.Reserve): the volume takes room on the host's disk,
+// as the store does, until DropDisks deletes it, so it counts against
+// total_limit_mib, and projects go to make room for it. A reservation
+// the store refuses (larger than the total limit) is an error: no disk,
+// and the stage saves over SSH. With the host cache off, nothing is
+// reserved.
+func (h *Host) AttachScratch(ctx context.Context, name string, capacity int64) error {
+	if err := h.CheckOurName(name); err != nil {
+		return err
+	}
+	store := h.cacheStore()
+	if store != nil {
+		if _, err := store.Reserve(ctx, name, capacity); err != nil {
+			return err
+		}
+	}
+	err := h.Manager.AttachScratch(ctx, name, capacity)
+	if err != nil && store != nil {
+		_ = store.Unreserve(name)
+	}
+	return err
+}
+
+// DropDisks deletes the volumes of machine name's cache disks
+// (lifecycle.Manager's), then the scratch disk's reservation
+// (AttachScratch). A reservation left by a machine torn down with its
+// disk, without this, stops counting after hours (hostcache).
+func (h *Host) DropDisks(ctx context.Context, name string) error {
+	if err := h.Manager.DropDisks(ctx, name); err != nil {
+		return err
+	}
+	if store := h.cacheStore(); store != nil {
+		return store.Unreserve(name)
+	}
+	return nil
+}
+
+// cacheStore is the configured host cache, nil when it is off.
+func (h *Host) cacheStore() *hostcache.Store {
+	if h.Cfg == nil || !h.Cfg.Cache.Enabled() {
+		return nil
+	}
+	return hostcache.ForConfig(h.Cfg.Cache)
+}
+
 // errSaved ends the scratch disk's read once Save has what it keeps.
 var errSaved = errors.New("the host cache has read the archive")
 

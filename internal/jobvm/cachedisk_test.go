@@ -9,6 +9,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
@@ -65,4 +66,38 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 	k := m.KeepCache(ctx, store, "lve-ffffffff-7", project, []string{"k/cache.zip"})
 	require.Error(t, k.Err)
 	require.Error(t, k.DropErr, "nothing of another installation is touched")
+}
+
+// The scratch disk counts against the host cache's total while it exists:
+// attaching it reserves its size in the configured store (making room),
+// deleting its volume releases it (#42 item 3).
+func TestScratchReserved(t *testing.T) {
+	ctx := context.Background()
+	hv, m, name := provisioned(t)
+	m.Cfg.Cache = config.Cache{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 64}
+	store := hostcache.ForConfig(m.Cfg.Cache)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 7, true)
+	require.NoError(t, err)
+
+	require.NoError(t, m.AttachScratch(ctx, name, ScratchCapacity(store.ProjectLimit)))
+	staged, err := store.Staged()
+	require.NoError(t, err)
+	require.Equal(t, ScratchCapacity(store.ProjectLimit), staged, "the scratch disk's size is reserved")
+
+	hv.Lock()
+	hv.Volumes[m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)] = bytes.Repeat([]byte{'x'}, 4096)
+	hv.Unlock()
+	k := m.KeepCache(ctx, store, name, project, []string{"k/cache.zip"})
+	require.NoError(t, k.DropErr)
+	staged, err = store.Staged()
+	require.NoError(t, err)
+	require.Zero(t, staged, "released with the volume")
+
+	// A disk larger than the whole total is refused before it is made.
+	require.NoError(t, hv.DetachDisk(ctx, name, "/pool/"+m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)))
+	require.Error(t, m.AttachScratch(ctx, name, 65<<20))
+	hv.Lock()
+	_, made := hv.Volumes[m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)]
+	hv.Unlock()
+	require.False(t, made)
 }
