@@ -28,7 +28,8 @@ func CacheStore(cfg *config.Config) (*hostcache.Store, error) {
 }
 
 // CacheList prints the host cache's projects, least recently used first,
-// with their size and last use, and the total against the limit.
+// with their files, directories, charged size and last use, and the
+// total (staging and reserved scratch disks included) against the limit.
 func CacheList(w io.Writer, cfg *config.Config, s *hostcache.Store, now time.Time) error {
 	us, err := s.List()
 	if err != nil {
@@ -38,22 +39,27 @@ func CacheList(w io.Writer, cfg *config.Config, s *hostcache.Store, now time.Tim
 		_, err := fmt.Fprintf(w, "no caches in %s\n", s.Dir)
 		return err
 	}
+	staged, err := s.Staged()
+	if err != nil {
+		return err
+	}
 	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "PROJECT\tFILES\tSIZE\tLAST USE")
-	var total int64
+	fmt.Fprintln(tw, "PROJECT\tFILES\tDIRS\tSIZE\tLAST USE")
+	total := staged
 	for _, u := range us {
 		last := "never"
 		if !u.LastUse.IsZero() {
 			last = now.Sub(u.LastUse).Round(time.Second).String() + " ago"
 		}
-		fmt.Fprintf(tw, "%s\t%d\t%.1f MiB\t%s\n", u.Project, u.Files, float64(u.Bytes)/(1<<20), last)
+		fmt.Fprintf(tw, "%s\t%d\t%d\t%.1f MiB\t%s\n", u.Project, u.Files, u.Dirs, float64(u.Bytes)/(1<<20), last)
 		total += u.Bytes
 	}
 	if err := tw.Flush(); err != nil {
 		return err
 	}
-	_, err = fmt.Fprintf(w, "total %.1f MiB of %d MiB (cache.total_limit_mib); a project at most %d MiB\n",
-		float64(total)/(1<<20), cfg.Cache.TotalLimitMiB, cfg.Cache.ProjectLimitMiB)
+	_, err = fmt.Fprintf(w, "total %.1f MiB of %d MiB (cache.total_limit_mib), %.1f MiB of it saves in flight and their scratch disks; a project at most %d MiB and %d files and directories\n"+
+		"(SIZE is charged: each file in whole %d-byte blocks, at least one, and each directory one block)\n",
+		float64(total)/(1<<20), cfg.Cache.TotalLimitMiB, float64(staged)/(1<<20), cfg.Cache.ProjectLimitMiB, hostcache.DefaultEntryLimit, hostcache.Block)
 	return err
 }
 

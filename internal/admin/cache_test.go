@@ -4,6 +4,7 @@ import (
 	"archive/tar"
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"testing"
@@ -38,8 +39,8 @@ func TestCacheListAndPrune(t *testing.T) {
 
 	out.Reset()
 	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
-	require.Regexp(t, project+`\s+\d+\s+1\.0 MiB\s+\S+ ago`, out.String())
-	require.Contains(t, out.String(), "of 8 MiB (cache.total_limit_mib); a project at most 2 MiB")
+	require.Regexp(t, project+`\s+1\s+3\s+1\.0 MiB\s+\S+ ago`, out.String())
+	require.Contains(t, out.String(), "of 8 MiB (cache.total_limit_mib), 0.0 MiB of it saves in flight and their scratch disks; a project at most 2 MiB and 20000 files and directories")
 
 	// used just now: an hour's prune keeps it, a zero one removes it
 	out.Reset()
@@ -160,7 +161,8 @@ func TestCacheGauge(t *testing.T) {
 	now = now.Add(31 * time.Second)
 	g, err = gauge()
 	require.NoError(t, err)
-	require.Equal(t, metrics.CacheGauge{Projects: 1, Bytes: 3000, Limit: 8 << 20}, g)
+	// Charged as the limit counts it: 3000 bytes in a block, and k/'s.
+	require.Equal(t, metrics.CacheGauge{Projects: 1, Bytes: 2 * hostcache.Block, Limit: 8 << 20}, g)
 }
 
 // saveOne keeps one file of size bytes as the project's cache.
@@ -175,4 +177,30 @@ func saveOne(t *testing.T, store *hostcache.Store, project, name string, size in
 	require.NoError(t, tw.Close())
 	_, err = store.Save(context.Background(), project, &stream, hostcache.All)
 	require.NoError(t, err)
+}
+
+// Empty files in deep directories take inodes and blocks: cache list
+// shows them charged, with the directories counted (#42 item 3).
+func TestCacheListChargesEntries(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "cache")
+	cfg, err := config.Parse([]byte("state_dir = \"" + t.TempDir() + "\"\n[cache]\ndir = \"" + dir + "\"\nproject_limit_mib = 64\ntotal_limit_mib = 128\n[images.a]\nbase = \"/a\"\n"))
+	require.NoError(t, err)
+	store, err := CacheStore(cfg)
+	require.NoError(t, err)
+	project, err := hostcache.ProjectID("https://gitlab.example.com", 42, false)
+	require.NoError(t, err)
+	var stream bytes.Buffer
+	tw := tar.NewWriter(&stream)
+	for i := range 1000 {
+		require.NoError(t, tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("a/b/c/d/%d/e", i%10), Typeflag: tar.TypeDir, Mode: 0o755}))
+		require.NoError(t, tw.WriteHeader(&tar.Header{Name: fmt.Sprintf("a/b/c/d/%d/e/f%d", i%10, i), Typeflag: tar.TypeReg, Mode: 0o644}))
+	}
+	require.NoError(t, tw.Close())
+	_, err = store.Save(context.Background(), project, &stream, hostcache.All)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, CacheList(&out, cfg, store, time.Now()))
+	// 1000 files and 4+10+10 directories, 4 KiB each: 4.0 MiB.
+	require.Regexp(t, project+`\s+1000\s+24\s+4\.0 MiB\s+\S+ ago`, out.String())
+	require.Contains(t, out.String(), "total 4.0 MiB of 128 MiB")
 }
