@@ -2,7 +2,9 @@ package selftest
 
 import (
 	"os"
+	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -63,4 +65,23 @@ func TestRunnerGitLab(t *testing.T) {
 	require.ErrorContains(t, err, "no [[runners]] entry")
 	_, err = probeVars("gitlab.example.com", "")
 	require.ErrorContains(t, err, "want https://HOST")
+}
+
+// The probe runs inside the runner's script, which has errexit and
+// pipefail on: git failing (what the probe is for) must not end the job,
+// and its words and status come out between the markers.
+func TestProbeScriptSurvivesErrexit(t *testing.T) {
+	dir := t.TempDir()
+	fake := "#!/bin/sh\necho \"fatal: unable to access '$3/': Could not resolve host: g.example\" >&2\nexit 128\n"
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "git"), []byte(fake), 0o755))
+	script := "set -eo pipefail\n" + strings.Join(probeScript, "\n") + "\necho AFTER-THE-PROBE\n"
+	cmd := exec.Command("bash", "-c", script)
+	cmd.Env = []string{"PATH=" + dir + ":/usr/bin:/bin", "LVE_SELFTEST_GITLAB_URL=https://g.example"}
+	b, err := cmd.CombinedOutput()
+	require.NoError(t, err, "%s", b)
+	require.Contains(t, string(b), "AFTER-THE-PROBE")
+	out, ok := probeOutput(string(b))
+	require.True(t, ok, "%s", b)
+	require.Contains(t, out, "probe-status=128")
+	require.Equal(t, ProbeDNS, ClassifyProbe(out, "https://g.example"))
 }

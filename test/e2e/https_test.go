@@ -106,6 +106,7 @@ func TestGitLabByNameOverHTTPS(t *testing.T) {
 	job := func(img string) jobapi.Job {
 		script := []string{
 			`echo "head=$(git rev-parse HEAD)"`,
+			`echo "remote=$(git remote get-url origin | sed 's#//[^@/]*@#//#')"`,
 			"mkdir -p vendor out",
 			`echo "restored=$(cat vendor/dep.txt 2>/dev/null || echo none)"`,
 			"echo dep-" + img + "-$CI_JOB_ID > vendor/dep.txt",
@@ -118,7 +119,7 @@ func TestGitLabByNameOverHTTPS(t *testing.T) {
 		t.Helper()
 		require.Equal(t, jobapi.StateSuccess, res.State, "%s: %s", img, res.Trace)
 		require.Contains(t, res.Trace, "head="+rr.sha, "%s: cloned by name over HTTPS", img)
-		require.Contains(t, res.Trace, gitlabHost(), img)
+		require.Contains(t, res.Trace, "remote=https://"+gitlabHost()+":", "%s: by the host name", img)
 		if prev != "" {
 			require.Regexp(t, `restored=dep-`+prev+`-\d+`, res.Trace, "%s: the cache the job before kept", img)
 		}
