@@ -103,7 +103,7 @@ lve_deb_configure_base() {
 	install -D -m 0755 "$lve_deb_dir/dhcp-resolv" "$root/usr/libexec/libvirt-executor/dhcp-resolv"
 	install -m 0644 "$lve_deb_dir/libvirt-executor-resolv.path" "$lve_deb_dir/libvirt-executor-resolv.service" \
 		"$root/etc/systemd/system/"
-	lve_in_root systemctl enable libvirt-executor-resolv.path >/dev/null 2>&1
+	lve_in_root systemctl enable libvirt-executor-resolv.path libvirt-executor-resolv.service >/dev/null 2>&1
 	mkdir -p "$root/etc/systemd/system-generators"
 	for g in systemd-cryptsetup-generator systemd-integritysetup-generator \
 		systemd-veritysetup-generator systemd-gpt-auto-generator systemd-hibernate-resume-generator \
