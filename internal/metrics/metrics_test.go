@@ -397,7 +397,9 @@ func TestCollectorServesTheLatestLook(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { defer close(done); c.Run(ctx, time.Hour) }()
-	require.Eventually(t, func() bool { mu.Lock(); defer mu.Unlock(); return calls == 1 }, 5*time.Second, 10*time.Millisecond)
+	// The look is served once Run has stored it (not as soon as Live was
+	// called: a scrape in between finds no look and makes its own).
+	require.Eventually(t, func() bool { c.mu.Lock(); defer c.mu.Unlock(); return c.snap != nil }, 5*time.Second, 10*time.Millisecond)
 	for range 3 {
 		require.Equal(t, 1.0, testutil.ToFloat64(gaugeOf(t, c, "libvirt_executor_vms", "job", "running")))
 	}
