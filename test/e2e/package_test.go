@@ -270,17 +270,21 @@ exec /usr/bin/libvirt-executor-run "$@"
 	require.Contains(t, out2, "kept /var/lib/libvirt-executor")
 	require.NoFileExists(t, "/etc/libvirt-executor/config.toml")
 	require.DirExists(t, "/var/lib/libvirt-executor")
-	// A host cache left root's (a root admin command made it, with a
-	// project's directory inside): installing again gives it back.
+	// A host cache left root's (a root admin command made it, with its
+	// empty projects/ and stage/): installing again gives it back.
 	require.NoError(t, os.Chown(hostCacheDir, 0, 0))
 	require.NoError(t, os.Chmod(hostCacheDir, 0o755))
-	require.NoError(t, os.Mkdir(filepath.Join(hostCacheDir, "p"), 0o700))
+	for _, d := range []string{"projects", "stage"} {
+		require.NoError(t, os.Mkdir(filepath.Join(hostCacheDir, d), 0o700))
+	}
 	// Install again, purge asking for the state: it goes.
 	require.Contains(t, run(nil, "dpkg", "-i", newDeb), "gave "+hostCacheDir)
 	requireOwnDir("a root-owned one, installed again")
-	st, err = os.Stat(filepath.Join(hostCacheDir, "p"))
-	require.NoError(t, err)
-	require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "what root made inside is the runner's user's too")
+	for _, d := range []string{"projects", "stage"} {
+		st, err = os.Stat(filepath.Join(hostCacheDir, d))
+		require.NoError(t, err)
+		require.Equal(t, runner.Uid, strconv.FormatUint(uint64(st.Sys().(*syscall.Stat_t).Uid), 10), "root's empty %s is the runner's user's too", d)
+	}
 	// The default image store (docs/fleet.md): the runner's user writes it
 	// (prepare pulls on first use), QEMU reads it.
 	st, err = os.Stat("/var/cache/libvirt-executor/oci")
