@@ -11,10 +11,13 @@ LVE_RIG_PREFIX=${LVE_RIG_PREFIX:-lve}                      # name_prefix of the 
 LVE_RIG_BRIDGE=virbr-lve
 LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
 LVE_RIG_NETMASK=255.255.255.0
-# No dynamic DHCP range: every VM gets a static host entry of its own (static_addresses),
-# so a guest gets one lease whatever client identifier it sends. The one entry the
-# network starts with keeps libvirt's dnsmasq serving DHCP (dhcp-range=...,static) from
-# the start, so that the first VM's entry does not restart it.
+# Every VM gets a static host entry of its own (static_addresses), outside the small
+# dynamic range (kept for what makes its VMs without one: an earlier release in the
+# package upgrade test), so a guest asking with new client identifiers gets its own
+# address again, and a new VM its address even with the range used up. The one entry the
+# network starts with keeps dnsmasq's static DHCP on.
+LVE_RIG_DHCP_START=10.213.7.240
+LVE_RIG_DHCP_END=10.213.7.250
 LVE_RIG_DHCP_RESERVED=10.213.7.254
 # The host name of the tests' GitLab over HTTPS (the fake job API behind TLS, at the
 # gateway): the network's DNS answers it for the guests (<dns><host>), the namespace's

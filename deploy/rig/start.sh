@@ -5,7 +5,7 @@
 #   - removes the autostart link of libvirt's "default" network (never started here),
 #   - network namespace $LVE_RIG_NS with virtlogd + libvirtd started inside it
 #     (pidfiles in $LVE_RIG_DIR/run/); URI qemu:///system works from any namespace,
-#   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP of static host entries only,
+#   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP: static host entries and a small range,
 #     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
 #   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
 #     systemd one, "cloud" for the cloud-init one) and writes the executor config
@@ -140,6 +140,9 @@ if ! rig_virsh net-info "$LVE_RIG_NET" >/dev/null 2>&1; then
   <bridge name='$LVE_RIG_BRIDGE' stp='off' delay='0'/>
   <ip address='$LVE_RIG_GATEWAY' netmask='$LVE_RIG_NETMASK'>
     <dhcp>
+      <range start='$LVE_RIG_DHCP_START' end='$LVE_RIG_DHCP_END'>
+        <lease expiry='10' unit='minutes'/>
+      </range>
       <host mac='52:54:00:00:00:01' name='$LVE_RIG_NET-reserved' ip='$LVE_RIG_DHCP_RESERVED'/>
     </dhcp>
   </ip>
