@@ -43,10 +43,10 @@ base = "` + base + `"
 
 	sock, err := os.MkdirTemp("", "sdn") // short: a socket's path has 108 bytes
 	require.NoError(t, err)
-	defer os.RemoveAll(sock)
+	defer func() { _ = os.RemoveAll(sock) }()
 	conn, err := net.ListenUnixgram("unixgram", &net.UnixAddr{Name: filepath.Join(sock, "notify"), Net: "unixgram"})
 	require.NoError(t, err)
-	defer conn.Close()
+	defer func() { _ = conn.Close() }()
 	t.Setenv(sdnotify.EnvSocket, filepath.Join(sock, "notify"))
 	read := func() string {
 		t.Helper()

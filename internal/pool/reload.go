@@ -76,7 +76,7 @@ func (s *Service) follow(ctx context.Context, changed chan<- string, wait time.D
 // work in the background ended, replace the configuration, and start the
 // follower again (startFollow). Boots undone are started again by the next
 // look where the new file still wants them.
-func (s *Service) reload(ctx context.Context, why string, t *time.Ticker, stopFollow func(), startFollow func(wait time.Duration)) error {
+func (s *Service) reload(why string, t *time.Ticker, stopFollow func(), startFollow func(wait time.Duration)) error {
 	old := s.M.Cfg
 	s.notify("RELOADING=1")
 	defer s.notify("READY=1")

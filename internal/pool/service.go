@@ -151,7 +151,7 @@ func (s *Service) Run(ctx context.Context) error {
 	// runs on with it (Reload).
 	reload := func(why string) error {
 		cfgVersion, _ = state.VersionOf(s.M.Cfg.Path)
-		return s.reload(ctx, why, t, func() { stopFollow() }, func(wait time.Duration) {
+		return s.reload(why, t, func() { stopFollow() }, func(wait time.Duration) {
 			stopFollow = s.follow(ctx, imageChanged, wait)
 		})
 	}

@@ -41,7 +41,7 @@ func Notify(state string) (sent bool, err error) {
 	if err != nil {
 		return false, fmt.Errorf("%s: %w", EnvSocket, err)
 	}
-	defer conn.Close()
+	defer func() { _ = conn.Close() }()
 	if _, err := conn.Write([]byte(state)); err != nil {
 		return false, fmt.Errorf("%s: %w", EnvSocket, err)
 	}
