@@ -699,6 +699,10 @@ func TestJobProtectedAndInstance(t *testing.T) {
 		{`[]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"false"},{"key":"CI_COMMIT_REF_PROTECTED","value":"true"}`, false},
 		{`[{"key":"deps-non_protected"},{"key":"other-non_protected"}]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"false"}`, false},
 		{`null`, ``, false},
+		// A key is the job's to choose: it never grants protection GitLab
+		// does not (separate caches off, an unprotected ref).
+		{`[{"key":"mine-protected"}]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"false"}`, false},
+		{`[{"key":"deps-non_protected"}]`, `,{"key":"CI_COMMIT_REF_PROTECTED","value":"true"}`, false},
 	} {
 		j := readPayload(t, `{"id":5,"job_info":{"project_id":42},"cache":`+tc.cache+`,"variables":[{"key":"CI_SERVER_URL","value":"https://gitlab.example.com"}`+tc.vars+`]}`)
 		require.Equal(t, tc.want, j.Protected, "cache %s, variables %s", tc.cache, tc.vars)

@@ -45,10 +45,12 @@ type Job struct {
 	// (https://example.com/gitlab-a, .../gitlab-b) never share a cache.
 	ServerURL string
 	// Protected says the job runs for a protected ref, as GitLab tells
-	// it: one of its cache keys ends in "-protected" (GitLab's separate
-	// caches for protected refs) or its CI_COMMIT_REF_PROTECTED (GitLab's
-	// own, the first entry) is "true". The host cache keeps the caches of
-	// protected and unprotected refs apart.
+	// it: its CI_COMMIT_REF_PROTECTED (GitLab's own, the first entry) is
+	// "true" and no cache key ends in "-non_protected" (GitLab's separate
+	// caches); only a payload without the variable falls back to a key
+	// ending in "-protected". A key the job chose never grants protection.
+	// The host cache keeps the caches of protected and unprotected refs
+	// apart.
 	Protected bool
 	// Services are the job's `services:`, which the driver does not
 	// provide (services.go).
@@ -195,12 +197,23 @@ func ReadJob(getenv func(string) string, allowEnvID bool, warn func(string)) (*J
 // the caches of protected refs apart), or CI_COMMIT_REF_PROTECTED's first
 // entry (GitLab's own: the job's variables come after it) is "true".
 func protectedOf(p payload) bool {
+	suffixed, unprotectedKey := false, false
 	for _, c := range p.Cache {
-		if strings.HasSuffix(c.Key, "-protected") {
-			return true
+		suffixed = suffixed || strings.HasSuffix(c.Key, "-protected")
+		unprotectedKey = unprotectedKey || strings.HasSuffix(c.Key, "-non_protected")
+	}
+	if unprotectedKey {
+		return false // GitLab's separate caches say so
+	}
+	for _, v := range p.Variables {
+		if v.Key == "CI_COMMIT_REF_PROTECTED" {
+			// GitLab's own word (its first entry) decides: a key is the
+			// job's to choose, and with separate caches off a job of an
+			// unprotected ref could end its key in -protected.
+			return v.Value == "true"
 		}
 	}
-	return firstVar(p.Variables, "CI_COMMIT_REF_PROTECTED") == "true"
+	return suffixed // a payload without the variable (not seen from GitLab)
 }
 
 // hasRun says a payload's run is there: not missing, null or "".

@@ -280,3 +280,28 @@ func TestRemoteGivesNoLabelNorFile(t *testing.T) {
 	require.NoError(t, err)
 	require.Nil(t, f)
 }
+
+// Static DHCP entries through libvirt's API (the test driver's "default"
+// network): an entry added is there, a second for the address is taken,
+// a removal of one that is not there, or on a network that is not, is
+// not found (what Engine.Remove ignores).
+func TestDHCPHostEntries(t *testing.T) {
+	ctx := context.Background()
+	l, err := Connect(ctx, "test:///default")
+	require.NoError(t, err)
+	defer func() { _ = l.Close() }()
+	info, err := l.NetworkDHCP(ctx, "default")
+	require.NoError(t, err)
+	require.True(t, info.Enabled)
+	cands := info.Candidates(2)
+	require.Len(t, cands, 2)
+	h := vm.DHCPHost{MAC: "52:54:00:12:34:56", Name: "lve-0123abcd-77", IP: cands[0].String()}
+	require.NoError(t, l.AddDHCPHost(ctx, "default", h))
+	after, err := l.NetworkDHCP(ctx, "default")
+	require.NoError(t, err)
+	require.Contains(t, after.Hosts, h)
+	require.ErrorIs(t, l.AddDHCPHost(ctx, "default", vm.DHCPHost{MAC: "52:54:00:12:34:57", Name: "lve-0123abcd-78", IP: h.IP}), vm.ErrAddressTaken)
+	require.NoError(t, l.DeleteDHCPHost(ctx, "default", h.Name))
+	require.ErrorIs(t, l.DeleteDHCPHost(ctx, "default", h.Name), vm.ErrNotFound)
+	require.ErrorIs(t, l.DeleteDHCPHost(ctx, "no-such-network", h.Name), vm.ErrNotFound)
+}
