@@ -121,14 +121,19 @@ func TestL2FilterStopsSpoofing(t *testing.T) {
 	require.Equal(t, 0, res.code, "route: %s %s", res.stdout, res.stderr)
 	require.Contains(t, res.stdout, "routed-sent")
 	require.Equal(t, 0, counted(), "nothing A routes through the host leaves towards B")
-	// Without the guard's rule the same datagrams go out towards B: the
-	// rule is what stops them.
+	// Without the guard's rules the same datagrams go out towards B: the
+	// rules are what stop them (its no-routing rule on the bridge, and
+	// its jump to the chain that keeps guarded networks apart, which
+	// drops routed traffic into any guarded bridge, this one included).
 	noRouting := []string{"FORWARD", "-i", bridge, "-o", bridge, "-m", "physdev", "!", "--physdev-is-bridged", "-j", "DROP"}
+	xnet := []string{"FORWARD", "-i", bridge, "-j", "LVE-GUARD-XNET"}
 	ipt(append([]string{"-D"}, noRouting...)...)
+	ipt(append([]string{"-D"}, xnet...)...)
 	restored := false
 	restore := func() {
 		if !restored {
 			ipt(append([]string{"-I", noRouting[0], "1"}, noRouting[1:]...)...)
+			ipt(append([]string{"-I", xnet[0], "1"}, xnet[1:]...)...)
 			restored = true
 		}
 	}
