@@ -41,7 +41,7 @@ func TestProvisionReturnsTimings(t *testing.T) {
 		names = append(names, s.Name)
 		sum += s.Took
 	}
-	require.Equal(t, []string{"clone disk", "reserve address", "create seed volume", "upload seed", "define", "start", "address entry"}, names)
+	require.Equal(t, []string{"clone disk", "reserve address", "create seed volume", "upload seed", "define", "start"}, names)
 	require.GreaterOrEqual(t, tm.Created, sum, "the create step holds Create's steps")
 	require.GreaterOrEqual(t, tm.Address, lifecycletest.LeaseDelay, "the fake lease comes LeaseDelay after the start")
 	require.Positive(t, tm.SSH)

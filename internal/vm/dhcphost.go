@@ -110,22 +110,10 @@ func (d DHCPInfo) Candidates(limit int) []net.IP {
 	return slices.Concat(out, inRange)[:min(limit, len(out)+len(inRange))]
 }
 
-// reservation is a static DHCP host entry being added while the domain
-// is defined and started: libvirt's network update (its hosts file
-// rewritten, dnsmasq told) takes a third of a second or more, which the
-// guest's boot does not need to wait for: the entry must exist only by the
-// guest's first DHCP request.
-type reservation struct {
-	cands []net.IP
-	done  chan struct{}
-	err   error // the first candidate's add; set before done is closed
-}
-
 // reserveAddress is Create's step that gives the machine its static DHCP
-// host entry (Spec.StaticAddress): it picks a free address of the
-// network's subnet, which the domain's filter will carry, and starts its
-// entry's add, which awaitAddress waits for after the start. Its undo
-// removes the entry.
+// host entry (Spec.StaticAddress): a free address of the network's
+// subnet, tried until libvirt takes one (a reservation at once may take
+// the same: libvirt refuses the second). Its undo removes the entry.
 func (c *creation) reserveAddress(ctx context.Context) error {
 	s := c.s
 	info, err := c.e.HV.NetworkDHCP(ctx, s.Network)
@@ -140,89 +128,35 @@ func (c *creation) reserveAddress(ctx context.Context) error {
 		return fmt.Errorf("network %s: no free address in %s for a static DHCP host entry (%d entries, %d leases): make the subnet larger or fewer VMs at once",
 			s.Network, info.Subnet, len(info.Hosts), len(info.Leased))
 	}
-	r := &reservation{cands: cands, done: make(chan struct{})}
-	c.res, c.m.IP = r, cands[0].String()
-	go func() {
-		defer close(r.done)
-		r.err = c.addHost(ctx, cands[0])
-	}()
-	return nil
-}
-
-// addHost adds the machine's entry for ip: ErrAddressTaken when another
-// entry has the address (or the MAC or name). An entry of this machine
-// already there (a call cut by a lost connection, repeated on a new one
-// after libvirt had made it) is success.
-func (c *creation) addHost(ctx context.Context, ip net.IP) error {
-	s := c.s
-	h := DHCPHost{MAC: s.MAC, Name: s.Name, IP: ip.String()}
-	err := change(ctx, func(ctx context.Context) error { return c.e.HV.AddDHCPHost(ctx, s.Network, h) })
-	if errors.Is(err, ErrAddressTaken) {
-		if now, nerr := c.e.HV.NetworkDHCP(ctx, s.Network); nerr == nil {
-			for _, have := range now.Hosts {
-				if have.Name == s.Name && equalMAC(have.MAC, s.MAC) && have.IP == h.IP {
-					return nil
+	for _, ip := range cands {
+		h := DHCPHost{MAC: s.MAC, Name: s.Name, IP: ip.String()}
+		err := change(ctx, func(ctx context.Context) error { return c.e.HV.AddDHCPHost(ctx, s.Network, h) })
+		if errors.Is(err, ErrAddressTaken) {
+			// Ours already, when a call cut by a lost connection was
+			// repeated on a new one after libvirt had made it.
+			if now, err := c.e.HV.NetworkDHCP(ctx, s.Network); err == nil {
+				for _, have := range now.Hosts {
+					if have.Name == s.Name && equalMAC(have.MAC, s.MAC) {
+						c.m.IP = have.IP
+						return nil
+					}
 				}
 			}
-		}
-		return err
-	}
-	if err != nil {
-		return fmt.Errorf("network %s: static DHCP host entry %s: %w", s.Network, ip, err)
-	}
-	return nil
-}
-
-// awaitAddress is Create's step after the start: the entry reserveAddress
-// started is in place. When another machine's took that address first, it
-// adds one for the next free candidate and gives the running domain's
-// filter that address (the guest has asked for none yet, or is refused
-// until its entry exists: its DHCP client asks again).
-func (c *creation) awaitAddress(ctx context.Context) error {
-	r := c.res
-	if r == nil {
-		return nil
-	}
-	select {
-	case <-r.done:
-	case <-ctx.Done():
-		return context.Cause(ctx)
-	}
-	if r.err == nil {
-		return nil
-	}
-	if !errors.Is(r.err, ErrAddressTaken) {
-		return r.err
-	}
-	for _, ip := range r.cands[1:] {
-		err := c.addHost(ctx, ip)
-		if errors.Is(err, ErrAddressTaken) {
 			continue
 		}
 		if err != nil {
-			return err
+			return fmt.Errorf("network %s: static DHCP host entry %s: %w", s.Network, ip, err)
 		}
-		c.m.IP = ip.String()
-		if c.s.Filter != nil {
-			if err := change(ctx, func(ctx context.Context) error { return c.e.HV.PinFilterAddress(ctx, c.s.Name, c.s.MAC, c.m.IP) }); err != nil {
-				return fmt.Errorf("the filter of %s: its address %s: %w", c.s.Name, c.m.IP, err)
-			}
-		}
+		c.m.IP = h.IP
 		return nil
 	}
-	return fmt.Errorf("network %s: the %d addresses tried for a static DHCP host entry were all taken meanwhile", c.s.Network, len(r.cands))
+	return fmt.Errorf("network %s: the %d addresses tried for a static DHCP host entry were all taken meanwhile", s.Network, len(cands))
 }
 
-// releaseAddress is reserveAddress's undo: once the add in flight has
-// ended, the machine's entry goes, if there is one.
+// releaseAddress is reserveAddress's undo.
 func (c *creation) releaseAddress(ctx context.Context) error {
-	if c.res == nil {
+	if c.m.IP == "" {
 		return nil
-	}
-	select {
-	case <-c.res.done:
-	case <-ctx.Done():
-		return context.Cause(ctx)
 	}
 	return c.e.removeDHCPHost(ctx, c.s.Network, c.s.Name)
 }

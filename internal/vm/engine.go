@@ -104,8 +104,6 @@ type creation struct {
 	disk, seed string
 	// seedPath is the seed volume's path once it is created.
 	seedPath string
-	// res is the static DHCP host entry being added (Spec.StaticAddress).
-	res *reservation
 }
 
 // steps are the creation's steps in order, each with its undo: clone disk,
@@ -121,14 +119,10 @@ func (c *creation) steps() []steps.Step {
 			steps.Step{Name: "upload seed", Do: c.uploadSeed},
 		)
 	}
-	list = append(list,
+	return append(list,
 		steps.Step{Name: "define", Do: c.define, Undo: c.undefine},
 		steps.Step{Name: "start", Do: c.start, Undo: c.destroy},
 	)
-	if c.s.StaticAddress {
-		list = append(list, steps.Step{Name: "address entry", Do: c.awaitAddress})
-	}
-	return list
 }
 
 // cloneDisk creates the job disk: a qcow2 overlay on the base image, at
