@@ -11,12 +11,15 @@ LVE_RIG_PREFIX=${LVE_RIG_PREFIX:-lve}                      # name_prefix of the 
 LVE_RIG_BRIDGE=virbr-lve
 LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
 LVE_RIG_NETMASK=255.255.255.0
-# Every VM gets a static host entry of its own (static_addresses), outside the small
-# dynamic range (kept for what makes its VMs without one: an earlier release in the
+# Every VM gets a static host entry of its own (static_addresses), outside the dynamic
+# range (kept for what makes its VMs without one: an earlier release in the
 # package upgrade test), so a guest asking with new client identifiers gets its own
 # address again, and a new VM its address even with the range used up. The one entry the
 # network starts with keeps dnsmasq's static DHCP on.
-LVE_RIG_DHCP_START=10.213.7.240
+# Not too small: libvirt sets dnsmasq's dhcp-lease-max to the ranges' size, and every
+# VM's lease counts against it, a static entry's too, until it expires (an 11-address
+# range starved the fault tests of leases).
+LVE_RIG_DHCP_START=10.213.7.100
 LVE_RIG_DHCP_END=10.213.7.250
 LVE_RIG_DHCP_RESERVED=10.213.7.254
 # The host name of the tests' GitLab over HTTPS (the fake job API behind TLS, at the
