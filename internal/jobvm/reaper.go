@@ -134,6 +134,13 @@ func (h *Host) reapOne(ctx context.Context, name string) error {
 		return err == nil, err
 	})
 	if err == nil && ended != nil {
+		// A scratch disk's reservation whose save was killed goes with
+		// the machine, not hours later (hostcache.Reserve).
+		if store := h.cacheStore(); store != nil {
+			if uerr := store.Unreserve(name); uerr != nil {
+				slog.Default().Warn("host cache: the scratch disk's reservation stays", "machine", name, "err", uerr)
+			}
+		}
 		h.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended.At).Seconds()})
 	}
 	return err

@@ -547,9 +547,18 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 				require.Equal(t, int64(6), size, "the small archive, whole")
 			}
 		}
+		// What is left in staging is at most the reservation of the killed
+		// save's scratch disk, whose volume lives as long as the VM.
+		reserved := "reserve-" + s.name(t)
 		staged, _ := os.ReadDir(filepath.Join(dir, "stage"))
-		require.Empty(t, staged, "the killed save's staging is gone")
+		for _, e := range staged {
+			require.Equal(t, reserved, e.Name(), "the killed save's staging is gone")
+		}
 		require.Equal(t, 0, s.run(t, "cleanup").code)
+		waitFor(t, 2*time.Minute, "the scratch disk's reservation goes with the VM", func() bool {
+			_, err := os.Stat(filepath.Join(dir, "stage", reserved))
+			return errors.Is(err, os.ErrNotExist)
+		})
 	})
 
 	t.Run("connection holder", func(t *testing.T) {

@@ -1201,7 +1201,13 @@ func (l *Conn) updateDHCPHost(network string, cmd libvirt.NetworkUpdateCommand, 
 		return fmt.Errorf("network %q: %w", network, err)
 	}
 	defer n.Free()
-	flags := libvirt.NETWORK_UPDATE_AFFECT_CONFIG
+	// The persistent definition where there is one (a transient network
+	// has none: libvirt refuses AFFECT_CONFIG there), the running network
+	// where it runs.
+	var flags libvirt.NetworkUpdateFlags
+	if persistent, err := n.IsPersistent(); err == nil && persistent {
+		flags |= libvirt.NETWORK_UPDATE_AFFECT_CONFIG
+	}
 	if active, err := n.IsActive(); err == nil && active {
 		flags |= libvirt.NETWORK_UPDATE_AFFECT_LIVE
 	}
