@@ -198,8 +198,19 @@ func app() *cli.App {
 			},
 			{
 				Name:  "image",
-				Usage: "VM images in an OCI registry ([images.NAME] source = \"oci://...\"; docs/fleet.md): push, pull, list, prune",
+				Usage: "VM images: build one from an installed recipe; in an OCI registry ([images.NAME] source = \"oci://...\"; docs/fleet.md): push, pull, list, prune",
 				Subcommands: []*cli.Command{
+					{
+						Name:      "build",
+						Usage:     "build a guest image from an installed recipe (as root; docs/images.md): one line per step, then the [images.NAME] table for the configuration and the image's path",
+						ArgsUsage: "NAME",
+						Flags: []cli.Flag{
+							&cli.StringFlag{Name: "output", Value: admin.DefaultImageDir, Usage: "where the image goes: DIR/NAME-HASH/, and DIR/NAME a link to the newest"},
+							&cli.BoolFlag{Name: "force", Usage: "build again even when the recipe's image is there"},
+							&cli.StringFlag{Name: "recipes", Usage: "the recipes' directory (default: the package's, " + admin.RecipesSubdir + " from this executable; deploy/images in a source checkout)"},
+						},
+						Action: runImageBuild,
+					},
 					{
 						Name:      "push",
 						Usage:     "push an image's disk (and kernel and initrd) to a registry as one artifact; prints its digest",
@@ -509,6 +520,33 @@ func runSelftest(c *cli.Context) error {
 		return errors.New("selftest failed")
 	}
 	return nil
+}
+
+// runImageBuild is the image build command.
+func runImageBuild(c *cli.Context) error {
+	exe, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	recipes, err := admin.RecipesDir(c.String("recipes"), exe)
+	if err != nil {
+		return err
+	}
+	if c.NArg() > 1 {
+		return fmt.Errorf("image build takes one recipe name, got %d arguments (options go before the name: image build --force NAME)", c.NArg())
+	}
+	o := admin.BuildOptions{Name: c.Args().First(), Recipes: recipes, Output: c.String("output"), Force: c.Bool("force")}
+	if err := o.Check(); err != nil {
+		return err
+	}
+	if os.Geteuid() != 0 {
+		return fmt.Errorf("image build runs the recipe as root (it installs its build tools with apt-get and assembles the image in a chroot): run it with sudo")
+	}
+	res, err := admin.ImageBuild(c.Context, progress.ForFile(os.Stderr), o)
+	if err != nil {
+		return err
+	}
+	return admin.PrintBuild(os.Stdout, o.Name, res)
 }
 
 // pushFiles are the files image push sends: a configured image's, or the
