@@ -167,6 +167,14 @@ func (b Build) describe(stage string) (*description, error) {
 	// same name wins).
 	file(filepath.Join(top, "deploy/polkit/50-libvirt-executor.rules"), "/usr/share/polkit-1/rules.d/50-libvirt-executor.rules", 0o644)
 
+	// The guest image recipes (libvirt-executor image build NAME finds them
+	// at ../share/libvirt-executor/images from /usr/bin), with their modes:
+	// the same files give the same cache key (lib.sh's lve_image_hash) as
+	// in the source tree.
+	if err := b.recipes(dir, file); err != nil {
+		return nil, err
+	}
+
 	// Documentation and examples.
 	doc := "/usr/share/doc/" + Name
 	dir(doc)
@@ -390,4 +398,44 @@ func writeFile(path string, data []byte) error {
 		return err
 	}
 	return os.WriteFile(path, data, 0o600) //nolint:gosec // G703: paths under our own staging directory
+}
+
+// Recipes is where the package installs deploy/images.
+const Recipes = "/usr/share/" + Name + "/images"
+
+// recipes adds deploy/images under Recipes: its directories, and its files
+// 0755 when executable in the tree, else 0644.
+func (b Build) recipes(dir func(string), file func(src, dst string, mode os.FileMode)) error {
+	src := filepath.Join(b.Top, "deploy/images")
+	dir("/usr/share/" + Name)
+	return filepath.WalkDir(src, func(p string, d os.DirEntry, err error) error {
+		if err != nil {
+			return err
+		}
+		rel, err := filepath.Rel(src, p)
+		if err != nil {
+			return err
+		}
+		dst := Recipes
+		if rel != "." {
+			dst += "/" + filepath.ToSlash(rel)
+		}
+		if d.IsDir() {
+			dir(dst)
+			return nil
+		}
+		if !d.Type().IsRegular() {
+			return fmt.Errorf("%s: not a regular file (the package ships the recipes' files only)", p)
+		}
+		st, err := d.Info()
+		if err != nil {
+			return err
+		}
+		mode := os.FileMode(0o644)
+		if st.Mode()&0o100 != 0 {
+			mode = 0o755
+		}
+		file(p, dst, mode)
+		return nil
+	})
 }

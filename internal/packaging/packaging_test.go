@@ -151,6 +151,16 @@ func TestDeb(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(unit), "ExecStart=/usr/bin/libvirt-executor serve")
 	require.NotContains(t, string(unit), "/usr/local/bin/")
+	// The image recipes (image build): the tree's, so of the same cache key.
+	require.Equal(t, "-rwxr-xr-x", want[Recipes+"/build.sh"].mode)
+	require.Equal(t, "-rw-r--r--", want[Recipes+"/lib.sh"].mode)
+	require.Contains(t, want, Recipes+"/debian/recipe.sh")
+	for _, n := range []string{"tiny", "debian", "cloud"} {
+		hash := func(dir string) string {
+			return output(t, "bash", "-c", `. "$1/lib.sh" && lve_image_hash "$1" "$2"`, "hash", dir, n)
+		}
+		require.Equal(t, hash(filepath.Join(b.Top, "deploy/images")), hash(filepath.Join(x, Recipes)), "recipe %s installed as in the tree", n)
+	}
 
 	// Reproducible: the same build gives the same bytes.
 	again, err := b.Write(t.TempDir(), "deb")
