@@ -147,10 +147,12 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 	echo "shellcheck -x" $$files; \
 	printf '%s\n' "$$files" | xargs -d '\n' shellcheck -x -P SCRIPTDIR
 
-install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent into $(PREFIX)/lib/libvirt-executor and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
+install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent into $(PREFIX)/lib/libvirt-executor, the image recipes into $(PREFIX)/share/libvirt-executor/images and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
 	@install -m 0755 $(BIN)/libvirt-executor $(BIN)/libvirt-executor-garm $(PREFIX)/bin/
 	@install -d -m 0755 $(PREFIX)/lib/libvirt-executor && install -m 0755 $(BIN)/lve-agent $(PREFIX)/lib/libvirt-executor/
+	@# the image recipes, where libvirt-executor image build finds them (../share/libvirt-executor/images)
+	@rm -rf $(PREFIX)/share/libvirt-executor/images && install -d -m 0755 $(PREFIX)/share/libvirt-executor && cp -r deploy/images $(PREFIX)/share/libvirt-executor/images
 	@install -d -m 0755 /etc/libvirt-executor
 	@[ -e /etc/libvirt-executor/config.toml ] || install -m 0640 deploy/config.example.toml /etc/libvirt-executor/config.toml
 	@# the units name /usr/local/bin: point them at $(PREFIX)/bin

@@ -225,3 +225,29 @@ func TestImageBuildFailure(t *testing.T) {
 	require.FileExists(t, filepath.Join(out, "tiny-0123456789abcdef", "image.toml"), "the earlier build is put back")
 	require.FileExists(t, filepath.Join(out, "tiny", "disk.qcow2"))
 }
+
+// The example configuration's default image is what `image build debian`
+// makes, through the link it points at the newest build, booted as
+// build.sh's image.toml says (docs/install.md: the admin changes none of it).
+func TestExampleConfigNamesTheBuiltImage(t *testing.T) {
+	cfg, err := config.Load("../../deploy/config.example.toml")
+	require.NoError(t, err)
+	img, ok := cfg.Image(cfg.DefaultImage)
+	require.True(t, ok)
+	link := DefaultImageDir + "/debian"
+	require.Equal(t, link+"/disk.qcow2", img.Base)
+	require.Equal(t, link+"/vmlinuz", img.Kernel)
+	require.Equal(t, link+"/initrd.img", img.Initrd)
+	build, err := os.ReadFile("../../deploy/images/build.sh")
+	require.NoError(t, err)
+	require.Contains(t, string(build), `cmdline="`+img.Cmdline+`"`)
+	require.Contains(t, string(build), "\nboot = \"kernel\"\n")
+	require.Equal(t, "kernel", img.Boot)
+	require.NoFileExists(t, "../../deploy/images/debian/image.env", "the debian recipe's image: root, smbios (build.sh's defaults)")
+	require.Equal(t, "root", img.User)
+	require.Equal(t, "smbios", img.KeyInjection)
+	require.Equal(t, "/builds", img.BuildsDir)
+	require.Equal(t, "/cache", img.CacheDir)
+	require.Equal(t, "ci", cfg.StoragePool, "docs/install.md makes the pool ci")
+	require.Equal(t, "ci", cfg.Network, "docs/install.md's network is ci")
+}

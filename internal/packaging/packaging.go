@@ -174,6 +174,8 @@ func (b Build) describe(stage string) (*description, error) {
 	if err := b.recipes(dir, file); err != nil {
 		return nil, err
 	}
+	// The example configuration's network (docs/install.md: virsh net-define).
+	file(filepath.Join(top, "deploy/network/ci-network.xml"), "/usr/share/"+Name+"/ci-network.xml", 0o644)
 
 	// Documentation and examples.
 	doc := "/usr/share/doc/" + Name

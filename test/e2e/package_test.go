@@ -39,7 +39,9 @@ const hostCacheDir = "/var/cache/libvirt-executor/jobs"
 // package in the middle of the job: the job's later stages and its cleanup
 // run the new version and succeed. The new version's pool service retires
 // the earlier one's standby VM and boots its own; nothing is left. doctor and selftest then run through the
-// installed files. Removing keeps the configuration and the state;
+// installed files, and README's admin path runs with the installed
+// configuration (adminPath: image build, config check, selftest and a first
+// job through the real gitlab-runner as the runner's user). Removing keeps the configuration and the state;
 // purging removes the state only when asked (LIBVIRT_EXECUTOR_PURGE_STATE).
 func TestDebianPackage(t *testing.T) {
 	rr := newRealRunner(t)
@@ -258,6 +260,10 @@ exec /usr/bin/libvirt-executor-run "$@"
 	if steps {
 		require.Contains(t, string(out), "selftest-steps     success")
 	}
+
+	// README's admin path with the shipped configuration: image build,
+	// config check, selftest and the first job, as the runner's user.
+	adminPath(t, rr, newVersion)
 
 	// Remove: the executables go; configuration and state stay.
 	run(nil, "dpkg", "-r", pkgName)
