@@ -7,6 +7,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io/fs"
 	"io"
 	"net"
 	"net/http"
@@ -330,6 +331,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			}
 		}
 		var problems, unseen []string
+		missing := false
 		for i, f := range files {
 			if !local {
 				// Another host's files: libvirt knows them as volumes of
@@ -347,6 +349,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			}
 			if fh, err := os.Open(f); err != nil {
 				problems = append(problems, err.Error())
+				missing = missing || errors.Is(err, fs.ErrNotExist)
 			} else {
 				fh.Close()
 				if i == 0 {
@@ -357,6 +360,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			}
 		}
 		fix := "make the files readable by this user and by libvirt (see docs/images.md)"
+		if recipe := BuiltBy(img.Base); local && missing && recipe != "" {
+			fix = "build it: libvirt-executor image build " + recipe + " (as root; docs/images.md), or pull it (source = \"oci://...\"; docs/fleet.md)"
+		}
 		if !local {
 			fix = "put the image's files into a storage pool of that host (its libvirt must list them as volumes: virsh pool-refresh POOL there; docs/garm.md)"
 		}

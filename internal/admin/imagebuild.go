@@ -173,6 +173,19 @@ func ImageBuild(ctx context.Context, p progress.Reporter, o BuildOptions) (*Buil
 	return res, nil
 }
 
+// BuiltBy is the recipe whose image build output holds base (a file of
+// DefaultImageDir/NAME/ or DefaultImageDir/NAME-HASH/), or "".
+func BuiltBy(base string) string {
+	rel, err := filepath.Rel(DefaultImageDir, filepath.Dir(base))
+	if err != nil {
+		return ""
+	}
+	if m := regexp.MustCompile(`^([a-z][a-z0-9-]{0,31}?)(-[0-9a-f]{16})?$`).FindStringSubmatch(rel); m != nil {
+		return m[1]
+	}
+	return ""
+}
+
 // ConfigTable is the image's image.toml with the files named through link
 // (Output/NAME) instead of the build's own directory dir: the table stays
 // right when a changed recipe builds the image again.

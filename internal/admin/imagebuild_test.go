@@ -251,3 +251,17 @@ func TestExampleConfigNamesTheBuiltImage(t *testing.T) {
 	require.Equal(t, "ci", cfg.StoragePool, "docs/install.md makes the pool ci")
 	require.Equal(t, "ci", cfg.Network, "docs/install.md's network is ci")
 }
+
+func TestBuiltBy(t *testing.T) {
+	for base, want := range map[string]string{
+		DefaultImageDir + "/debian/disk.qcow2":                 "debian",
+		DefaultImageDir + "/tiny-0123456789abcdef/disk.qcow2":  "tiny",
+		DefaultImageDir + "/my-image/disk.qcow2":               "my-image",
+		DefaultImageDir + "/disk.qcow2":                        "",
+		DefaultImageDir + "/a/b/disk.qcow2":                    "",
+		"/var/lib/libvirt/images/debian-12-ci.qcow2":           "",
+		DefaultImageDir + "/../images-other/debian/disk.qcow2": "",
+	} {
+		require.Equal(t, want, BuiltBy(base), base)
+	}
+}
