@@ -81,6 +81,28 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 	copyFile(t, rr.bin, runnerBin, 0o755)
 	path := "PATH=" + tools + ":" + os.Getenv("PATH")
 
+	// The guest tools volume the installation's first VM uploads is its
+	// own (kept for its next jobs): it goes with the test.
+	before := map[string]bool{}
+	for _, v := range r.poolVolumes(t) {
+		before[v] = true
+	}
+	t.Cleanup(func() {
+		pool, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+		if err != nil {
+			return
+		}
+		defer pool.Free()
+		_ = pool.Refresh(0)
+		vols, _ := pool.ListAllStorageVolumes(0)
+		for _, v := range vols {
+			if name, err := v.GetName(); err == nil && !before[name] && toolsVolumeRE.MatchString(strings.TrimPrefix(name, r.cfg.NamePrefix+"-")) {
+				_ = v.Delete(0)
+			}
+			_ = v.Free()
+		}
+	})
+
 	// The link image build makes in the rig's image cache goes with the test.
 	imageLink := "/var/cache/libvirt-executor/images/debian"
 	if _, err := os.Lstat(imageLink); err != nil {
