@@ -125,3 +125,23 @@ base = "/img/tiny.qcow2"
 	require.Len(t, entries, 1, "only the controller id")
 	require.Equal(t, 1, exitCode(errors.New("other")))
 }
+
+// image build's command line: the recipe's name is checked against the
+// recipes' directory before anything runs, and options go before it.
+func TestImageBuildCommand(t *testing.T) {
+	recipes := filepath.Join("..", "..", "deploy", "images")
+	out := t.TempDir()
+	run := func(args ...string) error {
+		return app().RunContext(context.Background(), append([]string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", out}, args...))
+	}
+	require.ErrorContains(t, run("bogus"), `image build "bogus": no such recipe in `+recipes+` (allowed: cloud, debian, tiny)`)
+	require.ErrorContains(t, run(), "image build needs the name of a recipe (allowed: cloud, debian, tiny)")
+	require.ErrorContains(t, run("tiny", "--force"), "image build takes one recipe name, got 2 arguments (options go before the name")
+	err := app().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", t.TempDir(), "tiny"})
+	require.ErrorContains(t, err, "no build.sh there")
+	err = app().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", "rel", "tiny"})
+	require.ErrorContains(t, err, `--output "rel": must be an absolute directory`)
+	entries, err := os.ReadDir(out)
+	require.NoError(t, err)
+	require.Empty(t, entries, "nothing was built")
+}
