@@ -186,9 +186,14 @@ func TestRPM(t *testing.T) {
 		require.Equal(t, e.mode, got[p][0], p)
 		require.Equal(t, "root:root", got[p][1], p)
 		require.Equal(t, date, got[p][2], "%s: the build date is every file's time", p)
-		if e.config {
+		switch {
+		case e.config:
 			require.Equal(t, "f=cn", got[p][3], "%s: %%config(noreplace)", p)
-		} else if p != "/usr/share/doc/libvirt-executor/LICENSE" {
+		case p == "/usr/share/doc/libvirt-executor/LICENSE":
+			require.Equal(t, "f=l", got[p][3], "%s: %%license", p)
+		case strings.HasPrefix(p, "/usr/share/doc/") && !strings.HasPrefix(e.mode, "d"):
+			require.Equal(t, "f=d", got[p][3], "%s: %%doc", p)
+		default:
 			require.Equal(t, "f=", got[p][3], p)
 		}
 	}
@@ -225,6 +230,7 @@ func TestRPM(t *testing.T) {
 		}
 	}
 	require.Equal(t, "libvirt-executor 1.2.3+4.gabc1234 1 x86_64 MIT", q("--qf", "%{NAME} %{VERSION} %{RELEASE} %{ARCH} %{LICENSE}"))
+	require.Equal(t, "Run every CI job in a fresh, disposable libvirt/KVM virtual machine", q("--qf", "%{SUMMARY}"))
 
 	again, err := b.Write(t.TempDir(), "rpm")
 	require.NoError(t, err)
