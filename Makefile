@@ -68,12 +68,15 @@ build-prereqs:
 	fi
 
 test: deps build ## all tests: unit tests, then end-to-end tests on real VMs (root; installs what it needs, starts and stops a private libvirt)
-	@$(MAKE) --no-print-directory test-unit REQUIRE_PROMETHEUS=1
+	@$(MAKE) --no-print-directory test-unit REQUIRE_PROMETHEUS=1 REQUIRE_PACKAGE_TOOLS=1
 	@$(MAKE) --no-print-directory test-e2e
 
 # 1 under make test (after make deps installed it): the promtool and Prometheus
 # checks of deploy/prometheus and the dashboard fail instead of skipping.
 REQUIRE_PROMETHEUS ?=
+# 1 under make test: the package tests (internal/packaging: dpkg-deb, rpm's query
+# tools, shellcheck of the .rpm's scriptlets) fail instead of skipping.
+REQUIRE_PACKAGE_TOOLS ?=
 
 # The gitlab-runner of the real-runner tests (empty: those tests skip; see deploy/rig/test-runner.sh).
 TEST_RUNNER = $$(deploy/rig/test-runner.sh $(BIN))
@@ -82,7 +85,7 @@ TEST_STEP_RUNNER = $$(deploy/rig/test-tool.sh step-runner $(BIN))
 
 test-unit: ## unit tests (race detector, no VMs; the fake job API's tests with a real gitlab-runner when there is one)
 	@mkdir -p $(BIN)
-	runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner LVE_REQUIRE_PROMETHEUS=$(REQUIRE_PROMETHEUS) $(GO) test -race -count=1 ./...
+	runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner LVE_REQUIRE_PROMETHEUS=$(REQUIRE_PROMETHEUS) LVE_REQUIRE_PACKAGE_TOOLS=$(REQUIRE_PACKAGE_TOOLS) $(GO) test -race -count=1 ./...
 
 test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd and cloud-init guests)
 	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh

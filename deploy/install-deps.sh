@@ -33,7 +33,8 @@ set -euo pipefail
 # tests on 127.0.0.1 or in the rig's namespace; the package's own service is not started).
 # qemu-utils: the unit tests make hostile images with qemu-img (internal/imagecheck).
 # rpm: the unit test of the package description (internal/packaging) reads the .rpm
-# with rpm's own query tools (files, modes, config files, scripts, dependencies).
+# with rpm's own query tools (files, modes, config files, scripts, dependencies),
+# and has shellcheck check the scriptlets as the .rpm carries them.
 pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils rpm)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }

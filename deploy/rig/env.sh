@@ -7,6 +7,10 @@ LVE_RIG_NET=${LVE_RIG_NET:-lve-rig}                        # libvirt NAT network
 LVE_RIG_POOL=${LVE_RIG_POOL:-lve-rig}                      # libvirt dir storage pool ($LVE_RIG_DIR/pool)
 LVE_RIG_IMAGES=${LVE_RIG_IMAGES:-tiny}                     # images to build: "tiny", "tiny,debian,cloud"
 LVE_RIG_URI=${LVE_RIG_URI:-qemu:///system}
+# How the rig's own libvirtd authorises API calls: "polkit" (libvirt's polkit access
+# driver, with a private D-Bus and polkitd; the tests confine their runner user with
+# the rules of `libvirt-executor polkit-rules`) or "none" (socket permissions only).
+LVE_RIG_ACCESS=${LVE_RIG_ACCESS:-polkit}
 LVE_RIG_PREFIX=${LVE_RIG_PREFIX:-lve}                      # name_prefix of the rig's config: job VMs and volumes are <prefix>-*
 LVE_RIG_BRIDGE=virbr-lve
 LVE_RIG_GATEWAY=10.213.7.1                                 # host side of the guest network
@@ -29,7 +33,7 @@ LVE_RIG_GITLAB_HOST=gitlab.lve-rig.test
 LVE_RIG_SERVICE_PORTS=${LVE_RIG_SERVICE_PORTS:-20000:20999} # host-side TCP ports guests may reach (test git servers)
 LVE_RIG_RUN=$LVE_RIG_DIR/run                               # pidfiles, logs, markers
 LVE_RIG_CONFIG=$LVE_RIG_DIR/config.toml                    # executor config written by start.sh
-export LVE_RIG_GITLAB_HOST LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI LVE_RIG_PREFIX \
+export LVE_RIG_ACCESS LVE_RIG_GITLAB_HOST LVE_RIG_NS LVE_RIG_DIR LVE_RIG_NET LVE_RIG_POOL LVE_RIG_IMAGES LVE_RIG_URI LVE_RIG_PREFIX \
 	LVE_RIG_BRIDGE LVE_RIG_GATEWAY LVE_RIG_RUN LVE_RIG_CONFIG LVE_RIG_SERVICE_PORTS
 
 rig_log() { printf '[rig] %s\n' "$*" >&2; }

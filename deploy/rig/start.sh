@@ -4,7 +4,9 @@
 #   - /dev/kvm -> group kvm, 0660 (else libvirt re-probes QEMU on every domain start),
 #   - removes the autostart link of libvirt's "default" network (never started here),
 #   - network namespace $LVE_RIG_NS with virtlogd + libvirtd started inside it
-#     (pidfiles in $LVE_RIG_DIR/run/); URI qemu:///system works from any namespace,
+#     (pidfiles in $LVE_RIG_DIR/run/); URI qemu:///system works from any namespace;
+#     with LVE_RIG_ACCESS=polkit (the default) libvirtd asks polkit for every API call,
+#     on a D-Bus and polkitd of the rig's own (rules in $LVE_RIG_DIR/run/polkit-rules.d),
 #   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP: static host entries and a small range,
 #     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
 #   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
@@ -43,6 +45,79 @@ fi
 mkdir -p "$LVE_RIG_RUN" "$LVE_RIG_DIR/pool" "$LVE_RIG_DIR/state"
 chmod 0755 "$LVE_RIG_DIR" "$LVE_RIG_DIR/pool" "$LVE_RIG_DIR/state"
 chmod 0700 "$LVE_RIG_RUN"
+
+# --- polkit (LVE_RIG_ACCESS=polkit) ------------------------------------------------------
+# start_polkit: a D-Bus system bus of the rig's own ($LVE_RIG_DIR/dbus: polkitd, which runs
+# as its own user, must reach the socket), polkitd on it with the rig's rules directory,
+# and access_drivers = [ "polkit" ] for libvirtd (appended to its configuration file, which
+# must be written before). Sets rig_bus to the bus address for libvirtd.
+rig_bus=
+start_polkit() {
+	local bus=$LVE_RIG_DIR/dbus pid
+	lve_apt_install dbus dbus-bin polkitd
+	rig_bus=unix:path=$bus/system_bus_socket
+	mkdir -p "$bus" "$LVE_RIG_RUN/polkit-rules.d"
+	chmod 0755 "$bus"
+	chown polkitd:root "$LVE_RIG_RUN/polkit-rules.d"
+	chmod 0700 "$LVE_RIG_RUN/polkit-rules.d"
+	if pid=$(rig_pid_is "$LVE_RIG_RUN/dbus.pid" dbus-daemon); then
+		rig_log "the rig's D-Bus already running (pid $pid)"
+	else
+		rm -f "$bus/system_bus_socket"
+		# The system bus's default policy (deny owning names and method calls
+		# unless a policy of /usr/share/dbus-1/system.d allows them), on the
+		# rig's socket, without activation.
+		cat >"$LVE_RIG_RUN/dbus.conf" <<-EOF
+			<!DOCTYPE busconfig PUBLIC "-//freedesktop//DTD D-Bus Bus Configuration 1.0//EN"
+			 "http://www.freedesktop.org/standards/dbus/1.0/busconfig.dtd">
+			<!-- written by deploy/rig/start.sh -->
+			<busconfig>
+			  <type>system</type>
+			  <listen>$rig_bus</listen>
+			  <auth>EXTERNAL</auth>
+			  <policy context="default">
+			    <allow user="*"/>
+			    <deny own="*"/>
+			    <deny send_type="method_call"/>
+			    <allow send_type="signal"/>
+			    <allow send_requested_reply="true" send_type="method_return"/>
+			    <allow send_requested_reply="true" send_type="error"/>
+			    <allow receive_type="method_call"/>
+			    <allow receive_type="method_return"/>
+			    <allow receive_type="error"/>
+			    <allow receive_type="signal"/>
+			    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus"/>
+			    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Introspectable"/>
+			    <allow send_destination="org.freedesktop.DBus" send_interface="org.freedesktop.DBus.Properties"/>
+			  </policy>
+			  <includedir>/usr/share/dbus-1/system.d</includedir>
+			</busconfig>
+		EOF
+		dbus-daemon --config-file="$LVE_RIG_RUN/dbus.conf" --fork --print-pid >"$LVE_RIG_RUN/dbus.pid"
+		pid=$(rig_pid_is "$LVE_RIG_RUN/dbus.pid" dbus-daemon) || rig_die "the rig's dbus-daemon did not start"
+		rig_log "started the rig's D-Bus system bus (pid $pid) at $bus"
+	fi
+	if pid=$(rig_pid_is "$LVE_RIG_RUN/polkitd.pid" polkitd); then
+		rig_log "polkitd already running (pid $pid)"
+	else
+		# setsid (no fork: not a group leader here), unshare (no fork) and sh's
+		# exec keep one PID: the pidfile's is polkitd's.
+		# shellcheck disable=SC2016 # "$1" is the inner sh's
+		DBUS_SYSTEM_BUS_ADDRESS=$rig_bus setsid unshare -m --propagation private \
+			sh -c 'mount --bind "$1" /etc/polkit-1/rules.d && exec /usr/lib/polkit-1/polkitd --no-debug' sh "$LVE_RIG_RUN/polkit-rules.d" \
+			</dev/null >>"$LVE_RIG_RUN/polkitd.log" 2>&1 &
+		echo $! >"$LVE_RIG_RUN/polkitd.pid"
+		local deadline=$((SECONDS + 30))
+		until DBUS_SYSTEM_BUS_ADDRESS=$rig_bus dbus-send --system --print-reply --dest=org.freedesktop.DBus / \
+			org.freedesktop.DBus.NameHasOwner string:org.freedesktop.PolicyKit1 2>/dev/null | grep -q 'boolean true'; do
+			[ -e "/proc/$!" ] || rig_die "polkitd exited during startup (log: $LVE_RIG_RUN/polkitd.log)"
+			[ $SECONDS -lt $deadline ] || rig_die "polkitd did not take its bus name in 30 s (log: $LVE_RIG_RUN/polkitd.log)"
+			sleep 0.1
+		done
+		rig_log "started polkitd (pid $!) with the rules in $LVE_RIG_RUN/polkit-rules.d"
+	fi
+	printf 'access_drivers = [ "polkit" ]\n' >>"$LVE_RIG_RUN/libvirtd.conf"
+}
 
 # --- libvirtd -------------------------------------------------------------------------
 wait_libvirt() { # bounded short-interval poll until the socket answers
@@ -113,6 +188,18 @@ else
 			auth_unix_ro = "none"
 			auth_unix_rw = "none"
 		EOF
+		# libvirt's polkit access driver (LVE_RIG_ACCESS=polkit, the default): every API
+		# call is asked of polkitd, on a D-Bus system bus of the rig's own (no host
+		# bus or polkitd is touched or needed), with polkit's rules directory
+		# /etc/polkit-1/rules.d replaced, in polkitd's mount namespace only, by
+		# $LVE_RIG_RUN/polkit-rules.d, where the tests put the rules of
+		# `libvirt-executor polkit-rules`. polkit always authorises root.
+		case $LVE_RIG_ACCESS in
+		polkit) start_polkit ;;
+		none) ;;
+		*) rig_die "LVE_RIG_ACCESS='$LVE_RIG_ACCESS': \"polkit\" or \"none\"" ;;
+		esac
+		echo "$LVE_RIG_ACCESS" >"$LVE_RIG_RUN/access"
 		# The network guard is installed the way an admin installs it: as a
 		# libvirt network hook (deploy/network). This libvirtd sees the rig's
 		# hooks directory in place of /etc/libvirt/hooks, in its own mount
@@ -121,7 +208,7 @@ else
 		install -m 0755 "$here/../network/libvirt-executor-guard" "$LVE_RIG_RUN/hooks/network.d/50-libvirt-executor-guard"
 		printf '%s %s\n' "$LVE_RIG_NET" "$LVE_RIG_SERVICE_PORTS" >"$LVE_RIG_RUN/hooks/libvirt-executor-guard.conf"
 		# shellcheck disable=SC2016 # "$1" and "$@" are the inner sh's
-		ip netns exec "$LVE_RIG_NS" sh -c 'mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"' sh "$LVE_RIG_RUN/hooks" \
+		ip netns exec "$LVE_RIG_NS" env ${rig_bus:+DBUS_SYSTEM_BUS_ADDRESS="$rig_bus"} sh -c 'mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"' sh "$LVE_RIG_RUN/hooks" \
 			libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"
 		for _ in $(seq 50); do [ -s "$LVE_RIG_RUN/libvirtd.pid" ] && break; sleep 0.1; done
 		pid=$(tr -dc 0-9 <"$LVE_RIG_RUN/libvirtd.pid" 2>/dev/null || true)

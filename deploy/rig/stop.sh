@@ -4,7 +4,8 @@
 #     of the rig pool, reporting each as a LEAK (the executor should have removed them);
 #     <prefix> is the name_prefix of the config start.sh wrote ($LVE_RIG_PREFIX without one),
 #   - stops + undefines the rig network and pool (the pool directory stays),
-#   - stops the libvirtd and virtlogd the rig started (by pidfile PID, nothing else),
+#   - stops the libvirtd and virtlogd the rig started, and the polkitd and D-Bus of its
+#     access driver (by pidfile PID, nothing else),
 #   - deletes the network namespace if the rig created it.
 # The image cache is left alone. Exit status 0 even when leaks were found (they are
 # reported on stderr and counted in the last line: "leaks=N").
@@ -121,6 +122,14 @@ if pid=$(rig_pid_is "$LVE_RIG_RUN/virtlogd.pid" virtlogd); then
 	stop_pid "$pid" virtlogd && rig_log "stopped virtlogd (pid $pid)"
 fi
 rm -f "$LVE_RIG_RUN/virtlogd.pid"
+# polkitd and the D-Bus of the access driver (LVE_RIG_ACCESS=polkit), after libvirtd.
+if pid=$(rig_pid_is "$LVE_RIG_RUN/polkitd.pid" polkitd); then
+	stop_pid "$pid" polkitd && rig_log "stopped polkitd (pid $pid)"
+fi
+if pid=$(rig_pid_is "$LVE_RIG_RUN/dbus.pid" dbus-daemon); then
+	stop_pid "$pid" dbus-daemon && rig_log "stopped the rig's D-Bus (pid $pid)"
+fi
+rm -f "$LVE_RIG_RUN/polkitd.pid" "$LVE_RIG_RUN/dbus.pid" "$LVE_RIG_DIR/dbus/system_bus_socket"
 
 # Children of a libvirtd that died without cleaning up (QEMU of <prefix>-* guests, the rig
 # network's dnsmasq): found through libvirt's own pidfiles, checked by name.

@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"runtime"
 	"sort"
 	"strings"
 	"sync"
@@ -181,23 +182,59 @@ type Collector struct {
 	snap *snapshot
 }
 
+// The live gauges. gauge registers each name for Kinds.
 var (
-	vmsDesc           = prometheus.NewDesc("libvirt_executor_vms", "VMs of this installation by owner kind (job, standby, garm, other) and state (running, paused, shutoff, other).", []string{"owner", "state"}, nil)
-	poolDesc          = prometheus.NewDesc("libvirt_executor_pool_vms", "Standby VMs by image and state (idle, booting, claimed, retiring).", []string{"image", "state"}, nil)
-	targetDesc        = prometheus.NewDesc("libvirt_executor_pool_target_vms", "Idle standby VMs the service aims for now, by image.", []string{"image"}, nil)
-	usedDesc          = prometheus.NewDesc("libvirt_executor_capacity_used", "Host capacity held by this installation's machines, by resource (vms, memory_bytes).", []string{"resource"}, nil)
-	limitDesc         = prometheus.NewDesc("libvirt_executor_capacity_limit", "Host capacity limits (capacity.*), by resource; absent when unlimited.", []string{"resource"}, nil)
-	backlogDesc       = prometheus.NewDesc("libvirt_executor_event_spool_bytes", "Event records waiting in the spool to be folded.", nil, nil)
-	buildDesc         = prometheus.NewDesc("libvirt_executor_build_info", "The running service's version.", []string{"version"}, nil)
-	orphansDesc       = prometheus.NewDesc("libvirt_executor_garm_orphans", "garm instances whose pool garm has not named for garm.orphan_after (a deleted pool, or a garm that is gone); they stay until garm.max_age.", nil, nil)
-	cacheSizeDesc     = prometheus.NewDesc("libvirt_executor_cache_size_bytes", "Bytes of files in the host cache ([cache] dir), all projects together.", nil, nil)
-	cacheProjectsDesc = prometheus.NewDesc("libvirt_executor_cache_projects", "Projects with a cache in the host cache.", nil, nil)
-	cacheLimitDesc    = prometheus.NewDesc("libvirt_executor_cache_limit_bytes", "The host cache's total limit (cache.total_limit_mib).", nil, nil)
-	imageInfoDesc     = prometheus.NewDesc("libvirt_executor_image_info", "The image this host stores for each image with a source (oci://) now, by its manifest's digest (absent before the first pull).", []string{"image", "digest"}, nil)
-	imageCheckDesc    = prometheus.NewDesc("libvirt_executor_image_last_check_timestamp_seconds", "When the registry last confirmed what an image's source names (a successful pull or check).", []string{"image"}, nil)
-	imageFailDesc     = prometheus.NewDesc("libvirt_executor_image_pull_failures", "Pulls of an image's source failed in a row (0 once one succeeds): the last verified image keeps serving meanwhile.", []string{"image"}, nil)
-	scrapeErrors      = prometheus.NewDesc("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans, cache, images): 1 each.", []string{"part"}, nil)
+	vmsDesc           = gauge("libvirt_executor_vms", "VMs of this installation by owner kind (job, standby, garm, other) and state (running, paused, shutoff, other).", "owner", "state")
+	poolDesc          = gauge("libvirt_executor_pool_vms", "Standby VMs by image and state (idle, booting, claimed, retiring).", "image", "state")
+	targetDesc        = gauge("libvirt_executor_pool_target_vms", "Idle standby VMs the service aims for now, by image.", "image")
+	usedVMsDesc       = gauge("libvirt_executor_capacity_used_vms", "Machines of this installation that hold host capacity, as admission counts them.")
+	usedMemDesc       = gauge("libvirt_executor_capacity_used_memory_bytes", "Memory reserved by this installation's machines, in bytes, as admission counts it.")
+	limitVMsDesc      = gauge("libvirt_executor_capacity_limit_vms", "The host's VM limit (capacity.max_vms); absent when unlimited.")
+	limitMemDesc      = gauge("libvirt_executor_capacity_limit_memory_bytes", "The host's memory budget (capacity.memory_budget_mib) in bytes; absent when unlimited.")
+	backlogDesc       = gauge("libvirt_executor_event_spool_bytes", "Bytes of event records waiting in the spool to be folded.")
+	buildDesc         = gauge("libvirt_executor_build_info", "The running service's build: version, git revision and Go version (value 1).", "version", "revision", "goversion")
+	orphansDesc       = gauge("libvirt_executor_garm_orphans", "garm instances whose pool garm has not named for garm.orphan_after (a deleted pool, or a garm that is gone); they stay until garm.max_age.")
+	cacheSizeDesc     = gauge("libvirt_executor_cache_size_bytes", "Bytes of files in the host cache ([cache] dir), all projects together.")
+	cacheProjectsDesc = gauge("libvirt_executor_cache_projects", "Projects with a cache in the host cache.")
+	cacheLimitDesc    = gauge("libvirt_executor_cache_limit_bytes", "The host cache's total limit (cache.total_limit_mib) in bytes.")
+	imageInfoDesc     = gauge("libvirt_executor_image_info", "The image this host stores for each image with a source (oci://) now, by its manifest's digest (absent before the first pull).", "image", "digest")
+	imageCheckDesc    = gauge("libvirt_executor_image_last_check_timestamp_seconds", "When the registry last confirmed what an image's source names (a successful pull or check), in seconds since the epoch.", "image")
+	imageFailDesc     = gauge("libvirt_executor_image_pull_failures", "Pulls of an image's source failed in a row (0 once one succeeds): the last verified image keeps serving meanwhile.", "image")
+	scrapeErrors      = gauge("libvirt_executor_scrape_errors", "Parts of this scrape that failed (fold, vms, pools, capacity, orphans, cache, images): 1 each.", "part")
 )
+
+// gaugeNames are the live gauges' names, in the order made.
+var gaugeNames []string
+
+func gauge(name, help string, labels ...string) *prometheus.Desc {
+	gaugeNames = append(gaugeNames, name)
+	return prometheus.NewDesc(name, help, labels, nil)
+}
+
+// Kinds is every metric the service exports itself (the Go and process
+// collectors' aside), by name: counter, histogram or gauge. It is the
+// specification the dashboard's and the alerts' tests check names against.
+func Kinds() map[string]string {
+	k := map[string]string{}
+	for name, d := range defs {
+		k[name] = "counter"
+		if d.buckets != nil {
+			k[name] = "histogram"
+		}
+	}
+	for _, name := range gaugeNames {
+		k[name] = "gauge"
+	}
+	return k
+}
+
+// revision is build_info's revision label: the commit, "unknown" without one.
+func revision() string {
+	if buildinfo.Commit == "" {
+		return "unknown"
+	}
+	return buildinfo.Commit
+}
 
 // Describe implements prometheus.Collector (unchecked: the folded series
 // are known only from the records).
@@ -214,7 +251,7 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	}
 	c.collectTotals(ch)
 	ch <- prometheus.MustNewConstMetric(backlogDesc, prometheus.GaugeValue, float64(c.Folder.Backlog()))
-	ch <- prometheus.MustNewConstMetric(buildDesc, prometheus.GaugeValue, 1, buildinfo.Version)
+	ch <- prometheus.MustNewConstMetric(buildDesc, prometheus.GaugeValue, 1, buildinfo.Version, revision(), runtime.Version())
 	snap := c.current()
 	if snap.vmsErr != nil {
 		failed("vms", snap.vmsErr)
@@ -259,13 +296,13 @@ func (c *Collector) Collect(ch chan<- prometheus.Metric) {
 	if snap.capErr != nil {
 		failed("capacity", snap.capErr)
 	} else if snap.hasCap {
-		ch <- prometheus.MustNewConstMetric(usedDesc, prometheus.GaugeValue, float64(snap.capVMs), "vms")
-		ch <- prometheus.MustNewConstMetric(usedDesc, prometheus.GaugeValue, float64(snap.capMiB)*(1<<20), "memory_bytes")
+		ch <- prometheus.MustNewConstMetric(usedVMsDesc, prometheus.GaugeValue, float64(snap.capVMs))
+		ch <- prometheus.MustNewConstMetric(usedMemDesc, prometheus.GaugeValue, float64(snap.capMiB)*(1<<20))
 		if snap.maxVMs > 0 {
-			ch <- prometheus.MustNewConstMetric(limitDesc, prometheus.GaugeValue, float64(snap.maxVMs), "vms")
+			ch <- prometheus.MustNewConstMetric(limitVMsDesc, prometheus.GaugeValue, float64(snap.maxVMs))
 		}
 		if snap.budgetMiB > 0 {
-			ch <- prometheus.MustNewConstMetric(limitDesc, prometheus.GaugeValue, float64(snap.budgetMiB)*(1<<20), "memory_bytes")
+			ch <- prometheus.MustNewConstMetric(limitMemDesc, prometheus.GaugeValue, float64(snap.budgetMiB)*(1<<20))
 		}
 	}
 }

@@ -9,6 +9,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"sync"
 	"testing"
@@ -252,16 +253,19 @@ libvirt_executor_run_overhead_seconds_bucket{image="tiny",le="5"} 1
 libvirt_executor_run_overhead_seconds_bucket{image="tiny",le="+Inf"} 1
 libvirt_executor_run_overhead_seconds_sum{image="tiny"} 0.004
 libvirt_executor_run_overhead_seconds_count{image="tiny"} 1
-# HELP libvirt_executor_capacity_used Host capacity held by this installation's machines, by resource (vms, memory_bytes).
-# TYPE libvirt_executor_capacity_used gauge
-libvirt_executor_capacity_used{resource="memory_bytes"} 3.221225472e+09
-libvirt_executor_capacity_used{resource="vms"} 6
-# HELP libvirt_executor_capacity_limit Host capacity limits (capacity.*), by resource; absent when unlimited.
-# TYPE libvirt_executor_capacity_limit gauge
-libvirt_executor_capacity_limit{resource="vms"} 8
+# HELP libvirt_executor_capacity_used_vms Machines of this installation that hold host capacity, as admission counts them.
+# TYPE libvirt_executor_capacity_used_vms gauge
+libvirt_executor_capacity_used_vms 6
+# HELP libvirt_executor_capacity_used_memory_bytes Memory reserved by this installation's machines, in bytes, as admission counts it.
+# TYPE libvirt_executor_capacity_used_memory_bytes gauge
+libvirt_executor_capacity_used_memory_bytes 3.221225472e+09
+# HELP libvirt_executor_capacity_limit_vms The host's VM limit (capacity.max_vms); absent when unlimited.
+# TYPE libvirt_executor_capacity_limit_vms gauge
+libvirt_executor_capacity_limit_vms 8
 `
 	require.NoError(t, testutil.CollectAndCompare(c, strings.NewReader(expected),
-		JobsTotal, RunOverheadSeconds, "libvirt_executor_capacity_used", "libvirt_executor_capacity_limit"))
+		JobsTotal, RunOverheadSeconds, "libvirt_executor_capacity_used_vms", "libvirt_executor_capacity_used_memory_bytes",
+		"libvirt_executor_capacity_limit_vms", "libvirt_executor_capacity_limit_memory_bytes"), "no memory limit: budget 0 is unlimited")
 	reg := prometheus.NewRegistry()
 	require.NoError(t, reg.Register(c))
 	mfs, err := reg.Gather()
@@ -309,7 +313,7 @@ libvirt_executor_capacity_limit{resource="vms"} 8
 	}
 	require.True(t, sawErr)
 	require.False(t, sawGauge)
-	require.Equal(t, 1.0, got["libvirt_executor_build_info,version="+versionForTest()])
+	require.Equal(t, 1.0, got["libvirt_executor_build_info,goversion="+runtime.Version()+",revision="+revision()+",version="+versionForTest()])
 }
 
 // The HTTP endpoint answers on /metrics with the exposition, and a busy
@@ -333,7 +337,7 @@ func TestServeEndpoint(t *testing.T) {
 	body, _ := io.ReadAll(resp.Body)
 	_ = resp.Body.Close()
 	require.Equal(t, http.StatusOK, resp.StatusCode)
-	require.Contains(t, string(body), "libvirt_executor_build_info{version=")
+	require.Contains(t, string(body), "libvirt_executor_build_info{goversion=")
 	require.Contains(t, string(body), "process_start_time_seconds")
 	_, err = Serve(context.Background(), ln, h, log)
 	require.ErrorContains(t, err, "serve.metrics_listen")

@@ -177,7 +177,11 @@ func (b Build) describe(stage string) (*description, error) {
 	// The example configuration's network (docs/install.md: virsh net-define).
 	file(filepath.Join(top, "deploy/network/ci-network.xml"), "/usr/share/"+Name+"/ci-network.xml", 0o644)
 
-	// Documentation and examples.
+	// Documentation and examples: %doc in the .rpm (dnf --nodocs leaves them out).
+	docFile := func(src, dst string) {
+		add("", "deb", src, dst, 0o644)
+		add(files.TypeRPMDoc, "rpm", src, dst, 0o644)
+	}
 	doc := "/usr/share/doc/" + Name
 	dir(doc)
 	dir(doc + "/examples")
@@ -187,13 +191,13 @@ func (b Build) describe(stage string) (*description, error) {
 	}
 	sort.Strings(mds)
 	for _, m := range mds {
-		file(m, doc+"/"+filepath.Base(m), 0o644)
+		docFile(m, doc+"/"+filepath.Base(m))
 	}
-	file(filepath.Join(top, "README.md"), doc+"/README.md", 0o644)
+	docFile(filepath.Join(top, "README.md"), doc+"/README.md")
 	for _, ex := range []string{"deploy/config.example.toml", "deploy/garm.example.toml", "deploy/prometheus/alerts.yml", "deploy/grafana/libvirt-executor.json"} {
-		file(filepath.Join(top, ex), doc+"/examples/"+filepath.Base(ex), 0o644)
+		docFile(filepath.Join(top, ex), doc+"/examples/"+filepath.Base(ex))
 	}
-	file(filepath.Join(top, "deploy/package/debian/copyright"), doc+"/copyright", 0o644)
+	docFile(filepath.Join(top, "deploy/package/debian/copyright"), doc+"/copyright")
 	add(files.TypeRPMLicence, "rpm", filepath.Join(top, "LICENSE"), doc+"/LICENSE", 0o644)
 	// Debian's changelog (a native package's) and lintian's overrides.
 	cl, err := b.debianChangelog()
@@ -255,7 +259,9 @@ func (b Build) describe(stage string) (*description, error) {
 					PostRemove:  filepath.Join(top, "deploy/package/rpm/postun"),
 				},
 				RPM: nfpm.RPM{
-					Summary:     summary,
+					// rpm's Summary starts with a capital (rpmlint); Debian's
+					// synopsis does not.
+					Summary:     strings.ToUpper(summary[:1]) + summary[1:],
 					Group:       "Applications/System",
 					Compression: rpmComp,
 					// Reproducible: no build machine's name.

@@ -15,8 +15,9 @@ import (
 	"github.com/stretchr/testify/require"
 )
 
-// needTool skips without the tool, or fails where make deps installed it (make
-// test: LVE_REQUIRE_PROMETHEUS=1; or LVE_REQUIRE_PACKAGE_TOOLS=1).
+// needTool skips without the tool, or fails where make deps installed it: make
+// test sets LVE_REQUIRE_PACKAGE_TOOLS=1 (and LVE_REQUIRE_PROMETHEUS=1, which
+// counts too).
 func needTool(t *testing.T, tool string) {
 	t.Helper()
 	if _, err := exec.LookPath(tool); err != nil {
@@ -195,9 +196,14 @@ func TestRPM(t *testing.T) {
 		require.Equal(t, e.mode, got[p][0], p)
 		require.Equal(t, "root:root", got[p][1], p)
 		require.Equal(t, date, got[p][2], "%s: the build date is every file's time", p)
-		if e.config {
+		switch {
+		case e.config:
 			require.Equal(t, "f=cn", got[p][3], "%s: %%config(noreplace)", p)
-		} else if p != "/usr/share/doc/libvirt-executor/LICENSE" {
+		case p == "/usr/share/doc/libvirt-executor/LICENSE":
+			require.Equal(t, "f=l", got[p][3], "%s: %%license", p)
+		case strings.HasPrefix(p, "/usr/share/doc/") && !strings.HasPrefix(e.mode, "d"):
+			require.Equal(t, "f=d", got[p][3], "%s: %%doc", p)
+		default:
 			require.Equal(t, "f=", got[p][3], p)
 		}
 	}
@@ -216,18 +222,36 @@ func TestRPM(t *testing.T) {
 	require.NotContains(t, scripts, "preinstall scriptlet")
 	require.NotContains(t, scripts, "deb-systemd", "no Debian tool in the .rpm's scripts")
 
-	// Dependencies: RHEL/Fedora names.
+	// Dependencies: the RHEL family's package names (RHEL 9, Rocky, Alma,
+	// Fedora): libvirt's library required; the daemon with its KVM driver,
+	// QEMU, qemu-img, the network and nwfilter configuration and dnsmasq
+	// recommended. No Debian name in either.
 	requires := q("--requires")
-	for _, r := range []string{"libvirt-libs >= 9.0.0", "glibc >= 2.34", "shadow-utils"} {
+	for _, r := range []string{"libvirt-libs >= 9.0.0", "glibc >= 2.34", "shadow-utils", "systemd"} {
 		require.Contains(t, requires, r+"\n")
 	}
-	require.NotContains(t, requires, "libvirt0")
-	require.Contains(t, q("--recommends"), "qemu-kvm\n")
+	recommends := q("--recommends")
+	require.Equal(t, "dnsmasq\nlibvirt-client\nlibvirt-daemon-config-network\nlibvirt-daemon-config-nwfilter\nlibvirt-daemon-kvm\nqemu-img\nqemu-kvm\n",
+		sortedLines(recommends))
+	for _, debian := range []string{"libvirt0", "libc6", "adduser", "init-system-helpers", "libvirt-daemon-system", "libvirt-clients", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables"} {
+		for _, l := range strings.Split(requires+recommends, "\n") {
+			name, _, _ := strings.Cut(l, " ")
+			require.NotEqual(t, debian, name, "Debian's %s in the .rpm's dependencies", debian)
+		}
+	}
 	require.Equal(t, "libvirt-executor 1.2.3+4.gabc1234 1 x86_64 MIT", q("--qf", "%{NAME} %{VERSION} %{RELEASE} %{ARCH} %{LICENSE}"))
+	require.Equal(t, "Run every CI job in a fresh, disposable libvirt/KVM virtual machine", q("--qf", "%{SUMMARY}"))
 
 	again, err := b.Write(t.TempDir(), "rpm")
 	require.NoError(t, err)
 	requireSameFile(t, rpm, again[0])
+}
+
+// sortedLines is text's lines sorted, each ending in a newline.
+func sortedLines(text string) string {
+	l := strings.Split(strings.TrimSpace(text), "\n")
+	sort.Strings(l)
+	return strings.Join(l, "\n") + "\n"
 }
 
 func requireSameFile(t *testing.T, a, b string) {

@@ -473,12 +473,22 @@ func restartLibvirtd(t *testing.T) {
 	cmdline, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
 	require.NoError(t, err)
 	argv := strings.Split(strings.TrimRight(string(cmdline), "\x00"), "\x00")
+	// The D-Bus of the rig's polkit access driver (LVE_RIG_ACCESS=polkit): a
+	// libvirtd that cannot reach polkitd refuses every call, root's too.
+	env := append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=3:file:"+filepath.Join(run, "libvirtd.log"))
+	environ, err := os.ReadFile(fmt.Sprintf("/proc/%d/environ", pid))
+	require.NoError(t, err)
+	for _, kv := range strings.Split(string(environ), "\x00") {
+		if strings.HasPrefix(kv, "DBUS_SYSTEM_BUS_ADDRESS=") {
+			env = append(env, kv)
+		}
+	}
 	require.NoError(t, syscall.Kill(pid, syscall.SIGTERM))
 	waitFor(t, 30*time.Second, "libvirtd to exit", func() bool { return syscall.Kill(pid, 0) != nil })
 	wrapper := []string{"unshare", "--mount", "--propagation", "private", "sh", "-c",
 		`mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"`, "sh", filepath.Join(run, "hooks")}
 	cmd := exec.Command(wrapper[0], append(wrapper[1:], argv...)...)
-	cmd.Env = append(os.Environ(), "LIBVIRT_LOG_OUTPUTS=3:file:"+filepath.Join(run, "libvirtd.log"))
+	cmd.Env = env
 	out, err := cmd.CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	waitFor(t, 60*time.Second, "libvirtd to answer", func() bool {

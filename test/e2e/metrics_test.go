@@ -163,8 +163,8 @@ func (p *promServer) waitValue(t *testing.T, q string, want float64, within time
 // TestMetricsScrapedByPrometheus: a real Prometheus scrapes the service
 // while jobs run (warm and failing through the pool, a cold one while the
 // service is SIGKILLed); it finds the job counts, the prepare histogram by
-// path, the VM and pool gauges, and counters that neither reset nor count
-// twice across the restart. promtool accepts the endpoint's output; the
+// path, the VM and pool gauges, build_info, the capacity gauges, and
+// counters that neither reset nor count twice across the restart. promtool accepts the endpoint's output; the
 // shipped alert rules load and evaluate; the step log has a record per
 // step; the job token is in none of it.
 func TestMetricsScrapedByPrometheus(t *testing.T) {
@@ -186,6 +186,18 @@ func TestMetricsScrapedByPrometheus(t *testing.T) {
 	})
 	prom.waitValue(t, `libvirt_executor_pool_vms{image="tiny",state="idle"}`, 1, 30*time.Second)
 	prom.waitValue(t, `libvirt_executor_vms{owner="standby",state="running"}`, 1, 30*time.Second)
+	// build_info names the version, the git revision and the Go version; the
+	// capacity gauges are one metric per unit (#44 item 6), the old
+	// capacity_used/capacity_limit with a resource label are gone.
+	prom.waitValue(t, `count(libvirt_executor_build_info{version!="",revision!="",goversion=~"go[0-9].+"} == 1)`, 1, 10*time.Second)
+	for _, q := range []string{`libvirt_executor_capacity_used_vms`, `libvirt_executor_capacity_used_memory_bytes`} {
+		_, ok := prom.query(t, q)
+		require.True(t, ok, "%s has a series", q)
+	}
+	for _, q := range []string{`libvirt_executor_capacity_used`, `libvirt_executor_capacity_limit`} {
+		_, ok := prom.query(t, q)
+		require.False(t, ok, "%s (the name before #44) has no series", q)
+	}
 
 	queries := map[string]string{
 		"success":   `sum(libvirt_executor_jobs_total{result="success"})`,

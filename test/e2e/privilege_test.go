@@ -22,6 +22,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -70,6 +71,11 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 
 	t.Run("job as a libvirt group member", func(t *testing.T) {
 		rv, cfgPath := r.privateConfig(t, top, "runner", runner)
+		// On a rig with libvirt's polkit access driver (LVE_RIG_ACCESS=polkit,
+		// the default) the runner's user has only what the generated rules
+		// grant: the job below runs under them, and what they refuse is tried
+		// after it.
+		confined := confineWithPolkit(t, run, bin, cfgPath, runner)
 		// A host cache of the runner's own, for the scratch disk below.
 		cacheDir := filepath.Join(top, "cache-runner")
 		require.NoError(t, os.Mkdir(cacheDir, 0o700))
@@ -130,6 +136,9 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 			require.Regexp(t, `^(drwx------|-rw-------) `+strconv.Itoa(int(runner.cred.Uid))+` `, f, "key material and state: the runner user's, private")
 		}
 		rv.requireNoLeftovers(t, "after the unprivileged job")
+		if confined {
+			requireConfined(t, rv, runner)
+		}
 
 		// doctor, as that user, finds the setup complete.
 		out, err := doctor(t, bin, cfgPath, runner)
@@ -357,4 +366,118 @@ func (r *rig) removeToolsVolumes(t *testing.T, stateDir string) {
 		require.NoError(t, vol.Delete(0), "delete %s", v)
 		_ = vol.Free()
 	}
+}
+
+// confineWithPolkit puts the rules of `libvirt-executor polkit-rules --user`
+// for cfgPath into the rig's polkit rules directory when the rig's libvirtd
+// runs libvirt's polkit access driver (deploy/rig/start.sh), and reports
+// whether it does. Before the rules, the user is refused what the rules then
+// allow: the access driver is on, and the rules are what lets the job run.
+func confineWithPolkit(t *testing.T, run, bin, cfgPath string, u testUser) bool {
+	t.Helper()
+	mode, err := os.ReadFile(filepath.Join(run, "access"))
+	if err != nil || strings.TrimSpace(string(mode)) != "polkit" {
+		t.Logf("the rig's libvirtd has no access driver (%s/access: %q, %v): socket permissions only", run, mode, err)
+		return false
+	}
+	rules := filepath.Join(run, "polkit-rules.d", "50-libvirt-executor.rules")
+	t.Cleanup(func() { _ = os.Remove(rules) })
+	cfg, err := config.Load(cfgPath)
+	require.NoError(t, err)
+	refresh := func() (string, error) { return virshAs(t, u, cfg.LibvirtURI, "pool-refresh", cfg.StoragePool) }
+
+	_ = os.Remove(rules) // a rules file of an earlier run on this rig
+	waitFor(t, 30*time.Second, "polkit refuses the runner's user without the rules", func() bool {
+		out, err := refresh()
+		return err != nil && strings.Contains(out, "access denied")
+	})
+
+	cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "polkit-rules", "--user", u.name)
+	var js, stderr strings.Builder
+	cmd.Stdout, cmd.Stderr = &js, &stderr
+	require.NoError(t, cmd.Run(), "polkit-rules: %s", stderr.String())
+	require.Contains(t, js.String(), fmt.Sprintf("var user = %q;", u.name))
+	require.NoError(t, os.WriteFile(rules, []byte(js.String()), 0o644))
+	// polkitd reloads its rules when the directory changes.
+	waitFor(t, 30*time.Second, "polkit loads the generated rules", func() bool {
+		_, err := refresh()
+		return err == nil
+	})
+	return true
+}
+
+// requireConfined checks, as the confined runner's user, that the rules
+// refuse a storage pool of its own (which could point at any host
+// directory), a domain outside the name prefix (defining one, and reading,
+// starting or removing one of root's), and a volume outside the prefix; and
+// that none of it happened.
+func requireConfined(t *testing.T, r *rig, u testUser) {
+	t.Helper()
+	uri := r.cfg.LibvirtURI
+	denied := func(what string, args ...string) {
+		t.Helper()
+		out, err := virshAs(t, u, uri, args...)
+		require.Error(t, err, "%s: allowed: %s", what, out)
+		require.Contains(t, out, "access denied", "%s: %s", what, out)
+	}
+	outside := fmt.Sprintf("e2e-outside-%d", os.Getpid())
+	require.False(t, strings.HasPrefix(outside, r.cfg.NamePrefix+"-"))
+
+	denied("a storage pool of its own", "pool-define-as", outside, "dir", "--target", "/etc")
+	if _, err := r.conn.LookupStoragePoolByName(outside); err == nil {
+		t.Fatalf("pool %s exists after the refusal", outside)
+	}
+
+	// A domain of root's, outside the prefix: defined, never started.
+	// (where the user can read it: its home, which virshAs made)
+	xmlPath := filepath.Join(os.TempDir(), "lve-e2e-home-"+u.name, "outside.xml")
+	domXML := fmt.Sprintf("<domain type='qemu'><name>%s</name><memory unit='MiB'>32</memory><os><type arch='x86_64'>hvm</type></os></domain>", outside)
+	require.NoError(t, os.WriteFile(xmlPath, []byte(domXML), 0o644))
+	dom, err := r.conn.DomainDefineXML(domXML)
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = dom.Undefine(); _ = dom.Free() })
+	// virsh looks a domain up by id, UUID and name and reports only that it
+	// failed: root reads the same domain (below), so the failure is the rules'.
+	hidden := func(what string, args ...string) {
+		t.Helper()
+		out, err := virshAs(t, u, uri, args...)
+		require.Error(t, err, "%s: allowed: %s", what, out)
+		require.Regexp(t, `access denied|failed to get domain '`+outside+`'`, out, what)
+	}
+	hidden("reading root's domain", "dominfo", outside)
+	hidden("starting root's domain", "start", outside)
+	hidden("removing root's domain", "undefine", outside)
+	out, err := virshAs(t, u, uri, "list", "--all", "--name")
+	require.NoError(t, err, out)
+	require.NotContains(t, out, outside, "root's domain is not even listed")
+	active, err := dom.IsActive()
+	require.NoError(t, err)
+	require.False(t, active, "root's domain was started")
+	_, err = dom.GetName()
+	require.NoError(t, err, "root's domain is still defined")
+
+	require.NoError(t, os.WriteFile(xmlPath, []byte(strings.ReplaceAll(domXML, outside, outside+"-u")), 0o644))
+	denied("defining a domain outside the prefix", "define", xmlPath)
+	_, err = r.conn.LookupDomainByName(outside + "-u")
+	require.Error(t, err, "the refused domain exists")
+	denied("a volume outside the prefix", "vol-create-as", r.cfg.StoragePool, outside+".qcow2", "1M", "--format", "qcow2")
+	denied("stopping the network", "net-destroy", r.cfg.Network)
+}
+
+// virshAs runs virsh as u against uri and returns what it printed.
+func virshAs(t *testing.T, u testUser, uri string, args ...string) (string, error) {
+	t.Helper()
+	home := filepath.Join(os.TempDir(), "lve-e2e-home-"+u.name)
+	if err := os.MkdirAll(home, 0o700); err == nil {
+		_ = os.Chown(home, int(u.cred.Uid), int(u.cred.Gid))
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "virsh", append([]string{"-q", "-c", uri}, args...)...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: u.cred}
+	cmd.Env = []string{"HOME=" + home, "PATH=/usr/bin:/bin", "LC_ALL=C"}
+	cmd.Dir = home
+	out, err := cmd.CombinedOutput()
+	t.Logf("virsh %s as %s: %v\n%s", strings.Join(args, " "), u.name, err, out)
+	return string(out), err
 }

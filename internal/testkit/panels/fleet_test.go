@@ -144,7 +144,7 @@ func TestFleetPanelsSeeEveryHost(t *testing.T) {
 	require.Len(t, vec, 1, one)
 	require.Equal(t, hosts[1].target(t), string(vec[0].Metric["instance"]))
 	// The values are each host's own.
-	vms := instant(`max by (instance) (libvirt_executor_capacity_used{resource="vms"})`)
+	vms := instant(`max by (instance) (libvirt_executor_capacity_used_vms)`)
 	byHost := map[string]float64{}
 	for _, s := range vms {
 		byHost[string(s.Metric["instance"])] = float64(s.Value)

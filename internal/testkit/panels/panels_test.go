@@ -7,6 +7,7 @@ import (
 	"encoding/xml"
 	"errors"
 	"io"
+	"maps"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -15,6 +16,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"sort"
 	"strconv"
 	"strings"
@@ -24,6 +26,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"go.yaml.in/yaml/v3"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 )
 
 // The repository's files under test, relative to this package.
@@ -34,48 +39,15 @@ const (
 	promConfigFile = "../../../deploy/prometheus/prometheus.example.yml"
 )
 
-// knownMetrics are the metrics the service exposes (its metrics
-// specification) with their kind; a histogram is used through its
-// _bucket, _count and _sum series. up is Prometheus' own. The dashboard
-// and the alerts may use no other name.
-var knownMetrics = map[string]string{
-	"up": "gauge",
-
-	"libvirt_executor_stages_total":              "counter",
-	"libvirt_executor_jobs_total":                "counter",
-	"libvirt_executor_garm_instances_total":      "counter",
-	"libvirt_executor_pool_claims_total":         "counter",
-	"libvirt_executor_pool_retired_total":        "counter",
-	"libvirt_executor_sweeps_total":              "counter",
-	"libvirt_executor_sweep_removed_total":       "counter",
-	"libvirt_executor_libvirt_reconnects_total":  "counter",
-	"libvirt_executor_events_total":              "counter",
-	"libvirt_executor_cache_operations_total":    "counter",
-	"libvirt_executor_cache_bytes_total":         "counter",
-	"libvirt_executor_cache_evicted_bytes_total": "counter",
-
-	"libvirt_executor_prepare_duration_seconds":     "histogram",
-	"libvirt_executor_run_overhead_seconds":         "histogram",
-	"libvirt_executor_cleanup_duration_seconds":     "histogram",
-	"libvirt_executor_vm_removal_seconds":           "histogram",
-	"libvirt_executor_dead_guest_detection_seconds": "histogram",
-
-	"libvirt_executor_vms":               "gauge",
-	"libvirt_executor_pool_vms":          "gauge",
-	"libvirt_executor_pool_target_vms":   "gauge",
-	"libvirt_executor_capacity_used":     "gauge",
-	"libvirt_executor_capacity_limit":    "gauge",
-	"libvirt_executor_event_spool_bytes": "gauge",
-	"libvirt_executor_build_info":        "gauge",
-	"libvirt_executor_garm_orphans":      "gauge",
-	"libvirt_executor_cache_size_bytes":  "gauge",
-	"libvirt_executor_cache_projects":    "gauge",
-	"libvirt_executor_cache_limit_bytes": "gauge",
-
-	"libvirt_executor_image_info":                         "gauge",
-	"libvirt_executor_image_last_check_timestamp_seconds": "gauge",
-	"libvirt_executor_image_pull_failures":                "gauge",
-}
+// knownMetrics are the metrics the service exposes (its specification,
+// metrics.Kinds) with their kind; a histogram is used through its _bucket,
+// _count and _sum series. up is Prometheus' own. The dashboard and the
+// alerts may use no other name.
+var knownMetrics = func() map[string]string {
+	k := metrics.Kinds()
+	k["up"] = "gauge"
+	return k
+}()
 
 // knownMetric says whether name is a series of a known metric, and which.
 func knownMetric(name string) (string, bool) {
@@ -485,32 +457,35 @@ func TestMetricNamesScanner(t *testing.T) {
 	require.Equal(t, []string{"x", "y"}, metricNames(`x / ignoring(reason) group_left sum without (le) (y)`))
 }
 
-// alertExprs returns the expr of every rule in a rule file: a line
-// "expr: ..." or "expr: |" (or >) followed by the more indented lines.
-// (The tests run without a YAML library; alerts.yml uses these forms.)
-func alertExprs(t *testing.T, path string) []string {
+// alertRules is a rule file's rules: name, expression, annotations.
+type alertRules struct {
+	Groups []struct {
+		Rules []struct {
+			Alert       string            `yaml:"alert"`
+			Record      string            `yaml:"record"`
+			Expr        string            `yaml:"expr"`
+			Annotations map[string]string `yaml:"annotations"`
+		} `yaml:"rules"`
+	} `yaml:"groups"`
+}
+
+func loadRules(t *testing.T, path string) alertRules {
 	t.Helper()
 	raw, err := os.ReadFile(path)
 	require.NoError(t, err)
-	lines := strings.Split(string(raw), "\n")
-	indent := func(s string) int { return len(s) - len(strings.TrimLeft(s, " ")) }
+	var r alertRules
+	require.NoError(t, yaml.Unmarshal(raw, &r), path)
+	return r
+}
+
+// alertExprs returns the expr of every rule in a rule file.
+func alertExprs(t *testing.T, path string) []string {
+	t.Helper()
 	var out []string
-	for i := 0; i < len(lines); i++ {
-		k, v, ok := strings.Cut(strings.TrimSpace(lines[i]), ":")
-		if !ok || k != "expr" {
-			continue
+	for _, g := range loadRules(t, path).Groups {
+		for _, r := range g.Rules {
+			out = append(out, r.Expr)
 		}
-		v = strings.TrimSpace(v)
-		if !strings.HasPrefix(v, "|") && !strings.HasPrefix(v, ">") {
-			out = append(out, strings.Trim(v, `'"`))
-			continue
-		}
-		var block []string
-		for j := i + 1; j < len(lines) && (strings.TrimSpace(lines[j]) == "" || indent(lines[j]) > indent(lines[i])); j++ {
-			block = append(block, lines[j])
-			i = j
-		}
-		out = append(out, strings.Join(block, "\n"))
 	}
 	return out
 }
@@ -718,4 +693,94 @@ func TestAlertRules(t *testing.T) {
 		require.NoError(t, err, "promtool %s:\n%s", strings.Join(args, " "), out)
 		require.Contains(t, string(out), "SUCCESS", "promtool %s", strings.Join(args, " "))
 	}
+}
+
+// runbookBase is where the alerts' runbook_url point: docs/troubleshooting.md
+// in the project's repository, at the alert's own section.
+const (
+	runbookBase     = "https://gitlab.com/libvirt-executor/libvirt-executor/-/blob/main/docs/troubleshooting.md#"
+	troubleshooting = "../../../docs/troubleshooting.md"
+)
+
+// headingAnchors are the anchors GitLab (and GitHub) give a Markdown file's
+// headings: lower case, punctuation other than - and _ dropped, spaces as -,
+// a repeated heading's anchor suffixed -1, -2, ...; with each heading's text
+// and the text of its section (up to the next heading of any level).
+func headingAnchors(md string) map[string][2]string {
+	out := map[string][2]string{}
+	seen := map[string]int{}
+	lines := strings.Split(md, "\n")
+	inFence := false
+	for i, l := range lines {
+		if strings.HasPrefix(l, "```") {
+			inFence = !inFence
+		}
+		if inFence || !strings.HasPrefix(l, "#") {
+			continue
+		}
+		text := strings.TrimSpace(strings.TrimLeft(l, "#"))
+		var b strings.Builder
+		for _, r := range strings.ToLower(text) {
+			switch {
+			case r == ' ':
+				b.WriteRune('-')
+			case r == '-' || r == '_' || r >= 'a' && r <= 'z' || r >= '0' && r <= '9':
+				b.WriteRune(r)
+			}
+		}
+		a := b.String()
+		if n := seen[a]; n > 0 {
+			seen[a]++
+			a = a + "-" + strconv.Itoa(n)
+		} else {
+			seen[a] = 1
+		}
+		var body []string
+		for _, m := range lines[i+1:] {
+			if strings.HasPrefix(m, "#") {
+				break
+			}
+			body = append(body, m)
+		}
+		out[a] = [2]string{text, strings.Join(body, "\n")}
+	}
+	return out
+}
+
+func TestHeadingAnchors(t *testing.T) {
+	a := headingAnchors("# Trouble shooting\n\n## In `the` job log\nx\n## LibvirtExecutorDown\nbody\n### LibvirtExecutorDown\n```\n# not a heading\n```\n")
+	require.Equal(t, []string{"in-the-job-log", "libvirtexecutordown", "libvirtexecutordown-1", "trouble-shooting"}, slices.Sorted(maps.Keys(a)))
+	require.Equal(t, "LibvirtExecutorDown", a["libvirtexecutordown"][0])
+	require.Equal(t, "body", a["libvirtexecutordown"][1])
+}
+
+// Every alert has a runbook_url into docs/troubleshooting.md whose anchor
+// exists, at a section of the alert's own name that says what it means, what
+// to check and what to do.
+func TestAlertRunbooks(t *testing.T) {
+	raw, err := os.ReadFile(alertsFile)
+	require.NoError(t, err)
+	rules := loadRules(t, alertsFile)
+	md, err := os.ReadFile(troubleshooting)
+	require.NoError(t, err)
+	anchors := headingAnchors(string(md))
+	n := 0
+	for _, g := range rules.Groups {
+		for _, r := range g.Rules {
+			if r.Alert == "" {
+				continue
+			}
+			n++
+			url := r.Annotations["runbook_url"]
+			anchor, ok := strings.CutPrefix(url, runbookBase)
+			require.True(t, ok, "alert %s: runbook_url %q is not %s<anchor>", r.Alert, url, runbookBase)
+			sec, ok := anchors[anchor]
+			require.True(t, ok, "alert %s: docs/troubleshooting.md has no heading with anchor #%s", r.Alert, anchor)
+			require.Equal(t, r.Alert, sec[0], "alert %s: runbook_url points at the section of another heading", r.Alert)
+			for _, part := range []string{"**Means**", "**Check**", "**Do**"} {
+				require.Contains(t, sec[1], part, "docs/troubleshooting.md, section %s: says what it means, what to check, what to do", r.Alert)
+			}
+		}
+	}
+	require.Equal(t, strings.Count(string(raw), "- alert:"), n, "every alert was read")
 }
