@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"cmp"
 	"encoding/xml"
 	"fmt"
 	"os"
@@ -12,6 +13,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -54,7 +56,9 @@ func adminPathSteps(t *testing.T, readme string) []string {
 // `gitlab-runner register`. The rig's substitutions: the package is
 // installed already (dpkg -i, the upgrade); the rig's pool and network
 // are not named ci, so the configuration names the rig's (what
-// docs/install.md tells an admin whose names differ); sudo is runuser;
+// docs/install.md tells an admin whose names differ); the rig's libvirtd
+// runs libvirt's polkit access driver, so the runner's user gets the
+// rules polkit-rules makes (docs/install.md); sudo is runuser;
 // selftest gets the rig's runner binary and a port the rig's guard lets
 // guests reach; gitlab-runner is not on PATH but in a directory put first
 // on it; and there is no GitLab to register with.
@@ -126,6 +130,14 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 		require.NoError(t, os.WriteFile(conf, []byte(strings.Replace(string(b), from+"\n", to+"\n", 1)), 0o640))
 	}
 	var custom *jobapi.CustomConfig
+	confined := false
+	runnerAs := testUser{name: runnerUser.Username, cred: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
+	gids, err := runnerUser.GroupIds()
+	require.NoError(t, err)
+	for _, g := range gids {
+		n, _ := strconv.Atoi(g)
+		runnerAs.cred.Groups = append(runnerAs.cred.Groups, uint32(n))
+	}
 	for _, step := range adminPathSteps(t, "../../README.md") {
 		switch {
 		case strings.HasPrefix(step, "apt-get install ./libvirt-executor_"):
@@ -149,6 +161,16 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 			require.NotNil(t, nx.IPs[0].DHCP, "the network serves DHCP")
 			edit(`network = "ci"`, fmt.Sprintf("network = %q", r.cfg.Network))
 		case strings.HasPrefix(step, "libvirt-executor image build "):
+			// The rig's libvirtd runs libvirt's polkit access driver
+			// (deploy/rig/start.sh), where Debian's libvirt lets the
+			// libvirt group manage everything: the rules polkit-rules
+			// makes for this configuration (docs/install.md, "The
+			// runner's user") go into the rig's rules directory.
+			if !confined {
+				confined = true
+				runDir := cmp.Or(os.Getenv("LVE_RIG_RUN"), "/var/lib/libvirt-executor-rig/run")
+				confineWithPolkit(t, runDir, "/usr/bin", conf, runnerAs)
+			}
 			out := sh(step)
 			name := strings.Fields(step)[3]
 			// One line per step, then the table, then the image's path last.
