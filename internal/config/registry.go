@@ -169,3 +169,39 @@ func (c *Config) CheckBase(img *Image) error {
 	}
 	return nil
 }
+
+// ResolveFiles is img with its files (base, kernel, initrd) named by the
+// paths they have now, links resolved: a base named through a link (image
+// build's OUTPUT/NAME -> NAME-HASH) goes into a job disk's header as the file
+// it is at the machine's making, so a rebuild that moves the link later
+// never changes the backing file (or the kernel) under a machine made
+// before. Files in the same directory as the base are resolved through one
+// resolution of that directory: a machine never gets the disk of one build
+// and the kernel of another. A name that cannot be resolved is kept (the
+// check and libvirt then say what is wrong with it). Only for a local
+// libvirt: a remote host's paths are not this host's.
+func (c *Config) ResolveFiles(img *Image) *Image {
+	if img == nil || img.Base == "" || !c.LocalLibvirt() {
+		return img
+	}
+	out := *img
+	dir := filepath.Dir(img.Base)
+	realDir, err := filepath.EvalSymlinks(dir)
+	if err != nil {
+		realDir = dir
+	}
+	resolve := func(p string) string {
+		if p == "" {
+			return p
+		}
+		if filepath.Dir(p) == dir {
+			p = filepath.Join(realDir, filepath.Base(p))
+		}
+		if r, err := filepath.EvalSymlinks(p); err == nil {
+			return r
+		}
+		return p
+	}
+	out.Base, out.Kernel, out.Initrd = resolve(img.Base), resolve(img.Kernel), resolve(img.Initrd)
+	return &out
+}

@@ -200,3 +200,39 @@ func TestCheckBase(t *testing.T) {
 	require.ErrorContains(t, err, "image huge refused: "+huge+": virtual size 1125899906842624 bytes")
 	require.ErrorContains(t, err, "limits.max_disk_gib")
 }
+
+// A base named through a link is made a machine with the file the link
+// names at that moment: moving the link (a rebuild) later changes nothing
+// for it, and kernel and initrd beside it come from the same build.
+func TestResolveFilesThroughTheBuildLink(t *testing.T) {
+	dir := t.TempDir()
+	for _, b := range []string{"debian-aaa", "debian-bbb"} {
+		require.NoError(t, os.Mkdir(filepath.Join(dir, b), 0o755))
+		for _, f := range []string{"disk.qcow2", "vmlinuz", "initrd.img"} {
+			require.NoError(t, os.WriteFile(filepath.Join(dir, b, f), []byte(b), 0o644))
+		}
+	}
+	link := filepath.Join(dir, "debian")
+	require.NoError(t, os.Symlink("debian-aaa", link))
+	cfg := &config.Config{LibvirtURI: "qemu:///system"}
+	img := &config.Image{Name: "debian-12", Base: filepath.Join(link, "disk.qcow2"),
+		Kernel: filepath.Join(link, "vmlinuz"), Initrd: filepath.Join(link, "initrd.img")}
+
+	got := cfg.ResolveFiles(img)
+	require.Equal(t, filepath.Join(dir, "debian-aaa", "disk.qcow2"), got.Base)
+	require.Equal(t, filepath.Join(dir, "debian-aaa", "vmlinuz"), got.Kernel)
+	require.Equal(t, filepath.Join(dir, "debian-aaa", "initrd.img"), got.Initrd)
+	require.Equal(t, filepath.Join(link, "disk.qcow2"), img.Base, "the configuration's image is not changed")
+
+	// A rebuild moves the link: the next machine gets the new build.
+	require.NoError(t, os.Remove(link))
+	require.NoError(t, os.Symlink("debian-bbb", link))
+	require.Equal(t, filepath.Join(dir, "debian-bbb", "disk.qcow2"), cfg.ResolveFiles(img).Base)
+
+	// Remote libvirt: paths are the remote host's, kept as they are.
+	remote := &config.Config{LibvirtURI: "qemu+ssh://kvm1/system"}
+	require.Equal(t, img.Base, remote.ResolveFiles(img).Base)
+	// A file that is not there keeps its name.
+	gone := &config.Image{Name: "x", Base: filepath.Join(dir, "nope", "disk.qcow2")}
+	require.Equal(t, gone.Base, cfg.ResolveFiles(gone).Base)
+}

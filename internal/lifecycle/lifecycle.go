@@ -179,6 +179,9 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 		// else need the image stored (docs/fleet.md).
 		return nil, fmt.Errorf("image %s (%s) is not on this host: libvirt-executor image pull %s (as the stages' user), or let a job pull it", img.Name, img.Source, img.Name)
 	}
+	// The image's files by the names they have now (a rebuild that moves
+	// image build's link never changes them under this machine later).
+	req.Image = m.Cfg.ResolveFiles(req.Image)
 	// A base image is input: one that names a host file or claims a size
 	// past the limits never gets a machine (docs/security.md).
 	if err := m.Cfg.CheckBase(req.Image); err != nil {
