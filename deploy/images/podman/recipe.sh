@@ -7,6 +7,7 @@
 # (a per-job network with DNS), iptables (netavark's firewall driver), catatonit (--init).
 # Containers run rootful: the login user is root. Nothing is pulled into the image.
 # Called by ../build.sh as: recipe.sh OUTDIR  (writes disk.qcow2 vmlinuz initrd.img there)
+# shellcheck disable=SC2119 # (the shared bootstrap step's optional extra packages: none here)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 deb=$here/../debian
