@@ -397,7 +397,9 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, w io.Write
 		go func() {
 			defer wg.Done()
 			pr, pw := io.Pipe()
+			done := make(chan struct{})
 			go func() {
+				defer close(done)
 				sc := bufio.NewScanner(pr)
 				sc.Buffer(make([]byte, 4096), 64<<10)
 				for sc.Scan() {
@@ -407,6 +409,7 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, w io.Write
 			}()
 			_, _ = g.Exec(ctx, d.podman(FollowLogsArgv(r.Container)), nil, nil, pw, pw)
 			_ = pw.Close()
+			<-done // every line written before FollowLogs returns
 		}()
 	}
 	wg.Wait()
