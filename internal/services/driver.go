@@ -85,12 +85,12 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	}
 	if len(o.Registries) > 0 {
 		if _, err := d.must(ctx, "write the registry mirrors ("+RegistriesPath+")",
-			d.podman(WriteFileArgv(RegistriesPath, "0644")), nil, bytes.NewReader(o.Registries)); err != nil {
+			d.podman(WriteFileArgv(RegistriesPath, "0644")), bytes.NewReader(o.Registries)); err != nil {
 			return nil, err
 		}
 	}
 	t := time.Now()
-	if _, err := d.must(ctx, "create the job's network "+plan.Network, d.podman(NetworkCreateArgv(plan.Network)), nil, nil); err != nil {
+	if _, err := d.must(ctx, "create the job's network "+plan.Network, d.podman(NetworkCreateArgv(plan.Network)), nil); err != nil {
 		return nil, err
 	}
 	d.say("Created network %s for the job's services in %s", plan.Network, since(t))
@@ -165,8 +165,8 @@ func (d *driver) exec(ctx context.Context, argv, env []string, stdin io.Reader) 
 
 // must runs argv; a non-zero status or a lost connection is a system
 // failure saying what failed.
-func (d *driver) must(ctx context.Context, what string, argv, env []string, stdin io.Reader) ([]byte, error) {
-	code, out, errText, err := d.exec(ctx, argv, env, stdin)
+func (d *driver) must(ctx context.Context, what string, argv []string, stdin io.Reader) ([]byte, error) {
+	code, out, errText, err := d.exec(ctx, argv, nil, stdin)
 	if err != nil {
 		return nil, exitcodes.System(fmt.Errorf("services: %s: %w", what, err))
 	}
@@ -250,7 +250,7 @@ func (d *driver) run(ctx context.Context, network string, s Service) (*Running, 
 		d.showLogs(ctx, s, LogLines)
 		return nil, nil
 	}
-	out, err := d.must(ctx, "read the address of service "+s.Shown, d.podman(AddressArgv(s.Container)), nil, nil)
+	out, err := d.must(ctx, "read the address of service "+s.Shown, d.podman(AddressArgv(s.Container)), nil)
 	if err != nil {
 		return nil, err
 	}
@@ -262,9 +262,6 @@ func (d *driver) run(ctx context.Context, network string, s Service) (*Running, 
 	return &Running{Service: s, Addr: addr}, nil
 }
 
-// maxHosts bounds the guest's hosts file as read.
-const maxHosts = 1 << 20
-
 // writeHosts puts every alias of the started services into the guest's
 // /etc/hosts (the driver's block, replaced as a whole).
 func (d *driver) writeHosts(ctx context.Context, st *Started) error {
@@ -274,14 +271,14 @@ func (d *driver) writeHosts(ctx context.Context, st *Started) error {
 			entries = append(entries, HostEntry{Addr: r.Addr, Alias: a})
 		}
 	}
-	old, err := d.must(ctx, "read "+HostsPath, ReadFileArgv(HostsPath), nil, nil)
+	old, err := d.must(ctx, "read "+HostsPath, ReadFileArgv(HostsPath), nil)
 	if err != nil {
 		return err
 	}
 	if len(old) >= maxAnswer {
 		return exitcodes.System(fmt.Errorf("services: the guest's %s is larger than %d bytes", HostsPath, maxAnswer))
 	}
-	_, err = d.must(ctx, "write "+HostsPath, d.podman(WriteFileArgv(HostsPath, "0644")), nil, bytes.NewReader(RewriteHosts(old, entries)))
+	_, err = d.must(ctx, "write "+HostsPath, d.podman(WriteFileArgv(HostsPath, "0644")), bytes.NewReader(RewriteHosts(old, entries)))
 	return err
 }
 
@@ -311,7 +308,7 @@ func (d *driver) wait(ctx context.Context, r Running) error {
 	if r.HealthPort != 0 {
 		ports = []int{r.HealthPort}
 	} else {
-		out, err := d.must(ctx, "read the exposed ports of service "+r.Shown, d.podman(ExposedPortsArgv(r.Ref)), nil, nil)
+		out, err := d.must(ctx, "read the exposed ports of service "+r.Shown, d.podman(ExposedPortsArgv(r.Ref)), nil)
 		if err != nil {
 			return err
 		}
@@ -421,7 +418,7 @@ func printable(s string) string {
 	var b strings.Builder
 	for _, r := range s {
 		switch {
-		case r == '\t' || (r >= 0x20 && r != 0x7f && !(r >= 0x80 && r < 0xa0)):
+		case r == '\t' || (r >= 0x20 && r != 0x7f && (r < 0x80 || r >= 0xa0)):
 			b.WriteRune(r)
 		default:
 			fmt.Fprintf(&b, "\\x%02x", r)
