@@ -168,16 +168,21 @@ func ParseAddress(out []byte, network string) (netip.Addr, error) {
 	return a, nil
 }
 
-// Mirror is a registry's pull-through mirror for the guest's
+// Mirror is a registry's pull-through mirrors for the guest's
 // registries.conf.
 type Mirror struct {
-	// Registry is the prefix it stands in for ("docker.io",
+	// Registry is the prefix they stand in for ("docker.io",
 	// "registry.example:5000").
 	Registry string
 	// Locations are the mirrors, tried in order before the registry.
-	Locations []string
-	// Insecure: the mirrors speak plain HTTP (a cache on the host's
-	// network).
+	Locations []MirrorLocation
+}
+
+// MirrorLocation is one mirror.
+type MirrorLocation struct {
+	// Location is HOST[:PORT][/PATH].
+	Location string
+	// Insecure: it speaks plain HTTP (a cache on the host's network).
 	Insecure bool
 }
 
@@ -200,7 +205,7 @@ func RegistriesConf(mirrors []Mirror) ([]byte, error) {
 	for _, m := range mirrors {
 		r := reg{Prefix: m.Registry, Location: m.Registry}
 		for _, l := range m.Locations {
-			r.Mirror = append(r.Mirror, loc{Location: l, Insecure: m.Insecure})
+			r.Mirror = append(r.Mirror, loc(l))
 		}
 		doc.Registry = append(doc.Registry, r)
 	}

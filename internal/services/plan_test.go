@@ -4,9 +4,11 @@ import (
 	"net/netip"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 )
 
@@ -163,7 +165,7 @@ func TestRewriteHosts(t *testing.T) {
 }
 
 func TestRegistriesConf(t *testing.T) {
-	b, err := RegistriesConf([]Mirror{{Registry: "docker.io", Locations: []string{"10.0.0.1:5000"}, Insecure: true}})
+	b, err := RegistriesConf([]Mirror{{Registry: "docker.io", Locations: []MirrorLocation{{"10.0.0.1:5000", true}}}})
 	require.NoError(t, err)
 	s := string(b)
 	require.Contains(t, s, "[[registry]]")
@@ -189,4 +191,30 @@ func TestDecodePayload(t *testing.T) {
 	require.Error(t, err)
 	_, err = DecodePayload(strings.NewReader(`{"x":"` + strings.Repeat("a", MaxPayload) + `"}`))
 	require.ErrorContains(t, err, "exceeds")
+}
+
+func TestOptionsFrom(t *testing.T) {
+	c, err := config.Parse([]byte(`[services]
+wait_timeout = "45s"
+allowed_images = ["postgres:*"]
+plain_http = ["10.213.7.1:5000"]
+[services.mirrors]
+"docker.io" = ["mirror.example", "10.213.7.1:5000"]
+[images.a]
+base = "/a.qcow2"
+`))
+	require.NoError(t, err)
+	o, err := OptionsFrom(c.Services, 5, "podman", "debian")
+	require.NoError(t, err)
+	require.Equal(t, 45*time.Second, o.WaitTimeout)
+	require.True(t, o.Sudo, "a login user other than root runs podman through sudo")
+	require.Equal(t, PullIfNotPresent, o.DefaultPullPolicy)
+	require.Equal(t, []string{"postgres:*"}, o.Allowed.Patterns())
+	conf := string(o.Registries)
+	require.Equal(t, 1, strings.Count(conf, "[[registry]]"), conf)
+	require.Regexp(t, `(?s)location = 'mirror.example'\n\n.*location = '10.213.7.1:5000'\ninsecure = true`, conf)
+	o, err = OptionsFrom(config.Services{}, 5, "podman", "root")
+	require.NoError(t, err)
+	require.False(t, o.Sudo)
+	require.Nil(t, o.Registries)
 }
