@@ -1,0 +1,25 @@
+// Command svcserver is the service image of the services e2e test
+// (TestServicesInPodmanVM): a static HTTP server that answers every request
+// with "marker=$MARKER" on port $PORT (default 5432), so a job can tell
+// which service answered at an alias. The test builds it with
+// CGO_ENABLED=0 and packs it as a one-layer OCI image.
+package main
+
+import (
+	"fmt"
+	"log"
+	"net/http"
+	"os"
+)
+
+func main() {
+	port := os.Getenv("PORT")
+	if port == "" {
+		port = "5432"
+	}
+	marker := os.Getenv("MARKER")
+	fmt.Printf("svcserver: listening on :%s\n", port)
+	log.Fatal(http.ListenAndServe(":"+port, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		fmt.Fprintf(w, "marker=%s\n", marker)
+	})))
+}
