@@ -44,7 +44,9 @@ import (
 //     a port nothing listens on (HEALTHCHECK_TCP_PORT): the warning with its
 //     last log lines, the job goes on;
 //   - the job's own script (the run stage, on the VM's OS) reaches each
-//     service by each alias through /etc/hosts;
+//     service by each alias through /etc/hosts, and a container on the
+//     job's network reaches one by its alias through the network's DNS;
+//   - podman runs rootful with netavark and cgroupfs (podman info);
 //   - a masked variable given to a service is in no log line;
 //   - an image the registry does not have is a system failure naming it.
 //
@@ -114,6 +116,20 @@ plain_http = [%q]
 	require.Contains(t, out, "[lve-service-2] svcserver: listening on :5432", "the warning shows the service's last log lines")
 	require.NotContains(t, out, secret)
 	require.NotEqual(t, st.Services[0].Addr, st.Services[1].Addr, "two services on one port, each at its own address")
+
+	// podman in the guest runs rootful with netavark, and the job's network
+	// has DNS: a container on it reaches a service by an alias.
+	var info, got bytes.Buffer
+	code, err := c.Exec(ctx, []string{"podman", "info", "--format", "{{.Host.NetworkBackend}} {{.Host.CgroupManager}} rootless={{.Host.Security.Rootless}}"},
+		nil, nil, &info, &info)
+	require.NoError(t, err)
+	require.Equal(t, 0, code, info.String())
+	require.Equal(t, "netavark cgroupfs rootless=false", strings.TrimSpace(info.String()))
+	code, err = c.Exec(ctx, []string{"podman", "run", "--rm", "--pull", "never", "--network", st.Network,
+		"docker.io/library/redis:latest", "get", "http://db:5432/"}, nil, nil, &got, &got)
+	require.NoError(t, err)
+	require.Equal(t, 0, code, got.String())
+	require.Equal(t, "marker=pg-marker", strings.TrimSpace(got.String()), "aardvark-dns answers the alias on the job's network")
 
 	// The job, on the VM's own OS, reaches each service by each alias.
 	script := "#!/usr/bin/env bash\nset -e\nget() { exec 3<>/dev/tcp/$1/5432; printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; echo \"$1: $(tail -n 1 <&3)\"; exec 3<&-; }\n" +
