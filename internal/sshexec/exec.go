@@ -45,6 +45,10 @@ const ExecMalformed = 120
 // neither the guest's process list nor an SSH log shows them (only
 // "bash -c <fixed script>"). The guest needs bash.
 //
+// stdout and stderr are written from goroutines of their own: one writer
+// given for both must be safe for concurrent use (a bytes.Buffer is not:
+// its ReadFrom drops what another goroutine wrote meanwhile).
+//
 // The result is the program's exit status (128+N when signal N ended it)
 // with a nil error, or an error when the program's end is unknown (the
 // connection lost, ctx ended: then the command's channel is closed, which

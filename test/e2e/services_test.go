@@ -119,17 +119,37 @@ plain_http = [%q]
 
 	// podman in the guest runs rootful with netavark, and the job's network
 	// has DNS: a container on it reaches a service by an alias.
-	var info, got bytes.Buffer
-	code, err := c.Exec(ctx, []string{"podman", "info", "--format", "{{.Host.NetworkBackend}} {{.Host.CgroupManager}} rootless={{.Host.Security.Rootless}}"},
-		nil, nil, &info, &info)
+	var info, infoErr, got bytes.Buffer
+	code, err := c.Exec(ctx, []string{"podman", "info", "--format", "json"}, nil, nil, &info, &infoErr)
 	require.NoError(t, err)
-	require.Equal(t, 0, code, info.String())
-	require.Equal(t, "netavark cgroupfs rootless=false", strings.TrimSpace(info.String()))
-	code, err = c.Exec(ctx, []string{"podman", "run", "--rm", "--pull", "never", "--network", st.Network,
-		"docker.io/library/redis:latest", "get", "http://db:5432/"}, nil, nil, &got, &got)
-	require.NoError(t, err)
-	require.Equal(t, 0, code, got.String())
-	require.Equal(t, "marker=pg-marker", strings.TrimSpace(got.String()), "aardvark-dns answers the alias on the job's network")
+	require.Equal(t, 0, code, infoErr.String())
+	var pi struct {
+		Host struct {
+			NetworkBackend string `json:"networkBackend"`
+			CgroupManager  string `json:"cgroupManager"`
+			Security       struct {
+				Rootless bool `json:"rootless"`
+			} `json:"security"`
+		} `json:"host"`
+	}
+	require.NoError(t, json.Unmarshal(info.Bytes(), &pi), "podman info: %q %q", info.String(), infoErr.String())
+	require.Equal(t, "netavark", pi.Host.NetworkBackend)
+	require.Equal(t, "cgroupfs", pi.Host.CgroupManager)
+	require.False(t, pi.Host.Security.Rootless)
+	// (stdout and stderr in buffers of their own: two copies into one
+	// bytes.Buffer race, and its ReadFrom drops what the other wrote)
+	podmanOut := func(argv ...string) string {
+		var errb bytes.Buffer
+		got.Reset()
+		code, err := c.Exec(ctx, append([]string{"podman"}, argv...), nil, nil, &got, &errb)
+		require.NoError(t, err)
+		require.Equal(t, 0, code, "podman %v: %s", argv, errb.String())
+		return strings.TrimSpace(got.String())
+	}
+	podmanOut("run", "--detach", "--pull", "never", "--name", "lve-dns-check", "--network", st.Network,
+		"docker.io/library/redis:latest", "get", "http://db:5432/")
+	require.Equal(t, "0", podmanOut("wait", "lve-dns-check"))
+	require.Equal(t, "marker=pg-marker", podmanOut("logs", "lve-dns-check"), "aardvark-dns answers the alias on the job's network")
 
 	// The job, on the VM's own OS, reaches each service by each alias.
 	script := "#!/usr/bin/env bash\nset -e\nget() { exec 3<>/dev/tcp/$1/5432; printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; echo \"$1: $(tail -n 1 <&3)\"; exec 3<&-; }\n" +
