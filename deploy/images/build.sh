@@ -1,13 +1,14 @@
 #!/bin/bash
 # Build (or reuse) a libvirt-executor test guest image.
 #
-#   deploy/images/build.sh tiny|debian|cloud
+#   deploy/images/build.sh tiny|debian|cloud|podman
 #
 # Prints the image directory as the last line of stdout (progress goes to stderr):
 #   ${LVE_IMAGE_CACHE:-/var/cache/libvirt-executor/images}/<name>-<hash>/
 #     disk.qcow2  vmlinuz  initrd.img  image.toml  versions.txt
 # <hash> is the first 16 hex digits of the sha256 over this script, lib.sh, every file of
-# common/ (what the recipes share) and of the recipe directory <name>/ (lve_image_hash):
+# common/ (what the recipes share), of the recipe directory <name>/ and of the recipe
+# directory named in <name>/base if there is one (lve_image_hash):
 # an unchanged recipe is a cache hit (instant), a changed one builds a new directory. A recipe directory may hold image.env, shell assignments of
 # IMAGE_USER (login user, default root) and IMAGE_KEY_INJECTION (smbios or cloud-init,
 # default smbios) for image.toml. Builds run in a temporary directory beside the cache entry
@@ -19,8 +20,8 @@ here=$(cd "$(dirname "$0")" && pwd)
 
 name=${1:-}
 case $name in
-tiny | debian | cloud) ;;
-*) echo "usage: $0 tiny|debian|cloud" >&2; exit 2 ;;
+tiny | debian | cloud | podman) ;;
+*) echo "usage: $0 tiny|debian|cloud|podman" >&2; exit 2 ;;
 esac
 [ "$(id -u)" = 0 ] || lve_die "must run as root"
 

@@ -6,9 +6,17 @@ lve_die() { printf '[images] ERROR: %s\n' "$*" >&2; exit 1; }
 
 # lve_image_hash DIR NAME: the cache key of image NAME, the first 16 hex digits of the
 # sha256 over the names and sha256s of build.sh, lib.sh and every file of common/ and
-# NAME/ under DIR (deploy/images): a change in any of them builds a new image.
+# NAME/ under DIR (deploy/images), and of the recipe directory named in NAME/base when
+# there is one (a recipe built on another's files, e.g. podman on debian): a change in
+# any of them builds a new image.
 lve_image_hash() {
-	(cd "$1" && find build.sh lib.sh common "$2" -type f -print0 | LC_ALL=C sort -z |
+	local dirs=("$2") base
+	if [ -f "$1/$2/base" ]; then
+		base=$(tr -d '[:space:]' <"$1/$2/base")
+		case $base in '' | *[!a-z0-9]*) lve_die "$2/base: not a recipe name: '$base'" ;; esac
+		dirs+=("$base")
+	fi
+	(cd "$1" && find build.sh lib.sh common "${dirs[@]}" -type f -print0 | LC_ALL=C sort -z |
 		xargs -0 sha256sum | sha256sum | cut -c1-16)
 }
 

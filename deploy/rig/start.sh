@@ -10,7 +10,7 @@
 #   - NAT network $LVE_RIG_NET (bridge virbr-lve, 10.213.7.0/24, DHCP: static host entries and a small range,
 #     dnsmasq no-ping) and dir pool $LVE_RIG_POOL at $LVE_RIG_DIR/pool,
 #   - builds the test images ($LVE_RIG_IMAGES, default "tiny"; add "debian" for the
-#     systemd one, "cloud" for the cloud-init one) and writes the executor config
+#     systemd one, "cloud" for the cloud-init one, "podman" for services) and writes the executor config
 #     $LVE_RIG_DIR/config.toml (name_prefix $LVE_RIG_PREFIX, default "lve").
 # Guests are reachable only from inside the namespace: ip netns exec $LVE_RIG_NS ssh ...
 #
@@ -277,9 +277,9 @@ fi
 rig_virsh pool-autostart "$LVE_RIG_POOL" --disable >/dev/null 2>&1 || true
 
 # --- images + executor config ---------------------------------------------------------------
-# tiny always; debian and cloud only when asked for
+# tiny always; debian, cloud and podman only when asked for
 images=tiny
-for img in debian cloud; do
+for img in debian cloud podman; do
 	case " ${LVE_RIG_IMAGES//,/ } " in *" $img "*) images+=" $img" ;; esac
 done
 fragments=
@@ -289,10 +289,11 @@ for img in $images; do
 	case $img in
 	debian) fragments+=$'\n# systemd guest: ~25-45 s to SSH under TCG with 1 vCPU' ;;
 	cloud) fragments+=$'\n# systemd + cloud-init guest (user debian, NoCloud seed): ~35-60 s to SSH under TCG with 1 vCPU' ;;
+	podman) fragments+=$'\n# the debian guest with podman for services (docs/services.md)' ;;
 	esac
 	fragments+=$'\n'$(cat "$dir/image.toml")$'\n'
 	# systemd + sshd + git (+ cloud-init's Python) need more than the tiny guest
-	case $img in debian | cloud) fragments+=$'memory_mib = 768\n' ;; esac
+	case $img in debian | cloud) fragments+=$'memory_mib = 768\n' ;; podman) fragments+=$'memory_mib = 1024\n' ;; esac
 	rig_log "image $img: $dir"
 done
 # gitlab-runner for the guests' tools disk (caches and artifacts): LVE_RIG_GITLAB_RUNNER, an

@@ -133,6 +133,8 @@ type Config struct {
 	Cache Cache `toml:"cache"`
 	// Registry is where images with a source come from ([registry]).
 	Registry Registry `toml:"registry"`
+	// Services configures a job's services in its VM ([services]).
+	Services Services `toml:"services"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -676,6 +678,7 @@ func (c *Config) applyDefaults() {
 	def(&c.GitLab.Steps, StepsShim)
 	c.Cache.applyDefaults()
 	c.Registry.applyDefaults()
+	c.Services.applyDefaults()
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -746,6 +749,7 @@ func (c *Config) Validate() error {
 	c.GitLab.validate(&p)
 	c.Cache.validate(&p, c)
 	c.Registry.validate(&p)
+	c.Services.validate(&p)
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()

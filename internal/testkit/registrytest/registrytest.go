@@ -44,15 +44,22 @@ func Binary(t *testing.T) string {
 // Start runs a registry until the test ends.
 func Start(t *testing.T) *Registry {
 	t.Helper()
-	bin := Binary(t)
-	dir := t.TempDir()
-	r := &Registry{Storage: filepath.Join(dir, "storage"), config: filepath.Join(dir, "config.yml")}
 	l, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	r.Host = l.Addr().String()
+	addr := l.Addr().String()
 	_ = l.Close()
+	return StartAt(t, addr)
+}
+
+// StartAt runs a registry on addr (HOST:PORT, e.g. a port of the rig
+// network's gateway that guests may reach) until the test ends.
+func StartAt(t *testing.T, addr string) *Registry {
+	t.Helper()
+	bin := Binary(t)
+	dir := t.TempDir()
+	r := &Registry{Storage: filepath.Join(dir, "storage"), config: filepath.Join(dir, "config.yml"), Host: addr}
 	cfg := fmt.Sprintf("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\n  delete:\n    enabled: true\nhttp:\n  addr: %s\n",
 		r.Storage, r.Host)
 	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {

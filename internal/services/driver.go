@@ -1,0 +1,464 @@
+package services
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+)
+
+// Guest runs one program in the job's VM: argv[0] looked up on the guest's
+// PATH with the arguments argv[1:], the environment entries env (NAME=VALUE)
+// added to the login's, stdin as its input. No shell parses argv or env.
+// It returns the program's exit status (128+N for signal N) with a nil
+// error, or an error when the program's end is unknown (the connection is
+// gone, ctx ended). It must be safe for concurrent use (the port waits run
+// side by side).
+//
+// sshexec.Client.Exec is one; a job's session (the job handle of issue
+// #45) gives one by delegating to its connection's Exec.
+type Guest interface {
+	Exec(ctx context.Context, argv, env []string, stdin io.Reader, stdout, stderr io.Writer) (int, error)
+}
+
+var _ Guest = (*sshexec.Client)(nil)
+
+// Bounds of what Start keeps of the guest's answers.
+const (
+	// maxAnswer bounds a podman answer Start parses (inspect output).
+	maxAnswer = 64 << 10
+	// maxErrText bounds the stderr shown for a failed command.
+	maxErrText = 2 << 10
+	// LogLines is how many of a service's last log lines a warning shows.
+	LogLines = 20
+	// maxLogText bounds those lines.
+	maxLogText = 8 << 10
+)
+
+// Started is what Start did: the services that run and their addresses.
+type Started struct {
+	Network  string
+	Services []Running
+}
+
+// Running is one started service.
+type Running struct {
+	Service
+	Addr netip.Addr
+}
+
+// Start starts the plan's services in the job's VM, in this order: a check
+// that the guest has podman, the registries.conf drop-in (when o has
+// mirrors), the job's network, each image's pull (by its pull policies),
+// each container's start, the /etc/hosts block with every alias, and the
+// wait for each service's ports (HEALTHCHECK_TCP_PORT, else the image's
+// exposed TCP ports) bounded by o.WaitTimeout. Each step's time goes to the
+// job log (log).
+//
+// A guest without podman, a network that cannot be made, and an image that
+// cannot be pulled are system failures (exitcodes.System) naming what
+// failed; a service that does not start or does not answer in time is a
+// warning with its last log lines, and the job goes on. An error of the
+// connection itself is returned as a system failure.
+func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (*Started, error) {
+	d := &driver{g: g, o: o, log: log}
+	st := &Started{Network: plan.Network}
+	for _, n := range plan.Notes {
+		d.say("%s", n)
+	}
+	if len(plan.Services) == 0 {
+		return st, nil
+	}
+	t0 := time.Now()
+	if err := d.checkRuntime(ctx); err != nil {
+		return nil, err
+	}
+	if len(o.Registries) > 0 {
+		if _, err := d.must(ctx, "write the registry mirrors ("+RegistriesPath+")",
+			d.podman(WriteFileArgv(RegistriesPath, "0644")), bytes.NewReader(o.Registries)); err != nil {
+			return nil, err
+		}
+	}
+	t := time.Now()
+	if _, err := d.must(ctx, "create the job's network "+plan.Network, d.podman(NetworkCreateArgv(plan.Network)), nil); err != nil {
+		return nil, err
+	}
+	d.say("Created network %s for the job's services in %s", plan.Network, since(t))
+
+	for _, s := range plan.Services {
+		if err := d.pull(ctx, s); err != nil {
+			return nil, err
+		}
+	}
+	for _, s := range plan.Services {
+		r, err := d.run(ctx, plan.Network, s)
+		if err != nil {
+			return nil, err
+		}
+		if r != nil {
+			st.Services = append(st.Services, *r)
+		}
+	}
+	if err := d.writeHosts(ctx, st); err != nil {
+		return nil, err
+	}
+	if err := d.waitAll(ctx, st); err != nil {
+		return nil, err
+	}
+	if plan.Debug {
+		for _, r := range st.Services {
+			d.showLogs(ctx, r.Service, 0)
+		}
+	}
+	d.say("Services ready in %s: %d started", since(t0), len(st.Services))
+	return st, nil
+}
+
+type driver struct {
+	g   Guest
+	o   Options
+	log io.Writer
+	mu  sync.Mutex // log lines from the concurrent waits
+}
+
+func (d *driver) say(format string, args ...any) {
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	fmt.Fprintf(d.log, format+"\n", args...)
+}
+
+func since(t time.Time) string {
+	return strconv.FormatFloat(time.Since(t).Seconds(), 'f', 1, 64) + "s"
+}
+
+// podman wraps argv in "sudo -n" when the login user is not root, keeping
+// the names of env (never values) through sudo's environment reset.
+func (d *driver) podman(argv []string, envNames ...string) []string {
+	if !d.o.Sudo {
+		return argv
+	}
+	pre := []string{"sudo", "-n"}
+	if len(envNames) > 0 {
+		pre = append(pre, "--preserve-env="+strings.Join(envNames, ","))
+	}
+	return append(append(pre, "--"), argv...)
+}
+
+// exec runs argv and returns its status, its stdout (at most maxAnswer)
+// and its stderr (at most maxErrText).
+func (d *driver) exec(ctx context.Context, argv, env []string, stdin io.Reader) (int, []byte, string, error) {
+	out := &capped{limit: maxAnswer}
+	errb := &capped{limit: maxErrText}
+	code, err := d.g.Exec(ctx, argv, env, stdin, out, errb)
+	return code, out.bytes(), strings.TrimSpace(string(errb.bytes())), err
+}
+
+// must runs argv; a non-zero status or a lost connection is a system
+// failure saying what failed.
+func (d *driver) must(ctx context.Context, what string, argv []string, stdin io.Reader) ([]byte, error) {
+	code, out, errText, err := d.exec(ctx, argv, nil, stdin)
+	if err != nil {
+		return nil, exitcodes.System(fmt.Errorf("services: %s: %w", what, err))
+	}
+	if code != 0 {
+		return nil, exitcodes.System(fmt.Errorf("services: %s failed (exit status %d): %s", what, code, strconv.Quote(errText)))
+	}
+	return out, nil
+}
+
+// checkRuntime fails with the fix when the guest has no podman.
+func (d *driver) checkRuntime(ctx context.Context) error {
+	code, _, _, err := d.exec(ctx, []string{"podman", "--version"}, nil, nil)
+	if err != nil {
+		return exitcodes.System(fmt.Errorf("services: check for podman in the guest: %w", err))
+	}
+	if code != 0 {
+		img := "the job's VM image"
+		if d.o.VMImage != "" {
+			img = "VM image " + strconv.Quote(d.o.VMImage)
+		}
+		return exitcodes.System(fmt.Errorf("services: the job asks for services, but %s has no container runtime (podman not found in the guest, exit status %d): "+
+			"run the job on an image with podman (deploy/images/build.sh podman builds one; docs/services.md), "+
+			"or set [services] enabled = false so that such jobs get the warning instead", img, code))
+	}
+	return nil
+}
+
+// pull gets a service's image by its pull policies, tried in order.
+func (d *driver) pull(ctx context.Context, s Service) error {
+	var why []string
+	for _, p := range s.PullPolicies {
+		if p != PullAlways {
+			code, _, errText, err := d.exec(ctx, d.podman(ImageExistsArgv(s.Ref)), nil, nil)
+			if err != nil {
+				return exitcodes.System(fmt.Errorf("services: look for image %s of service %s: %w", s.image(), s.Shown, err))
+			}
+			if code == 0 {
+				d.say("Using image %s for service %s (pull policy %s: already in the VM)", s.image(), s.Shown, p)
+				return nil
+			}
+			if code != 1 {
+				why = append(why, fmt.Sprintf("%s: podman image exists: exit status %d: %s", p, code, s.guestText(errText)))
+				continue
+			}
+			if p == PullNever {
+				why = append(why, "never: not in the VM")
+				continue
+			}
+		}
+		t := time.Now()
+		d.say("Pulling image %s for service %s...", s.image(), s.Shown)
+		code, _, errText, err := d.exec(ctx, d.podman(PullArgv(s.Ref)), nil, nil)
+		if err != nil {
+			return exitcodes.System(fmt.Errorf("services: pull image %s of service %s: %w", s.image(), s.Shown, err))
+		}
+		if code == 0 {
+			d.say("Pulled image %s in %s", s.image(), since(t))
+			return nil
+		}
+		why = append(why, fmt.Sprintf("%s: podman pull: exit status %d: %s", p, code, s.guestText(errText)))
+	}
+	return exitcodes.System(fmt.Errorf("services: cannot get image %s of service %s (pull policies %s): %s",
+		s.image(), s.Shown, strings.Join(s.PullPolicies, ", "), strings.Join(why, "; ")))
+}
+
+// run starts a service's container and reads its address; a container that
+// does not start is a warning (nil, nil).
+func (d *driver) run(ctx context.Context, network string, s Service) (*Running, error) {
+	t := time.Now()
+	names := make([]string, 0, len(s.Env))
+	for _, kv := range s.Env {
+		n, _, _ := strings.Cut(kv, "=")
+		names = append(names, n)
+	}
+	code, _, errText, err := d.exec(ctx, d.podman(RunArgv(network, s), names...), s.Env, nil)
+	if err != nil {
+		return nil, exitcodes.System(fmt.Errorf("services: start service %s: %w", s.Shown, err))
+	}
+	if code != 0 {
+		d.say("WARNING: service %s did not start (podman run: exit status %d): %s", s.Shown, code, s.guestText(errText))
+		d.showLogs(ctx, s, LogLines)
+		return nil, nil
+	}
+	out, err := d.must(ctx, "read the address of service "+s.Shown, d.podman(AddressArgv(s.Container)), nil)
+	if err != nil {
+		return nil, err
+	}
+	addr, err := ParseAddress(out, network)
+	if err != nil {
+		return nil, exitcodes.System(fmt.Errorf("services: service %s: %w", s.Shown, err))
+	}
+	d.say("Started service %s as %s at %s (%s) in %s", s.Shown, s.Container, addr, strings.Join(s.Aliases, ", "), since(t))
+	return &Running{Service: s, Addr: addr}, nil
+}
+
+// writeHosts puts every alias of the started services into the guest's
+// /etc/hosts (the driver's block, replaced as a whole).
+func (d *driver) writeHosts(ctx context.Context, st *Started) error {
+	var entries []HostEntry
+	for _, r := range st.Services {
+		for _, a := range r.Aliases {
+			entries = append(entries, HostEntry{Addr: r.Addr, Alias: a})
+		}
+	}
+	old, err := d.must(ctx, "read "+HostsPath, ReadFileArgv(HostsPath), nil)
+	if err != nil {
+		return err
+	}
+	if len(old) >= maxAnswer {
+		return exitcodes.System(fmt.Errorf("services: the guest's %s is larger than %d bytes", HostsPath, maxAnswer))
+	}
+	_, err = d.must(ctx, "write "+HostsPath, d.podman(WriteFileArgv(HostsPath, "0644")), bytes.NewReader(RewriteHosts(old, entries)))
+	return err
+}
+
+// waitAll waits for the services' ports side by side, each bounded by
+// o.WaitTimeout.
+func (d *driver) waitAll(ctx context.Context, st *Started) error {
+	if d.o.WaitTimeout <= 0 || len(st.Services) == 0 {
+		return nil
+	}
+	d.say("Waiting for the services' ports (at most %s each)...", d.o.WaitTimeout)
+	errs := make([]error, len(st.Services))
+	var wg sync.WaitGroup
+	for i, r := range st.Services {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			errs[i] = d.wait(ctx, r)
+		}()
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// wait waits for one service's ports; a timeout is a warning.
+func (d *driver) wait(ctx context.Context, r Running) error {
+	var ports []int
+	if r.HealthPort != 0 {
+		ports = []int{r.HealthPort}
+	} else {
+		out, err := d.must(ctx, "read the exposed ports of service "+r.Shown, d.podman(ExposedPortsArgv(r.Ref)), nil)
+		if err != nil {
+			return err
+		}
+		if ports, err = ParseExposedPorts(out); err != nil {
+			return exitcodes.System(fmt.Errorf("services: the image of service %s: %w", r.Shown, err))
+		}
+	}
+	if len(ports) == 0 {
+		d.say("Service %s: its image exposes no TCP port and it sets no HEALTHCHECK_TCP_PORT: not waited for", r.Shown)
+		return nil
+	}
+	t := time.Now()
+	deadline := t.Add(d.o.WaitTimeout)
+	for _, p := range ports {
+		left := time.Until(deadline)
+		secs := int((left + time.Second - 1) / time.Second)
+		code := 124
+		if left > 0 {
+			var err error
+			code, _, _, err = d.exec(ctx, WaitPortArgv(r.Addr, p, secs), nil, nil)
+			if err != nil {
+				return exitcodes.System(fmt.Errorf("services: wait for service %s: %w", r.Shown, err))
+			}
+		}
+		if code != 0 {
+			what := "did not answer"
+			if code != 124 {
+				what = fmt.Sprintf("could not be probed (exit status %d)", code)
+			}
+			d.say("WARNING: service %s %s on %s:%d within %s; the job goes on without waiting for it. Its last log lines:",
+				r.Shown, what, r.Addr, p, d.o.WaitTimeout)
+			d.showLogs(ctx, r.Service, LogLines)
+			return nil
+		}
+	}
+	d.say("Service %s answers on port %s after %s", r.Shown, joinInts(ports), since(t))
+	return nil
+}
+
+// showLogs writes a service's last n log lines (all when n is 0, bounded)
+// to the job log, each prefixed with its container.
+func (d *driver) showLogs(ctx context.Context, s Service, n int) {
+	argv := LogsArgv(s.Container, n)
+	if n == 0 {
+		argv = []string{"podman", "logs", s.Container}
+	}
+	out := &capped{limit: maxLogText}
+	// podman logs writes the container's stderr to its own stderr: both go
+	// to the same capped buffer, in the order they arrive.
+	_, err := d.g.Exec(ctx, d.podman(argv), nil, nil, out, out)
+	text := out.bytes()
+	if err != nil && len(text) == 0 {
+		d.say("  [%s] (its logs cannot be read: %v)", s.Container, err)
+		return
+	}
+	lines := bytes.Split(bytes.TrimRight(text, "\n"), []byte("\n"))
+	if len(text) == 0 {
+		lines = nil
+	}
+	if n > 0 && len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	if len(lines) == 0 {
+		d.say("  [%s] (no output)", s.Container)
+	}
+	for _, l := range lines {
+		d.say("  [%s] %s", s.Container, printable(string(l)))
+	}
+	if out.over {
+		d.say("  [%s] (more output not shown)", s.Container)
+	}
+}
+
+// FollowLogs streams each started service's output into w, each line
+// prefixed with the service's container and first alias, until ctx ends
+// or the services end: what CI_DEBUG_SERVICES asks for. A front end runs it
+// beside the job's stages (it returns when ctx ends).
+func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, w io.Writer) {
+	d := &driver{g: g, o: Options{Sudo: sudo}, log: w}
+	var wg sync.WaitGroup
+	for _, r := range st.Services {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			pr, pw := io.Pipe()
+			done := make(chan struct{})
+			go func() {
+				defer close(done)
+				sc := bufio.NewScanner(pr)
+				sc.Buffer(make([]byte, 4096), 64<<10)
+				for sc.Scan() {
+					d.say("[service %s] %s", r.Aliases[0], printable(sc.Text()))
+				}
+				_, _ = io.Copy(io.Discard, pr)
+			}()
+			_, _ = g.Exec(ctx, d.podman(FollowLogsArgv(r.Container)), nil, nil, pw, pw)
+			_ = pw.Close()
+			<-done // every line written before FollowLogs returns
+		}()
+	}
+	wg.Wait()
+}
+
+// printable is a guest's line for the job log: control characters (a
+// terminal escape, a carriage return) shown as \xNN, tabs kept.
+func printable(s string) string {
+	var b strings.Builder
+	for _, r := range s {
+		switch {
+		case r == '\t' || (r >= 0x20 && r != 0x7f && (r < 0x80 || r >= 0xa0)):
+			b.WriteRune(r)
+		default:
+			fmt.Fprintf(&b, "\\x%02x", r)
+		}
+	}
+	return b.String()
+}
+
+func joinInts(l []int) string {
+	s := make([]string, len(l))
+	for i, n := range l {
+		s[i] = strconv.Itoa(n)
+	}
+	return strings.Join(s, ", ")
+}
+
+// capped keeps the first limit bytes written to it and drops the rest,
+// accepting every write (the guest's output keeps flowing).
+type capped struct {
+	mu    sync.Mutex
+	limit int
+	b     []byte
+	over  bool
+}
+
+func (c *capped) Write(p []byte) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	room := c.limit - len(c.b)
+	if room < len(p) {
+		c.over = true
+	}
+	if room > 0 {
+		c.b = append(c.b, p[:min(room, len(p))]...)
+	}
+	return len(p), nil
+}
+
+func (c *capped) bytes() []byte {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return bytes.Clone(c.b)
+}

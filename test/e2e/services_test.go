@@ -1,0 +1,279 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"archive/tar"
+	"bytes"
+	"compress/gzip"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/opencontainers/go-digest"
+	specs "github.com/opencontainers/image-spec/specs-go"
+	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
+	"github.com/stretchr/testify/require"
+	"golang.org/x/crypto/ssh"
+	"oras.land/oras-go/v2/content"
+	"oras.land/oras-go/v2/registry/remote"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
+)
+
+// TestServicesInPodmanVM: a job's services started by the services driver
+// in a real job VM of the podman image (deploy/images/build.sh podman), over
+// an SSH connection to it (sshexec.Client.Exec as the driver's Guest), with
+// images from a real registry reached as docker.io's mirror:
+//   - a small OCI image built here (a static HTTP server answering
+//     "marker=$MARKER") is pushed as library/postgres:15 and library/redis;
+//   - postgres:15 (aliases postgres, db, pg) and redis both listen on 5432,
+//     each at its own address; a third service on the same image waits for
+//     a port nothing listens on (HEALTHCHECK_TCP_PORT): the warning with its
+//     last log lines, the job goes on;
+//   - the job's own script (the run stage, on the VM's OS) reaches each
+//     service by each alias through /etc/hosts, and a container on the
+//     job's network reaches one by its alias through the network's DNS;
+//   - podman runs rootful with netavark and cgroupfs (podman info);
+//   - a masked variable given to a service is in no log line;
+//   - an image the registry does not have is a system failure naming it.
+//
+// The real runner's wiring (prepare starting them) comes with the job
+// handle of issue #45; this test drives the driver directly.
+func TestServicesInPodmanVM(t *testing.T) {
+	base := setup(t)
+	podman := podmanImage(t, base)
+	ln := base.serviceListener(t) // a port guests may reach
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	reg := registrytest.StartAt(t, addr)
+	pushServiceImage(t, reg.Host, "library/postgres", "15")
+	pushServiceImage(t, reg.Host, "library/redis", "latest")
+
+	r := base.withConfig(t, func(s string) string {
+		s = setKey("default_image", `"podman"`)(s)
+		return s + "\n" + podman + fmt.Sprintf(`
+[services]
+enabled = true
+wait_timeout = "20s"
+plain_http = [%q]
+[services.mirrors]
+"docker.io" = [%q]
+`, reg.Host, reg.Host)
+	})
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	defer func() {
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+		r.requireNoLeftovers(t, "after the services job")
+	}()
+	c := dialMachine(t, r, s.name(t))
+
+	const secret = "masked-e2e-s3cr3t-value"
+	payload := &services.Payload{
+		Variables: []services.Variable{
+			{Key: "CI_JOB_ID", Value: "1", Public: true},
+			{Key: "DB_PASSWORD", Value: secret, Masked: true},
+		},
+		Services: []services.Image{
+			{Name: "postgres:15", Alias: "db,pg", Variables: []services.Variable{
+				{Key: "MARKER", Value: "pg-marker", Public: true}, {Key: "PW", Value: "$DB_PASSWORD", Public: true}}},
+			{Name: "redis", Variables: []services.Variable{{Key: "MARKER", Value: "redis-marker", Public: true}}},
+			{Name: "redis", Alias: "silent", Variables: []services.Variable{
+				{Key: "MARKER", Value: "silent", Public: true}, {Key: "HEALTHCHECK_TCP_PORT", Value: "6000", Public: true}}},
+		},
+	}
+	opts, err := services.OptionsFrom(r.cfg.Services, 1, "podman", "root")
+	require.NoError(t, err)
+	plan, err := services.NewPlan(payload, opts)
+	require.NoError(t, err)
+	var log bytes.Buffer
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	began := time.Now()
+	st, err := services.Start(ctx, c, plan, opts, &log)
+	t.Logf("services started in %s:\n%s", time.Since(began), log.String())
+	require.NoError(t, err)
+	require.Len(t, st.Services, 3)
+	out := log.String()
+	require.Contains(t, out, `Skipping alias "redis" for service "redis" (services[2]): services[1] already has it`)
+	require.Contains(t, out, `Service "postgres:15" (services[0]) answers on port 5432`)
+	require.Contains(t, out, `Service "redis" (services[1]) answers on port 5432`)
+	require.Contains(t, out, `WARNING: service "redis" (services[2]) did not answer on `)
+	require.Contains(t, out, "[lve-service-2] svcserver: listening on :5432", "the warning shows the service's last log lines")
+	require.NotContains(t, out, secret)
+	require.NotEqual(t, st.Services[0].Addr, st.Services[1].Addr, "two services on one port, each at its own address")
+
+	// podman in the guest runs rootful with netavark, and the job's network
+	// has DNS: a container on it reaches a service by an alias.
+	var info, infoErr, got bytes.Buffer
+	code, err := c.Exec(ctx, []string{"podman", "info", "--format", "json"}, nil, nil, &info, &infoErr)
+	require.NoError(t, err)
+	require.Equal(t, 0, code, infoErr.String())
+	var pi struct {
+		Host struct {
+			NetworkBackend string `json:"networkBackend"`
+			CgroupManager  string `json:"cgroupManager"`
+			Security       struct {
+				Rootless bool `json:"rootless"`
+			} `json:"security"`
+		} `json:"host"`
+	}
+	require.NoError(t, json.Unmarshal(info.Bytes(), &pi), "podman info: %q %q", info.String(), infoErr.String())
+	require.Equal(t, "netavark", pi.Host.NetworkBackend)
+	require.Equal(t, "cgroupfs", pi.Host.CgroupManager)
+	require.False(t, pi.Host.Security.Rootless)
+	// (stdout and stderr in buffers of their own: two copies into one
+	// bytes.Buffer race, and its ReadFrom drops what the other wrote)
+	podmanOut := func(argv ...string) string {
+		var errb bytes.Buffer
+		got.Reset()
+		code, err := c.Exec(ctx, append([]string{"podman"}, argv...), nil, nil, &got, &errb)
+		require.NoError(t, err)
+		require.Equal(t, 0, code, "podman %v: %s", argv, errb.String())
+		return strings.TrimSpace(got.String())
+	}
+	podmanOut("run", "--detach", "--pull", "never", "--name", "lve-dns-check", "--network", st.Network,
+		"docker.io/library/redis:latest", "get", "http://db:5432/")
+	require.Equal(t, "0", podmanOut("wait", "lve-dns-check"))
+	require.Equal(t, "marker=pg-marker", podmanOut("logs", "lve-dns-check"), "aardvark-dns answers the alias on the job's network")
+
+	// The job, on the VM's own OS, reaches each service by each alias.
+	script := "#!/usr/bin/env bash\nset -e\nget() { exec 3<>/dev/tcp/$1/5432; printf 'GET / HTTP/1.0\\r\\n\\r\\n' >&3; echo \"$1: $(tail -n 1 <&3)\"; exec 3<&-; }\n" +
+		"for h in postgres db pg redis silent; do get $h; done\n"
+	res := s.runScript(t, "build_script", script)
+	require.Equal(t, 0, res.code, res.stderr)
+	for _, want := range []string{"postgres: marker=pg-marker", "db: marker=pg-marker", "pg: marker=pg-marker",
+		"redis: marker=redis-marker", "silent: marker=silent"} {
+		require.Contains(t, res.stdout, want)
+	}
+
+	// An image the registry does not have: a system failure naming it.
+	missing, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "team/missing:1"}}},
+		services.Options{JobID: 2, DefaultPullPolicy: services.PullIfNotPresent})
+	require.NoError(t, err)
+	log.Reset()
+	_, err = services.Start(ctx, c, missing, opts, &log)
+	require.ErrorContains(t, err, `cannot get image docker.io/team/missing:1 of service "team/missing:1" (services[0])`)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+}
+
+// podmanImage is the [images.podman] table to add to the rig's
+// configuration: none when the rig has a podman image, else the cached
+// build of deploy/images/build.sh podman (instant when built before; the
+// rig's namespace has no way out to Debian's mirror, so a first build
+// belongs before the test).
+func podmanImage(t *testing.T, r *rig) string {
+	t.Helper()
+	if _, ok := r.cfg.Images["podman"]; ok {
+		return ""
+	}
+	_, file, _, _ := runtime.Caller(0)
+	top := filepath.Join(filepath.Dir(file), "..", "..")
+	out, err := exec.Command(filepath.Join(top, "deploy", "images", "build.sh"), "podman").Output()
+	require.NoError(t, err, "deploy/images/build.sh podman (build it once outside the rig's namespace first)")
+	lines := strings.Split(strings.TrimSpace(string(out)), "\n")
+	b, err := os.ReadFile(filepath.Join(lines[len(lines)-1], "image.toml"))
+	require.NoError(t, err)
+	return string(b) + "memory_mib = 1024\n"
+}
+
+// dialMachine connects to a job's VM as the stages do: its recorded
+// address, user, key and pinned host key.
+func dialMachine(t *testing.T, r *rig, name string) *sshexec.Client {
+	t.Helper()
+	dir := filepath.Join(r.cfg.StateDir, "machines", name)
+	b, err := os.ReadFile(filepath.Join(dir, "machine.json"))
+	require.NoError(t, err)
+	var m struct {
+		Address string `json:"address"`
+		Port    int    `json:"port"`
+		User    string `json:"user"`
+		HostKey string `json:"host_key"`
+	}
+	require.NoError(t, json.Unmarshal(b, &m))
+	keyPEM, err := os.ReadFile(filepath.Join(dir, "id_ed25519"))
+	require.NoError(t, err)
+	signer, err := ssh.ParsePrivateKey(keyPEM)
+	require.NoError(t, err)
+	hostKey, _, _, _, err := ssh.ParseAuthorizedKey([]byte(m.HostKey))
+	require.NoError(t, err)
+	port := m.Port
+	if port == 0 {
+		port = 22
+	}
+	c, err := sshexec.Dial(context.Background(), sshexec.Target{Addr: net.JoinHostPort(m.Address, strconv.Itoa(port)), User: m.User,
+		Signer: signer, HostKey: hostKey, KeepaliveInterval: 2 * time.Second, KeepaliveCount: 10})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = c.Close() })
+	return c
+}
+
+// pushServiceImage builds the svcserver (testdata) statically and pushes
+// it to the registry as repo:tag: a one-layer OCI image whose entrypoint is
+// /svcserver and which exposes 5432/tcp. Built with oras-go (already the
+// driver's registry client) and image-spec's types: no container tool.
+func pushServiceImage(t *testing.T, host, repo, tag string) {
+	t.Helper()
+	_, file, _, _ := runtime.Caller(0)
+	bin := filepath.Join(t.TempDir(), "svcserver")
+	build := exec.Command("go", "build", "-trimpath", "-o", bin, "./testdata/svcserver")
+	build.Dir = filepath.Dir(file)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0", "GOOS=linux", "GOARCH=amd64")
+	out, err := build.CombinedOutput()
+	require.NoError(t, err, "go build svcserver: %s", out)
+	exe, err := os.ReadFile(bin)
+	require.NoError(t, err)
+
+	var tarBuf bytes.Buffer
+	tw := tar.NewWriter(&tarBuf)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "svcserver", Mode: 0o755, Size: int64(len(exe)), Typeflag: tar.TypeReg}))
+	_, err = tw.Write(exe)
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	var gz bytes.Buffer
+	zw := gzip.NewWriter(&gz)
+	_, err = zw.Write(tarBuf.Bytes())
+	require.NoError(t, err)
+	require.NoError(t, zw.Close())
+
+	cfg, err := json.Marshal(ocispec.Image{
+		Platform: ocispec.Platform{Architecture: "amd64", OS: "linux"},
+		Config: ocispec.ImageConfig{Entrypoint: []string{"/svcserver"}, ExposedPorts: map[string]struct{}{"5432/tcp": {}},
+			Env: []string{"PATH=/"}},
+		RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(tarBuf.Bytes())}},
+	})
+	require.NoError(t, err)
+
+	ctx := context.Background()
+	rp, err := remote.NewRepository(host + "/" + repo)
+	require.NoError(t, err)
+	rp.PlainHTTP = true
+	push := func(mediaType string, b []byte) ocispec.Descriptor {
+		d := content.NewDescriptorFromBytes(mediaType, b)
+		exists, err := rp.Exists(ctx, d)
+		require.NoError(t, err)
+		if !exists {
+			require.NoError(t, rp.Push(ctx, d, bytes.NewReader(b)))
+		}
+		return d
+	}
+	man, err := json.Marshal(ocispec.Manifest{Versioned: specs.Versioned{SchemaVersion: 2}, MediaType: ocispec.MediaTypeImageManifest,
+		Config: push(ocispec.MediaTypeImageConfig, cfg), Layers: []ocispec.Descriptor{push(ocispec.MediaTypeImageLayerGzip, gz.Bytes())}})
+	require.NoError(t, err)
+	md := content.NewDescriptorFromBytes(ocispec.MediaTypeImageManifest, man)
+	require.NoError(t, rp.PushReference(ctx, md, bytes.NewReader(man), tag))
+}
