@@ -254,7 +254,7 @@ func app() *cli.App {
 						Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 						Action: func(c *cli.Context) error {
 							return withManager(c, true, func(cfg *config.Config, m *jobvm.Host) error {
-								inUse, err := m.BackingFiles(c.Context)
+								inUse, err := m.Manager().BackingFiles(c.Context)
 								if err != nil {
 									return err
 								}
@@ -275,7 +275,7 @@ func app() *cli.App {
 					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
 						var errs []error
 						for _, name := range c.Args().Slice() {
-							if err := m.Teardown(c.Context, name); err != nil {
+							if err := m.Manager().Teardown(c.Context, name); err != nil {
 								errs = append(errs, fmt.Errorf("%s: %w", name, err))
 								continue
 							}

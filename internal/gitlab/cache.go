@@ -307,7 +307,7 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	client := early.connection()
 	var err error
 	if client == nil {
-		_, client, err = j.m.Connect(ctx, name)
+		_, client, err = j.vm.Session().Take(ctx)
 	}
 	if err != nil {
 		e.say("Host cache: no connection to the VM for the cache: %v", err)
@@ -438,10 +438,10 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 	es.connected, es.stopConnect = make(chan struct{}), stop
 	go func() {
 		defer close(es.connected)
-		if j.m == nil { // the caller dials itself when there is none
+		if j.vm == nil { // the caller dials itself when there is none
 			return
 		}
-		if _, es.client, _ = j.m.Connect(cctx, name); es.client == nil {
+		if _, es.client, _ = j.vm.Session().Take(cctx); es.client == nil {
 			return
 		}
 		select {
@@ -852,7 +852,7 @@ func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, w
 }
 
 // CacheDisk moves a project's host cache to and from a job's machine on
-// hot-plugged disks (jobvm.Host.AttachCache, AttachScratch, KeepCache,
+// hot-plugged disks (jobvm.Jobs.AttachCache, AttachScratch, KeepCache,
 // DropDisks).
 type CacheDisk interface {
 	// Attach attaches the cache of project (the files in want; none:
@@ -876,12 +876,12 @@ func (e Env) cacheDisk(j *job) CacheDisk {
 	if e.CacheDisk != nil {
 		return e.CacheDisk
 	}
-	return localCacheDisk{h: j.m, store: hostcache.ForConfig(j.cfg.Cache)}
+	return localCacheDisk{h: j.jobs, store: hostcache.ForConfig(j.cfg.Cache)}
 }
 
 // localCacheDisk is CacheDisk in the stage's own process.
 type localCacheDisk struct {
-	h     *jobvm.Host
+	h     *jobvm.Jobs
 	store *hostcache.Store
 }
 

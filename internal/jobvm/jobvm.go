@@ -21,9 +21,12 @@ import (
 )
 
 // Host is the machines of CI jobs on this host: lifecycle's Manager with
-// the hooks of job machines, standby pools and the guest tools disk.
+// the hooks of job machines, standby pools and the guest tools disk. It
+// does not embed the Manager: a front end reaches a job's machine through
+// Jobs and Job; the host's tools (admin, pool service, test tooling) that
+// work on machines as such take Manager.
 type Host struct {
-	*lifecycle.Manager
+	m *lifecycle.Manager
 	// HolderExe is the connection holder's executable (StartHolder);
 	// empty means HolderExecutable next to the running executable.
 	HolderExe string
@@ -44,7 +47,7 @@ func Open(cfg *config.Config, o lifecycle.Options) (*Host, error) {
 
 // New is a Host over m, whose hooks it sets.
 func New(m *lifecycle.Manager) *Host {
-	h := &Host{Manager: m}
+	h := &Host{m: m}
 	m.SetHooks(lifecycle.Hooks{
 		MakeRoom: func(ctx context.Context, _ *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
 			return h.makeRoom(ctx, short, reason)
@@ -55,6 +58,21 @@ func New(m *lifecycle.Manager) *Host {
 	})
 	return h
 }
+
+// Manager is the one-machine layer under the host: for the host's tools
+// (admin, the pool service, sweeps, test tooling), not for front ends.
+func (h *Host) Manager() *lifecycle.Manager { return h.m }
+
+// Close closes the host's libvirt connection, if it was made.
+func (h *Host) Close() error { return h.m.Close() }
+
+// Dial makes the host's libvirt connection now (it is otherwise made on
+// first use): a stage fails early, before it says anything, when libvirt
+// cannot be reached.
+func (h *Host) Dial(ctx context.Context) error { return h.m.Dial(ctx) }
+
+// Reconnects is how often the libvirt connection was made again.
+func (h *Host) Reconnects() int { return h.m.Reconnects() }
 
 // OwnerKind names the kind of a machine's owner for the metrics, by its
 // ownership record's front end ("" for none readable): standby, garm,
@@ -78,4 +96,4 @@ const FrontendGarm = "garm"
 // ToolsNow is the guest tools disk a machine booted now gets, as its
 // record says it (nil for none), found without libvirt; exact is false
 // where a boot now might get another one (guesttools.Now).
-func (h *Host) ToolsNow() (t *state.Tools, exact bool) { return guesttools.Now(h.Manager) }
+func (h *Host) ToolsNow() (t *state.Tools, exact bool) { return guesttools.Now(h.m) }

@@ -96,7 +96,7 @@ func (r *rig) standbys(t *testing.T) (idle, other []string) {
 	all, err := m.Standbys()
 	require.NoError(t, err)
 	for _, s := range all {
-		if e, _ := m.Store.EndedOf(s.Name); e != nil {
+		if e, _ := m.Manager().Store.EndedOf(s.Name); e != nil {
 			continue
 		}
 		if s.Idle() {
