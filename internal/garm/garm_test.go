@@ -456,6 +456,36 @@ func TestCapacityCountsGarmInstances(t *testing.T) {
 	create(r, ctrlA, poolA, "garm-Cap3")
 }
 
+// A create on a full host asks the engine's MakeRoom hook (jobvm's: idle
+// standby machines go first) before it fails, as a GitLab job's prepare
+// does; what the hook frees is used.
+func TestCreateAsksForRoom(t *testing.T) {
+	r := newRig(t)
+	r.cfg.Capacity.MaxVMs = 1
+	a := create(r, ctrlA, poolA, "garm-Room1")
+	var asked []lifecycle.Shortfall
+	free := false
+	r.m.SetHooks(lifecycle.Hooks{MakeRoom: func(ctx context.Context, m *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
+		asked = append(asked, short)
+		if !free {
+			return ""
+		}
+		free = false
+		require.NoError(t, m.Teardown(ctx, a.ProviderID))
+		return a.ProviderID
+	}})
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Room2", nil))
+	require.Equal(t, ExitError, code, out)
+	require.Contains(t, out, "max_vms")
+	require.Equal(t, []lifecycle.Shortfall{{VMs: 1}}, asked, "the hook was asked for one VM")
+
+	free = true
+	in := create(r, ctrlA, poolA, "garm-Room2")
+	require.Len(t, asked, 2)
+	require.Contains(t, r.hv.Domains, in.ProviderID)
+	require.NotContains(t, r.hv.Domains, a.ProviderID, "the room the hook freed was used")
+}
+
 // TestSeedDroppedWhenBootstrapDone: the seed (garm's token) stays while
 // the guest's bootstrap runs; once its console says it is done (or the
 // instance is older than garm.seed_keep), the next Get or List wipes the

@@ -369,7 +369,7 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 	}
 	req := lifecycle.LaunchRequest{
 		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
-		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
+		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true, MakeRoom: true,
 		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name},
 			{Key: TagImage, Value: r.Image.Name}},
 		OnStep:       rep.Step,

@@ -1240,3 +1240,39 @@ func TestRemoveCutOffBootLeavesACompletedBoot(t *testing.T) {
 	require.NoError(t, err)
 	require.False(t, has)
 }
+
+// A machine that serves a job without waiting for room (garm's instances:
+// lifecycle.LaunchRequest with NoWait and MakeRoom) takes the room of an
+// idle standby machine on a full host, as a GitLab job does; without
+// MakeRoom (a standby's own boot) it fails at once and retires nothing.
+func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t)
+	m, img, _ := poolManager(t, hv, port, "[capacity]\nmax_vms = 1\n")
+	idle := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	req := lifecycle.LaunchRequest{Name: lifecycle.MachinePrefix("lve", controller) + "garm-x", Image: img, VCPUs: 1, MemoryMiB: 256,
+		Frontend: FrontendGarm, Job: "x", Lifetime: time.Hour, NoWait: true}
+
+	_, err := m.Manager().Launch(context.Background(), req)
+	require.ErrorIs(t, err, lifecycle.ErrNoRoom, "without MakeRoom a full host refuses at once")
+	hv.Lock()
+	require.Contains(t, hv.Domains, idle, "nothing retired without MakeRoom")
+	hv.Unlock()
+
+	req.MakeRoom = true
+	start := time.Now()
+	_, err = m.Manager().Launch(context.Background(), req)
+	require.NoError(t, err)
+	require.Less(t, time.Since(start), 10*time.Second)
+	requireGone(t, hv, m, idle)
+	names, err := m.Manager().Store.Names()
+	require.NoError(t, err)
+	require.Equal(t, []string{req.Name}, names)
+
+	// A full host of machines that are no idle standbys still refuses at once.
+	other := req
+	other.Name += "2"
+	_, err = m.Manager().Launch(context.Background(), other)
+	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
+	require.NoError(t, m.Manager().Teardown(context.Background(), req.Name))
+}

@@ -36,15 +36,29 @@ func (m *Manager) UnderPressure() bool {
 // full, a job's machine first retires idle standby machines (jobs first),
 // then sweeps leftovers once, then waits (polling) until room frees up, ctx
 // ends or capacity.wait passes, telling the job log why it waits. A
-// NoWait request (a standby machine) fails with ErrNoRoom instead.
+// NoWait request fails with ErrNoRoom instead: a standby machine at once,
+// one that serves a job (MakeRoom: garm's) once idle standbys could not
+// make the room.
 func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
 	if req.NoWait {
-		dir, why, _, err := m.tryAdmit(ctx, req.Name, want)
-		if err == nil && why != "" {
-			err = fmt.Errorf("%w: %s", ErrNoRoom, why)
+		for {
+			dir, why, short, err := m.tryAdmit(ctx, req.Name, want)
+			if err == nil && why != "" {
+				// A machine that serves a job takes the room of idle
+				// standby machines first, as a job that waits does.
+				if mk := m.hooks.MakeRoom; req.MakeRoom && mk != nil && ctx.Err() == nil {
+					// The pool holds its refills meanwhile, as for a job
+					// that waits (a lost touch costs one refill too early).
+					_ = m.Store.Touch(pressureKey)
+					if n := mk(ctx, m, short, "room for job "+req.Name); n != "" {
+						continue
+					}
+				}
+				err = fmt.Errorf("%w: %s", ErrNoRoom, why)
+			}
+			return dir, err
 		}
-		return dir, err
 	}
 	capCfg := m.Cfg.Capacity
 	ctx, cancel := context.WithTimeoutCause(ctx, capCfg.Wait.D(),

@@ -103,8 +103,13 @@ type Request struct {
 	// standby pool (internal/jobvm's BootStandby).
 	Standby *state.Standby
 	// NoWait fails admission at once (ErrNoRoom) when the host is full,
-	// instead of waiting for (and making) room.
+	// instead of waiting for room.
 	NoWait bool
+	// MakeRoom has a NoWait request ask Hooks.MakeRoom to free the room
+	// it lacks (idle standby machines) before it fails: a machine that
+	// serves a job (garm's), not one that waits for a job (a standby).
+	// A request that waits always asks.
+	MakeRoom bool
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
 	// SeedWritable: LaunchRequest.SeedWritable.
@@ -129,8 +134,10 @@ type LaunchRequest struct {
 	Frontend  string
 	Job       string
 	Lifetime  time.Duration
-	// NoWait fails admission at once (ErrNoRoom) when the host is full.
-	NoWait bool
+	// NoWait fails admission at once (ErrNoRoom) when the host is full;
+	// MakeRoom: Request.MakeRoom.
+	NoWait   bool
+	MakeRoom bool
 	// Seed, if set, builds the machine's cloud-init seed instead of the
 	// image's default one (CloudInitSeed): a front end's own user-data.
 	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
@@ -235,7 +242,7 @@ var ErrExists = errors.New("a machine of this name exists")
 func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine, error) {
 	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
 		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
-		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags, OnStep: req.OnStep,
+		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, MakeRoom: req.MakeRoom, Tags: req.Tags, OnStep: req.OnStep,
 		SeedWritable: req.SeedWritable,
 	}})
 	if err != nil {
