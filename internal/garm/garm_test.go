@@ -235,7 +235,7 @@ func TestCreateDuplicate(t *testing.T) {
 	require.Equal(t, ExitDuplicate, code, out)
 	// The check is the engine's, under the machine's lock (two creates
 	// racing): a duplicate, and the live instance is not replaced.
-	_, err := r.m.Launch(context.Background(), lifecycle.LaunchRequest{Name: in.ProviderID})
+	_, err := r.m.Launch(context.Background(), lifecycle.Request{Name: in.ProviderID})
 	require.ErrorIs(t, err, lifecycle.ErrExists)
 	require.Same(t, d, r.hv.Domains[in.ProviderID])
 }

@@ -367,9 +367,9 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 	if len(bs.CACertBundle) > 0 {
 		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
 	}
-	req := lifecycle.LaunchRequest{
+	req := lifecycle.Request{
 		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
-		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true, MakeRoom: true,
+		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true, MakeRoom: true, ReachServicePorts: true,
 		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name},
 			{Key: TagImage, Value: r.Image.Name}},
 		OnStep:       rep.Step,

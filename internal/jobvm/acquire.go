@@ -169,9 +169,7 @@ func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, error) {
 	img := req.Image
 	t0 := time.Now()
-	c, err := h.Claim(ctx, ClaimRequest{
-		Job: req.Job, Image: img, Size: req.Size, Frontend: req.Frontend, JobID: req.JobID, Lifetime: req.Lifetime,
-	})
+	c, err := h.Claim(ctx, req)
 	var none *ErrNoStandby
 	if errors.As(err, &none) {
 		req.Observe.pool("miss", none.Code)

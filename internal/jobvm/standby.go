@@ -176,20 +176,6 @@ func (h *Host) standbyHolder(ctx context.Context, name string, until time.Time) 
 	}
 }
 
-// ClaimRequest is a job asking for an idle standby machine.
-type ClaimRequest struct {
-	// Job is the name the job knows its machine by (its mapping key: the
-	// machine name a cold start would have used).
-	Job   string
-	Image *config.Image
-	Size  config.Size
-	// Frontend and JobID go into the ownership record; the deadline is
-	// now + Lifetime + timeouts.job_slack.
-	Frontend string
-	JobID    string
-	Lifetime time.Duration
-}
-
 // Claimed is a standby machine now serving a job.
 type Claimed struct {
 	Machine *state.Machine
@@ -236,7 +222,7 @@ const probeWait = 2 * time.Second
 // persistent). If ctx ends or a step after the claim fails, the machine is
 // removed, never returned to the pool. *ErrNoStandby says why there is
 // none.
-func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
+func (h *Host) Claim(ctx context.Context, req JobRequest) (*Claimed, error) {
 	t0 := time.Now()
 	p := req.Image.Pool
 	if p == nil {
@@ -292,7 +278,7 @@ func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
 // passed over (taken by another job meanwhile, or found unfit and marked for
 // retirement); err is a failure after the claim (the machine is then
 // removed again).
-func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
+func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
 	// Until the claim file exists nothing is this job's: a failure is
 	// only a reason to pass the machine over (the job can still start
 	// cold).

@@ -131,8 +131,8 @@ func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffi
 	return name
 }
 
-func claimRequest(m *Host, img *config.Image, job string) ClaimRequest {
-	return ClaimRequest{Job: job, Image: img, Size: m.Manager().Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
+func claimRequest(m *Host, img *config.Image, job string) JobRequest {
+	return JobRequest{Job: job, Image: img, Size: m.Manager().Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
 }
 
 // lockService plays the running pool service for the rest of the test:
@@ -1242,7 +1242,7 @@ func TestRemoveCutOffBootLeavesACompletedBoot(t *testing.T) {
 }
 
 // A machine that serves a job without waiting for room (garm's instances:
-// lifecycle.LaunchRequest with NoWait and MakeRoom) takes the room of an
+// a lifecycle.Request launched with NoWait and MakeRoom) takes the room of an
 // idle standby machine on a full host, as a GitLab job does; without
 // MakeRoom (a standby's own boot) it fails at once and retires nothing.
 func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
@@ -1250,7 +1250,7 @@ func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
 	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, port, "[capacity]\nmax_vms = 1\n")
 	idle := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
-	req := lifecycle.LaunchRequest{Name: lifecycle.MachinePrefix("lve", controller) + "garm-x", Image: img, VCPUs: 1, MemoryMiB: 256,
+	req := lifecycle.Request{Name: lifecycle.MachinePrefix("lve", controller) + "garm-x", Image: img, VCPUs: 1, MemoryMiB: 256,
 		Frontend: FrontendGarm, Job: "x", Lifetime: time.Hour, NoWait: true}
 
 	_, err := m.Manager().Launch(context.Background(), req)

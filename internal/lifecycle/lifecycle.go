@@ -112,8 +112,17 @@ type Request struct {
 	MakeRoom bool
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
-	// SeedWritable: LaunchRequest.SeedWritable.
+	// SeedWritable attaches the cloud-init seed writable, with the serial
+	// guestinit.WritableSeedSerial: the guest wipes it once it has read it
+	// (garm's bootstrap), not waiting for the host to take it away.
 	SeedWritable bool
+	// Seed, if set, builds the machine's cloud-init seed instead of the
+	// image's default one (CloudInitSeed): a front end's own user-data.
+	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
+	// ReachServicePorts lets the machine's guest reach the service ports
+	// of the network's address that other machines are refused
+	// (MachineFilter): the guests those services serve (garm's runners).
+	ReachServicePorts bool
 	// DeferFilterPin: the network filter is not given the machine's
 	// address at boot (PinAddress); the caller has it done later, off the
 	// critical path (libvirt re-instantiates the filter, seconds on a busy
@@ -121,42 +130,11 @@ type Request struct {
 	DeferFilterPin bool
 }
 
-// LaunchRequest asks for a machine that is started and left to boot on
-// its own (Launch): a front end whose guest reports back by itself (garm's
-// runners). It gets no shared disks, and nothing waits for its address or
-// SSH.
-type LaunchRequest struct {
-	Name      string
-	Image     *config.Image
-	VCPUs     int
-	MemoryMiB int
-	DiskGiB   int
-	Frontend  string
-	Job       string
-	Lifetime  time.Duration
-	// NoWait fails admission at once (ErrNoRoom) when the host is full;
-	// MakeRoom: Request.MakeRoom.
-	NoWait   bool
-	MakeRoom bool
-	// Seed, if set, builds the machine's cloud-init seed instead of the
-	// image's default one (CloudInitSeed): a front end's own user-data.
-	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
-	// Tags are the front end's marks in the ownership metadata.
-	Tags []vm.Tag
-	// SeedWritable attaches the cloud-init seed writable, with the serial
-	// guestinit.WritableSeedSerial: the guest wipes it once it has read it
-	// (garm's bootstrap), not waiting for the host to take it away.
-	SeedWritable bool
-	// OnStep, if set, is told about each step as it ends (Request.OnStep).
-	OnStep func(name string, took time.Duration, err error)
-}
-
-// request is what one provisioning asks for: a Request, or a
-// LaunchRequest (detached).
+// request is what one provisioning asks for: a Request, provisioned
+// (waited for) or launched (detached).
 type request struct {
 	Request
 	detached bool
-	seed     func(keys *guestinit.Keys, dir string) ([]byte, error)
 }
 
 // Ready is a provisioned machine with an open SSH connection.
@@ -236,15 +214,15 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 var ErrExists = errors.New("a machine of this name exists")
 
 // Launch makes and starts a machine of req and returns without waiting for
-// its boot: its guest reports back by itself. A machine of that name that
+// its boot: its guest reports back by itself (a front end whose guest
+// does: garm's runners). It gets no shared disks, and nothing waits for its
+// address or SSH. A machine of that name that
 // exists is refused (ErrExists): a duplicate, not a leftover. Everything
 // made is undone when a step fails, as in Provision.
-func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine, error) {
-	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
-		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
-		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, MakeRoom: req.MakeRoom, Tags: req.Tags, OnStep: req.OnStep,
-		SeedWritable: req.SeedWritable,
-	}})
+func (m *Manager) Launch(ctx context.Context, req Request) (*state.Machine, error) {
+	// Nothing waits for the guest: no front end's check, no shared disks.
+	req.Check = nil
+	r, err := m.provision(ctx, request{detached: true, Request: req})
 	if err != nil {
 		return nil, err
 	}

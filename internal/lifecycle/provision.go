@@ -163,8 +163,8 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	if err := p.m.Store.SaveKey(p.req.Name, p.keys.ClientPEM); err != nil {
 		return err
 	}
-	if p.req.seed != nil {
-		p.seed, err = p.req.seed(p.keys, p.dir)
+	if p.req.Seed != nil {
+		p.seed, err = p.req.Seed(p.keys, p.dir)
 	} else {
 		p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir)
 	}
