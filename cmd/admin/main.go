@@ -275,7 +275,7 @@ func app() *cli.App {
 					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
 						var errs []error
 						for _, name := range c.Args().Slice() {
-							if err := m.Manager().Teardown(c.Context, name); err != nil {
+							if err := m.Manager().Machine(name).Teardown(c.Context); err != nil {
 								errs = append(errs, fmt.Errorf("%s: %w", name, err))
 								continue
 							}

@@ -189,7 +189,7 @@ func ExplainMachine(ctx context.Context, w io.Writer, m *jobvm.Host, name string
 	if p := lifecycle.MachinePrefix(m.Manager().Cfg.NamePrefix, m.Manager().Controller); !strings.HasPrefix(name, p) {
 		return fmt.Errorf("machine name %q refused: not a machine of this installation (its names start with %q)", name, p)
 	}
-	if why := m.Manager().Explain(ctx, name); why != "" {
+	if why := m.Manager().Machine(name).Explain(ctx); why != "" {
 		_, err := fmt.Fprintln(w, why)
 		return err
 	}

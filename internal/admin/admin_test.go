@@ -288,10 +288,10 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	hv.Volumes["jobs/debian-12.qcow2"] = nil // a base image kept in the pool
 	hv.Volumes["jobs/"+p+"3.qcow2"] = nil    // our naming, no domain, no state
 
-	err := m.Manager().Teardown(context.Background(), "debian-12")
+	err := m.Manager().Machine("debian-12").Teardown(context.Background())
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, `refusing to remove "debian-12": not a machine of this installation (names start with "`+p+`")`)
-	err = m.Manager().Teardown(context.Background(), p+"3")
+	err = m.Manager().Machine(p + "3").Teardown(context.Background())
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, "no domain and no state record of ours: volumes "+p+"3.qcow2 left alone")
 	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")

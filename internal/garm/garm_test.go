@@ -471,7 +471,7 @@ func TestCreateAsksForRoom(t *testing.T) {
 			return ""
 		}
 		free = false
-		require.NoError(t, m.Teardown(ctx, a.ProviderID))
+		require.NoError(t, m.Machine(a.ProviderID).Teardown(ctx))
 		return a.ProviderID
 	}})
 	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Room2", nil))
@@ -505,7 +505,7 @@ func TestRemoteHostSeedAndConsole(t *testing.T) {
 	t.Cleanup(func() { _ = m.Close() })
 	r := &rig{t: t, cfg: cfg, hv: hv, m: m}
 	name := create(r, ctrlA, poolA, "garm-Remote1").ProviderID
-	require.Empty(t, m.ConsoleLog(name))
+	require.Empty(t, m.Machine(name).ConsoleLog())
 	require.NotContains(t, hv.Domains[name].XML, "<log ")
 	console := filepath.Join(m.Store.MachineDir(name), "console.log")
 	_, err = os.Stat(console)
@@ -609,11 +609,11 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 
 	// started again (a new boot learns its address again): pinned again
-	require.NoError(t, r.m.StopMachine(context.Background(), name))
-	require.NoError(t, r.m.StartMachine(context.Background(), name))
-	require.False(t, r.m.Pinned(name))
+	require.NoError(t, r.m.Machine(name).Stop(context.Background()))
+	require.NoError(t, r.m.Machine(name).Start(context.Background()))
+	require.False(t, r.m.Machine(name).Pinned())
 	list()
-	require.True(t, r.m.Pinned(name))
+	require.True(t, r.m.Machine(name).Pinned())
 
 	// the backstop: an instance older than garm.seed_keep loses its seed
 	// without any marker, even when its filter cannot be pinned (the pin is
@@ -627,7 +627,7 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 	r.cfg.Garm.SeedKeep = config.Duration(time.Nanosecond)
 	list()
-	require.False(t, r.m.Pinned(old.ProviderID))
+	require.False(t, r.m.Machine(old.ProviderID).Pinned())
 	r.hv.Lock()
 	delete(r.hv.FailOn, "PinFilterAddress")
 	require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.SeedVolume(old.ProviderID))

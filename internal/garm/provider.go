@@ -105,7 +105,7 @@ func (p *Provider) teardown(ctx context.Context, o lifecycle.Owned) error {
 		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		t0 := time.Now()
-		err := p.M.Teardown(tctx, o.Name)
+		err := p.M.Machine(o.Name).Teardown(tctx)
 		r.Step("teardown", time.Since(t0), err)
 		return err
 	})
@@ -219,12 +219,12 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 			if o.State.Running {
 				return nil
 			}
-			return p.M.StartMachine(ctx, o.Name)
+			return p.M.Machine(o.Name).Start(ctx)
 		}
 		if !o.State.Running {
 			return nil
 		}
-		return p.M.StopMachine(ctx, o.Name)
+		return p.M.Machine(o.Name).Stop(ctx)
 	}
 	return fmt.Errorf("command %q not implemented", p.Env.Command)
 }

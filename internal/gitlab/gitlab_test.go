@@ -315,7 +315,7 @@ func TestKeepOnFailureCapped(t *testing.T) {
 	require.Equal(t, project, kept[0].Project)
 	h, err := jobvm.Open(cfg, lifecycle.Options{Connect: fake(hv)})
 	require.NoError(t, err)
-	require.NoError(t, h.Manager().Teardown(context.Background(), j.name))
+	require.NoError(t, h.Manager().Machine(j.name).Teardown(context.Background()))
 	require.NoError(t, h.Close())
 
 	// The host keeps two (keep_max) of other projects: not kept, theirs untouched.

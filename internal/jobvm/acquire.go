@@ -153,7 +153,7 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 // only a libvirtd restart would cut its VM off; the job log says so.
 func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 	t0 := time.Now()
-	if err := h.m.PinAddress(ctx, req.Job, addr); err != nil {
+	if err := h.m.Machine(req.Job).PinAddress(ctx, addr); err != nil {
 		if req.Log != nil {
 			req.Log.Warn("network filter not given the address", "err", err)
 		}
@@ -273,7 +273,7 @@ type guestOnDemand struct {
 
 func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
 	if g.c == nil {
-		_, c, err := g.h.m.Connect(ctx, g.name)
+		_, c, err := g.h.m.Machine(g.name).Connect(ctx)
 		if err != nil {
 			if ctx.Err() == nil {
 				g.connErr = err

@@ -79,7 +79,7 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 	s := &holder.Server{
 		AgentCommand: agentCmd,
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			_, c, err := h.m.Connect(ctx, name)
+			_, c, err := h.m.Machine(name).Connect(ctx)
 			return c, err
 		},
 		Alive: func() bool {
@@ -107,7 +107,7 @@ func stopHolder(m *lifecycle.Manager, name string) { holder.Stop(m.Store.Machine
 // while the job's stages run: a few tries, then the learnt address stays
 // (only a libvirtd restart would cut the VM off; the holder's log says so).
 func (h *Host) pinForHolder(ctx context.Context, name string, log *slog.Logger) {
-	if h.m.Cfg.L2Filter != nil && !*h.m.Cfg.L2Filter || h.m.Pinned(name) {
+	if h.m.Cfg.L2Filter != nil && !*h.m.Cfg.L2Filter || h.m.Machine(name).Pinned() {
 		return
 	}
 	mach, err := h.m.Store.Record(name)
@@ -117,7 +117,7 @@ func (h *Host) pinForHolder(ctx context.Context, name string, log *slog.Logger) 
 	for try := 1; ; try++ {
 		t0 := time.Now()
 		pctx, cancel := context.WithTimeout(ctx, time.Minute)
-		err = h.m.PinAddress(pctx, name, mach.Address)
+		err = h.m.Machine(name).PinAddress(pctx, mach.Address)
 		cancel()
 		if err == nil {
 			log.Info("network filter given the address", "address", mach.Address, "took", time.Since(t0))

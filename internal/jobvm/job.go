@@ -118,7 +118,7 @@ func (js *Jobs) Job(r JobRef, log *slog.Logger) (*Job, error) {
 		return nil, fmt.Errorf("job name record: %w", err)
 	}
 	if rec != nil && rec.Job != name {
-		if err := m.CheckOurName(rec.Job); err != nil {
+		if err := m.Machine(rec.Job).CheckOurName(); err != nil {
 			return nil, fmt.Errorf("job name record %s: %w", key, err)
 		}
 		log.Info("job prepared by another version: using the name it gave the job", "name", rec.Job, "version", rec.Version, "name_now", name)
@@ -185,7 +185,7 @@ func (j *Job) Explain(ctx context.Context) string {
 	if j.js.Explain != nil {
 		return j.js.Explain(ctx, name)
 	}
-	return j.js.h.m.Explain(ctx, name)
+	return j.js.h.m.Machine(name).Explain(ctx)
 }
 
 // AcquireRequest is what a front end says of the machine its job needs
@@ -268,7 +268,7 @@ func (j *Job) Keep(ctx context.Context, project string, until time.Time, decide 
 		return false
 	}
 	for _, k := range plan.Release {
-		if err := m.Teardown(ctx, k.Name); err != nil {
+		if err := m.Machine(k.Name).Teardown(ctx); err != nil {
 			j.log.Error("could not remove the project's oldest kept VM; not keeping this one", "vm", jm.Name, "oldest", k.Name, "err", err)
 			return false
 		}
@@ -279,7 +279,7 @@ func (j *Job) Keep(ctx context.Context, project string, until time.Time, decide 
 		j.log.Error("could not keep the VM; removing it", "err", err)
 		return false
 	}
-	if err := m.Keep(ctx, jm.Name, until); err != nil {
+	if err := m.Machine(jm.Name).Keep(ctx, until); err != nil {
 		if !errors.Is(err, vm.ErrNotFound) {
 			j.log.Error("could not keep the VM; removing it", "err", err)
 		}
@@ -352,7 +352,7 @@ func (s *Session) Client(ctx context.Context) (*state.Machine, *sshexec.Client, 
 	if err != nil {
 		return nil, nil, err
 	}
-	mach, c, err := s.j.js.h.m.Connect(ctx, jm.Name)
+	mach, c, err := s.j.js.h.m.Machine(jm.Name).Connect(ctx)
 	if err != nil {
 		return mach, nil, err
 	}

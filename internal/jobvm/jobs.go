@@ -29,7 +29,7 @@ func (h *Host) MachineOf(job string) (JobMachine, error) {
 		jm = nil
 	}
 	if jm != nil && jm.Machine != job {
-		if cl, err := h.m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.m.IsStandby(jm.Machine) {
+		if cl, err := h.m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.m.Machine(jm.Machine).IsStandby() {
 			return JobMachine{Name: jm.Machine, Warm: true}, nil
 		}
 	}
@@ -57,7 +57,7 @@ func (h *Host) RemoveEarlierClaim(ctx context.Context, job string) (string, erro
 	if err != nil || !jm.Warm {
 		return "", err
 	}
-	if err := h.m.Teardown(ctx, jm.Name); err != nil {
+	if err := h.m.Machine(jm.Name).Teardown(ctx); err != nil {
 		return jm.Name, err
 	}
 	return jm.Name, h.m.Store.UnmapJob(job)
@@ -69,13 +69,13 @@ func (h *Host) TeardownJob(ctx context.Context, job string) (JobMachine, error) 
 	if err != nil {
 		return jm, err
 	}
-	if err := h.m.Teardown(ctx, jm.Name); err != nil {
+	if err := h.m.Machine(jm.Name).Teardown(ctx); err != nil {
 		return jm, err
 	}
 	if jm.Name != job {
 		// A cold attempt of the same job (a retried prepare) may have left
 		// its own machine too.
-		if err := h.m.Teardown(ctx, job); err != nil {
+		if err := h.m.Machine(job).Teardown(ctx); err != nil {
 			return jm, err
 		}
 	}

@@ -74,7 +74,7 @@ func (h *Host) EndJob(ctx context.Context, job string) (JobMachine, []string, er
 // Reap, also when an error follows), false if there was nothing to end or
 // it was removed at once.
 func (h *Host) end(ctx context.Context, name string) (bool, error) {
-	if err := h.m.CheckOurName(name); err != nil {
+	if err := h.m.Machine(name).CheckOurName(); err != nil {
 		return false, err
 	}
 	unlock, err := h.m.Store.Lock(ctx, name)
@@ -87,7 +87,7 @@ func (h *Host) end(ctx context.Context, name string) (bool, error) {
 		return false, fmt.Errorf("state of %s: %w", name, err)
 	}
 	if !has {
-		if err := h.m.TeardownLocked(ctx, name); err != nil {
+		if err := h.m.Machine(name).TeardownLocked(ctx); err != nil {
 			return false, err
 		}
 		h.m.Store.RemoveLock(name)
@@ -121,7 +121,7 @@ func (h *Host) Reap(ctx context.Context, names []string) error {
 
 func (h *Host) reapOne(ctx context.Context, name string) error {
 	var ended *state.Ended
-	err := h.m.TeardownIf(ctx, name, func() (bool, error) {
+	err := h.m.Machine(name).TeardownIf(ctx, func() (bool, error) {
 		has, err := h.m.Store.Has(name)
 		if err != nil || !has {
 			return false, err // removed already (by a sweep)

@@ -47,7 +47,7 @@ func TestEndJobThenReap(t *testing.T) {
 	require.NotContains(t, hv.Calls, "Destroy", "cleanup does not wait for QEMU")
 	hv.Unlock()
 	require.NoFileExists(t, filepath.Join(dir, "id_ed25519"), "the job's key is gone")
-	_, _, err = m.Manager().Connect(ctx, req.Name)
+	_, _, err = m.Manager().Machine(req.Name).Connect(ctx)
 	require.Error(t, err, "nothing of the job connects any more")
 	e, err := m.Manager().Store.EndedOf(req.Name)
 	require.NoError(t, err)
@@ -173,10 +173,10 @@ func TestKeepStopsTheHolder(t *testing.T) {
 	require.NoError(t, err)
 	_, err = holder.Start(dir, sleep, []string{"300"}, nil)
 	require.NoError(t, err)
-	require.NoError(t, m.Manager().Keep(ctx, name, time.Now().Add(time.Hour)))
+	require.NoError(t, m.Manager().Machine(name).Keep(ctx, time.Now().Add(time.Hour)))
 	require.Zero(t, holder.Running(dir))
 	require.FileExists(t, filepath.Join(dir, "id_ed25519"), "the debugging login needs the key")
-	require.NoError(t, m.Manager().Teardown(ctx, name))
+	require.NoError(t, m.Manager().Machine(name).Teardown(ctx))
 }
 
 // provisioned is a machine provisioned on a fake hypervisor and guest, its

@@ -91,7 +91,7 @@ func (h *Host) Standbys() ([]Standby, error) {
 	}
 	var out []Standby
 	for _, n := range names {
-		if !h.m.IsStandby(n) {
+		if !h.m.Machine(n).IsStandby() {
 			continue
 		}
 		s := Standby{Name: n}
@@ -334,7 +334,7 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 	if err != nil {
 		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.TeardownLocked(tctx, name), h.m.Store.UnmapJob(req.Job))
+		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.Machine(name).TeardownLocked(tctx), h.m.Store.UnmapJob(req.Job))
 		h.m.Store.RemoveLock(name)
 		return nil, "", err
 	}
@@ -353,7 +353,7 @@ func (h *Host) unfit(ctx context.Context, rec *state.Machine, img *config.Image,
 	if why := h.Outdated(rec, img, base, baseErr); why != "" {
 		return why, true
 	}
-	if why := h.m.Explain(ctx, rec.Name); why != "" {
+	if why := h.m.Machine(rec.Name).Explain(ctx); why != "" {
 		return why, true
 	}
 	pctx, cancel := context.WithTimeout(ctx, probeWait)
@@ -419,7 +419,7 @@ func (h *Host) RemoveCutOffBoot(ctx context.Context, name string) error {
 
 // retire is Retire; when still is set, it must hold under the lock too.
 func (h *Host) retire(ctx context.Context, name, reason string, still func() bool) error {
-	if !h.m.IsStandby(name) {
+	if !h.m.Machine(name).IsStandby() {
 		return lifecycle.NotOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
 	}
 	unlock, err := h.m.Store.TryLock(name)
@@ -444,7 +444,7 @@ func (h *Host) retire(ctx context.Context, name, reason string, still func() boo
 			return err
 		}
 	}
-	if err := h.m.TeardownLocked(ctx, name); err != nil {
+	if err := h.m.Machine(name).TeardownLocked(ctx); err != nil {
 		return err
 	}
 	h.m.Store.RemoveLock(name)

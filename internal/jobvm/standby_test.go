@@ -111,7 +111,7 @@ func mustImage(t *testing.T, m *Host, name string) *config.Image {
 func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffix string, created time.Time, port int) string {
 	t.Helper()
 	name := lifecycle.MachinePrefix("lve", controller) + "sb-" + suffix
-	require.True(t, m.Manager().IsStandby(name))
+	require.True(t, m.Manager().Machine(name).IsStandby())
 	size := m.Manager().Cfg.ImageSize(img)
 	_, err := m.Manager().Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
 	require.NoError(t, err)
@@ -197,12 +197,12 @@ func TestStandbyName(t *testing.T) {
 	require.Regexp(t, `^lve-0123abcd-sb-[0-9a-f]{8}$`, a)
 	require.NotEqual(t, a, b)
 	require.NoError(t, vm.CheckName(a))
-	require.True(t, m.Manager().IsStandby(a))
-	require.False(t, m.Manager().IsStandby("lve-0123abcd-7"), "a job's machine")
-	require.False(t, m.Manager().IsStandby("lve-ffffffff-sb-00000000"), "another installation's")
+	require.True(t, m.Manager().Machine(a).IsStandby())
+	require.False(t, m.Manager().Machine("lve-0123abcd-7").IsStandby(), "a job's machine")
+	require.False(t, m.Manager().Machine("lve-ffffffff-sb-00000000").IsStandby(), "another installation's")
 	other, err := lifecycle.StandbyName("lve", "ffffffff-0000-4000-8000-000000000000")
 	require.NoError(t, err)
-	require.False(t, m.Manager().IsStandby(other))
+	require.False(t, m.Manager().Machine(other).IsStandby())
 }
 
 // ServiceRunning is true only while LockService's lock is held and the
@@ -935,7 +935,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.Equal(t, "42", o.Job)
 
 	// run's view: connect from the recorded state with the pinned key.
-	_, client, err := m.Manager().Connect(ctx, name)
+	_, client, err := m.Manager().Machine(name).Connect(ctx)
 	require.NoError(t, err)
 	_ = client.Close()
 
@@ -983,7 +983,7 @@ func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 	locks, err := m.Manager().Store.LockNames()
 	require.NoError(t, err)
 	for _, l := range locks {
-		require.False(t, m.Manager().IsStandby(l) && l != idle, "lock file %s of the failed boot left", l)
+		require.False(t, m.Manager().Machine(l).IsStandby() && l != idle, "lock file %s of the failed boot left", l)
 	}
 }
 
@@ -1015,7 +1015,7 @@ func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{newer, "lve-0123abcd-7"}, names)
 
-	require.NoError(t, m.Manager().Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Manager().Machine("lve-0123abcd-7").Teardown(context.Background()))
 }
 
 // A job's admission never takes a machine another job claimed: it waits
@@ -1274,5 +1274,5 @@ func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
 	other.Name += "2"
 	_, err = m.Manager().Launch(context.Background(), other)
 	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
-	require.NoError(t, m.Manager().Teardown(context.Background(), req.Name))
+	require.NoError(t, m.Manager().Machine(req.Name).Teardown(context.Background()))
 }

@@ -201,7 +201,7 @@ func TestProvisionAutoFallsBackWhenKVMStartFails(t *testing.T) {
 	dt, err := m.DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "qemu", dt, "remembered for the next jobs")
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 }
 
 // Jobs that start at once on a host never probed wait for one probe.

@@ -235,7 +235,8 @@ func (m *Manager) Launch(ctx context.Context, req Request) (*state.Machine, erro
 // of this host's there would leave files on it that nothing removes. A
 // machine on another host has a console nobody keeps (virsh console
 // still reaches it while it runs).
-func (m *Manager) ConsoleLog(name string) string {
+func (mc Machine) ConsoleLog() string {
+	m, name := mc.m, mc.name
 	if !m.Cfg.LocalLibvirt() {
 		return ""
 	}
@@ -279,7 +280,8 @@ func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.Publi
 
 // Connect opens an SSH connection to a provisioned machine using the recorded
 // address and pinned host key.
-func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *sshexec.Client, error) {
+func (mc Machine) Connect(ctx context.Context) (*state.Machine, *sshexec.Client, error) {
+	m, name := mc.m, mc.name
 	mach, signer, hostKey, err := m.Store.Load(name)
 	if err != nil {
 		return nil, nil, err
@@ -298,14 +300,16 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 // this installation's is left alone and reported with vm.ErrNotOurs: a name
 // outside its prefix, a domain of that name that is not ours, and volumes
 // with neither a domain nor a state record.
-func (m *Manager) Teardown(ctx context.Context, name string) error {
-	return m.TeardownIf(ctx, name, nil)
+func (mc Machine) Teardown(ctx context.Context) error {
+	m, name := mc.m, mc.name
+	return m.Machine(name).TeardownIf(ctx, nil)
 }
 
 // TeardownIf is Teardown; when still is set it is asked under the lock,
 // and the machine is removed only if it says so (still returns an error to
 // refuse, or false for nothing to do).
-func (m *Manager) TeardownIf(ctx context.Context, name string, still func() (bool, error)) error {
+func (mc Machine) TeardownIf(ctx context.Context, still func() (bool, error)) error {
+	m, name := mc.m, mc.name
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
@@ -333,7 +337,8 @@ func (m *Manager) TeardownIf(ctx context.Context, name string, still func() (boo
 // Keep leaves the machine running for debugging until the given time, after
 // which a sweep removes it like any expired machine. Its user is done with
 // it (Hooks.Release runs).
-func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error {
+func (mc Machine) Keep(ctx context.Context, until time.Time) error {
+	m, name := mc.m, mc.name
 	unlock, err := m.Store.Lock(ctx, name)
 	if err != nil {
 		return err
@@ -347,7 +352,8 @@ func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error 
 }
 
 // TeardownLocked is Teardown for a caller that holds the machine's lock.
-func (m *Manager) TeardownLocked(ctx context.Context, name string) error {
+func (mc Machine) TeardownLocked(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	return m.teardown(ctx, name)
 }
 
@@ -371,7 +377,10 @@ func (m *Manager) teardown(ctx context.Context, name string) error {
 
 // CheckOurName refuses a name outside this installation's prefix (an
 // error matching vm.ErrNotOurs).
-func (m *Manager) CheckOurName(name string) error { return m.checkOurName(name) }
+func (mc Machine) CheckOurName() error {
+	m, name := mc.m, mc.name
+	return m.checkOurName(name)
+}
 
 // checkOurName refuses a name outside this installation's prefix: whatever
 // has such a name (a base image "debian-12.qcow2" in the same pool, another

@@ -53,7 +53,7 @@ func (m *Manager) newProvision(ctx context.Context, req request) (*provision, er
 	}
 	return &provision{
 		m: m, req: req, eng: eng, domainType: domainType,
-		consoleLog: m.ConsoleLog(req.Name),
+		consoleLog: m.Machine(req.Name).ConsoleLog(),
 		endBoot:    func() {},
 	}, nil
 }
@@ -107,7 +107,7 @@ func (p *provision) run(ctx context.Context) error {
 	err := r.Run(ctx, withConsoleCapture(p.list(), func() {
 		consoleTail = tail(p.consoleLog, 25)
 		if ctx.Err() == nil {
-			why = p.m.Explain(ctx, p.req.Name)
+			why = p.m.Machine(p.req.Name).Explain(ctx)
 		}
 	}))
 	if err == nil {

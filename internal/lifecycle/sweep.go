@@ -207,7 +207,7 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 			it.Address = mach.Address
 		}
 		it.Ended, _ = m.Store.EndedOf(name)
-		if m.IsStandby(name) {
+		if m.Machine(name).IsStandby() {
 			sb := &Standby{Name: name}
 			sb.Record, _ = m.Store.Record(name)
 			sb.Claim, _ = m.Store.ClaimOf(name)

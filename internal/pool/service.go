@@ -535,7 +535,7 @@ func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now tim
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		why := s.M.Manager().Explain(ctx, sb.Name)
+		why := s.M.Manager().Machine(sb.Name).Explain(ctx)
 		if why == "" && ctx.Err() == nil {
 			pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			err := sshexec.Probe(pctx, net.JoinHostPort(sb.Record.Address, strconv.Itoa(sb.Record.Port)))

@@ -166,7 +166,7 @@ func (e *env) addStandby(suffix string, created time.Time, port int) string {
 	t := e.t
 	t.Helper()
 	name := e.name(suffix)
-	require.True(t, e.m.Manager().IsStandby(name))
+	require.True(t, e.m.Manager().Machine(name).IsStandby())
 	if port == 0 {
 		port = e.g.Port()
 	}
@@ -607,7 +607,7 @@ func TestBootFailureBacksOff(t *testing.T) {
 	locks, err := e.m.Manager().Store.LockNames()
 	require.NoError(t, err)
 	for _, l := range locks {
-		require.False(t, e.m.Manager().IsStandby(l), "lock file %s of the failed boot left", l)
+		require.False(t, e.m.Manager().Machine(l).IsStandby(), "lock file %s of the failed boot left", l)
 	}
 
 	delete(e.hv.FailOn, "Define")

@@ -141,7 +141,7 @@ func (w *standbyWatch) look() {
 		return
 	}
 	for _, n := range names {
-		if !w.m.Manager().IsStandby(n) {
+		if !w.m.Manager().Machine(n).IsStandby() {
 			continue
 		}
 		w.mu.Lock()

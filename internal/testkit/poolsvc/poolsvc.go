@@ -208,7 +208,7 @@ func RemoveStandbys(ctx context.Context, m *jobvm.Host, each time.Duration, reas
 			err = m.Retire(rctx, s.Name, reason)
 		}
 		if errors.Is(err, state.ErrClaimed) {
-			if err = m.Manager().Teardown(rctx, s.Name); err == nil && s.Claim != nil {
+			if err = m.Manager().Machine(s.Name).Teardown(rctx); err == nil && s.Claim != nil {
 				_ = m.Manager().Store.UnmapJob(s.Claim.Job)
 			}
 		}
