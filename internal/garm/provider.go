@@ -17,6 +17,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -102,7 +103,7 @@ func classify(err error, cancelled bool) (result, reason string) {
 func (p *Provider) teardown(ctx context.Context, o lifecycle.Owned) error {
 	return p.observe(ctx, OpDelete, o.Name, func(r *obs.Report) error {
 		r.Machine(o.Name, o.Owner.Tag(TagImage))
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, p.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		t0 := time.Now()
 		err := p.M.Machine(o.Name).Teardown(tctx)

@@ -13,6 +13,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -725,7 +726,7 @@ func smallSave(ctx context.Context, j *job, client *sshexec.Client) bool {
 // dropDisks deletes the volumes of the machine's hot-plugged disks, on a
 // deadline of its own.
 func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
+	dctx, cancel := detachctx.WithTimeout(ctx, dropWait)
 	defer cancel()
 	if err := disk.Drop(dctx, name); err != nil {
 		j.log.Warn("a host cache disk's volume was not deleted; the VM's teardown deletes it", "vm", name, "err", err)

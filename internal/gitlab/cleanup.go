@@ -5,6 +5,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -41,7 +42,7 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	defer j.jobs.Close()
 	defer func() { e.Report.Reconnects(j.jobs.Reconnects()) }()
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+	ctx, cancel := detachctx.WithTimeout(ctx, cfg.Timeouts.Cleanup.D())
 	defer cancel()
 	if err := j.jobs.Dial(ctx); err != nil {
 		return err

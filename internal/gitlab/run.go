@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -123,7 +124,7 @@ func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []b
 		// The holder ended during the stage: the script may still run in
 		// the guest. Stop it over a connection of our own (bounded), so
 		// that nothing of the stage outlives it.
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
 		_, c, cerr := sess.Client(sctx)
 		if cerr == nil {

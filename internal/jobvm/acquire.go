@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -137,7 +138,7 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 		err = fmt.Errorf("stopped: %w", context.Cause(ctx))
 	}
 	if err != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		_, terr := h.TeardownJob(tctx, req.Job)
 		return nil, errors.Join(err, terr)
@@ -202,7 +203,7 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 		err = ctx.Err()
 	}
 	if err != nil || connErr != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		_, terr := h.TeardownJob(tctx, req.Job)
 		switch {

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -332,7 +333,7 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 		err = ctx.Err()
 	}
 	if err != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.Machine(name).TeardownLocked(tctx), h.m.Store.UnmapJob(req.Job))
 		h.m.Store.RemoveLock(name)

@@ -26,6 +26,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -203,7 +204,7 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 		if p.client != nil {
 			_ = p.client.Close()
 		}
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		return nil, errors.Join(err, m.teardown(tctx, req.Name))
 	}

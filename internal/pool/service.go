@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
@@ -487,7 +488,7 @@ func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason s
 		defer s.release(name)
 		// Retiring runs to its end on its own deadline, even when the
 		// service stops meanwhile.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.M.Manager().Cfg.Timeouts.Cleanup.D())
+		rctx, cancel := detachctx.WithTimeout(ctx, s.M.Manager().Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		err := remove(rctx, name)
 		s.mu.Lock()

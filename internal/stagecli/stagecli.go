@@ -18,6 +18,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -167,7 +168,7 @@ func Run(p Process, e Exe) int {
 				if stageErr != nil {
 					stopped = fmt.Errorf("%w (the stage had ended: %v)", stopped, stageErr)
 				} else if e.Undo != nil {
-					uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+					uctx, cancel := detachctx.WithTimeout(ctx, cfg.Timeouts.Cleanup.D())
 					if uerr := e.Undo(uctx, env, cfg, c.Args().Slice()); uerr != nil {
 						stopped = fmt.Errorf("%w; undoing what the stage had done failed: %v", stopped, uerr)
 					} else {
