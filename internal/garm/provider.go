@@ -18,6 +18,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -93,7 +94,7 @@ func classify(err error, cancelled bool) (result, reason string) {
 	if err != nil || cancelled {
 		result = obs.ResultSystem
 	}
-	return result, jobvm.FailureReason(err, cancelled)
+	return result, failure.Classify(err, cancelled)
 }
 
 // teardown removes an instance's machine on a deadline of its own

@@ -20,6 +20,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -214,5 +215,5 @@ func Classify(err error, cancelled bool) (result, reason string) {
 	if cancelled && result == obs.ResultSuccess {
 		result = obs.ResultSystem
 	}
-	return result, jobvm.FailureReason(err, cancelled)
+	return result, failure.Classify(err, cancelled)
 }
