@@ -254,7 +254,7 @@ func app() *cli.App {
 						Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 						Action: func(c *cli.Context) error {
 							return withManager(c, true, func(cfg *config.Config, m *jobvm.Host) error {
-								inUse, err := m.Manager().BackingFiles(c.Context)
+								inUse, err := m.Manager().Volumes().BackingFiles(c.Context)
 								if err != nil {
 									return err
 								}

@@ -122,7 +122,7 @@ func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.C
 			Pools: svc.Gauges,
 			Capacity: func() (int, int, int, int, error) {
 				defer svc.Hold()()
-				vms, mem, err := m.Manager().CapacityUsed()
+				vms, mem, err := m.Manager().Capacity().Used()
 				return vms, mem, m.Manager().Cfg.Capacity.MaxVMs, m.Manager().Cfg.Capacity.MemoryBudgetMiB, err
 			},
 		},

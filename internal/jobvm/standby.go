@@ -509,7 +509,7 @@ func (h *Host) idleCanCover(short lifecycle.Shortfall) bool {
 	if err != nil {
 		return false
 	}
-	held, err := h.m.Reservations()
+	held, err := h.m.Capacity().Reservations()
 	if err != nil {
 		return false
 	}

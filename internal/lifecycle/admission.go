@@ -26,7 +26,8 @@ const pressureKey = "pool-pressure"
 const PressureHold = 15 * time.Second
 
 // UnderPressure reports whether a job waited for room within PressureHold.
-func (m *Manager) UnderPressure() bool {
+func (ch Capacity) UnderPressure() bool {
+	m := ch.m
 	age, ok := m.Store.Age(pressureKey)
 	return ok && age < PressureHold
 }
@@ -107,7 +108,8 @@ func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 // HoldAdmission holds the admission lock until unlock: no machine is
 // admitted meanwhile (a sweep of shared volumes decides and deletes under
 // it). Admission holds it only for its short look at the capacity.
-func (m *Manager) HoldAdmission(ctx context.Context) (unlock func(), err error) {
+func (ch Capacity) Hold(ctx context.Context) (unlock func(), err error) {
+	m := ch.m
 	return m.Store.Lock(ctx, admissionLock)
 }
 
@@ -121,7 +123,7 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 	defer unlock()
 	capCfg := m.Cfg.Capacity
 	if capCfg.MaxVMs > 0 || capCfg.MemoryBudgetMiB > 0 {
-		held, err := m.Reservations()
+		held, err := m.Capacity().Reservations()
 		if err != nil {
 			return "", "", short, err
 		}
@@ -150,15 +152,17 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 
 // Reservations are the capacity each machine of this installation holds,
 // by name, as admission counts it.
-func (m *Manager) Reservations() (map[string]state.Reservation, error) {
+func (ch Capacity) Reservations() (map[string]state.Reservation, error) {
+	m := ch.m
 	return m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
 }
 
 // CapacityUsed is what the machines of this installation hold of the
 // host now: VMs and memory (MiB) by their reservations, as admission
 // counts them.
-func (m *Manager) CapacityUsed() (vms, memoryMiB int, err error) {
-	held, err := m.Reservations()
+func (ch Capacity) Used() (vms, memoryMiB int, err error) {
+	m := ch.m
+	held, err := m.Capacity().Reservations()
 	if err != nil {
 		return 0, 0, err
 	}

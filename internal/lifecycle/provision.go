@@ -47,7 +47,7 @@ type provision struct {
 // newProvision prepares the steps of one Provision call.
 func (m *Manager) newProvision(ctx context.Context, req request) (*provision, error) {
 	eng := m.engine()
-	domainType, err := m.DomainType(ctx)
+	domainType, err := m.KVM().DomainType(ctx)
 	if err != nil {
 		return nil, err
 	}

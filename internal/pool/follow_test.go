@@ -154,7 +154,7 @@ idle_count = 1
 	s.followerForTest().collect(context.Background())
 	require.NoDirExists(t, v1Dir)
 	require.DirExists(t, v2Dir)
-	backed, err := s.M.Manager().BackingFiles(context.Background())
+	backed, err := s.M.Manager().Volumes().BackingFiles(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, []string{img.Base}, backed, "v2's standby is what the pool's volumes are backed by")
 	require.Contains(t, log.String(), "removed an old image: no configured source names it, no VM uses it")

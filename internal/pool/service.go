@@ -264,7 +264,7 @@ func (s *Service) Tick(ctx context.Context) {
 		}
 	}
 	s.forget(seen, now)
-	if s.M.Manager().UnderPressure() {
+	if s.M.Manager().Capacity().UnderPressure() {
 		// A job waits for room: boots in progress give theirs back (their
 		// undo removes what they made); the job retires idle machines.
 		if n := s.cancelBoots(); n > 0 {
@@ -326,7 +326,7 @@ func (s *Service) keep(ctx context.Context, img *config.Image, idle []lifecycle.
 	if need <= 0 || now.Before(bo.until) || ctx.Err() != nil {
 		return
 	}
-	if s.M.Manager().UnderPressure() {
+	if s.M.Manager().Capacity().UnderPressure() {
 		return // a job waited for room: jobs first (Tick cancels the boots)
 	}
 	for range need {
@@ -421,7 +421,7 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 			return
 		}
 		defer func() { <-s.sem }()
-		if s.M.Manager().UnderPressure() {
+		if s.M.Manager().Capacity().UnderPressure() {
 			return // a job began to wait for room meanwhile
 		}
 		ctx := bctx

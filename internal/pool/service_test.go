@@ -367,9 +367,9 @@ func TestTickRemovesMarkedKeepsClaimed(t *testing.T) {
 // the pressure is old, it refills.
 func TestTickHoldsBootsUnderPressure(t *testing.T) {
 	e := newEnv(t, "idle_count = 2\n", "", "")
-	require.False(t, e.m.Manager().UnderPressure())
+	require.False(t, e.m.Manager().Capacity().UnderPressure())
 	require.NoError(t, e.m.Manager().Store.Touch("pool-pressure"))
-	require.True(t, e.m.Manager().UnderPressure(), "the key a waiting job touches")
+	require.True(t, e.m.Manager().Capacity().UnderPressure(), "the key a waiting job touches")
 
 	e.tick()
 	e.tick()
@@ -378,7 +378,7 @@ func TestTickHoldsBootsUnderPressure(t *testing.T) {
 
 	old := time.Now().Add(-lifecycle.PressureHold - time.Second)
 	require.NoError(t, os.Chtimes(filepath.Join(e.m.Manager().Store.Dir, "pool-pressure"), old, old))
-	require.False(t, e.m.Manager().UnderPressure())
+	require.False(t, e.m.Manager().Capacity().UnderPressure())
 	e.tick()
 	require.Len(t, e.idle(), 2)
 }
@@ -656,7 +656,7 @@ func TestBootOnFullHostBacksOffBriefly(t *testing.T) {
 	e.s.mu.Unlock()
 	require.Zero(t, bo.failures, "no room is no failure")
 	require.WithinDuration(t, time.Now().Add(5*time.Second), bo.until, 2*time.Second)
-	require.False(t, e.m.Manager().UnderPressure(), "the service's boots are no waiting job")
+	require.False(t, e.m.Manager().Capacity().UnderPressure(), "the service's boots are no waiting job")
 	require.NotContains(t, e.log.String(), "level=ERROR")
 	require.DirExists(t, e.m.Manager().Store.MachineDir("lve-x-job"), "the job's machine is not touched")
 }
