@@ -274,7 +274,7 @@ type guestOnDemand struct {
 
 func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
 	if g.c == nil {
-		_, c, err := g.h.m.Machine(g.name).Connect(ctx)
+		_, c, err := g.h.connect(ctx, g.name)
 		if err != nil {
 			if ctx.Err() == nil {
 				g.connErr = err

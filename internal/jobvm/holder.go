@@ -79,7 +79,7 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 	s := &holder.Server{
 		AgentCommand: agentCmd,
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			_, c, err := h.m.Machine(name).Connect(ctx)
+			_, c, err := h.connect(ctx, name)
 			return c, err
 		},
 		Alive: func() bool {

@@ -352,7 +352,7 @@ func (s *Session) Client(ctx context.Context) (*state.Machine, *sshexec.Client, 
 	if err != nil {
 		return nil, nil, err
 	}
-	mach, c, err := s.j.js.h.m.Machine(jm.Name).Connect(ctx)
+	mach, c, err := s.j.js.h.connect(ctx, jm.Name)
 	if err != nil {
 		return mach, nil, err
 	}
@@ -414,3 +414,12 @@ func (js *Jobs) DropDisks(ctx context.Context, name string) error { return js.h.
 
 // Controller is this installation's controller id (the ownership records').
 func (js *Jobs) Controller() string { return js.h.m.Controller }
+
+// connect opens an SSH connection to the guest of the job machine name
+// (lifecycle.Machine.Connect: the pinned host key, the job's client key):
+// the one place a job's guest connections are made, for a Session, the
+// connection holder (Hold) and the check of a claimed standby machine
+// (Acquire).
+func (h *Host) connect(ctx context.Context, name string) (*state.Machine, *sshexec.Client, error) {
+	return h.m.Machine(name).Connect(ctx)
+}
