@@ -1,14 +1,20 @@
 // Package jobvm owns the machine of a CI job (a GitLab job, a garm
-// runner's job) on top of internal/lifecycle's one machine: acquiring it
-// (claim an idle standby machine, else provision one cold), the job ->
-// machine mapping (its only writer and reader), the job's connection
-// holder, and the job's end (stop now, remove in a detached reaper). The
-// standby pool's side is here too: boot, claim, retire, and what makes a
-// standby outdated; the pool service (internal/pool) drives it. Open wires
-// lifecycle's hooks: idle standbys make room for jobs, every machine gets
-// the guest tools disk (internal/guesttools), a machine's holder stops
-// when its user is done with it, and sweeps also remove stale mappings
-// and the tools of earlier binaries.
+// runner's job) on top of internal/lifecycle's one machine. A front end
+// gets Jobs (OpenJobs) and, for each job, its handle Job (Jobs.Job): it
+// resolves the job's name record, mapping and claim once and is their
+// only writer; Acquire (claim an idle standby machine, else provision one
+// cold; map the job; start the connection holder), Release (stop now,
+// remove in a detached reaper), Keep (for debugging), Explain, and
+// Session, the one way into the job's guest (the holder when it answers,
+// else a direct connection; connect is the one place a job's guest
+// connections are made). The standby pool's side is here too: boot,
+// claim, retire, and what makes a standby outdated; the pool service
+// (internal/pool) drives it through Host. Open wires lifecycle's hooks for
+// every front end, garm's included: idle standbys make room for jobs,
+// every provisioned machine gets the guest tools disk
+// (internal/guesttools), a machine's holder stops when its user is done
+// with it, and sweeps also remove stale mappings and the tools of earlier
+// binaries.
 package jobvm
 
 import (

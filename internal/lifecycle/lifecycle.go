@@ -1,14 +1,19 @@
 // Package lifecycle owns one machine of this installation from its name to
 // its removal: admission to the host's capacity, keys, linked clone, boot,
-// address, SSH readiness and the recorded state (Provision, Launch,
-// Connect, Keep, Teardown, Explain, OwnedBy, Start/StopMachine), the
-// machine's spec, the inventory and sweep of what the installation left on
-// the host, and the event records of what it did. It knows no CI system,
-// no executable and no tool in the guest: what the machines of a kind add
-// comes in through Hooks (room made by a standby pool, shared disks, work
-// to stop when a machine's user is done with it, extra sweeps). The
-// machine of a CI job is internal/jobvm's; the guest tools disk is
-// internal/guesttools'.
+// address, SSH readiness and the recorded state (Manager.Provision and
+// Launch, both from one Request), the per-machine operations on a small
+// handle (Manager.Machine(name): Connect, Keep, Teardown, Explain, Start,
+// Stop, PinAddress, the seed and the cache disks), the host's capacity
+// (Manager.Capacity), its KVM probe (Manager.KVM) and the pool's volumes
+// (Manager.Volumes), the machine's spec, the inventory and sweep of what
+// the installation left on the host (OwnedBy, Inventory, Sweep), and the
+// event records of what it did. It knows no CI system, no front end, no
+// pool, no executable and no tool in the guest: what differs between
+// machines comes in the Request (MakeRoom, ReachServicePorts, Seed, ...),
+// and what the machines of a kind add through Hooks (room made by a
+// standby pool, shared disks, work to stop when a machine's user is done
+// with it, extra sweeps). The machine of a CI job is internal/jobvm's; the
+// guest tools disk is internal/guesttools'.
 package lifecycle
 
 import (
