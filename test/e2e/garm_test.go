@@ -271,12 +271,7 @@ func garmCall(t *testing.T, bin, cfg, ctrl, pool, command, instance, stdin strin
 // line, in the domain XML, the provider's output or the state directory.
 func TestGarmProvider(t *testing.T) {
 	base := setup(t)
-	if _, ok := base.cfg.Images["cloud"]; !ok {
-		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
-			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
-		}
-		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
-	}
+	requireCloudImage(t, base)
 	ln := base.serviceListener(t)
 	// garm's endpoint, and one on a port of the network's address that
 	// the guard keeps closed (doctor must say so)
@@ -634,12 +629,7 @@ func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (str
 // started before the bootstrap's scrub).
 func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	base := setup(t)
-	if _, ok := base.cfg.Images["cloud"]; !ok {
-		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
-			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
-		}
-		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
-	}
+	requireCloudImage(t, base)
 	ln := base.serviceListener(t)
 	r := base.withConfig(t, func(s string) string {
 		return s + fmt.Sprintf("\n[garm]\nimages = [\"cloud\"]\nendpoints = [%q]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n", "http://"+ln.Addr().String())
@@ -712,12 +702,7 @@ func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 // host is full.
 func TestGarmCreateRetiresIdleStandby(t *testing.T) {
 	base := setup(t)
-	if _, ok := base.cfg.Images["cloud"]; !ok {
-		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
-			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
-		}
-		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
-	}
+	requireCloudImage(t, base)
 	ln := base.serviceListener(t)
 	endpoint := "http://" + ln.Addr().String()
 	r := base.withPool(t, 1).withConfig(t, func(s string) string {
@@ -758,4 +743,16 @@ func TestGarmCreateRetiresIdleStandby(t *testing.T) {
 	require.Equal(t, 0, code, out+errs)
 	// The room is the pool's again once the instance is gone.
 	r.waitIdle(t, 1, 3*time.Minute)
+}
+
+// requireCloudImage skips the test on a rig without the cloud-init image
+// garm's bootstrap needs, and fails it where LVE_E2E_IMAGES says there is one.
+func requireCloudImage(t *testing.T, r *rig) {
+	t.Helper()
+	if _, ok := r.cfg.Images["cloud"]; !ok {
+		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
+			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
+		}
+		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
+	}
 }
