@@ -66,8 +66,8 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	// Acquire first records the name the later stages find the machine
 	// by, whatever version runs them (an upgrade in the middle of the job).
 	a, err := j.vm.Acquire(ctx, jobvm.AcquireRequest{
-		Frontend: Frontend, JobID: strconv.FormatInt(j.job.ID, 10),
-		Image: img, Size: res, Lifetime: j.job.Timeout, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
+		Request: lifecycle.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
+		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
 		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
 			return checkGuestTools(ctx, g, say, j.jobs.Memory(), img, version.withTools(tools), tools, j.job.Steps)
 		},

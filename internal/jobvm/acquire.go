@@ -17,18 +17,17 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// JobRequest asks for the machine of one job (Acquire).
+// JobRequest asks for the machine of one job (Acquire, Claim): the one
+// machine's lifecycle.Request, whose Name is the name the job knows its
+// machine by (the machine name of a cold start, lifecycle.MachineName,
+// and its mapping key), Frontend and Job (the job's id) go into the
+// ownership record, Image is the job's and Lifetime how long the job may
+// run (its timeout); and what a job adds to it. Its sizes are Size's
+// (Request's VCPUs, MemoryMiB and DiskGiB are set from it), its check is
+// Check below (Request.Check is not used).
 type JobRequest struct {
-	// Job is the name the job knows its machine by: the machine name of a
-	// cold start (lifecycle.MachineName), and its mapping key.
-	Job string
-	// Frontend and JobID go into the ownership record.
-	Frontend string
-	JobID    string
-	Image    *config.Image
-	Size     config.Size
-	// Lifetime is how long the job may run (its timeout).
-	Lifetime time.Duration
+	lifecycle.Request
+	Size config.Size
 	// Check, if set, is the front end's look at the machine before the job
 	// gets it (are the tools its jobs need there?): over the provisioning's
 	// connection for a cold start, over one made on first use for a
@@ -97,7 +96,7 @@ type Acquired struct {
 // the connection holder. The job log says which path it took and why. On
 // failure or cancellation nothing of the job is left.
 func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
-	if name, err := h.RemoveEarlierClaim(ctx, req.Job); err != nil {
+	if name, err := h.RemoveEarlierClaim(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err)
 	} else if name != "" {
 		h.m.Sayf("Removed VM %s that an earlier attempt of this job claimed", name)
@@ -113,14 +112,12 @@ func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
 
 // acquireCold provisions the job's machine.
 func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, error) {
-	lreq := lifecycle.Request{
-		Name: req.Job, Image: req.Image, VCPUs: req.Size.VCPUs, MemoryMiB: req.Size.MemoryMiB,
-		DiskGiB: req.Size.DiskGiB, Frontend: req.Frontend, Job: req.JobID,
-		Lifetime: req.Lifetime, OnStep: req.Observe.Step,
-		// The job's holder gives the filter its address, while the job's
-		// first stages run (startHolder; without a holder, here).
-		DeferFilterPin: req.Holder,
-	}
+	lreq := req.Request
+	lreq.VCPUs, lreq.MemoryMiB, lreq.DiskGiB = req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB
+	lreq.OnStep, lreq.Check = req.Observe.Step, nil
+	// The job's holder gives the filter its address, while the job's first
+	// stages run (startHolder; without a holder, here).
+	lreq.DeferFilterPin = req.Holder
 	if req.Check != nil {
 		lreq.Check = func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
 			return req.Check(ctx, c, tools)
@@ -131,7 +128,7 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 		return nil, err
 	}
 	_ = ready.Client.Close()
-	err = h.m.Store.MapJob(req.Job, state.JobMachine{Machine: req.Job, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: req.Name, At: time.Now().UTC()})
 	if err == nil && ctx.Err() != nil {
 		// Stopped just after the machine became ready: a cancelled prepare
 		// leaves nothing behind, whenever the signal came.
@@ -140,13 +137,13 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 	if err != nil {
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Job)
+		_, terr := h.TeardownJob(tctx, req.Name)
 		return nil, errors.Join(err, terr)
 	}
-	if !h.startHolder(req, req.Job) && lreq.DeferFilterPin {
+	if !h.startHolder(req, req.Name) && lreq.DeferFilterPin {
 		h.pinNow(ctx, req, ready.Machine.Address)
 	}
-	return &Acquired{Name: req.Job, Ready: ready}, nil
+	return &Acquired{Name: req.Name, Ready: ready}, nil
 }
 
 // pinNow gives the job machine's network filter its address here (no
@@ -154,7 +151,7 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 // only a libvirtd restart would cut its VM off; the job log says so.
 func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 	t0 := time.Now()
-	if err := h.m.Machine(req.Job).PinAddress(ctx, addr); err != nil {
+	if err := h.m.Machine(req.Name).PinAddress(ctx, addr); err != nil {
 		if req.Log != nil {
 			req.Log.Warn("network filter not given the address", "err", err)
 		}
@@ -205,7 +202,7 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 	if err != nil || connErr != nil {
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Job)
+		_, terr := h.TeardownJob(tctx, req.Name)
 		switch {
 		case ctx.Err() != nil:
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
@@ -214,7 +211,7 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 			// needs: it is gone, and the job can still start cold.
 			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
 			req.Observe.pool("miss", MissError)
-			req.Observe.machine(req.Job, img.Name)
+			req.Observe.machine(req.Name, img.Name)
 			return nil, nil
 		}
 		return nil, errors.Join(err, terr)

@@ -199,7 +199,7 @@ func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error
 	if err := j.js.h.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
 	}
-	req.Job = j.name
+	req.Name = j.name
 	a, err := j.js.h.Acquire(ctx, req)
 	j.mu.Lock()
 	j.jm, j.jmErr, j.recRead = nil, nil, false // mapped anew

@@ -314,7 +314,7 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 		}
 		return nil, unfit, nil
 	}
-	if err := h.m.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
+	if err := h.m.Store.Claim(name, state.Claim{Job: req.Name, At: time.Now().UTC()}); err != nil {
 		if errors.Is(err, state.ErrClaimed) {
 			return nil, "claimed meanwhile", nil
 		}
@@ -322,11 +322,11 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 	}
 	// From here on the machine is this job's: it never goes back to the
 	// pool. What fails now removes it.
-	err = h.m.Store.MapJob(req.Job, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
 	if err == nil {
 		deadline := time.Now().Add(req.Lifetime + h.m.Cfg.Timeouts.JobSlack.D()).UTC()
 		err = h.m.Engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
-			o.Frontend, o.Job, o.Deadline = req.Frontend, req.JobID, deadline
+			o.Frontend, o.Job, o.Deadline = req.Frontend, req.Job, deadline
 		})
 	}
 	if err == nil {
@@ -335,7 +335,7 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 	if err != nil {
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.Machine(name).TeardownLocked(tctx), h.m.Store.UnmapJob(req.Job))
+		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.Machine(name).TeardownLocked(tctx), h.m.Store.UnmapJob(req.Name))
 		h.m.Store.RemoveLock(name)
 		return nil, "", err
 	}

@@ -132,7 +132,7 @@ func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffi
 }
 
 func claimRequest(m *Host, img *config.Image, job string) JobRequest {
-	return JobRequest{Job: job, Image: img, Size: m.Manager().Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
+	return JobRequest{Request: lifecycle.Request{Name: job, Image: img, Frontend: "gitlab", Job: "42", Lifetime: time.Hour}, Size: m.Manager().Cfg.ImageSize(img)}
 }
 
 // lockService plays the running pool service for the rest of the test:

@@ -677,8 +677,8 @@ func TestRunKeepsPoolAndStops(t *testing.T) {
 	require.ErrorIs(t, err, state.ErrBusy, "one service per installation")
 
 	// A job claims one; the service refills.
-	c, err := e.m.Claim(context.Background(), jobvm.JobRequest{Job: "lve-x-7", Image: e.img, Size: e.m.Manager().Cfg.ImageSize(e.img),
-		Frontend: "gitlab", JobID: "7", Lifetime: time.Hour})
+	c, err := e.m.Claim(context.Background(), jobvm.JobRequest{
+		Request: lifecycle.Request{Name: "lve-x-7", Image: e.img, Frontend: "gitlab", Job: "7", Lifetime: time.Hour}, Size: e.m.Manager().Cfg.ImageSize(e.img)})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return len(e.idle()) == 2 }, 20*time.Second, 20*time.Millisecond)
 	require.NotContains(t, e.idle(), c.Machine.Name)
