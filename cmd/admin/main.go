@@ -265,7 +265,7 @@ func app() *cli.App {
 						Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},
 						Action: func(c *cli.Context) error {
 							return withManager(c, true, func(cfg *config.Config, m *jobvm.Host) error {
-								inUse, err := m.BackingFiles(c.Context)
+								inUse, err := m.Manager().Volumes().BackingFiles(c.Context)
 								if err != nil {
 									return err
 								}
@@ -286,7 +286,7 @@ func app() *cli.App {
 					return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
 						var errs []error
 						for _, name := range c.Args().Slice() {
-							if err := m.Teardown(c.Context, name); err != nil {
+							if err := m.Manager().Machine(name).Teardown(c.Context); err != nil {
 								errs = append(errs, fmt.Errorf("%s: %w", name, err))
 								continue
 							}

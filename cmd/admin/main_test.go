@@ -31,7 +31,7 @@ base = "/img/tiny.qcow2"
 	require.NoError(t, err)
 	m, err := jobvm.Open(cfg, lifecycle.Options{})
 	require.NoError(t, err)
-	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, lifecycle.InstanceTag("x"), 7)
+	name := lifecycle.MachineName(cfg.NamePrefix, m.Manager().Controller, lifecycle.InstanceTag("x"), 7)
 	require.NoError(t, m.Close())
 
 	out := captureStdout(t, func() {

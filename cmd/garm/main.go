@@ -14,6 +14,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/garm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // lifecycle.Open's libvirt
@@ -54,11 +55,15 @@ func run(ctx context.Context, getenv func(string) string, stdin io.Reader, stdou
 	if err != nil {
 		return fail(err)
 	}
-	m, err := lifecycle.Open(cfg, lifecycle.Options{Connect: connect, Log: log})
+	// The engine with the hooks of job machines (jobvm.Open), as GitLab's
+	// stages open it: a create on a host full of idle standby machines
+	// retires one (lifecycle.Hooks.MakeRoom) instead of failing.
+	h, err := jobvm.Open(cfg, lifecycle.Options{Connect: connect, Log: log})
 	if err != nil {
 		return fail(err)
 	}
-	defer m.Close()
+	defer h.Close()
+	m := h.Manager()
 	p.M, p.Cfg, p.Log = m, cfg, log
 	if err := p.Run(ctx, stdin); err != nil {
 		log.Error("command failed", "command", env.Command, "instance", env.InstanceID, "err", err)

@@ -35,7 +35,7 @@ import (
 // List prints every machine of this installation with its job, age, state,
 // address and what a sweep would do with it.
 func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error {
-	items, err := m.Inventory(ctx, now)
+	items, err := m.Manager().Inventory(ctx, now)
 	if err != nil {
 		return err
 	}
@@ -64,7 +64,7 @@ func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error 
 			addr = "-"
 		}
 		reason := it.Reason
-		if o := garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D()); o != "" {
+		if o := garm.Orphan(m.Manager().Cfg.StateDir, it.Owner, now, m.Manager().Cfg.Garm.OrphanAfter.D()); o != "" {
 			reason += "; ORPHAN: " + o
 		}
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s (%s)\n", it.Name, job, pool, age, st, addr, it.Verdict, reason)
@@ -73,7 +73,7 @@ func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error 
 		return err
 	}
 	if len(items) == 0 {
-		fmt.Fprintf(w, "no machines of controller %s\n", m.Controller)
+		fmt.Fprintf(w, "no machines of controller %s\n", m.Manager().Controller)
 	}
 	return nil
 }
@@ -108,7 +108,7 @@ type ListItem struct {
 
 // ListJSON prints what List prints as one JSON array, for scripts.
 func ListJSON(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error {
-	items, err := m.Inventory(ctx, now)
+	items, err := m.Manager().Inventory(ctx, now)
 	if err != nil {
 		return err
 	}
@@ -124,7 +124,7 @@ func ListJSON(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) er
 			created, deadline := it.Owner.Created, it.Owner.Deadline
 			li.Created, li.Deadline = &created, &deadline
 			li.AgeSec = now.Sub(created).Seconds()
-			li.Orphan = garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D())
+			li.Orphan = garm.Orphan(m.Manager().Cfg.StateDir, it.Owner, now, m.Manager().Cfg.Garm.OrphanAfter.D())
 		}
 		if r := it.Standby; r != nil && r.Record != nil && r.Record.Standby != nil {
 			li.PoolImage = r.Record.Standby.Image
@@ -144,9 +144,9 @@ func ListJSON(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) er
 
 // GC sweeps (or with dryRun, shows what a sweep would remove).
 func GC(ctx context.Context, w io.Writer, m *jobvm.Host, dryRun bool) error {
-	rep, err := m.Sweep(ctx, time.Now(), dryRun)
+	rep, err := m.Manager().Sweep(ctx, time.Now(), dryRun)
 	if !dryRun {
-		m.RecordSweep(nil, lifecycle.SweepByGC, rep)
+		m.Manager().RecordSweep(nil, lifecycle.SweepByGC, rep)
 	}
 	if rep != nil {
 		for _, it := range rep.Items {
@@ -170,7 +170,7 @@ func GC(ctx context.Context, w io.Writer, m *jobvm.Host, dryRun bool) error {
 			}
 		}
 		if len(rep.Items) == 0 {
-			fmt.Fprintf(w, "nothing of controller %s found\n", m.Controller)
+			fmt.Fprintf(w, "nothing of controller %s found\n", m.Manager().Controller)
 		}
 	}
 	return err
@@ -187,10 +187,10 @@ func ExplainMachine(ctx context.Context, w io.Writer, m *jobvm.Host, name string
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
-	if p := lifecycle.MachinePrefix(m.Cfg.NamePrefix, m.Controller); !strings.HasPrefix(name, p) {
+	if p := lifecycle.MachinePrefix(m.Manager().Cfg.NamePrefix, m.Manager().Controller); !strings.HasPrefix(name, p) {
 		return fmt.Errorf("machine name %q refused: not a machine of this installation (its names start with %q)", name, p)
 	}
-	if why := m.Explain(ctx, name); why != "" {
+	if why := m.Manager().Machine(name).Explain(ctx); why != "" {
 		_, err := fmt.Fprintln(w, why)
 		return err
 	}
@@ -566,7 +566,7 @@ func agentCheck(cfg *config.Config) Check {
 func serviceCheck(cfg *config.Config) Check {
 	pooled := cfg.Pooled()
 	c := Check{Name: "service", Fix: "systemctl enable --now libvirt-executor.service (or run libvirt-executor serve); journalctl -u libvirt-executor shows why it stopped"}
-	m := &jobvm.Host{Manager: &lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}}}
+	m := jobvm.New(&lifecycle.Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}})
 	locked, age, looked := m.ServiceStatus()
 	if !locked {
 		if len(pooled) == 0 {

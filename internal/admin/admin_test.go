@@ -149,8 +149,8 @@ func TestListAndGC(t *testing.T) {
 	cfg.StoragePool = "jobs"
 	hv := vmtest.New()
 	m := open(t, cfg, hv)
-	p := "lve-" + m.Controller[:8] + "-"
-	x, err := vm.MarshalOwner(vm.Owner{Controller: m.Controller, Frontend: "gitlab", Job: "9", Created: time.Now().Add(-time.Hour), Deadline: time.Now().Add(-time.Minute)})
+	p := "lve-" + m.Manager().Controller[:8] + "-"
+	x, err := vm.MarshalOwner(vm.Owner{Controller: m.Manager().Controller, Frontend: "gitlab", Job: "9", Created: time.Now().Add(-time.Hour), Deadline: time.Now().Add(-time.Minute)})
 	require.NoError(t, err)
 	hv.Domains[p+"9"] = &vmtest.Domain{OwnerXML: x, Active: true}
 	hv.Volumes["jobs/"+p+"9.qcow2"] = nil
@@ -202,7 +202,7 @@ func TestListAndGC(t *testing.T) {
 	// The sweep left its record for the metrics: a gc removing one
 	// expired machine (the dry run left none).
 	var sweeps []obs.Event
-	_, err = m.Events().Fold(obs.Cursor{}, obs.Reader{Apply: func(e obs.Event) { sweeps = append(sweeps, e) }, Invalid: func() {}, Save: func(obs.Cursor) error { return nil }})
+	_, err = m.Manager().Events().Fold(obs.Cursor{}, obs.Reader{Apply: func(e obs.Event) { sweeps = append(sweeps, e) }, Invalid: func() {}, Save: func(obs.Cursor) error { return nil }})
 	require.NoError(t, err)
 	require.Len(t, sweeps, 1)
 	require.Equal(t, obs.KindSweep, sweeps[0].Kind)
@@ -284,14 +284,14 @@ func TestRmAndGCLeaveWhatIsNotOurs(t *testing.T) {
 	cfg.StoragePool = "jobs"
 	hv := vmtest.New()
 	m := open(t, cfg, hv)
-	p := "lve-" + m.Controller[:8] + "-"
+	p := "lve-" + m.Manager().Controller[:8] + "-"
 	hv.Volumes["jobs/debian-12.qcow2"] = nil // a base image kept in the pool
 	hv.Volumes["jobs/"+p+"3.qcow2"] = nil    // our naming, no domain, no state
 
-	err := m.Teardown(context.Background(), "debian-12")
+	err := m.Manager().Machine("debian-12").Teardown(context.Background())
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, `refusing to remove "debian-12": not a machine of this installation (names start with "`+p+`")`)
-	err = m.Teardown(context.Background(), p+"3")
+	err = m.Manager().Machine(p + "3").Teardown(context.Background())
 	require.ErrorIs(t, err, vm.ErrNotOurs)
 	require.ErrorContains(t, err, "no domain and no state record of ours: volumes "+p+"3.qcow2 left alone")
 	require.Contains(t, hv.Volumes, "jobs/debian-12.qcow2")
@@ -354,7 +354,7 @@ func TestExplainMachine(t *testing.T) {
 	hv := vmtest.New()
 	m := open(t, cfg, hv)
 	ctx := context.Background()
-	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, lifecycle.InstanceTag("x"), 7)
+	name := lifecycle.MachineName(cfg.NamePrefix, m.Manager().Controller, lifecycle.InstanceTag("x"), 7)
 
 	var out bytes.Buffer
 	require.NoError(t, ExplainMachine(ctx, &out, m, name))
@@ -371,7 +371,7 @@ func TestExplainMachine(t *testing.T) {
 	require.Contains(t, out.String(), "storage pool jobs is probably full")
 	require.Equal(t, 1, strings.Count(out.String(), "\n"), "one line")
 
-	for _, bad := range []string{"--config=/etc/passwd", "Lve-x", "lve-x; reboot", "lve-0000000-7", "other-" + m.Controller[:8] + "-x-7"} {
+	for _, bad := range []string{"--config=/etc/passwd", "Lve-x", "lve-x; reboot", "lve-0000000-7", "other-" + m.Manager().Controller[:8] + "-x-7"} {
 		out.Reset()
 		require.Error(t, ExplainMachine(ctx, &out, m, bad), bad)
 		require.Empty(t, out.String())
@@ -499,11 +499,11 @@ func TestListReportsGarmOrphans(t *testing.T) {
 	cfg := testConfig(t, "[garm]\norphan_after = \"30m\"\nmax_age = \"24h\"\n")
 	hv := vmtest.New()
 	m := open(t, cfg, hv)
-	p := "lve-" + m.Controller[:8] + "-garm-"
+	p := "lve-" + m.Manager().Controller[:8] + "-garm-"
 	const ctrl, live, gone = "11111111-2222-3333-4444-555555555555", "aaaaaaaa-0000-0000-0000-000000000001", "bbbbbbbb-0000-0000-0000-000000000002"
 	now := time.Now()
 	for name, pool := range map[string]string{"live": live, "gone": gone} {
-		x, err := vm.MarshalOwner(vm.Owner{Controller: m.Controller, Frontend: garm.Frontend, Job: "garm-" + name,
+		x, err := vm.MarshalOwner(vm.Owner{Controller: m.Manager().Controller, Frontend: garm.Frontend, Job: "garm-" + name,
 			Created: now.Add(-2 * time.Hour), Deadline: now.Add(22 * time.Hour),
 			Tags: []vm.Tag{{Key: garm.TagController, Value: ctrl}, {Key: garm.TagPool, Value: pool}}})
 		require.NoError(t, err)

@@ -35,7 +35,7 @@ func kvmProbeCheck(ctx context.Context, cfg *config.Config, hv vm.Hypervisor, of
 		ctrl = "doctor"
 	}
 	m := lifecycle.New(cfg, hv, ctrl, lifecycle.Options{})
-	rec, err := m.ProbeKVM(ctx, save)
+	rec, err := m.KVM().Probe(ctx, save)
 	c := Check{Name: "domain type"}
 	switch {
 	case err != nil:

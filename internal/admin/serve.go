@@ -38,7 +38,7 @@ func Serve(ctx context.Context, cfg *config.Config, log *slog.Logger, connect li
 	var m *jobvm.Host
 	m, err := jobvm.Open(cfg, lifecycle.Options{
 		Connect: connect, Log: log,
-		OnReconnect: func(error) { m.Record(log, obs.Event{Kind: obs.KindReconnect}) },
+		OnReconnect: func(error) { m.Manager().Record(log, obs.Event{Kind: obs.KindReconnect}) },
 	})
 	if err != nil {
 		return err
@@ -101,19 +101,19 @@ const liveEvery = 2 * time.Second
 // Its looks hold svc's configuration (pool.Service.Hold) against a reload.
 func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.Collector {
 	c := &metrics.Collector{
-		Folder: &metrics.Folder{Spool: m.Events(), Images: m.Cfg.ImageNames(), Log: log},
+		Folder: &metrics.Folder{Spool: m.Manager().Events(), Images: m.Manager().Cfg.ImageNames(), Log: log},
 		Live: metrics.Live{
 			VMs: func(ctx context.Context) (map[[2]string]int, error) {
 				defer svc.Hold()()
-				return m.CountMachines(ctx, jobvm.OwnerKind)
+				return m.Manager().CountMachines(ctx, jobvm.OwnerKind)
 			},
 			Orphans: func(ctx context.Context) (int, error) {
 				defer svc.Hold()()
 				now := time.Now()
-				items, err := m.Inventory(ctx, now)
+				items, err := m.Manager().Inventory(ctx, now)
 				n := 0
 				for _, it := range items {
-					if garm.Orphan(m.Cfg.StateDir, it.Owner, now, m.Cfg.Garm.OrphanAfter.D()) != "" {
+					if garm.Orphan(m.Manager().Cfg.StateDir, it.Owner, now, m.Manager().Cfg.Garm.OrphanAfter.D()) != "" {
 						n++
 					}
 				}
@@ -122,19 +122,19 @@ func NewCollector(m *jobvm.Host, svc *pool.Service, log *slog.Logger) *metrics.C
 			Pools: svc.Gauges,
 			Capacity: func() (int, int, int, int, error) {
 				defer svc.Hold()()
-				vms, mem, err := m.CapacityUsed()
-				return vms, mem, m.Cfg.Capacity.MaxVMs, m.Cfg.Capacity.MemoryBudgetMiB, err
+				vms, mem, err := m.Manager().Capacity().Used()
+				return vms, mem, m.Manager().Cfg.Capacity.MaxVMs, m.Manager().Cfg.Capacity.MemoryBudgetMiB, err
 			},
 		},
 	}
-	for _, img := range m.Cfg.Images {
+	for _, img := range m.Manager().Cfg.Images {
 		if img != nil && img.Source != "" {
 			c.Live.Images = svc.ImageGauges
 			break
 		}
 	}
-	if m.Cfg.Cache.Dir != "" {
-		c.Live.Cache = cacheGauge(hostcache.ForConfig(m.Cfg.Cache), cacheGaugeEvery, time.Now)
+	if m.Manager().Cfg.Cache.Dir != "" {
+		c.Live.Cache = cacheGauge(hostcache.ForConfig(m.Manager().Cfg.Cache), cacheGaugeEvery, time.Now)
 	}
 	return c
 }

@@ -24,17 +24,18 @@
 //   - when the agent's channel ends (the job's connection is gone), the
 //     running stage is stopped as by a cancel and the agent exits.
 //
-// The wire format, both ways, is a sequence of frames: one type byte, a
-// 4-byte big-endian length and the payload. The host bounds everything
+// The wire format, both ways, is a sequence of frames (internal/frame,
+// shared with the connection holder's socket): one type byte, a 4-byte
+// big-endian length and the payload. The host bounds everything
 // the guest sends (frame sizes, JSON sizes): a guest can be hostile.
 package agent
 
 import (
-	"encoding/binary"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/frame"
 )
 
 // Protocol is the version of the frames below; the agent says it first.
@@ -129,49 +130,26 @@ type Exit struct {
 // ErrProtocol is a frame the reader does not accept.
 var ErrProtocol = errors.New("agent protocol error")
 
-// writeFrame writes one frame.
-func writeFrame(w io.Writer, typ byte, payload []byte) error {
-	var hdr [5]byte
-	hdr[0] = typ
-	binary.BigEndian.PutUint32(hdr[1:], uint32(len(payload))) //nolint:gosec // G115: frames are bounded far below 4 GiB
-	if _, err := w.Write(append(hdr[:], payload...)); err != nil {
-		return err
-	}
-	return nil
-}
+// writeFrame writes one frame (frame.Write).
+func writeFrame(w io.Writer, typ byte, payload []byte) error { return frame.Write(w, typ, payload) }
 
-// writeJSON writes one frame of v as JSON.
-func writeJSON(w io.Writer, typ byte, v any) error {
-	b, err := json.Marshal(v)
-	if err != nil {
-		return err
-	}
-	return writeFrame(w, typ, b)
-}
+// writeJSON writes one frame of v as JSON (frame.WriteJSON).
+func writeJSON(w io.Writer, typ byte, v any) error { return frame.WriteJSON(w, typ, v) }
 
 // readFrame reads one frame whose payload is at most limit(typ) bytes (an
-// unknown type has limit -1 and is refused).
+// unknown type has limit -1 and is refused): frame.Read, whose refusals
+// are ErrProtocol here.
 func readFrame(r io.Reader, limit func(byte) int) (byte, []byte, error) {
-	var hdr [5]byte
-	if _, err := io.ReadFull(r, hdr[:]); err != nil {
-		return 0, nil, err
+	typ, b, err := frame.Read(r, limit)
+	var unknown *frame.UnknownType
+	var big *frame.TooLarge
+	switch {
+	case errors.As(err, &unknown):
+		return 0, nil, fmt.Errorf("%w: unknown frame type %q", ErrProtocol, unknown.Type)
+	case errors.As(err, &big):
+		return 0, nil, fmt.Errorf("%w: frame %q of %d bytes (at most %d)", ErrProtocol, big.Type, big.Size, big.Max)
 	}
-	n := binary.BigEndian.Uint32(hdr[1:])
-	max := limit(hdr[0])
-	if max < 0 {
-		return 0, nil, fmt.Errorf("%w: unknown frame type %q", ErrProtocol, hdr[0])
-	}
-	if uint64(n) > uint64(max) {
-		return 0, nil, fmt.Errorf("%w: frame %q of %d bytes (at most %d)", ErrProtocol, hdr[0], n, max)
-	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
-		if errors.Is(err, io.EOF) {
-			err = io.ErrUnexpectedEOF
-		}
-		return 0, nil, err
-	}
-	return hdr[0], b, nil
+	return typ, b, err
 }
 
 // hostLimit bounds the frames the host reads from the agent.

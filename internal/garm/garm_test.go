@@ -235,7 +235,7 @@ func TestCreateDuplicate(t *testing.T) {
 	require.Equal(t, ExitDuplicate, code, out)
 	// The check is the engine's, under the machine's lock (two creates
 	// racing): a duplicate, and the live instance is not replaced.
-	_, err := r.m.Launch(context.Background(), lifecycle.LaunchRequest{Name: in.ProviderID})
+	_, err := r.m.Launch(context.Background(), lifecycle.Request{Name: in.ProviderID})
 	require.ErrorIs(t, err, lifecycle.ErrExists)
 	require.Same(t, d, r.hv.Domains[in.ProviderID])
 }
@@ -456,6 +456,36 @@ func TestCapacityCountsGarmInstances(t *testing.T) {
 	create(r, ctrlA, poolA, "garm-Cap3")
 }
 
+// A create on a full host asks the engine's MakeRoom hook (jobvm's: idle
+// standby machines go first) before it fails, as a GitLab job's prepare
+// does; what the hook frees is used.
+func TestCreateAsksForRoom(t *testing.T) {
+	r := newRig(t)
+	r.cfg.Capacity.MaxVMs = 1
+	a := create(r, ctrlA, poolA, "garm-Room1")
+	var asked []lifecycle.Shortfall
+	free := false
+	r.m.SetHooks(lifecycle.Hooks{MakeRoom: func(ctx context.Context, m *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
+		asked = append(asked, short)
+		if !free {
+			return ""
+		}
+		free = false
+		require.NoError(t, m.Machine(a.ProviderID).Teardown(ctx))
+		return a.ProviderID
+	}})
+	out, code := r.call(map[string]string{"GARM_COMMAND": CmdCreate, "GARM_CONTROLLER_ID": ctrlA, "GARM_POOL_ID": poolA}, bootstrap("garm-Room2", nil))
+	require.Equal(t, ExitError, code, out)
+	require.Contains(t, out, "max_vms")
+	require.Equal(t, []lifecycle.Shortfall{{VMs: 1}}, asked, "the hook was asked for one VM")
+
+	free = true
+	in := create(r, ctrlA, poolA, "garm-Room2")
+	require.Len(t, asked, 2)
+	require.Contains(t, r.hv.Domains, in.ProviderID)
+	require.NotContains(t, r.hv.Domains, a.ProviderID, "the room the hook freed was used")
+}
+
 // TestSeedDroppedWhenBootstrapDone: the seed (garm's token) stays while
 // the guest's bootstrap runs; once its console says it is done (or the
 // instance is older than garm.seed_keep), the next Get or List wipes the
@@ -475,7 +505,7 @@ func TestRemoteHostSeedAndConsole(t *testing.T) {
 	t.Cleanup(func() { _ = m.Close() })
 	r := &rig{t: t, cfg: cfg, hv: hv, m: m}
 	name := create(r, ctrlA, poolA, "garm-Remote1").ProviderID
-	require.Empty(t, m.ConsoleLog(name))
+	require.Empty(t, m.Machine(name).ConsoleLog())
 	require.NotContains(t, hv.Domains[name].XML, "<log ")
 	console := filepath.Join(m.Store.MachineDir(name), "console.log")
 	_, err = os.Stat(console)
@@ -579,11 +609,11 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 
 	// started again (a new boot learns its address again): pinned again
-	require.NoError(t, r.m.StopMachine(context.Background(), name))
-	require.NoError(t, r.m.StartMachine(context.Background(), name))
-	require.False(t, r.m.Pinned(name))
+	require.NoError(t, r.m.Machine(name).Stop(context.Background()))
+	require.NoError(t, r.m.Machine(name).Start(context.Background()))
+	require.False(t, r.m.Machine(name).Pinned())
 	list()
-	require.True(t, r.m.Pinned(name))
+	require.True(t, r.m.Machine(name).Pinned())
 
 	// the backstop: an instance older than garm.seed_keep loses its seed
 	// without any marker, even when its filter cannot be pinned (the pin is
@@ -597,7 +627,7 @@ func TestSeedDroppedWhenBootstrapDone(t *testing.T) {
 	r.hv.Unlock()
 	r.cfg.Garm.SeedKeep = config.Duration(time.Nanosecond)
 	list()
-	require.False(t, r.m.Pinned(old.ProviderID))
+	require.False(t, r.m.Machine(old.ProviderID).Pinned())
 	r.hv.Lock()
 	delete(r.hv.FailOn, "PinFilterAddress")
 	require.NotContains(t, r.hv.Volumes, "default-pool/"+vm.SeedVolume(old.ProviderID))

@@ -17,6 +17,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -92,7 +94,7 @@ func classify(err error, cancelled bool) (result, reason string) {
 	if err != nil || cancelled {
 		result = obs.ResultSystem
 	}
-	return result, jobvm.FailureReason(err, cancelled)
+	return result, failure.Classify(err, cancelled)
 }
 
 // teardown removes an instance's machine on a deadline of its own
@@ -102,10 +104,10 @@ func classify(err error, cancelled bool) (result, reason string) {
 func (p *Provider) teardown(ctx context.Context, o lifecycle.Owned) error {
 	return p.observe(ctx, OpDelete, o.Name, func(r *obs.Report) error {
 		r.Machine(o.Name, o.Owner.Tag(TagImage))
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, p.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		t0 := time.Now()
-		err := p.M.Teardown(tctx, o.Name)
+		err := p.M.Machine(o.Name).Teardown(tctx)
 		r.Step("teardown", time.Since(t0), err)
 		return err
 	})
@@ -219,12 +221,12 @@ func (p *Provider) Run(ctx context.Context, stdin io.Reader) error {
 			if o.State.Running {
 				return nil
 			}
-			return p.M.StartMachine(ctx, o.Name)
+			return p.M.Machine(o.Name).Start(ctx)
 		}
 		if !o.State.Running {
 			return nil
 		}
-		return p.M.StopMachine(ctx, o.Name)
+		return p.M.Machine(o.Name).Stop(ctx)
 	}
 	return fmt.Errorf("command %q not implemented", p.Env.Command)
 }
@@ -367,9 +369,9 @@ func (p *Provider) create(ctx context.Context, bs *Bootstrap, rep *obs.Report) (
 	if len(bs.CACertBundle) > 0 {
 		ci.Files = append(ci.Files, guestinit.File{Path: caPath, Content: bs.CACertBundle, Permissions: "0644"})
 	}
-	req := lifecycle.LaunchRequest{
+	req := lifecycle.Request{
 		Name: name, Image: r.Image, VCPUs: r.Size.VCPUs, MemoryMiB: r.Size.MemoryMiB, DiskGiB: r.Size.DiskGiB,
-		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true,
+		Frontend: Frontend, Job: bs.Name, Lifetime: p.Cfg.Garm.MaxAge.D(), NoWait: true, MakeRoom: true, ReachServicePorts: true,
 		Tags: []vm.Tag{{Key: TagController, Value: p.Env.ControllerID}, {Key: TagPool, Value: p.Env.PoolID}, {Key: TagName, Value: bs.Name},
 			{Key: TagImage, Value: r.Image.Name}},
 		OnStep:       rep.Step,

@@ -64,11 +64,11 @@ func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 		old := !o.Owner.Created.IsZero() && now.Sub(o.Owner.Created) >= p.Cfg.Garm.SeedKeep.D()
 		// A machine on another host has no console log here: its seed
 		// goes at seed_keep (docs/garm.md, "Across hosts").
-		if log := p.M.ConsoleLog(o.Name); !old && (log == "" || !bootstrapDone(log)) {
+		if log := p.M.Machine(o.Name).ConsoleLog(); !old && (log == "" || !bootstrapDone(log)) {
 			continue
 		}
 		dctx, cancel := context.WithTimeout(ctx, seedDropTimeout)
-		err := p.M.DropSeed(dctx, o.Name)
+		err := p.M.Machine(o.Name).DropSeed(dctx)
 		cancel()
 		if err != nil && !errors.Is(err, state.ErrBusy) && !errors.Is(err, vm.ErrNotFound) {
 			log := p.Log
@@ -89,11 +89,11 @@ func (p *Provider) dropSeeds(ctx context.Context, all []lifecycle.Owned) {
 // tries again.
 func (p *Provider) pinAddresses(ctx context.Context, all []lifecycle.Owned) {
 	for _, o := range all {
-		if !o.State.Running || o.Address == "" || p.M.Pinned(o.Name) {
+		if !o.State.Running || o.Address == "" || p.M.Machine(o.Name).Pinned() {
 			continue
 		}
 		pctx, cancel := context.WithTimeout(ctx, seedDropTimeout)
-		err := p.M.PinAddress(pctx, o.Name, o.Address)
+		err := p.M.Machine(o.Name).PinAddress(pctx, o.Address)
 		cancel()
 		if err != nil && !errors.Is(err, vm.ErrNotFound) {
 			log := p.Log

@@ -13,6 +13,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachelayout"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -307,7 +308,7 @@ func runCache(ctx context.Context, e Env, j *job, name string, img *config.Image
 	client := early.connection()
 	var err error
 	if client == nil {
-		_, client, err = j.m.Connect(ctx, name)
+		_, client, err = j.vm.Session().Take(ctx)
 	}
 	if err != nil {
 		e.say("Host cache: no connection to the VM for the cache: %v", err)
@@ -438,10 +439,10 @@ func startScratch(ctx context.Context, e Env, j *job, name string, img *config.I
 	es.connected, es.stopConnect = make(chan struct{}), stop
 	go func() {
 		defer close(es.connected)
-		if j.m == nil { // the caller dials itself when there is none
+		if j.vm == nil { // the caller dials itself when there is none
 			return
 		}
-		if _, es.client, _ = j.m.Connect(cctx, name); es.client == nil {
+		if _, es.client, _ = j.vm.Session().Take(cctx); es.client == nil {
 			return
 		}
 		select {
@@ -725,7 +726,7 @@ func smallSave(ctx context.Context, j *job, client *sshexec.Client) bool {
 // dropDisks deletes the volumes of the machine's hot-plugged disks, on a
 // deadline of its own.
 func dropDisks(ctx context.Context, j *job, disk CacheDisk, name string) {
-	dctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), dropWait)
+	dctx, cancel := detachctx.WithTimeout(ctx, dropWait)
 	defer cancel()
 	if err := disk.Drop(dctx, name); err != nil {
 		j.log.Warn("a host cache disk's volume was not deleted; the VM's teardown deletes it", "vm", name, "err", err)
@@ -852,7 +853,7 @@ func restoreBySSH(ctx context.Context, store *hostcache.Store, project string, w
 }
 
 // CacheDisk moves a project's host cache to and from a job's machine on
-// hot-plugged disks (jobvm.Host.AttachCache, AttachScratch, KeepCache,
+// hot-plugged disks (jobvm.Jobs.AttachCache, AttachScratch, KeepCache,
 // DropDisks).
 type CacheDisk interface {
 	// Attach attaches the cache of project (the files in want; none:
@@ -876,12 +877,12 @@ func (e Env) cacheDisk(j *job) CacheDisk {
 	if e.CacheDisk != nil {
 		return e.CacheDisk
 	}
-	return localCacheDisk{h: j.m, store: hostcache.ForConfig(j.cfg.Cache)}
+	return localCacheDisk{h: j.jobs, store: hostcache.ForConfig(j.cfg.Cache)}
 }
 
 // localCacheDisk is CacheDisk in the stage's own process.
 type localCacheDisk struct {
-	h     *jobvm.Host
+	h     *jobvm.Jobs
 	store *hostcache.Store
 }
 

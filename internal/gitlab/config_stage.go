@@ -31,7 +31,7 @@ func Config(ctx context.Context, e Env, cfg *config.Config) error {
 	if err != nil {
 		return err
 	}
-	defer j.m.Close()
+	defer j.jobs.Close()
 	out := ConfigOutput{
 		BuildsDir: img.BuildsDir, CacheDir: img.CacheDir, Hostname: j.name,
 		Driver: ConfigDriver{Name: DriverName, Version: buildinfo.Version}, Shell: "bash",

@@ -11,7 +11,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // DriverName is reported to the runner.
@@ -33,7 +32,7 @@ type Env struct {
 	// Explain, if set, says in one sentence what became of the named
 	// machine whose guest stopped answering, or "" (the run stage, built
 	// without libvirt, asks the admin tool: stagecli.Exe.ExplainViaAdminTool).
-	// nil means the stage's lifecycle.Manager.Explain.
+	// nil means the stage's own answer (jobvm.Job.Explain).
 	Explain func(ctx context.Context, name string) string
 	// CacheDisk, if set, hands the host cache to a machine on a restore
 	// disk (the run stage, built without libvirt, asks the admin tool:
@@ -57,18 +56,16 @@ type Env struct {
 // say writes a progress line to the job log.
 func (e Env) say(format string, args ...any) { fmt.Fprintf(e.Stdout, format+"\n", args...) }
 
-// job is the shared start of every stage: configuration, identity, name,
-// and the lifecycle manager (which connects to libvirt only when asked to).
-// The stage closes m when done.
+// job is the shared start of every stage: configuration, identity, and
+// the job's handle (jobvm.Job; its machine's libvirt connection is made
+// only when asked for). The stage closes jobs when done.
 type job struct {
 	cfg  *config.Config
 	job  *Job
-	m    *jobvm.Host
+	jobs *jobvm.Jobs
+	vm   *jobvm.Job
 	name string
-	// key is the job's frozen key (lifecycle.JobKey) under which prepare
-	// records name for the later stages of any version.
-	key string
-	log *slog.Logger
+	log  *slog.Logger
 }
 
 func (e Env) load(cfg *config.Config) (*job, error) {
@@ -82,36 +79,23 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 		return nil, fmt.Errorf("libvirt_uri %q is another host's libvirt: GitLab's stages run on the host of their VMs; "+
 			"register a runner on that host with libvirt_uri = \"qemu:///system\" (docs/fleet.md); another host's libvirt is for garm's provider entries (docs/garm.md)", cfg.LibvirtURI)
 	}
-	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
+	jobs, err := jobvm.OpenJobs(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
 	if err != nil {
 		return nil, err
 	}
-	name := lifecycle.MachineName(cfg.NamePrefix, m.Controller, j.Instance, j.ID)
-	key := lifecycle.JobKey(Frontend, j.Instance, j.ID)
+	jobs.Explain = e.Explain
 	// A job prepared by another version keeps the name that version gave
-	// it (an upgrade between its stages).
-	rec, err := m.Store.JobNameOf(key)
-	if state.IsBadRecord(err) {
-		// Cut short by a host crash: the name this version gives.
-		e.Log.Warn("the job's name record does not decode; using the name this version gives the job", "err", err)
-		rec, err = nil, nil
-	}
+	// it (an upgrade between its stages): the handle resolves it.
+	h, err := jobs.Job(jobvm.JobRef{Frontend: Frontend, Instance: j.Instance, ID: j.ID}, e.Log)
 	if err != nil {
-		// Not readable (permissions, I/O): guessing a name could leave
-		// the job's machine behind.
-		_ = m.Close()
-		return nil, fmt.Errorf("job name record: %w", err)
+		_ = jobs.Close()
+		return nil, err
 	}
-	if rec != nil && rec.Job != name {
-		if err := m.CheckOurName(rec.Job); err != nil {
-			_ = m.Close()
-			return nil, fmt.Errorf("job name record %s: %w", key, err)
-		}
-		e.Log.Info("job prepared by another version: using the name it gave the job", "name", rec.Job, "version", rec.Version, "name_now", name)
-		name = rec.Job
-	}
+	name := h.Name()
 	e.Report.Identify(strconv.FormatInt(j.ID, 10), j.Server, name)
-	return &job{cfg: cfg, job: j, m: m, name: name, key: key, log: e.Log.With("job", j.ID, "domain", name)}, nil
+	log := e.Log.With("job", j.ID, "domain", name)
+	h.SetLog(log)
+	return &job{cfg: cfg, job: j, jobs: jobs, vm: h, name: name, log: log}, nil
 }
 
 // plan is what the job gets: its identity, image and resources. Config and
@@ -124,13 +108,13 @@ func (e Env) plan(cfg *config.Config) (*job, *config.Image, Resources, error) {
 	}
 	img, err := ChooseImage(cfg, j.job.Image)
 	if err != nil {
-		_ = j.m.Close()
+		_ = j.jobs.Close()
 		return nil, nil, Resources{}, err
 	}
 	e.Report.Machine(j.name, img.Name)
 	res, err := ChooseResources(cfg, img, e.Getenv)
 	if err != nil {
-		_ = j.m.Close()
+		_ = j.jobs.Close()
 		return nil, nil, Resources{}, err
 	}
 	return j, img, res, nil

@@ -18,6 +18,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -245,7 +246,7 @@ func TestKeepOnFailure(t *testing.T) {
 		Connect: fake(hv)}
 	j, err := e.load(cfg)
 	require.NoError(t, err)
-	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000", Deadline: time.Now().Add(time.Minute)})
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.jobs.Controller(), Job: "1000", Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
 
@@ -255,7 +256,7 @@ func TestKeepOnFailure(t *testing.T) {
 
 	// Allowed: kept, deadline moved to now + keep_max_age.
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, Active: true}
-	_, err = j.m.Store.Create(j.name)
+	_, err = state.Store{Dir: j.cfg.StateDir}.Create(j.name)
 	require.NoError(t, err)
 	cfg.Debug.AllowKeepOnFailure = true
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
@@ -288,14 +289,14 @@ func TestKeepOnFailureCapped(t *testing.T) {
 	project := keepProject(j.job)
 	now := time.Now()
 	machine := func(id int64, keptBy string, at time.Time) string {
-		name := lifecycle.MachineName(cfg.NamePrefix, j.m.Controller, j.job.Instance, id)
-		x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: strconv.FormatInt(id, 10), Deadline: now.Add(time.Hour)})
+		name := lifecycle.MachineName(cfg.NamePrefix, j.jobs.Controller(), j.job.Instance, id)
+		x, err := vm.MarshalOwner(vm.Owner{Controller: j.jobs.Controller(), Job: strconv.FormatInt(id, 10), Deadline: now.Add(time.Hour)})
 		require.NoError(t, err)
 		hv.Domains[name] = &vmtest.Domain{OwnerXML: x, Active: true}
-		_, err = j.m.Store.Create(name)
+		_, err = state.Store{Dir: j.cfg.StateDir}.Create(name)
 		require.NoError(t, err)
 		if keptBy != "" {
-			require.NoError(t, j.m.Store.MarkKept(name, state.Kept{Project: keptBy, At: at, Until: at.Add(2 * time.Hour)}))
+			require.NoError(t, state.Store{Dir: j.cfg.StateDir}.MarkKept(name, state.Kept{Project: keptBy, At: at, Until: at.Add(2 * time.Hour)}))
 		}
 		return name
 	}
@@ -307,12 +308,15 @@ func TestKeepOnFailureCapped(t *testing.T) {
 	require.Contains(t, hv.Domains, j.name)
 	require.NotContains(t, hv.Domains, older, "the project's oldest kept VM gave way")
 	require.Contains(t, logs.String(), "removed a kept VM")
-	kept, err := j.m.Store.KeptMachines()
+	kept, err := state.Store{Dir: j.cfg.StateDir}.KeptMachines()
 	require.NoError(t, err)
 	require.Len(t, kept, 1)
 	require.Equal(t, j.name, kept[0].Name)
 	require.Equal(t, project, kept[0].Project)
-	require.NoError(t, j.m.Teardown(context.Background(), j.name))
+	h, err := jobvm.Open(cfg, lifecycle.Options{Connect: fake(hv)})
+	require.NoError(t, err)
+	require.NoError(t, h.Manager().Machine(j.name).Teardown(context.Background()))
+	require.NoError(t, h.Close())
 
 	// The host keeps two (keep_max) of other projects: not kept, theirs untouched.
 	a := machine(901, "https://gitlab.example#7", now.Add(-time.Hour))
@@ -329,7 +333,7 @@ func TestKeepOnFailureCapped(t *testing.T) {
 	require.Contains(t, logs.String(), "not keeping the failed job's VM")
 
 	// One of them past its deadline counts for nothing (the sweep's).
-	require.NoError(t, j.m.Store.MarkKept(a, state.Kept{Project: "https://gitlab.example#7", At: now.Add(-3 * time.Hour), Until: now.Add(-time.Hour)}))
+	require.NoError(t, state.Store{Dir: j.cfg.StateDir}.MarkKept(a, state.Kept{Project: "https://gitlab.example#7", At: now.Add(-3 * time.Hour), Until: now.Add(-time.Hour)}))
 	machine(1000, "", time.Time{})
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
 	require.Contains(t, hv.Domains, j.name)
@@ -387,7 +391,7 @@ func TestRunExplainsAMachineThatIsGone(t *testing.T) {
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 	require.ErrorContains(t, err, "VM "+j.name+" no longer exists")
 
-	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000"})
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.jobs.Controller(), Job: "1000"})
 	require.NoError(t, err)
 	hv.Domains[j.name] = &vmtest.Domain{OwnerXML: x, State: &vm.DomainState{Code: vm.StateShutOff, Summary: "shut off (destroyed)"}}
 	err = Run(context.Background(), e, cfg, script, "build_script")

@@ -98,17 +98,17 @@ func recordUnreachableMachine(t *testing.T, e Env, cfg *config.Config) {
 	t.Helper()
 	j, err := e.load(cfg)
 	require.NoError(t, err)
-	defer j.m.Close()
+	defer j.jobs.Close()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	port := ln.Addr().(*net.TCPAddr).Port
 	require.NoError(t, ln.Close())
 	keys, err := guestinit.NewKeys("test")
 	require.NoError(t, err)
-	_, err = j.m.Store.Create(j.name)
+	_, err = state.Store{Dir: j.cfg.StateDir}.Create(j.name)
 	require.NoError(t, err)
-	require.NoError(t, j.m.Store.SaveKey(j.name, keys.ClientPEM))
-	require.NoError(t, j.m.Store.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
+	require.NoError(t, state.Store{Dir: j.cfg.StateDir}.SaveKey(j.name, keys.ClientPEM))
+	require.NoError(t, state.Store{Dir: j.cfg.StateDir}.Save(state.Machine{Name: j.name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", HostKey: keys.HostPublicLine()}))
 }
 
 // ourGoroutines returns the stacks of the goroutines that run this module's

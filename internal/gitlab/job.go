@@ -1,10 +1,13 @@
 // Package gitlab is the GitLab Runner Custom executor front end: it knows
 // the runner's protocol only. It reads the job's identity and requests
 // (JOB_RESPONSE_FILE, CUSTOM_ENV_*), and implements the four stages, one
-// file each: config (the runner's JSON), prepare (one jobvm.Host.Acquire
+// file each: config (the runner's JSON), prepare (one jobvm.Job.Acquire
 // call, with the guest tool check), run (each stage script through the
-// job's connection holder, else directly) and cleanup (one
-// jobvm.Host.Release call, or Keep for debugging).
+// job's jobvm.Session: its connection holder, else a direct connection;
+// the host cache's transport, cache.go, for now too) and cleanup (one
+// jobvm.Job.Release call, or Job.Keep for debugging). The job's machine is
+// reached only through its jobvm.Job handle: gitlab writes no record of
+// its own about it and opens no connection itself.
 package gitlab
 
 import (

@@ -67,7 +67,7 @@ func planKeep(kept []state.Kept, self, project string, now time.Time, d config.D
 // reports true when the VM will not be kept (nothing more to say about
 // reaching it), and says which of the project's kept VMs goes for it.
 func sayKeepPlan(e Env, j *job, cfg *config.Config, name string) bool {
-	kept, err := j.m.Store.KeptMachines()
+	kept, err := j.vm.KeptVMs()
 	if err != nil {
 		return false
 	}

@@ -16,6 +16,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stepsvc"
@@ -109,7 +110,7 @@ const customEnvPrefix = "CUSTOM_ENV_"
 
 // runNative runs the job's steps through the step-runner service in the
 // guest (docs/steps.md, "Native mode").
-func runNative(ctx context.Context, e Env, j *job, name string, span *time.Duration) error {
+func runNative(ctx context.Context, e Env, j *job, sess *jobvm.Session, span *time.Duration) error {
 	req, skipped, err := stepsRequest(e, stepsvc.DefaultDir)
 	if exitcodes.Classify(err) == exitcodes.BuildClass {
 		// The job's own run: is wrong: a script failure, as the shim's
@@ -131,8 +132,7 @@ func runNative(ctx context.Context, e Env, j *job, name string, span *time.Durat
 		}
 		fmt.Fprintf(e.Stderr, "libvirt-executor: variables not handed to the steps (a name must be letters, digits and '_'): %s%s\n", strings.Join(names, ", "), more)
 	}
-	g := &stepsGuest{e: e, j: j, name: name}
-	defer g.close()
+	g := &stepsGuest{e: e, j: j, sess: sess}
 	e.say("Running the steps natively: step-runner serve in the VM, reached over the job's SSH connection (gitlab.steps = \"native\")")
 	t0 := time.Now()
 	r := &stepsvc.Runner{
@@ -152,25 +152,24 @@ func runNative(ctx context.Context, e Env, j *job, name string, span *time.Durat
 	return err
 }
 
-// stepsGuest runs the service's commands in the guest: through the job's
-// connection holder when there is one, else over a connection of its own
-// (made again when it was lost).
+// stepsGuest runs the service's commands in the guest through the job's
+// session: through the job's connection holder when there is one, else
+// over the session's direct connection (made again when it was lost).
 type stepsGuest struct {
 	e    Env
 	j    *job
-	name string
+	sess *jobvm.Session
 
 	mu       sync.Mutex
-	direct   *sshexec.Client
 	noHolder bool
 }
 
 func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {
 	g.mu.Lock()
-	useHolder := !g.noHolder && g.j.cfg.SSH.HolderEnabled()
+	useHolder := !g.noHolder && g.sess.Holder()
 	g.mu.Unlock()
 	if useHolder {
-		err := holder.RunStream(ctx, g.j.m.HolderSocket(g.name), cmd, stdin, stdout)
+		err := g.sess.HeldStream(ctx, cmd, stdin, stdout)
 		if !errors.Is(err, holder.ErrUnavailable) {
 			return err
 		}
@@ -188,40 +187,20 @@ func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, st
 	}
 	err = c.Stream(ctx, cmd, stdin, stdout)
 	if errors.Is(err, sshexec.ErrConnectionLost) {
-		g.mu.Lock()
-		if g.direct == c {
-			_ = c.Close()
-			g.direct = nil
-		}
-		g.mu.Unlock()
+		g.sess.Forget(c)
 	}
 	return err
 }
 
-// client is the direct connection, made (again) if needed. A failed dial
-// is a lost connection: the runner tries again for a while.
+// client is the session's direct connection, made (again) if needed. A
+// failed dial is a lost connection: the runner tries again for a while.
 func (g *stepsGuest) client(ctx context.Context) (*sshexec.Client, error) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.direct != nil {
-		return g.direct, nil
-	}
-	_, c, err := g.j.m.Connect(ctx, g.name)
+	_, c, err := g.sess.Client(ctx)
 	if errors.Is(err, state.ErrNoMachine) {
 		return nil, exitcodes.System(err)
 	}
 	if err != nil {
 		return nil, exitcodes.System(fmt.Errorf("%w: %w", sshexec.ErrConnectionLost, err))
 	}
-	g.direct = c
 	return c, nil
-}
-
-func (g *stepsGuest) close() {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	if g.direct != nil {
-		_ = g.direct.Close()
-		g.direct = nil
-	}
 }

@@ -2,7 +2,6 @@ package gitlab
 
 import (
 	"context"
-	"fmt"
 	"strconv"
 	"time"
 
@@ -20,14 +19,14 @@ import (
 const Frontend = "gitlab"
 
 // Prepare is the prepare stage: a fresh machine for the job, ready for SSH
-// (jobvm.Host.Acquire: a claimed standby machine, else one booted cold).
+// (jobvm.Job.Acquire: a claimed standby machine, else one booted cold).
 func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	j, img, res, err := e.plan(cfg)
 	if err != nil {
 		return err
 	}
-	defer j.m.Close()
-	defer func() { e.Report.Reconnects(j.m.Reconnects()) }()
+	defer j.jobs.Close()
+	defer func() { e.Report.Reconnects(j.jobs.Reconnects()) }()
 	say := e.say
 	if err := checkServices(cfg, j.job.Services, say); err != nil {
 		return err
@@ -52,28 +51,25 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if err := ensurePulled(ctx, cfg, img, e.Pull, e.Refresh, say, j.log); err != nil {
 		return err
 	}
-	if err := j.m.Dial(ctx); err != nil {
+	if err := j.jobs.Dial(ctx); err != nil {
 		return err
-	}
-	// The name the later stages find the machine by, whatever version
-	// runs them (an upgrade in the middle of the job).
-	if err := j.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
-		return exitcodes.System(fmt.Errorf("record the job's name: %w", err))
 	}
 	// The image as it is before the clone: what the tool check finds is
 	// remembered for this version of it.
 	version := imageVersion(img)
-	if tools, exact := j.m.ToolsNow(); j.job.Steps && exact {
-		if err := knownStepRunnerMissing(j.m.Store, img, version, tools); err != nil {
+	if tools, exact := j.jobs.ToolsNow(); j.job.Steps && exact {
+		if err := knownStepRunnerMissing(j.jobs.Memory(), img, version, tools); err != nil {
 			say("No VM is booted: the guest tool check of this image (remembered) found no step-runner")
 			return err
 		}
 	}
-	a, err := j.m.Acquire(ctx, jobvm.JobRequest{
-		Job: j.name, Frontend: Frontend, JobID: strconv.FormatInt(j.job.ID, 10),
-		Image: img, Size: res, Lifetime: j.job.Timeout, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
+	// Acquire first records the name the later stages find the machine
+	// by, whatever version runs them (an upgrade in the middle of the job).
+	a, err := j.vm.Acquire(ctx, jobvm.AcquireRequest{
+		Request: lifecycle.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
+		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
 		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
-			return checkGuestTools(ctx, g, say, j.m.Store, img, version.withTools(tools), tools, j.job.Steps)
+			return checkGuestTools(ctx, g, say, j.jobs.Memory(), img, version.withTools(tools), tools, j.job.Steps)
 		},
 		Observe: jobvm.Observer{Step: e.Report.Step, Pool: e.Report.Pool, Machine: e.Report.Machine},
 	})

@@ -9,8 +9,10 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
@@ -22,18 +24,22 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	if err != nil {
 		return err
 	}
-	defer j.m.Close()
+	defer j.jobs.Close()
 	script, err := os.ReadFile(scriptPath)
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("read the stage script: %w", err))
 	}
 	e.Report.SetStage(stage)
-	jm, err := j.m.MachineOf(j.name)
+	jm, err := j.vm.Machine()
 	if err != nil {
 		return exitcodes.System(err)
 	}
+	// One session into the guest for the stage: the holder, else one
+	// direct connection.
+	sess := j.vm.Session()
+	defer sess.Close()
 	var img *config.Image
-	if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil {
+	if mach, rerr := j.vm.Record(); rerr == nil {
 		e.Report.Machine(jm.Name, mach.Image)
 		img = cfg.Images[mach.Image]
 	}
@@ -50,12 +56,12 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	var span time.Duration
 	if nativeSteps(cfg, j, stage) {
-		err = runNative(ctx, e, j, jm.Name, &span)
+		err = runNative(ctx, e, j, sess, &span)
 	} else {
 		var held bool
-		held, err = runHeld(ctx, e, j, jm.Name, script, &span)
+		held, err = runHeld(ctx, e, j, sess, script, &span)
 		if !held {
-			err = runDirect(ctx, e, j, jm.Name, script, stage, &span)
+			err = runDirect(ctx, e, j, sess, script, stage, &span)
 		}
 	}
 	e.Report.GuestSpan(span)
@@ -64,10 +70,12 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if code, ok := exitcodes.ScriptCode(err); ok {
 		if keepRequested(e.Getenv) && cfg.Debug.AllowKeepOnFailure {
-			if mach, rerr := j.m.Store.Record(jm.Name); rerr == nil && !sayKeepPlan(e, j, cfg, jm.Name) {
+			mach, rerr := j.vm.Record()
+			dir, derr := j.vm.MachineDir()
+			if rerr == nil && derr == nil && !sayKeepPlan(e, j, cfg, jm.Name) {
 				fmt.Fprintf(e.Stderr, "libvirt-executor: %s is set: if the job fails, VM %s stays up for %s for debugging.\n"+
 					"  On the runner host: ssh -i %s/id_ed25519 %s@%s   (libvirt-executor list shows it; gc removes it after its deadline)\n",
-					VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), j.m.Store.MachineDir(jm.Name), mach.User, mach.Address)
+					VarKeep, jm.Name, cfg.Debug.KeepMaxAge.D(), dir, mach.User, mach.Address)
 			}
 		}
 		if path := e.Getenv("BUILD_EXIT_CODE_FILE"); path != "" {
@@ -80,7 +88,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	if err != nil && ctx.Err() == nil && !errors.Is(err, state.ErrNoMachine) {
 		// The guest stopped answering: say what became of it.
-		err = exitcodes.System(explained(ctx, e, j, jm.Name, err))
+		err = exitcodes.System(explained(ctx, j, err))
 	}
 	if err != nil {
 		j.log.Error("stage failed", "stage", stage, "err", err)
@@ -92,11 +100,11 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 // false when the stage did not run there (holders are off, or the holder
 // is gone or could not take it; the job log says which): then nothing of
 // it was started, and the caller connects directly.
-func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, span *time.Duration) (held bool, err error) {
-	if !j.cfg.SSH.HolderEnabled() {
+func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []byte, span *time.Duration) (held bool, err error) {
+	if !sess.Holder() {
 		return false, nil
 	}
-	mach, err := j.m.Store.Record(name)
+	mach, err := j.vm.Record()
 	if err != nil {
 		return false, nil // the direct path reports it
 	}
@@ -104,7 +112,7 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, spa
 	if err != nil {
 		return true, exitcodes.System(err)
 	}
-	mid, err := holder.RunStage(ctx, j.m.HolderSocket(name), holder.Stage{
+	mid, err := sess.HeldStage(ctx, holder.Stage{
 		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
 	})
 	if errors.Is(err, holder.ErrUnavailable) {
@@ -116,12 +124,12 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, spa
 		// The holder ended during the stage: the script may still run in
 		// the guest. Stop it over a connection of our own (bounded), so
 		// that nothing of the stage outlives it.
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 15*time.Second)
+		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
-		_, c, cerr := j.m.Connect(sctx, name)
+		_, c, cerr := sess.Client(sctx)
 		if cerr == nil {
 			cerr = c.StopStage(sctx, tag, 5*time.Second)
-			_ = c.Close()
+			sess.Forget(c)
 		}
 		if cerr != nil {
 			err = fmt.Errorf("%w; stopping the stage in the guest failed: %v", err, cerr)
@@ -134,26 +142,21 @@ func runHeld(ctx context.Context, e Env, j *job, name string, script []byte, spa
 }
 
 // runDirect runs the stage over a connection of its own.
-func runDirect(ctx context.Context, e Env, j *job, name string, script []byte, stage string, span *time.Duration) error {
-	mach, client, err := j.m.Connect(ctx, name)
+func runDirect(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []byte, stage string, span *time.Duration) error {
+	mach, client, err := sess.Client(ctx)
 	if err != nil {
 		return exitcodes.System(err)
 	}
-	defer client.Close()
 	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
 	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
 }
 
 // explained adds to err what libvirt says became of the job's machine
 // (gone, shut off, paused after a failed disk write), if it can tell within
-// a few seconds and before ctx ends: through e.Explain if set, else
-// lifecycle.Manager.Explain.
-func explained(ctx context.Context, e Env, j *job, name string, err error) error {
-	explain := j.m.Explain
-	if e.Explain != nil {
-		explain = e.Explain
-	}
-	if why := explain(ctx, name); why != "" {
+// a few seconds and before ctx ends (jobvm.Job.Explain: through Env.Explain
+// if set, else here).
+func explained(ctx context.Context, j *job, err error) error {
+	if why := j.vm.Explain(ctx); why != "" {
 		return fmt.Errorf("%w; %s", err, why)
 	}
 	return err

@@ -89,9 +89,9 @@ builds_dir = "/builds"
 	// What prepare leaves: a running domain of ours and the machine's record.
 	loaded, err := j.e.load(cfg)
 	require.NoError(t, err)
-	defer loaded.m.Close()
+	defer loaded.jobs.Close()
 	j.name = loaded.name
-	owner, err := vm.MarshalOwner(vm.Owner{Controller: loaded.m.Controller, Job: "1000", Deadline: time.Now().Add(time.Hour)})
+	owner, err := vm.MarshalOwner(vm.Owner{Controller: loaded.jobs.Controller(), Job: "1000", Deadline: time.Now().Add(time.Hour)})
 	require.NoError(t, err)
 	j.hv.Domains[j.name] = &vmtest.Domain{OwnerXML: owner, Active: true}
 	store := state.Store{Dir: cfg.StateDir}

@@ -12,6 +12,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
@@ -104,7 +105,7 @@ func toolCheckCommand(shell string) string {
 // is nil when the image cannot be identified: then the guest is always asked.
 // A GitLab Steps job (steps) needs step-runner: without it the check fails
 // (a system failure naming the fix), before any stage of the job runs.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store state.Store, img *config.Image, version *toolCheck, tools *state.Tools, steps bool) error {
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store jobvm.Memory, img *config.Image, version *toolCheck, tools *state.Tools, steps bool) error {
 	key := toolCheckKey(img, tools)
 	if version != nil {
 		var old toolCheck
@@ -156,7 +157,7 @@ func unmounted(tools *state.Tools, missing []string) bool {
 // tools disk a machine booted now gets (tools), found no step-runner: the
 // runner retries a failed prepare twice, and each try would boot a VM only
 // to find the same. Nil when the check is not remembered, or found one.
-func knownStepRunnerMissing(store state.Store, img *config.Image, version *toolCheck, tools *state.Tools) error {
+func knownStepRunnerMissing(store jobvm.Memory, img *config.Image, version *toolCheck, tools *state.Tools) error {
 	if version == nil {
 		return nil
 	}

@@ -28,23 +28,23 @@ func TestLaterStagesUseTheNamePrepareRecorded(t *testing.T) {
 		Log: slog.New(slog.NewTextHandler(&bytes.Buffer{}, nil)), Connect: fake(hv)}
 	j, err := e.load(cfg)
 	require.NoError(t, err)
-	nameNow, key := j.name, j.key
+	nameNow, key := j.name, lifecycle.JobKey(Frontend, j.job.Instance, j.job.ID)
 	require.Equal(t, lifecycle.JobKey(Frontend, j.job.Instance, j.job.ID), key)
-	require.NoError(t, j.m.Close())
+	require.NoError(t, j.jobs.Close())
 
 	// The name an earlier version gave the job (another shape, same prefix).
-	old := lifecycle.MachinePrefix(cfg.NamePrefix, j.m.Controller) + "1000"
+	old := lifecycle.MachinePrefix(cfg.NamePrefix, j.jobs.Controller()) + "1000"
 	require.NotEqual(t, nameNow, old)
 	store := state.Store{Dir: cfg.StateDir}
 	require.NoError(t, store.NameJob(key, state.JobName{Job: old, Version: "0.0.1", At: time.Now()}))
-	x, err := vm.MarshalOwner(vm.Owner{Controller: j.m.Controller, Job: "1000", Deadline: time.Now().Add(time.Minute)})
+	x, err := vm.MarshalOwner(vm.Owner{Controller: j.jobs.Controller(), Job: "1000", Deadline: time.Now().Add(time.Minute)})
 	require.NoError(t, err)
 	hv.Domains[old] = &vmtest.Domain{OwnerXML: x, Active: true}
 
 	j, err = e.load(cfg)
 	require.NoError(t, err)
 	require.Equal(t, old, j.name, "the recorded name wins")
-	require.NoError(t, j.m.Close())
+	require.NoError(t, j.jobs.Close())
 
 	require.NoError(t, Cleanup(context.Background(), e, cfg))
 	require.NotContains(t, hv.Domains, old, "cleanup removed the machine under its recorded name")
@@ -72,5 +72,5 @@ func TestLaterStagesUseTheNamePrepareRecorded(t *testing.T) {
 	j, err = e.load(cfg)
 	require.NoError(t, err)
 	require.Equal(t, nameNow, j.name)
-	require.NoError(t, j.m.Close())
+	require.NoError(t, j.jobs.Close())
 }

@@ -67,7 +67,7 @@ idle_count = 1
 
 	// What BootStandby leaves: keys, record, a running domain of kind
 	// standby; its guest serves with the machine's keys.
-	w.standby, err = lifecycle.StandbyName(cfg.NamePrefix, w.m.Controller)
+	w.standby, err = lifecycle.StandbyName(cfg.NamePrefix, w.m.Manager().Controller)
 	require.NoError(t, err)
 	keys, err := guestinit.NewKeys(w.standby)
 	require.NoError(t, err)
@@ -77,18 +77,18 @@ idle_count = 1
 	guest.SetHostKey(hostKey)
 	guest.SetAuthorizedKey(keys.Client.PublicKey())
 	size := cfg.ImageSize(img)
-	_, err = w.m.Store.Reserve(w.standby, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
+	_, err = w.m.Manager().Store.Reserve(w.standby, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
 	require.NoError(t, err)
-	require.NoError(t, w.m.Store.SaveKey(w.standby, keys.ClientPEM))
+	require.NoError(t, w.m.Manager().Store.SaveKey(w.standby, keys.ClientPEM))
 	bv, err := state.VersionOf(base)
 	require.NoError(t, err)
-	require.NoError(t, w.m.Store.Save(state.Machine{
+	require.NoError(t, w.m.Manager().Store.Save(state.Machine{
 		Name: w.standby, Image: img.Name, Address: guest.Host(), Port: guest.Port(), User: img.User, Shell: img.Shell,
 		HostKey: keys.HostPublicLine(), Created: time.Now().Add(-time.Minute).UTC(), BuildsDir: img.BuildsDir, CacheDir: img.CacheDir,
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: bv,
 			Spec: lifecycle.SpecFingerprint(cfg, img)},
 	}))
-	owner, err := vm.MarshalOwner(vm.Owner{Controller: w.m.Controller, Frontend: jobvm.FrontendStandby, Job: img.Name,
+	owner, err := vm.MarshalOwner(vm.Owner{Controller: w.m.Manager().Controller, Frontend: jobvm.FrontendStandby, Job: img.Name,
 		Created: time.Now(), Deadline: time.Now().Add(time.Hour), Volumes: []string{vm.DiskVolume(w.standby)}})
 	require.NoError(t, err)
 	w.hv.Domains[w.standby] = &vmtest.Domain{OwnerXML: owner, Active: true}
@@ -116,7 +116,7 @@ func TestWarmJobThroughTheStages(t *testing.T) {
 
 	j, err := w.e.load(w.cfg)
 	require.NoError(t, err)
-	defer j.m.Close()
+	defer j.jobs.Close()
 	jm, err := w.m.MachineOf(j.name)
 	require.NoError(t, err)
 	require.Equal(t, jobvm.JobMachine{Name: w.standby, Warm: true}, jm)
@@ -132,10 +132,10 @@ func TestWarmJobThroughTheStages(t *testing.T) {
 
 	require.NoError(t, Cleanup(ctx, w.e, w.cfg))
 	require.NotContains(t, w.hv.Domains, w.standby, "the warm VM is destroyed with its job")
-	has, err := w.m.Store.Has(w.standby)
+	has, err := w.m.Manager().Store.Has(w.standby)
 	require.NoError(t, err)
 	require.False(t, has)
-	mapped, err := w.m.Store.MachineOfJob(j.name)
+	mapped, err := w.m.Manager().Store.MachineOfJob(j.name)
 	require.NoError(t, err)
 	require.Nil(t, mapped)
 }

@@ -95,7 +95,7 @@ func TestToolsSweepWaitsForAdmission(t *testing.T) {
 	require.NoError(t, os.WriteFile(m.Cfg.GuestTools.GitLabRunner, append(mustRead(t, m.Cfg.GuestTools.GitLabRunner), "v2"...), 0o755))
 	_, err = Get(context.Background(), m)
 	require.NoError(t, err)
-	unlock, err := m.HoldAdmission(context.Background())
+	unlock, err := m.Capacity().Hold(context.Background())
 	require.NoError(t, err)
 	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
 	defer cancel()

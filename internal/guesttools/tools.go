@@ -743,7 +743,7 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 			return nil
 		}
 	}
-	vols, err := m.PoolVolumes(ctx)
+	vols, err := m.Volumes().List(ctx)
 	if err != nil {
 		return err
 	}
@@ -763,7 +763,7 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 	// sweep took for unused (one admitted before it has no record yet,
 	// and keeps them all). Only a sweep with something to remove holds
 	// admission up.
-	unadmit, err := m.HoldAdmission(ctx)
+	unadmit, err := m.Capacity().Hold(ctx)
 	if err != nil {
 		return err
 	}

@@ -172,7 +172,7 @@ func TestProvisionAttachesToolsDiskAndTeardownKeepsIt(t *testing.T) {
 	require.NotNil(t, rec.Tools)
 	require.Equal(t, m.Cfg.GuestTools.GitLabRunner, rec.Tools.Source)
 
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 	require.Len(t, toolsVolumes(hv), 1, "the shared tools volume outlives the machine")
 }
 
@@ -210,7 +210,7 @@ func TestSweepRemovesToolsOfEarlierBinaries(t *testing.T) {
 
 	// A machine booting (its prepare holds its lock; a state directory, no
 	// record yet) might use either.
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 	unlock, err := m.Store.Lock(context.Background(), "lve-0123abcd-9")
 	require.NoError(t, err)
 	_, err = m.Store.Create("lve-0123abcd-9")

@@ -6,8 +6,9 @@
 // state directory; a stage connects to the socket, sends its script and
 // streams the script's output back. It knows nothing of GitLab.
 //
-// The wire format on the socket is a sequence of frames: one type byte, a
-// 4-byte big-endian length and the payload. A stage sends one request frame
+// The wire format on the socket is a sequence of frames (internal/frame,
+// shared with the guest agent): one type byte, a 4-byte big-endian length
+// and the payload. A stage sends one request frame
 // and, if it is stopped, a cancel frame; the holder answers with output
 // frames and one result frame. A stream (protocol 2: a fixed command whose
 // stdin and stdout are a byte stream, such as `step-runner proxy`) also
@@ -15,7 +16,6 @@
 package holder
 
 import (
-	"encoding/binary"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -23,6 +23,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/frame"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
 
@@ -148,15 +149,8 @@ func (r Result) err() error {
 	return exitcodes.System(fmt.Errorf("the connection holder answered with an unknown result %q", r.Class))
 }
 
-func writeFrame(w io.Writer, kind byte, payload []byte) error {
-	var h [5]byte
-	h[0] = kind
-	binary.BigEndian.PutUint32(h[1:], uint32(len(payload))) //nolint:gosec // G115: payloads are bounded far below 4 GiB
-	if _, err := w.Write(append(h[:], payload...)); err != nil {
-		return err
-	}
-	return nil
-}
+// writeFrame writes one frame (frame.Write).
+func writeFrame(w io.Writer, kind byte, payload []byte) error { return frame.Write(w, kind, payload) }
 
 // writeRequest sends a request frame.
 func writeRequest(w io.Writer, req Request) error {
@@ -167,22 +161,8 @@ func writeRequest(w io.Writer, req Request) error {
 	return writeFrame(w, frameRequest, b)
 }
 
-// readFrame reads one frame of at most limit bytes.
-func readFrame(r io.Reader, limit int) (byte, []byte, error) {
-	var h [5]byte
-	if _, err := io.ReadFull(r, h[:]); err != nil {
-		return 0, nil, err
-	}
-	n := binary.BigEndian.Uint32(h[1:])
-	if int64(n) > int64(limit) {
-		return 0, nil, fmt.Errorf("frame of %d bytes exceeds the limit of %d", n, limit)
-	}
-	b := make([]byte, n)
-	if _, err := io.ReadFull(r, b); err != nil {
-		return 0, nil, err
-	}
-	return h[0], b, nil
-}
+// readFrame reads one frame of at most limit bytes (frame.Read).
+func readFrame(r io.Reader, limit int) (byte, []byte, error) { return frame.Read(r, frame.Max(limit)) }
 
 // deadGuest is the holder's message of a guest that died, carrying the
 // sshexec.DeadGuestError (errors.Is ErrDeadGuest, sshexec.DeadAfter)

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -16,18 +17,17 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
-// JobRequest asks for the machine of one job (Acquire).
+// JobRequest asks for the machine of one job (Acquire, Claim): the one
+// machine's lifecycle.Request, whose Name is the name the job knows its
+// machine by (the machine name of a cold start, lifecycle.MachineName,
+// and its mapping key), Frontend and Job (the job's id) go into the
+// ownership record, Image is the job's and Lifetime how long the job may
+// run (its timeout); and what a job adds to it. Its sizes are Size's
+// (Request's VCPUs, MemoryMiB and DiskGiB are set from it), its check is
+// Check below (Request.Check is not used).
 type JobRequest struct {
-	// Job is the name the job knows its machine by: the machine name of a
-	// cold start (lifecycle.MachineName), and its mapping key.
-	Job string
-	// Frontend and JobID go into the ownership record.
-	Frontend string
-	JobID    string
-	Image    *config.Image
-	Size     config.Size
-	// Lifetime is how long the job may run (its timeout).
-	Lifetime time.Duration
+	lifecycle.Request
+	Size config.Size
 	// Check, if set, is the front end's look at the machine before the job
 	// gets it (are the tools its jobs need there?): over the provisioning's
 	// connection for a cold start, over one made on first use for a
@@ -96,10 +96,10 @@ type Acquired struct {
 // the connection holder. The job log says which path it took and why. On
 // failure or cancellation nothing of the job is left.
 func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
-	if name, err := h.RemoveEarlierClaim(ctx, req.Job); err != nil {
+	if name, err := h.RemoveEarlierClaim(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err)
 	} else if name != "" {
-		h.Sayf("Removed VM %s that an earlier attempt of this job claimed", name)
+		h.m.Sayf("Removed VM %s that an earlier attempt of this job claimed", name)
 	}
 	if req.Image.Pool != nil {
 		a, err := h.acquireWarm(ctx, req)
@@ -112,40 +112,38 @@ func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
 
 // acquireCold provisions the job's machine.
 func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, error) {
-	lreq := lifecycle.Request{
-		Name: req.Job, Image: req.Image, VCPUs: req.Size.VCPUs, MemoryMiB: req.Size.MemoryMiB,
-		DiskGiB: req.Size.DiskGiB, Frontend: req.Frontend, Job: req.JobID,
-		Lifetime: req.Lifetime, OnStep: req.Observe.Step,
-		// The job's holder gives the filter its address, while the job's
-		// first stages run (startHolder; without a holder, here).
-		DeferFilterPin: req.Holder,
-	}
+	lreq := req.Request
+	lreq.VCPUs, lreq.MemoryMiB, lreq.DiskGiB = req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB
+	lreq.OnStep, lreq.Check = req.Observe.Step, nil
+	// The job's holder gives the filter its address, while the job's first
+	// stages run (startHolder; without a holder, here).
+	lreq.DeferFilterPin = req.Holder
 	if req.Check != nil {
 		lreq.Check = func(ctx context.Context, c *sshexec.Client, tools *state.Tools) error {
 			return req.Check(ctx, c, tools)
 		}
 	}
-	ready, err := h.Provision(ctx, lreq)
+	ready, err := h.m.Provision(ctx, lreq)
 	if err != nil {
 		return nil, err
 	}
 	_ = ready.Client.Close()
-	err = h.Store.MapJob(req.Job, state.JobMachine{Machine: req.Job, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: req.Name, At: time.Now().UTC()})
 	if err == nil && ctx.Err() != nil {
 		// Stopped just after the machine became ready: a cancelled prepare
 		// leaves nothing behind, whenever the signal came.
 		err = fmt.Errorf("stopped: %w", context.Cause(ctx))
 	}
 	if err != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Job)
+		_, terr := h.TeardownJob(tctx, req.Name)
 		return nil, errors.Join(err, terr)
 	}
-	if !h.startHolder(req, req.Job) && lreq.DeferFilterPin {
+	if !h.startHolder(req, req.Name) && lreq.DeferFilterPin {
 		h.pinNow(ctx, req, ready.Machine.Address)
 	}
-	return &Acquired{Name: req.Job, Ready: ready}, nil
+	return &Acquired{Name: req.Name, Ready: ready}, nil
 }
 
 // pinNow gives the job machine's network filter its address here (no
@@ -153,14 +151,14 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 // only a libvirtd restart would cut its VM off; the job log says so.
 func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 	t0 := time.Now()
-	if err := h.PinAddress(ctx, req.Job, addr); err != nil {
+	if err := h.m.Machine(req.Name).PinAddress(ctx, addr); err != nil {
 		if req.Log != nil {
 			req.Log.Warn("network filter not given the address", "err", err)
 		}
-		h.Sayf("Note: the VM's network filter holds its address only as learnt from DHCP (%v): a libvirtd restart during the job would cut the VM off", err)
+		h.m.Sayf("Note: the VM's network filter holds its address only as learnt from DHCP (%v): a libvirtd restart during the job would cut the VM off", err)
 		return
 	}
-	h.Sayf("Network filter given the address in %s", vm.Round(time.Since(t0)))
+	h.m.Sayf("Network filter given the address in %s", vm.Round(time.Since(t0)))
 }
 
 // acquireWarm tries to give the job an idle machine of its image's
@@ -169,13 +167,11 @@ func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, error) {
 	img := req.Image
 	t0 := time.Now()
-	c, err := h.Claim(ctx, ClaimRequest{
-		Job: req.Job, Image: img, Size: req.Size, Frontend: req.Frontend, JobID: req.JobID, Lifetime: req.Lifetime,
-	})
+	c, err := h.Claim(ctx, req)
 	var none *ErrNoStandby
 	if errors.As(err, &none) {
 		req.Observe.pool("miss", none.Code)
-		h.Sayf("Cold start: %s", none.Why)
+		h.m.Sayf("Cold start: %s", none.Why)
 		return nil, nil
 	}
 	req.Observe.step("claim", time.Since(t0), err)
@@ -186,12 +182,12 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 	req.Observe.pool("hit", "")
 	mach := c.Machine
 	req.Observe.machine(mach.Name, img.Name)
-	h.Sayf("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
+	h.m.Sayf("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
 	for _, s := range c.Skipped {
-		h.Sayf("  passed over %s", s)
+		h.m.Sayf("  passed over %s", s)
 	}
 	if mach.Tools != nil {
-		h.Sayf("%s", guesttools.DescribeTools(mach.Tools, 0))
+		h.m.Sayf("%s", guesttools.DescribeTools(mach.Tools, 0))
 	}
 	var connErr error
 	if req.Check != nil {
@@ -204,18 +200,18 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 		err = ctx.Err()
 	}
 	if err != nil || connErr != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Job)
+		_, terr := h.TeardownJob(tctx, req.Name)
 		switch {
 		case ctx.Err() != nil:
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
 		case err == nil && terr == nil:
 			// The claimed VM does not take the SSH connection every stage
 			// needs: it is gone, and the job can still start cold.
-			h.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
+			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
 			req.Observe.pool("miss", MissError)
-			req.Observe.machine(req.Job, img.Name)
+			req.Observe.machine(req.Name, img.Name)
 			return nil, nil
 		}
 		return nil, errors.Join(err, terr)
@@ -231,13 +227,13 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 // kept and given the job's deadline: its connection (and the guest agent)
 // is open already.
 func (h *Host) startHolder(req JobRequest, name string) bool {
-	dir := h.Store.MachineDir(name)
+	dir := h.m.Store.MachineDir(name)
 	if !req.Holder {
 		holder.Stop(dir) // a standby's, which this job does not use
 		return false
 	}
 	t0 := time.Now()
-	until := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D())
+	until := time.Now().Add(req.Lifetime + h.m.Cfg.Timeouts.JobSlack.D())
 	// Kept unless it lost its connection (or could not make it): one whose
 	// connection died while the machine waited (a stalled host, the
 	// guest's sshd) would fail the job's first stage. One still making its
@@ -246,7 +242,7 @@ func (h *Host) startHolder(req JobRequest, name string) bool {
 	if holder.Usable(dir) {
 		err := holder.SetUntil(dir, until)
 		if err == nil && holder.Running(dir) != 0 {
-			h.Sayf("Connection holder of the standby VM kept (connected while the VM waited): the job's stages share its SSH connection")
+			h.m.Sayf("Connection holder of the standby VM kept (connected while the VM waited): the job's stages share its SSH connection")
 			return true
 		}
 		// Not given the job's deadline, or gone meanwhile: a new one.
@@ -257,10 +253,10 @@ func (h *Host) startHolder(req JobRequest, name string) bool {
 		if req.Log != nil {
 			req.Log.Warn("no connection holder", "err", err)
 		}
-		h.Sayf("Note: the job's stages connect one by one (no connection holder: %v)", err)
+		h.m.Sayf("Note: the job's stages connect one by one (no connection holder: %v)", err)
 		return false
 	}
-	h.Sayf("Connection holder started in %s: the job's stages share one SSH connection", vm.Round(time.Since(t0)))
+	h.m.Sayf("Connection holder started in %s: the job's stages share one SSH connection", vm.Round(time.Since(t0)))
 	return true
 }
 
@@ -275,7 +271,7 @@ type guestOnDemand struct {
 
 func (g *guestOnDemand) Output(ctx context.Context, cmd string) ([]byte, error) {
 	if g.c == nil {
-		_, c, err := g.h.Connect(ctx, g.name)
+		_, c, err := g.h.connect(ctx, g.name)
 		if err != nil {
 			if ctx.Err() == nil {
 				g.connErr = err

@@ -16,7 +16,7 @@ import (
 // with nothing cached gets no disk (Files 0). DropDisks deletes the disk's volume once
 // the guest has read it.
 func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, project string, want []string) (hostcache.RestoreResult, error) {
-	if err := h.CheckOurName(name); err != nil {
+	if err := h.m.Machine(name).CheckOurName(); err != nil {
 		return hostcache.RestoreResult{}, err
 	}
 	sn, err := store.OpenOnly(ctx, project, hostcache.Only(want))
@@ -35,7 +35,7 @@ func (h *Host) AttachCache(ctx context.Context, store *hostcache.Store, name, pr
 		_, werr := sn.WriteTo(pw)
 		_ = pw.CloseWithError(werr)
 	}()
-	err = h.AttachData(ctx, name, pr, sn.Size())
+	err = h.m.Machine(name).AttachData(ctx, pr, sn.Size())
 	_ = pr.CloseWithError(errors.New("the restore disk is written"))
 	<-written
 	if err != nil {
@@ -62,7 +62,7 @@ func ScratchCapacity(projectLimit int64) int64 {
 // and the stage saves over SSH. With the host cache off, nothing is
 // reserved.
 func (h *Host) AttachScratch(ctx context.Context, name string, capacity int64) error {
-	if err := h.CheckOurName(name); err != nil {
+	if err := h.m.Machine(name).CheckOurName(); err != nil {
 		return err
 	}
 	store := h.cacheStore()
@@ -71,7 +71,7 @@ func (h *Host) AttachScratch(ctx context.Context, name string, capacity int64) e
 			return err
 		}
 	}
-	err := h.Manager.AttachScratch(ctx, name, capacity)
+	err := h.m.Machine(name).AttachScratch(ctx, capacity)
 	if err != nil && store != nil {
 		_ = store.Unreserve(name)
 	}
@@ -83,7 +83,7 @@ func (h *Host) AttachScratch(ctx context.Context, name string, capacity int64) e
 // (AttachScratch). A reservation left by a machine torn down with its
 // disk, without this, stops counting after hours (hostcache).
 func (h *Host) DropDisks(ctx context.Context, name string) error {
-	if err := h.Manager.DropDisks(ctx, name); err != nil {
+	if err := h.m.Machine(name).DropDisks(ctx); err != nil {
 		return err
 	}
 	if store := h.cacheStore(); store != nil {
@@ -94,10 +94,10 @@ func (h *Host) DropDisks(ctx context.Context, name string) error {
 
 // cacheStore is the configured host cache, nil when it is off.
 func (h *Host) cacheStore() *hostcache.Store {
-	if h.Cfg == nil || !h.Cfg.Cache.Enabled() {
+	if h.m.Cfg == nil || !h.m.Cfg.Cache.Enabled() {
 		return nil
 	}
-	return hostcache.ForConfig(h.Cfg.Cache)
+	return hostcache.ForConfig(h.m.Cfg.Cache)
 }
 
 // errSaved ends the scratch disk's read once Save has what it keeps.
@@ -115,7 +115,7 @@ var errSaved = errors.New("the host cache has read the archive")
 // both saves the run stage a second start of the admin tool and its
 // libvirt connection (0.1-0.2 s on a TCG host).
 func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, project string, keep []string) (k Kept) {
-	if err := h.CheckOurName(name); err != nil {
+	if err := h.m.Machine(name).CheckOurName(); err != nil {
 		return Kept{DropErr: err, Err: err}
 	}
 	defer func() { k.DropErr = h.DropDisks(ctx, name) }()
@@ -124,7 +124,7 @@ func (h *Host) KeepCache(ctx context.Context, store *hostcache.Store, name, proj
 	go func() {
 		defer close(read)
 		var err error
-		k.FromFile, err = h.ReadScratch(ctx, name, pw)
+		k.FromFile, err = h.m.Machine(name).ReadScratch(ctx, pw)
 		if err == nil {
 			err = errors.New("the scratch disk ended before the archive did")
 		}

@@ -23,7 +23,7 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 	store := &hostcache.Store{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimit: 1 << 20, TotalLimit: 4 << 20}
 	project, err := hostcache.ProjectID("https://gitlab.example.com", 7, true)
 	require.NoError(t, err)
-	vol := m.Cfg.StoragePool + "/" + vm.ScratchVolume(name)
+	vol := m.Manager().Cfg.StoragePool + "/" + vm.ScratchVolume(name)
 
 	// The direct layout: a manifest, then the file at its offset.
 	data := []byte("the archive")
@@ -74,8 +74,8 @@ func TestKeepCacheDropsTheDisk(t *testing.T) {
 func TestScratchReserved(t *testing.T) {
 	ctx := context.Background()
 	hv, m, name := provisioned(t)
-	m.Cfg.Cache = config.Cache{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 64}
-	store := hostcache.ForConfig(m.Cfg.Cache)
+	m.Manager().Cfg.Cache = config.Cache{Dir: filepath.Join(t.TempDir(), "cache"), ProjectLimitMiB: 1, TotalLimitMiB: 64}
+	store := hostcache.ForConfig(m.Manager().Cfg.Cache)
 	project, err := hostcache.ProjectID("https://gitlab.example.com", 7, true)
 	require.NoError(t, err)
 
@@ -85,7 +85,7 @@ func TestScratchReserved(t *testing.T) {
 	require.Equal(t, ScratchCapacity(store.ProjectLimit), staged, "the scratch disk's size is reserved")
 
 	hv.Lock()
-	hv.Volumes[m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)] = bytes.Repeat([]byte{'x'}, 4096)
+	hv.Volumes[m.Manager().Cfg.StoragePool+"/"+vm.ScratchVolume(name)] = bytes.Repeat([]byte{'x'}, 4096)
 	hv.Unlock()
 	k := m.KeepCache(ctx, store, name, project, []string{"k/cache.zip"})
 	require.NoError(t, k.DropErr)
@@ -94,10 +94,10 @@ func TestScratchReserved(t *testing.T) {
 	require.Zero(t, staged, "released with the volume")
 
 	// A disk larger than the whole total is refused before it is made.
-	require.NoError(t, hv.DetachDisk(ctx, name, "/pool/"+m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)))
+	require.NoError(t, hv.DetachDisk(ctx, name, "/pool/"+m.Manager().Cfg.StoragePool+"/"+vm.ScratchVolume(name)))
 	require.Error(t, m.AttachScratch(ctx, name, 65<<20))
 	hv.Lock()
-	_, made := hv.Volumes[m.Cfg.StoragePool+"/"+vm.ScratchVolume(name)]
+	_, made := hv.Volumes[m.Manager().Cfg.StoragePool+"/"+vm.ScratchVolume(name)]
 	hv.Unlock()
 	require.False(t, made)
 }

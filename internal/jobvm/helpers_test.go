@@ -40,7 +40,7 @@ func testRequest(img *config.Image) lifecycle.Request {
 
 func requireNothingLeft(t *testing.T, hv *vmtest.Fake, m *Host) {
 	t.Helper()
-	lifecycletest.RequireNothingLeft(t, hv, m.Store)
+	lifecycletest.RequireNothingLeft(t, hv, m.Manager().Store)
 }
 
 // owned is an ownership record of this installation with that deadline.

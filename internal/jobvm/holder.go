@@ -51,13 +51,13 @@ func (h *Host) StartHolder(name string, until time.Time) error {
 			return err
 		}
 	}
-	args := []string{HolderCommand, "--config", h.Cfg.Path, "--config-stdin", "--until", strconv.FormatInt(until.Unix(), 10), name}
-	_, err := holder.Start(h.Store.MachineDir(name), exe, args, h.Cfg.Text)
+	args := []string{HolderCommand, "--config", h.m.Cfg.Path, "--config-stdin", "--until", strconv.FormatInt(until.Unix(), 10), name}
+	_, err := holder.Start(h.m.Store.MachineDir(name), exe, args, h.m.Cfg.Text)
 	return err
 }
 
 // HolderSocket is where the machine's holder listens.
-func (h *Host) HolderSocket(name string) string { return holder.Socket(h.Store.MachineDir(name)) }
+func (h *Host) HolderSocket(name string) string { return holder.Socket(h.m.Store.MachineDir(name)) }
 
 // Hold is the connection holder's body (HolderCommand): it connects to the
 // machine name and serves stages on the socket StartHolder passed, until
@@ -67,19 +67,19 @@ func (h *Host) Hold(ctx context.Context, name string, until time.Time, log *slog
 	if err != nil {
 		return err
 	}
-	dir := h.Store.MachineDir(name)
+	dir := h.m.Store.MachineDir(name)
 	go h.pinForHolder(ctx, name, log)
 	// The stages go through the guest agent when the machine's tools
 	// disk has one (a fixed path: never job input); a guest that does not
 	// mount the disk keeps the wrapper, and the first stage says so.
 	agentCmd := ""
-	if rec, err := h.Store.Record(name); err == nil && rec.Tools != nil && rec.Tools.Agent != nil {
+	if rec, err := h.m.Store.Record(name); err == nil && rec.Tools != nil && rec.Tools.Agent != nil {
 		agentCmd = "exec " + guestinit.GuestAgentPath // the login shell does not wait for it
 	}
 	s := &holder.Server{
 		AgentCommand: agentCmd,
 		Dial: func(ctx context.Context) (*sshexec.Client, error) {
-			_, c, err := h.Connect(ctx, name)
+			_, c, err := h.connect(ctx, name)
 			return c, err
 		},
 		Alive: func() bool {
@@ -107,17 +107,17 @@ func stopHolder(m *lifecycle.Manager, name string) { holder.Stop(m.Store.Machine
 // while the job's stages run: a few tries, then the learnt address stays
 // (only a libvirtd restart would cut the VM off; the holder's log says so).
 func (h *Host) pinForHolder(ctx context.Context, name string, log *slog.Logger) {
-	if h.Cfg.L2Filter != nil && !*h.Cfg.L2Filter || h.Pinned(name) {
+	if h.m.Cfg.L2Filter != nil && !*h.m.Cfg.L2Filter || h.m.Machine(name).Pinned() {
 		return
 	}
-	mach, err := h.Store.Record(name)
+	mach, err := h.m.Store.Record(name)
 	if err != nil || mach.Address == "" {
 		return
 	}
 	for try := 1; ; try++ {
 		t0 := time.Now()
 		pctx, cancel := context.WithTimeout(ctx, time.Minute)
-		err = h.PinAddress(pctx, name, mach.Address)
+		err = h.m.Machine(name).PinAddress(pctx, mach.Address)
 		cancel()
 		if err == nil {
 			log.Info("network filter given the address", "address", mach.Address, "took", time.Since(t0))

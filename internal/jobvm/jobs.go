@@ -22,14 +22,14 @@ type JobMachine struct {
 // job (a cold start). A claim without a mapping (a prepare killed between
 // the two) is found by looking at the standby machines' claims.
 func (h *Host) MachineOf(job string) (JobMachine, error) {
-	jm, err := h.Store.MachineOfJob(job)
+	jm, err := h.m.Store.MachineOfJob(job)
 	if err != nil {
 		// Unreadable (cut short by a host crash): as if there were none;
 		// the claims still name the job's standby machine.
 		jm = nil
 	}
 	if jm != nil && jm.Machine != job {
-		if cl, err := h.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.IsStandby(jm.Machine) {
+		if cl, err := h.m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.m.Machine(jm.Machine).IsStandby() {
 			return JobMachine{Name: jm.Machine, Warm: true}, nil
 		}
 	}
@@ -57,10 +57,10 @@ func (h *Host) RemoveEarlierClaim(ctx context.Context, job string) (string, erro
 	if err != nil || !jm.Warm {
 		return "", err
 	}
-	if err := h.Teardown(ctx, jm.Name); err != nil {
+	if err := h.m.Machine(jm.Name).Teardown(ctx); err != nil {
 		return jm.Name, err
 	}
-	return jm.Name, h.Store.UnmapJob(job)
+	return jm.Name, h.m.Store.UnmapJob(job)
 }
 
 // TeardownJob removes the job's machine (MachineOf) and its mapping.
@@ -69,17 +69,17 @@ func (h *Host) TeardownJob(ctx context.Context, job string) (JobMachine, error) 
 	if err != nil {
 		return jm, err
 	}
-	if err := h.Teardown(ctx, jm.Name); err != nil {
+	if err := h.m.Machine(jm.Name).Teardown(ctx); err != nil {
 		return jm, err
 	}
 	if jm.Name != job {
 		// A cold attempt of the same job (a retried prepare) may have left
 		// its own machine too.
-		if err := h.Teardown(ctx, job); err != nil {
+		if err := h.m.Machine(job).Teardown(ctx); err != nil {
 			return jm, err
 		}
 	}
-	return jm, h.Store.UnmapJob(job)
+	return jm, h.m.Store.UnmapJob(job)
 }
 
 // sweepJobMappings removes the job -> machine mappings whose machine has no

@@ -1,14 +1,20 @@
 // Package jobvm owns the machine of a CI job (a GitLab job, a garm
-// runner's job) on top of internal/lifecycle's one machine: acquiring it
-// (claim an idle standby machine, else provision one cold), the job ->
-// machine mapping (its only writer and reader), the job's connection
-// holder, and the job's end (stop now, remove in a detached reaper). The
-// standby pool's side is here too: boot, claim, retire, and what makes a
-// standby outdated; the pool service (internal/pool) drives it. Open wires
-// lifecycle's hooks: idle standbys make room for jobs, every machine gets
-// the guest tools disk (internal/guesttools), a machine's holder stops
-// when its user is done with it, and sweeps also remove stale mappings
-// and the tools of earlier binaries.
+// runner's job) on top of internal/lifecycle's one machine. A front end
+// gets Jobs (OpenJobs) and, for each job, its handle Job (Jobs.Job): it
+// resolves the job's name record, mapping and claim once and is their
+// only writer; Acquire (claim an idle standby machine, else provision one
+// cold; map the job; start the connection holder), Release (stop now,
+// remove in a detached reaper), Keep (for debugging), Explain, and
+// Session, the one way into the job's guest (the holder when it answers,
+// else a direct connection; connect is the one place a job's guest
+// connections are made). The standby pool's side is here too: boot,
+// claim, retire, and what makes a standby outdated; the pool service
+// (internal/pool) drives it through Host. Open wires lifecycle's hooks for
+// every front end, garm's included: idle standbys make room for jobs,
+// every provisioned machine gets the guest tools disk
+// (internal/guesttools), a machine's holder stops when its user is done
+// with it, and sweeps also remove stale mappings and the tools of earlier
+// binaries.
 package jobvm
 
 import (
@@ -21,9 +27,12 @@ import (
 )
 
 // Host is the machines of CI jobs on this host: lifecycle's Manager with
-// the hooks of job machines, standby pools and the guest tools disk.
+// the hooks of job machines, standby pools and the guest tools disk. It
+// does not embed the Manager: a front end reaches a job's machine through
+// Jobs and Job; the host's tools (admin, pool service, test tooling) that
+// work on machines as such take Manager.
 type Host struct {
-	*lifecycle.Manager
+	m *lifecycle.Manager
 	// HolderExe is the connection holder's executable (StartHolder);
 	// empty means HolderExecutable next to the running executable.
 	HolderExe string
@@ -44,7 +53,7 @@ func Open(cfg *config.Config, o lifecycle.Options) (*Host, error) {
 
 // New is a Host over m, whose hooks it sets.
 func New(m *lifecycle.Manager) *Host {
-	h := &Host{Manager: m}
+	h := &Host{m: m}
 	m.SetHooks(lifecycle.Hooks{
 		MakeRoom: func(ctx context.Context, _ *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
 			return h.makeRoom(ctx, short, reason)
@@ -55,6 +64,21 @@ func New(m *lifecycle.Manager) *Host {
 	})
 	return h
 }
+
+// Manager is the one-machine layer under the host: for the host's tools
+// (admin, the pool service, sweeps, test tooling), not for front ends.
+func (h *Host) Manager() *lifecycle.Manager { return h.m }
+
+// Close closes the host's libvirt connection, if it was made.
+func (h *Host) Close() error { return h.m.Close() }
+
+// Dial makes the host's libvirt connection now (it is otherwise made on
+// first use): a stage fails early, before it says anything, when libvirt
+// cannot be reached.
+func (h *Host) Dial(ctx context.Context) error { return h.m.Dial(ctx) }
+
+// Reconnects is how often the libvirt connection was made again.
+func (h *Host) Reconnects() int { return h.m.Reconnects() }
 
 // OwnerKind names the kind of a machine's owner for the metrics, by its
 // ownership record's front end ("" for none readable): standby, garm,
@@ -78,4 +102,4 @@ const FrontendGarm = "garm"
 // ToolsNow is the guest tools disk a machine booted now gets, as its
 // record says it (nil for none), found without libvirt; exact is false
 // where a boot now might get another one (guesttools.Now).
-func (h *Host) ToolsNow() (t *state.Tools, exact bool) { return guesttools.Now(h.Manager) }
+func (h *Host) ToolsNow() (t *state.Tools, exact bool) { return guesttools.Now(h.m) }

@@ -19,17 +19,17 @@ func TestHolderPinsTheFilterLater(t *testing.T) {
 	m, img := manager(t, hv, g)
 	req := testRequest(img)
 	req.DeferFilterPin = true
-	ready, err := m.Provision(context.Background(), req)
+	ready, err := m.Manager().Provision(context.Background(), req)
 	require.NoError(t, err)
 	defer ready.Client.Close()
 	hv.Lock()
 	require.NotContains(t, hv.Calls, "PinFilterAddress", "not on prepare's path")
 	require.Contains(t, hv.Domains[req.Name].XML, "CTRL_IP_LEARNING")
 	hv.Unlock()
-	require.False(t, m.Pinned(req.Name))
+	require.False(t, m.Manager().Machine(req.Name).Pinned())
 
 	m.pinForHolder(context.Background(), req.Name, slog.New(slog.DiscardHandler))
-	require.True(t, m.Pinned(req.Name))
+	require.True(t, m.Manager().Machine(req.Name).Pinned())
 	hv.Lock()
 	require.Contains(t, hv.Domains[req.Name].XML, `<parameter name="IP" value="127.0.0.1">`)
 	n := len(hv.Calls)
@@ -39,15 +39,15 @@ func TestHolderPinsTheFilterLater(t *testing.T) {
 	hv.Lock()
 	require.False(t, slices.Contains(hv.Calls[n:], "PinFilterAddress"), "pinned once")
 	hv.Unlock()
-	require.NoError(t, m.Teardown(context.Background(), req.Name))
+	require.NoError(t, m.Manager().Machine(req.Name).Teardown(context.Background()))
 
 	// without DeferFilterPin (a standby's boot): pinned at boot
 	req = testRequest(img)
 	req.Name = "lve-0123abcd-8"
-	ready2, err := m.Provision(context.Background(), req)
+	ready2, err := m.Manager().Provision(context.Background(), req)
 	require.NoError(t, err)
 	defer ready2.Client.Close()
-	require.True(t, m.Pinned(req.Name))
-	require.NoError(t, m.Teardown(context.Background(), req.Name))
+	require.True(t, m.Manager().Machine(req.Name).Pinned())
+	require.NoError(t, m.Manager().Machine(req.Name).Teardown(context.Background()))
 	requireNothingLeft(t, hv, m)
 }

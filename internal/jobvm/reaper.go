@@ -67,39 +67,39 @@ func (h *Host) EndJob(ctx context.Context, job string) (JobMachine, []string, er
 	if len(errs) > 0 {
 		return jm, ended, errors.Join(errs...)
 	}
-	return jm, ended, h.Store.UnmapJob(job)
+	return jm, ended, h.m.Store.UnmapJob(job)
 }
 
 // end is EndJob for one machine: true once it is marked ended (it awaits
 // Reap, also when an error follows), false if there was nothing to end or
 // it was removed at once.
 func (h *Host) end(ctx context.Context, name string) (bool, error) {
-	if err := h.CheckOurName(name); err != nil {
+	if err := h.m.Machine(name).CheckOurName(); err != nil {
 		return false, err
 	}
-	unlock, err := h.Store.Lock(ctx, name)
+	unlock, err := h.m.Store.Lock(ctx, name)
 	if err != nil {
 		return false, err
 	}
 	defer unlock()
-	has, err := h.Store.Has(name)
+	has, err := h.m.Store.Has(name)
 	if err != nil {
 		return false, fmt.Errorf("state of %s: %w", name, err)
 	}
 	if !has {
-		if err := h.TeardownLocked(ctx, name); err != nil {
+		if err := h.m.Machine(name).TeardownLocked(ctx); err != nil {
 			return false, err
 		}
-		h.Store.RemoveLock(name)
+		h.m.Store.RemoveLock(name)
 		return false, nil
 	}
-	stopHolder(h.Manager, name)
+	stopHolder(h.m, name)
 	// The mark first: if this process dies now, a sweep removes the
 	// machine at once instead of at its deadline.
-	if err := h.Store.MarkEnded(name, state.Ended{At: time.Now().UTC(), Reason: "job ended"}); err != nil {
+	if err := h.m.Store.MarkEnded(name, state.Ended{At: time.Now().UTC(), Reason: "job ended"}); err != nil {
 		return false, fmt.Errorf("mark %s ended: %w", name, err)
 	}
-	if err := h.Engine().Halt(ctx, name); err != nil {
+	if err := h.m.Engine().Halt(ctx, name); err != nil {
 		return true, fmt.Errorf("stop %s: %w", name, err)
 	}
 	return true, nil
@@ -121,12 +121,12 @@ func (h *Host) Reap(ctx context.Context, names []string) error {
 
 func (h *Host) reapOne(ctx context.Context, name string) error {
 	var ended *state.Ended
-	err := h.TeardownIf(ctx, name, func() (bool, error) {
-		has, err := h.Store.Has(name)
+	err := h.m.Machine(name).TeardownIf(ctx, func() (bool, error) {
+		has, err := h.m.Store.Has(name)
 		if err != nil || !has {
 			return false, err // removed already (by a sweep)
 		}
-		e, err := h.Store.EndedOf(name)
+		e, err := h.m.Store.EndedOf(name)
 		if err == nil && e == nil {
 			err = lifecycle.NotOurs(fmt.Sprintf("refusing to reap %s: it is not marked ended", name))
 		}
@@ -141,7 +141,7 @@ func (h *Host) reapOne(ctx context.Context, name string) error {
 				slog.Default().Warn("host cache: the scratch disk's reservation stays", "machine", name, "err", uerr)
 			}
 		}
-		h.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended.At).Seconds()})
+		h.m.Record(nil, obs.Event{Kind: obs.KindReaped, Job: name, Seconds: time.Since(ended.At).Seconds()})
 	}
 	return err
 }
@@ -160,12 +160,12 @@ func (h *Host) StartReaper(names []string) error {
 			return err
 		}
 	}
-	logPath := filepath.Join(h.Store.Dir, reaperLog)
+	logPath := filepath.Join(h.m.Store.Dir, reaperLog)
 	if st, err := os.Stat(logPath); err == nil && st.Size() > reaperLogMax {
 		_ = os.Rename(logPath, logPath+".1")
 	}
-	args := append([]string{ReaperCommand, "--config", h.Cfg.Path, "--config-stdin", "--"}, names...)
-	_, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: h.Cfg.Text, Log: logPath})
+	args := append([]string{ReaperCommand, "--config", h.m.Cfg.Path, "--config-stdin", "--"}, names...)
+	_, err := detach.Start(detach.Spec{Exe: exe, Args: args, Stdin: h.m.Cfg.Text, Log: logPath})
 	return err
 }
 
@@ -176,11 +176,11 @@ const sweepEvery = 5 * time.Minute
 // OpportunisticSweep sweeps (Sweep) if no sweep ran for sweepEvery, and
 // logs what it removed.
 func (h *Host) OpportunisticSweep(ctx context.Context, log *slog.Logger) {
-	if !h.Store.Due("last-sweep", sweepEvery) {
+	if !h.m.Store.Due("last-sweep", sweepEvery) {
 		return
 	}
-	rep, err := h.Sweep(ctx, time.Now(), false)
-	h.RecordSweep(log, lifecycle.SweepByCleanup, rep)
+	rep, err := h.m.Sweep(ctx, time.Now(), false)
+	h.m.RecordSweep(log, lifecycle.SweepByCleanup, rep)
 	if rep != nil && len(rep.Removed) > 0 {
 		log.Warn("sweep removed leftovers", "machines", strings.Join(rep.Removed, ","))
 	}

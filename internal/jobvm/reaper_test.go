@@ -26,10 +26,10 @@ func TestEndJobThenReap(t *testing.T) {
 	g := newGuest(t, hv)
 	m, img := manager(t, hv, g)
 	req := testRequest(img)
-	ready, err := m.Provision(ctx, req)
+	ready, err := m.Manager().Provision(ctx, req)
 	require.NoError(t, err)
 	_ = ready.Client.Close()
-	dir := m.Store.MachineDir(req.Name)
+	dir := m.Manager().Store.MachineDir(req.Name)
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
 	pid, err := holder.Start(dir, sleep, []string{"300"}, nil)
@@ -47,14 +47,14 @@ func TestEndJobThenReap(t *testing.T) {
 	require.NotContains(t, hv.Calls, "Destroy", "cleanup does not wait for QEMU")
 	hv.Unlock()
 	require.NoFileExists(t, filepath.Join(dir, "id_ed25519"), "the job's key is gone")
-	_, _, err = m.Connect(ctx, req.Name)
+	_, _, err = m.Manager().Machine(req.Name).Connect(ctx)
 	require.Error(t, err, "nothing of the job connects any more")
-	e, err := m.Store.EndedOf(req.Name)
+	e, err := m.Manager().Store.EndedOf(req.Name)
 	require.NoError(t, err)
 	require.NotNil(t, e)
 
 	// Until it is gone it still counts against the host's capacity.
-	res, err := m.Store.Reservations(state.Reservation{})
+	res, err := m.Manager().Store.Reservations(state.Reservation{})
 	require.NoError(t, err)
 	require.Contains(t, res, req.Name)
 
@@ -79,26 +79,26 @@ func TestSweepRemovesEndedMachineWhoseReaperDied(t *testing.T) {
 	ctx := context.Background()
 	hv, m, name := provisioned(t)
 
-	rep, err := m.Sweep(ctx, time.Now(), false)
+	rep, err := m.Manager().Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Empty(t, rep.Removed, "a running job's machine stays")
 
 	_, _, err = m.EndJob(ctx, name)
 	require.NoError(t, err)
-	items, err := m.Inventory(ctx, time.Now())
+	items, err := m.Manager().Inventory(ctx, time.Now())
 	require.NoError(t, err)
 	require.Len(t, items, 1)
 	require.Equal(t, lifecycle.VerdictEnded, items[0].Verdict)
 
 	// The reaper holds the lock: the sweep leaves it to it.
-	unlock, err := m.Store.TryLock(name)
+	unlock, err := m.Manager().Store.TryLock(name)
 	require.NoError(t, err)
-	rep, err = m.Sweep(ctx, time.Now(), false)
+	rep, err = m.Manager().Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Empty(t, rep.Removed)
 	unlock()
 
-	rep, err = m.Sweep(ctx, time.Now(), false)
+	rep, err = m.Manager().Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Equal(t, []string{name}, rep.Removed)
 	requireNothingLeft(t, hv, m)
@@ -112,7 +112,7 @@ func TestEndJobRefusesForeignDomain(t *testing.T) {
 	m, _ := manager(t, hv, newGuest(t, hv))
 	name := "lve-0123abcd-8"
 	hv.Domains[name] = &vmtest.Domain{XML: "<domain/>", Active: true}
-	_, err := m.Store.Create(name)
+	_, err := m.Manager().Store.Create(name)
 	require.NoError(t, err)
 	_, _, err = m.EndJob(ctx, name)
 	require.ErrorIs(t, err, vm.ErrNotOurs)
@@ -127,7 +127,7 @@ func TestStartReaperRunsDetached(t *testing.T) {
 	script := filepath.Join(t.TempDir(), "reaper")
 	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\ncat > "+out+".stdin\necho \"$@\" > "+out+"\n"), 0o700))
 	m.ReaperExe = script
-	m.Cfg.Path = "/etc/x.toml"
+	m.Manager().Cfg.Path = "/etc/x.toml"
 	require.NoError(t, m.StartReaper([]string{"lve-0123abcd-7"}))
 	require.Eventually(t, func() bool {
 		b, err := os.ReadFile(out)
@@ -135,9 +135,9 @@ func TestStartReaperRunsDetached(t *testing.T) {
 	}, 5*time.Second, 20*time.Millisecond)
 	stdin, err := os.ReadFile(out + ".stdin")
 	require.NoError(t, err)
-	require.Equal(t, string(m.Cfg.Text), string(stdin), "the reaper gets the stage's very configuration")
+	require.Equal(t, string(m.Manager().Cfg.Text), string(stdin), "the reaper gets the stage's very configuration")
 	require.NotEmpty(t, stdin)
-	fi, err := os.Stat(filepath.Join(m.Store.Dir, reaperLog))
+	fi, err := os.Stat(filepath.Join(m.Manager().Store.Dir, reaperLog))
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), fi.Mode().Perm())
 }
@@ -153,7 +153,7 @@ func TestEndJobReportsMarkedMachineWhenThePauseFails(t *testing.T) {
 	_, ended, err := m.EndJob(ctx, name)
 	require.ErrorContains(t, err, "suspend refused")
 	require.Equal(t, []string{name}, ended)
-	e, err := m.Store.EndedOf(name)
+	e, err := m.Manager().Store.EndedOf(name)
 	require.NoError(t, err)
 	require.NotNil(t, e)
 	hv.Lock()
@@ -168,15 +168,15 @@ func TestEndJobReportsMarkedMachineWhenThePauseFails(t *testing.T) {
 func TestKeepStopsTheHolder(t *testing.T) {
 	ctx := context.Background()
 	_, m, name := provisioned(t)
-	dir := m.Store.MachineDir(name)
+	dir := m.Manager().Store.MachineDir(name)
 	sleep, err := exec.LookPath("sleep")
 	require.NoError(t, err)
 	_, err = holder.Start(dir, sleep, []string{"300"}, nil)
 	require.NoError(t, err)
-	require.NoError(t, m.Keep(ctx, name, time.Now().Add(time.Hour)))
+	require.NoError(t, m.Manager().Machine(name).Keep(ctx, time.Now().Add(time.Hour)))
 	require.Zero(t, holder.Running(dir))
 	require.FileExists(t, filepath.Join(dir, "id_ed25519"), "the debugging login needs the key")
-	require.NoError(t, m.Teardown(ctx, name))
+	require.NoError(t, m.Manager().Machine(name).Teardown(ctx))
 }
 
 // provisioned is a machine provisioned on a fake hypervisor and guest, its
@@ -185,7 +185,7 @@ func provisioned(t *testing.T) (*vmtest.Fake, *Host, string) {
 	t.Helper()
 	hv := vmtest.New()
 	m, img := manager(t, hv, newGuest(t, hv))
-	ready, err := m.Provision(context.Background(), testRequest(img))
+	ready, err := m.Manager().Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	_ = ready.Client.Close()
 	return hv, m, ready.Machine.Name

@@ -33,7 +33,7 @@ func (h *Host) Release(ctx context.Context, job string, o Observer, log *slog.Lo
 	jm, ended, err := h.EndJob(ctx, job)
 	o.step("stop", time.Since(t0), err)
 	if jm.Name != "" {
-		if mach, rerr := h.Store.Record(jm.Name); rerr == nil {
+		if mach, rerr := h.m.Store.Record(jm.Name); rerr == nil {
 			o.machine(jm.Name, mach.Image)
 		}
 	}

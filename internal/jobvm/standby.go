@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -41,9 +42,9 @@ const serveLock = "_serve"
 func (h *Host) LockService(ctx context.Context) (unlock func(), err error) {
 	ctx, cancel := context.WithTimeout(ctx, time.Second)
 	defer cancel()
-	unlock, err = h.Store.Lock(ctx, serveLock)
+	unlock, err = h.m.Store.Lock(ctx, serveLock)
 	if err != nil && ctx.Err() != nil {
-		return nil, fmt.Errorf("another libvirt-executor serve runs for state_dir %s: %w", h.Cfg.StateDir, state.ErrBusy)
+		return nil, fmt.Errorf("another libvirt-executor serve runs for state_dir %s: %w", h.m.Cfg.StateDir, state.ErrBusy)
 	}
 	return unlock, err
 }
@@ -53,21 +54,21 @@ func (h *Host) LockService(ctx context.Context) (unlock func(), err error) {
 const heartbeatKey = "serve-heartbeat"
 
 // Heartbeat records that the pool service is looking at its pools now.
-func (h *Host) Heartbeat() error { return h.Store.Touch(heartbeatKey) }
+func (h *Host) Heartbeat() error { return h.m.Store.Touch(heartbeatKey) }
 
 // heartbeatStale is how old the heartbeat may be for a service that holds
 // its lock to count as running: it looks every serve.interval (at most
 // 10 s).
 func (h *Host) heartbeatStale() time.Duration {
-	return max(10*h.Cfg.Serve.Interval.D(), 10*time.Second)
+	return max(10*h.m.Cfg.Serve.Interval.D(), 10*time.Second)
 }
 
 // ServiceStatus says whether the pool service holds its lock, and how long
 // ago it last looked at its pools (ok false: never).
 // It creates nothing (doctor may look as another user than the service's).
 func (h *Host) ServiceStatus() (locked bool, lastLook time.Duration, ok bool) {
-	locked, _ = h.Store.Held(serveLock)
-	lastLook, ok = h.Store.Age(heartbeatKey)
+	locked, _ = h.m.Store.Held(serveLock)
+	lastLook, ok = h.m.Store.Age(heartbeatKey)
 	return locked, lastLook, ok
 }
 
@@ -85,20 +86,20 @@ type Standby = lifecycle.Standby
 // Standbys lists this installation's standby machines from their state
 // directories.
 func (h *Host) Standbys() ([]Standby, error) {
-	names, err := h.Store.Names()
+	names, err := h.m.Store.Names()
 	if err != nil {
 		return nil, err
 	}
 	var out []Standby
 	for _, n := range names {
-		if !h.IsStandby(n) {
+		if !h.m.Machine(n).IsStandby() {
 			continue
 		}
 		s := Standby{Name: n}
-		if rec, err := h.Store.Record(n); err == nil {
+		if rec, err := h.m.Store.Record(n); err == nil {
 			s.Record = rec
 		}
-		if s.Claim, err = h.Store.ClaimOf(n); err != nil {
+		if s.Claim, err = h.m.Store.ClaimOf(n); err != nil {
 			// Unreadable: claimed by nobody known. Never handed out, and
 			// not retired either (Retire cannot read it); the sweep removes
 			// it after its deadline.
@@ -122,31 +123,31 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 	if err != nil {
 		return nil, fmt.Errorf("base image of %s: %w", img.Name, err)
 	}
-	name, err := lifecycle.StandbyName(h.Cfg.NamePrefix, h.Controller)
+	name, err := lifecycle.StandbyName(h.m.Cfg.NamePrefix, h.m.Controller)
 	if err != nil {
 		return nil, err
 	}
-	size := h.Cfg.ImageSize(img)
+	size := h.m.Cfg.ImageSize(img)
 	booted := time.Now()
-	ready, err := h.Provision(ctx, lifecycle.Request{
+	ready, err := h.m.Provision(ctx, lifecycle.Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base,
-			Spec: lifecycle.SpecFingerprint(h.Cfg, img)},
+			Spec: lifecycle.SpecFingerprint(h.m.Cfg, img)},
 	})
 	if err != nil {
 		// Nothing of the machine is left (Provision undid it); its lock file
 		// would be, under a name never used again.
-		if unlock, lerr := h.Store.TryLock(name); lerr == nil {
-			if has, herr := h.Store.Has(name); herr == nil && !has {
-				h.Store.RemoveLock(name)
+		if unlock, lerr := h.m.Store.TryLock(name); lerr == nil {
+			if has, herr := h.m.Store.Has(name); herr == nil && !has {
+				h.m.Store.RemoveLock(name)
 			}
 			unlock()
 		}
 		return ready, err
 	}
-	if h.Cfg.SSH.HolderEnabled() {
-		h.standbyHolder(ctx, name, booted.Add(img.Pool.MaxAge.D()+h.Cfg.Timeouts.JobSlack.D()))
+	if h.m.Cfg.SSH.HolderEnabled() {
+		h.standbyHolder(ctx, name, booted.Add(img.Pool.MaxAge.D()+h.m.Cfg.Timeouts.JobSlack.D()))
 	}
 	return ready, nil
 }
@@ -163,31 +164,17 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 // machine or at until. Without one the claiming job starts its own:
 // nothing fails for it.
 func (h *Host) standbyHolder(ctx context.Context, name string, until time.Time) {
-	unlock, err := h.Store.Lock(ctx, name)
+	unlock, err := h.m.Store.Lock(ctx, name)
 	if err != nil {
 		return
 	}
 	defer unlock()
-	if cl, err := h.Store.ClaimOf(name); err != nil || cl != nil {
+	if cl, err := h.m.Store.ClaimOf(name); err != nil || cl != nil {
 		return
 	}
 	if err := h.StartHolder(name, until); err != nil {
-		h.Sayf("Note: no connection holder started with the standby VM %s (the job that claims it starts one): %v", name, err)
+		h.m.Sayf("Note: no connection holder started with the standby VM %s (the job that claims it starts one): %v", name, err)
 	}
-}
-
-// ClaimRequest is a job asking for an idle standby machine.
-type ClaimRequest struct {
-	// Job is the name the job knows its machine by (its mapping key: the
-	// machine name a cold start would have used).
-	Job   string
-	Image *config.Image
-	Size  config.Size
-	// Frontend and JobID go into the ownership record; the deadline is
-	// now + Lifetime + timeouts.job_slack.
-	Frontend string
-	JobID    string
-	Lifetime time.Duration
 }
 
 // Claimed is a standby machine now serving a job.
@@ -236,13 +223,13 @@ const probeWait = 2 * time.Second
 // persistent). If ctx ends or a step after the claim fails, the machine is
 // removed, never returned to the pool. *ErrNoStandby says why there is
 // none.
-func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
+func (h *Host) Claim(ctx context.Context, req JobRequest) (*Claimed, error) {
 	t0 := time.Now()
 	p := req.Image.Pool
 	if p == nil {
 		return nil, &ErrNoStandby{Code: MissNoPool, Why: fmt.Sprintf("image %s has no standby pool", req.Image.Name)}
 	}
-	if want := h.Cfg.ImageSize(req.Image); req.Size != want {
+	if want := h.m.Cfg.ImageSize(req.Image); req.Size != want {
 		return nil, &ErrNoStandby{Code: MissSize, Why: fmt.Sprintf("the job asks for %d vCPU, %d MiB, %d GiB; the pool of %s keeps %d vCPU, %d MiB, %d GiB",
 			req.Size.VCPUs, req.Size.MemoryMiB, req.Size.DiskGiB, req.Image.Name, want.VCPUs, want.MemoryMiB, want.DiskGiB)}
 	}
@@ -250,7 +237,7 @@ func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
 		return nil, &ErrNoStandby{Code: MissServiceDown, Why: "the pool service (libvirt-executor serve) is not running"}
 	}
 	// Every ask counts as demand for the pool's target, met or not.
-	_ = h.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
+	_ = h.m.Store.NoteDemand(req.Image.Name) // a lost record costs one boot less
 	all, err := h.Standbys()
 	if err != nil {
 		return nil, &ErrNoStandby{Code: MissError, Why: "cannot list the standby VMs: " + err.Error()}
@@ -292,11 +279,11 @@ func (h *Host) Claim(ctx context.Context, req ClaimRequest) (*Claimed, error) {
 // passed over (taken by another job meanwhile, or found unfit and marked for
 // retirement); err is a failure after the claim (the machine is then
 // removed again).
-func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
+func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base state.FileVersion, baseErr error) (*state.Machine, string, error) {
 	// Until the claim file exists nothing is this job's: a failure is
 	// only a reason to pass the machine over (the job can still start
 	// cold).
-	unlock, err := h.Store.TryLock(name)
+	unlock, err := h.m.Store.TryLock(name)
 	if errors.Is(err, state.ErrBusy) {
 		return nil, "busy", nil
 	}
@@ -306,13 +293,13 @@ func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base
 	defer unlock()
 	// Judged again under the lock: another job may have claimed it, the
 	// service retired it, a sweep removed it.
-	if cl, err := h.Store.ClaimOf(name); err != nil || cl != nil {
+	if cl, err := h.m.Store.ClaimOf(name); err != nil || cl != nil {
 		return nil, "claimed meanwhile", nil
 	}
-	rec, err := h.Store.Record(name)
+	rec, err := h.m.Store.Record(name)
 	if err != nil || rec.Standby == nil {
-		if has, herr := h.Store.Has(name); herr == nil && !has {
-			h.Store.RemoveLock(name) // gone meanwhile: the lock file was ours to make
+		if has, herr := h.m.Store.Has(name); herr == nil && !has {
+			h.m.Store.RemoveLock(name) // gone meanwhile: the lock file was ours to make
 		}
 		return nil, "no record", nil
 	}
@@ -323,11 +310,11 @@ func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base
 	}
 	if unfit != "" {
 		if retire {
-			_ = h.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
+			_ = h.m.Store.Claim(name, state.Claim{Retire: true, Reason: unfit, At: time.Now().UTC()})
 		}
 		return nil, unfit, nil
 	}
-	if err := h.Store.Claim(name, state.Claim{Job: req.Job, At: time.Now().UTC()}); err != nil {
+	if err := h.m.Store.Claim(name, state.Claim{Job: req.Name, At: time.Now().UTC()}); err != nil {
 		if errors.Is(err, state.ErrClaimed) {
 			return nil, "claimed meanwhile", nil
 		}
@@ -335,21 +322,21 @@ func (h *Host) claimOne(ctx context.Context, name string, req ClaimRequest, base
 	}
 	// From here on the machine is this job's: it never goes back to the
 	// pool. What fails now removes it.
-	err = h.Store.MapJob(req.Job, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
 	if err == nil {
-		deadline := time.Now().Add(req.Lifetime + h.Cfg.Timeouts.JobSlack.D()).UTC()
-		err = h.Engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
-			o.Frontend, o.Job, o.Deadline = req.Frontend, req.JobID, deadline
+		deadline := time.Now().Add(req.Lifetime + h.m.Cfg.Timeouts.JobSlack.D()).UTC()
+		err = h.m.Engine().UpdateOwner(ctx, name, func(o *vm.Owner) {
+			o.Frontend, o.Job, o.Deadline = req.Frontend, req.Job, deadline
 		})
 	}
 	if err == nil {
 		err = ctx.Err()
 	}
 	if err != nil {
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.TeardownLocked(tctx, name), h.Store.UnmapJob(req.Job))
-		h.Store.RemoveLock(name)
+		err = errors.Join(fmt.Errorf("claim %s: %w", name, err), h.m.Machine(name).TeardownLocked(tctx), h.m.Store.UnmapJob(req.Name))
+		h.m.Store.RemoveLock(name)
 		return nil, "", err
 	}
 	return rec, "", nil
@@ -367,7 +354,7 @@ func (h *Host) unfit(ctx context.Context, rec *state.Machine, img *config.Image,
 	if why := h.Outdated(rec, img, base, baseErr); why != "" {
 		return why, true
 	}
-	if why := h.Explain(ctx, rec.Name); why != "" {
+	if why := h.m.Machine(rec.Name).Explain(ctx); why != "" {
 		return why, true
 	}
 	pctx, cancel := context.WithTimeout(ctx, probeWait)
@@ -387,7 +374,7 @@ func (h *Host) Outdated(rec *state.Machine, img *config.Image, base state.FileVe
 	switch {
 	case img == nil || img.Pool == nil || sb.Image != img.Name:
 		return "its image is no longer pooled"
-	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != h.Cfg.ImageSize(img):
+	case (config.Size{VCPUs: sb.VCPUs, MemoryMiB: sb.MemoryMiB, DiskGiB: sb.DiskGiB}) != h.m.Cfg.ImageSize(img):
 		return "its size is no longer the image's"
 	// The job log shows these reasons: the image's name, never the host's
 	// paths.
@@ -397,9 +384,9 @@ func (h *Host) Outdated(rec *state.Machine, img *config.Image, base state.FileVe
 		return fmt.Sprintf("the base image file of image %s cannot be read", img.Name)
 	case sb.Base != base:
 		return fmt.Sprintf("the base image file of image %s changed since it booted", img.Name)
-	case sb.Spec != lifecycle.SpecFingerprint(h.Cfg, img):
+	case sb.Spec != lifecycle.SpecFingerprint(h.m.Cfg, img):
 		return "the configuration it was built from (or the driver's version) changed since it booted"
-	case guesttools.VolumeOf(rec) != guesttools.VolumeNow(h.Manager):
+	case guesttools.VolumeOf(rec) != guesttools.VolumeNow(h.m):
 		return "the guest tools disk (gitlab-runner, step-runner) changed since it booted"
 	case time.Since(rec.Created) > img.Pool.MaxAge.D():
 		return fmt.Sprintf("older than pool.max_age (%s)", vm.Round(time.Since(rec.Created)))
@@ -426,22 +413,22 @@ var ErrBootCompleted = errors.New("its boot completed meanwhile")
 // lock is taken is left alone with ErrBootCompleted.
 func (h *Host) RemoveCutOffBoot(ctx context.Context, name string) error {
 	return h.retire(ctx, name, "boot cut off", func() bool {
-		_, err := h.Store.Record(name)
+		_, err := h.m.Store.Record(name)
 		return errors.Is(err, state.ErrNoMachine)
 	})
 }
 
 // retire is Retire; when still is set, it must hold under the lock too.
 func (h *Host) retire(ctx context.Context, name, reason string, still func() bool) error {
-	if !h.IsStandby(name) {
+	if !h.m.Machine(name).IsStandby() {
 		return lifecycle.NotOurs(fmt.Sprintf("refusing to retire %q: not a standby machine of this installation", name))
 	}
-	unlock, err := h.Store.TryLock(name)
+	unlock, err := h.m.Store.TryLock(name)
 	if err != nil {
 		return err
 	}
 	defer unlock()
-	cl, err := h.Store.ClaimOf(name)
+	cl, err := h.m.Store.ClaimOf(name)
 	if err != nil {
 		return err
 	}
@@ -451,17 +438,17 @@ func (h *Host) retire(ctx context.Context, name, reason string, still func() boo
 	if still != nil && cl == nil && !still() {
 		return fmt.Errorf("%s: %w", name, ErrBootCompleted)
 	}
-	if has, err := h.Store.Has(name); err != nil {
+	if has, err := h.m.Store.Has(name); err != nil {
 		return err
 	} else if has && cl == nil {
-		if err := h.Store.Claim(name, state.Claim{Retire: true, Reason: reason, At: time.Now().UTC()}); err != nil {
+		if err := h.m.Store.Claim(name, state.Claim{Retire: true, Reason: reason, At: time.Now().UTC()}); err != nil {
 			return err
 		}
 	}
-	if err := h.TeardownLocked(ctx, name); err != nil {
+	if err := h.m.Machine(name).TeardownLocked(ctx); err != nil {
 		return err
 	}
-	h.Store.RemoveLock(name)
+	h.m.Store.RemoveLock(name)
 	return nil
 }
 
@@ -493,7 +480,7 @@ func (h *Host) retireIdle(ctx context.Context, reason string) string {
 			if s.Record != nil && s.Record.Standby != nil {
 				image = s.Record.Standby.Image
 			}
-			h.Record(nil, obs.Event{Kind: obs.KindRetired, Job: s.Name, Image: image, Reason: "room"})
+			h.m.Record(nil, obs.Event{Kind: obs.KindRetired, Job: s.Name, Image: image, Reason: "room"})
 			return s.Name
 		}
 	}
@@ -510,7 +497,7 @@ func (h *Host) makeRoom(ctx context.Context, short lifecycle.Shortfall, reason s
 	}
 	n := h.retireIdle(ctx, reason)
 	if n != "" {
-		h.Sayf("Retired idle standby VM %s to make room (jobs come first)", n)
+		h.m.Sayf("Retired idle standby VM %s to make room (jobs come first)", n)
 	}
 	return n
 }
@@ -522,7 +509,7 @@ func (h *Host) idleCanCover(short lifecycle.Shortfall) bool {
 	if err != nil {
 		return false
 	}
-	held, err := h.Reservations()
+	held, err := h.m.Capacity().Reservations()
 	if err != nil {
 		return false
 	}

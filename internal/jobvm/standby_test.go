@@ -99,7 +99,7 @@ base = "` + base + `"
 
 func mustImage(t *testing.T, m *Host, name string) *config.Image {
 	t.Helper()
-	img, ok := m.Cfg.Image(name)
+	img, ok := m.Manager().Cfg.Image(name)
 	require.True(t, ok)
 	return img
 }
@@ -111,15 +111,15 @@ func mustImage(t *testing.T, m *Host, name string) *config.Image {
 func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffix string, created time.Time, port int) string {
 	t.Helper()
 	name := lifecycle.MachinePrefix("lve", controller) + "sb-" + suffix
-	require.True(t, m.IsStandby(name))
-	size := m.Cfg.ImageSize(img)
-	_, err := m.Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
+	require.True(t, m.Manager().Machine(name).IsStandby())
+	size := m.Manager().Cfg.ImageSize(img)
+	_, err := m.Manager().Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
 	require.NoError(t, err)
 	base, err := state.VersionOf(img.Base)
 	require.NoError(t, err)
-	require.NoError(t, m.Store.Save(state.Machine{
+	require.NoError(t, m.Manager().Store.Save(state.Machine{
 		Name: name, Image: img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
-		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(m.Cfg, img)},
+		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(m.Manager().Cfg, img)},
 	}))
 	x, err := vm.MarshalOwner(vm.Owner{Controller: controller, Frontend: FrontendStandby, Job: img.Name, Created: created.UTC(),
 		Deadline: created.Add(time.Hour + 30*time.Minute).UTC(), Volumes: []string{vm.DiskVolume(name)}})
@@ -131,8 +131,8 @@ func addStandby(t *testing.T, m *Host, hv *vmtest.Fake, img *config.Image, suffi
 	return name
 }
 
-func claimRequest(m *Host, img *config.Image, job string) ClaimRequest {
-	return ClaimRequest{Job: job, Image: img, Size: m.Cfg.ImageSize(img), Frontend: "gitlab", JobID: "42", Lifetime: time.Hour}
+func claimRequest(m *Host, img *config.Image, job string) JobRequest {
+	return JobRequest{Request: lifecycle.Request{Name: job, Image: img, Frontend: "gitlab", Job: "42", Lifetime: time.Hour}, Size: m.Manager().Cfg.ImageSize(img)}
 }
 
 // lockService plays the running pool service for the rest of the test:
@@ -181,8 +181,8 @@ func requireGone(t *testing.T, hv *vmtest.Fake, m *Host, name string) {
 	require.False(t, dom, "domain %s left", name)
 	require.False(t, disk, "disk of %s left", name)
 	require.False(t, seed, "seed of %s left", name)
-	require.NoDirExists(t, m.Store.MachineDir(name))
-	locks, err := m.Store.LockNames()
+	require.NoDirExists(t, m.Manager().Store.MachineDir(name))
+	locks, err := m.Manager().Store.LockNames()
 	require.NoError(t, err)
 	require.NotContains(t, locks, name, "lock file left")
 }
@@ -197,12 +197,12 @@ func TestStandbyName(t *testing.T) {
 	require.Regexp(t, `^lve-0123abcd-sb-[0-9a-f]{8}$`, a)
 	require.NotEqual(t, a, b)
 	require.NoError(t, vm.CheckName(a))
-	require.True(t, m.IsStandby(a))
-	require.False(t, m.IsStandby("lve-0123abcd-7"), "a job's machine")
-	require.False(t, m.IsStandby("lve-ffffffff-sb-00000000"), "another installation's")
+	require.True(t, m.Manager().Machine(a).IsStandby())
+	require.False(t, m.Manager().Machine("lve-0123abcd-7").IsStandby(), "a job's machine")
+	require.False(t, m.Manager().Machine("lve-ffffffff-sb-00000000").IsStandby(), "another installation's")
 	other, err := lifecycle.StandbyName("lve", "ffffffff-0000-4000-8000-000000000000")
 	require.NoError(t, err)
-	require.False(t, m.IsStandby(other))
+	require.False(t, m.Manager().Machine(other).IsStandby())
 }
 
 // ServiceRunning is true only while LockService's lock is held and the
@@ -232,7 +232,7 @@ func TestLockServiceAndServiceRunning(t *testing.T) {
 
 	// A service that stopped looking (hung) does not count.
 	old := time.Now().Add(-time.Minute)
-	require.NoError(t, os.Chtimes(filepath.Join(m.Store.Dir, heartbeatKey), old, old))
+	require.NoError(t, os.Chtimes(filepath.Join(m.Manager().Store.Dir, heartbeatKey), old, old))
 	require.False(t, m.ServiceRunning(), "heartbeat a minute old")
 	require.NoError(t, m.Heartbeat())
 	require.True(t, m.ServiceRunning())
@@ -254,10 +254,10 @@ func TestClaimWithHungServiceGoesCold(t *testing.T) {
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
 	lockService(t, m)
 	old := time.Now().Add(-time.Minute)
-	require.NoError(t, os.Chtimes(filepath.Join(m.Store.Dir, heartbeatKey), old, old))
+	require.NoError(t, os.Chtimes(filepath.Join(m.Manager().Store.Dir, heartbeatKey), old, old))
 	_, err := m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-7"))
 	requireNoStandby(t, err, "is not running")
-	cl, err := m.Store.ClaimOf(sb)
+	cl, err := m.Manager().Store.ClaimOf(sb)
 	require.NoError(t, err)
 	require.Nil(t, cl)
 }
@@ -291,10 +291,10 @@ func TestClaimSaysWhyThereIsNoStandby(t *testing.T) {
 	why := requireNoStandby(t, err, "no idle VM of image other in the pool")
 	require.NotContains(t, why, "passed over", "tiny's machine is not other's to pass over")
 
-	cl, err := m.Store.ClaimOf(sb)
+	cl, err := m.Manager().Store.ClaimOf(sb)
 	require.NoError(t, err)
 	require.Nil(t, cl, "no refusal claimed the idle machine")
-	jm, err := m.Store.MachineOfJob(job)
+	jm, err := m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Nil(t, jm, "no refusal mapped the job")
 
@@ -318,9 +318,9 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	middle := addStandby(t, m, hv, img, "0000000c", now.Add(-20*time.Minute), port)
 	otherImage := addStandby(t, m, hv, mustImage(t, m, "other"), "0000000d", now.Add(-50*time.Minute), port)
 	taken := addStandby(t, m, hv, img, "0000000e", now.Add(-40*time.Minute), port)
-	require.NoError(t, m.Store.Claim(taken, state.Claim{Job: "lve-0123abcd-99", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(taken, state.Claim{Job: "lve-0123abcd-99", At: now.UTC()}))
 	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000f"
-	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err := m.Manager().Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	before := ownerOf(t, hv, oldest)
 	lockService(t, m)
@@ -334,13 +334,13 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	require.Positive(t, c.Took)
 	require.NotNil(t, c.Machine.Standby)
 
-	cl, err := m.Store.ClaimOf(oldest)
+	cl, err := m.Manager().Store.ClaimOf(oldest)
 	require.NoError(t, err)
 	require.Equal(t, job, cl.Job)
 	require.False(t, cl.Retire)
 	require.WithinDuration(t, time.Now(), cl.At, time.Minute)
 
-	jm, err := m.Store.MachineOfJob(job)
+	jm, err := m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Equal(t, oldest, jm.Machine)
 	require.True(t, jm.Warm)
@@ -361,11 +361,11 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	require.Equal(t, before.Volumes, o.Volumes)
 
 	for _, n := range []string{young, middle, otherImage, booting} {
-		cl, err := m.Store.ClaimOf(n)
+		cl, err := m.Manager().Store.ClaimOf(n)
 		require.NoError(t, err)
 		require.Nil(t, cl, "%s untouched", n)
 	}
-	cl, err = m.Store.ClaimOf(taken)
+	cl, err = m.Manager().Store.ClaimOf(taken)
 	require.NoError(t, err)
 	require.Equal(t, "lve-0123abcd-99", cl.Job, "the other job's claim stays")
 
@@ -378,7 +378,7 @@ func TestClaimTakesTheOldestIdleMachine(t *testing.T) {
 	require.Equal(t, young, c.Machine.Name)
 	_, err = m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-10"))
 	requireNoStandby(t, err, "no idle VM of image tiny in the pool")
-	jm, err = m.Store.MachineOfJob("lve-0123abcd-10")
+	jm, err = m.Manager().Store.MachineOfJob("lve-0123abcd-10")
 	require.NoError(t, err)
 	require.Nil(t, jm)
 }
@@ -421,7 +421,7 @@ func TestClaimConcurrentNeverSharesAMachine(t *testing.T) {
 		job := fmt.Sprintf("lve-0123abcd-%d", 100+i)
 		if err != nil {
 			requireNoStandby(t, err, "no idle VM of image tiny")
-			jm, err := m.Store.MachineOfJob(job)
+			jm, err := m.Manager().Store.MachineOfJob(job)
 			require.NoError(t, err)
 			require.Nil(t, jm, "a job without a machine has no mapping")
 			continue
@@ -429,10 +429,10 @@ func TestClaimConcurrentNeverSharesAMachine(t *testing.T) {
 		prev, dup := owner[got[i]]
 		require.False(t, dup, "%s handed to %s and %s", got[i], prev, job)
 		owner[got[i]] = job
-		cl, err := m.Store.ClaimOf(got[i])
+		cl, err := m.Manager().Store.ClaimOf(got[i])
 		require.NoError(t, err)
 		require.Equal(t, job, cl.Job, "the claim on file names the job that got it")
-		jm, err := m.Store.MachineOfJob(job)
+		jm, err := m.Manager().Store.MachineOfJob(job)
 		require.NoError(t, err)
 		require.Equal(t, got[i], jm.Machine)
 	}
@@ -440,7 +440,7 @@ func TestClaimConcurrentNeverSharesAMachine(t *testing.T) {
 	for _, n := range machines {
 		require.Contains(t, owner, n)
 	}
-	mapped, err := m.Store.MappedJobs()
+	mapped, err := m.Manager().Store.MappedJobs()
 	require.NoError(t, err)
 	require.Len(t, mapped, 4)
 }
@@ -492,18 +492,18 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 		{name: "SSH does not answer", age: 5 * time.Minute, dead: true, want: "its SSH port does not answer"},
 		{name: "size no longer the image's", age: 5 * time.Minute, want: "its size is no longer the image's",
 			spoil: func(t *testing.T, m *Host, _ *vmtest.Fake, _ *config.Image, name string) {
-				rec, err := m.Store.Record(name)
+				rec, err := m.Manager().Store.Record(name)
 				require.NoError(t, err)
 				rec.Standby.MemoryMiB = 512
-				require.NoError(t, m.Store.Save(*rec))
+				require.NoError(t, m.Manager().Store.Save(*rec))
 			}},
 		{name: "gitlab-runner for the guests changed", age: 5 * time.Minute, want: "the guest tools disk (gitlab-runner, step-runner) changed",
 			spoil: func(t *testing.T, m *Host, _ *vmtest.Fake, _ *config.Image, name string) {
 				// Booted with the tools disk of an older binary.
-				rec, err := m.Store.Record(name)
+				rec, err := m.Manager().Store.Record(name)
 				require.NoError(t, err)
-				rec.Tools = &state.Tools{Volume: guesttools.ToolsVolumeName(m.Cfg.NamePrefix, m.Controller, strings.Repeat("0", 64)), Source: "/old", SHA256: strings.Repeat("0", 64)}
-				require.NoError(t, m.Store.Save(*rec))
+				rec.Tools = &state.Tools{Volume: guesttools.ToolsVolumeName(m.Manager().Cfg.NamePrefix, m.Manager().Controller, strings.Repeat("0", 64)), Source: "/old", SHA256: strings.Repeat("0", 64)}
+				require.NoError(t, m.Manager().Store.Save(*rec))
 			}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -528,7 +528,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 			require.Contains(t, c.Skipped[0], bad+": ")
 			require.Contains(t, c.Skipped[0], tc.want)
 
-			cl, err := m.Store.ClaimOf(bad)
+			cl, err := m.Manager().Store.ClaimOf(bad)
 			require.NoError(t, err)
 			require.NotNil(t, cl, "marked")
 			require.True(t, cl.Retire)
@@ -539,7 +539,7 @@ func TestClaimPassesOverUnfitMachines(t *testing.T) {
 			_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-8"))
 			why := requireNoStandby(t, err, "no idle VM of image tiny in the pool")
 			require.NotContains(t, why, bad)
-			jm, err := m.Store.MachineOfJob("lve-0123abcd-8")
+			jm, err := m.Manager().Store.MachineOfJob("lve-0123abcd-8")
 			require.NoError(t, err)
 			require.Nil(t, jm)
 			got, err := m.MachineOf("lve-0123abcd-8")
@@ -564,7 +564,7 @@ func TestClaimAllUnfitSaysWhy(t *testing.T) {
 	require.Contains(t, why, b+": the base image file of image tiny is missing")
 	require.NotContains(t, why, img.Base, "no host path in the job log")
 	for _, n := range []string{a, b} {
-		cl, err := m.Store.ClaimOf(n)
+		cl, err := m.Manager().Store.ClaimOf(n)
 		require.NoError(t, err)
 		require.True(t, cl.Retire, n)
 	}
@@ -578,7 +578,7 @@ func TestClaimPassesOverBusyMachine(t *testing.T) {
 	m, img, _ := poolManager(t, hv, port, "")
 	busy := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-2*time.Minute), port)
 	free := addStandby(t, m, hv, img, "0000000b", time.Now().Add(-time.Minute), port)
-	unlock, err := m.Store.TryLock(busy)
+	unlock, err := m.Manager().Store.TryLock(busy)
 	require.NoError(t, err)
 	defer unlock()
 	lockService(t, m)
@@ -586,7 +586,7 @@ func TestClaimPassesOverBusyMachine(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, free, c.Machine.Name)
 	require.Equal(t, []string{busy + ": busy"}, c.Skipped)
-	cl, err := m.Store.ClaimOf(busy)
+	cl, err := m.Manager().Store.ClaimOf(busy)
 	require.NoError(t, err)
 	require.Nil(t, cl, "a busy machine is not marked")
 }
@@ -623,10 +623,10 @@ func TestClaimCancelledAfterClaimRemovesMachine(t *testing.T) {
 	}()
 	require.Eventually(t, func() bool { return hv.Hung() > 0 }, 10*time.Second, 5*time.Millisecond)
 	// The claim and mapping are made; the ownership record is not yet.
-	cl, err := m.Store.ClaimOf(sb)
+	cl, err := m.Manager().Store.ClaimOf(sb)
 	require.NoError(t, err)
 	require.Equal(t, job, cl.Job)
-	jm, err := m.Store.MachineOfJob(job)
+	jm, err := m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Equal(t, sb, jm.Machine)
 
@@ -643,7 +643,7 @@ func TestClaimCancelledAfterClaimRemovesMachine(t *testing.T) {
 	require.ErrorIs(t, err, context.Canceled)
 	require.ErrorContains(t, err, "claim "+sb)
 	requireGone(t, hv, m, sb)
-	jm, err = m.Store.MachineOfJob(job)
+	jm, err = m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Nil(t, jm, "mapping removed")
 	all, err := m.Standbys()
@@ -664,7 +664,7 @@ func TestClaimFailedOwnerUpdateRemovesMachine(t *testing.T) {
 	var ns *ErrNoStandby
 	require.NotErrorAs(t, err, &ns, "a failure after the claim is no reason to go cold quietly")
 	requireGone(t, hv, m, sb)
-	jm, err := m.Store.MachineOfJob("lve-0123abcd-7")
+	jm, err := m.Manager().Store.MachineOfJob("lve-0123abcd-7")
 	require.NoError(t, err)
 	require.Nil(t, jm)
 }
@@ -680,7 +680,7 @@ func TestClaimWithEndedContextClaimsNothing(t *testing.T) {
 	cancel()
 	_, err := m.Claim(ctx, claimRequest(m, img, "lve-0123abcd-7"))
 	require.ErrorIs(t, err, context.Canceled)
-	cl, err := m.Store.ClaimOf(sb)
+	cl, err := m.Manager().Store.ClaimOf(sb)
 	require.NoError(t, err)
 	require.Nil(t, cl)
 	hv.Lock()
@@ -702,7 +702,7 @@ func TestMachineOf(t *testing.T) {
 
 	// A claim without a mapping (prepare killed between the two) is found.
 	a := addStandby(t, m, hv, img, "0000000a", now, port)
-	require.NoError(t, m.Store.Claim(a, state.Claim{Job: job, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(a, state.Claim{Job: job, At: now.UTC()}))
 	got, err = m.MachineOf(job)
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: a, Warm: true}, got)
@@ -712,8 +712,8 @@ func TestMachineOf(t *testing.T) {
 
 	// A mapping whose machine's claim names another job is not believed.
 	b := addStandby(t, m, hv, img, "0000000b", now, port)
-	require.NoError(t, m.Store.Claim(b, state.Claim{Job: "lve-0123abcd-9", At: now.UTC()}))
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-8", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(b, state.Claim{Job: "lve-0123abcd-9", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-8", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
 	got, err = m.MachineOf("lve-0123abcd-8")
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: "lve-0123abcd-8"}, got)
@@ -721,20 +721,20 @@ func TestMachineOf(t *testing.T) {
 	// Nor one to a machine without a claim, nor to a machine that is not a
 	// standby machine.
 	c := addStandby(t, m, hv, img, "0000000c", now, port)
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-10", state.JobMachine{Machine: c, Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-10", state.JobMachine{Machine: c, Warm: true, At: now.UTC()}))
 	got, err = m.MachineOf("lve-0123abcd-10")
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: "lve-0123abcd-10"}, got)
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-11", state.JobMachine{Machine: "lve-0123abcd-12", At: now.UTC()}))
-	_, err = m.Store.Create("lve-0123abcd-12")
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-11", state.JobMachine{Machine: "lve-0123abcd-12", At: now.UTC()}))
+	_, err = m.Manager().Store.Create("lve-0123abcd-12")
 	require.NoError(t, err)
-	require.NoError(t, m.Store.Claim("lve-0123abcd-12", state.Claim{Job: "lve-0123abcd-11"}))
+	require.NoError(t, m.Manager().Store.Claim("lve-0123abcd-12", state.Claim{Job: "lve-0123abcd-11"}))
 	got, err = m.MachineOf("lve-0123abcd-11")
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: "lve-0123abcd-11"}, got, "only a standby machine is found through the mapping")
 
 	// A mapping that agrees with the claim.
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-9", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-9", state.JobMachine{Machine: b, Warm: true, At: now.UTC()}))
 	got, err = m.MachineOf("lve-0123abcd-9")
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: b, Warm: true}, got)
@@ -764,7 +764,7 @@ func TestTeardownJob(t *testing.T) {
 	hv.Domains[job] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Volumes["jobs/"+vm.DiskVolume(job)] = nil
 	hv.Unlock()
-	_, err = m.Store.Create(job)
+	_, err = m.Manager().Store.Create(job)
 	require.NoError(t, err)
 
 	got, err := m.TeardownJob(ctx, job)
@@ -772,7 +772,7 @@ func TestTeardownJob(t *testing.T) {
 	require.Equal(t, JobMachine{Name: sb, Warm: true}, got)
 	requireGone(t, hv, m, sb)
 	requireGone(t, hv, m, job)
-	jm, err := m.Store.MachineOfJob(job)
+	jm, err := m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Nil(t, jm)
 	hv.Lock()
@@ -789,7 +789,7 @@ func TestTeardownJob(t *testing.T) {
 	hv.Lock()
 	hv.Domains[cold] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Unlock()
-	_, err = m.Store.Create(cold)
+	_, err = m.Manager().Store.Create(cold)
 	require.NoError(t, err)
 	got, err = m.TeardownJob(ctx, cold)
 	require.NoError(t, err)
@@ -808,7 +808,7 @@ func TestRetire(t *testing.T) {
 	require.ErrorIs(t, err, vm.ErrNotOurs, "a job's machine is not a standby machine")
 
 	claimed := addStandby(t, m, hv, img, "0000000a", now, port)
-	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-7", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-7", At: now.UTC()}))
 	err = m.Retire(ctx, claimed, "x")
 	require.ErrorIs(t, err, state.ErrClaimed)
 	require.ErrorContains(t, err, "lve-0123abcd-7")
@@ -817,11 +817,11 @@ func TestRetire(t *testing.T) {
 	hv.Unlock()
 
 	busy := addStandby(t, m, hv, img, "0000000b", now, port)
-	unlock, err := m.Store.TryLock(busy)
+	unlock, err := m.Manager().Store.TryLock(busy)
 	require.NoError(t, err)
 	require.ErrorIs(t, m.Retire(ctx, busy, "x"), state.ErrBusy)
 	unlock()
-	cl, err := m.Store.ClaimOf(busy)
+	cl, err := m.Manager().Store.ClaimOf(busy)
 	require.NoError(t, err)
 	require.Nil(t, cl, "not marked while busy")
 
@@ -830,13 +830,13 @@ func TestRetire(t *testing.T) {
 	requireGone(t, hv, m, idle)
 
 	marked := addStandby(t, m, hv, img, "0000000d", now, port)
-	require.NoError(t, m.Store.Claim(marked, state.Claim{Retire: true, Reason: "dead"}))
+	require.NoError(t, m.Manager().Store.Claim(marked, state.Claim{Retire: true, Reason: "dead"}))
 	require.NoError(t, m.Retire(ctx, marked, "again"))
 	requireGone(t, hv, m, marked)
 
 	// A boot cut off: a directory without a record, and a volume.
 	cut := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000e"
-	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err = m.Manager().Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	hv.Lock()
 	hv.Volumes["jobs/"+vm.DiskVolume(cut)] = nil
@@ -857,7 +857,7 @@ func TestRetireMarksBeforeRemoving(t *testing.T) {
 	sb := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	hv.FailOn["Destroy"] = fmt.Errorf("injected destroy failure")
 	require.ErrorContains(t, m.Retire(context.Background(), sb, "excess"), "injected destroy failure")
-	cl, err := m.Store.ClaimOf(sb)
+	cl, err := m.Manager().Store.ClaimOf(sb)
 	require.NoError(t, err)
 	require.True(t, cl.Retire)
 	require.Equal(t, "excess", cl.Reason)
@@ -875,13 +875,13 @@ func TestStandbys(t *testing.T) {
 	now := time.Now()
 	idle := addStandby(t, m, hv, img, "0000000a", now, port)
 	claimed := addStandby(t, m, hv, img, "0000000b", now, port)
-	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "j", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(claimed, state.Claim{Job: "j", At: now.UTC()}))
 	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000c"
-	_, err := m.Store.Create(booting)
+	_, err := m.Manager().Store.Create(booting)
 	require.NoError(t, err)
-	_, err = m.Store.Create("lve-0123abcd-7") // a job's
+	_, err = m.Manager().Store.Create("lve-0123abcd-7") // a job's
 	require.NoError(t, err)
-	_, err = m.Store.Create("lve-ffffffff-sb-00000000") // another installation's
+	_, err = m.Manager().Store.Create("lve-ffffffff-sb-00000000") // another installation's
 	require.NoError(t, err)
 
 	all, err := m.Standbys()
@@ -913,7 +913,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.Regexp(t, regexp.MustCompile(`^lve-0123abcd-sb-[0-9a-f]{8}$`), name)
 	base, err := state.VersionOf(img.Base)
 	require.NoError(t, err)
-	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base, Spec: lifecycle.SpecFingerprint(m.Cfg, mustImage(t, m, "tiny"))}, ready.Machine.Standby)
+	require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, DiskGiB: 0, Base: base, Spec: lifecycle.SpecFingerprint(m.Manager().Cfg, mustImage(t, m, "tiny"))}, ready.Machine.Standby)
 	o := ownerOf(t, hv, name)
 	require.Equal(t, FrontendStandby, o.Frontend)
 	require.Equal(t, "tiny", o.Job)
@@ -922,7 +922,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, all, 1)
 	require.True(t, all[0].Idle())
-	res, err := m.Store.Reservations(state.Reservation{})
+	res, err := m.Manager().Store.Reservations(state.Reservation{})
 	require.NoError(t, err)
 	require.Equal(t, state.Reservation{VCPUs: 1, MemoryMiB: 256}, res[name])
 
@@ -935,7 +935,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.Equal(t, "42", o.Job)
 
 	// run's view: connect from the recorded state with the pinned key.
-	_, client, err := m.Connect(ctx, name)
+	_, client, err := m.Manager().Machine(name).Connect(ctx)
 	require.NoError(t, err)
 	_ = client.Close()
 
@@ -956,7 +956,7 @@ func TestBootStandbyRefusals(t *testing.T) {
 	hv.Lock()
 	require.Empty(t, hv.Domains)
 	hv.Unlock()
-	names, err := m.Store.Names()
+	names, err := m.Manager().Store.Names()
 	require.NoError(t, err)
 	require.Empty(t, names)
 }
@@ -973,17 +973,17 @@ func TestBootStandbyNoWaitFailsAtOnce(t *testing.T) {
 	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
 	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
 	require.Less(t, time.Since(start), 5*time.Second, "capacity.wait is 30m: it did not wait")
-	require.False(t, m.UnderPressure(), "a standby machine is no job waiting")
-	names, err := m.Store.Names()
+	require.False(t, m.Manager().Capacity().UnderPressure(), "a standby machine is no job waiting")
+	names, err := m.Manager().Store.Names()
 	require.NoError(t, err)
 	require.Equal(t, []string{idle}, names, "no reservation left, the idle machine not retired")
 	hv.Lock()
 	require.Len(t, hv.Domains, 1)
 	hv.Unlock()
-	locks, err := m.Store.LockNames()
+	locks, err := m.Manager().Store.LockNames()
 	require.NoError(t, err)
 	for _, l := range locks {
-		require.False(t, m.IsStandby(l) && l != idle, "lock file %s of the failed boot left", l)
+		require.False(t, m.Manager().Machine(l).IsStandby() && l != idle, "lock file %s of the failed boot left", l)
 	}
 }
 
@@ -997,25 +997,25 @@ func TestAdmissionRetiresIdleStandbyForAJob(t *testing.T) {
 	now := time.Now()
 	older := addStandby(t, m, hv, img, "0000000a", now.Add(-5*time.Minute), port)
 	newer := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
-	require.False(t, m.UnderPressure())
+	require.False(t, m.Manager().Capacity().UnderPressure())
 
 	start := time.Now()
-	ready, err := m.Provision(context.Background(), testRequest(img))
+	ready, err := m.Manager().Provision(context.Background(), testRequest(img))
 	require.NoError(t, err)
 	_ = ready.Client.Close()
 	require.Less(t, time.Since(start), 15*time.Second)
 	require.True(t, s.Has("Retired idle standby VM %s to make room"))
-	require.True(t, m.UnderPressure(), "the pool holds its refills")
+	require.True(t, m.Manager().Capacity().UnderPressure(), "the pool holds its refills")
 
 	requireGone(t, hv, m, older)
 	hv.Lock()
 	require.Contains(t, hv.Domains, newer, "one retired is room enough")
 	hv.Unlock()
-	names, err := m.Store.Names()
+	names, err := m.Manager().Store.Names()
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{newer, "lve-0123abcd-7"}, names)
 
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Manager().Machine("lve-0123abcd-7").Teardown(context.Background()))
 }
 
 // A job's admission never takes a machine another job claimed: it waits
@@ -1026,16 +1026,16 @@ func TestAdmissionLeavesClaimedStandby(t *testing.T) {
 	port := bannerServer(t)
 	m, img, _ := poolManager(t, hv, g.Port(), "[capacity]\nmax_vms = 1\nwait = \"700ms\"\n")
 	claimed := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
-	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-99", At: time.Now().UTC()}))
-	_, err := m.Provision(context.Background(), testRequest(img))
+	require.NoError(t, m.Manager().Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-99", At: time.Now().UTC()}))
+	_, err := m.Manager().Provision(context.Background(), testRequest(img))
 	require.ErrorContains(t, err, "1 of 1 VMs in use (capacity.max_vms)")
 	require.ErrorContains(t, err, "capacity.wait")
-	require.True(t, m.UnderPressure())
+	require.True(t, m.Manager().Capacity().UnderPressure())
 	hv.Lock()
 	require.True(t, hv.Domains[claimed].Active, "the other job's machine stays")
 	require.NotContains(t, hv.Domains, "lve-0123abcd-7")
 	hv.Unlock()
-	require.DirExists(t, m.Store.MachineDir(claimed))
+	require.DirExists(t, m.Manager().Store.MachineDir(claimed))
 }
 
 // Idle standby machines are retired for a job only when that can make the
@@ -1049,14 +1049,14 @@ func TestAdmissionKeepsPoolWhenRetiringCannotHelp(t *testing.T) {
 	idle := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	// Another job's machine holds 512 MiB; the idle one 256 MiB; this job
 	// asks for 768 MiB: even without the idle one there is no room.
-	_, err := m.Store.Reserve("lve-0123abcd-50", state.Reservation{VCPUs: 1, MemoryMiB: 512})
+	_, err := m.Manager().Store.Reserve("lve-0123abcd-50", state.Reservation{VCPUs: 1, MemoryMiB: 512})
 	require.NoError(t, err)
 	hv.Lock()
 	hv.Domains["lve-0123abcd-50"] = &vmtest.Domain{OwnerXML: owned(t, time.Now().Add(time.Hour)), Active: true}
 	hv.Unlock()
 	req := testRequest(img)
 	req.MemoryMiB = 768
-	_, err = m.Provision(context.Background(), req)
+	_, err = m.Manager().Provision(context.Background(), req)
 	require.ErrorContains(t, err, "capacity.memory_budget_mib")
 	require.False(t, s.Has("Retired idle standby VM %s to make room"))
 	all, err := m.Standbys()
@@ -1076,27 +1076,27 @@ func TestSweepStandbyMachines(t *testing.T) {
 	now := time.Now()
 	idle := addStandby(t, m, hv, img, "0000000a", now.Add(-time.Minute), port)
 	retired := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
-	require.NoError(t, m.Store.Claim(retired, state.Claim{Retire: true, Reason: "paused", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(retired, state.Claim{Retire: true, Reason: "paused", At: now.UTC()}))
 	claimed := addStandby(t, m, hv, img, "0000000c", now.Add(-time.Minute), port)
-	require.NoError(t, m.Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-70", At: now.UTC()}))
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-70", state.JobMachine{Machine: claimed, Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.Claim(claimed, state.Claim{Job: "lve-0123abcd-70", At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-70", state.JobMachine{Machine: claimed, Warm: true, At: now.UTC()}))
 	booting := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000d"
-	_, err := m.Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err := m.Manager().Store.Reserve(booting, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
-	unlock, err := m.Store.TryLock(booting)
+	unlock, err := m.Manager().Store.TryLock(booting)
 	require.NoError(t, err)
 	defer unlock()
 	// Mappings: to a machine that is gone (its cleanup did not finish), and
 	// to one that is gone while a cold machine of the job's name is there.
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-71", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000999", Warm: true, At: now.UTC()}))
-	require.NoError(t, m.Store.MapJob("lve-0123abcd-72", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000998", Warm: true, At: now.UTC()}))
-	_, err = m.Store.Create("lve-0123abcd-72")
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-71", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000999", Warm: true, At: now.UTC()}))
+	require.NoError(t, m.Manager().Store.MapJob("lve-0123abcd-72", state.JobMachine{Machine: lifecycle.MachinePrefix("lve", controller) + "sb-" + "00000998", Warm: true, At: now.UTC()}))
+	_, err = m.Manager().Store.Create("lve-0123abcd-72")
 	require.NoError(t, err)
 	hv.Lock()
 	hv.Domains["lve-0123abcd-72"] = &vmtest.Domain{OwnerXML: owned(t, now.Add(time.Hour)), Active: true}
 	hv.Unlock()
 
-	items, err := m.Inventory(ctx, now)
+	items, err := m.Manager().Inventory(ctx, now)
 	require.NoError(t, err)
 	got := map[string][2]string{}
 	for _, it := range items {
@@ -1116,14 +1116,14 @@ func TestSweepStandbyMachines(t *testing.T) {
 	}
 
 	// A dry run changes nothing, mappings included.
-	rep, err := m.Sweep(ctx, now, true)
+	rep, err := m.Manager().Sweep(ctx, now, true)
 	require.NoError(t, err)
 	require.Empty(t, rep.Removed)
-	jobs, err := m.Store.MappedJobs()
+	jobs, err := m.Manager().Store.MappedJobs()
 	require.NoError(t, err)
 	require.Len(t, jobs, 3)
 
-	rep, err = m.Sweep(ctx, now, false)
+	rep, err = m.Manager().Sweep(ctx, now, false)
 	require.NoError(t, err)
 	require.Equal(t, []string{retired}, rep.Removed)
 	requireGone(t, hv, m, retired)
@@ -1132,8 +1132,8 @@ func TestSweepStandbyMachines(t *testing.T) {
 		require.True(t, hv.Domains[keep].Active, "%s kept", keep)
 	}
 	hv.Unlock()
-	require.DirExists(t, m.Store.MachineDir(booting), "a boot in progress is left alone")
-	jobs, err = m.Store.MappedJobs()
+	require.DirExists(t, m.Manager().Store.MachineDir(booting), "a boot in progress is left alone")
+	jobs, err = m.Manager().Store.MappedJobs()
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{"lve-0123abcd-70", "lve-0123abcd-72"}, jobs, "only the mapping to nothing goes")
 }
@@ -1164,7 +1164,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, first, name)
 	requireGone(t, hv, m, first)
-	jm, err := m.Store.MachineOfJob(job)
+	jm, err := m.Manager().Store.MachineOfJob(job)
 	require.NoError(t, err)
 	require.Nil(t, jm, "the mapping went with it")
 	c, err = m.Claim(ctx, claimRequest(m, img, job))
@@ -1172,7 +1172,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 	require.Equal(t, second, c.Machine.Name, "the retry claims afresh")
 
 	// Killed between the claim and the mapping: found by the claim alone.
-	require.NoError(t, m.Store.UnmapJob(job))
+	require.NoError(t, m.Manager().Store.UnmapJob(job))
 	name, err = m.RemoveEarlierClaim(ctx, job)
 	require.NoError(t, err)
 	require.Equal(t, second, name)
@@ -1190,7 +1190,7 @@ func TestClaimRecordsDemand(t *testing.T) {
 	addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	_, err = m.Claim(context.Background(), claimRequest(m, img, "lve-0123abcd-11"))
 	require.NoError(t, err)
-	d, err := m.Store.TakeDemand()
+	d, err := m.Manager().Store.TakeDemand()
 	require.NoError(t, err)
 	require.Len(t, d, 2)
 	for _, x := range d {
@@ -1207,7 +1207,7 @@ func TestUnreadableClaimIsNeverHandedOut(t *testing.T) {
 	m, img, _ := poolManager(t, hv, port, "")
 	n := addStandby(t, m, hv, img, "0000000a", time.Now(), port)
 	// A directory in its place: unreadable as a file, even for root.
-	require.NoError(t, os.Mkdir(filepath.Join(m.Store.MachineDir(n), "claim.json"), 0o700))
+	require.NoError(t, os.Mkdir(filepath.Join(m.Manager().Store.MachineDir(n), "claim.json"), 0o700))
 	all, err := m.Standbys()
 	require.NoError(t, err)
 	require.Len(t, all, 1)
@@ -1233,10 +1233,46 @@ func TestRemoveCutOffBootLeavesACompletedBoot(t *testing.T) {
 	require.True(t, all[0].Idle(), "not even marked")
 
 	cut := lifecycle.MachinePrefix("lve", controller) + "sb-" + "0000000b"
-	_, err = m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err = m.Manager().Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	require.NoError(t, m.RemoveCutOffBoot(context.Background(), cut))
-	has, err := m.Store.Has(cut)
+	has, err := m.Manager().Store.Has(cut)
 	require.NoError(t, err)
 	require.False(t, has)
+}
+
+// A machine that serves a job without waiting for room (garm's instances:
+// a lifecycle.Request launched with NoWait and MakeRoom) takes the room of an
+// idle standby machine on a full host, as a GitLab job does; without
+// MakeRoom (a standby's own boot) it fails at once and retires nothing.
+func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t)
+	m, img, _ := poolManager(t, hv, port, "[capacity]\nmax_vms = 1\n")
+	idle := addStandby(t, m, hv, img, "0000000a", time.Now().Add(-time.Minute), port)
+	req := lifecycle.Request{Name: lifecycle.MachinePrefix("lve", controller) + "garm-x", Image: img, VCPUs: 1, MemoryMiB: 256,
+		Frontend: FrontendGarm, Job: "x", Lifetime: time.Hour, NoWait: true}
+
+	_, err := m.Manager().Launch(context.Background(), req)
+	require.ErrorIs(t, err, lifecycle.ErrNoRoom, "without MakeRoom a full host refuses at once")
+	hv.Lock()
+	require.Contains(t, hv.Domains, idle, "nothing retired without MakeRoom")
+	hv.Unlock()
+
+	req.MakeRoom = true
+	start := time.Now()
+	_, err = m.Manager().Launch(context.Background(), req)
+	require.NoError(t, err)
+	require.Less(t, time.Since(start), 10*time.Second)
+	requireGone(t, hv, m, idle)
+	names, err := m.Manager().Store.Names()
+	require.NoError(t, err)
+	require.Equal(t, []string{req.Name}, names)
+
+	// A full host of machines that are no idle standbys still refuses at once.
+	other := req
+	other.Name += "2"
+	_, err = m.Manager().Launch(context.Background(), other)
+	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
+	require.NoError(t, m.Manager().Machine(req.Name).Teardown(context.Background()))
 }

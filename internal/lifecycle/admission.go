@@ -26,7 +26,8 @@ const pressureKey = "pool-pressure"
 const PressureHold = 15 * time.Second
 
 // UnderPressure reports whether a job waited for room within PressureHold.
-func (m *Manager) UnderPressure() bool {
+func (ch Capacity) UnderPressure() bool {
+	m := ch.m
 	age, ok := m.Store.Age(pressureKey)
 	return ok && age < PressureHold
 }
@@ -36,15 +37,29 @@ func (m *Manager) UnderPressure() bool {
 // full, a job's machine first retires idle standby machines (jobs first),
 // then sweeps leftovers once, then waits (polling) until room frees up, ctx
 // ends or capacity.wait passes, telling the job log why it waits. A
-// NoWait request (a standby machine) fails with ErrNoRoom instead.
+// NoWait request fails with ErrNoRoom instead: a standby machine at once,
+// one that serves a job (MakeRoom: garm's) once idle standbys could not
+// make the room.
 func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 	want := state.Reservation{VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB}
 	if req.NoWait {
-		dir, why, _, err := m.tryAdmit(ctx, req.Name, want)
-		if err == nil && why != "" {
-			err = fmt.Errorf("%w: %s", ErrNoRoom, why)
+		for {
+			dir, why, short, err := m.tryAdmit(ctx, req.Name, want)
+			if err == nil && why != "" {
+				// A machine that serves a job takes the room of idle
+				// standby machines first, as a job that waits does.
+				if mk := m.hooks.MakeRoom; req.MakeRoom && mk != nil && ctx.Err() == nil {
+					// The pool holds its refills meanwhile, as for a job
+					// that waits (a lost touch costs one refill too early).
+					_ = m.Store.Touch(pressureKey)
+					if n := mk(ctx, m, short, "room for job "+req.Name); n != "" {
+						continue
+					}
+				}
+				err = fmt.Errorf("%w: %s", ErrNoRoom, why)
+			}
+			return dir, err
 		}
-		return dir, err
 	}
 	capCfg := m.Cfg.Capacity
 	ctx, cancel := context.WithTimeoutCause(ctx, capCfg.Wait.D(),
@@ -93,7 +108,8 @@ func (m *Manager) admit(ctx context.Context, req request) (string, error) {
 // HoldAdmission holds the admission lock until unlock: no machine is
 // admitted meanwhile (a sweep of shared volumes decides and deletes under
 // it). Admission holds it only for its short look at the capacity.
-func (m *Manager) HoldAdmission(ctx context.Context) (unlock func(), err error) {
+func (ch Capacity) Hold(ctx context.Context) (unlock func(), err error) {
+	m := ch.m
 	return m.Store.Lock(ctx, admissionLock)
 }
 
@@ -107,7 +123,7 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 	defer unlock()
 	capCfg := m.Cfg.Capacity
 	if capCfg.MaxVMs > 0 || capCfg.MemoryBudgetMiB > 0 {
-		held, err := m.Reservations()
+		held, err := m.Capacity().Reservations()
 		if err != nil {
 			return "", "", short, err
 		}
@@ -136,15 +152,17 @@ func (m *Manager) tryAdmit(ctx context.Context, name string, want state.Reservat
 
 // Reservations are the capacity each machine of this installation holds,
 // by name, as admission counts it.
-func (m *Manager) Reservations() (map[string]state.Reservation, error) {
+func (ch Capacity) Reservations() (map[string]state.Reservation, error) {
+	m := ch.m
 	return m.Store.Reservations(state.Reservation{VCPUs: m.Cfg.Defaults.VCPUs, MemoryMiB: m.Cfg.Defaults.MemoryMiB})
 }
 
 // CapacityUsed is what the machines of this installation hold of the
 // host now: VMs and memory (MiB) by their reservations, as admission
 // counts them.
-func (m *Manager) CapacityUsed() (vms, memoryMiB int, err error) {
-	held, err := m.Reservations()
+func (ch Capacity) Used() (vms, memoryMiB int, err error) {
+	m := ch.m
+	held, err := m.Capacity().Reservations()
 	if err != nil {
 		return 0, 0, err
 	}

@@ -47,7 +47,7 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 	hv.Unlock()
 	require.False(t, created, "nothing created while waiting")
 
-	require.NoError(t, m.Teardown(context.Background(), first.Name))
+	require.NoError(t, m.Machine(first.Name).Teardown(context.Background()))
 	select {
 	case err := <-done:
 		require.NoError(t, err)
@@ -55,7 +55,7 @@ func TestAdmissionWaitsForRoom(t *testing.T) {
 		t.Fatal("second machine not admitted after the first left")
 	}
 	require.True(t, s.Has("Room on the host after"))
-	require.NoError(t, m.Teardown(context.Background(), second.Name))
+	require.NoError(t, m.Machine(second.Name).Teardown(context.Background()))
 	requireNothingLeft(t, hv, m)
 }
 
@@ -100,5 +100,5 @@ func TestAdmissionSweepsStaleReservations(t *testing.T) {
 	_ = ready.Client.Close()
 	require.True(t, s.Has("leftover machine(s) to make room"))
 	require.NoDirExists(t, m.Store.MachineDir("lve-0123abcd-50"))
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 }

@@ -16,13 +16,12 @@ func TestMachineFilter(t *testing.T) {
 	require.NoError(t, err)
 	a, b := cfg.Images["a"], cfg.Images["b"]
 
-	f := MachineFilter(cfg, a, "gitlab")
+	f := MachineFilter(cfg, a, false)
 	require.Equal(t, []int{9997}, f.DenyHostPorts)
 	require.Nil(t, f.Egress)
-	require.Equal(t, []int{9997}, MachineFilter(cfg, a, "standby").DenyHostPorts, "a standby becomes a job's")
-	require.Empty(t, MachineFilter(cfg, a, frontendGarm).DenyHostPorts, "garm's guests reach garm")
+	require.Empty(t, MachineFilter(cfg, a, true).DenyHostPorts, "garm's guests reach garm (ReachServicePorts)")
 
-	f = MachineFilter(cfg, b, "gitlab")
+	f = MachineFilter(cfg, b, false)
 	require.Len(t, f.Egress, 2)
 	require.Equal(t, "10.2.3.4/32:443", f.Egress[1].String())
 
@@ -30,6 +29,6 @@ func TestMachineFilter(t *testing.T) {
 	before := SpecFingerprint(cfg, a)
 	off := false
 	cfg.L2Filter = &off
-	require.Nil(t, MachineFilter(cfg, a, "gitlab"))
+	require.Nil(t, MachineFilter(cfg, a, false))
 	require.NotEqual(t, before, SpecFingerprint(cfg, a), "standbys built without the filter are not handed out")
 }

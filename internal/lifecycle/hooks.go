@@ -84,4 +84,7 @@ func (m *Manager) Engine() *vm.Engine { return m.engine() }
 func (m *Manager) Sayf(format string, args ...any) { m.say(format, args...) }
 
 // PoolVolumes lists the volumes of the configured storage pool.
-func (m *Manager) PoolVolumes(ctx context.Context) ([]string, error) { return m.poolVolumes(ctx) }
+func (vh Volumes) List(ctx context.Context) ([]string, error) {
+	m := vh.m
+	return m.poolVolumes(ctx)
+}

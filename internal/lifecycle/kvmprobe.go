@@ -73,7 +73,8 @@ func (m *Manager) kvmHost(ctx context.Context) (KVMRecord, error) {
 
 // KVMRecordFor returns the remembered verdict for this host, if there is
 // one made for it (nil otherwise).
-func (m *Manager) KVMRecordFor(ctx context.Context) (*KVMRecord, error) {
+func (kh KVM) Record(ctx context.Context) (*KVMRecord, error) {
+	m := kh.m
 	h, err := m.kvmHost(ctx)
 	if err != nil {
 		return nil, err
@@ -94,7 +95,8 @@ func (m *Manager) recalledKVM(h KVMRecord) *KVMRecord {
 // removes the guest again (vm.Engine.ProbeKVM). With save it remembers the
 // verdict for domain_type = "auto" (save only as the state directory's
 // user). An error means no verdict: the probe could not run.
-func (m *Manager) ProbeKVM(ctx context.Context, save bool) (KVMRecord, error) {
+func (kh KVM) Probe(ctx context.Context, save bool) (KVMRecord, error) {
+	m := kh.m
 	h, err := m.kvmHost(ctx)
 	if err != nil {
 		return KVMRecord{}, err
@@ -212,7 +214,8 @@ func probeImage(cfg *config.Config) (name, kernel, initrd, machine string) {
 // and KVM runs guests on this host, as the probe remembered for it says
 // (probing first, once per host, when nothing is remembered), else qemu,
 // with a warning that says why.
-func (m *Manager) DomainType(ctx context.Context) (string, error) {
+func (kh KVM) DomainType(ctx context.Context) (string, error) {
+	m := kh.m
 	if m.Cfg.DomainType != config.DomainAuto {
 		return m.Cfg.DomainType, nil
 	}
@@ -258,7 +261,7 @@ func (m *Manager) kvmVerdict(ctx context.Context) (KVMRecord, error) {
 		return *r, nil
 	}
 	m.say("Probing whether this host's KVM runs guests (once per host, at most %s)", vm.Round(m.probeBound()))
-	r, err := m.ProbeKVM(ctx, true)
+	r, err := m.KVM().Probe(ctx, true)
 	if err == nil {
 		m.say("KVM probe: %s", r.Say())
 	}

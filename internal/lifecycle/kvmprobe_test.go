@@ -92,14 +92,14 @@ func TestDomainTypeAutoProbesOnceAndFallsBack(t *testing.T) {
 	hv := vmtest.New()
 	brokenKVM(hv)
 	m, _, s := autoManager(t, hv)
-	dt, err := m.DomainType(context.Background())
+	dt, err := m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "qemu", dt)
 	require.Contains(t, s.String(), `Warning: domain_type = "auto": this host's KVM cannot run guests (QEMU exited as the guest started under KVM: failed to set MSR 0x10a to 0x69); the VM runs under qemu`)
 	require.Empty(t, hv.Domains, "the probe's domain is gone")
 	require.Equal(t, 1, probes(hv))
 
-	rec, err := m.KVMRecordFor(context.Background())
+	rec, err := m.KVM().Record(context.Background())
 	require.NoError(t, err)
 	require.NotNil(t, rec)
 	require.False(t, rec.Works)
@@ -109,14 +109,14 @@ func TestDomainTypeAutoProbesOnceAndFallsBack(t *testing.T) {
 	require.NotEmpty(t, rec.Kernel)
 
 	// Remembered: no second probe.
-	dt, err = m.DomainType(context.Background())
+	dt, err = m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "qemu", dt)
 	require.Equal(t, 1, probes(hv))
 
 	// Another QEMU: probed again.
 	hv.HVVersion = 8002000
-	_, err = m.DomainType(context.Background())
+	_, err = m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, 2, probes(hv))
 }
@@ -125,10 +125,10 @@ func TestDomainTypeAutoKVMWorks(t *testing.T) {
 	hv := vmtest.New()
 	hv.KVM = true
 	m, _, _ := autoManager(t, hv)
-	dt, err := m.DomainType(context.Background())
+	dt, err := m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "kvm", dt)
-	rec, err := m.KVMRecordFor(context.Background())
+	rec, err := m.KVM().Record(context.Background())
 	require.NoError(t, err)
 	require.True(t, rec.Works)
 }
@@ -151,7 +151,7 @@ func TestDomainTypeAutoGuestNeverBoots(t *testing.T) {
 			t.Errorf("console: %v", err)
 		}
 	}
-	dt, err := m.DomainType(context.Background())
+	dt, err := m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "qemu", dt)
 	require.Equal(t, filepath.Join(dir, "small-vmlinuz"), booted, "the smallest kernel")
@@ -175,7 +175,7 @@ func TestProvisionKVMCannotRunSaysWhatToSet(t *testing.T) {
 	require.Equal(t, `this host's KVM cannot run guests (QEMU: failed to set MSR 0x10a to 0x69): set domain_type = "qemu" in /etc/libvirt-executor/config.toml`, kerr.Error())
 	require.NotContains(t, err.Error(), "\n")
 	requireNothingLeft(t, hv, m)
-	rec, rerr := m.KVMRecordFor(context.Background())
+	rec, rerr := m.KVM().Record(context.Background())
 	require.NoError(t, rerr)
 	require.NotNil(t, rec)
 	require.False(t, rec.Works)
@@ -188,7 +188,7 @@ func TestProvisionAutoFallsBackWhenKVMStartFails(t *testing.T) {
 	hv := vmtest.New()
 	hv.KVM = true
 	m, img, s := autoManager(t, hv)
-	_, err := m.DomainType(context.Background()) // probed: works
+	_, err := m.KVM().DomainType(context.Background()) // probed: works
 	require.NoError(t, err)
 	brokenKVM(hv)
 	ready, err := m.Provision(context.Background(), testRequest(img))
@@ -198,10 +198,10 @@ func TestProvisionAutoFallsBackWhenKVMStartFails(t *testing.T) {
 	require.NoError(t, dx.Unmarshal(hv.Domains["lve-0123abcd-7"].XML))
 	require.Equal(t, "qemu", dx.Type)
 	require.Contains(t, s.String(), `Warning: this host's KVM cannot run guests (QEMU: failed to set MSR 0x10a to 0x69): set domain_type = "qemu"; domain_type = "auto" starts the VM under qemu instead`)
-	dt, err := m.DomainType(context.Background())
+	dt, err := m.KVM().DomainType(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, "qemu", dt, "remembered for the next jobs")
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 }
 
 // Jobs that start at once on a host never probed wait for one probe.
@@ -212,7 +212,7 @@ func TestDomainTypeAutoOneProbeAtATime(t *testing.T) {
 	var wg sync.WaitGroup
 	for range 3 {
 		wg.Go(func() {
-			dt, err := m.DomainType(context.Background())
+			dt, err := m.KVM().DomainType(context.Background())
 			if err != nil || dt != "qemu" {
 				t.Errorf("got %q, %v", dt, err)
 			}

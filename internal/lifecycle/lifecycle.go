@@ -1,14 +1,19 @@
 // Package lifecycle owns one machine of this installation from its name to
 // its removal: admission to the host's capacity, keys, linked clone, boot,
-// address, SSH readiness and the recorded state (Provision, Launch,
-// Connect, Keep, Teardown, Explain, OwnedBy, Start/StopMachine), the
-// machine's spec, the inventory and sweep of what the installation left on
-// the host, and the event records of what it did. It knows no CI system,
-// no executable and no tool in the guest: what the machines of a kind add
-// comes in through Hooks (room made by a standby pool, shared disks, work
-// to stop when a machine's user is done with it, extra sweeps). The
-// machine of a CI job is internal/jobvm's; the guest tools disk is
-// internal/guesttools'.
+// address, SSH readiness and the recorded state (Manager.Provision and
+// Launch, both from one Request), the per-machine operations on a small
+// handle (Manager.Machine(name): Connect, Keep, Teardown, Explain, Start,
+// Stop, PinAddress, the seed and the cache disks), the host's capacity
+// (Manager.Capacity), its KVM probe (Manager.KVM) and the pool's volumes
+// (Manager.Volumes), the machine's spec, the inventory and sweep of what
+// the installation left on the host (OwnedBy, Inventory, Sweep), and the
+// event records of what it did. It knows no CI system, no front end, no
+// pool, no executable and no tool in the guest: what differs between
+// machines comes in the Request (MakeRoom, ReachServicePorts, Seed, ...),
+// and what the machines of a kind add through Hooks (room made by a
+// standby pool, shared disks, work to stop when a machine's user is done
+// with it, extra sweeps). The machine of a CI job is internal/jobvm's; the
+// guest tools disk is internal/guesttools'.
 package lifecycle
 
 import (
@@ -26,6 +31,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -103,12 +109,26 @@ type Request struct {
 	// standby pool (internal/jobvm's BootStandby).
 	Standby *state.Standby
 	// NoWait fails admission at once (ErrNoRoom) when the host is full,
-	// instead of waiting for (and making) room.
+	// instead of waiting for room.
 	NoWait bool
+	// MakeRoom has a NoWait request ask Hooks.MakeRoom to free the room
+	// it lacks (idle standby machines) before it fails: a machine that
+	// serves a job (garm's), not one that waits for a job (a standby).
+	// A request that waits always asks.
+	MakeRoom bool
 	// Tags are the front end's marks in the ownership metadata.
 	Tags []vm.Tag
-	// SeedWritable: LaunchRequest.SeedWritable.
+	// SeedWritable attaches the cloud-init seed writable, with the serial
+	// guestinit.WritableSeedSerial: the guest wipes it once it has read it
+	// (garm's bootstrap), not waiting for the host to take it away.
 	SeedWritable bool
+	// Seed, if set, builds the machine's cloud-init seed instead of the
+	// image's default one (CloudInitSeed): a front end's own user-data.
+	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
+	// ReachServicePorts lets the machine's guest reach the service ports
+	// of the network's address that other machines are refused
+	// (MachineFilter): the guests those services serve (garm's runners).
+	ReachServicePorts bool
 	// DeferFilterPin: the network filter is not given the machine's
 	// address at boot (PinAddress); the caller has it done later, off the
 	// critical path (libvirt re-instantiates the filter, seconds on a busy
@@ -116,40 +136,11 @@ type Request struct {
 	DeferFilterPin bool
 }
 
-// LaunchRequest asks for a machine that is started and left to boot on
-// its own (Launch): a front end whose guest reports back by itself (garm's
-// runners). It gets no shared disks, and nothing waits for its address or
-// SSH.
-type LaunchRequest struct {
-	Name      string
-	Image     *config.Image
-	VCPUs     int
-	MemoryMiB int
-	DiskGiB   int
-	Frontend  string
-	Job       string
-	Lifetime  time.Duration
-	// NoWait fails admission at once (ErrNoRoom) when the host is full.
-	NoWait bool
-	// Seed, if set, builds the machine's cloud-init seed instead of the
-	// image's default one (CloudInitSeed): a front end's own user-data.
-	Seed func(keys *guestinit.Keys, dir string) ([]byte, error)
-	// Tags are the front end's marks in the ownership metadata.
-	Tags []vm.Tag
-	// SeedWritable attaches the cloud-init seed writable, with the serial
-	// guestinit.WritableSeedSerial: the guest wipes it once it has read it
-	// (garm's bootstrap), not waiting for the host to take it away.
-	SeedWritable bool
-	// OnStep, if set, is told about each step as it ends (Request.OnStep).
-	OnStep func(name string, took time.Duration, err error)
-}
-
-// request is what one provisioning asks for: a Request, or a
-// LaunchRequest (detached).
+// request is what one provisioning asks for: a Request, provisioned
+// (waited for) or launched (detached).
 type request struct {
 	Request
 	detached bool
-	seed     func(keys *guestinit.Keys, dir string) ([]byte, error)
 }
 
 // Ready is a provisioned machine with an open SSH connection.
@@ -221,7 +212,7 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 		if p.client != nil {
 			_ = p.client.Close()
 		}
-		tctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), m.Cfg.Timeouts.Cleanup.D())
+		tctx, cancel := detachctx.WithTimeout(ctx, m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		return nil, errors.Join(err, m.teardown(tctx, req.Name))
 	}
@@ -232,15 +223,15 @@ func (m *Manager) provision(ctx context.Context, req request) (*Ready, error) {
 var ErrExists = errors.New("a machine of this name exists")
 
 // Launch makes and starts a machine of req and returns without waiting for
-// its boot: its guest reports back by itself. A machine of that name that
+// its boot: its guest reports back by itself (a front end whose guest
+// does: garm's runners). It gets no shared disks, and nothing waits for its
+// address or SSH. A machine of that name that
 // exists is refused (ErrExists): a duplicate, not a leftover. Everything
 // made is undone when a step fails, as in Provision.
-func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine, error) {
-	r, err := m.provision(ctx, request{detached: true, seed: req.Seed, Request: Request{
-		Name: req.Name, Image: req.Image, VCPUs: req.VCPUs, MemoryMiB: req.MemoryMiB, DiskGiB: req.DiskGiB,
-		Frontend: req.Frontend, Job: req.Job, Lifetime: req.Lifetime, NoWait: req.NoWait, Tags: req.Tags, OnStep: req.OnStep,
-		SeedWritable: req.SeedWritable,
-	}})
+func (m *Manager) Launch(ctx context.Context, req Request) (*state.Machine, error) {
+	// Nothing waits for the guest: no front end's check, no shared disks.
+	req.Check = nil
+	r, err := m.provision(ctx, request{detached: true, Request: req})
 	if err != nil {
 		return nil, err
 	}
@@ -253,7 +244,8 @@ func (m *Manager) Launch(ctx context.Context, req LaunchRequest) (*state.Machine
 // of this host's there would leave files on it that nothing removes. A
 // machine on another host has a console nobody keeps (virsh console
 // still reaches it while it runs).
-func (m *Manager) ConsoleLog(name string) string {
+func (mc Machine) ConsoleLog() string {
+	m, name := mc.m, mc.name
 	if !m.Cfg.LocalLibvirt() {
 		return ""
 	}
@@ -297,7 +289,8 @@ func (m *Manager) target(addr, user string, signer ssh.Signer, hostKey ssh.Publi
 
 // Connect opens an SSH connection to a provisioned machine using the recorded
 // address and pinned host key.
-func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *sshexec.Client, error) {
+func (mc Machine) Connect(ctx context.Context) (*state.Machine, *sshexec.Client, error) {
+	m, name := mc.m, mc.name
 	mach, signer, hostKey, err := m.Store.Load(name)
 	if err != nil {
 		return nil, nil, err
@@ -316,14 +309,16 @@ func (m *Manager) Connect(ctx context.Context, name string) (*state.Machine, *ss
 // this installation's is left alone and reported with vm.ErrNotOurs: a name
 // outside its prefix, a domain of that name that is not ours, and volumes
 // with neither a domain nor a state record.
-func (m *Manager) Teardown(ctx context.Context, name string) error {
-	return m.TeardownIf(ctx, name, nil)
+func (mc Machine) Teardown(ctx context.Context) error {
+	m, name := mc.m, mc.name
+	return m.Machine(name).TeardownIf(ctx, nil)
 }
 
 // TeardownIf is Teardown; when still is set it is asked under the lock,
 // and the machine is removed only if it says so (still returns an error to
 // refuse, or false for nothing to do).
-func (m *Manager) TeardownIf(ctx context.Context, name string, still func() (bool, error)) error {
+func (mc Machine) TeardownIf(ctx context.Context, still func() (bool, error)) error {
+	m, name := mc.m, mc.name
 	if err := vm.CheckName(name); err != nil {
 		return err
 	}
@@ -351,7 +346,8 @@ func (m *Manager) TeardownIf(ctx context.Context, name string, still func() (boo
 // Keep leaves the machine running for debugging until the given time, after
 // which a sweep removes it like any expired machine. Its user is done with
 // it (Hooks.Release runs).
-func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error {
+func (mc Machine) Keep(ctx context.Context, until time.Time) error {
+	m, name := mc.m, mc.name
 	unlock, err := m.Store.Lock(ctx, name)
 	if err != nil {
 		return err
@@ -365,7 +361,8 @@ func (m *Manager) Keep(ctx context.Context, name string, until time.Time) error 
 }
 
 // TeardownLocked is Teardown for a caller that holds the machine's lock.
-func (m *Manager) TeardownLocked(ctx context.Context, name string) error {
+func (mc Machine) TeardownLocked(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	return m.teardown(ctx, name)
 }
 
@@ -389,7 +386,10 @@ func (m *Manager) teardown(ctx context.Context, name string) error {
 
 // CheckOurName refuses a name outside this installation's prefix (an
 // error matching vm.ErrNotOurs).
-func (m *Manager) CheckOurName(name string) error { return m.checkOurName(name) }
+func (mc Machine) CheckOurName() error {
+	m, name := mc.m, mc.name
+	return m.checkOurName(name)
+}
 
 // checkOurName refuses a name outside this installation's prefix: whatever
 // has such a name (a base image "debian-12.qcow2" in the same pool, another

@@ -73,11 +73,11 @@ func TestProvisionAndTeardown(t *testing.T) {
 	require.NotContains(t, params, "CTRL_IP_LEARNING")
 
 	// run's view: connect again from the recorded state, pinned key.
-	_, c, err := m.Connect(context.Background(), "lve-0123abcd-7")
+	_, c, err := m.Machine("lve-0123abcd-7").Connect(context.Background())
 	require.NoError(t, err)
 	_ = c.Close()
 
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 	requireNothingLeft(t, hv, m)
 }
 
@@ -180,7 +180,7 @@ func TestProvisionRemovesLeftoversOfEarlierAttempt(t *testing.T) {
 	ready, err := m.Provision(context.Background(), testRequest(img))
 	require.NoError(t, err, "no 'already exists'")
 	_ = ready.Client.Close()
-	require.NoError(t, m.Teardown(context.Background(), "lve-0123abcd-7"))
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(context.Background()))
 	requireNothingLeft(t, hv, m)
 }
 
@@ -241,7 +241,7 @@ func TestTeardownRefusesWhatIsNotOurs(t *testing.T) {
 				_, err := m.Store.Create(tc.name)
 				require.NoError(t, err)
 			}
-			err := m.Teardown(ctx, tc.name)
+			err := m.Machine(tc.name).Teardown(ctx)
 			require.ErrorIs(t, err, vm.ErrNotOurs)
 			require.ErrorContains(t, err, tc.why)
 			require.Len(t, hv.Volumes, 2, "no volume deleted")
@@ -270,7 +270,7 @@ func TestTeardownRemovesOrphanVolumesWithStateRecord(t *testing.T) {
 	hv.Volumes["jobs/debian-12.qcow2"] = nil
 	_, err := m.Store.Create(name)
 	require.NoError(t, err)
-	require.NoError(t, m.Teardown(context.Background(), name))
+	require.NoError(t, m.Machine(name).Teardown(context.Background()))
 	require.Equal(t, map[string][]byte{"jobs/debian-12.qcow2": nil}, hv.Volumes)
 	require.NoDirExists(t, m.Store.MachineDir(name))
 }

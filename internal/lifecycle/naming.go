@@ -82,7 +82,8 @@ func StandbyName(prefix, controller string) (string, error) {
 
 // IsStandby reports whether name is a standby machine's name of this
 // installation.
-func (m *Manager) IsStandby(name string) bool {
+func (mc Machine) IsStandby() bool {
+	m, name := mc.m, mc.name
 	return strings.HasPrefix(name, m.namePrefix()+standbyTag)
 }
 

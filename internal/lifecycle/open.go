@@ -128,7 +128,8 @@ const explainWait = 5 * time.Second
 // a failed disk write (vm.Engine.Explain). It is empty when the domain runs
 // normally, or libvirt cannot tell within explainWait and before ctx ends.
 // It connects to the hypervisor if nothing has yet.
-func (m *Manager) Explain(ctx context.Context, name string) string {
+func (mc Machine) Explain(ctx context.Context) string {
+	m, name := mc.m, mc.name
 	ctx, cancel := context.WithTimeout(ctx, explainWait)
 	defer cancel()
 	return m.engine().Explain(ctx, name, m.Cfg.StoragePool)

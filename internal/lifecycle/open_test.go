@@ -52,7 +52,7 @@ func TestOpenConnectsWhenNeededAndReconnects(t *testing.T) {
 	require.NoError(t, again.Close(), "never connected")
 
 	name := MachineName(cfg.NamePrefix, m.Controller, InstanceTag("x"), 7)
-	require.Equal(t, "VM "+name+" no longer exists", m.Explain(context.Background(), name),
+	require.Equal(t, "VM "+name+" no longer exists", m.Machine(name).Explain(context.Background()),
 		"answered on the second connection")
 	require.Equal(t, []string{cfg.LibvirtURI, cfg.LibvirtURI}, uris)
 	require.Contains(t, log.String(), "libvirt connection lost; reconnected")
@@ -75,7 +75,7 @@ func TestExplainAndDialEndWithCtx(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Millisecond)
 	defer cancel()
 	start := time.Now()
-	require.Empty(t, m.Explain(ctx, "lve-0123abcd-7"), "libvirt cannot tell")
+	require.Empty(t, m.Machine("lve-0123abcd-7").Explain(ctx), "libvirt cannot tell")
 	require.Less(t, time.Since(start), 3*time.Second)
 	require.Equal(t, 1, hv.Hung())
 

@@ -88,7 +88,8 @@ func (m *Manager) leaseAddress(ctx context.Context, name string) string {
 // that wait for their address at boot (jobs, standbys) are pinned then;
 // detached ones (garm's) once the front end sees their address. Without
 // l2_filter it does nothing.
-func (m *Manager) PinAddress(ctx context.Context, name, addr string) error {
+func (mc Machine) PinAddress(ctx context.Context, addr string) error {
+	m, name := mc.m, mc.name
 	if m.Cfg.L2Filter != nil && !*m.Cfg.L2Filter {
 		return nil
 	}
@@ -119,7 +120,8 @@ func (m *Manager) pinnedPath(name string) string {
 
 // Pinned reports whether PinAddress gave the running machine's filter its
 // address since the machine last started (StartMachine).
-func (m *Manager) Pinned(name string) bool {
+func (mc Machine) Pinned() bool {
+	m, name := mc.m, mc.name
 	_, err := os.Stat(m.pinnedPath(name))
 	return err == nil
 }
@@ -128,7 +130,8 @@ func (m *Manager) Pinned(name string) bool {
 // longer needs it (vm.Engine.DropSeed: wiped, detached, deleted), under
 // the machine's lock. A machine busy in another process (being torn down)
 // is left for a later call (state.ErrBusy).
-func (m *Manager) DropSeed(ctx context.Context, name string) error {
+func (mc Machine) DropSeed(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	if err := m.checkOurName(name); err != nil {
 		return err
 	}
@@ -150,20 +153,23 @@ func (m *Manager) DropSeed(ctx context.Context, name string) error {
 // read-only disk hot-plugged into it (vm.Engine.AttachData), under the
 // machine's lock: a teardown runs before or after it, never in between, and
 // removes the disk's volume either way.
-func (m *Manager) AttachData(ctx context.Context, name string, r io.Reader, size int64) error {
+func (mc Machine) AttachData(ctx context.Context, r io.Reader, size int64) error {
+	m, name := mc.m, mc.name
 	return m.withLock(ctx, name, func() error { return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size) })
 }
 
 // AttachScratch gives the running machine name an empty writable disk of
 // capacity bytes (vm.Engine.AttachScratch), under the machine's lock.
-func (m *Manager) AttachScratch(ctx context.Context, name string, capacity int64) error {
+func (mc Machine) AttachScratch(ctx context.Context, capacity int64) error {
+	m, name := mc.m, mc.name
 	return m.withLock(ctx, name, func() error { return m.engine().AttachScratch(ctx, name, m.Cfg.StoragePool, capacity) })
 }
 
 // ReadScratch copies what the guest of machine name wrote on its scratch
 // disk to w (vm.Engine.ReadScratch): hostile bytes. fromFile: read from
 // the volume's file, not libvirt's stream.
-func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) (fromFile bool, err error) {
+func (mc Machine) ReadScratch(ctx context.Context, w io.Writer) (fromFile bool, err error) {
+	m, name := mc.m, mc.name
 	if err := m.checkOurName(name); err != nil {
 		return false, err
 	}
@@ -173,7 +179,8 @@ func (m *Manager) ReadScratch(ctx context.Context, name string, w io.Writer) (fr
 // DropDisks deletes the volumes of machine name's hot-plugged disks (data
 // and scratch: vm.Engine.DropData, DropScratch), under the machine's lock.
 // A machine gone meanwhile is success: its teardown removed them.
-func (m *Manager) DropDisks(ctx context.Context, name string) error {
+func (mc Machine) DropDisks(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	return m.withLock(ctx, name, func() error {
 		e := m.engine()
 		for _, drop := range []func(context.Context, string, string) error{e.DropData, e.DropScratch} {
@@ -200,7 +207,8 @@ func (m *Manager) withLock(ctx context.Context, name string, fn func() error) er
 }
 
 // StartMachine starts a stopped machine of this installation.
-func (m *Manager) StartMachine(ctx context.Context, name string) error {
+func (mc Machine) Start(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	if err := m.checkOurName(name); err != nil {
 		return err
 	}
@@ -212,7 +220,8 @@ func (m *Manager) StartMachine(ctx context.Context, name string) error {
 
 // StopMachine stops a machine of this installation at once (its disk and
 // definition stay; StartMachine starts it again).
-func (m *Manager) StopMachine(ctx context.Context, name string) error {
+func (mc Machine) Stop(ctx context.Context) error {
+	m, name := mc.m, mc.name
 	if err := m.checkOurName(name); err != nil {
 		return err
 	}

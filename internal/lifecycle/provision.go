@@ -47,13 +47,13 @@ type provision struct {
 // newProvision prepares the steps of one Provision call.
 func (m *Manager) newProvision(ctx context.Context, req request) (*provision, error) {
 	eng := m.engine()
-	domainType, err := m.DomainType(ctx)
+	domainType, err := m.KVM().DomainType(ctx)
 	if err != nil {
 		return nil, err
 	}
 	return &provision{
 		m: m, req: req, eng: eng, domainType: domainType,
-		consoleLog: m.ConsoleLog(req.Name),
+		consoleLog: m.Machine(req.Name).ConsoleLog(),
 		endBoot:    func() {},
 	}, nil
 }
@@ -107,7 +107,7 @@ func (p *provision) run(ctx context.Context) error {
 	err := r.Run(ctx, withConsoleCapture(p.list(), func() {
 		consoleTail = tail(p.consoleLog, 25)
 		if ctx.Err() == nil {
-			why = p.m.Explain(ctx, p.req.Name)
+			why = p.m.Machine(p.req.Name).Explain(ctx)
 		}
 	}))
 	if err == nil {
@@ -163,8 +163,8 @@ func (p *provision) makeKeys(ctx context.Context) error {
 	if err := p.m.Store.SaveKey(p.req.Name, p.keys.ClientPEM); err != nil {
 		return err
 	}
-	if p.req.seed != nil {
-		p.seed, err = p.req.seed(p.keys, p.dir)
+	if p.req.Seed != nil {
+		p.seed, err = p.req.Seed(p.keys, p.dir)
 	} else {
 		p.seed, err = CloudInitSeed(p.req.Name, p.req.Image, p.keys, p.dir)
 	}

@@ -63,7 +63,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),
 		},
 	}
-	s.Filter = MachineFilter(cfg, img, req.Frontend)
+	s.Filter = MachineFilter(cfg, img, req.ReachServicePorts)
 	if img.Boot == config.BootKernel {
 		s.Kernel, s.Initrd, s.Cmdline = img.Kernel, img.Initrd, img.Cmdline
 	}
@@ -80,19 +80,18 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 	return s
 }
 
-// frontendGarm is jobvm.FrontendGarm (jobvm imports this package).
-const frontendGarm = "garm"
-
-// MachineFilter is the network filter of a machine of img made for
-// frontend: nil with l2_filter off. Every machine but garm's refuses the
-// ports of garm.endpoints at the network's address (the guard opens them
-// for the whole network, for garm's guests).
-func MachineFilter(cfg *config.Config, img *config.Image, frontend string) *vm.Filter {
+// MachineFilter is the network filter of a machine of img: nil with
+// l2_filter off. A machine refuses the service ports of the network's
+// address that the configuration keeps from job machines
+// (Config.GarmPorts: the guard opens them for the whole network) unless
+// reachServicePorts (Request.ReachServicePorts) says its guest is the one
+// they serve.
+func MachineFilter(cfg *config.Config, img *config.Image, reachServicePorts bool) *vm.Filter {
 	if cfg.L2Filter != nil && !*cfg.L2Filter {
 		return nil
 	}
 	f := &vm.Filter{}
-	if frontend != frontendGarm {
+	if !reachServicePorts {
 		f.DenyHostPorts = cfg.GarmPorts()
 	}
 	if eg := img.Egress(); eg != nil {
@@ -130,7 +129,7 @@ func SpecFingerprint(cfg *config.Config, img *config.Image) string {
 		Image                                                                config.Image
 		Filter                                                               *vm.Filter
 	}{buildinfo.Version, cfg.Network, cfg.StoragePool, cfg.DomainType, cfg.HostKeyPolicy, cfg.NamePrefix,
-		cfg.IsolateGuests == nil || *cfg.IsolateGuests, i, MachineFilter(cfg, img, "standby")})
+		cfg.IsolateGuests == nil || *cfg.IsolateGuests, i, MachineFilter(cfg, img, false)})
 	h := sha256.Sum256(b)
 	return hex.EncodeToString(h[:8])
 }

@@ -114,7 +114,8 @@ func (m *Manager) poolVolumes(ctx context.Context) ([]string, error) {
 // BackingFiles lists the backing files of the storage pool's volumes
 // (each once): the base images VMs use now, which an image store must
 // keep (ociimage.Image.InUse).
-func (m *Manager) BackingFiles(ctx context.Context) ([]string, error) {
+func (vh Volumes) BackingFiles(ctx context.Context) ([]string, error) {
+	m := vh.m
 	vols, err := m.poolVolumes(ctx)
 	if err != nil {
 		return nil, err
@@ -207,7 +208,7 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 			it.Address = mach.Address
 		}
 		it.Ended, _ = m.Store.EndedOf(name)
-		if m.IsStandby(name) {
+		if m.Machine(name).IsStandby() {
 			sb := &Standby{Name: name}
 			sb.Record, _ = m.Store.Record(name)
 			sb.Claim, _ = m.Store.ClaimOf(name)

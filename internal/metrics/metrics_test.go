@@ -20,6 +20,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
@@ -30,7 +31,7 @@ func stage(key, name, result, reason string, secs float64) obs.Event {
 }
 
 func ok(key, name string, secs float64) obs.Event {
-	return stage(key, name, obs.ResultSuccess, jobvm.ReasonNone, secs)
+	return stage(key, name, obs.ResultSuccess, failure.ReasonNone, secs)
 }
 
 // job writes the records of one job: config, prepare (warm or cold), the
@@ -73,13 +74,13 @@ func TestFoldJobSequence(t *testing.T) {
 	// 2: warm, script fails (exit 1), after_script fails too: a build
 	// failure by the script.
 	job(t, s, "j2", obs.PathWarm,
-		run("step_script", obs.ResultBuild, jobvm.ReasonScript, 1, 0.01),
-		run("after_script", obs.ResultSystem, jobvm.ReasonOther, 1, 0.01),
+		run("step_script", obs.ResultBuild, failure.ReasonScript, 1, 0.01),
+		run("after_script", obs.ResultSystem, failure.ReasonOther, 1, 0.01),
 		run("upload_artifacts_on_failure", obs.ResultSuccess, "none", 1, 0.01))
 	// 3: cancelled during step_script.
-	job(t, s, "j3", obs.PathCold, run("step_script", obs.ResultSystem, jobvm.ReasonCancelled, 5, 0.2))
+	job(t, s, "j3", obs.PathCold, run("step_script", obs.ResultSystem, failure.ReasonCancelled, 5, 0.2))
 	// 4: the guest dies: detected after 9 s of silence.
-	dead := run("step_script", obs.ResultSystem, jobvm.ReasonDeadGuest, 12, 0.02)
+	dead := run("step_script", obs.ResultSystem, failure.ReasonDeadGuest, 12, 0.02)
 	dead.DeadAfterSeconds = 9
 	job(t, s, "j4", obs.PathCold, dead)
 	// 5: prepare fails (boot timeout), the runner retries, the second
@@ -87,7 +88,7 @@ func TestFoldJobSequence(t *testing.T) {
 	// The runner cleans up after each failed prepare attempt, then runs
 	// config and prepare again.
 	require.NoError(t, s.Append(ok("j5", "config", 0.01)))
-	require.NoError(t, s.Append(stage("j5", "prepare", obs.ResultSystem, jobvm.ReasonBootTimeout, 300)))
+	require.NoError(t, s.Append(stage("j5", "prepare", obs.ResultSystem, failure.ReasonBootTimeout, 300)))
 	require.NoError(t, s.Append(ok("j5", "cleanup", 0.04)))
 	require.NoError(t, s.Append(ok("j5", "config", 0.01)))
 	p := ok("j5", "prepare", 5)
@@ -98,7 +99,7 @@ func TestFoldJobSequence(t *testing.T) {
 	// when no attempt followed for a while.
 	for range 3 {
 		require.NoError(t, s.Append(ok("j7", "config", 0.01)))
-		require.NoError(t, s.Append(stage("j7", "prepare", obs.ResultSystem, jobvm.ReasonLibvirt, 1)))
+		require.NoError(t, s.Append(stage("j7", "prepare", obs.ResultSystem, failure.ReasonLibvirt, 1)))
 		require.NoError(t, s.Append(ok("j7", "cleanup", 0.01)))
 	}
 	// Around them: a reaper, a sweep that found a leak, a retired standby,
@@ -116,25 +117,25 @@ func TestFoldJobSequence(t *testing.T) {
 	tt := f.Snapshot()
 	jobs := func(res, why string) float64 { return tt.Counter(JobsTotal, res, why) }
 	require.Equal(t, 2.0, jobs(obs.ResultSuccess, "none"), "j1 and j5 (its retried prepare worked)")
-	require.Equal(t, 1.0, jobs(obs.ResultBuild, jobvm.ReasonScript), "j2: after_script's failure does not decide")
-	require.Equal(t, 1.0, jobs(obs.ResultSystem, jobvm.ReasonCancelled))
-	require.Equal(t, 1.0, jobs(obs.ResultSystem, jobvm.ReasonDeadGuest))
+	require.Equal(t, 1.0, jobs(obs.ResultBuild, failure.ReasonScript), "j2: after_script's failure does not decide")
+	require.Equal(t, 1.0, jobs(obs.ResultSystem, failure.ReasonCancelled))
+	require.Equal(t, 1.0, jobs(obs.ResultSystem, failure.ReasonDeadGuest))
 	require.Len(t, tt.Counters[JobsTotal], 4)
 	require.Len(t, tt.Pending, 2, "j6 has no cleanup yet; j7 may still be retried")
 	require.NotNil(t, tt.Pending["j6"])
 	require.NotNil(t, tt.Pending["j7"])
 	require.NoError(t, f.Fold(time.Now().Add(retryGrace+time.Minute)))
 	tt = f.Snapshot()
-	require.Equal(t, 1.0, tt.Counter(JobsTotal, obs.ResultSystem, jobvm.ReasonLibvirt), "j7, once")
+	require.Equal(t, 1.0, tt.Counter(JobsTotal, obs.ResultSystem, failure.ReasonLibvirt), "j7, once")
 	require.Equal(t, 2.0, tt.Counter(JobsTotal, obs.ResultSuccess, "none"))
 	require.Len(t, tt.Pending, 1)
 
 	st := func(stage, res, why string) float64 { return tt.Counter(StagesTotal, stage, res, why) }
 	require.Equal(t, 9.0, st("config", obs.ResultSuccess, "none"))
 	require.Equal(t, 5.0, st("prepare", obs.ResultSuccess, "none"))
-	require.Equal(t, 3.0, st("prepare", obs.ResultSystem, jobvm.ReasonLibvirt))
-	require.Equal(t, 1.0, st("prepare", obs.ResultSystem, jobvm.ReasonBootTimeout))
-	require.Equal(t, 1.0, st("after_script", obs.ResultSystem, jobvm.ReasonOther))
+	require.Equal(t, 3.0, st("prepare", obs.ResultSystem, failure.ReasonLibvirt))
+	require.Equal(t, 1.0, st("prepare", obs.ResultSystem, failure.ReasonBootTimeout))
+	require.Equal(t, 1.0, st("after_script", obs.ResultSystem, failure.ReasonOther))
 	require.Equal(t, 1.0, st("other", obs.ResultSuccess, "none"), "unknown run stage names are bounded")
 
 	warm := tt.Histogram(PrepareSeconds, "tiny", obs.PathWarm)
@@ -174,7 +175,7 @@ func TestFoldSurvivesRestart(t *testing.T) {
 	// Down: a job starts, the service stops (SIGKILL: no goodbye), the
 	// job ends.
 	require.NoError(t, s.Append(ok("b", "config", 0.01)))
-	require.NoError(t, s.Append(stage("b", "step_script", obs.ResultBuild, jobvm.ReasonScript, 1)))
+	require.NoError(t, s.Append(stage("b", "step_script", obs.ResultBuild, failure.ReasonScript, 1)))
 	second := newFolder(dir)
 	require.NoError(t, second.Fold(time.Now()))
 	require.NoError(t, s.Append(ok("b", "cleanup", 0.05)))
@@ -186,7 +187,7 @@ func TestFoldSurvivesRestart(t *testing.T) {
 	require.NoError(t, third.Fold(time.Now()))
 	tt := third.Snapshot()
 	require.Equal(t, 21.0, tt.Counter(JobsTotal, obs.ResultSuccess, "none"))
-	require.Equal(t, 1.0, tt.Counter(JobsTotal, obs.ResultBuild, jobvm.ReasonScript), "b's failure was remembered across the restart")
+	require.Equal(t, 1.0, tt.Counter(JobsTotal, obs.ResultBuild, failure.ReasonScript), "b's failure was remembered across the restart")
 	require.Equal(t, uint64(20), tt.Histogram(PrepareSeconds, "tiny", obs.PathWarm).Count)
 	require.Equal(t, uint64(1), tt.Histogram(PrepareSeconds, "tiny", obs.PathCold).Count)
 	require.Empty(t, tt.Pending)
@@ -217,7 +218,7 @@ func TestFoldCountsLost(t *testing.T) {
 func TestCollectorExposition(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "events")
 	s := obs.Spool{Dir: dir}
-	job(t, s, "a", obs.PathWarm, run("step_script", obs.ResultBuild, jobvm.ReasonScript, 1, 0.004))
+	job(t, s, "a", obs.PathWarm, run("step_script", obs.ResultBuild, failure.ReasonScript, 1, 0.004))
 	c := &Collector{
 		Folder: newFolder(dir),
 		Live: Live{
@@ -447,7 +448,7 @@ func TestFoldCache(t *testing.T) {
 	dir := filepath.Join(t.TempDir(), "events")
 	s := obs.Spool{Dir: dir}
 	withCache := func(name string, c *obs.CacheUse) obs.Event {
-		e := run(name, obs.ResultSuccess, jobvm.ReasonNone, 1, 0.1)
+		e := run(name, obs.ResultSuccess, failure.ReasonNone, 1, 0.1)
 		e.Cache = c
 		return e
 	}

@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
@@ -221,7 +222,7 @@ func (f *folder) apply(e obs.Event) {
 	case obs.KindReconnect:
 		t.add(ReconnectsTotal, 1, "service")
 	case obs.KindInstance:
-		t.add(GarmInstancesTotal, 1, oneOf(e.Stage, obs.InstanceOps), oneOf(e.Result, results), oneOf(e.Reason, jobvm.Reasons))
+		t.add(GarmInstancesTotal, 1, oneOf(e.Stage, obs.InstanceOps), oneOf(e.Result, results), oneOf(e.Reason, failure.Reasons))
 	}
 }
 
@@ -229,7 +230,7 @@ func (f *folder) stage(e obs.Event) {
 	t := f.t
 	stage := stageLabel(e.Stage)
 	result := oneOf(e.Result, results)
-	reason := oneOf(e.Reason, jobvm.Reasons)
+	reason := oneOf(e.Reason, failure.Reasons)
 	t.add(StagesTotal, 1, stage, result, reason)
 	img := f.image(e.Image)
 	if e.Reconnects > 0 {
@@ -267,7 +268,7 @@ func (f *folder) stage(e obs.Event) {
 		if e.Pool != "" {
 			pr := oneOf(e.PoolReason, []string{jobvm.MissNoPool, jobvm.MissSize, jobvm.MissServiceDown, jobvm.MissEmpty, jobvm.MissError})
 			if e.Pool == "hit" {
-				pr = jobvm.ReasonNone
+				pr = failure.ReasonNone
 			}
 			t.add(PoolClaimsTotal, 1, img, oneOf(e.Pool, []string{"hit", "miss"}), pr)
 		}
@@ -307,7 +308,7 @@ func (f *folder) stage(e obs.Event) {
 
 // countJob counts a job with what decided it (success without).
 func (t *Totals) countJob(p *pending) {
-	res, why := obs.ResultSuccess, jobvm.ReasonNone
+	res, why := obs.ResultSuccess, failure.ReasonNone
 	if p != nil && p.Result != "" {
 		res, why = p.Result, p.Reason
 	}

@@ -81,7 +81,7 @@ type Event struct {
 	// Image is the image the job's machine is of, when known.
 	Image string `json:"image,omitempty"`
 	// Result and Reason: how the stage ended (Result*; the reason a bounded
-	// word, jobvm.FailureReason).
+	// word, failure.Classify).
 	Result string `json:"result,omitempty"`
 	Reason string `json:"reason,omitempty"`
 	// Seconds is the stage's (KindStage) wall time, or the time from the

@@ -135,7 +135,7 @@ type Outcome struct {
 	Took      time.Duration
 	End       time.Time
 	// Classify gives an error's result class (Result*) and reason
-	// (jobvm.FailureReason).
+	// (failure.Classify).
 	Classify func(err error, cancelled bool) (result, reason string)
 	// DeadAfter is, when Err says the guest died, how long it had been
 	// silent (sshexec.DeadAfter).

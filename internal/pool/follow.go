@@ -96,7 +96,7 @@ func (f *follower) collect(ctx context.Context) {
 	if !due {
 		return
 	}
-	inUse, err := f.svc.M.BackingFiles(ctx)
+	inUse, err := f.svc.M.Manager().Volumes().BackingFiles(ctx)
 	if err != nil {
 		f.svc.Log.Warn("image store: old images kept: cannot list the pool's backing files", "err", err)
 		return

@@ -142,7 +142,7 @@ idle_count = 1
 
 	// v1 is named by no source now and its standby is gone: collected once
 	// it has been so for collectGrace, v2 kept.
-	store := s.M.Cfg.Registry.Store()
+	store := s.M.Manager().Cfg.Registry.Store()
 	v1Dir, v2Dir := store.ImageDir(digest.Digest(v1)), store.ImageDir(digest.Digest(v2))
 	require.DirExists(t, v1Dir)
 	s.followerForTest().collect(context.Background())
@@ -154,7 +154,7 @@ idle_count = 1
 	s.followerForTest().collect(context.Background())
 	require.NoDirExists(t, v1Dir)
 	require.DirExists(t, v2Dir)
-	backed, err := s.M.BackingFiles(context.Background())
+	backed, err := s.M.Manager().Volumes().BackingFiles(context.Background())
 	require.NoError(t, err)
 	require.Equal(t, []string{img.Base}, backed, "v2's standby is what the pool's volumes are backed by")
 	require.Contains(t, log.String(), "removed an old image: no configured source names it, no VM uses it")

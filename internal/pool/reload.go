@@ -77,7 +77,7 @@ func (s *Service) follow(ctx context.Context, changed chan<- string, wait time.D
 // follower again (startFollow). Boots undone are started again by the next
 // look where the new file still wants them.
 func (s *Service) reload(why string, t *time.Ticker, stopFollow func(), startFollow func(wait time.Duration)) error {
-	old := s.M.Cfg
+	old := s.M.Manager().Cfg
 	s.notify("RELOADING=1")
 	defer s.notify("READY=1")
 	cfg, err := s.Load()
@@ -94,7 +94,7 @@ func (s *Service) reload(why string, t *time.Ticker, stopFollow func(), startFol
 	}
 	s.wg.Wait()
 	s.cfgMu.Lock()
-	s.M.Cfg = cfg
+	s.M.Manager().Cfg = cfg
 	s.mu.Lock()
 	s.sem = make(chan struct{}, cfg.Serve.BootParallelism)
 	s.images = newFollower(cfg, s)

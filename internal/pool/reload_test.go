@@ -157,7 +157,7 @@ func TestReloadKeepsUnchangedPoolsAndRefusesBadFile(t *testing.T) {
 	require.ErrorContains(t, r.s.Reload(ctx), "state_dir")
 	time.Sleep(200 * time.Millisecond) // looks under the kept configuration
 	require.Len(t, r.idleOf("tiny"), 2, "the old pool sizes still hold")
-	pool := r.m.Cfg.Pooled()
+	pool := r.m.Manager().Cfg.Pooled()
 	require.Len(t, pool, 1)
 	require.Equal(t, 2, pool[0].Pool.IdleCount)
 
@@ -180,9 +180,9 @@ func TestReloadKeepsUnchangedPoolsAndRefusesBadFile(t *testing.T) {
 func TestRunReloadsWhenConfigFileChanges(t *testing.T) {
 	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "interval = \"50ms\"\n", "")
 	path := filepath.Join(t.TempDir(), "config.toml")
-	text := string(e.m.Cfg.Text)
+	text := string(e.m.Manager().Cfg.Text)
 	require.NoError(t, os.WriteFile(path, []byte(text), 0o600))
-	e.m.Cfg.Path = path
+	e.m.Manager().Cfg.Path = path
 	e.s.Load = func() (*config.Config, error) { return config.Load(path) }
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()

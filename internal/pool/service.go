@@ -21,6 +21,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
@@ -103,9 +104,9 @@ func (s *Service) init() {
 	s.unhealthy = map[string]int{}
 	s.failing = map[string]failure{}
 	s.boots = map[int]context.CancelFunc{}
-	s.sem = make(chan struct{}, s.M.Cfg.Serve.BootParallelism)
+	s.sem = make(chan struct{}, s.M.Manager().Cfg.Serve.BootParallelism)
 	s.mu.Lock()
-	s.images = newFollower(s.M.Cfg, s)
+	s.images = newFollower(s.M.Manager().Cfg, s)
 	s.mu.Unlock()
 }
 
@@ -127,7 +128,7 @@ func (s *Service) Run(ctx context.Context) error {
 		}
 		defer stop()
 	}
-	pools := s.M.Cfg.Pooled()
+	pools := s.M.Manager().Cfg.Pooled()
 	if len(pools) == 0 {
 		s.Log.Warn("no image has a pool table ([images.NAME.pool]): nothing to keep")
 	}
@@ -136,7 +137,7 @@ func (s *Service) Run(ctx context.Context) error {
 		s.Log.Info("keeping standby pool", "image", img.Name, "idle_count", p.IdleCount, "max_idle", p.MaxIdle,
 			"idle_time", p.IdleTime.D().String(), "max_age", p.MaxAge.D().String())
 	}
-	for _, img := range s.M.Cfg.Pooled() {
+	for _, img := range s.M.Manager().Cfg.Pooled() {
 		if !img.Pulled() {
 			s.Log.Warn("no standbys of this image until its first pull (registry.pull_interval) stores it", "image", img.Name, "source", img.Source)
 		}
@@ -144,13 +145,13 @@ func (s *Service) Run(ctx context.Context) error {
 	imageChanged := make(chan string, 1)
 	stopFollow := s.follow(ctx, imageChanged, 0)
 	defer func() { stopFollow() }()
-	cfgVersion, _ := state.VersionOf(s.M.Cfg.Path)
-	t := time.NewTicker(s.M.Cfg.Serve.Interval.D())
+	cfgVersion, _ := state.VersionOf(s.M.Manager().Cfg.Path)
+	t := time.NewTicker(s.M.Manager().Cfg.Serve.Interval.D())
 	defer t.Stop()
 	// reload reads the configuration again and, unless it is refused,
 	// runs on with it (Reload).
 	reload := func(why string) error {
-		cfgVersion, _ = state.VersionOf(s.M.Cfg.Path)
+		cfgVersion, _ = state.VersionOf(s.M.Manager().Cfg.Path)
 		return s.reload(why, t, func() { stopFollow() }, func(wait time.Duration) {
 			stopFollow = s.follow(ctx, imageChanged, wait)
 		})
@@ -160,9 +161,9 @@ func (s *Service) Run(ctx context.Context) error {
 		s.Tick(ctx)
 		if !ready {
 			ready = true
-			s.notify(fmt.Sprintf("READY=1\nSTATUS=keeping %d standby pools", len(s.M.Cfg.Pooled())))
+			s.notify(fmt.Sprintf("READY=1\nSTATUS=keeping %d standby pools", len(s.M.Manager().Cfg.Pooled())))
 		}
-		if v, err := state.VersionOf(s.M.Cfg.Path); s.M.Cfg.Path != "" && (err != nil || v != cfgVersion) {
+		if v, err := state.VersionOf(s.M.Manager().Cfg.Path); s.M.Manager().Cfg.Path != "" && (err != nil || v != cfgVersion) {
 			if s.Load != nil {
 				_ = reload("the configuration file changed")
 				continue
@@ -170,7 +171,7 @@ func (s *Service) Run(ctx context.Context) error {
 			// Exit to be restarted (systemd: Restart=on-failure) with the
 			// new file: VMs built under the old one no longer match it and
 			// are drained by the next service (lifecycle.SpecFingerprint).
-			s.Log.Warn("configuration file changed: stopping to be restarted with it", "config", s.M.Cfg.Path)
+			s.Log.Warn("configuration file changed: stopping to be restarted with it", "config", s.M.Manager().Cfg.Path)
 			s.stop()
 			return ErrConfigChanged
 		}
@@ -183,7 +184,7 @@ func (s *Service) Run(ctx context.Context) error {
 			if s.Load != nil {
 				if reload("image "+name+" names a new image") != nil {
 					// Asked again after registry.pull_interval.
-					stopFollow = s.follow(ctx, imageChanged, s.M.Cfg.Registry.PullInterval.D())
+					stopFollow = s.follow(ctx, imageChanged, s.M.Manager().Cfg.Registry.PullInterval.D())
 				}
 				continue
 			}
@@ -232,7 +233,7 @@ func (s *Service) Tick(ctx context.Context) {
 		return
 	}
 	now := time.Now()
-	if d, err := s.M.Store.TakeDemand(); err == nil {
+	if d, err := s.M.Manager().Store.TakeDemand(); err == nil {
 		s.mu.Lock()
 		s.demand = append(s.demand, d...)
 		s.mu.Unlock()
@@ -263,14 +264,14 @@ func (s *Service) Tick(ctx context.Context) {
 		}
 	}
 	s.forget(seen, now)
-	if s.M.UnderPressure() {
+	if s.M.Manager().Capacity().UnderPressure() {
 		// A job waits for room: boots in progress give theirs back (their
 		// undo removes what they made); the job retires idle machines.
 		if n := s.cancelBoots(); n > 0 {
 			s.Log.Info("a job waits for room: cancelled standby boots in progress", "boots", n)
 		}
 	}
-	for _, img := range s.M.Cfg.Pooled() {
+	for _, img := range s.M.Manager().Cfg.Pooled() {
 		if img.Pulled() { // an image with a source waits for its first pull
 			s.keep(ctx, img, idle[img.Name], now)
 		}
@@ -287,7 +288,7 @@ type baseOf struct {
 // matches the configuration (lifecycle.Manager.Outdated).
 func (s *Service) judge(sb lifecycle.Standby, bases map[string]baseOf) string {
 	rec := sb.Record.Standby
-	img, ok := s.M.Cfg.Image(rec.Image)
+	img, ok := s.M.Manager().Cfg.Image(rec.Image)
 	if !ok {
 		return s.M.Outdated(sb.Record, nil, state.FileVersion{}, nil)
 	}
@@ -325,7 +326,7 @@ func (s *Service) keep(ctx context.Context, img *config.Image, idle []lifecycle.
 	if need <= 0 || now.Before(bo.until) || ctx.Err() != nil {
 		return
 	}
-	if s.M.UnderPressure() {
+	if s.M.Manager().Capacity().UnderPressure() {
 		return // a job waited for room: jobs first (Tick cancels the boots)
 	}
 	for range need {
@@ -389,7 +390,7 @@ func (s *Service) forget(seen map[string]bool, now time.Time) {
 		}
 	}
 	s.demand = slices.DeleteFunc(s.demand, func(d state.Demand) bool {
-		img, ok := s.M.Cfg.Image(d.Image)
+		img, ok := s.M.Manager().Cfg.Image(d.Image)
 		return !ok || img.Pool == nil || now.Sub(d.At) > img.Pool.IdleTime.D()
 	})
 }
@@ -420,7 +421,7 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 			return
 		}
 		defer func() { <-s.sem }()
-		if s.M.UnderPressure() {
+		if s.M.Manager().Capacity().UnderPressure() {
 			return // a job began to wait for room meanwhile
 		}
 		ctx := bctx
@@ -487,7 +488,7 @@ func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason s
 		defer s.release(name)
 		// Retiring runs to its end on its own deadline, even when the
 		// service stops meanwhile.
-		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), s.M.Cfg.Timeouts.Cleanup.D())
+		rctx, cancel := detachctx.WithTimeout(ctx, s.M.Manager().Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		err := remove(rctx, name)
 		s.mu.Lock()
@@ -501,7 +502,7 @@ func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason s
 			if sb.Record != nil && sb.Record.Standby != nil {
 				image = sb.Record.Standby.Image
 			}
-			s.M.Record(s.Log, obs.Event{Kind: obs.KindRetired, Job: name, Image: image, Reason: RetireCode(reason)})
+			s.M.Manager().Record(s.Log, obs.Event{Kind: obs.KindRetired, Job: name, Image: image, Reason: RetireCode(reason)})
 		case errors.Is(err, state.ErrBusy), errors.Is(err, state.ErrClaimed), errors.Is(err, jobvm.ErrBootCompleted):
 		default:
 			// Tried again after 5 s, doubling to 5 min; logged when the
@@ -524,7 +525,7 @@ func (s *Service) removeWith(ctx context.Context, sb lifecycle.Standby, reason s
 func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now time.Time) {
 	s.mu.Lock()
 	last, ok := s.checked[sb.Name]
-	due := !ok || now.Sub(last) >= s.M.Cfg.Serve.HealthInterval.D()
+	due := !ok || now.Sub(last) >= s.M.Manager().Cfg.Serve.HealthInterval.D()
 	if due {
 		s.checked[sb.Name] = now
 	}
@@ -535,7 +536,7 @@ func (s *Service) checkHealth(ctx context.Context, sb lifecycle.Standby, now tim
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
-		why := s.M.Explain(ctx, sb.Name)
+		why := s.M.Manager().Machine(sb.Name).Explain(ctx)
 		if why == "" && ctx.Err() == nil {
 			pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			err := sshexec.Probe(pctx, net.JoinHostPort(sb.Record.Address, strconv.Itoa(sb.Record.Port)))
@@ -615,7 +616,7 @@ func (s *Service) Gauges() ([]metrics.PoolGauge, error) {
 	}
 	now := time.Now()
 	var out []metrics.PoolGauge
-	for _, img := range s.M.Cfg.Pooled() {
+	for _, img := range s.M.Manager().Cfg.Pooled() {
 		g := metrics.PoolGauge{Image: img.Name}
 		for _, sb := range all {
 			if sb.Record == nil || sb.Record.Standby == nil || sb.Record.Standby.Image != img.Name {

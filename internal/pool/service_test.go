@@ -97,9 +97,9 @@ func newService(t *testing.T, cfg *config.Config, hv *vmtest.Fake, g *guest, log
 	t.Helper()
 	m, err := jobvm.Open(cfg, lifecycle.Options{Connect: func(context.Context, string) (vm.Hypervisor, error) { return hv, nil }})
 	require.NoError(t, err)
-	m.SSHPort = g.Port()
-	m.SSHPollInterval = 20 * time.Millisecond
-	m.AddressPollInterval = 10 * time.Millisecond
+	m.Manager().SSHPort = g.Port()
+	m.Manager().SSHPollInterval = 20 * time.Millisecond
+	m.Manager().AddressPollInterval = 10 * time.Millisecond
 	return &Service{M: m, Log: slog.New(slog.NewTextHandler(log, &slog.HandlerOptions{Level: slog.LevelDebug}))}
 }
 
@@ -157,7 +157,7 @@ func (e *env) calls(name string) int {
 }
 
 func (e *env) name(suffix string) string {
-	return lifecycle.MachinePrefix(e.m.Cfg.NamePrefix, e.m.Controller) + "sb-" + suffix
+	return lifecycle.MachinePrefix(e.m.Manager().Cfg.NamePrefix, e.m.Manager().Controller) + "sb-" + suffix
 }
 
 // addStandby makes what a boot leaves of an idle machine created at
@@ -166,20 +166,20 @@ func (e *env) addStandby(suffix string, created time.Time, port int) string {
 	t := e.t
 	t.Helper()
 	name := e.name(suffix)
-	require.True(t, e.m.IsStandby(name))
+	require.True(t, e.m.Manager().Machine(name).IsStandby())
 	if port == 0 {
 		port = e.g.Port()
 	}
-	size := e.m.Cfg.ImageSize(e.img)
-	_, err := e.m.Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
+	size := e.m.Manager().Cfg.ImageSize(e.img)
+	_, err := e.m.Manager().Store.Reserve(name, state.Reservation{VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB})
 	require.NoError(t, err)
 	base, err := state.VersionOf(e.img.Base)
 	require.NoError(t, err)
-	require.NoError(t, e.m.Store.Save(state.Machine{
+	require.NoError(t, e.m.Manager().Store.Save(state.Machine{
 		Name: name, Image: e.img.Name, Address: "127.0.0.1", Port: port, User: "root", Shell: "bash", Created: created.UTC(),
-		Standby: &state.Standby{Image: e.img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Cfg, e.img)},
+		Standby: &state.Standby{Image: e.img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Manager().Cfg, e.img)},
 	}))
-	x, err := vm.MarshalOwner(vm.Owner{Controller: e.m.Controller, Frontend: jobvm.FrontendStandby, Job: e.img.Name,
+	x, err := vm.MarshalOwner(vm.Owner{Controller: e.m.Manager().Controller, Frontend: jobvm.FrontendStandby, Job: e.img.Name,
 		Created: created.UTC(), Deadline: created.Add(3 * time.Hour).UTC(), Volumes: []string{vm.DiskVolume(name)}})
 	require.NoError(t, err)
 	e.hv.Lock()
@@ -198,7 +198,7 @@ func (e *env) requireGone(name string) {
 	e.hv.Unlock()
 	require.False(t, dom, "domain %s left", name)
 	require.False(t, disk, "disk of %s left", name)
-	require.NoDirExists(t, e.m.Store.MachineDir(name))
+	require.NoDirExists(t, e.m.Manager().Store.MachineDir(name))
 }
 
 func deadPort(t *testing.T) int {
@@ -220,7 +220,7 @@ func TestTickBootsUpToIdleCount(t *testing.T) {
 	require.NoError(t, err)
 	for _, n := range idle {
 		rec := e.standbys()[n].Record
-		require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Cfg, e.img)}, rec.Standby)
+		require.Equal(t, &state.Standby{Image: "tiny", VCPUs: 1, MemoryMiB: 256, Base: base, Spec: lifecycle.SpecFingerprint(e.m.Manager().Cfg, e.img)}, rec.Standby)
 		e.hv.Lock()
 		o, err := vm.ParseOwner(e.hv.Domains[n].OwnerXML)
 		active := e.hv.Domains[n].Active
@@ -292,10 +292,10 @@ func TestTickRetiresAgedMachine(t *testing.T) {
 func TestTickRetiresWhenPoolOrSizeChanged(t *testing.T) {
 	e := newEnv(t, "idle_count = 1\n", "", "")
 	resized := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
-	rec, err := e.m.Store.Record(resized)
+	rec, err := e.m.Manager().Store.Record(resized)
 	require.NoError(t, err)
 	rec.Standby.MemoryMiB = 512
-	require.NoError(t, e.m.Store.Save(*rec))
+	require.NoError(t, e.m.Manager().Store.Save(*rec))
 	e.tick()
 	e.requireGone(resized)
 	require.Contains(t, e.log.String(), "its size is no longer the image's")
@@ -317,28 +317,28 @@ func TestTickRetiresWhenPoolOrSizeChanged(t *testing.T) {
 func TestTickRemovesCutOffBoot(t *testing.T) {
 	e := newEnv(t, "idle_count = 1\n", "", "")
 	cut := e.name("0000000a")
-	_, err := e.m.Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err := e.m.Manager().Store.Reserve(cut, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
 	e.hv.Lock()
 	e.hv.Volumes["jobs/"+vm.DiskVolume(cut)] = nil
 	e.hv.Unlock()
 	inProgress := e.name("0000000b")
-	_, err = e.m.Store.Reserve(inProgress, state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err = e.m.Manager().Store.Reserve(inProgress, state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
-	unlock, err := e.m.Store.TryLock(inProgress)
+	unlock, err := e.m.Manager().Store.TryLock(inProgress)
 	require.NoError(t, err)
 
 	e.tick()
 	e.requireGone(cut)
-	require.DirExists(t, e.m.Store.MachineDir(inProgress))
-	cl, err := e.m.Store.ClaimOf(inProgress)
+	require.DirExists(t, e.m.Manager().Store.MachineDir(inProgress))
+	cl, err := e.m.Manager().Store.ClaimOf(inProgress)
 	require.NoError(t, err)
 	require.Nil(t, cl, "a boot in progress is not even marked")
 	require.Len(t, e.idle(), 1, "and the pool is filled meanwhile")
 
 	unlock()
 	e.tick()
-	require.NoDirExists(t, e.m.Store.MachineDir(inProgress))
+	require.NoDirExists(t, e.m.Manager().Store.MachineDir(inProgress))
 }
 
 // A machine marked for retirement is removed; one a job claimed is the
@@ -346,9 +346,9 @@ func TestTickRemovesCutOffBoot(t *testing.T) {
 func TestTickRemovesMarkedKeepsClaimed(t *testing.T) {
 	e := newEnv(t, "idle_count = 1\n", "", "")
 	marked := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
-	require.NoError(t, e.m.Store.Claim(marked, state.Claim{Retire: true, Reason: "paused", At: time.Now().UTC()}))
+	require.NoError(t, e.m.Manager().Store.Claim(marked, state.Claim{Retire: true, Reason: "paused", At: time.Now().UTC()}))
 	claimed := e.addStandby("0000000b", time.Now().Add(-2*time.Hour), 0)
-	require.NoError(t, e.m.Store.Claim(claimed, state.Claim{Job: "lve-x-7", At: time.Now().UTC()}))
+	require.NoError(t, e.m.Manager().Store.Claim(claimed, state.Claim{Job: "lve-x-7", At: time.Now().UTC()}))
 	later := time.Now().Add(time.Hour)
 	require.NoError(t, os.Chtimes(e.img.Base, later, later))
 
@@ -357,7 +357,7 @@ func TestTickRemovesMarkedKeepsClaimed(t *testing.T) {
 	e.hv.Lock()
 	require.True(t, e.hv.Domains[claimed].Active, "the job's machine stays")
 	e.hv.Unlock()
-	cl, err := e.m.Store.ClaimOf(claimed)
+	cl, err := e.m.Manager().Store.ClaimOf(claimed)
 	require.NoError(t, err)
 	require.Equal(t, "lve-x-7", cl.Job)
 	require.Len(t, e.idle(), 1, "the claimed machine does not count as idle: one booted")
@@ -367,9 +367,9 @@ func TestTickRemovesMarkedKeepsClaimed(t *testing.T) {
 // the pressure is old, it refills.
 func TestTickHoldsBootsUnderPressure(t *testing.T) {
 	e := newEnv(t, "idle_count = 2\n", "", "")
-	require.False(t, e.m.UnderPressure())
-	require.NoError(t, e.m.Store.Touch("pool-pressure"))
-	require.True(t, e.m.UnderPressure(), "the key a waiting job touches")
+	require.False(t, e.m.Manager().Capacity().UnderPressure())
+	require.NoError(t, e.m.Manager().Store.Touch("pool-pressure"))
+	require.True(t, e.m.Manager().Capacity().UnderPressure(), "the key a waiting job touches")
 
 	e.tick()
 	e.tick()
@@ -377,8 +377,8 @@ func TestTickHoldsBootsUnderPressure(t *testing.T) {
 	require.Zero(t, e.calls("Define"))
 
 	old := time.Now().Add(-lifecycle.PressureHold - time.Second)
-	require.NoError(t, os.Chtimes(filepath.Join(e.m.Store.Dir, "pool-pressure"), old, old))
-	require.False(t, e.m.UnderPressure())
+	require.NoError(t, os.Chtimes(filepath.Join(e.m.Manager().Store.Dir, "pool-pressure"), old, old))
+	require.False(t, e.m.Manager().Capacity().UnderPressure())
 	e.tick()
 	require.Len(t, e.idle(), 2)
 }
@@ -485,11 +485,11 @@ func TestTickRefillsToDemand(t *testing.T) {
 	e.tick()
 	require.Empty(t, e.idle(), "idle_count 0 and no demand: nothing booted")
 	for range 2 {
-		require.NoError(t, e.m.Store.NoteDemand("tiny"))
+		require.NoError(t, e.m.Manager().Store.NoteDemand("tiny"))
 	}
 	e.tick()
 	require.Len(t, e.idle(), 2, "two asks in idle_time: target 2")
-	d, err := e.m.Store.TakeDemand()
+	d, err := e.m.Manager().Store.TakeDemand()
 	require.NoError(t, err)
 	require.Empty(t, d, "the service took the records")
 }
@@ -498,7 +498,7 @@ func TestTickRefillsToDemand(t *testing.T) {
 func TestTickLogsClaimOnce(t *testing.T) {
 	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
 	n := e.addStandby("00000001", time.Now().Add(-time.Minute), 0)
-	require.NoError(t, e.m.Store.Claim(n, state.Claim{Job: "lve-x-7", At: time.Now().UTC()}))
+	require.NoError(t, e.m.Manager().Store.Claim(n, state.Claim{Job: "lve-x-7", At: time.Now().UTC()}))
 	e.tick()
 	e.tick()
 	require.Equal(t, 1, strings.Count(e.log.String(), "standby VM claimed"))
@@ -604,10 +604,10 @@ func TestBootFailureBacksOff(t *testing.T) {
 	require.WithinDuration(t, time.Now().Add(5*time.Second), bo.until, 2*time.Second)
 	require.Contains(t, e.log.String(), "injected define failure")
 	require.Empty(t, e.standbys(), "the failed boot is undone")
-	locks, err := e.m.Store.LockNames()
+	locks, err := e.m.Manager().Store.LockNames()
 	require.NoError(t, err)
 	for _, l := range locks {
-		require.False(t, e.m.IsStandby(l), "lock file %s of the failed boot left", l)
+		require.False(t, e.m.Manager().Machine(l).IsStandby(), "lock file %s of the failed boot left", l)
 	}
 
 	delete(e.hv.FailOn, "Define")
@@ -644,9 +644,9 @@ func TestBootFailureBacksOff(t *testing.T) {
 func TestBootOnFullHostBacksOffBriefly(t *testing.T) {
 	e := newEnv(t, "idle_count = 1\n", "", "[capacity]\nmax_vms = 1\n")
 	// A job's machine, alive (its lock is held), fills the host.
-	_, err := e.m.Store.Reserve("lve-x-job", state.Reservation{VCPUs: 1, MemoryMiB: 256})
+	_, err := e.m.Manager().Store.Reserve("lve-x-job", state.Reservation{VCPUs: 1, MemoryMiB: 256})
 	require.NoError(t, err)
-	unlock, err := e.m.Store.TryLock("lve-x-job")
+	unlock, err := e.m.Manager().Store.TryLock("lve-x-job")
 	require.NoError(t, err)
 	defer unlock()
 	e.tick()
@@ -656,9 +656,9 @@ func TestBootOnFullHostBacksOffBriefly(t *testing.T) {
 	e.s.mu.Unlock()
 	require.Zero(t, bo.failures, "no room is no failure")
 	require.WithinDuration(t, time.Now().Add(5*time.Second), bo.until, 2*time.Second)
-	require.False(t, e.m.UnderPressure(), "the service's boots are no waiting job")
+	require.False(t, e.m.Manager().Capacity().UnderPressure(), "the service's boots are no waiting job")
 	require.NotContains(t, e.log.String(), "level=ERROR")
-	require.DirExists(t, e.m.Store.MachineDir("lve-x-job"), "the job's machine is not touched")
+	require.DirExists(t, e.m.Manager().Store.MachineDir("lve-x-job"), "the job's machine is not touched")
 }
 
 // Run holds the service lock (one service per state_dir), keeps the pool,
@@ -677,8 +677,8 @@ func TestRunKeepsPoolAndStops(t *testing.T) {
 	require.ErrorIs(t, err, state.ErrBusy, "one service per installation")
 
 	// A job claims one; the service refills.
-	c, err := e.m.Claim(context.Background(), jobvm.ClaimRequest{Job: "lve-x-7", Image: e.img, Size: e.m.Cfg.ImageSize(e.img),
-		Frontend: "gitlab", JobID: "7", Lifetime: time.Hour})
+	c, err := e.m.Claim(context.Background(), jobvm.JobRequest{
+		Request: lifecycle.Request{Name: "lve-x-7", Image: e.img, Frontend: "gitlab", Job: "7", Lifetime: time.Hour}, Size: e.m.Manager().Cfg.ImageSize(e.img)})
 	require.NoError(t, err)
 	require.Eventually(t, func() bool { return len(e.idle()) == 2 }, 20*time.Second, 20*time.Millisecond)
 	require.NotContains(t, e.idle(), c.Machine.Name)
@@ -704,7 +704,7 @@ func TestPressureCancelsBootsInProgress(t *testing.T) {
 	e.hv.Unlock()
 	e.s.Tick(context.Background()) // a look, without waiting for its boot
 	require.Eventually(t, func() bool { return e.calls("Start") == 1 }, 10*time.Second, 10*time.Millisecond)
-	require.NoError(t, e.m.Store.Touch("pool-pressure"))
+	require.NoError(t, e.m.Manager().Store.Touch("pool-pressure"))
 	t0 := time.Now()
 	e.tick()
 	require.Less(t, time.Since(t0), 10*time.Second, "cancelled, not run into the boot timeout")
@@ -723,7 +723,7 @@ func TestRunStopsWhenConfigChanges(t *testing.T) {
 	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "interval = \"50ms\"\n", "")
 	path := filepath.Join(t.TempDir(), "config.toml")
 	require.NoError(t, os.WriteFile(path, []byte("# v1\n"), 0o600))
-	e.m.Cfg.Path = path
+	e.m.Manager().Cfg.Path = path
 	done := make(chan error, 1)
 	go func() { done <- e.s.Run(context.Background()) }()
 	require.Eventually(t, func() bool { return e.m.ServiceRunning() }, 5*time.Second, 10*time.Millisecond)
@@ -742,7 +742,7 @@ func TestRunStopsWhenConfigChanges(t *testing.T) {
 func TestRetireFailureBacksOff(t *testing.T) {
 	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
 	n := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
-	require.NoError(t, e.m.Store.Claim(n, state.Claim{Retire: true, Reason: "test", At: time.Now().UTC()}))
+	require.NoError(t, e.m.Manager().Store.Claim(n, state.Claim{Retire: true, Reason: "test", At: time.Now().UTC()}))
 	e.hv.Lock()
 	e.hv.FailOn["Destroy"] = errors.New("injected destroy failure")
 	e.hv.Unlock()
@@ -768,10 +768,10 @@ func TestRetireFailureBacksOff(t *testing.T) {
 func TestTickRetiresRecordWithoutStandbyPart(t *testing.T) {
 	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
 	n := e.addStandby("0000000a", time.Now().Add(-time.Minute), 0)
-	rec, err := e.m.Store.Record(n)
+	rec, err := e.m.Manager().Store.Record(n)
 	require.NoError(t, err)
 	rec.Standby = nil
-	require.NoError(t, e.m.Store.Save(*rec))
+	require.NoError(t, e.m.Manager().Store.Save(*rec))
 	e.tick()
 	e.requireGone(n)
 	require.Contains(t, e.log.String(), "no standby record")

@@ -21,6 +21,7 @@ import (
 	"strings"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 )
@@ -161,7 +162,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		})
 	}
 	report := func(name string, id int64) JobReport {
-		wctx, wcancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		wctx, wcancel := detachctx.WithTimeout(ctx, 5*time.Second)
 		defer wcancel()
 		res, err := api.Wait(wctx, id)
 		if err != nil {

@@ -18,7 +18,9 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -167,7 +169,7 @@ func Run(p Process, e Exe) int {
 				if stageErr != nil {
 					stopped = fmt.Errorf("%w (the stage had ended: %v)", stopped, stageErr)
 				} else if e.Undo != nil {
-					uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cfg.Timeouts.Cleanup.D())
+					uctx, cancel := detachctx.WithTimeout(ctx, cfg.Timeouts.Cleanup.D())
 					if uerr := e.Undo(uctx, env, cfg, c.Args().Slice()); uerr != nil {
 						stopped = fmt.Errorf("%w; undoing what the stage had done failed: %v", stopped, uerr)
 					} else {
@@ -213,5 +215,5 @@ func Classify(err error, cancelled bool) (result, reason string) {
 	if cancelled && result == obs.ResultSuccess {
 		result = obs.ResultSystem
 	}
-	return result, jobvm.FailureReason(err, cancelled)
+	return result, failure.Classify(err, cancelled)
 }

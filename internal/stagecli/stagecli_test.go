@@ -16,8 +16,8 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/failure"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
@@ -189,7 +189,7 @@ func TestStageRecordsItsOutcome(t *testing.T) {
 	require.Len(t, got, 3)
 	require.Equal(t, []string{"step_script", "after_script", "get_sources"}, []string{got[0].Stage, got[1].Stage, got[2].Stage})
 	require.Equal(t, []string{obs.ResultBuild, obs.ResultSystem, obs.ResultSuccess}, []string{got[0].Result, got[1].Result, got[2].Result})
-	require.Equal(t, []string{jobvm.ReasonScript, jobvm.ReasonCancelled, jobvm.ReasonNone}, []string{got[0].Reason, got[1].Reason, got[2].Reason})
+	require.Equal(t, []string{failure.ReasonScript, failure.ReasonCancelled, failure.ReasonNone}, []string{got[0].Reason, got[1].Reason, got[2].Reason})
 	require.Equal(t, "lve-x-y-42", got[0].Job)
 	require.Equal(t, "a", got[0].Image)
 	b, err := os.ReadFile(steps)

@@ -9,6 +9,8 @@ import (
 	"errors"
 	"fmt"
 	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 )
 
 // Step is one unit of work.
@@ -68,7 +70,7 @@ func (r Runner) undo(ctx context.Context, done []Step, cause error) error {
 	if timeout <= 0 {
 		timeout = time.Minute
 	}
-	uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), timeout)
+	uctx, cancel := detachctx.WithTimeout(ctx, timeout)
 	defer cancel()
 	errs := []error{cause}
 	for i := len(done) - 1; i >= 0; i-- {

@@ -29,6 +29,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
@@ -149,7 +150,7 @@ func (r *Runner) Run(ctx context.Context, req Request) error {
 	// and end the service with what the steps left running, whatever
 	// became of the run, on a context of its own: a cancelled stage
 	// still stops its steps.
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.StopGrace+20*time.Second)
+	cctx, cancel := detachctx.WithTimeout(ctx, r.StopGrace+20*time.Second)
 	defer cancel()
 	if !errors.Is(err, sshexec.ErrDeadGuest) {
 		if ctx.Err() != nil || s.c == nil || s.p == nil || s.p.ended() != nil {

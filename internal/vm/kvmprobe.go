@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 )
 
 // KVMProbe is one short boot of a kernel under KVM, with no disk and no
@@ -99,7 +101,7 @@ func (e *Engine) ProbeKVM(ctx context.Context, p KVMProbe) (KVMVerdict, error) {
 		return KVMVerdict{}, fmt.Errorf("define the KVM probe domain %s: %w", p.Name, err)
 	}
 	v, err := e.watchKVMProbe(ctx, p)
-	cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), p.Cleanup)
+	cctx, cancel := detachctx.WithTimeout(ctx, p.Cleanup)
 	defer cancel()
 	rerr := ignoreNotFound(change(cctx, func(ctx context.Context) error { return e.HV.Destroy(ctx, p.Name) }))
 	if rerr == nil {

@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 )
 
 // CreateSharedVolume makes a raw volume in pool holding data, for a disk
@@ -27,7 +29,7 @@ func (e *Engine) CreateSharedVolume(ctx context.Context, pool, name string, data
 		return "", fmt.Errorf("create volume %s: %w", name, err)
 	}
 	if err := change(ctx, func(ctx context.Context) error { return e.HV.UploadVolume(ctx, pool, name, data) }); err != nil {
-		uctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.undoTimeout())
+		uctx, cancel := detachctx.WithTimeout(ctx, e.undoTimeout())
 		defer cancel()
 		if derr := ignoreNotFound(e.HV.DeleteVolume(uctx, pool, name)); derr != nil {
 			return "", fmt.Errorf("upload volume %s: %w (and deleting it failed: %v)", name, err, derr)

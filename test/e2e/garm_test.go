@@ -271,12 +271,7 @@ func garmCall(t *testing.T, bin, cfg, ctrl, pool, command, instance, stdin strin
 // line, in the domain XML, the provider's output or the state directory.
 func TestGarmProvider(t *testing.T) {
 	base := setup(t)
-	if _, ok := base.cfg.Images["cloud"]; !ok {
-		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
-			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
-		}
-		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
-	}
+	requireCloudImage(t, base)
 	ln := base.serviceListener(t)
 	// garm's endpoint, and one on a port of the network's address that
 	// the guard keeps closed (doctor must say so)
@@ -634,12 +629,7 @@ func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (str
 // started before the bootstrap's scrub).
 func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	base := setup(t)
-	if _, ok := base.cfg.Images["cloud"]; !ok {
-		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
-			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
-		}
-		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
-	}
+	requireCloudImage(t, base)
 	ln := base.serviceListener(t)
 	r := base.withConfig(t, func(s string) string {
 		return s + fmt.Sprintf("\n[garm]\nimages = [\"cloud\"]\nendpoints = [%q]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n", "http://"+ln.Addr().String())
@@ -702,4 +692,67 @@ func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	require.NoError(t, err, "the seed volume is still attached (no provider call took it)")
 	require.NotEmpty(t, seed)
 	require.Equal(t, len(seed), bytes.Count(seed, []byte{0}), "the guest wiped the seed volume")
+}
+
+// TestGarmCreateRetiresIdleStandby: garm's provider opens the engine with
+// the hooks GitLab's stages use, so on a host full of idle standby VMs
+// (capacity.max_vms = 1, one idle standby of the pool service) a
+// CreateInstance retires the idle standby and makes its instance instead
+// of failing with "no room"; the pool service holds its refill while the
+// host is full.
+func TestGarmCreateRetiresIdleStandby(t *testing.T) {
+	base := setup(t)
+	requireCloudImage(t, base)
+	ln := base.serviceListener(t)
+	endpoint := "http://" + ln.Addr().String()
+	r := base.withPool(t, 1).withConfig(t, func(s string) string {
+		return s + fmt.Sprintf("\n[capacity]\nmax_vms = 1\n[garm]\nimages = [\"cloud\"]\nendpoints = [%q]\n[garm.flavors.small]\nvcpus = 1\nmemory_mib = 768\n", endpoint)
+	})
+	r.serve(t)
+	idle := r.waitIdle(t, 1, 3*time.Minute)
+
+	const (
+		ctrl = "55555555-2222-3333-4444-555555555555"
+		pool = "eeeeeeee-0000-0000-0000-000000000005"
+	)
+	t.Cleanup(func() { _, _, _ = garmCall(t, r.bin, r.cfgPath, ctrl, "", "RemoveAllInstances", "", "") })
+	b, _ := json.Marshal(map[string]any{
+		"name": "garm-Room1", "os_type": "linux", "arch": "amd64", "image": "cloud", "flavor": "small",
+		"callback-url": endpoint + "/api/v1/callbacks", "metadata-url": endpoint + "/api/v1/metadata",
+		"instance-token": "garm-token-room-" + fmt.Sprint(time.Now().UnixNano()), "repo_url": "https://github.com/example/repo",
+		"labels": []string{"lve"},
+		"tools": []map[string]any{{"os": "linux", "architecture": "x64", "download_url": endpoint + "/runner.tar.gz",
+			"filename": "runner.tar.gz", "sha256_checksum": strings.Repeat("ab", 32)}},
+		"extra_specs": map[string]any{},
+	})
+	out, errs, code := garmCall(t, r.bin, r.cfgPath, ctrl, pool, "CreateInstance", "", string(b))
+	require.Equal(t, 0, code, "a full host of idle standbys makes room for garm's instance: %s%s", out, errs)
+	var inst struct {
+		ProviderID string `json:"provider_id"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(out), &inst))
+	exists, _ := r.domainState(idle[0])
+	require.False(t, exists, "the idle standby VM %s was retired for the instance", idle[0])
+	exists, _ = r.domainState(inst.ProviderID)
+	require.True(t, exists, "garm's instance runs")
+	idleNow, other := r.standbys(t)
+	require.Empty(t, idleNow, "no standby took the room back")
+	require.Empty(t, other, "no standby boots on the full host")
+
+	out, errs, code = garmCall(t, r.bin, r.cfgPath, ctrl, pool, "DeleteInstance", inst.ProviderID, "")
+	require.Equal(t, 0, code, out+errs)
+	// The room is the pool's again once the instance is gone.
+	r.waitIdle(t, 1, 3*time.Minute)
+}
+
+// requireCloudImage skips the test on a rig without the cloud-init image
+// garm's bootstrap needs, and fails it where LVE_E2E_IMAGES says there is one.
+func requireCloudImage(t *testing.T, r *rig) {
+	t.Helper()
+	if _, ok := r.cfg.Images["cloud"]; !ok {
+		if strings.Contains(os.Getenv("LVE_E2E_IMAGES"), "cloud") {
+			t.Fatal("LVE_E2E_IMAGES names cloud but the rig has no cloud image")
+		}
+		t.Skip("the rig has no cloud-init image (LVE_RIG_IMAGES=cloud)")
+	}
 }

@@ -81,8 +81,9 @@ func TestCancelStopsRemoteProcessAndLeavesNothing(t *testing.T) {
 	}
 	go func() {
 		<-started
-		// Give the script time to start its background child in the guest.
-		time.Sleep(4 * time.Second)
+		// Cancel once the script has started its background child in the
+		// guest (its next line is in the job log).
+		logSays(lw, "long-job-started", 2*time.Minute)
 		cancel()
 	}()
 	res, err := harness.RunJob(ctx, opts, harness.Job{
@@ -104,19 +105,24 @@ func TestCancelStopsRemoteProcessAndLeavesNothing(t *testing.T) {
 
 func TestVMDestroyedDuringBuildIsSystemFailure(t *testing.T) {
 	r := setup(t)
-	opts, _ := r.options(t)
+	opts, lw := r.options(t)
 	destroyed := make(chan error, 1)
+	var destroyAt time.Duration // after the stage's start
 	opts.OnStage = func(stage string, pid int) {
 		if stage != "build_script" {
 			return
 		}
+		t0 := time.Now()
 		go func() {
-			time.Sleep(3 * time.Second)
+			// The script runs in the guest (its first line is in the job
+			// log) when its VM is destroyed.
+			logSays(lw, "build-is-running", 2*time.Minute)
+			destroyAt = time.Since(t0)
 			destroyed <- r.destroyJobDomain()
 		}()
 	}
 	res, err := harness.RunJob(context.Background(), opts, harness.Job{
-		Script: []string{"echo running", "sleep 600"},
+		Script: []string{"echo build-is-running", "sleep 600"},
 	})
 	require.NoError(t, err)
 	require.NoError(t, <-destroyed)
@@ -124,10 +130,10 @@ func TestVMDestroyedDuringBuildIsSystemFailure(t *testing.T) {
 	require.Equal(t, 2, build.ExitCode, "a vanished VM is a system failure, never BUILD_FAILURE")
 	require.Equal(t, harness.ReasonSystemFailure, res.FailureReason)
 	// Keepalive bound: interval x count, plus one interval of slack and the
-	// 3 s before the domain is destroyed.
-	bound := time.Duration(r.cfg.SSH.KeepaliveCount+1)*r.cfg.SSH.KeepaliveInterval.D() + 3*time.Second
+	// time before the domain was destroyed.
+	bound := time.Duration(r.cfg.SSH.KeepaliveCount+1)*r.cfg.SSH.KeepaliveInterval.D() + destroyAt
 	require.Less(t, build.Duration, bound+5*time.Second, "noticed within the keepalive bound (%s), not at the job timeout", bound)
-	t.Logf("build_script ended %s after start (domain destroyed at 3 s)", build.Duration)
+	t.Logf("build_script ended %s after start (domain destroyed at %s)", build.Duration, destroyAt.Round(time.Millisecond))
 }
 
 func TestHostKeyMismatchSendsNoScript(t *testing.T) {
@@ -190,4 +196,14 @@ func otherImages(t *testing.T, r *rig) []string {
 		}
 	}
 	return others
+}
+
+// logSays waits until the job log has a line containing what, at most
+// within (a goroutine's wait: it cannot fail the test; the test's own
+// assertions then say what did not happen).
+func logSays(lw *logWriter, what string, within time.Duration) {
+	deadline := time.Now().Add(within)
+	for !strings.Contains(lw.buf.String(), what) && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond) // the poll's interval
+	}
 }

@@ -96,7 +96,7 @@ func (r *rig) standbys(t *testing.T) (idle, other []string) {
 	all, err := m.Standbys()
 	require.NoError(t, err)
 	for _, s := range all {
-		if e, _ := m.Store.EndedOf(s.Name); e != nil {
+		if e, _ := m.Manager().Store.EndedOf(s.Name); e != nil {
 			continue
 		}
 		if s.Idle() {
@@ -223,7 +223,22 @@ func TestPoolFaults(t *testing.T) {
 		before := r.waitIdle(t, 2, 3*time.Minute)
 		svc.kill()
 		svc = keep(t)
-		time.Sleep(3 * time.Second) // a few looks, health checks included
+		// A few looks of the restarted service at its pools, health checks
+		// included: each touches its heartbeat anew.
+		m := r.manager(t)
+		looks, last := 0, time.Duration(-1)
+		waitFor(t, 2*time.Minute, "three looks of the restarted service", func() bool {
+			_, age, ok := m.ServiceStatus()
+			switch {
+			case !ok:
+			case last >= 0 && age < last:
+				looks++
+				last = age
+			default:
+				last = age
+			}
+			return looks >= 3
+		})
 		idle, other := r.standbys(t)
 		require.ElementsMatch(t, before, idle, "the restarted service adopts the idle VMs")
 		require.Empty(t, other, "and boots none")

@@ -13,6 +13,7 @@ import (
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
@@ -81,7 +82,7 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 	hv := &timedHV{Hypervisor: e.hv}
 	eng := &vm.Engine{HV: hv, Controller: e.controller, UndoTimeout: e.cfg.Timeouts.Cleanup.D(), PollInterval: e.poll, Network: e.cfg.Network}
 	defer func() {
-		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), e.cfg.Timeouts.Cleanup.D())
+		cctx, cancel := detachctx.WithTimeout(ctx, e.cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		t := time.Now()
 		// Whatever exists under this fresh random name, this call made.

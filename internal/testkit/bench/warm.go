@@ -136,12 +136,12 @@ func newStandbyWatch(m *jobvm.Host) *standbyWatch {
 }
 
 func (w *standbyWatch) look() {
-	names, err := w.m.Store.Names()
+	names, err := w.m.Manager().Store.Names()
 	if err != nil {
 		return
 	}
 	for _, n := range names {
-		if !w.m.IsStandby(n) {
+		if !w.m.Manager().Machine(n).IsStandby() {
 			continue
 		}
 		w.mu.Lock()
@@ -150,7 +150,7 @@ func (w *standbyWatch) look() {
 		if seen {
 			continue
 		}
-		if st, err := os.Stat(filepath.Join(w.m.Store.MachineDir(n), reservationFile)); err == nil {
+		if st, err := os.Stat(filepath.Join(w.m.Manager().Store.MachineDir(n), reservationFile)); err == nil {
 			w.mu.Lock()
 			w.began[n] = st.ModTime()
 			w.mu.Unlock()

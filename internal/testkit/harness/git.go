@@ -13,6 +13,8 @@ import (
 	"path/filepath"
 	"strings"
 	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 )
 
 // ServeGit serves the bare repository dir read-only over git's smart HTTP
@@ -69,7 +71,7 @@ func ServeGit(ctx context.Context, dir, listenAddr string) (url string, stop fun
 	stopCtx, cancel := context.WithCancel(ctx)
 	go func() {
 		<-stopCtx.Done()
-		sctx, c := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		sctx, c := detachctx.WithTimeout(ctx, 5*time.Second)
 		defer c()
 		if srv.Shutdown(sctx) != nil {
 			_ = srv.Close()

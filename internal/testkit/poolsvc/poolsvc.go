@@ -200,7 +200,7 @@ func RemoveStandbys(ctx context.Context, m *jobvm.Host, each time.Duration, reas
 	for _, s := range all {
 		rctx, cancel := context.WithTimeout(ctx, each)
 		var err error
-		if e, _ := m.Store.EndedOf(s.Name); e != nil {
+		if e, _ := m.Manager().Store.EndedOf(s.Name); e != nil {
 			// Its job ended: its reaper removes it. Wait for that under
 			// the VM's lock, or do it if the reaper is gone.
 			err = m.Reap(rctx, []string{s.Name})
@@ -208,8 +208,8 @@ func RemoveStandbys(ctx context.Context, m *jobvm.Host, each time.Duration, reas
 			err = m.Retire(rctx, s.Name, reason)
 		}
 		if errors.Is(err, state.ErrClaimed) {
-			if err = m.Teardown(rctx, s.Name); err == nil && s.Claim != nil {
-				_ = m.Store.UnmapJob(s.Claim.Job)
+			if err = m.Manager().Machine(s.Name).Teardown(rctx); err == nil && s.Claim != nil {
+				_ = m.Manager().Store.UnmapJob(s.Claim.Job)
 			}
 		}
 		cancel()

@@ -1,4 +1,9 @@
-package jobvm
+// Package failure owns the one classifier of why something failed: the
+// bounded words (Reasons) that the stages' records, garm's instance
+// operations and the metrics give, decided from the error's type
+// (Classify). It names no front end; it reads the typed errors of the
+// layers below (exitcodes, sshexec, holder, vm, lifecycle).
+package failure
 
 import (
 	"errors"
@@ -11,7 +16,7 @@ import (
 )
 
 // Failure reasons: the bounded words metrics and logs give for why
-// something failed (FailureReason).
+// something failed (Classify).
 const (
 	ReasonNone        = "none"
 	ReasonScript      = "script"
@@ -30,10 +35,10 @@ const (
 var Reasons = []string{ReasonNone, ReasonScript, ReasonUser, ReasonCancelled, ReasonDeadGuest,
 	ReasonBootTimeout, ReasonNoRoom, ReasonHostKey, ReasonLibvirt, ReasonHolder, ReasonOther}
 
-// FailureReason says in one bounded word why err failed; cancelled tells
+// Classify says in one bounded word why err failed; cancelled tells
 // that the operation was stopped (a signal: the job was cancelled or timed
 // out), which wins over what the stop caused.
-func FailureReason(err error, cancelled bool) string {
+func Classify(err error, cancelled bool) string {
 	switch {
 	case err == nil && !cancelled:
 		return ReasonNone
