@@ -87,8 +87,8 @@ test-unit: ## unit tests (race detector, no VMs; the fake job API's tests with a
 	@mkdir -p $(BIN)
 	runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner LVE_REQUIRE_PROMETHEUS=$(REQUIRE_PROMETHEUS) LVE_REQUIRE_PACKAGE_TOOLS=$(REQUIRE_PACKAGE_TOOLS) $(GO) test -race -count=1 ./...
 
-test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd and cloud-init guests)
-	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES=tiny,debian,cloud deploy/rig/start.sh
+test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; installs what it needs; tiny, Debian systemd, cloud-init and podman guests)
+	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES=tiny,debian,cloud,podman deploy/rig/start.sh
 	@set -o pipefail; rc=0; runner=$(TEST_RUNNER) || exit 1; steprunner=$(TEST_STEP_RUNNER) || exit 1; \
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner \
 	    $(GO) test -tags e2e -count=1 -timeout 55m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
