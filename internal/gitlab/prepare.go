@@ -28,8 +28,14 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	defer j.jobs.Close()
 	defer func() { e.Report.Reconnects(j.jobs.Reconnects()) }()
 	say := e.say
-	if err := checkServices(cfg, j.job.Services, say); err != nil {
+	plan, svcOpts, err := servicesPlan(cfg, j, img, e.Getenv)
+	if err != nil {
 		return err
+	}
+	if plan == nil {
+		if err := checkServices(cfg, j.job.Services, say); err != nil {
+			return err
+		}
 	}
 	began := time.Now()
 	say("Preparing a fresh %s VM %s for job %d (%s)", img.Name, j.name, j.job.ID, DriverName+" "+buildinfo.Version)
@@ -81,10 +87,18 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		e.Report.Path(obs.PathWarm)
 		say("Machine ready in %s (warm)", vm.Round(time.Since(began)))
 		writeTimings(e, j, jobvm.NewClaimRecord(a.Claimed.Machine, a.Claimed, began))
-		return nil
+	} else {
+		writeTimings(e, j, lifecycle.NewTimingRecord(a.Ready, began))
+		e.Report.Path(obs.PathCold)
 	}
-	writeTimings(e, j, lifecycle.NewTimingRecord(a.Ready, began))
-	e.Report.Path(obs.PathCold)
+	if plan != nil {
+		// The machine is the job's now: a failure here leaves it to
+		// cleanup, as any other.
+		if err := startServices(ctx, j.vm, plan, svcOpts, say); err != nil {
+			j.log.Error("services failed", "err", err)
+			return err
+		}
+	}
 	return nil
 }
 

@@ -28,6 +28,7 @@ import (
 	"oras.land/oras-go/v2/registry/remote"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
@@ -276,4 +277,65 @@ func pushServiceImage(t *testing.T, host, repo, tag string) {
 	require.NoError(t, err)
 	md := content.NewDescriptorFromBytes(ocispec.MediaTypeImageManifest, man)
 	require.NoError(t, rp.PushReference(ctx, md, bytes.NewReader(man), tag))
+}
+
+// TestServicesThroughRealRunner: a job written for the Docker executor's
+// services, run unchanged through the real runner: prepare starts its
+// postgres:15 service (alias db) in the job's podman-image VM before the
+// first script, the script on the VM's own OS reaches it by its derived
+// name and its alias, the service got the job's public variables, the
+// masked one is in no log line, and nothing is left after cleanup. A
+// service image the admin does not allow fails the next job before any
+// machine is made.
+func TestServicesThroughRealRunner(t *testing.T) {
+	rr := newRealRunner(t)
+	podman := podmanImage(t, rr.r)
+	ln := rr.r.serviceListener(t)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	reg := registrytest.StartAt(t, addr)
+	pushServiceImage(t, reg.Host, "library/postgres", "15")
+	r := rr.r.withConfig(t, func(s string) string {
+		return s + "\n" + podman + fmt.Sprintf(`
+[services]
+enabled = true
+wait_timeout = "60s"
+allowed_images = ["postgres:*"]
+plain_http = [%q]
+[services.mirrors]
+"docker.io" = [%q]
+`, reg.Host, reg.Host)
+	})
+	rr.cfgPath = r.cfgPath
+
+	const secret = "masked-svc-s3cr3t-value"
+	get := func(host string) string {
+		return `exec 3<>/dev/tcp/` + host + `/5432; printf 'GET / HTTP/1.0\r\n\r\n' >&3; echo "` + host + ` says: $(tail -n 1 <&3)"; exec 3<&-`
+	}
+	res := rr.runJobs(t, jobapi.Job{
+		Name: "with-services", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
+		Variables: []jobapi.Variable{
+			{Key: "MARKER", Value: "from-the-job", Public: true},
+			{Key: "DB_PASSWORD", Value: secret, Masked: true},
+		},
+		Services: []jobapi.Service{{Name: "postgres:15", Alias: "db"}},
+		Script:   []string{get("postgres"), get("db"), `echo "password seen as $DB_PASSWORD"`},
+	}, jobapi.Job{
+		Name: "not-allowed", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
+		Services: []jobapi.Service{{Name: "redis:7"}},
+		Script:   []string{"echo NEVER-RUNS"},
+	})
+	ok, refused := res[0], res[1]
+	require.Equal(t, jobapi.StateSuccess, ok.State, ok.Trace)
+	require.Contains(t, ok.Trace, "postgres says: marker=from-the-job")
+	require.Contains(t, ok.Trace, "db says: marker=from-the-job")
+	require.Regexp(t, `Services ready in \S+: 1 started`, ok.Trace)
+	require.NotContains(t, ok.Trace, "does not provide services")
+	require.NotContains(t, ok.Trace, secret)
+
+	require.Equal(t, jobapi.StateFailed, refused.State, refused.Trace)
+	require.Contains(t, refused.Trace, "redis:7")
+	require.NotContains(t, refused.Trace, "NEVER-RUNS")
+	require.NotContains(t, refused.Trace, "Preparing a fresh", "refused before any machine is made")
+	r.requireNoLeftovers(t, "after the services jobs")
 }
