@@ -51,8 +51,9 @@ import (
 //   - a masked variable given to a service is in no log line;
 //   - an image the registry does not have is a system failure naming it.
 //
-// The real runner's wiring (prepare starting them) comes with the job
-// handle of issue #45; this test drives the driver directly.
+// This test drives the driver directly, step by step;
+// TestServicesThroughRealRunner runs a job with services through the real
+// runner (prepare starts them).
 func TestServicesInPodmanVM(t *testing.T) {
 	base := setup(t)
 	podman := podmanImage(t, base)
