@@ -134,8 +134,8 @@ func TestImageBuildCommand(t *testing.T) {
 	run := func(args ...string) error {
 		return app().RunContext(context.Background(), append([]string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", out}, args...))
 	}
-	require.ErrorContains(t, run("bogus"), `image build "bogus": no such recipe in `+recipes+` (allowed: cloud, debian, tiny)`)
-	require.ErrorContains(t, run(), "image build needs the name of a recipe (allowed: cloud, debian, tiny)")
+	require.ErrorContains(t, run("bogus"), `image build "bogus": no such recipe in `+recipes+` (allowed: cloud, debian, podman, tiny)`)
+	require.ErrorContains(t, run(), "image build needs the name of a recipe (allowed: cloud, debian, podman, tiny)")
 	require.ErrorContains(t, run("tiny", "--force"), "image build takes one recipe name, got 2 arguments (options go before the name")
 	err := app().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", t.TempDir(), "tiny"})
 	require.ErrorContains(t, err, "no build.sh there")
