@@ -120,6 +120,19 @@ lve_deb_configure_base() {
 # /opt/libvirt-executor before ssh.service when the VM has one, and link its gitlab-runner and
 # step-runner into /usr/local/bin (dangling without the disk or that program on it: then
 # "command -v" does not find it).
+# lve_deb_ssh_hostkey DIR: a per-job SSH host key from the credential (the debian
+# recipe's files in DIR), no image host keys, ssh only with that key.
+lve_deb_ssh_hostkey() {
+	install -D -m 0755 "$1/install-ssh-hostkey" "$root/usr/libexec/libvirt-executor/install-ssh-hostkey"
+	install -m 0644 "$1/libvirt-executor-hostkey.service" "$root/etc/systemd/system/"
+	install -D -m 0644 "$1/ssh.service.d-libvirt-executor.conf" \
+		"$root/etc/systemd/system/ssh.service.d/libvirt-executor.conf"
+	install -D -m 0644 "$1/sshd_config.d-libvirt-executor.conf" \
+		"$root/etc/ssh/sshd_config.d/libvirt-executor.conf"
+	lve_in_root systemctl enable ssh.service libvirt-executor-hostkey.service >/dev/null 2>&1
+	rm -f "$root"/etc/ssh/ssh_host_*
+}
+
 lve_deb_guest_tools() {
 	install -D -m 0755 "$lve_deb_dir/mount-tools" "$root/usr/libexec/libvirt-executor/mount-tools"
 	install -m 0644 "$lve_deb_dir/libvirt-executor-tools.service" "$root/etc/systemd/system/"

@@ -24,15 +24,7 @@ lve_deb_install_kernel
 lve_log "debian: configuring"
 lve_deb_configure_base
 lve_deb_guest_tools
-# per-job SSH host key from the credential; no image host keys; ssh only with that key
-install -D -m 0755 "$here/install-ssh-hostkey" "$root/usr/libexec/libvirt-executor/install-ssh-hostkey"
-install -m 0644 "$here/libvirt-executor-hostkey.service" "$root/etc/systemd/system/"
-install -D -m 0644 "$here/ssh.service.d-libvirt-executor.conf" \
-	"$root/etc/systemd/system/ssh.service.d/libvirt-executor.conf"
-install -D -m 0644 "$here/sshd_config.d-libvirt-executor.conf" \
-	"$root/etc/ssh/sshd_config.d/libvirt-executor.conf"
-lve_in_root systemctl enable ssh.service libvirt-executor-hostkey.service >/dev/null 2>&1
-rm -f "$root"/etc/ssh/ssh_host_*
+lve_deb_ssh_hostkey "$here"
 lve_deb_mask
 lve_deb_identity
 mkdir -p "$root/builds" "$root/cache"

@@ -28,14 +28,7 @@ lve_deb_install_kernel "${runtime[@]}"
 lve_log "podman: configuring"
 lve_deb_configure_base
 lve_deb_guest_tools
-install -D -m 0755 "$deb/install-ssh-hostkey" "$root/usr/libexec/libvirt-executor/install-ssh-hostkey"
-install -m 0644 "$deb/libvirt-executor-hostkey.service" "$root/etc/systemd/system/"
-install -D -m 0644 "$deb/ssh.service.d-libvirt-executor.conf" \
-	"$root/etc/systemd/system/ssh.service.d/libvirt-executor.conf"
-install -D -m 0644 "$deb/sshd_config.d-libvirt-executor.conf" \
-	"$root/etc/ssh/sshd_config.d/libvirt-executor.conf"
-lve_in_root systemctl enable ssh.service libvirt-executor-hostkey.service >/dev/null 2>&1
-rm -f "$root"/etc/ssh/ssh_host_*
+lve_deb_ssh_hostkey "$deb"
 # podman: netavark (not CNI) for per-job networks with DNS (aardvark-dns); the overlay
 # storage driver on the guest's ext4; the driver writes registries.conf.d at job time.
 install -D -m 0644 "$here/containers.conf" "$root/etc/containers/containers.conf"
