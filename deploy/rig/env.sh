@@ -67,5 +67,22 @@ rig_pids_named() {
 # letters, digits or '-', starting with a letter; safe in a pattern)?
 rig_valid_prefix() { [[ $1 =~ ^[a-z][a-z0-9-]{0,15}$ ]]; }
 
+# rig_stale_bindings PREFIX: the tap devices of network filter bindings of the project's
+# filters (lve-vm-*) whose owner, a domain named PREFIX-*, does not run. libvirt leaves
+# them when it cannot release a stopped domain's interface (under its polkit access
+# driver: the client whose call stopped the domain exited first), and refuses to start
+# the next domain that gets that tap name. The executor removes them itself (at start
+# and in its sweep); the rig checks for them at stop and clears earlier runs' at start.
+rig_stale_bindings() {
+	local dev x owner
+	for dev in $(rig_virsh nwfilter-binding-list 2>/dev/null | awk '$2 ~ /^lve-vm-/ {print $1}'); do
+		x=$(rig_virsh nwfilter-binding-dumpxml "$dev" 2>/dev/null) || continue
+		owner=$(sed -nE '/<owner>/,/<\/owner>/ s|.*<name>([^<]*)</name>.*|\1|p' <<<"$x" | head -n1)
+		case $owner in "$1"-*) ;; *) continue ;; esac
+		[ "$(rig_virsh domstate "$owner" 2>/dev/null | head -n1)" = running ] && continue
+		printf '%s %s\n' "$dev" "$owner"
+	done
+}
+
 # rig_netns_exists: is the rig's network namespace there?
 rig_netns_exists() { [ -e "/run/netns/$LVE_RIG_NS" ]; }

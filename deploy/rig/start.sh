@@ -264,6 +264,13 @@ fi
 # libvirt's clean-traffic, which the nwfilter package provides.
 rig_virsh nwfilter-dumpxml clean-traffic >/dev/null 2>&1 ||
 	rig_die "libvirt has no nwfilter clean-traffic: install libvirt-daemon-config-nwfilter (and ebtables)"
+# Bindings an earlier run left (libvirt keeps them in /run across its restarts): not
+# this run's leaks, but the next VM given that tap name would not start.
+while read -r dev owner; do
+	[ -n "$dev" ] || continue
+	rig_virsh nwfilter-binding-delete "$dev" >/dev/null 2>&1 &&
+		rig_log "removed the stale network filter binding $dev of $owner (an earlier run's)"
+done < <(rig_stale_bindings "$LVE_RIG_PREFIX")
 
 # --- storage pool -----------------------------------------------------------------------
 if ! rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then

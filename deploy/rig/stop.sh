@@ -74,6 +74,12 @@ if { [ -n "$own_pid" ] || [ -n "$reused" ]; } && rig_libvirt_up; then
 		rig_virsh undefine "$dom" --nvram >/dev/null 2>&1 ||
 			rig_virsh undefine "$dom" >/dev/null 2>&1 || rig_log "cannot undefine $dom"
 	done
+	while read -r dev owner; do
+		[ -n "$dev" ] || continue
+		rig_log "LEAK: network filter binding $dev of $owner, which does not run: deleting it"
+		leaks=$((leaks + 1))
+		rig_virsh nwfilter-binding-delete "$dev" >/dev/null 2>&1 || rig_log "cannot delete the binding $dev"
+	done < <(rig_stale_bindings "$prefix")
 	if rig_virsh pool-info "$LVE_RIG_POOL" >/dev/null 2>&1; then
 		rig_virsh pool-refresh "$LVE_RIG_POOL" >/dev/null 2>&1 || true
 		# The guest tools disk (<prefix>-<controller>-tools-<hash>.iso) is shared by all jobs

@@ -169,6 +169,13 @@ func GC(ctx context.Context, w io.Writer, m *jobvm.Host, dryRun bool) error {
 				fmt.Fprintf(w, "removed guest tools volume %s (an earlier gitlab-runner's; no machine used it)\n", v)
 			}
 		}
+		for _, b := range rep.Bindings {
+			if dryRun {
+				fmt.Fprintf(w, "would remove stale network filter binding %s (its machine does not run)\n", b)
+			} else {
+				fmt.Fprintf(w, "removed stale network filter binding %s (its machine did not run)\n", b)
+			}
+		}
 		if len(rep.Items) == 0 {
 			fmt.Fprintf(w, "nothing of controller %s found\n", m.Manager().Controller)
 		}

@@ -285,6 +285,10 @@ type SweepReport struct {
 	// (Hooks.Sweepers: the guest tools of earlier binaries): removed, or
 	// with dryRun, removable.
 	SharedVolumes []string
+	// Bindings are this installation's stale network filter bindings
+	// (vm.Engine.RemoveStaleFilterBindings): removed, or with dryRun,
+	// removable.
+	Bindings []vm.FilterBinding
 }
 
 // Sweep removes this installation's expired machines and orphaned volumes,
@@ -313,6 +317,11 @@ func (m *Manager) Sweep(ctx context.Context, now time.Time, dryRun bool) (*Sweep
 		if err := sw(ctx, m, rep, dryRun); err != nil {
 			rep.Errors = append(rep.Errors, err)
 		}
+	}
+	stale, err := m.engine().RemoveStaleFilterBindings(ctx, dryRun)
+	rep.Bindings = stale
+	if err != nil {
+		rep.Errors = append(rep.Errors, err)
 	}
 	return rep, errors.Join(rep.Errors...)
 }

@@ -61,6 +61,13 @@ func TestSweep(t *testing.T) {
 	// Other installations' and unrelated names are not even listed.
 	hv.Domains["lve-ffffffff-7"] = &vmtest.Domain{Active: true}
 	hv.Volumes["jobs/base.qcow2"] = nil
+	// Network filter bindings: one a machine libvirt could not release left
+	// (its owner gone), a running machine's, another installation's.
+	hv.Bindings = []vm.FilterBinding{
+		{PortDev: "vnet1", Filter: vm.FilterName, OwnerName: p + "gone"},
+		{PortDev: "vnet2", Filter: vm.FilterName, OwnerName: p + "2"},
+		{PortDev: "vnet3", Filter: vm.FilterName, OwnerName: "lve-ffffffff-gone"},
+	}
 
 	verdicts := func(items []Item) map[string]string {
 		out := map[string]string{}
@@ -83,10 +90,15 @@ func TestSweep(t *testing.T) {
 	require.Empty(t, rep.Removed)
 	require.Len(t, hv.Domains, 5)
 	require.Equal(t, VerdictBusy, verdicts(rep.Items)[p+"6"])
+	require.Equal(t, []vm.FilterBinding{hv.Bindings[0]}, rep.Bindings)
+	require.Len(t, hv.Bindings, 3)
 
 	rep, err = m.Sweep(context.Background(), now, false)
 	require.NoError(t, err)
 	require.ElementsMatch(t, []string{p + "1", p + "5"}, rep.Removed)
+	require.Len(t, rep.Bindings, 1)
+	require.Equal(t, "vnet1", rep.Bindings[0].PortDev)
+	require.Equal(t, []string{"vnet2", "vnet3"}, []string{hv.Bindings[0].PortDev, hv.Bindings[1].PortDev})
 	require.NotContains(t, hv.Domains, p+"1")
 	require.NotContains(t, hv.Volumes, "jobs/"+p+"1.qcow2")
 	require.NoDirExists(t, m.Store.MachineDir(p+"1"))

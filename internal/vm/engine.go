@@ -32,6 +32,11 @@ type Engine struct {
 	// Network, if set, is the network whose static DHCP host entry named
 	// after a machine Remove removes with it (Spec.StaticAddress).
 	Network string
+	// NamePrefix is how every machine name of this installation starts
+	// (lifecycle.MachinePrefix): network filter bindings owned by such a
+	// name that does not run are stale and removed
+	// (RemoveStaleFilterBindings). Empty: none is.
+	NamePrefix string
 }
 
 func (e *Engine) progress(format string, args ...any) {
@@ -218,7 +223,11 @@ func (c *creation) undefine(ctx context.Context) error {
 
 // start starts the defined domain.
 func (c *creation) start(ctx context.Context) error {
-	return change(ctx, func(ctx context.Context) error { return c.e.HV.Start(ctx, c.s.Name) })
+	err := change(ctx, func(ctx context.Context) error { return c.e.HV.Start(ctx, c.s.Name) })
+	if err != nil {
+		return c.startAgain(ctx, err)
+	}
+	return nil
 }
 
 // destroy is start's undo (and the first half of define's): the domain

@@ -141,6 +141,12 @@ type Hypervisor interface {
 	// or one pinned to ip already, is left alone; ErrNotFound if the domain
 	// or the interface is absent.
 	PinFilterAddress(ctx context.Context, name, mac, ip string) error
+	// FilterBindings lists libvirt's network filter bindings: which filter
+	// is applied on which tap device, for which domain.
+	FilterBindings(ctx context.Context) ([]FilterBinding, error)
+	// DeleteFilterBinding removes the filter binding of tap device portDev
+	// (its firewall rules with it); ErrNotFound when there is none.
+	DeleteFilterBinding(ctx context.Context, portDev string) error
 	// Close releases the connection. It does not wait for calls that were
 	// abandoned when their ctx ended.
 	Close() error

@@ -373,6 +373,16 @@ func (r *Reconnecting) EnsureNWFilters(ctx context.Context, requires []string, d
 	return retry0(ctx, r, func(h Hypervisor) error { return h.EnsureNWFilters(ctx, requires, defs) })
 }
 
+// FilterBindings implements Hypervisor.
+func (r *Reconnecting) FilterBindings(ctx context.Context) ([]FilterBinding, error) {
+	return retry(ctx, r, func(h Hypervisor) ([]FilterBinding, error) { return h.FilterBindings(ctx) })
+}
+
+// DeleteFilterBinding implements Hypervisor.
+func (r *Reconnecting) DeleteFilterBinding(ctx context.Context, portDev string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteFilterBinding(ctx, portDev) })
+}
+
 // PinFilterAddress implements Hypervisor.
 func (r *Reconnecting) PinFilterAddress(ctx context.Context, name, mac, ip string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.PinFilterAddress(ctx, name, mac, ip) })

@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -30,6 +31,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/harness"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 type rig struct {
@@ -148,6 +150,12 @@ func (r *rig) clearLeftovers(t *testing.T, left []string) {
 			if m, ok := lifecycle.MachineOfVolume(rest); ok {
 				names[m] = true
 			}
+		case "binding":
+			dev, _, _ := strings.Cut(rest, " ")
+			if b, err := r.conn.LookupNWFilterBindingByPortDev(dev); err == nil {
+				t.Logf("removing the stale network filter binding %s: %v", rest, b.Delete())
+				_ = b.Free()
+			}
 		case "process":
 			pid, what, _ := strings.Cut(rest, " ")
 			if n, err := strconv.Atoi(pid); err == nil {
@@ -242,6 +250,33 @@ func (r *rig) leftovers(t *testing.T) []string {
 	entries, _ := os.ReadDir(filepath.Join(r.cfg.StateDir, "machines"))
 	for _, e := range entries {
 		left = append(left, "state "+e.Name())
+	}
+	return append(left, r.staleBindings(t)...)
+}
+
+// staleBindings lists, as "binding DEV OWNER", the network filter bindings
+// of the project's filters whose owner is one of this rig's machines and
+// does not run: what libvirt leaves when it cannot release a stopped
+// domain's interface, and the next VM given that tap name cannot start.
+func (r *rig) staleBindings(t *testing.T) []string {
+	t.Helper()
+	prefix := r.cfg.NamePrefix + "-"
+	bs, err := r.conn.ListAllNWFilterBindings(0)
+	require.NoError(t, err)
+	var left []string
+	for i := range bs {
+		x, err := bs[i].GetXMLDesc(0)
+		_ = bs[i].Free()
+		var b libvirtxml.NWFilterBinding
+		if err != nil || b.Unmarshal(x) != nil || b.Owner == nil || b.PortDev == nil || b.FilterRef == nil {
+			continue
+		}
+		if !strings.HasPrefix(b.Owner.Name, prefix) || !slices.Contains(vm.FilterNames, b.FilterRef.Filter) {
+			continue
+		}
+		if _, active := r.domainState(b.Owner.Name); !active {
+			left = append(left, "binding "+b.PortDev.Name+" "+b.Owner.Name)
+		}
 	}
 	return left
 }

@@ -1044,6 +1044,57 @@ func (l *Conn) NWFilterDefined(ctx context.Context, name string) (bool, error) {
 	})
 }
 
+// FilterBindings implements vm.Hypervisor.
+func (l *Conn) FilterBindings(ctx context.Context) ([]vm.FilterBinding, error) {
+	return call(ctx, l, func() ([]vm.FilterBinding, error) {
+		bs, err := l.conn.ListAllNWFilterBindings(0)
+		if err != nil {
+			return nil, err
+		}
+		var out []vm.FilterBinding
+		var errs []error
+		for i := range bs {
+			x, err := bs[i].GetXMLDesc(0)
+			_ = bs[i].Free()
+			if err != nil {
+				if code(err) != libvirt.ERR_NO_NWFILTER_BINDING {
+					errs = append(errs, err)
+				}
+				continue // gone meanwhile
+			}
+			var b libvirtxml.NWFilterBinding
+			if err := b.Unmarshal(x); err != nil {
+				errs = append(errs, fmt.Errorf("a network filter binding's description: %w", err))
+				continue
+			}
+			fb := vm.FilterBinding{}
+			if b.PortDev != nil {
+				fb.PortDev = b.PortDev.Name
+			}
+			if b.FilterRef != nil {
+				fb.Filter = b.FilterRef.Filter
+			}
+			if b.Owner != nil {
+				fb.OwnerName, fb.OwnerUUID = b.Owner.Name, b.Owner.UUID
+			}
+			out = append(out, fb)
+		}
+		return out, errors.Join(errs...)
+	})
+}
+
+// DeleteFilterBinding implements vm.Hypervisor.
+func (l *Conn) DeleteFilterBinding(ctx context.Context, portDev string) error {
+	return call0(ctx, l, func() error {
+		b, err := l.conn.LookupNWFilterBindingByPortDev(portDev)
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_NWFILTER_BINDING)
+		}
+		defer b.Free()
+		return notFound(b.Delete(), libvirt.ERR_NO_NWFILTER_BINDING)
+	})
+}
+
 // PinFilterAddress implements vm.Hypervisor: the running domain's
 // interface is updated live (libvirt re-instantiates its filter with the
 // new parameters; a failure leaves the old one).

@@ -50,6 +50,9 @@ type Fake struct {
 	// NWFilters are the network filters libvirt has, by name (New: libvirt's
 	// clean-traffic); EnsureNWFilters adds to them.
 	NWFilters map[string]string
+	// Bindings are libvirt's network filter bindings (FilterBindings;
+	// DeleteFilterBinding removes from them). Start does not add to them.
+	Bindings []vm.FilterBinding
 	// FailOn makes the named method fail with the error.
 	FailOn map[string]error
 	// Calls records method names in order.
@@ -731,6 +734,34 @@ func (f *Fake) PinFilterAddress(ctx context.Context, name, mac, ip string) error
 	}
 	d.XML = x
 	return nil
+}
+
+// FilterBindings implements vm.Hypervisor.
+func (f *Fake) FilterBindings(ctx context.Context) ([]vm.FilterBinding, error) {
+	f.wait("FilterBindings")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("FilterBindings"); err != nil {
+		return nil, err
+	}
+	return append([]vm.FilterBinding(nil), f.Bindings...), nil
+}
+
+// DeleteFilterBinding implements vm.Hypervisor.
+func (f *Fake) DeleteFilterBinding(ctx context.Context, portDev string) error {
+	f.wait("DeleteFilterBinding")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("DeleteFilterBinding"); err != nil {
+		return err
+	}
+	for i, b := range f.Bindings {
+		if b.PortDev == portDev {
+			f.Bindings = append(f.Bindings[:i], f.Bindings[i+1:]...)
+			return nil
+		}
+	}
+	return vm.ErrNotFound
 }
 
 // EnsureNWFilters implements vm.Hypervisor on NWFilters: a name in

@@ -1,0 +1,99 @@
+package vm_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirtxml"
+
+	. "gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+// Only this installation's stale bindings go: one of the project's filters,
+// owned by a name of this installation's prefix whose domain does not run.
+// A running machine's, another installation's, and another filter's stay;
+// a dry run removes nothing.
+func TestRemoveStaleFilterBindings(t *testing.T) {
+	f := vmtest.New()
+	f.Domains["lve-0123abcd-run"] = &vmtest.Domain{Active: true}
+	f.Domains["lve-0123abcd-off"] = &vmtest.Domain{}
+	f.Bindings = []FilterBinding{
+		{PortDev: "vnet1", Filter: FilterName, OwnerName: "lve-0123abcd-gone"},
+		{PortDev: "vnet2", Filter: FilterEgressName, OwnerName: "lve-0123abcd-off"},
+		{PortDev: "vnet3", Filter: FilterName, OwnerName: "lve-0123abcd-run"},
+		{PortDev: "vnet4", Filter: FilterName, OwnerName: "lve-99999999-gone"},
+		{PortDev: "vnet5", Filter: "clean-traffic", OwnerName: "lve-0123abcd-gone2"},
+	}
+	e := &Engine{HV: f, Controller: "c", NamePrefix: "lve-0123abcd-"}
+	ctx := context.Background()
+
+	stale, err := e.RemoveStaleFilterBindings(ctx, true)
+	require.NoError(t, err)
+	require.Equal(t, []string{"vnet1", "vnet2"}, portDevs(stale))
+	require.Len(t, f.Bindings, 5, "a dry run removes nothing")
+
+	stale, err = e.RemoveStaleFilterBindings(ctx, false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"vnet1", "vnet2"}, portDevs(stale))
+	require.Equal(t, []string{"vnet3", "vnet4", "vnet5"}, portDevs(f.Bindings))
+
+	// Without a prefix nothing is judged ours.
+	f.Bindings = append(f.Bindings, FilterBinding{PortDev: "vnet6", Filter: FilterName, OwnerName: "lve-0123abcd-gone"})
+	stale, err = (&Engine{HV: f, Controller: "c"}).RemoveStaleFilterBindings(ctx, false)
+	require.NoError(t, err)
+	require.Empty(t, stale)
+	require.Len(t, f.Bindings, 4)
+}
+
+// A start refused because a stale binding holds the tap name libvirt chose
+// (what libvirt 9.0 does under its polkit access driver after a client died
+// in the middle of a destroy) removes the stale binding and starts again,
+// saying so; a start that fails for another reason fails as before, once.
+func TestCreateStartsAgainAfterAStaleFilterBinding(t *testing.T) {
+	ctx := context.Background()
+	f := vmtest.New()
+	s := testSpec()
+	s.Filter = &Filter{}
+	f.Bindings = []FilterBinding{{PortDev: "vnet10", Filter: FilterName, OwnerName: "lve-0123abcd-999"}}
+	starts := 0
+	f.StartErr = func(string, *libvirtxml.Domain) error {
+		starts++
+		bs, err := f.FilterBindings(ctx)
+		require.NoError(t, err)
+		if len(bs) > 0 {
+			return errors.New("operation failed: binding 'vnet10' already exists")
+		}
+		return nil
+	}
+	var lines []string
+	e := &Engine{HV: f, Controller: s.Owner.Controller, NamePrefix: "lve-0123abcd-",
+		Progress: func(format string, a ...any) { lines = append(lines, fmt.Sprintf(format, a...)) }}
+	_, err := e.Create(ctx, s)
+	require.NoError(t, err)
+	require.Equal(t, 2, starts)
+	require.Empty(t, f.Bindings)
+	require.True(t, f.Domains[s.Name].Active)
+	require.Contains(t, strings.Join(lines, "\n"), "removed 1 stale network filter binding(s) left by machines libvirt could not release (vnet10 (lve-vm-v1 of lve-0123abcd-999)); starting again")
+
+	f = vmtest.New()
+	starts = 0
+	f.StartErr = func(string, *libvirtxml.Domain) error { starts++; return errors.New("qemu: failed to set MSR") }
+	e.HV = f
+	_, err = e.Create(ctx, s)
+	require.ErrorContains(t, err, "failed to set MSR")
+	require.Equal(t, 1, starts, "nothing stale: no second start")
+	require.Empty(t, f.Domains, "undone")
+}
+
+func portDevs(bs []FilterBinding) []string {
+	out := make([]string, len(bs))
+	for i, b := range bs {
+		out[i] = b.PortDev
+	}
+	return out
+}
