@@ -100,6 +100,21 @@ func (rn *running) ended() bool {
 	}
 }
 
+// waitFor is waitFor for what the running stage itself brings about: a
+// stage that ends first fails the test at once, with its output.
+func (rn *running) waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+	t.Helper()
+	waitFor(t, within, what, func() bool {
+		if cond() {
+			return true
+		}
+		if rn.ended() {
+			t.Fatalf("the stage ended (exit %d) before %s\nstdout: %s\nstderr: %s", rn.res.code, what, rn.res.stdout, rn.res.stderr)
+		}
+		return false
+	})
+}
+
 func (rn *running) signal(sig syscall.Signal) { _ = syscall.Kill(-rn.cmd.Process.Pid, sig) }
 
 // catches reports whether the process has a handler for sig installed
@@ -270,7 +285,7 @@ func TestFaultSIGKILLPrepare(t *testing.T) {
 			require.Equal(t, 0, s.run(t, "config").code)
 			name := s.name(t)
 			rn := s.start(t, "prepare")
-			waitFor(t, 2*time.Minute, tc.point, func() bool { return tc.reached(s, name) })
+			rn.waitFor(t, 2*time.Minute, tc.point, func() bool { return tc.reached(s, name) })
 			rn.signal(syscall.SIGKILL)
 			rn.wait(t, 10*time.Second)
 			figures.fault()
@@ -302,7 +317,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "config").code)
 		name := s.name(t)
 		rn := s.start(t, "prepare")
-		waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+		rn.waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
 		t0 := time.Now()
 		rn.signal(syscall.SIGTERM)
 		res := rn.wait(t, 60*time.Second)
@@ -328,7 +343,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
 		rn := s.start(t, "prepare")
-		waitFor(t, 2*time.Minute, "SSH ready", func() bool { return strings.Contains(rn.out.String(), "SSH ready") })
+		rn.waitFor(t, 2*time.Minute, "SSH ready", func() bool { return strings.Contains(rn.out.String(), "SSH ready") })
 		rn.signal(syscall.SIGTERM)
 		res := rn.wait(t, 60*time.Second)
 		figures.fault()
@@ -533,7 +548,7 @@ func TestFaultLibvirtdRestart(t *testing.T) {
 	require.Equal(t, 0, s.run(t, "config").code)
 	name := s.name(t)
 	rn := s.start(t, "prepare")
-	waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+	rn.waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
 	restartLibvirtd(t)
 	// The test's own connection broke too.
 	c, err := libvirt.NewConnect(r.cfg.LibvirtURI)
