@@ -87,9 +87,19 @@ base = "` + base + `"
 		}
 	}
 	logHas := func(s string) bool { return strings.Contains(log.String(), s) }
+	// The service also reloads when it sees the file change: written in
+	// place, it may read the file truncated and not yet written (refused,
+	// as it should be, but this test is about SIGHUP). Replace it whole,
+	// as an editor or a configuration manager does.
+	replace := func(text string) {
+		t.Helper()
+		tmp := path + ".new"
+		require.NoError(t, os.WriteFile(tmp, []byte(text), 0o600))
+		require.NoError(t, os.Rename(tmp, path))
+	}
 
 	// A good file: reloaded.
-	require.NoError(t, os.WriteFile(path, []byte(text+"[images.ok.pool]\nidle_count = 0\nmax_idle = 1\n"), 0o600))
+	replace(text + "[images.ok.pool]\nidle_count = 0\nmax_idle = 1\n")
 	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGHUP))
 	until("RELOADING=1\nMONOTONIC_USEC=")
 	until("READY=1")
@@ -98,7 +108,7 @@ base = "` + base + `"
 	require.True(t, logHas("new standby pool"))
 
 	// A bad one: refused, the old one kept, said in the log.
-	require.NoError(t, os.WriteFile(path, []byte(text+"bogus_key = 1\n"), 0o600))
+	replace(text + "bogus_key = 1\n")
 	require.NoError(t, syscall.Kill(os.Getpid(), syscall.SIGHUP))
 	require.Eventually(t, func() bool {
 		return strings.Count(log.String(), "SIGHUP: reloading the configuration") == 2 && logHas("configuration refused: kept the one in use")
