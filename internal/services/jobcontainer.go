@@ -10,13 +10,18 @@ package services
 // podman argument vectors, and which stages run in it.
 
 import (
+	"bytes"
+	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"slices"
 	"strconv"
 	"strings"
+	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 )
 
@@ -211,4 +216,47 @@ func InContainer(stage string) bool {
 		return true
 	}
 	return false
+}
+
+// RunStage runs one stage's script (the runner's, as it gave it) in a
+// container job's container through g: ExecArgv with the script on its
+// stdin, the container's output to stdout and stderr. A script that ends
+// non-zero is a build failure carrying its status (exitcodes.ScriptError);
+// a container that is not running (podman exec's 125, checked) and a lost
+// connection are system failures. When ctx ends first, the script's
+// processes in the container are stopped (StopScriptsArgv, on a context of
+// its own, bounded) and the stage fails as a system failure.
+func RunStage(ctx context.Context, g Guest, container string, sudo bool, script []byte, stdout, stderr io.Writer) error {
+	d := &driver{g: g, o: Options{Sudo: sudo}, log: io.Discard}
+	code, err := g.Exec(ctx, d.podman(ExecArgv(container)), nil, bytes.NewReader(script), stdout, stderr)
+	if ctx.Err() != nil {
+		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
+		defer cancel()
+		_, serr := g.Exec(sctx, d.podman(StopScriptsArgv(container)), nil, nil, nil, nil)
+		why := fmt.Errorf("the script in the job's container %s stopped: %w", container, context.Cause(ctx))
+		if serr != nil {
+			why = fmt.Errorf("%w; stopping its processes in the container failed: %v", why, serr)
+		}
+		return exitcodes.System(why)
+	}
+	if err != nil {
+		return exitcodes.System(fmt.Errorf("the job's container %s: %w", container, err))
+	}
+	if code == 125 {
+		// podman's own failure, or the script's exit 125: ask whether the
+		// container still runs.
+		_, out, _, ierr := d.exec(ctx, d.podman(RunningArgv(container)), nil, nil)
+		if ierr != nil || strings.TrimSpace(string(out)) != "true" {
+			return exitcodes.System(fmt.Errorf("the job's container %s is not running (podman exec: exit status 125)", container))
+		}
+	}
+	if code != 0 {
+		return &exitcodes.ScriptError{Code: code}
+	}
+	return nil
+}
+
+// RunningArgv prints "true" while the container runs.
+func RunningArgv(container string) []string {
+	return []string{"podman", "container", "inspect", "--format", "{{.State.Running}}", container}
 }

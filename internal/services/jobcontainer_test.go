@@ -157,3 +157,37 @@ func TestStartJobContainer(t *testing.T) {
 	require.ErrorContains(t, err, `the job's container lve-job-9-build (the job's image "alpine:3") did not start (podman run: exit status 125): "no sh"`)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 }
+
+func TestRunStage(t *testing.T) {
+	script := "#!/usr/bin/env bash\necho $'hi'\n"
+	g := &fakeGuest{rules: []rule{{prefix: "podman exec --interactive c1", code: 3}}}
+	err := RunStage(context.Background(), g, "c1", false, []byte(script), io.Discard, io.Discard)
+	code, ok := exitcodes.ScriptCode(err)
+	require.True(t, ok, "%v", err)
+	require.Equal(t, 3, code, "the script's status is the build failure's")
+	require.Equal(t, script, g.calls[0].stdin, "the script goes on stdin")
+	require.Equal(t, ExecArgv("c1"), g.calls[0].argv, "never on argv")
+	require.Empty(t, g.calls[0].env)
+
+	g = &fakeGuest{}
+	require.NoError(t, RunStage(context.Background(), g, "c1", true, []byte(script), io.Discard, io.Discard))
+	require.Equal(t, append([]string{"sudo", "-n", "--"}, ExecArgv("c1")...), g.calls[0].argv)
+
+	// 125: the container is gone (a system failure), or it was the script's
+	g = &fakeGuest{rules: []rule{{prefix: "podman exec", code: 125}, {prefix: "podman container inspect", out: "false\n"}}}
+	err = RunStage(context.Background(), g, "c1", false, []byte(script), io.Discard, io.Discard)
+	require.ErrorContains(t, err, "the job's container c1 is not running")
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	g = &fakeGuest{rules: []rule{{prefix: "podman exec", code: 125}, {prefix: "podman container inspect", out: "true\n"}}}
+	code, ok = exitcodes.ScriptCode(RunStage(context.Background(), g, "c1", false, []byte(script), io.Discard, io.Discard))
+	require.True(t, ok)
+	require.Equal(t, 125, code)
+
+	// the stage cancelled: the script's processes in the container stopped
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	g = &fakeGuest{}
+	err = RunStage(ctx, g, "c1", false, []byte(script), io.Discard, io.Discard)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+	require.Equal(t, StopScriptsArgv("c1"), g.calls[len(g.calls)-1].argv)
+}
