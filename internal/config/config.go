@@ -750,6 +750,7 @@ func (c *Config) Validate() error {
 	c.Cache.validate(&p, c)
 	c.Registry.validate(&p)
 	c.Services.validate(&p)
+	c.Services.ContainerJobs.validate(&p, c.Services.Enabled, c.ImageNames())
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()

@@ -41,6 +41,31 @@ type Services struct {
 	// PlainHTTP lists the mirrors (as written in mirrors) reached over
 	// plain HTTP (a cache on the host's network); others over HTTPS.
 	PlainHTTP []string `toml:"plain_http"`
+	// ContainerJobs lets a job's `image:` name a container image, run
+	// inside a VM of a configured image ([services.container_jobs]).
+	ContainerJobs ContainerJobs `toml:"container_jobs"`
+}
+
+// ContainerJobs is [services.container_jobs]: jobs whose `image:` names no
+// configured VM image but a container image the administrator allows run
+// their scripts in a container of that image, inside a VM of the image
+// VMImage names (docs/services.md, "Container jobs"). Needs
+// services.enabled = true.
+type ContainerJobs struct {
+	// AllowedImages are the container images a job's `image:` may name,
+	// as globs like services.allowed_images ("*" within a path component,
+	// "**" across), matched against the name the job wrote and its fully
+	// qualified form. Empty (the default): no container jobs; a name that
+	// is no configured VM image is refused.
+	AllowedImages []string `toml:"allowed_images"`
+	// VMImage is the configured VM image (a key of [images]) whose VMs
+	// host container jobs; it needs podman. Required with allowed_images.
+	VMImage string `toml:"vm_image"`
+	// VMImages overrides VMImage per allowed pattern: a key is one of
+	// allowed_images as written, its value a configured VM image. A job
+	// image is hosted by the entry of the first pattern of allowed_images
+	// it matches, else by VMImage.
+	VMImages map[string]string `toml:"vm_images"`
 }
 
 // The pull policies a service may have (GitLab's pull_policy values).
@@ -106,6 +131,47 @@ func (s Services) validate(p *problems) {
 	for _, h := range s.PlainHTTP {
 		if !slices.Contains(all, h) {
 			p.bad("services.plain_http", "%q is none of the mirrors in services.mirrors", h)
+		}
+	}
+}
+
+// validate checks [services.container_jobs] against the configured VM
+// images (names) and whether services are on (enabled).
+func (cj ContainerJobs) validate(p *problems, enabled bool, images []string) {
+	if len(cj.AllowedImages) == 0 {
+		if len(cj.VMImages) > 0 {
+			p.bad("services.container_jobs.vm_images", "set without services.container_jobs.allowed_images (whose patterns it names)")
+		}
+		if cj.VMImage != "" && !slices.Contains(images, cj.VMImage) {
+			p.bad("services.container_jobs.vm_image", "%q is not a configured image; use one of %s", cj.VMImage, quoteList(images))
+		}
+		return
+	}
+	if !enabled {
+		p.bad("services.container_jobs.allowed_images", "container jobs need services.enabled = true (their containers run with podman, as services do)")
+	}
+	for _, pat := range cj.AllowedImages {
+		if pat == "" || len(pat) > 512 || strings.ContainsAny(pat, " \t\n") {
+			p.bad("services.container_jobs.allowed_images", "%q must be an image name or glob of 1 to 512 characters without white space (e.g. \"alpine:*\", \"registry.example:5000/ci/**\")", pat)
+		}
+	}
+	switch {
+	case cj.VMImage == "":
+		p.bad("services.container_jobs.vm_image", "required with services.container_jobs.allowed_images: the VM image (with podman) that hosts container jobs; use one of %s", quoteList(images))
+	case !slices.Contains(images, cj.VMImage):
+		p.bad("services.container_jobs.vm_image", "%q is not a configured image; use one of %s", cj.VMImage, quoteList(images))
+	}
+	pats := make([]string, 0, len(cj.VMImages))
+	for k := range cj.VMImages {
+		pats = append(pats, k)
+	}
+	slices.Sort(pats)
+	for _, k := range pats {
+		if !slices.Contains(cj.AllowedImages, k) {
+			p.bad("services.container_jobs.vm_images", "%q is not one of services.container_jobs.allowed_images (%s)", k, quoteList(cj.AllowedImages))
+		}
+		if v := cj.VMImages[k]; !slices.Contains(images, v) {
+			p.bad("services.container_jobs.vm_images", "%q = %q: not a configured image; use one of %s", k, v, quoteList(images))
 		}
 	}
 }

@@ -23,6 +23,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 )
 
 // Job is the trusted identity of the job and what it asked for.
@@ -312,6 +313,9 @@ func ChooseImage(cfg *config.Config, req ImageRequest) (*config.Image, error) {
 		if img, ok := cfg.OfferedImage(req.Name, cfg.ImageNames()); ok {
 			return img, nil
 		}
+		if host, ok := containerHost(cfg, req); ok {
+			return host, nil
+		}
 	}
 	var what string
 	switch {
@@ -324,8 +328,29 @@ func ChooseImage(cfg *config.Config, req ImageRequest) (*config.Image, error) {
 	default:
 		what = fmt.Sprintf("image %q (expanded from %q)", cut(req.Name), cut(req.Written))
 	}
-	return nil, exitcodes.Userf("%s is not offered by this runner; allowed images: %s (or leave image: empty for %q)",
-		what, quoteList(cfg.ImageNames()), cfg.DefaultImage)
+	containers := ""
+	if pats := cfg.Services.ContainerJobs.AllowedImages; len(pats) > 0 {
+		containers = "; or a container image this runner allows (services.container_jobs.allowed_images: " + quoteList(pats) + ")"
+	}
+	return nil, exitcodes.Userf("%s is not offered by this runner; allowed images: %s (or leave image: empty for %q)%s",
+		what, quoteList(cfg.ImageNames()), cfg.DefaultImage, containers)
+}
+
+// containerHost is the VM image that hosts the job when its image: names
+// no configured VM image but a container image the administrator allows
+// ([services.container_jobs]: a container job, #46 item 2).
+func containerHost(cfg *config.Config, req ImageRequest) (*config.Image, bool) {
+	if req.TooLong || req.StepsDefault || req.Name == "" {
+		return nil, false
+	}
+	if _, ok := cfg.OfferedImage(req.Name, cfg.ImageNames()); ok {
+		return nil, false
+	}
+	name, ok := services.ContainerHost(cfg.Services.ContainerJobs, req.Name)
+	if !ok {
+		return nil, false
+	}
+	return cfg.Image(name)
 }
 
 // cut shortens a job-controlled name for a message.

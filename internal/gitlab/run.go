@@ -13,6 +13,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
@@ -39,9 +40,13 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	sess := j.vm.Session()
 	defer sess.Close()
 	var img *config.Image
+	var inContainer *state.Machine // a container job's stage for its container
 	if mach, rerr := j.vm.Record(); rerr == nil {
 		e.Report.Machine(jm.Name, mach.Image)
 		img = cfg.Images[mach.Image]
+		if mach.Container != "" && services.InContainer(stage) {
+			inContainer = mach
+		}
 	}
 	op := cacheOpOf(stage, script)
 	var early *earlyScratch
@@ -55,7 +60,9 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		defer early.drop(ctx, e, j, jm.Name)
 	}
 	var span time.Duration
-	if nativeSteps(cfg, j, stage) {
+	if inContainer != nil {
+		err = runInContainer(ctx, e, sess, inContainer, script, &span)
+	} else if nativeSteps(cfg, j, stage) {
 		err = runNative(ctx, e, j, sess, &span)
 	} else {
 		var held bool

@@ -5,26 +5,34 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // servicesPlan is prepare's plan of the job's `services:` when this runner
-// starts them in the job's VM (services.enabled): read from the runner's
+// starts them in the job's VM (services.enabled), and of a container job's
+// container (services.container_jobs, #46 item 2): read from the runner's
 // payload (JOB_RESPONSE_FILE) and judged before any machine is touched, so
 // a service the admin does not allow fails the job with nothing made. nil
-// when the job asks for none or the runner does not start services (then
-// checkServices has said so).
+// when the job asks for neither or the runner does not start services
+// (then checkServices has said so).
 func servicesPlan(cfg *config.Config, j *job, img *config.Image, getenv func(string) string) (*services.Plan, services.Options, error) {
-	if !cfg.Services.Enabled || j.job.Services.Count == 0 {
+	_, container := containerHost(cfg, j.job.Image)
+	if !cfg.Services.Enabled || (j.job.Services.Count == 0 && !container) {
 		return nil, services.Options{}, nil
+	}
+	if container && j.job.Steps {
+		return nil, services.Options{}, exitcodes.Userf("a GitLab Steps job (run:) runs on a VM image, not in a container image: " +
+			"name one of this runner's VM images in image:")
 	}
 	path := getenv("JOB_RESPONSE_FILE")
 	if path == "" {
-		return nil, services.Options{}, exitcodes.System(fmt.Errorf("services: the job's services are read from JOB_RESPONSE_FILE, which is not set"))
+		return nil, services.Options{}, exitcodes.System(fmt.Errorf("services: the job's services and container image are read from JOB_RESPONSE_FILE, which is not set"))
 	}
 	f, err := os.Open(path)
 	if err != nil {
@@ -45,6 +53,15 @@ func servicesPlan(cfg *config.Config, j *job, img *config.Image, getenv func(str
 		// admin does not accept, a bad name): the job's to fix.
 		return nil, services.Options{}, exitcodes.User(fmt.Errorf("services: %w", err))
 	}
+	if container {
+		allow, err := services.NewAllowlist(cfg.Services.ContainerJobs.AllowedImages)
+		if err != nil {
+			return nil, services.Options{}, exitcodes.System(fmt.Errorf("services: %w", err))
+		}
+		if plan.Job, err = services.NewJobContainer(p, j.job.ID, []string{img.BuildsDir, img.CacheDir}, allow, o); err != nil {
+			return nil, services.Options{}, err
+		}
+	}
 	return plan, o, nil
 }
 
@@ -58,7 +75,28 @@ func startServices(ctx context.Context, vm *jobvm.Job, plan *services.Plan, o se
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("services: the job's VM: %w", err))
 	}
-	_, err = services.Start(ctx, c, plan, o, &lineWriter{say: say})
+	if _, err = services.Start(ctx, c, plan, o, &lineWriter{say: say}); err != nil {
+		return err
+	}
+	if plan.Job != nil {
+		// The later stages run the job's scripts in it (runInContainer).
+		if err := vm.NoteContainer(plan.Job.Name); err != nil {
+			return exitcodes.System(err)
+		}
+	}
+	return nil
+}
+
+// runInContainer runs a container job's stage in its container
+// (services.RunStage) over the stage's session into the guest.
+func runInContainer(ctx context.Context, e Env, sess *jobvm.Session, mach *state.Machine, script []byte, span *time.Duration) error {
+	_, c, err := sess.Client(ctx)
+	if err != nil {
+		return exitcodes.System(err)
+	}
+	t := time.Now()
+	err = services.RunStage(ctx, c, mach.Container, mach.User != "" && mach.User != "root", script, e.Stdout, e.Stderr)
+	*span = time.Since(t)
 	return err
 }
 

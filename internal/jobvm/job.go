@@ -165,6 +165,25 @@ func (j *Job) Record() (*state.Machine, error) {
 	return j.rec, j.recErr
 }
 
+// NoteContainer records in the job machine's record that the job's
+// scripts run in the named container (state.Machine.Container): prepare's
+// word to the later stages, which run in separate processes.
+func (j *Job) NoteContainer(name string) error {
+	rec, err := j.Record()
+	if err != nil {
+		return err
+	}
+	m := *rec
+	m.Container = name
+	if err := j.js.h.m.Store.Save(m); err != nil {
+		return fmt.Errorf("record the job's container: %w", err)
+	}
+	j.mu.Lock()
+	j.rec = &m
+	j.mu.Unlock()
+	return nil
+}
+
 // MachineDir is the state directory of the job's machine (its keys are
 // there: a kept VM's ssh command names it).
 func (j *Job) MachineDir() (string, error) {

@@ -51,13 +51,24 @@ func (a *Allowlist) Allows(name string, ref Ref) bool {
 	if a == nil || len(a.res) == 0 {
 		return true
 	}
+	_, ok := a.Match(name, ref)
+	return ok
+}
+
+// Match is the first pattern that name or ref matches, in the order
+// configured; ok is false when none does (an empty list matches nothing
+// here: Allows is the check where empty means any).
+func (a *Allowlist) Match(name string, ref Ref) (pattern string, ok bool) {
+	if a == nil {
+		return "", false
+	}
 	full := ref.String()
-	for _, re := range a.res {
+	for i, re := range a.res {
 		if re.MatchString(name) || re.MatchString(full) {
-			return true
+			return a.patterns[i], true
 		}
 	}
-	return false
+	return "", false
 }
 
 // Patterns are the patterns as configured (for messages).

@@ -76,7 +76,7 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	for _, n := range plan.Notes {
 		d.say("%s", n)
 	}
-	if len(plan.Services) == 0 {
+	if len(plan.Services) == 0 && plan.Job == nil {
 		return st, nil
 	}
 	t0 := time.Now()
@@ -100,6 +100,11 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 			return nil, err
 		}
 	}
+	if c := plan.Job; c != nil {
+		if err := d.pullImage(ctx, c.Shown, c.Ref, c.image(), c.guestText, c.PullPolicies); err != nil {
+			return nil, err
+		}
+	}
 	for _, s := range plan.Services {
 		r, err := d.run(ctx, plan.Network, s)
 		if err != nil {
@@ -112,6 +117,11 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	if err := d.writeHosts(ctx, st); err != nil {
 		return nil, err
 	}
+	if plan.Job != nil {
+		if err := d.runJob(ctx, plan.Network, *plan.Job); err != nil {
+			return nil, err
+		}
+	}
 	if err := d.waitAll(ctx, st); err != nil {
 		return nil, err
 	}
@@ -120,8 +130,33 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 			d.showLogs(ctx, r.Service, 0)
 		}
 	}
-	d.say("Services ready in %s: %d started", since(t0), len(st.Services))
+	if len(plan.Services) > 0 {
+		d.say("Services ready in %s: %d started", since(t0), len(st.Services))
+	}
 	return st, nil
+}
+
+// runJob starts a container job's container: its mounts' directories
+// made in the VM, then the container, detached on the job's network. A
+// container that does not start fails the job as a system failure with
+// podman's message (the job's scripts have nowhere to run).
+func (d *driver) runJob(ctx context.Context, network string, c JobContainer) error {
+	t := time.Now()
+	if len(c.Mounts) > 0 {
+		if _, err := d.must(ctx, "make the job container's directories", d.podman(MkdirArgv(c.Mounts)), nil); err != nil {
+			return err
+		}
+	}
+	code, _, errText, err := d.exec(ctx, d.podman(JobRunArgv(network, c)), nil, nil)
+	if err != nil {
+		return exitcodes.System(fmt.Errorf("services: start the job's container (%s): %w", c.Shown, err))
+	}
+	if code != 0 {
+		return exitcodes.System(fmt.Errorf("services: the job's container %s (%s) did not start (podman run: exit status %d): %s",
+			c.Name, c.Shown, code, c.guestText(errText)))
+	}
+	d.say("Started the job's container %s of image %s in %s; the job's scripts run in it", c.Name, c.image(), since(t))
+	return nil
 }
 
 type driver struct {
@@ -187,7 +222,7 @@ func (d *driver) checkRuntime(ctx context.Context) error {
 		if d.o.VMImage != "" {
 			img = "VM image " + strconv.Quote(d.o.VMImage)
 		}
-		return exitcodes.System(fmt.Errorf("services: the job asks for services, but %s has no container runtime (podman not found in the guest, exit status %d): "+
+		return exitcodes.System(fmt.Errorf("services: the job asks for services or a container image, but %s has no container runtime (podman not found in the guest, exit status %d): "+
 			"run the job on an image with podman (deploy/images/build.sh podman builds one; docs/services.md), "+
 			"or set [services] enabled = false so that such jobs get the warning instead", img, code))
 	}
@@ -196,19 +231,26 @@ func (d *driver) checkRuntime(ctx context.Context) error {
 
 // pull gets a service's image by its pull policies, tried in order.
 func (d *driver) pull(ctx context.Context, s Service) error {
+	return d.pullImage(ctx, "service "+s.Shown, s.Ref, s.image(), s.guestText, s.PullPolicies)
+}
+
+// pullImage gets ref (shown as image; guestText shows what podman said
+// about it) for what (a service, the job's image) by its pull policies,
+// tried in order.
+func (d *driver) pullImage(ctx context.Context, what string, ref Ref, image string, guestText func(string) string, policies []string) error {
 	var why []string
-	for _, p := range s.PullPolicies {
+	for _, p := range policies {
 		if p != PullAlways {
-			code, _, errText, err := d.exec(ctx, d.podman(ImageExistsArgv(s.Ref)), nil, nil)
+			code, _, errText, err := d.exec(ctx, d.podman(ImageExistsArgv(ref)), nil, nil)
 			if err != nil {
-				return exitcodes.System(fmt.Errorf("services: look for image %s of service %s: %w", s.image(), s.Shown, err))
+				return exitcodes.System(fmt.Errorf("services: look for image %s of %s: %w", image, what, err))
 			}
 			if code == 0 {
-				d.say("Using image %s for service %s (pull policy %s: already in the VM)", s.image(), s.Shown, p)
+				d.say("Using image %s for %s (pull policy %s: already in the VM)", image, what, p)
 				return nil
 			}
 			if code != 1 {
-				why = append(why, fmt.Sprintf("%s: podman image exists: exit status %d: %s", p, code, s.guestText(errText)))
+				why = append(why, fmt.Sprintf("%s: podman image exists: exit status %d: %s", p, code, guestText(errText)))
 				continue
 			}
 			if p == PullNever {
@@ -217,19 +259,19 @@ func (d *driver) pull(ctx context.Context, s Service) error {
 			}
 		}
 		t := time.Now()
-		d.say("Pulling image %s for service %s...", s.image(), s.Shown)
-		code, _, errText, err := d.exec(ctx, d.podman(PullArgv(s.Ref)), nil, nil)
+		d.say("Pulling image %s for %s...", image, what)
+		code, _, errText, err := d.exec(ctx, d.podman(PullArgv(ref)), nil, nil)
 		if err != nil {
-			return exitcodes.System(fmt.Errorf("services: pull image %s of service %s: %w", s.image(), s.Shown, err))
+			return exitcodes.System(fmt.Errorf("services: pull image %s of %s: %w", image, what, err))
 		}
 		if code == 0 {
-			d.say("Pulled image %s in %s", s.image(), since(t))
+			d.say("Pulled image %s in %s", image, since(t))
 			return nil
 		}
-		why = append(why, fmt.Sprintf("%s: podman pull: exit status %d: %s", p, code, s.guestText(errText)))
+		why = append(why, fmt.Sprintf("%s: podman pull: exit status %d: %s", p, code, guestText(errText)))
 	}
-	return exitcodes.System(fmt.Errorf("services: cannot get image %s of service %s (pull policies %s): %s",
-		s.image(), s.Shown, strings.Join(s.PullPolicies, ", "), strings.Join(why, "; ")))
+	return exitcodes.System(fmt.Errorf("services: cannot get image %s of %s (pull policies %s): %s",
+		image, what, strings.Join(policies, ", "), strings.Join(why, "; ")))
 }
 
 // run starts a service's container and reads its address; a container that

@@ -73,6 +73,9 @@ type Plan struct {
 	Notes []string
 	// Debug is the job's CI_DEBUG_SERVICES: stream the services' logs.
 	Debug bool
+	// Job is a container job's container (NewJobContainer), started
+	// after the services on their network; nil for a job on the VM's OS.
+	Job *JobContainer
 }
 
 // Service is one service to start.
@@ -218,7 +221,7 @@ func planOne(i int, img Image, vars []Variable, public []Variable, o Options, ta
 	}
 	s.Env, s.HealthPort = env, health
 
-	s.PullPolicies, err = pullPolicies(shown, img.PullPolicy, o)
+	s.PullPolicies, err = pullPolicies("service "+shown, img.PullPolicy, o)
 	if err != nil {
 		return nil, nil, err
 	}
@@ -309,8 +312,9 @@ func serviceEnv(shown string, public, own, vars []Variable) ([]string, int, erro
 	return env, health, nil
 }
 
-// pullPolicies are the service's policies, checked against those allowed.
-func pullPolicies(shown string, asked []string, o Options) ([]string, error) {
+// pullPolicies are the policies of a service or the job's image (what
+// names it in messages), checked against those allowed.
+func pullPolicies(what string, asked []string, o Options) ([]string, error) {
 	if len(asked) == 0 {
 		def := o.DefaultPullPolicy
 		if def == "" {
@@ -319,16 +323,16 @@ func pullPolicies(shown string, asked []string, o Options) ([]string, error) {
 		return []string{def}, nil
 	}
 	if len(asked) > len(PullPolicies) {
-		return nil, exitcodes.Userf("service %s: %d pull policies (at most %d: %s)", shown, len(asked), len(PullPolicies), quoteList(PullPolicies))
+		return nil, exitcodes.Userf("%s: %d pull policies (at most %d: %s)", what, len(asked), len(PullPolicies), quoteList(PullPolicies))
 	}
 	var out []string
 	for _, p := range asked {
 		if !slices.Contains(PullPolicies, p) {
-			return nil, exitcodes.Userf("service %s: pull_policy %q is not one of %s", shown, cutText(p, 32), quoteList(PullPolicies))
+			return nil, exitcodes.Userf("%s: pull_policy %q is not one of %s", what, cutText(p, 32), quoteList(PullPolicies))
 		}
 		if len(o.AllowedPullPolicies) > 0 && !slices.Contains(o.AllowedPullPolicies, p) {
-			return nil, exitcodes.Userf("service %s: pull_policy %q is not allowed by this runner (services.allowed_pull_policies: %s)",
-				shown, p, quoteList(o.AllowedPullPolicies))
+			return nil, exitcodes.Userf("%s: pull_policy %q is not allowed by this runner (services.allowed_pull_policies: %s)",
+				what, p, quoteList(o.AllowedPullPolicies))
 		}
 		if !slices.Contains(out, p) {
 			out = append(out, p)

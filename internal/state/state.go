@@ -45,6 +45,10 @@ type Machine struct {
 	// Tools is the guest tools disk the machine was booted with; nil for
 	// none.
 	Tools *Tools `json:"tools,omitempty"`
+	// Container is the container a container job's scripts run in
+	// (#46 item 2), set by its prepare once the container runs; "" for a
+	// job whose scripts run on the VM's OS.
+	Container string `json:"container,omitempty"`
 }
 
 // Tools is a machine's guest tools disk: its volume and the host binary

@@ -230,6 +230,21 @@ func dialMachine(t *testing.T, r *rig, name string) *sshexec.Client {
 // driver's registry client) and image-spec's types: no container tool.
 func pushServiceImage(t *testing.T, host, repo, tag string) {
 	t.Helper()
+	exe := buildSvcserver(t)
+	var tarBuf bytes.Buffer
+	tw := tar.NewWriter(&tarBuf)
+	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "svcserver", Mode: 0o755, Size: int64(len(exe)), Typeflag: tar.TypeReg}))
+	_, err := tw.Write(exe)
+	require.NoError(t, err)
+	require.NoError(t, tw.Close())
+	pushOCIImage(t, host, repo, tag, tarBuf.Bytes(), ocispec.ImageConfig{Entrypoint: []string{"/svcserver"},
+		ExposedPorts: map[string]struct{}{"5432/tcp": {}}, Env: []string{"PATH=/"}})
+}
+
+// buildSvcserver builds the svcserver (testdata) statically and returns
+// the executable.
+func buildSvcserver(t *testing.T) []byte {
+	t.Helper()
 	_, file, _, _ := runtime.Caller(0)
 	bin := filepath.Join(t.TempDir(), "svcserver")
 	build := exec.Command("go", "build", "-trimpath", "-o", bin, "./testdata/svcserver")
@@ -239,24 +254,24 @@ func pushServiceImage(t *testing.T, host, repo, tag string) {
 	require.NoError(t, err, "go build svcserver: %s", out)
 	exe, err := os.ReadFile(bin)
 	require.NoError(t, err)
+	return exe
+}
 
-	var tarBuf bytes.Buffer
-	tw := tar.NewWriter(&tarBuf)
-	require.NoError(t, tw.WriteHeader(&tar.Header{Name: "svcserver", Mode: 0o755, Size: int64(len(exe)), Typeflag: tar.TypeReg}))
-	_, err = tw.Write(exe)
-	require.NoError(t, err)
-	require.NoError(t, tw.Close())
+// pushOCIImage pushes a one-layer OCI image (layer: an uncompressed tar,
+// gzipped here; its config ic) to the registry as repo:tag, with oras-go
+// and image-spec's types: no container tool.
+func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec.ImageConfig) {
+	t.Helper()
 	var gz bytes.Buffer
 	zw := gzip.NewWriter(&gz)
-	_, err = zw.Write(tarBuf.Bytes())
+	_, err := zw.Write(layer)
 	require.NoError(t, err)
 	require.NoError(t, zw.Close())
 
 	cfg, err := json.Marshal(ocispec.Image{
 		Platform: ocispec.Platform{Architecture: "amd64", OS: "linux"},
-		Config: ocispec.ImageConfig{Entrypoint: []string{"/svcserver"}, ExposedPorts: map[string]struct{}{"5432/tcp": {}},
-			Env: []string{"PATH=/"}},
-		RootFS: ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(tarBuf.Bytes())}},
+		Config:   ic,
+		RootFS:   ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(layer)}},
 	})
 	require.NoError(t, err)
 
