@@ -7,6 +7,7 @@ import (
 	"log/slog"
 	"strconv"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -38,7 +39,7 @@ type Env struct {
 	// disk (the run stage, built without libvirt, asks the admin tool:
 	// stagecli.Exe.ExplainViaAdminTool). nil means the stage's own
 	// jobvm.Host.
-	CacheDisk CacheDisk
+	CacheDisk cachexfer.Disk
 	// Pull, if set, pulls an image with a source (oci://) into the host's
 	// store: prepare does on an image's first use. Only the prepare
 	// executable links the registry client (stagecli.Exe.Pull); without

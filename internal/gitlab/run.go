@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
@@ -44,7 +45,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		img = cfg.Images[mach.Image]
 	}
 	op := cacheOpOf(stage, script)
-	var early *earlyScratch
+	var early *cachexfer.Early
 	switch op {
 	case cacheRestore:
 		runCache(ctx, e, j, jm.Name, img, op, script, nil)
@@ -52,7 +53,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		// A disk attached during the script is deleted when the stage
 		// ends, whatever became of the save (deleting none is success).
 		early = startScratch(ctx, e, j, jm.Name, img, script)
-		defer early.drop(ctx, e, j, jm.Name)
+		defer early.Drop(ctx)
 	}
 	var span time.Duration
 	if nativeSteps(cfg, j, stage) {

@@ -17,11 +17,11 @@ import (
 // for a cache copy is shorter or equal.
 const cacheDiskWait = 10 * time.Minute
 
-// adminCacheDisk is gitlab.CacheDisk through the admin tool
+// adminCacheDisk is cachexfer.Disk through the admin tool
 // (jobvm.CacheDiskCommand), for the run stage, built without libvirt.
 type adminCacheDisk struct{ a *adminTool }
 
-// Attach implements gitlab.CacheDisk.
+// Attach implements cachexfer.Disk.
 func (c adminCacheDisk) Attach(ctx context.Context, name, project string, want []string) (hostcache.RestoreResult, error) {
 	out, err := c.run(ctx, append([]string{jobvm.CacheDiskAttach, "--", name, project}, want...)...)
 	if err != nil {
@@ -30,13 +30,13 @@ func (c adminCacheDisk) Attach(ctx context.Context, name, project string, want [
 	return parseAttached(out)
 }
 
-// AttachScratch implements gitlab.CacheDisk.
+// AttachScratch implements cachexfer.Disk.
 func (c adminCacheDisk) AttachScratch(ctx context.Context, name string) error {
 	_, err := c.run(ctx, jobvm.CacheDiskScratch, "--", name)
 	return err
 }
 
-// Keep implements gitlab.CacheDisk.
+// Keep implements cachexfer.Disk.
 func (c adminCacheDisk) Keep(ctx context.Context, name, project string, keep []string) jobvm.Kept {
 	out, err := c.run(ctx, append([]string{jobvm.CacheDiskKeep, "--", name, project}, keep...)...)
 	if err != nil {
@@ -50,7 +50,7 @@ func (c adminCacheDisk) Keep(ctx context.Context, name, project string, keep []s
 	return a.Kept()
 }
 
-// Drop implements gitlab.CacheDisk.
+// Drop implements cachexfer.Disk.
 func (c adminCacheDisk) Drop(ctx context.Context, name string) error {
 	_, err := c.run(ctx, jobvm.CacheDiskDrop, "--", name)
 	return err
