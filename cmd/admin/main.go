@@ -6,7 +6,6 @@ package main
 import (
 	"cmp"
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"net"
@@ -22,6 +21,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/admin"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
@@ -333,82 +333,23 @@ func app() *cli.App {
 			{
 				// For libvirt-executor-run, which is built without libvirt:
 				// it asks here to hand a project's host cache to the job's
-				// machine on a restore disk, and to delete that disk's
-				// volume once the guest read it.
-				Name:   jobvm.CacheDiskCommand,
+				// machine on hot-plugged disks and to take it back, one
+				// typed request on stdin, one typed answer on stdout
+				// (cachexfer.AdminRequest, cachexfer.AdminAnswer).
+				Name:   cachexfer.AdminCommand,
 				Hidden: true,
-				Usage:  "move a project's host cache to and from a job VM on hot-plugged disks",
-				Subcommands: []*cli.Command{
-					{
-						Name:      jobvm.CacheDiskAttach,
-						Usage:     "attach the project's cache (the files named; none: nothing) to the VM; prints FILES BYTES (0 0: nothing cached or named, no disk)",
-						ArgsUsage: "NAME PROJECT [FILE...]",
-						Action: func(c *cli.Context) error {
-							if c.NArg() < 2 {
-								return fmt.Errorf("%s %s takes a machine name, a project and the files wanted, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskAttach, c.NArg())
-							}
-							var want []string
-							if c.NArg() > 2 {
-								want = c.Args().Slice()[2:]
-							}
-							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
-								store, err := admin.CacheStore(cfg)
-								if err != nil {
-									return err
-								}
-								res, err := m.AttachCache(c.Context, store, c.Args().Get(0), c.Args().Get(1), want)
-								if err != nil {
-									return err
-								}
-								_, err = fmt.Printf("%d %d\n", res.Files, res.Bytes)
-								return err
-							})
-						},
-					},
-					{
-						Name:      jobvm.CacheDiskScratch,
-						Usage:     "attach an empty disk for the VM's guest to write its cache on",
-						ArgsUsage: "NAME",
-						Action: func(c *cli.Context) error {
-							if c.NArg() != 1 {
-								return fmt.Errorf("%s %s takes one machine name, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskScratch, c.NArg())
-							}
-							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
-								return m.AttachScratch(c.Context, c.Args().First(), jobvm.ScratchCapacity(cfg.Cache.ProjectLimit()))
-							})
-						},
-					},
-					{
-						Name:      jobvm.CacheDiskKeep,
-						Usage:     "keep the files named (the archives the runner's archive_cache script names; none: nothing) of what the VM's guest wrote on its scratch disk in the project's cache, then delete the VM's cache disks' volumes; prints the result as JSON",
-						ArgsUsage: "NAME PROJECT [FILE...]",
-						Action: func(c *cli.Context) error {
-							if c.NArg() < 2 {
-								return fmt.Errorf("%s %s takes a machine name, a project and the files to keep, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskKeep, c.NArg())
-							}
-							keep := c.Args().Slice()[2:]
-							return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
-								store, err := admin.CacheStore(cfg)
-								if err != nil {
-									return err
-								}
-								return json.NewEncoder(os.Stdout).Encode(jobvm.NewKeepAnswer(m.KeepCache(c.Context, store, c.Args().Get(0), c.Args().Get(1), keep)))
-							})
-						},
-					},
-					{
-						Name:      jobvm.CacheDiskDrop,
-						Usage:     "delete the VM's cache disks' volumes",
-						ArgsUsage: "NAME",
-						Action: func(c *cli.Context) error {
-							if c.NArg() != 1 {
-								return fmt.Errorf("%s %s takes one machine name, got %d arguments", jobvm.CacheDiskCommand, jobvm.CacheDiskDrop, c.NArg())
-							}
-							return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
-								return m.DropDisks(c.Context, c.Args().First())
-							})
-						},
-					},
+				Usage:  "move a project's host cache to and from a job VM on hot-plugged disks: one JSON request on stdin (op attach, scratch, keep or drop), one JSON answer on stdout",
+				Action: func(c *cli.Context) error {
+					if c.NArg() != 0 {
+						return fmt.Errorf("%s takes its request as JSON on stdin, not arguments (got %d)", cachexfer.AdminCommand, c.NArg())
+					}
+					return withManager(c, false, func(cfg *config.Config, m *jobvm.Host) error {
+						store, err := admin.CacheStore(cfg)
+						if err != nil {
+							return err
+						}
+						return cachexfer.ServeAdmin(c.Context, os.Stdin, os.Stdout, cachexfer.StoreDisk(m, store))
+					})
 				},
 			},
 			{

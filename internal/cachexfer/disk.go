@@ -27,15 +27,24 @@ type Disk interface {
 	Drop(ctx context.Context, name string) error
 }
 
-// LocalDisk is Disk in the stage's own process, over jobs, for the host
-// cache c.
-func LocalDisk(jobs *jobvm.Jobs, c config.Cache) Disk {
-	return localCacheDisk{h: jobs, store: hostcache.ForConfig(c)}
+// Disks is the engine's side of the cache disks: *jobvm.Jobs in a stage,
+// *jobvm.Host in the admin tool.
+type Disks interface {
+	AttachCache(ctx context.Context, store *hostcache.Store, name, project string, want []string) (hostcache.RestoreResult, error)
+	AttachScratch(ctx context.Context, name string, capacity int64) error
+	KeepCache(ctx context.Context, store *hostcache.Store, name, project string, keep []string) jobvm.Kept
+	DropDisks(ctx context.Context, name string) error
 }
 
-// localCacheDisk is Disk in the stage's own process.
+// LocalDisk is Disk in this process, over h, for the host cache c.
+func LocalDisk(h Disks, c config.Cache) Disk { return StoreDisk(h, hostcache.ForConfig(c)) }
+
+// StoreDisk is Disk in this process, over h, for store.
+func StoreDisk(h Disks, store *hostcache.Store) Disk { return localCacheDisk{h: h, store: store} }
+
+// localCacheDisk is Disk in this process.
 type localCacheDisk struct {
-	h     *jobvm.Jobs
+	h     Disks
 	store *hostcache.Store
 }
 

@@ -159,7 +159,7 @@ func Run(p Process, e Exe) int {
 			if e.ExplainViaAdminTool {
 				tool := newAdminTool(cfgPath, logger)
 				env.Explain = tool.Explain
-				env.CacheDisk = adminCacheDisk{tool}
+				env.CacheDisk = adminCacheDisk(tool)
 			}
 			stageErr = e.Stage(c.Context, env, cfg, c.Args().Slice())
 			if !e.RunsToCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {
