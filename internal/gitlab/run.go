@@ -12,7 +12,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -113,10 +112,10 @@ func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []b
 	if err != nil {
 		return true, exitcodes.System(err)
 	}
-	mid, err := sess.HeldStage(ctx, holder.Stage{
+	mid, err := sess.HeldStage(ctx, jobvm.HeldStage{
 		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
 	})
-	if errors.Is(err, holder.ErrUnavailable) {
+	if errors.Is(err, jobvm.ErrHolderUnavailable) {
 		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
 		j.log.Warn("stage connects directly", "err", err)
 		return false, nil
