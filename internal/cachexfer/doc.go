@@ -13,10 +13,11 @@
 //     the save's direct layout is the agent's cache-save (internal/agent)
 //     and the shell only hands over to it;
 //   - the disks' host side (Disk): in the stage's process over jobvm
-//     (LocalDisk), or through the admin tool (cmd/admin's hidden cache-disk
-//     command), which the run stage, built without libvirt, asks with one
-//     typed Request as JSON on its stdin and reads one typed Answer from
-//     its stdout (admin.go);
+//     (LocalDisk), or through the admin tool (its hidden cache-disk
+//     command, internal/admin), which the run stage, built without
+//     libvirt, asks with one typed AdminRequest as JSON on its stdin and
+//     reads one typed AdminAnswer from its stdout (admin.go: AdminDisk,
+//     ServeAdmin);
 //   - what each copy did (Restored, Saved), which the front end turns into
 //     its job log's lines and its metrics.
 //
