@@ -1,5 +1,8 @@
-// Package admin implements the administrator's command: list what exists,
-// sweep leftovers, and check the host.
+// Package admin implements the administrator's command (libvirt-executor):
+// its command tree (cli.go: App, flags, the config and log flags, exit
+// statuses; cmd/admin is a thin main over it) and what the commands do:
+// list what exists, sweep leftovers, check the host, the image and cache
+// commands, the metrics server.
 package admin
 
 import (

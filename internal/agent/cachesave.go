@@ -20,7 +20,7 @@ import (
 )
 
 // CacheSave is `lve-agent cache-save DEVICE DIR`: the host cache's save in
-// the guest (internal/gitlab's armed save), in one process: it writes the
+// the guest (internal/cachexfer's armed save), in one process: it writes the
 // regular files under DIR on the scratch disk DEVICE in the direct layout
 // (cachelayout) with O_DIRECT, each file's bytes at its offset, then the
 // manifest, then flushes the disk; the shell's way does the same with five

@@ -7,9 +7,9 @@ import (
 	"log/slog"
 	"strconv"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 )
 
@@ -28,7 +28,7 @@ type Env struct {
 	// Connect opens the hypervisor; nil means libvirt (vm.Connect, in an
 	// executable that imports internal/vm/libvirtvm). Tests substitute a
 	// fake.
-	Connect lifecycle.Connector
+	Connect jobvm.Connector
 	// Explain, if set, says in one sentence what became of the named
 	// machine whose guest stopped answering, or "" (the run stage, built
 	// without libvirt, asks the admin tool: stagecli.Exe.ExplainViaAdminTool).
@@ -38,7 +38,7 @@ type Env struct {
 	// disk (the run stage, built without libvirt, asks the admin tool:
 	// stagecli.Exe.ExplainViaAdminTool). nil means the stage's own
 	// jobvm.Host.
-	CacheDisk CacheDisk
+	CacheDisk cachexfer.Disk
 	// Pull, if set, pulls an image with a source (oci://) into the host's
 	// store: prepare does on an image's first use. Only the prepare
 	// executable links the registry client (stagecli.Exe.Pull); without
@@ -79,7 +79,7 @@ func (e Env) load(cfg *config.Config) (*job, error) {
 		return nil, fmt.Errorf("libvirt_uri %q is another host's libvirt: GitLab's stages run on the host of their VMs; "+
 			"register a runner on that host with libvirt_uri = \"qemu:///system\" (docs/fleet.md); another host's libvirt is for garm's provider entries (docs/garm.md)", cfg.LibvirtURI)
 	}
-	jobs, err := jobvm.OpenJobs(cfg, lifecycle.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
+	jobs, err := jobvm.OpenJobs(cfg, jobvm.Options{Connect: e.Connect, Log: e.Log, Say: e.say})
 	if err != nil {
 		return nil, err
 	}

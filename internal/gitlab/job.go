@@ -22,7 +22,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 )
 
@@ -35,7 +35,7 @@ type Job struct {
 	// Image is the job's `image:`, with the job's variables expanded.
 	Image ImageRequest
 	// Instance tags the GitLab instance and runner the job came from
-	// (lifecycle.InstanceTag of CI_SERVER_URL and CI_RUNNER_ID): part of the
+	// (jobvm.InstanceTag of CI_SERVER_URL and CI_RUNNER_ID): part of the
 	// machine name, so equal job ids of two instances never share a VM.
 	Instance string
 	// FromPayload says whether the identity came from JOB_RESPONSE_FILE.
@@ -280,8 +280,8 @@ func firstVar(vars []jobVariable, key string) string {
 }
 
 // InstanceOf is the instance tag of a GitLab server URL and runner id, as
-// machine names carry it (lifecycle.MachineName).
-func InstanceOf(serverURL, runnerID string) string { return lifecycle.InstanceTag(serverURL, runnerID) }
+// machine names carry it.
+func InstanceOf(serverURL, runnerID string) string { return jobvm.InstanceTag(serverURL, runnerID) }
 
 func boundTimeout(seconds int64) time.Duration {
 	if seconds <= 0 {

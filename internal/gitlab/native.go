@@ -15,7 +15,6 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -170,7 +169,7 @@ func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, st
 	g.mu.Unlock()
 	if useHolder {
 		err := g.sess.HeldStream(ctx, cmd, stdin, stdout)
-		if !errors.Is(err, holder.ErrUnavailable) {
+		if !errors.Is(err, jobvm.ErrHolderUnavailable) {
 			return err
 		}
 		g.mu.Lock()

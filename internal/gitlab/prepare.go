@@ -9,7 +9,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -72,7 +71,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	// Acquire first records the name the later stages find the machine
 	// by, whatever version runs them (an upgrade in the middle of the job).
 	a, err := j.vm.Acquire(ctx, jobvm.AcquireRequest{
-		Request: lifecycle.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
+		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
 		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
 		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
 			return checkGuestTools(ctx, g, say, j.jobs.Memory(), img, version.withTools(tools), tools, j.job.Steps)
@@ -86,9 +85,9 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if a.Warm {
 		e.Report.Path(obs.PathWarm)
 		say("Machine ready in %s (warm)", vm.Round(time.Since(began)))
-		writeTimings(e, j, jobvm.NewClaimRecord(a.Claimed.Machine, a.Claimed, began))
+		writeTimings(e, j, a, began)
 	} else {
-		writeTimings(e, j, lifecycle.NewTimingRecord(a.Ready, began))
+		writeTimings(e, j, a, began)
 		e.Report.Path(obs.PathCold)
 	}
 	if plan != nil {
@@ -102,18 +101,14 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	return nil
 }
 
-// writeTimings appends the machine's timing record (lifecycle.TimingRecord)
-// to the file that LIBVIRT_EXECUTOR_TIMINGS (lifecycle.TimingsEnv) names, if
+// writeTimings appends the machine's timing record (jobvm.Acquired.Timings)
+// to the file that LIBVIRT_EXECUTOR_TIMINGS names (jobvm.WriteTimings), if
 // it is set. That is a variable of the runner host, which the stage inherits
 // from the runner: never a job's, whose variables arrive as CUSTOM_ENV_*
 // (CUSTOM_ENV_LIBVIRT_EXECUTOR_TIMINGS is not looked at). The job does not
 // depend on the record: a failure to write it is only logged.
-func writeTimings(e Env, j *job, rec lifecycle.TimingRecord) {
-	path := e.Getenv(lifecycle.TimingsEnv)
-	if path == "" {
-		return
-	}
-	if err := lifecycle.AppendTimings(path, rec); err != nil {
+func writeTimings(e Env, j *job, a *jobvm.Acquired, began time.Time) {
+	if err := jobvm.WriteTimings(e.Getenv, a.Timings(began)); err != nil {
 		j.log.Warn("timings record not written", "err", err)
 	}
 }

@@ -8,10 +8,10 @@ import (
 	"strconv"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -49,7 +49,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		}
 	}
 	op := cacheOpOf(stage, script)
-	var early *earlyScratch
+	var early *cachexfer.Early
 	switch op {
 	case cacheRestore:
 		runCache(ctx, e, j, jm.Name, img, op, script, nil)
@@ -57,7 +57,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		// A disk attached during the script is deleted when the stage
 		// ends, whatever became of the save (deleting none is success).
 		early = startScratch(ctx, e, j, jm.Name, img, script)
-		defer early.drop(ctx, e, j, jm.Name)
+		defer early.Drop(ctx)
 	}
 	var span time.Duration
 	if inContainer != nil {
@@ -119,10 +119,10 @@ func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []b
 	if err != nil {
 		return true, exitcodes.System(err)
 	}
-	mid, err := sess.HeldStage(ctx, holder.Stage{
+	mid, err := sess.HeldStage(ctx, jobvm.HeldStage{
 		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
 	})
-	if errors.Is(err, holder.ErrUnavailable) {
+	if errors.Is(err, jobvm.ErrHolderUnavailable) {
 		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
 		j.log.Warn("stage connects directly", "err", err)
 		return false, nil

@@ -18,3 +18,24 @@ func NewClaimRecord(mach *state.Machine, c *Claimed, began time.Time) lifecycle.
 }
 
 func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond) }
+
+// Timings is the timing record of a's machine for a front end that began
+// preparing at began: the claim's (NewClaimRecord) for a warm machine,
+// else the provisioning's (lifecycle.NewTimingRecord).
+func (a *Acquired) Timings(began time.Time) lifecycle.TimingRecord {
+	if a.Warm {
+		return NewClaimRecord(a.Claimed.Machine, a.Claimed, began)
+	}
+	return lifecycle.NewTimingRecord(a.Ready, began)
+}
+
+// WriteTimings appends rec to the file that LIBVIRT_EXECUTOR_TIMINGS
+// (lifecycle.TimingsEnv) names in getenv, if it is set: a variable of the
+// runner host, never a job's.
+func WriteTimings(getenv func(string) string, rec lifecycle.TimingRecord) error {
+	path := getenv(lifecycle.TimingsEnv)
+	if path == "" {
+		return nil
+	}
+	return lifecycle.AppendTimings(path, rec)
+}

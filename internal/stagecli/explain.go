@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detach"
+	"io"
 	"log/slog"
 	"os"
 	"os/exec"
@@ -91,7 +92,7 @@ func (a *adminTool) Explain(ctx context.Context, name string) string {
 		// The stage's error carries the note: no log line of its own.
 		return fmt.Sprintf("what became of VM %s is not known: the admin tool %s, which asks libvirt, was not found %s", name, jobvm.AdminExecutable, where)
 	}
-	out, err := a.run(ctx, path, a.timeout, jobvm.ExplainCommand, "--", name)
+	out, err := a.run(ctx, path, a.timeout, nil, maxExplanation, jobvm.ExplainCommand, "--", name)
 	if err != nil {
 		a.log.Warn("no explanation of what became of the VM: the admin tool failed", "tool", path, "err", err)
 		return ""
@@ -101,15 +102,16 @@ func (a *adminTool) Explain(ctx context.Context, name string) string {
 }
 
 // run runs the admin tool at path with the stage's configuration file and
-// args, for at most timeout, and returns the start of its output (an error
-// carries the start of what it wrote to stderr).
-func (a *adminTool) run(ctx context.Context, path string, timeout time.Duration, args ...string) (string, error) {
+// args, stdin (nil: none) on its stdin, for at most timeout, and returns
+// the first limit bytes of its output (an error carries the start of what
+// it wrote to stderr).
+func (a *adminTool) run(ctx context.Context, path string, timeout time.Duration, stdin io.Reader, limit int, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, path, append([]string{"--config=" + a.configPath}, args...)...)
 	cmd.Env = a.environ
-	var stdout, stderr capped
-	cmd.Stdout, cmd.Stderr = &stdout, &stderr
+	stdout, stderr := capped{limit: limit}, capped{limit: maxExplanation}
+	cmd.Stdin, cmd.Stdout, cmd.Stderr = stdin, &stdout, &stderr
 	// Its own process group, all of which is killed when ctx ends: nothing
 	// it started outlives the bound or holds its output open.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
@@ -128,12 +130,14 @@ func (a *adminTool) run(ctx context.Context, path string, timeout time.Duration,
 	return stdout.String(), nil
 }
 
-// capped keeps the first maxExplanation bytes written to it and discards
-// the rest.
-type capped struct{ buf bytes.Buffer }
+// capped keeps the first limit bytes written to it and discards the rest.
+type capped struct {
+	buf   bytes.Buffer
+	limit int
+}
 
 func (c *capped) Write(p []byte) (int, error) {
-	if room := maxExplanation - c.buf.Len(); room > 0 {
+	if room := c.limit - c.buf.Len(); room > 0 {
 		c.buf.Write(p[:min(len(p), room)])
 	}
 	return len(p), nil

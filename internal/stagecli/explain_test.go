@@ -26,14 +26,20 @@ const fakeAdminTool = `#!/bin/sh
 dir=$(dirname "$0")
 printf '%s\0' "$@" > "$dir/argv"
 env > "$dir/env"
+cat > "$dir/stdin"
 case "$FAKE_MODE" in
 hang) sleep 30; echo late ;;
 fail) echo "libvirt said no" >&2; exit 3 ;;
-attach) echo "3 1234" ;;
-keep) echo '{"result":{"Files":2,"Bytes":10,"Unchanged":1},"error":"too big","over_limit":true,"drop_error":"volume busy"}' ;;
-kept) echo '{"result":{"Files":1,"Bytes":3},"dropped":true,"from_file":true}' ;;
-kept-old) echo '{"result":{"Files":1,"Bytes":3}}' ;;
-garbage) echo "3 lots" ;;
+attach) echo '{"attached":{"files":3,"bytes":1234}}' ;;
+done) echo '{}' ;;
+keep) echo '{"kept":{"result":{"Files":2,"Bytes":10,"Unchanged":1},"error":"too big","over_limit":true,"drop_error":"volume busy"}}' ;;
+kept) echo '{"kept":{"result":{"Files":1,"Bytes":3},"dropped":true,"from_file":true},"newer":"left aside"}' ;;
+kept-old) echo '{"kept":{"result":{"Files":1,"Bytes":3}}}' ;;
+garbage) echo "3 1234" ;;
+two) echo '{"attached":{"files":1,"bytes":1}}{"attached":{"files":2,"bytes":2}}' ;;
+negative) echo '{"attached":{"files":-1,"bytes":5}}' ;;
+wrong) echo '{"kept":{"result":{}}}' ;;
+huge) printf '{"attached":{"files":1,"bytes":1},"pad":"'; head -c 70000 /dev/zero | tr '\0' x; echo '"}' ;;
 *) echo "VM $4 is shut off (destroyed)"; echo "a second line is not read" ;;
 esac
 `

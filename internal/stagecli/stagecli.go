@@ -77,7 +77,7 @@ type Exe struct {
 	// (CUSTOM_ENV_*); it runs from its argv, never through a shell, for at
 	// most 6 s. When the tool is not found, the stage's error says so in
 	// place of the explanation. The host cache's restore disk is asked of
-	// it the same way (gitlab.Env.CacheDisk, jobvm.CacheDiskCommand).
+	// it the same way (gitlab.Env.CacheDisk, cachexfer.AdminCommand).
 	ExplainViaAdminTool bool
 	// Pull pulls images with a source (gitlab.Env.Pull): prepare's. With
 	// it, the stage also refreshes a stale image in the background
@@ -159,7 +159,7 @@ func Run(p Process, e Exe) int {
 			if e.ExplainViaAdminTool {
 				tool := newAdminTool(cfgPath, logger)
 				env.Explain = tool.Explain
-				env.CacheDisk = adminCacheDisk{tool}
+				env.CacheDisk = adminCacheDisk(tool)
 			}
 			stageErr = e.Stage(c.Context, env, cfg, c.Args().Slice())
 			if !e.RunsToCompletion && ctx.Err() != nil && exitcodes.Classify(stageErr) != exitcodes.SystemClass {

@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"fmt"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
@@ -211,19 +213,27 @@ func readScratchAs(bin, cfgPath, state string, u testUser) scratchRead {
 	if err != nil {
 		return scratchRead{err: err}
 	}
-	run := func(args ...string) (string, error) {
-		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), append([]string{"--config", cfgPath, jobvm.CacheDiskCommand}, args...)...)
+	run := func(req cachexfer.AdminRequest) (string, error) {
+		body, err := json.Marshal(req)
+		if err != nil {
+			return "", err
+		}
+		cmd := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, cachexfer.AdminCommand)
+		cmd.Stdin = bytes.NewReader(body)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: u.cred}
 		out, err := cmd.CombinedOutput()
 		return string(out), err
 	}
-	if out, err := run(jobvm.CacheDiskScratch, "--", ms[0].Name()); err != nil {
+	if out, err := run(cachexfer.AdminRequest{Op: cachexfer.OpScratch, Machine: ms[0].Name()}); err != nil {
 		return scratchRead{out: out, err: err}
 	}
-	out, err := run(jobvm.CacheDiskKeep, "--", ms[0].Name(), project)
+	out, err := run(cachexfer.AdminRequest{Op: cachexfer.OpKeep, Machine: ms[0].Name(), Project: project})
 	sr := scratchRead{out: out, err: err}
 	if err == nil {
-		sr.err = json.Unmarshal([]byte(out), &sr.answer)
+		var a cachexfer.AdminAnswer
+		if a, sr.err = cachexfer.ReadAdminAnswer(strings.NewReader(out), cachexfer.OpKeep); sr.err == nil {
+			sr.answer = *a.Kept
+		}
 	}
 	return sr
 }

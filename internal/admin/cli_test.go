@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"bytes"
@@ -35,17 +35,17 @@ base = "/img/tiny.qcow2"
 	require.NoError(t, m.Close())
 
 	out := captureStdout(t, func() {
-		require.NoError(t, app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", name}))
+		require.NoError(t, App().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", name}))
 	})
 	require.Equal(t, "VM "+name+" no longer exists\n", out)
 
 	out = captureStdout(t, func() {
-		err := app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", "test"})
+		err := App().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand, "--", "test"})
 		require.ErrorContains(t, err, "not a machine of this installation")
 	})
 	require.Empty(t, out, "the test driver's own domain is not ours to explain")
 
-	err = app().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand})
+	err = App().RunContext(context.Background(), []string{"libvirt-executor", "--config=" + cfgPath, jobvm.ExplainCommand})
 	require.ErrorContains(t, err, "takes one machine name")
 }
 
@@ -90,7 +90,7 @@ base = "/img/tiny.qcow2"
 	require.NoError(t, os.Mkdir(stateDir, 0o700))
 	require.NoError(t, os.Chown(stateDir, 65534, 65534))
 	run := func(args ...string) error {
-		return app().RunContext(context.Background(), append([]string{"libvirt-executor", "--config=" + cfgPath}, args...))
+		return App().RunContext(context.Background(), append([]string{"libvirt-executor", "--config=" + cfgPath}, args...))
 	}
 	empty := func(what string) {
 		t.Helper()
@@ -104,7 +104,7 @@ base = "/img/tiny.qcow2"
 		require.Error(t, err, "%v", args)
 		require.Contains(t, err.Error(), "belongs to", "%v", args)
 		require.Contains(t, err.Error(), "sudo -u ", "%v", args)
-		require.Equal(t, ExitNotOwner, exitCode(err), "%v", args)
+		require.Equal(t, ExitNotOwner, ExitCode(err), "%v", args)
 		empty(args[0])
 	}
 	_ = captureStdout(t, func() { _ = run("doctor") })
@@ -119,11 +119,11 @@ base = "/img/tiny.qcow2"
 	out := captureStdout(t, func() { require.NoError(t, run("list")) })
 	require.Contains(t, out, "no machines of controller "+id)
 	err := run("gc")
-	require.Equal(t, ExitNotOwner, exitCode(err), "%v", err)
+	require.Equal(t, ExitNotOwner, ExitCode(err), "%v", err)
 	entries, err := os.ReadDir(stateDir)
 	require.NoError(t, err)
 	require.Len(t, entries, 1, "only the controller id")
-	require.Equal(t, 1, exitCode(errors.New("other")))
+	require.Equal(t, 1, ExitCode(errors.New("other")))
 }
 
 // image build's command line: the recipe's name is checked against the
@@ -132,14 +132,14 @@ func TestImageBuildCommand(t *testing.T) {
 	recipes := filepath.Join("..", "..", "deploy", "images")
 	out := t.TempDir()
 	run := func(args ...string) error {
-		return app().RunContext(context.Background(), append([]string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", out}, args...))
+		return App().RunContext(context.Background(), append([]string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", out}, args...))
 	}
 	require.ErrorContains(t, run("bogus"), `image build "bogus": no such recipe in `+recipes+` (allowed: cloud, debian, podman, tiny)`)
 	require.ErrorContains(t, run(), "image build needs the name of a recipe (allowed: cloud, debian, podman, tiny)")
 	require.ErrorContains(t, run("tiny", "--force"), "image build takes one recipe name, got 2 arguments (options go before the name")
-	err := app().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", t.TempDir(), "tiny"})
+	err := App().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", t.TempDir(), "tiny"})
 	require.ErrorContains(t, err, "no build.sh there")
-	err = app().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", "rel", "tiny"})
+	err = App().RunContext(context.Background(), []string{"libvirt-executor", "image", "build", "--recipes", recipes, "--output", "rel", "tiny"})
 	require.ErrorContains(t, err, `--output "rel": must be an absolute directory`)
 	entries, err := os.ReadDir(out)
 	require.NoError(t, err)

@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"bytes"
@@ -19,7 +19,7 @@ func TestLogFlagsRefuseBadValues(t *testing.T) {
 		{"--log-level", "loud", "list"},
 		{"serve", "--log-level", "loud"},
 	} {
-		err := app().RunContext(context.Background(), append([]string{"libvirt-executor", "--config=/nonexistent/config.toml"}, args...))
+		err := App().RunContext(context.Background(), append([]string{"libvirt-executor", "--config=/nonexistent/config.toml"}, args...))
 		require.Error(t, err, args)
 		if args[1] == "xml" || args[1] == "--log-format=xml" {
 			require.ErrorContains(t, err, `--log-format "xml": allowed values are text, json`, args)

@@ -1,4 +1,4 @@
-package main
+package admin
 
 import (
 	"context"
@@ -22,7 +22,7 @@ func writeConfig(t *testing.T, text string) string {
 }
 
 func runAdmin(args ...string) error {
-	return app().RunContext(context.Background(), append([]string{"libvirt-executor"}, args...))
+	return App().RunContext(context.Background(), append([]string{"libvirt-executor"}, args...))
 }
 
 // config check: "OK: FILE" for a valid configuration; else each problem
@@ -42,11 +42,11 @@ func TestConfigCheck(t *testing.T) {
 `+bad+`:1: domain_type: "kvmm" is not allowed; use one of "auto", "kvm", "qemu"
 `, out)
 	require.EqualError(t, err, "config "+bad+": 2 problems")
-	require.Equal(t, ExitConfigInvalid, exitCode(err))
+	require.Equal(t, ExitConfigInvalid, ExitCode(err))
 
 	err = runAdmin("config", "check", "--config", filepath.Join(t.TempDir(), "none.toml"))
 	require.ErrorContains(t, err, "no such file")
-	require.Equal(t, 1, exitCode(err))
+	require.Equal(t, 1, ExitCode(err))
 }
 
 // config show: every key with its value and source, as a table and as one
@@ -100,7 +100,7 @@ func TestConfigFlagAfterTheCommand(t *testing.T) {
 			walk(path+c.Name+" ", c.Subcommands)
 		}
 	}
-	walk("", app().Commands)
+	walk("", App().Commands)
 
 	a := writeConfig(t, "name_prefix = \"aaa\"\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\n")
 	b := writeConfig(t, "name_prefix = \"bbb\"\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\n")

@@ -1,0 +1,32 @@
+package jobvm
+
+import (
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+)
+
+// What a front end names of the engine through the job layer: the types
+// and sentinels jobvm's own API takes and returns (OpenJobs, Acquire,
+// Session.HeldStage), named here so that a front end imports jobvm and not
+// lifecycle or holder. They are aliases: the types are still the engine's,
+// and a front end is coupled to them through jobvm's signatures as before.
+type (
+	// Options opens the engine (OpenJobs).
+	Options = lifecycle.Options
+	// Connector opens the hypervisor (Options.Connect).
+	Connector = lifecycle.Connector
+	// Request is what a job asks of its machine (AcquireRequest).
+	Request = lifecycle.Request
+	// HeldStage is a stage run through the job's connection holder
+	// (Session.HeldStage).
+	HeldStage = holder.Stage
+)
+
+// ErrHolderUnavailable is Session.HeldStage's and HeldStream's error when
+// the holder is off, gone or cannot take the stage: nothing of it started,
+// and the caller connects directly.
+var ErrHolderUnavailable = holder.ErrUnavailable
+
+// InstanceTag is the short tag of a front end's instance (its server URL
+// and runner, say) that the machine names carry (lifecycle.InstanceTag).
+func InstanceTag(parts ...string) string { return lifecycle.InstanceTag(parts...) }
