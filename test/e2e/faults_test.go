@@ -100,11 +100,12 @@ func (rn *running) ended() bool {
 	}
 }
 
-// waitFor is waitFor for what the running stage itself brings about: a
-// stage that ends first fails the test at once, with its output.
-func (rn *running) waitFor(t *testing.T, within time.Duration, what string, cond func() bool) {
+// waitFor is waitFor (two minutes) for what the running stage itself
+// brings about: a stage that ends first fails the test at once, with its
+// output.
+func (rn *running) waitFor(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	waitFor(t, within, what, func() bool {
+	waitFor(t, 2*time.Minute, what, func() bool {
 		if cond() {
 			return true
 		}
@@ -285,7 +286,7 @@ func TestFaultSIGKILLPrepare(t *testing.T) {
 			require.Equal(t, 0, s.run(t, "config").code)
 			name := s.name(t)
 			rn := s.start(t, "prepare")
-			rn.waitFor(t, 2*time.Minute, tc.point, func() bool { return tc.reached(s, name) })
+			rn.waitFor(t, tc.point, func() bool { return tc.reached(s, name) })
 			rn.signal(syscall.SIGKILL)
 			rn.wait(t, 10*time.Second)
 			figures.fault()
@@ -317,7 +318,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "config").code)
 		name := s.name(t)
 		rn := s.start(t, "prepare")
-		rn.waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+		rn.waitFor(t, "domain running", func() bool { _, a := r.domainState(name); return a })
 		t0 := time.Now()
 		rn.signal(syscall.SIGTERM)
 		res := rn.wait(t, 60*time.Second)
@@ -343,7 +344,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
 		rn := s.start(t, "prepare")
-		rn.waitFor(t, 2*time.Minute, "SSH ready", func() bool { return strings.Contains(rn.out.String(), "SSH ready") })
+		rn.waitFor(t, "SSH ready", func() bool { return strings.Contains(rn.out.String(), "SSH ready") })
 		rn.signal(syscall.SIGTERM)
 		res := rn.wait(t, 60*time.Second)
 		figures.fault()
@@ -548,7 +549,7 @@ func TestFaultLibvirtdRestart(t *testing.T) {
 	require.Equal(t, 0, s.run(t, "config").code)
 	name := s.name(t)
 	rn := s.start(t, "prepare")
-	rn.waitFor(t, 2*time.Minute, "domain running", func() bool { _, a := r.domainState(name); return a })
+	rn.waitFor(t, "domain running", func() bool { _, a := r.domainState(name); return a })
 	restartLibvirtd(t)
 	// The test's own connection broke too.
 	c, err := libvirt.NewConnect(r.cfg.LibvirtURI)

@@ -1090,7 +1090,7 @@ func (l *Conn) DeleteFilterBinding(ctx context.Context, portDev string) error {
 		if err != nil {
 			return notFound(err, libvirt.ERR_NO_NWFILTER_BINDING)
 		}
-		defer b.Free()
+		defer func() { _ = b.Free() }()
 		return notFound(b.Delete(), libvirt.ERR_NO_NWFILTER_BINDING)
 	})
 }
