@@ -251,7 +251,11 @@ func (r *rig) leftovers(t *testing.T) []string {
 	for _, e := range entries {
 		left = append(left, "state "+e.Name())
 	}
-	return append(left, r.staleBindings(t)...)
+	// Stale network filter bindings are not counted here: a prepare killed
+	// in the middle of its start leaves one under libvirt's polkit access
+	// driver until the driver's next start or sweep removes it
+	// (TestStaleFilterBindings); the rig's stop counts what is left then.
+	return left
 }
 
 // staleBindings lists, as "binding DEV OWNER", the network filter bindings
