@@ -150,12 +150,6 @@ func (r *rig) clearLeftovers(t *testing.T, left []string) {
 			if m, ok := lifecycle.MachineOfVolume(rest); ok {
 				names[m] = true
 			}
-		case "binding":
-			dev, _, _ := strings.Cut(rest, " ")
-			if b, err := r.conn.LookupNWFilterBindingByPortDev(dev); err == nil {
-				t.Logf("removing the stale network filter binding %s: %v", rest, b.Delete())
-				_ = b.Free()
-			}
 		case "process":
 			pid, what, _ := strings.Cut(rest, " ")
 			if n, err := strconv.Atoi(pid); err == nil {
