@@ -82,7 +82,7 @@ func (m *Manager) say(format string, args ...any) {
 
 func (m *Manager) engine() *vm.Engine {
 	return &vm.Engine{HV: m.hv, Controller: m.Controller, UndoTimeout: m.Cfg.Timeouts.Cleanup.D(),
-		PollInterval: m.AddressPollInterval, Network: m.Cfg.Network,
+		PollInterval: m.AddressPollInterval, Network: m.Cfg.Network, Addresses: AddressBook{m.Store},
 		NamePrefix: MachinePrefix(m.Cfg.NamePrefix, m.Controller)}
 }
 

@@ -218,6 +218,7 @@ func (p *provision) create(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	p.mac = mach.MAC // a spare DHCP host entry's, when the machine took one
 	p.timings.Started = time.Now()
 	p.timings.Created, p.timings.Create = p.timings.Started.Sub(t0), mach.Steps
 	req := p.req

@@ -120,3 +120,94 @@ func TestReserveAddressTakenAndUndone(t *testing.T) {
 	require.Empty(t, f.DHCP.Hosts, "the reservation is undone with the rest")
 	require.Empty(t, f.Volumes)
 }
+
+// memBook is an AddressBook in memory: address -> holder.
+type memBook struct{ held map[string]string }
+
+func (b *memBook) Take(_ context.Context, name string, spares []DHCPHost) (DHCPHost, bool, error) {
+	for _, h := range spares {
+		if o, ok := b.held[h.IP]; !ok || o == name {
+			b.held[h.IP] = name
+			return h, true, nil
+		}
+	}
+	return DHCPHost{}, false, nil
+}
+
+func (b *memBook) Give(name string) error {
+	for ip, o := range b.held {
+		if o == name {
+			delete(b.held, ip)
+		}
+	}
+	return nil
+}
+
+// With an AddressBook, a machine's entry is a spare that outlives it: the
+// next machine takes it over, MAC and address, and the network is changed
+// (libvirt's ~0.4 s firewall rewrite) only when every spare is held, never
+// by a Remove. A failed Create gives its spare back.
+func TestSpareEntriesOutliveTheirMachines(t *testing.T) {
+	const prefix = "lve-0123abcd-"
+	f := vmtest.New()
+	f.DHCP = rigDHCP()
+	changes := map[string]int{}
+	f.BeforeCall = func(method string) {
+		if method == "AddDHCPHost" || method == "DeleteDHCPHost" {
+			changes[method]++
+		}
+	}
+	book := &memBook{held: map[string]string{}}
+	e := &Engine{HV: f, Controller: testSpec().Owner.Controller, Network: "ci", NamePrefix: prefix, Addresses: book}
+	spec := func(n, mac string) Spec {
+		s := testSpec()
+		s.Name, s.MAC, s.StaticAddress, s.Filter = prefix+n, mac, true, &Filter{}
+		return s
+	}
+	a, err := e.Create(context.Background(), spec("a1", "52:54:00:00:0a:01"))
+	require.NoError(t, err)
+	require.Equal(t, 1, changes["AddDHCPHost"], "the first machine adds a spare")
+	require.Len(t, f.DHCP.Hosts, 1)
+	spare := f.DHCP.Hosts[0]
+	require.Equal(t, SpareName(prefix, net.ParseIP(a.IP)), spare.Name)
+	require.Equal(t, DHCPHost{MAC: "52:54:00:00:0a:01", Name: spare.Name, IP: a.IP}, spare)
+	require.Equal(t, prefix+"a1", book.held[a.IP])
+	require.NoError(t, e.Remove(context.Background(), prefix+"a1", "jobs", false))
+	require.Equal(t, []DHCPHost{spare}, f.DHCP.Hosts, "the spare outlives its machine")
+	require.Empty(t, book.held, "and is free again")
+	require.Zero(t, changes["DeleteDHCPHost"], "Remove does not change the network")
+
+	b, err := e.Create(context.Background(), spec("b2", "52:54:00:00:0b:02"))
+	require.NoError(t, err)
+	require.Equal(t, 1, changes["AddDHCPHost"], "the next machine takes the spare over: no change")
+	require.Equal(t, spare.IP, b.IP)
+	require.Equal(t, spare.MAC, b.MAC, "with its MAC")
+	x := f.Domains[prefix+"b2"].XML
+	require.Contains(t, x, `<mac address="`+spare.MAC+`">`)
+	require.Contains(t, x, `<parameter name="IP" value="`+spare.IP+`">`)
+
+	// b2 holds the only spare: c3 adds a second one.
+	c, err := e.Create(context.Background(), spec("c3", "52:54:00:00:0c:03"))
+	require.NoError(t, err)
+	require.Equal(t, 2, changes["AddDHCPHost"])
+	require.NotEqual(t, b.IP, c.IP)
+	require.Equal(t, "52:54:00:00:0c:03", c.MAC)
+
+	// A Create that fails after taking a spare gives it back.
+	require.NoError(t, e.Remove(context.Background(), prefix+"c3", "jobs", false))
+	f.FailOn["Define"] = errors.New("injected")
+	_, err = e.Create(context.Background(), spec("d4", "52:54:00:00:0d:04"))
+	require.ErrorContains(t, err, "injected")
+	require.Equal(t, map[string]string{b.IP: prefix + "b2"}, book.held, "d4's spare is free again")
+	require.Len(t, f.DHCP.Hosts, 2)
+	require.Zero(t, changes["DeleteDHCPHost"])
+
+	// Another installation's entry, or an entry named otherwise, is no spare.
+	d := DHCPInfo{Hosts: []DHCPHost{
+		{MAC: "52:54:00:00:00:01", Name: "lve-ffffffff-ip-0a090805", IP: "10.9.8.5"},
+		{MAC: "52:54:00:00:00:02", Name: prefix + "ip-0a090806", IP: "10.9.8.7"},
+		{MAC: "52:54:00:00:00:03", Name: prefix + "1000", IP: "10.9.8.8"},
+		spare,
+	}}
+	require.Equal(t, []DHCPHost{spare}, d.Spares(prefix))
+}

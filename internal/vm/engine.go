@@ -32,6 +32,10 @@ type Engine struct {
 	// Network, if set, is the network whose static DHCP host entry named
 	// after a machine Remove removes with it (Spec.StaticAddress).
 	Network string
+	// Addresses, if set (with NamePrefix), hands the network's spare static
+	// DHCP host entries to machines (Spec.StaticAddress): an entry outlives
+	// its machine, and Remove gives it back.
+	Addresses AddressBook
 	// NamePrefix is how every machine name of this installation starts
 	// (lifecycle.MachinePrefix): network filter bindings owned by such a
 	// name that does not run are stale and removed
@@ -107,6 +111,8 @@ type creation struct {
 	m *Machine
 	// disk and seed are the volumes' names; seed is "" without a seed.
 	disk, seed string
+	// took: the machine holds a spare entry of Engine.Addresses.
+	took bool
 	// seedPath is the seed volume's path once it is created.
 	seedPath string
 }
@@ -373,6 +379,12 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 	var errs []error
 	if err := e.removeDHCPHost(ctx, e.Network, name); err != nil {
 		errs = append(errs, err)
+	}
+	// The domain is gone (or never was): its spare entry is free again.
+	if e.Addresses != nil {
+		if err := e.Addresses.Give(name); err != nil {
+			errs = append(errs, fmt.Errorf("give back the spare DHCP host entry of %s: %w", name, err))
+		}
 	}
 	for _, v := range volumes {
 		if !strings.HasPrefix(v, name) {

@@ -32,8 +32,10 @@ type Spec struct {
 	// MAC is the interface's address; see NewMAC.
 	MAC string
 	// StaticAddress gives the machine a static DHCP host entry of its own
-	// on Network (MAC to a free address, named Name) before the domain is
-	// defined, removed with it (Engine.Remove): the filter carries the
+	// on Network before the domain is defined: a spare entry it takes over,
+	// MAC and address, and gives back when removed (Engine.Addresses), or
+	// else one added for it (MAC to a free address, named Name) and removed
+	// with it (Engine.Remove). The filter carries the
 	// address from the first packet, and a network without a dynamic
 	// range gives the guest no second lease, whatever client identifier
 	// it sends. A network without libvirt's DHCP is left as it is.

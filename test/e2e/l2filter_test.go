@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"regexp"
@@ -13,6 +14,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // The attacks of VM A (as root, or through sudo -n), busybox tools only.
@@ -226,10 +230,11 @@ echo clid-done
 `
 
 // TestOneLeasePerVM (#42): every VM has a static DHCP host entry of its
-// own (static_addresses) and the rig's network no dynamic range, so a
-// guest that asks again and again with a new client identifier from its
-// own MAC holds one lease, its own address, and a new VM still gets its
-// address. The entries go with their VMs.
+// own (static_addresses), so a guest that asks again and again with a new
+// client identifier from its own MAC holds one lease, its own address, and
+// a new VM still gets its address. The entries are spares that outlive
+// their VMs: a VM prepared after both are gone takes one over, MAC and
+// address, without changing the network, and boots with it.
 func TestOneLeasePerVM(t *testing.T) {
 	r := setup(t)
 	a := newStageRunner(t, r)
@@ -249,7 +254,9 @@ func TestOneLeasePerVM(t *testing.T) {
 		}
 		return out
 	}
-	require.Equal(t, aMAC+" "+aAddr, hosts()[aName], "A's entry: its MAC to the address it has")
+	prefix := lifecycle.MachinePrefix(r.cfg.NamePrefix, r.controller(t))
+	spare := func(addr string) string { return vm.SpareName(prefix, net.ParseIP(addr)) }
+	require.Equal(t, aMAC+" "+aAddr, hosts()[spare(aAddr)], "A's entry: its MAC to the address it has")
 
 	res := a.runScript(t, "build_script", l2ClientIDs)
 	if res.code == 0 && containsLine(res.stdout, "NOTOOLS") {
@@ -279,15 +286,36 @@ func TestOneLeasePerVM(t *testing.T) {
 	require.Equal(t, 0, c.run(t, "config").code)
 	require.Equal(t, 0, c.run(t, "prepare").code, "a new VM still gets its address")
 	cName := c.name(t)
-	require.Equal(t, strings.ToLower(machineMAC(t, r, cName))+" "+machineAddress(t, r, cName), hosts()[cName])
+	cAddr, cMAC := machineAddress(t, r, cName), strings.ToLower(machineMAC(t, r, cName))
+	require.NotEqual(t, aAddr, cAddr)
+	require.Equal(t, cMAC+" "+cAddr, hosts()[spare(cAddr)])
 	for _, s := range []*stageRunner{a, c} {
 		require.Equal(t, 0, s.run(t, "cleanup").code)
 	}
-	// cleanup's reaper removes the VMs (and their entries) after it returns
-	waitFor(t, 2*time.Minute, "the entries go with their VMs", func() bool {
-		h := hosts()
-		_, ha := h[aName]
-		_, hc := h[cName]
-		return !ha && !hc
-	})
+	// cleanup's reaper removes the VMs after it returns; their entries stay.
+	exists := func(name string) bool {
+		d, err := r.conn.LookupDomainByName(name)
+		if err != nil {
+			return false
+		}
+		_ = d.Free()
+		return true
+	}
+	waitFor(t, 2*time.Minute, "both VMs gone", func() bool { return !exists(aName) && !exists(cName) })
+	before := hosts()
+	require.Equal(t, aMAC+" "+aAddr, before[spare(aAddr)], "A's entry outlives A")
+	require.Equal(t, cMAC+" "+cAddr, before[spare(cAddr)], "C's entry outlives C")
+
+	d := newStageRunner(t, r)
+	require.Equal(t, 0, d.run(t, "config").code)
+	res = d.run(t, "prepare")
+	require.Equal(t, 0, res.code, "a VM on a spare entry boots and answers: %s", res.stderr)
+	dName := d.name(t)
+	dAddr, dMAC := machineAddress(t, r, dName), strings.ToLower(machineMAC(t, r, dName))
+	require.Contains(t, []string{aMAC + " " + aAddr, cMAC + " " + cAddr}, dMAC+" "+dAddr, "D took over A's or C's entry")
+	require.Contains(t, res.stdout, "took spare DHCP host entry "+spare(dAddr))
+	require.Equal(t, before, hosts(), "the network's entries did not change")
+	got := d.runScript(t, "build_script", "ip -4 -o addr show | grep -c "+dAddr+"/")
+	require.Equal(t, 0, got.code, "D has its address: %s %s", got.stdout, got.stderr)
+	require.Equal(t, 0, d.run(t, "cleanup").code)
 }
