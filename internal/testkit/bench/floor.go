@@ -138,8 +138,14 @@ func measureFloor(ctx context.Context, e floorEnv, img *config.Image) (fs FloorS
 		Controller: e.controller, DomainType: domainType, Keys: keys, CloudInitSeed: seed, MAC: mac,
 		Created: time.Now().UTC(), ConsoleLog: filepath.Join(dir, "console.log"), Shared: shared,
 	})
-	if _, err := eng.Create(ctx, spec); err != nil {
+	mach, err := eng.Create(ctx, spec)
+	if err != nil {
 		return fail(err)
+	}
+	for _, s := range mach.Steps {
+		if s.Name == "reserve address" {
+			fs.EntryMs = ms(s.Took)
+		}
 	}
 	t0 := hv.startAt
 	fs.StartCallMs = ms(hv.startCall)

@@ -194,8 +194,11 @@ type HostLoad struct {
 // PrepareMs is the prepare stage's own figures, from its timings record
 // (lifecycle.TimingRecord), in milliseconds.
 type PrepareMs struct {
-	Clone       float64 `json:"clone"`
-	Seed        float64 `json:"seed"` // create + upload
+	Clone float64 `json:"clone"`
+	Seed  float64 `json:"seed"` // create + upload
+	// Entry is the static DHCP host entry's step ("reserve address"): a
+	// spare taken over, or an entry added when every spare is held.
+	Entry       float64 `json:"entry"`
 	Define      float64 `json:"define"`
 	Start       float64 `json:"start"`
 	Created     float64 `json:"created"` // clone .. start, as one figure
@@ -251,7 +254,10 @@ type FloorSample struct {
 	// was known), how long it took, and how it failed.
 	AttemptLog  []string `json:"attempt_log,omitempty"`
 	StartCallMs float64  `json:"start_call_ms"` // the start call itself (QEMU launch)
-	AddressMs   float64  `json:"address_ms"`    // start call .. address known
+	// EntryMs is the floor's static DHCP host entry, the path before spare
+	// entries: one added for the machine (outside the floor's span).
+	EntryMs   float64 `json:"entry_ms"`
+	AddressMs float64 `json:"address_ms"` // start call .. address known
 	// HandshakeMs is one more TCP connect + SSH handshake + login on the
 	// booted guest; ExecMs one session running `true` on an open connection
 	// (medians of a few): what every run_exec pays.
@@ -291,6 +297,7 @@ type ConcurrentSample struct {
 type ImageSummary struct {
 	Clone       Summary `json:"clone_ms"`
 	Seed        Summary `json:"seed_ms"`
+	Entry       Summary `json:"entry_ms"`
 	DefineStart Summary `json:"define_start_ms"`
 	Created     Summary `json:"created_ms"`
 	Address     Summary `json:"address_ms"`
@@ -308,6 +315,7 @@ type ImageSummary struct {
 	Floor          Summary `json:"floor_ms"`
 	FloorAddress   Summary `json:"floor_address_ms"`
 	FloorStartCall Summary `json:"floor_start_call_ms"`
+	FloorEntry     Summary `json:"floor_entry_ms"`
 	Handshake      Summary `json:"handshake_ms"`
 	Exec           Summary `json:"exec_ms"`
 	WrapperSh      Summary `json:"wrapper_sh_ms"`
@@ -463,6 +471,7 @@ func (r *ImageReport) Summarize() ImageSummary {
 	}
 	s.Clone = prep(func(p *PrepareMs) float64 { return p.Clone })
 	s.Seed = prep(func(p *PrepareMs) float64 { return p.Seed })
+	s.Entry = prep(func(p *PrepareMs) float64 { return p.Entry })
 	s.DefineStart = prep(func(p *PrepareMs) float64 { return p.Define + p.Start })
 	s.Created = prep(func(p *PrepareMs) float64 { return p.Created })
 	s.Address = prep(func(p *PrepareMs) float64 { return p.Address })
@@ -539,6 +548,7 @@ func (r *ImageReport) Summarize() ImageSummary {
 	s.Floor = fcol(func(f *FloorSample) float64 { return f.SSHMs })
 	s.FloorAddress = fcol(func(f *FloorSample) float64 { return f.AddressMs })
 	s.FloorStartCall = fcol(func(f *FloorSample) float64 { return f.StartCallMs })
+	s.FloorEntry = fcol(func(f *FloorSample) float64 { return zeroNaN(f.EntryMs) })
 	s.Handshake = fcol(func(f *FloorSample) float64 { return f.HandshakeMs })
 	s.Exec = fcol(func(f *FloorSample) float64 { return f.ExecMs })
 	s.WrapperSh = fcol(func(f *FloorSample) float64 { return zeroNaN(f.WrapperShMs) })

@@ -79,7 +79,7 @@ func prepareMs(rec lifecycle.TimingRecord) (*PrepareMs, error) {
 	}
 	c := rec.CreateMs
 	return &PrepareMs{
-		Clone: c["clone disk"], Seed: c["create seed volume"] + c["upload seed"], Define: c["define"], Start: c["start"],
+		Clone: c["clone disk"], Seed: c["create seed volume"] + c["upload seed"], Entry: c["reserve address"], Define: c["define"], Start: c["start"],
 		Created: rec.CreatedMs, Address: rec.AddressMs, SSH: rec.SSHMs, SSHAttempts: rec.SSHAttempts,
 		Check: rec.CheckMs, Ready: rec.ReadyMs,
 	}, nil
