@@ -62,7 +62,7 @@ func (e *Engine) RemoveStaleFilterBindings(ctx context.Context, dryRun bool) ([]
 			continue // a running (or starting) machine's own
 		}
 		if !dryRun {
-			err := change(ctx, func(ctx context.Context) error { return e.HV.DeleteFilterBinding(ctx, b.PortDev) })
+			err := change(ctx, func(ctx context.Context) error { return e.HV.DeleteFilterBinding(ctx, b.PortDev, b.OwnerName) })
 			if errors.Is(err, ErrNotFound) {
 				continue // released meanwhile
 			}
@@ -74,6 +74,32 @@ func (e *Engine) RemoveStaleFilterBindings(ctx context.Context, dryRun bool) ([]
 		stale = append(stale, b)
 	}
 	return stale, errors.Join(errs...)
+}
+
+// removeOwnFilterBindings is Remove's step, once the machine's domain is
+// gone (or never was): the network filter bindings of the project's
+// filters that name the machine as their owner are removed. libvirt leaves
+// one when the client whose call stopped the domain had exited first (a
+// prepare killed in the middle of its start); removed here, the job's own
+// cleanup leaves nothing behind instead of the next start or sweep.
+func (e *Engine) removeOwnFilterBindings(ctx context.Context, name string) error {
+	all, err := e.HV.FilterBindings(ctx)
+	var errs []error
+	if err != nil {
+		errs = append(errs, fmt.Errorf("list network filter bindings: %w", err))
+	}
+	for _, b := range all {
+		if b.OwnerName != name || !slices.Contains(FilterNames, b.Filter) || b.PortDev == "" {
+			continue
+		}
+		err := change(ctx, func(ctx context.Context) error { return e.HV.DeleteFilterBinding(ctx, b.PortDev, b.OwnerName) })
+		if err != nil && !errors.Is(err, ErrNotFound) {
+			errs = append(errs, fmt.Errorf("remove the network filter binding %s: %w", b, err))
+			continue
+		}
+		e.progress("removed the network filter binding %s libvirt had left", b)
+	}
+	return errors.Join(errs...)
 }
 
 // startAgain is start's recovery from a start libvirt refused because a

@@ -97,3 +97,35 @@ func portDevs(bs []FilterBinding) []string {
 	}
 	return out
 }
+
+// Remove takes away the filter bindings libvirt left for the machine
+// itself (a prepare killed mid-start): the job's cleanup leaves none. Other
+// machines' bindings and other filters' stay. A binding whose tap name went
+// to another domain since it was listed is not touched.
+func TestRemoveTakesTheMachinesOwnBindings(t *testing.T) {
+	f := vmtest.New()
+	s := testSpec()
+	e := &Engine{HV: f, Controller: s.Owner.Controller, NamePrefix: "lve-0123abcd-"}
+	ctx := context.Background()
+	_, err := e.Create(ctx, s)
+	require.NoError(t, err)
+	f.Bindings = []FilterBinding{
+		{PortDev: "vnet1", Filter: FilterName, OwnerName: s.Name},
+		{PortDev: "vnet2", Filter: FilterName, OwnerName: "lve-0123abcd-other"},
+		{PortDev: "vnet3", Filter: "clean-traffic", OwnerName: s.Name},
+		{PortDev: "vnet4", Filter: FilterEgressName, OwnerName: s.Name},
+	}
+	// vnet4 goes to another domain between the list and the delete.
+	f.BeforeCall = func(method string) {
+		if method == "DeleteFilterBinding" {
+			for i := range f.Bindings {
+				if f.Bindings[i].PortDev == "vnet4" {
+					f.Bindings[i].OwnerName = "lve-0123abcd-new"
+				}
+			}
+		}
+	}
+	require.NoError(t, e.Remove(ctx, s.Name, s.Pool, false))
+	require.Equal(t, []string{"vnet2", "vnet3", "vnet4"}, portDevs(f.Bindings))
+	require.Equal(t, "lve-0123abcd-new", f.Bindings[2].OwnerName)
+}

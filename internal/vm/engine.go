@@ -377,6 +377,9 @@ func (e *Engine) Remove(ctx context.Context, name, pool string, orphanVolumesOur
 		}
 	}
 	var errs []error
+	if err := e.removeOwnFilterBindings(ctx, name); err != nil {
+		errs = append(errs, err)
+	}
 	if err := e.removeDHCPHost(ctx, e.Network, name); err != nil {
 		errs = append(errs, err)
 	}

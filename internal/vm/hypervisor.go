@@ -145,8 +145,11 @@ type Hypervisor interface {
 	// is applied on which tap device, for which domain.
 	FilterBindings(ctx context.Context) ([]FilterBinding, error)
 	// DeleteFilterBinding removes the filter binding of tap device portDev
-	// (its firewall rules with it); ErrNotFound when there is none.
-	DeleteFilterBinding(ctx context.Context, portDev string) error
+	// (its firewall rules with it) when its owner is still the domain named
+	// owner (read again just before: the tap name may have gone to another
+	// domain since the binding was listed); ErrNotFound when there is no
+	// such binding.
+	DeleteFilterBinding(ctx context.Context, portDev, owner string) error
 	// Close releases the connection. It does not wait for calls that were
 	// abandoned when their ctx ended.
 	Close() error

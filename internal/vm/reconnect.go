@@ -379,8 +379,8 @@ func (r *Reconnecting) FilterBindings(ctx context.Context) ([]FilterBinding, err
 }
 
 // DeleteFilterBinding implements Hypervisor.
-func (r *Reconnecting) DeleteFilterBinding(ctx context.Context, portDev string) error {
-	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteFilterBinding(ctx, portDev) })
+func (r *Reconnecting) DeleteFilterBinding(ctx context.Context, portDev, owner string) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.DeleteFilterBinding(ctx, portDev, owner) })
 }
 
 // PinFilterAddress implements Hypervisor.

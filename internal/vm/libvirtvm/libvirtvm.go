@@ -1048,6 +1048,9 @@ func (l *Conn) NWFilterDefined(ctx context.Context, name string) (bool, error) {
 func (l *Conn) FilterBindings(ctx context.Context) ([]vm.FilterBinding, error) {
 	return call(ctx, l, func() ([]vm.FilterBinding, error) {
 		bs, err := l.conn.ListAllNWFilterBindings(0)
+		if code(err) == libvirt.ERR_NO_SUPPORT {
+			return nil, nil // a driver without network filters has no bindings
+		}
 		if err != nil {
 			return nil, err
 		}
@@ -1084,13 +1087,24 @@ func (l *Conn) FilterBindings(ctx context.Context) ([]vm.FilterBinding, error) {
 }
 
 // DeleteFilterBinding implements vm.Hypervisor.
-func (l *Conn) DeleteFilterBinding(ctx context.Context, portDev string) error {
+func (l *Conn) DeleteFilterBinding(ctx context.Context, portDev, owner string) error {
 	return call0(ctx, l, func() error {
 		b, err := l.conn.LookupNWFilterBindingByPortDev(portDev)
 		if err != nil {
 			return notFound(err, libvirt.ERR_NO_NWFILTER_BINDING)
 		}
 		defer func() { _ = b.Free() }()
+		x, err := b.GetXMLDesc(0)
+		if err != nil {
+			return notFound(err, libvirt.ERR_NO_NWFILTER_BINDING)
+		}
+		var d libvirtxml.NWFilterBinding
+		if err := d.Unmarshal(x); err != nil {
+			return fmt.Errorf("network filter binding %s: its description: %w", portDev, err)
+		}
+		if d.Owner == nil || d.Owner.Name != owner {
+			return fmt.Errorf("network filter binding %s: no longer %s's: %w", portDev, owner, vm.ErrNotFound)
+		}
 		return notFound(b.Delete(), libvirt.ERR_NO_NWFILTER_BINDING)
 	})
 }

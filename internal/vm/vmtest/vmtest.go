@@ -748,7 +748,7 @@ func (f *Fake) FilterBindings(ctx context.Context) ([]vm.FilterBinding, error) {
 }
 
 // DeleteFilterBinding implements vm.Hypervisor.
-func (f *Fake) DeleteFilterBinding(ctx context.Context, portDev string) error {
+func (f *Fake) DeleteFilterBinding(ctx context.Context, portDev, owner string) error {
 	f.wait("DeleteFilterBinding")
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -756,7 +756,7 @@ func (f *Fake) DeleteFilterBinding(ctx context.Context, portDev string) error {
 		return err
 	}
 	for i, b := range f.Bindings {
-		if b.PortDev == portDev {
+		if b.PortDev == portDev && b.OwnerName == owner {
 			f.Bindings = append(f.Bindings[:i], f.Bindings[i+1:]...)
 			return nil
 		}
