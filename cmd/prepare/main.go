@@ -11,6 +11,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // this stage talks to libvirt
 )
@@ -32,10 +33,10 @@ func main() {
 
 // pull pulls an image with a source on its first use (only this stage
 // links the registry client).
-func pull(ctx context.Context, cfg *config.Config, src ociimage.Source) (gitlab.PullReport, error) {
+func pull(ctx context.Context, cfg *config.Config, src ociimage.Source) (jobvm.PullReport, error) {
 	res, err := transfer.Pull(ctx, cfg.Registry.Store(), transfer.RemoteOf(cfg.Registry, "libvirt-executor/"+buildinfo.Version), src)
 	if err != nil {
-		return gitlab.PullReport{}, err
+		return jobvm.PullReport{}, err
 	}
-	return gitlab.PullReport{Digest: res.Record.Digest.String(), Received: res.Fetched, Stored: res.Image.Bytes}, nil
+	return jobvm.PullReport{Digest: res.Record.Digest.String(), Received: res.Fetched, Stored: res.Image.Bytes}, nil
 }

@@ -9,7 +9,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // The host cache (docs/caching.md), the runner's side of it: the runner
@@ -137,7 +137,7 @@ func sayRestored(e Env, r cachexfer.Restored) {
 	for _, n := range r.Notes {
 		e.say("Host cache: %s", n)
 	}
-	took := vm.Round(r.Took)
+	took := jobvm.Round(r.Took)
 	switch {
 	case r.NoneWanted && r.ProjectEmpty:
 		e.Report.Cache("restore", cachexfer.Result(false, nil), 0, 0)
@@ -170,7 +170,7 @@ func saySaved(e Env, s cachexfer.Saved) {
 	}
 	res := s.Result
 	e.Report.Cache("save", cachexfer.Result(true, s.StoreErr), res.Bytes, res.Evicted.Bytes)
-	took := vm.Round(s.Took)
+	took := jobvm.Round(s.Took)
 	switch {
 	case cachexfer.OverLimit(s.StoreErr):
 		e.say("Host cache: not kept (%s): %v. The project's earlier cache stays; raise cache.project_limit_mib or cache less", took, s.StoreErr)

@@ -8,8 +8,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // UndoPrepare removes what a prepare made whose work finished but which
@@ -58,7 +56,7 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 		j.log.Error("cleanup incomplete", "vm", r.Machine.Name, "reaper", r.Reaper, "err", err)
 		return exitcodes.System(err)
 	}
-	j.log.Info("cleaned up", "vm", r.Machine.Name, "warm", r.Machine.Warm, "reaper", r.Reaper, "took", vm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
+	j.log.Info("cleaned up", "vm", r.Machine.Name, "warm", r.Machine.Warm, "reaper", r.Reaper, "took", jobvm.Round(time.Since(t0)).String(), "job_status", e.Getenv("CUSTOM_ENV_CI_JOB_STATUS"))
 	return nil
 }
 
@@ -71,7 +69,7 @@ func Cleanup(ctx context.Context, e Env, cfg *config.Config) error {
 func keepVM(ctx context.Context, j *job, cfg *config.Config) bool {
 	now := time.Now()
 	project := keepProject(j.job)
-	return j.vm.Keep(ctx, project, now.Add(cfg.Debug.KeepMaxAge.D()), func(kept []state.Kept, self string) jobvm.KeepDecision {
+	return j.vm.Keep(ctx, project, now.Add(cfg.Debug.KeepMaxAge.D()), func(kept []jobvm.KeptMachine, self string) jobvm.KeepDecision {
 		p := planKeep(kept, self, project, now, cfg.Debug)
 		return jobvm.KeepDecision{Keep: p.Keep, Release: p.Release, Why: p.Why}
 	})

@@ -43,7 +43,7 @@ type Env struct {
 	// store: prepare does on an image's first use. Only the prepare
 	// executable links the registry client (stagecli.Exe.Pull); without
 	// it an image not pulled yet fails the stage, saying so.
-	Pull PullFunc
+	Pull jobvm.PullFunc
 	// Refresh, if set, asks the registry again in the background what an
 	// image's source names (a detached `libvirt-executor image pull`):
 	// prepare's, for a host without the pool service to follow the tags.

@@ -6,7 +6,7 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 )
 
 // keepProject is the job's project for debug.keep_max_per_project: its
@@ -21,7 +21,7 @@ func keepProject(j *Job) string {
 // that it holds no more than debug.keep_max_per_project.
 type keepPlan struct {
 	Keep    bool
-	Release []state.Kept
+	Release []jobvm.KeptMachine
 	Why     string
 }
 
@@ -31,8 +31,8 @@ type keepPlan struct {
 // oldest kept VM for the new one (the newest failure is the one to look
 // at); a host at its cap keeps no more, and never removes another
 // project's VM for it.
-func planKeep(kept []state.Kept, self, project string, now time.Time, d config.Debug) keepPlan {
-	var mine []state.Kept
+func planKeep(kept []jobvm.KeptMachine, self, project string, now time.Time, d config.Debug) keepPlan {
+	var mine []jobvm.KeptMachine
 	live := 0
 	for _, k := range kept {
 		if k.Name == self || !k.Until.After(now) {

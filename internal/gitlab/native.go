@@ -16,8 +16,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stepsvc"
 )
 
@@ -185,7 +183,7 @@ func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, st
 		return err
 	}
 	err = c.Stream(ctx, cmd, stdin, stdout)
-	if errors.Is(err, sshexec.ErrConnectionLost) {
+	if errors.Is(err, jobvm.ErrConnectionLost) {
 		g.sess.Forget(c)
 	}
 	return err
@@ -193,13 +191,13 @@ func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, st
 
 // client is the session's direct connection, made (again) if needed. A
 // failed dial is a lost connection: the runner tries again for a while.
-func (g *stepsGuest) client(ctx context.Context) (*sshexec.Client, error) {
+func (g *stepsGuest) client(ctx context.Context) (*jobvm.Client, error) {
 	_, c, err := g.sess.Client(ctx)
-	if errors.Is(err, state.ErrNoMachine) {
+	if errors.Is(err, jobvm.ErrNoMachine) {
 		return nil, exitcodes.System(err)
 	}
 	if err != nil {
-		return nil, exitcodes.System(fmt.Errorf("%w: %w", sshexec.ErrConnectionLost, err))
+		return nil, exitcodes.System(fmt.Errorf("%w: %w", jobvm.ErrConnectionLost, err))
 	}
 	return c, nil
 }

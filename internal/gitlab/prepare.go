@@ -10,8 +10,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // Frontend is the ownership record's front end of GitLab's job machines.
@@ -53,8 +51,8 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
-	if err := ensurePulled(ctx, cfg, img, e.Pull, e.Refresh, say, j.log); err != nil {
-		return err
+	if err := jobvm.EnsureImage(ctx, cfg, img, e.Pull, e.Refresh, say, j.log); err != nil {
+		return exitcodes.System(err)
 	}
 	if err := j.jobs.Dial(ctx); err != nil {
 		return err
@@ -73,7 +71,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	a, err := j.vm.Acquire(ctx, jobvm.AcquireRequest{
 		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
 		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
-		Check: func(ctx context.Context, g jobvm.Guest, tools *state.Tools) error {
+		Check: func(ctx context.Context, g jobvm.Guest, tools *jobvm.Tools) error {
 			return checkGuestTools(ctx, g, say, j.jobs.Memory(), img, version.withTools(tools), tools, j.job.Steps)
 		},
 		Observe: jobvm.Observer{Step: e.Report.Step, Pool: e.Report.Pool, Machine: e.Report.Machine},
@@ -84,7 +82,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	}
 	if a.Warm {
 		e.Report.Path(obs.PathWarm)
-		say("Machine ready in %s (warm)", vm.Round(time.Since(began)))
+		say("Machine ready in %s (warm)", jobvm.Round(time.Since(began)))
 		writeTimings(e, j, a, began)
 	} else {
 		writeTimings(e, j, a, began)

@@ -14,8 +14,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // Run is the run stage: it executes the runner's script for one stage in the
@@ -40,7 +38,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	sess := j.vm.Session()
 	defer sess.Close()
 	var img *config.Image
-	var inContainer *state.Machine // a container job's stage for its container
+	var inContainer *jobvm.MachineRecord // a container job's stage for its container
 	if mach, rerr := j.vm.Record(); rerr == nil {
 		e.Report.Machine(jm.Name, mach.Image)
 		img = cfg.Images[mach.Image]
@@ -93,7 +91,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		}
 		return err
 	}
-	if err != nil && ctx.Err() == nil && !errors.Is(err, state.ErrNoMachine) {
+	if err != nil && ctx.Err() == nil && !errors.Is(err, jobvm.ErrNoMachine) {
 		// The guest stopped answering: say what became of it.
 		err = exitcodes.System(explained(ctx, j, err))
 	}
@@ -115,7 +113,7 @@ func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []b
 	if err != nil {
 		return false, nil // the direct path reports it
 	}
-	tag, err := sshexec.NewTag()
+	tag, err := jobvm.NewTag()
 	if err != nil {
 		return true, exitcodes.System(err)
 	}
@@ -155,7 +153,7 @@ func runDirect(ctx context.Context, e Env, j *job, sess *jobvm.Session, script [
 		return exitcodes.System(err)
 	}
 	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
-	return client.Run(ctx, script, sshexec.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
+	return client.Run(ctx, script, jobvm.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
 }
 
 // explained adds to err what libvirt says became of the job's machine

@@ -11,7 +11,6 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // servicesPlan is prepare's plan of the job's `services:` when this runner
@@ -89,7 +88,7 @@ func startServices(ctx context.Context, vm *jobvm.Job, plan *services.Plan, o se
 
 // runInContainer runs a container job's stage in its container
 // (services.RunStage) over the stage's session into the guest.
-func runInContainer(ctx context.Context, e Env, sess *jobvm.Session, mach *state.Machine, script []byte, span *time.Duration) error {
+func runInContainer(ctx context.Context, e Env, sess *jobvm.Session, mach *jobvm.MachineRecord, script []byte, span *time.Duration) error {
 	_, c, err := sess.Client(ctx)
 	if err != nil {
 		return exitcodes.System(err)

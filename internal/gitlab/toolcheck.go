@@ -11,10 +11,7 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // outputter runs a fixed command in the guest (sshexec.Client).
@@ -42,7 +39,7 @@ type toolCheck struct {
 // tools disk tools: one entry per tools volume, so that configurations
 // sharing a state directory with different [guest_tools] (another
 // runner's, or make bench's wrapper round) do not evict each other's.
-func toolCheckKey(img *config.Image, tools *state.Tools) string {
+func toolCheckKey(img *config.Image, tools *jobvm.Tools) string {
 	if tools == nil || tools.Volume == "" {
 		return "tools-" + img.Name
 	}
@@ -72,7 +69,7 @@ func (a *toolCheck) sameVersion(b *toolCheck) bool {
 
 // withTools is the version of a machine of the image with the guest tools
 // disk tools (nil for none); nil stays nil.
-func (a *toolCheck) withTools(tools *state.Tools) *toolCheck {
+func (a *toolCheck) withTools(tools *jobvm.Tools) *toolCheck {
 	if a == nil {
 		return nil
 	}
@@ -91,7 +88,7 @@ func (a *toolCheck) withTools(tools *state.Tools) *toolCheck {
 // the same.
 func toolCheckCommand(shell string) string {
 	return `for t in bash git git-lfs gitlab-runner step-runner setsid mkfifo; do command -v "$t" >/dev/null 2>&1 || echo "$t"; done; ` +
-		`s=` + sshexec.ShellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
+		`s=` + jobvm.ShellQuote(shell) + `; case $s in /*) [ -f "$s" ] && [ -x "$s" ] ;; *) command -v "$s" >/dev/null 2>&1 ;; esac || echo ` + missingShell
 }
 
 // checkGuestTools tells the job log which of the tools GitLab's stages use are
@@ -105,7 +102,7 @@ func toolCheckCommand(shell string) string {
 // is nil when the image cannot be identified: then the guest is always asked.
 // A GitLab Steps job (steps) needs step-runner: without it the check fails
 // (a system failure naming the fix), before any stage of the job runs.
-func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store jobvm.Memory, img *config.Image, version *toolCheck, tools *state.Tools, steps bool) error {
+func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any), store jobvm.Memory, img *config.Image, version *toolCheck, tools *jobvm.Tools, steps bool) error {
 	key := toolCheckKey(img, tools)
 	if version != nil {
 		var old toolCheck
@@ -138,7 +135,7 @@ func checkGuestTools(ctx context.Context, c outputter, say func(string, ...any),
 // checked tells the job log what the check found missing, and which
 // step-runner a GitLab Steps job gets where the tools disk has none; an
 // error where the job cannot run.
-func checked(img *config.Image, missing []string, tools *state.Tools, steps bool, say func(string, ...any)) error {
+func checked(img *config.Image, missing []string, tools *jobvm.Tools, steps bool, say func(string, ...any)) error {
 	reportMissingTools(missing, tools != nil && tools.Source != "", say)
 	if steps && (tools == nil || tools.StepRunner == nil) && !slices.Contains(missing, "step-runner") {
 		say("step-runner for this run: job: the image's own (the VM's guest tools disk has none: [guest_tools] step_runner)")
@@ -147,7 +144,7 @@ func checked(img *config.Image, missing []string, tools *state.Tools, steps bool
 }
 
 // unmounted says the guest lacks a program its tools disk has.
-func unmounted(tools *state.Tools, missing []string) bool {
+func unmounted(tools *jobvm.Tools, missing []string) bool {
 	return tools != nil && ((tools.Source != "" && slices.Contains(missing, "gitlab-runner")) ||
 		(tools.StepRunner != nil && slices.Contains(missing, "step-runner")))
 }
@@ -157,7 +154,7 @@ func unmounted(tools *state.Tools, missing []string) bool {
 // tools disk a machine booted now gets (tools), found no step-runner: the
 // runner retries a failed prepare twice, and each try would boot a VM only
 // to find the same. Nil when the check is not remembered, or found one.
-func knownStepRunnerMissing(store jobvm.Memory, img *config.Image, version *toolCheck, tools *state.Tools) error {
+func knownStepRunnerMissing(store jobvm.Memory, img *config.Image, version *toolCheck, tools *jobvm.Tools) error {
 	if version == nil {
 		return nil
 	}
@@ -171,13 +168,13 @@ func knownStepRunnerMissing(store jobvm.Memory, img *config.Image, version *tool
 // stepRunnerMissing is the error for a GitLab Steps job whose guest has no
 // step-runner on PATH: its one stage would fail with "step-runner: command
 // not found", which would pass for the steps' own failure.
-func stepRunnerMissing(img *config.Image, missing []string, tools *state.Tools, steps bool) error {
+func stepRunnerMissing(img *config.Image, missing []string, tools *jobvm.Tools, steps bool) error {
 	if !steps || !slices.Contains(missing, "step-runner") {
 		return nil
 	}
 	if tools != nil && tools.StepRunner != nil {
 		return exitcodes.System(fmt.Errorf("this run: job (GitLab Steps) needs step-runner, and the VM's guest tools disk has it at %s, but image %q does not put it on PATH: "+
-			"link /usr/local/bin/step-runner to it in the image (see docs/images.md, \"The guest tools disk\")", guestinit.GuestStepRunnerPath, img.Name))
+			"link /usr/local/bin/step-runner to it in the image (see docs/images.md, \"The guest tools disk\")", jobvm.GuestStepRunnerPath, img.Name))
 	}
 	return exitcodes.System(fmt.Errorf("this run: job (GitLab Steps) needs step-runner in the guest, and image %q has none on PATH: "+
 		"set [guest_tools] step_runner in the driver configuration to a linux/amd64 step-runner binary (or \"auto\" with one on this host's PATH), "+
@@ -209,7 +206,7 @@ func reportMissingTools(missing []string, hasToolsDisk bool, say func(string, ..
 			say("Note: git-lfs is not installed in the guest (needed only for LFS repositories)")
 		case "gitlab-runner":
 			if hasToolsDisk {
-				say("Warning: gitlab-runner is not on the guest's PATH although the VM has the guest tools disk: the image does not mount it (serial %s at %s, see docs/images.md); caches and artifacts will not work", guestinit.ToolsDiskSerial, guestinit.ToolsMountPoint)
+				say("Warning: gitlab-runner is not on the guest's PATH although the VM has the guest tools disk: the image does not mount it (serial %s at %s, see docs/images.md); caches and artifacts will not work", jobvm.ToolsDiskSerial, jobvm.ToolsMountPoint)
 			} else {
 				say("Note: gitlab-runner is not on the guest's PATH: caches and artifacts will not work (see docs/images.md)")
 			}

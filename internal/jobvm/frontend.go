@@ -1,8 +1,11 @@
 package jobvm
 
 import (
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 )
 
 // What a front end names of the engine through the job layer: the types
@@ -20,6 +23,38 @@ type (
 	// HeldStage is a stage run through the job's connection holder
 	// (Session.HeldStage).
 	HeldStage = holder.Stage
+	// MachineRecord is the job's machine as recorded (Job.Record,
+	// Session.Client); Tools its guest tools disk (JobRequest.Check);
+	// KeptMachine a machine kept for debugging (Job.Keep).
+	MachineRecord = state.Machine
+	Tools         = state.Tools
+	KeptMachine   = state.Kept
+	// Client is a direct connection into the job's machine
+	// (Session.Client); RunOptions how it runs a stage's script.
+	Client     = sshexec.Client
+	RunOptions = sshexec.RunOptions
+)
+
+// ErrNoMachine: the job has no prepared machine (Job.Record,
+// Session.Client). ErrConnectionLost: the connection into the guest broke.
+var (
+	ErrNoMachine      = state.ErrNoMachine
+	ErrConnectionLost = sshexec.ErrConnectionLost
+)
+
+// NewTag names a stage run through the holder (HeldStage.Tag); ShellQuote
+// quotes a word for the guest's shell.
+var (
+	NewTag     = sshexec.NewTag
+	ShellQuote = sshexec.ShellQuote
+)
+
+// Where the guest tools disk puts things in the guest (front ends name
+// them in what they tell the job's log).
+const (
+	ToolsDiskSerial     = guestinit.ToolsDiskSerial
+	ToolsMountPoint     = guestinit.ToolsMountPoint
+	GuestStepRunnerPath = guestinit.GuestStepRunnerPath
 )
 
 // ErrHolderUnavailable is Session.HeldStage's and HeldStream's error when

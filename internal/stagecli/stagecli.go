@@ -82,7 +82,7 @@ type Exe struct {
 	// Pull pulls images with a source (gitlab.Env.Pull): prepare's. With
 	// it, the stage also refreshes a stale image in the background
 	// (gitlab.Env.Refresh: the admin tool's image pull, detached).
-	Pull gitlab.PullFunc
+	Pull jobvm.PullFunc
 }
 
 // Process is what a stage executable gets from its process: its argv, its

@@ -1,4 +1,4 @@
-package gitlab
+package jobvm
 
 import (
 	"context"
@@ -8,7 +8,6 @@ import (
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -28,20 +27,20 @@ type PullReport struct {
 // answering before a job's log warns that it runs the last verified image.
 const staleChecks = 3
 
-// ensurePulled makes sure an image with a source (oci://) is on this
-// host: a job on an image not pulled yet pulls it (the first job on a
+// EnsureImage makes sure an image with a source (oci://) is on this
+// host (every error it returns is the host's, not the job's): a job on an image not pulled yet pulls it (the first job on a
 // new host, or after a new source was configured), under the store's
 // lock so that jobs at once pull it once. A stored image is used as it
 // is: the pool service follows the tag (registry.pull_interval); when
 // the registry has not answered for a while, the job log says the job
 // runs the last verified image.
-func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, refresh func(string) error, say func(string, ...any), log *slog.Logger) error {
+func EnsureImage(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, refresh func(string) error, say func(string, ...any), log *slog.Logger) error {
 	if img.Source == "" {
 		return nil
 	}
 	src, err := ociimage.ParseSource(img.Source)
 	if err != nil {
-		return exitcodes.System(err)
+		return err
 	}
 	if img.Pulled() {
 		rec, _, err := cfg.Registry.Store().Current(src)
@@ -67,7 +66,7 @@ func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pu
 		return nil
 	}
 	if pull == nil {
-		return exitcodes.System(fmt.Errorf("image %s (%s) is not on this host, and this executable does not pull: run libvirt-executor image pull %s", img.Name, src, img.Name))
+		return fmt.Errorf("image %s (%s) is not on this host, and this executable does not pull: run libvirt-executor image pull %s", img.Name, src, img.Name)
 	}
 	say("Image %s is not on this host yet: pulling %s", img.Name, src)
 	t0 := time.Now()
@@ -75,14 +74,18 @@ func ensurePulled(ctx context.Context, cfg *config.Config, img *config.Image, pu
 	if err != nil {
 		log.Error("image pull failed", "image", img.Name, "source", src.String(), "err", err)
 		if errors.Is(err, ociimage.ErrRefused) {
-			return exitcodes.System(fmt.Errorf("image %s: the registry's image was refused: %w", img.Name, err))
+			return fmt.Errorf("image %s: the registry's image was refused: %w", img.Name, err)
 		}
-		return exitcodes.System(fmt.Errorf("image %s: pull %s: %w", img.Name, src, err))
+		return fmt.Errorf("image %s: pull %s: %w", img.Name, src, err)
 	}
 	say("Pulled %s (%s, %.1f MiB received, %.1f MiB stored) in %s", src, res.Digest,
 		float64(res.Received)/(1<<20), float64(res.Stored)/(1<<20), vm.Round(time.Since(t0)))
 	if err := cfg.ResolveSource(img); err != nil {
-		return exitcodes.System(fmt.Errorf("image %s: %w", img.Name, err))
+		return fmt.Errorf("image %s: %w", img.Name, err)
 	}
 	return nil
 }
+
+// Round is how a job's log shows a duration (vm.Round): milliseconds below
+// a second, tenths above.
+func Round(d time.Duration) time.Duration { return vm.Round(d) }
