@@ -33,9 +33,16 @@ func ImageExistsArgv(ref Ref) []string {
 }
 
 // PullArgv pulls the image (quietly: stdout is the image id).
-func PullArgv(ref Ref) []string {
-	return []string{"podman", "pull", "--quiet", ref.String()}
+func PullArgv(ref Ref, authFile string) []string {
+	argv := []string{"podman", "pull", "--quiet"}
+	if authFile != "" {
+		argv = append(argv, "--authfile", authFile)
+	}
+	return append(argv, ref.String())
 }
+
+// RemoveFileArgv removes a file the driver wrote (the credentials).
+func RemoveFileArgv(path string) []string { return []string{"rm", "-f", "--", path} }
 
 // ExposedPortsArgv prints the image's exposed ports as JSON
 // ({"5432/tcp":{}}, or null).

@@ -13,6 +13,7 @@ import (
 	"sync"
 	"time"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 )
@@ -95,15 +96,8 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	}
 	d.say("Created network %s for the job's services in %s", plan.Network, since(t))
 
-	for _, s := range plan.Services {
-		if err := d.pull(ctx, s); err != nil {
-			return nil, err
-		}
-	}
-	if c := plan.Job; c != nil {
-		if err := d.pullImage(ctx, c.Shown, c.Ref, c.image(), c.guestText, c.PullPolicies); err != nil {
-			return nil, err
-		}
+	if err := d.pullAll(ctx, plan); err != nil {
+		return nil, err
 	}
 	for _, s := range plan.Services {
 		r, err := d.run(ctx, plan.Network, s)
@@ -136,6 +130,40 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	return st, nil
 }
 
+// pullAll pulls the plan's images (by their pull policies); with the
+// job's registry credentials written to AuthPath (0600, through stdin,
+// never an argument) for the pulls and removed after them, also when one
+// failed: no secret stays readable in the guest for the job's scripts.
+func (d *driver) pullAll(ctx context.Context, plan *Plan) (err error) {
+	if len(plan.Auth) > 0 {
+		if _, err := d.must(ctx, "write the job's registry credentials ("+AuthPath+")",
+			d.podman(WriteFileArgv(AuthPath, "0600")), bytes.NewReader(plan.Auth)); err != nil {
+			return err
+		}
+		d.authFile = AuthPath
+		defer func() {
+			d.authFile = ""
+			rctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
+			defer cancel()
+			if _, rerr := d.must(rctx, "remove the job's registry credentials ("+AuthPath+")", d.podman(RemoveFileArgv(AuthPath)), nil); rerr != nil {
+				err = errors.Join(err, rerr)
+			}
+		}()
+		d.say("Registry credentials of the job for its pulls: %s (removed after them)", AuthPath)
+	}
+	for _, s := range plan.Services {
+		if err := d.pull(ctx, s); err != nil {
+			return err
+		}
+	}
+	if c := plan.Job; c != nil {
+		if err := d.pullImage(ctx, c.Shown, c.Ref, c.image(), c.guestText, c.PullPolicies); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
 // runJob starts a container job's container: its mounts' directories
 // made in the VM, then the container, detached on the job's network. A
 // container that does not start fails the job as a system failure with
@@ -164,6 +192,8 @@ type driver struct {
 	o   Options
 	log io.Writer
 	mu  sync.Mutex // log lines from the concurrent waits
+	// authFile is AuthPath while the job's credentials are there (pullAll).
+	authFile string
 }
 
 func (d *driver) say(format string, args ...any) {
@@ -260,7 +290,7 @@ func (d *driver) pullImage(ctx context.Context, what string, ref Ref, image stri
 		}
 		t := time.Now()
 		d.say("Pulling image %s for %s...", image, what)
-		code, _, errText, err := d.exec(ctx, d.podman(PullArgv(ref)), nil, nil)
+		code, _, errText, err := d.exec(ctx, d.podman(PullArgv(ref, d.authFile)), nil, nil)
 		if err != nil {
 			return exitcodes.System(fmt.Errorf("services: pull image %s of %s: %w", image, what, err))
 		}

@@ -64,6 +64,10 @@ type Payload struct {
 	Image     Image      `json:"image"`
 	Services  []Image    `json:"services"`
 	Variables []Variable `json:"variables"`
+	// Credentials are the registries' (the job token for GitLab's own
+	// registry): they reach the guest only as AuthFile, never a log line
+	// or an argument.
+	Credentials []Credential `json:"credentials"`
 }
 
 // MaxPayload bounds the payload read by DecodePayload (GitLab's job

@@ -76,6 +76,16 @@ type Plan struct {
 	// Job is a container job's container (NewJobContainer), started
 	// after the services on their network; nil for a job on the VM's OS.
 	Job *JobContainer
+	// Auth is the registry credentials of the job's pulls (AuthFile), nil
+	// for none: a secret, written to the guest at AuthPath for the pulls
+	// only, never shown.
+	Auth []byte
+}
+
+// String never shows Auth.
+func (p *Plan) String() string {
+	return fmt.Sprintf("services plan (network %s, %d services, container job %v, registry credentials %v)",
+		p.Network, len(p.Services), p.Job != nil, len(p.Auth) > 0)
 }
 
 // Service is one service to start.
@@ -122,6 +132,11 @@ func NewPlan(p *Payload, o Options) (*Plan, error) {
 		return nil, exitcodes.Userf("the job asks for %d services: at most %d", len(p.Services), MaxServices)
 	}
 	pl := &Plan{Network: NetworkName(o.JobID)}
+	auth, err := AuthFile(p)
+	if err != nil {
+		return nil, err
+	}
+	pl.Auth = auth
 	vars := p.Variables
 	for _, v := range vars {
 		if v.Key == "CI_DEBUG_SERVICES" {

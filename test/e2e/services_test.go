@@ -9,6 +9,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"os/exec"
@@ -26,6 +27,7 @@ import (
 	"golang.org/x/crypto/ssh"
 	"oras.land/oras-go/v2/content"
 	"oras.land/oras-go/v2/registry/remote"
+	"oras.land/oras-go/v2/registry/remote/auth"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
@@ -60,9 +62,13 @@ func TestServicesInPodmanVM(t *testing.T) {
 	ln := base.serviceListener(t) // a port guests may reach
 	addr := ln.Addr().String()
 	require.NoError(t, ln.Close())
-	reg := registrytest.StartAt(t, addr)
-	pushServiceImage(t, reg.Host, "library/postgres", "15")
-	pushServiceImage(t, reg.Host, "library/redis", "latest")
+	// The registry asks for a login: the job's credentials (the payload's,
+	// as GitLab sends its job token) reach podman in the guest only.
+	const regPassword = "registry-pw-s3cr3t"
+	reg := registrytest.StartWithLogin(t, addr, "ci-user", regPassword)
+	login := auth.Credential{Username: reg.User, Password: reg.Password}
+	pushServiceImage(t, reg.Host, "library/postgres", "15", login)
+	pushServiceImage(t, reg.Host, "library/redis", "latest", login)
 
 	r := base.withConfig(t, func(s string) string {
 		s = setKey("default_image", `"podman"`)(s)
@@ -97,6 +103,7 @@ plain_http = [%q]
 			{Name: "redis", Alias: "silent", Variables: []services.Variable{
 				{Key: "MARKER", Value: "silent", Public: true}, {Key: "HEALTHCHECK_TCP_PORT", Value: "6000", Public: true}}},
 		},
+		Credentials: []services.Credential{{Type: "registry", URL: reg.Host, Username: reg.User, Password: regPassword}},
 	}
 	opts, err := services.OptionsFrom(r.cfg.Services, 1, "podman", "root")
 	require.NoError(t, err)
@@ -117,6 +124,11 @@ plain_http = [%q]
 	require.Contains(t, out, `WARNING: service "redis" (services[2]) did not answer on `)
 	require.Contains(t, out, "[lve-service-2] svcserver: listening on :5432", "the warning shows the service's last log lines")
 	require.NotContains(t, out, secret)
+	require.Contains(t, out, "Registry credentials of the job for its pulls: "+services.AuthPath+" (removed after them)")
+	require.NotContains(t, out, regPassword)
+	gone, err := c.Exec(ctx, []string{"test", "-e", services.AuthPath}, nil, nil, io.Discard, io.Discard)
+	require.NoError(t, err)
+	require.Equal(t, 1, gone, "the credentials are gone from the guest once pulled")
 	require.NotEqual(t, st.Services[0].Addr, st.Services[1].Addr, "two services on one port, each at its own address")
 
 	// podman in the guest runs rootful with netavark, and the job's network
@@ -163,9 +175,19 @@ plain_http = [%q]
 		require.Contains(t, res.stdout, want)
 	}
 
+	// Without the job's credentials the registry refuses the pull: a
+	// system failure naming the image.
+	noLogin, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "postgres:15", PullPolicy: []string{"always"}}}},
+		services.Options{JobID: 3, DefaultPullPolicy: services.PullIfNotPresent})
+	require.NoError(t, err)
+	log.Reset()
+	_, err = services.Start(ctx, c, noLogin, opts, &log)
+	require.ErrorContains(t, err, `cannot get image docker.io/library/postgres:15 of service "postgres:15" (services[0])`)
+	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+
 	// An image the registry does not have: a system failure naming it.
-	missing, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "team/missing:1"}}},
-		services.Options{JobID: 2, DefaultPullPolicy: services.PullIfNotPresent})
+	missing, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "team/missing:1"}},
+		Credentials: payload.Credentials}, services.Options{JobID: 2, DefaultPullPolicy: services.PullIfNotPresent})
 	require.NoError(t, err)
 	log.Reset()
 	_, err = services.Start(ctx, c, missing, opts, &log)
@@ -228,7 +250,7 @@ func dialMachine(t *testing.T, r *rig, name string) *sshexec.Client {
 // it to the registry as repo:tag: a one-layer OCI image whose entrypoint is
 // /svcserver and which exposes 5432/tcp. Built with oras-go (already the
 // driver's registry client) and image-spec's types: no container tool.
-func pushServiceImage(t *testing.T, host, repo, tag string) {
+func pushServiceImage(t *testing.T, host, repo, tag string, login ...auth.Credential) {
 	t.Helper()
 	exe := buildSvcserver(t)
 	var tarBuf bytes.Buffer
@@ -238,7 +260,7 @@ func pushServiceImage(t *testing.T, host, repo, tag string) {
 	require.NoError(t, err)
 	require.NoError(t, tw.Close())
 	pushOCIImage(t, host, repo, tag, tarBuf.Bytes(), ocispec.ImageConfig{Entrypoint: []string{"/svcserver"},
-		ExposedPorts: map[string]struct{}{"5432/tcp": {}}, Env: []string{"PATH=/"}})
+		ExposedPorts: map[string]struct{}{"5432/tcp": {}}, Env: []string{"PATH=/"}}, login...)
 }
 
 // buildSvcserver builds the svcserver (testdata) statically and returns
@@ -260,7 +282,7 @@ func buildSvcserver(t *testing.T) []byte {
 // pushOCIImage pushes a one-layer OCI image (layer: an uncompressed tar,
 // gzipped here; its config ic) to the registry as repo:tag, with oras-go
 // and image-spec's types: no container tool.
-func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec.ImageConfig) {
+func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec.ImageConfig, login ...auth.Credential) {
 	t.Helper()
 	var gz bytes.Buffer
 	zw := gzip.NewWriter(&gz)
@@ -279,6 +301,9 @@ func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec
 	rp, err := remote.NewRepository(host + "/" + repo)
 	require.NoError(t, err)
 	rp.PlainHTTP = true
+	if len(login) > 0 {
+		rp.Client = &auth.Client{Credential: auth.StaticCredential(host, login[0])}
+	}
 	push := func(mediaType string, b []byte) ocispec.Descriptor {
 		d := content.NewDescriptorFromBytes(mediaType, b)
 		exists, err := rp.Exists(ctx, d)

@@ -14,12 +14,17 @@ import (
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/crypto/bcrypt"
 )
 
 // Registry is a running registry.
 type Registry struct {
 	Host    string // 127.0.0.1:PORT
 	Storage string // its root directory
+	// User and Password, when set (StartWithLogin), are the one login the
+	// registry accepts; it answers every other request 401.
+	User, Password string
 	cmd     *exec.Cmd
 	exited  chan struct{}
 	config  string
@@ -57,11 +62,34 @@ func Start(t *testing.T) *Registry {
 // network's gateway that guests may reach) until the test ends.
 func StartAt(t *testing.T, addr string) *Registry {
 	t.Helper()
+	return start(t, addr, "", "")
+}
+
+// StartWithLogin is StartAt for a registry that asks for a login: user
+// with password (htpasswd, bcrypt), over plain HTTP.
+func StartWithLogin(t *testing.T, addr, user, password string) *Registry {
+	t.Helper()
+	return start(t, addr, user, password)
+}
+
+func start(t *testing.T, addr, user, password string) *Registry {
+	t.Helper()
 	bin := Binary(t)
 	dir := t.TempDir()
-	r := &Registry{Storage: filepath.Join(dir, "storage"), config: filepath.Join(dir, "config.yml"), Host: addr}
+	r := &Registry{Storage: filepath.Join(dir, "storage"), config: filepath.Join(dir, "config.yml"), Host: addr, User: user, Password: password}
 	cfg := fmt.Sprintf("version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n    rootdirectory: %s\n  delete:\n    enabled: true\nhttp:\n  addr: %s\n",
 		r.Storage, r.Host)
+	if user != "" {
+		hash, err := bcrypt.GenerateFromPassword([]byte(password), bcrypt.MinCost)
+		if err != nil {
+			t.Fatal(err)
+		}
+		htpasswd := filepath.Join(dir, "htpasswd")
+		if err := os.WriteFile(htpasswd, []byte(user+":"+string(hash)+"\n"), 0o600); err != nil {
+			t.Fatal(err)
+		}
+		cfg += fmt.Sprintf("auth:\n  htpasswd:\n    realm: lve-test\n    path: %s\n", htpasswd)
+	}
 	if err := os.WriteFile(r.config, []byte(cfg), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -90,7 +118,7 @@ func (r *Registry) start(t *testing.T, bin string) {
 		resp, err := http.Get("http://" + r.Host + "/v2/")
 		if err == nil {
 			_ = resp.Body.Close()
-			if resp.StatusCode == http.StatusOK {
+			if resp.StatusCode == http.StatusOK || (r.User != "" && resp.StatusCode == http.StatusUnauthorized) {
 				return
 			}
 		}
