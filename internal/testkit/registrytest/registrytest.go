@@ -25,9 +25,9 @@ type Registry struct {
 	// User and Password, when set (StartWithLogin), are the one login the
 	// registry accepts; it answers every other request 401.
 	User, Password string
-	cmd     *exec.Cmd
-	exited  chan struct{}
-	config  string
+	cmd            *exec.Cmd
+	exited         chan struct{}
+	config         string
 }
 
 // Binary is the registry's executable, found on PATH; without it the test
