@@ -91,7 +91,7 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if plan != nil {
 		// The machine is the job's now: a failure here leaves it to
 		// cleanup, as any other.
-		if err := startServices(ctx, j.vm, plan, svcOpts, say); err != nil {
+		if err := startServices(ctx, j.vm, plan, svcOpts, say, e.Report); err != nil {
 			j.log.Error("services failed", "err", err)
 			return err
 		}

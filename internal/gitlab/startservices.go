@@ -10,6 +10,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 )
 
@@ -67,16 +68,21 @@ func servicesPlan(cfg *config.Config, j *job, img *config.Image, getenv func(str
 // startServices starts the plan's services in the job's machine, through
 // the job's one way into its guest (jobvm.Session), before the first
 // script; each step's time goes to the job log.
-func startServices(ctx context.Context, vm *jobvm.Job, plan *services.Plan, o services.Options, say func(string, ...any)) error {
+func startServices(ctx context.Context, vm *jobvm.Job, plan *services.Plan, o services.Options, say func(string, ...any), rep *obs.Report) (err error) {
+	t0 := time.Now()
+	started := 0
+	defer func() { rep.Services(started, time.Since(t0), plan.Job != nil, err) }()
 	s := vm.Session()
 	defer s.Close()
 	_, c, err := s.Client(ctx)
 	if err != nil {
 		return exitcodes.System(fmt.Errorf("services: the job's VM: %w", err))
 	}
-	if _, err = services.Start(ctx, c, plan, o, &lineWriter{say: say}); err != nil {
+	st, err := services.Start(ctx, c, plan, o, &lineWriter{say: say})
+	if err != nil {
 		return err
 	}
+	started = len(st.Services)
 	if plan.Job != nil {
 		// The later stages run the job's scripts in it (runInContainer).
 		if err := vm.NoteContainer(plan.Job.Name); err != nil {

@@ -471,3 +471,33 @@ func TestFoldCache(t *testing.T) {
 	require.Equal(t, 1000.0, tt.Counter(CacheBytesTotal, "save"))
 	require.Equal(t, 300.0, tt.Counter(CacheEvictedTotal))
 }
+
+// A prepare's services start (obs.ServicesUse) becomes the services
+// counters and histogram, by kind and result, with bounded labels.
+func TestFoldServices(t *testing.T) {
+	dir := filepath.Join(t.TempDir(), "events")
+	s := obs.Spool{Dir: dir}
+	withServices := func(key string, u *obs.ServicesUse) {
+		p := ok(key, "prepare", 9)
+		p.Path, p.Services = obs.PathCold, u
+		require.NoError(t, s.Append(p))
+	}
+	withServices("s1", &obs.ServicesUse{Started: 2, Seconds: 7, Result: "ok"})
+	withServices("s2", &obs.ServicesUse{Started: 1, Seconds: 12, Container: true, Result: "ok"})
+	withServices("s3", &obs.ServicesUse{Seconds: 3, Result: "error"})
+	withServices("s4", &obs.ServicesUse{Started: 1 << 20, Seconds: 1, Result: "forged\nresult"})
+	require.NoError(t, s.Append(ok("s5", "prepare", 4)))
+	f := newFolder(dir)
+	require.NoError(t, f.Fold(time.Now()))
+	tt := f.Snapshot()
+	require.Equal(t, 1.0, tt.Counter(ServiceStartsTotal, "services", "ok"))
+	require.Equal(t, 1.0, tt.Counter(ServiceStartsTotal, "container_job", "ok"))
+	require.Equal(t, 1.0, tt.Counter(ServiceStartsTotal, "services", "error"))
+	require.Equal(t, 1.0, tt.Counter(ServiceStartsTotal, "services", "other"), "unknown values are bounded")
+	require.Equal(t, 3.0+64, tt.Counter(ServicesStarted), "a forged count is capped")
+	h := tt.Histogram(ServicesSeconds, "services")
+	require.NotNil(t, h)
+	require.Equal(t, uint64(3), h.Count, "the prepare without services is not observed")
+	require.InDelta(t, 11.0, h.Sum, 1e-9)
+	require.Equal(t, uint64(1), tt.Histogram(ServicesSeconds, "container_job").Count)
+}

@@ -37,6 +37,17 @@ const (
 	CacheOpsTotal      = "libvirt_executor_cache_operations_total"
 	CacheBytesTotal    = "libvirt_executor_cache_bytes_total"
 	CacheEvictedTotal  = "libvirt_executor_cache_evicted_bytes_total"
+	ServiceStartsTotal = "libvirt_executor_service_starts_total"
+	ServicesStarted    = "libvirt_executor_service_containers_started_total"
+	ServicesSeconds    = "libvirt_executor_service_start_seconds"
+)
+
+// ServiceKinds are the label values of a prepare's services start: a job
+// with services only, or a container job (its container, and services if
+// any); ServiceResults how it ended.
+var (
+	ServiceKinds   = []string{"services", "container_job"}
+	ServiceResults = []string{"ok", "error"}
 )
 
 // CacheOps and CacheResults are the host cache's label values (obs.CacheUse).
@@ -70,6 +81,11 @@ var defs = map[string]def{
 		labels: []string{"op", "result"}},
 	CacheBytesTotal:   {help: "Bytes of host cache copied into VMs (restore) and kept from them (save).", labels: []string{"op"}},
 	CacheEvictedTotal: {help: "Bytes of host cache removed to stay within the project and total limits."},
+	ServiceStartsTotal: {help: "Prepares that started a job's services or container in its VM (podman), by kind (services, container_job) and result (ok, error).",
+		labels: []string{"kind", "result"}},
+	ServicesStarted: {help: "Service containers started in job VMs."},
+	ServicesSeconds: {help: "Time a prepare took to start a job's services or container in its VM (pulls, start, waits), by kind.",
+		labels: []string{"kind"}, buckets: []float64{.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300}},
 	ReconnectsTotal: {help: "Reconnections to libvirt after a lost connection, by process (service, stage).",
 		labels: []string{"process"}},
 	EventsTotal: {help: "Event records of the spool: folded, invalid (unreadable, skipped), lost (dropped while the spool was full).",
@@ -245,6 +261,17 @@ func (f *folder) stage(e obs.Event) {
 		if c.EvictedBytes > 0 {
 			t.add(CacheEvictedTotal, float64(c.EvictedBytes))
 		}
+	}
+	if s := e.Services; s != nil {
+		kind := ServiceKinds[0]
+		if s.Container {
+			kind = ServiceKinds[1]
+		}
+		t.add(ServiceStartsTotal, 1, kind, oneOf(s.Result, ServiceResults))
+		if s.Started > 0 {
+			t.add(ServicesStarted, float64(min(s.Started, 64)))
+		}
+		t.observe(ServicesSeconds, s.Seconds, kind)
 	}
 	if e.DeadAfterSeconds > 0 {
 		t.observe(DeadGuestSeconds, e.DeadAfterSeconds, img)

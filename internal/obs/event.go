@@ -64,6 +64,17 @@ type CacheUse struct {
 	EvictedBytes int64  `json:"evicted_bytes,omitempty"`
 }
 
+// ServicesUse is what a prepare did to start a job's services and
+// container (Report.Services): how many service containers it started, in
+// how long, whether a container job's container was among what it
+// started, and the result (ok or error).
+type ServicesUse struct {
+	Started   int     `json:"started"`
+	Seconds   float64 `json:"s"`
+	Container bool    `json:"container,omitempty"`
+	Result    string  `json:"result"`
+}
+
 // Event is one record of the spool. Every string in it is bounded (Bound)
 // and chosen by the program, except Job and Image, which are validated
 // names, and nothing in it is a secret: it says what happened, never with
@@ -104,6 +115,8 @@ type Event struct {
 	Reconnects int `json:"reconnects,omitempty"`
 	// Cache is what a run stage did with the host cache, if anything.
 	Cache *CacheUse `json:"cache,omitempty"`
+	// Services is what a prepare did with the job's services, if anything.
+	Services *ServicesUse `json:"services,omitempty"`
 
 	// Trigger (KindSweep) is what ran the sweep: gc or cleanup; Removed
 	// counts what it removed by verdict.

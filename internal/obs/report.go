@@ -21,6 +21,7 @@ type Report struct {
 	span                 *time.Duration
 	reconnects           int
 	cache                *CacheUse
+	services             *ServicesUse
 	steps                []step
 }
 
@@ -108,6 +109,22 @@ func (r *Report) Cache(op, result string, bytes, evicted int64) {
 	r.cache = &CacheUse{Op: op, Result: result, Bytes: bytes, EvictedBytes: evicted}
 }
 
+// Services records what a prepare did with the job's services: the service
+// containers started, how long the start took, whether a container job's
+// container was started too, and whether it failed.
+func (r *Report) Services(started int, took time.Duration, container bool, err error) {
+	if r == nil {
+		return
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	res := "ok"
+	if err != nil {
+		res = "error"
+	}
+	r.services = &ServicesUse{Started: started, Seconds: took.Seconds(), Container: container, Result: res}
+}
+
 // Reconnects records how often the stage reconnected to libvirt.
 func (r *Report) Reconnects(n int) {
 	if r == nil {
@@ -156,6 +173,7 @@ func (r *Report) Finish(o Outcome) (Event, []StepRecord) {
 		Time: o.End, Kind: kind, Stage: r.Stage, Job: r.key, Image: r.image,
 		Result: result, Reason: reason, Seconds: o.Took.Seconds(),
 		Pool: r.pool, PoolReason: r.poolReason, Reconnects: r.reconnects, Cache: r.cache,
+		Services: r.services,
 	}
 	if o.Err == nil {
 		ev.Path = r.path

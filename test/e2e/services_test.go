@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -349,6 +350,7 @@ plain_http = [%q]
 	})
 	rr.cfgPath = r.cfgPath
 
+	before := serviceStarts(t, r)
 	const secret = "masked-svc-s3cr3t-value"
 	get := func(host string) string {
 		return `exec 3<>/dev/tcp/` + host + `/5432; printf 'GET / HTTP/1.0\r\n\r\n' >&3; echo "` + host + ` says: $(tail -n 1 <&3)"; exec 3<&-`
@@ -378,5 +380,38 @@ plain_http = [%q]
 	require.Contains(t, refused.Trace, "redis:7")
 	require.NotContains(t, refused.Trace, "NEVER-RUNS")
 	require.NotContains(t, refused.Trace, "Preparing a fresh", "refused before any machine is made")
+
+	// The prepare's event record (what the metrics fold) says it started
+	// one service.
+	var starts []string
+	for _, l := range serviceStarts(t, r) {
+		if !slices.Contains(before, l) {
+			starts = append(starts, l)
+		}
+	}
+	require.Len(t, starts, 1, "one prepare started services: %v", starts)
+	require.Regexp(t, `"services":\{"started":1,"s":[0-9.e+-]+,"result":"ok"\}`, starts[0])
 	r.requireNoLeftovers(t, "after the services jobs")
+}
+
+// serviceStarts are the event spool's prepare records that started
+// services, as written.
+func serviceStarts(t *testing.T, r *rig) []string {
+	t.Helper()
+	var out []string
+	segs, _ := filepath.Glob(filepath.Join(r.cfg.StateDir, "events", "*"))
+	for _, seg := range segs {
+		b, err := os.ReadFile(seg)
+		require.NoError(t, err)
+		for _, l := range strings.Split(string(b), "\n") {
+			var ev struct {
+				Stage    string          `json:"stage"`
+				Services json.RawMessage `json:"services"`
+			}
+			if json.Unmarshal([]byte(l), &ev) == nil && ev.Stage == "prepare" && len(ev.Services) > 0 {
+				out = append(out, l)
+			}
+		}
+	}
+	return out
 }
