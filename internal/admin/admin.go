@@ -313,6 +313,10 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 	}
 
+	for _, c := range servicesChecks(ctx, cfg.Services, &http.Client{Timeout: 5 * time.Second}) {
+		add(c)
+	}
+
 	if cfg.L2Filter == nil || *cfg.L2Filter {
 		add(nwfilterCheck(func(name string) (bool, error) { return l.NWFilterDefined(ctx, name) }))
 		if local {
