@@ -66,7 +66,7 @@ func (s *stageRunner) start(t *testing.T, stage string, args ...string) *running
 	rn.cmd = exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
 	rn.cmd.Dir, rn.cmd.Env = s.dir, s.env
 	rn.cmd.Stdout, rn.cmd.Stderr = &rn.out, &rn.err
-	rn.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	rn.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: s.cred}
 	require.NoError(t, rn.cmd.Start())
 	go func() {
 		_ = rn.cmd.Wait()

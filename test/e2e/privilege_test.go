@@ -142,6 +142,35 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 			requireConfined(t, rv, runner)
 		}
 
+		// A prepare killed while its VM boots, then the job's cleanup and a
+		// gc, all as that user: nothing is left, no network filter binding
+		// either (under the polkit access driver libvirt may leave the
+		// killed client's; the user's own calls remove it).
+		work := filepath.Join(top, "work-killed")
+		require.NoError(t, os.Mkdir(work, 0o755))
+		rk := *rv
+		rk.bin, rk.cfgPath = bin, cfgPath
+		s := newStageRunnerFor(t, &rk, nextJobID(), work)
+		for _, p := range []string{work, filepath.Join(work, "response.json")} {
+			require.NoError(t, os.Chown(p, int(runner.cred.Uid), int(runner.cred.Gid)))
+		}
+		s.cred = runner.cred
+		require.Equal(t, 0, s.run(t, "config").code)
+		name := s.name(t)
+		rn := s.start(t, "prepare")
+		rn.waitFor(t, "domain running", func() bool { _, a := rv.domainState(name); return a })
+		rn.signal(syscall.SIGKILL)
+		rn.wait(t, 10*time.Second)
+		require.Equal(t, 0, s.run(t, "cleanup").code)
+		gc := exec.Command(filepath.Join(bin, "libvirt-executor"), "--config", cfgPath, "gc")
+		gc.SysProcAttr = &syscall.SysProcAttr{Credential: runner.cred}
+		gcOut, err := gc.CombinedOutput()
+		require.NoError(t, err, "gc as the runner's user: %s", gcOut)
+		rv.requireNoLeftovers(t, "after the killed prepare")
+		for _, b := range rv.staleBindings(t) {
+			require.NotContains(t, b, " "+name, "a network filter binding of the killed prepare's machine")
+		}
+
 		// doctor, as that user, finds the setup complete.
 		out, err := doctor(t, bin, cfgPath, runner)
 		require.NoError(t, err)

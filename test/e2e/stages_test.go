@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -26,6 +27,8 @@ type stageRunner struct {
 	env     []string
 	config  map[string]any
 	timeout int // job timeout in seconds written to the payload (0: 3600)
+	// cred, if set, is the user the stages run as (else this process's).
+	cred *syscall.Credential
 }
 
 type stageResult struct {
@@ -65,6 +68,9 @@ func (s *stageRunner) run(t *testing.T, stage string, args ...string) stageResul
 	}
 	cmd := exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
 	cmd.Dir, cmd.Env = s.dir, s.env
+	if s.cred != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: s.cred}
+	}
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
 	err := cmd.Run()
