@@ -45,6 +45,9 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		if mach.Container != "" && services.InContainer(stage) {
 			inContainer = mach
 		}
+		if cfg.Services.Enabled && services.InContainer(stage) && debugServices(e.Getenv) {
+			defer followServiceLogs(ctx, e, sess, mach.User != "" && mach.User != "root")()
+		}
 	}
 	op := cacheOpOf(stage, script)
 	var early *cachexfer.Early

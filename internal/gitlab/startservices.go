@@ -123,3 +123,34 @@ func (w *lineWriter) Write(p []byte) (int, error) {
 	}
 	return len(p), nil
 }
+
+// debugServices: the job set CI_DEBUG_SERVICES (the runner passes the
+// job's variables as CUSTOM_ENV_*).
+func debugServices(getenv func(string) string) bool {
+	v := getenv("CUSTOM_ENV_CI_DEBUG_SERVICES")
+	return v == "true" || v == "1"
+}
+
+// followServiceLogs streams what the job's services write during a stage
+// of the user's scripts into the job log, beside the script's output
+// (CI_DEBUG_SERVICES, services.FollowServiceLogs), over a connection of
+// its own; stop ends it. A failure to start it is a line in the job log:
+// the stage goes on.
+func followServiceLogs(ctx context.Context, e Env, sess *jobvm.Session, sudo bool) (stop func()) {
+	_, c, err := sess.Client(ctx)
+	if err != nil {
+		fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)
+		return func() {}
+	}
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// From a second before the stage: what a service wrote as the
+		// stage began is not lost (a line may be shown twice).
+		if err := services.FollowServiceLogs(fctx, c, sudo, "1s", e.Stdout); err != nil && fctx.Err() == nil {
+			fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)
+		}
+	}()
+	return func() { cancel(); <-done }
+}

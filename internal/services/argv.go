@@ -88,9 +88,20 @@ func LogsArgv(container string, n int) []string {
 	return []string{"podman", "logs", "--tail", strconv.Itoa(n), container}
 }
 
-// FollowLogsArgv streams the container's output until it ends.
-func FollowLogsArgv(container string) []string {
-	return []string{"podman", "logs", "--follow", container}
+// FollowLogsArgv streams the container's output until it ends; since, if
+// set, is podman's --since (a duration before now, such as "1s").
+func FollowLogsArgv(container, since string) []string {
+	argv := []string{"podman", "logs", "--follow"}
+	if since != "" {
+		argv = append(argv, "--since", since)
+	}
+	return append(argv, container)
+}
+
+// ServiceContainersArgv lists the names of the running containers the
+// driver labelled.
+func ServiceContainersArgv() []string {
+	return []string{"podman", "ps", "--filter", "label=" + Label, "--format", "{{.Names}}"}
 }
 
 // waitScript is the fixed probe of a TCP port, run with the address and

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"net/netip"
+	"regexp"
 	"strconv"
 	"strings"
 	"sync"
@@ -454,11 +455,11 @@ func (d *driver) showLogs(ctx context.Context, s Service, n int) {
 	}
 }
 
-// FollowLogs streams each started service's output into w, each line
-// prefixed with the service's container and first alias, until ctx ends
-// or the services end: what CI_DEBUG_SERVICES asks for. A front end runs it
-// beside the job's stages (it returns when ctx ends).
-func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, w io.Writer) {
+// FollowLogs streams each started service's output (since: podman's
+// --since, "" for all of it) into w, each line prefixed with the service's
+// first alias, until ctx ends or the services end. It returns when ctx
+// ends.
+func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, since string, w io.Writer) {
 	d := &driver{g: g, o: Options{Sudo: sudo}, log: w}
 	var wg sync.WaitGroup
 	for _, r := range st.Services {
@@ -476,12 +477,39 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, w io.Write
 				}
 				_, _ = io.Copy(io.Discard, pr)
 			}()
-			_, _ = g.Exec(ctx, d.podman(FollowLogsArgv(r.Container)), nil, nil, pw, pw)
+			_, _ = g.Exec(ctx, d.podman(FollowLogsArgv(r.Container, since)), nil, nil, pw, pw)
 			_ = pw.Close()
 			<-done // every line written before FollowLogs returns
 		}()
 	}
 	wg.Wait()
+}
+
+// serviceContainerRE is a service container's name (containerName).
+var serviceContainerRE = regexp.MustCompile(`^lve-service-[0-9]{1,3}$`)
+
+// FollowServiceLogs is what CI_DEBUG_SERVICES asks of a job's stage: the
+// output the job's service containers write from since on (podman's
+// --since, such as "1s") streamed into w until ctx ends, each line
+// prefixed "[service lve-service-N]". It finds them in the guest: the
+// running containers with the driver's label and a service's name.
+func FollowServiceLogs(ctx context.Context, g Guest, sudo bool, since string, w io.Writer) error {
+	d := &driver{g: g, o: Options{Sudo: sudo}, log: io.Discard}
+	code, out, errText, err := d.exec(ctx, d.podman(ServiceContainersArgv()), nil, nil)
+	if err != nil {
+		return err
+	}
+	if code != 0 {
+		return fmt.Errorf("podman ps: exit status %d: %s", code, printable(errText))
+	}
+	st := &Started{}
+	for _, n := range strings.Fields(string(out)) {
+		if serviceContainerRE.MatchString(n) && len(st.Services) < MaxServices {
+			st.Services = append(st.Services, Running{Service: Service{Container: n, Aliases: []string{n}}})
+		}
+	}
+	FollowLogs(ctx, g, st, sudo, since, w)
+	return nil
 }
 
 // printable is a guest's line for the job log: control characters (a

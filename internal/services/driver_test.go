@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -249,6 +250,29 @@ func TestFollowLogs(t *testing.T) {
 	g := &fakeGuest{rules: []rule{{prefix: "podman logs --follow lve-service-0", out: "ready to accept connections\n"}}}
 	var log bytes.Buffer
 	st := &Started{Services: []Running{{Service: Service{Container: "lve-service-0", Aliases: []string{"postgres"}}}}}
-	FollowLogs(context.Background(), g, st, false, &log)
+	FollowLogs(context.Background(), g, st, false, "", &log)
 	require.Equal(t, "[service postgres] ready to accept connections\n", log.String())
+}
+
+// CI_DEBUG_SERVICES in a stage: the labelled service containers found in
+// the guest (not the job's container, nothing else named by the guest)
+// are followed from since on, each line prefixed with its container.
+func TestFollowServiceLogs(t *testing.T) {
+	g := &fakeGuest{rules: []rule{
+		{prefix: "podman ps --filter label=" + Label + " --format {{.Names}}", out: "lve-service-0\nlve-job-9-build\nlve-service-1\n$(reboot)\n"},
+		{prefix: "podman logs --follow --since 1s lve-service-0", out: "GET / from 10.89.0.9\n"},
+		{prefix: "podman logs --follow --since 1s lve-service-1", out: "\x1b[31mready\n"},
+	}}
+	var log bytes.Buffer
+	require.NoError(t, FollowServiceLogs(context.Background(), g, false, "1s", &log))
+	lines := strings.Split(strings.TrimSpace(log.String()), "\n")
+	slices.Sort(lines)
+	require.Equal(t, []string{"[service lve-service-0] GET / from 10.89.0.9", `[service lve-service-1] \x1b[31mready`}, lines)
+	for _, l := range g.lines() {
+		require.NotContains(t, l, "lve-job-9-build")
+		require.NotContains(t, l, "reboot")
+	}
+
+	g = &fakeGuest{rules: []rule{{prefix: "podman ps", code: 125, out: "no podman"}}}
+	require.ErrorContains(t, FollowServiceLogs(context.Background(), g, false, "1s", &log), "podman ps: exit status 125: no podman")
 }

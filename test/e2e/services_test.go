@@ -360,6 +360,7 @@ plain_http = [%q]
 		Variables: []jobapi.Variable{
 			{Key: "MARKER", Value: "from-the-job", Public: true},
 			{Key: "DB_PASSWORD", Value: secret, Masked: true},
+			{Key: "CI_DEBUG_SERVICES", Value: "true", Public: true},
 		},
 		Services: []jobapi.Service{{Name: "postgres:15", Alias: "db"}},
 		Script:   []string{get("postgres"), get("db"), `echo "password seen as $DB_PASSWORD"`},
@@ -373,6 +374,9 @@ plain_http = [%q]
 	require.Contains(t, ok.Trace, "postgres says: marker=from-the-job")
 	require.Contains(t, ok.Trace, "db says: marker=from-the-job")
 	require.Regexp(t, `Services ready in \S+: 1 started`, ok.Trace)
+	// CI_DEBUG_SERVICES: what the service wrote while the script ran (one
+	// line per request it answered) is in the job log.
+	require.Contains(t, ok.Trace, "[service lve-service-0] svcserver: GET / answered")
 	require.NotContains(t, ok.Trace, "does not provide services")
 	require.NotContains(t, ok.Trace, secret)
 

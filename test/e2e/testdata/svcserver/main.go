@@ -2,7 +2,8 @@
 // (TestServicesInPodmanVM): a static HTTP server that answers every request
 // with "marker=$MARKER" on port $PORT (default 5432), so a job can tell
 // which service answered at an alias; "svcserver get URL" prints the
-// answer at URL instead (a client on the services' network). The test
+// answer at URL instead (a client on the services' network). It prints a
+// line for each request it answers (CI_DEBUG_SERVICES shows them). The test
 // builds it with
 // CGO_ENABLED=0 and packs it as a one-layer OCI image.
 package main
@@ -31,7 +32,8 @@ func main() {
 	}
 	marker := os.Getenv("MARKER")
 	fmt.Printf("svcserver: listening on :%s\n", port)
-	log.Fatal(http.ListenAndServe(":"+port, http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	log.Fatal(http.ListenAndServe(":"+port, http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		fmt.Printf("svcserver: %s %s answered\n", r.Method, r.URL.Path)
 		fmt.Fprintf(w, "marker=%s\n", marker)
 	})))
 }
