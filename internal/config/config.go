@@ -369,6 +369,12 @@ type Pool struct {
 	// MaxAge is how old an idle VM may get; then it is retired and replaced
 	// (a job never gets an older one). Default "1h".
 	MaxAge Duration `toml:"max_age"`
+	// Prepull are container images ([services], docs/services.md) the
+	// service pulls into each idle VM of the image once it has booted,
+	// before any job can claim it: a warm job's services and container
+	// image with pull policy if-not-present pull nothing. Public images
+	// only (an idle VM has no job's credentials). At most 16.
+	Prepull []string `toml:"prepull"`
 }
 
 // PoolService configures libvirt-executor serve, the service that keeps
@@ -1067,6 +1073,14 @@ func (pl *Pool) validate(p *problems, key string) {
 	p.positive(key+".idle_time", pl.IdleTime)
 	if pl.MaxAge.D() < time.Minute {
 		p.bad(key+".max_age", "%s is too short: at least 1m (an idle VM must live long enough to be claimed)", pl.MaxAge.D())
+	}
+	if len(pl.Prepull) > 16 {
+		p.bad(key+".prepull", "%d images: at most 16", len(pl.Prepull))
+	}
+	for _, n := range pl.Prepull {
+		if n == "" || len(n) > 512 || strings.ContainsAny(n, " \t\n\x00$") {
+			p.bad(key+".prepull", "%q must be a container image name of 1 to 512 characters, without white space or variables (e.g. \"postgres:15\", \"registry.example:5000/team/app:1\")", n)
+		}
 	}
 }
 

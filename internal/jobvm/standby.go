@@ -114,8 +114,10 @@ func (h *Host) Standbys() ([]Standby, error) {
 // standby pool and returns it ready (SSH verified with its pinned host key;
 // the caller closes the client). It never waits for room: a full host
 // fails it with ErrNoRoom. Its deadline is pool.max_age (+ job_slack)
-// after its creation; a job that claims it sets its own.
-func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.Ready, error) {
+// after its creation; a job that claims it sets its own. prep, if set,
+// readies the machine over its first connection before any job can claim
+// it (the pool's pre-pulls); its error fails the boot.
+func (h *Host) BootStandby(ctx context.Context, img *config.Image, prep func(ctx context.Context, c *Client) error) (*lifecycle.Ready, error) {
 	if img.Pool == nil {
 		return nil, fmt.Errorf("image %s has no pool", img.Name)
 	}
@@ -129,12 +131,16 @@ func (h *Host) BootStandby(ctx context.Context, img *config.Image) (*lifecycle.R
 	}
 	size := h.m.Cfg.ImageSize(img)
 	booted := time.Now()
-	ready, err := h.m.Provision(ctx, lifecycle.Request{
+	req := lifecycle.Request{
 		Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB,
 		Frontend: FrontendStandby, Job: img.Name, Lifetime: img.Pool.MaxAge.D(), NoWait: true,
 		Standby: &state.Standby{Image: img.Name, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, Base: base,
 			Spec: lifecycle.SpecFingerprint(h.m.Cfg, img)},
-	})
+	}
+	if prep != nil {
+		req.Check = func(ctx context.Context, c *sshexec.Client, _ *state.Tools) error { return prep(ctx, c) }
+	}
+	ready, err := h.m.Provision(ctx, req)
 	if err != nil {
 		// Nothing of the machine is left (Provision undid it); its lock file
 		// would be, under a name never used again.

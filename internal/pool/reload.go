@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"slices"
 	"time"
 
@@ -145,7 +146,7 @@ func logPoolChanges(s *Service, old, cfg *config.Config) {
 		switch {
 		case !ok:
 			s.Log.Info("new standby pool", "image", img.Name, "idle_count", img.Pool.IdleCount, "max_idle", img.Pool.MaxIdle)
-		case *p != *img.Pool:
+		case !reflect.DeepEqual(*p, *img.Pool):
 			s.Log.Info("standby pool changed", "image", img.Name, "idle_count", img.Pool.IdleCount, "max_idle", img.Pool.MaxIdle,
 				"was_idle_count", p.IdleCount, "was_max_idle", p.MaxIdle)
 		}

@@ -9,6 +9,7 @@
 package pool
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -26,6 +27,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/metrics"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -427,7 +429,7 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 		ctx := bctx
 		s.Log.Info("booting standby VM", "image", img.Name, "idle", idle, "target", target)
 		t0 := time.Now()
-		ready, err := s.M.BootStandby(ctx, img)
+		ready, err := s.M.BootStandby(ctx, img, s.prepull(img))
 		s.mu.Lock()
 		defer s.mu.Unlock()
 		bo := s.backoff[img.Name]
@@ -638,4 +640,37 @@ func (s *Service) Gauges() ([]metrics.PoolGauge, error) {
 		out = append(out, g)
 	}
 	return out, nil
+}
+
+// prepullTimeout bounds the pre-pulls into one idle VM.
+const prepullTimeout = 10 * time.Minute
+
+// prepull is the boot's preparation of an idle VM of img: its pool's
+// prepull images pulled in before any job can claim it (nil without
+// any). A failed pull is a warning: the VM is handed out all the same,
+// and the job pulls what it lacks.
+func (s *Service) prepull(img *config.Image) func(ctx context.Context, c *jobvm.Client) error {
+	if img.Pool == nil || len(img.Pool.Prepull) == 0 {
+		return nil
+	}
+	cfg := s.M.Manager().Cfg
+	images := slices.Clone(img.Pool.Prepull)
+	return func(ctx context.Context, c *jobvm.Client) error {
+		// Bounded: a registry that does not answer holds no boot for long.
+		pctx, cancel := context.WithTimeout(ctx, prepullTimeout)
+		defer cancel()
+		o, err := services.OptionsFrom(cfg.Services, 0, img.Name, img.User)
+		if err == nil {
+			var log bytes.Buffer
+			err = services.Prepull(pctx, c, images, o, &log)
+			s.Log.Info("pre-pull into a standby VM", "image", img.Name, "log", obs.Clip(log.String(), 4096))
+		}
+		if err != nil {
+			if ctx.Err() != nil {
+				return err
+			}
+			s.Log.Warn("pre-pull into a standby VM failed: its jobs pull what they need", "image", img.Name, "err", err)
+		}
+		return nil
+	}
 }

@@ -276,3 +276,27 @@ func TestFollowServiceLogs(t *testing.T) {
 	g = &fakeGuest{rules: []rule{{prefix: "podman ps", code: 125, out: "no podman"}}}
 	require.ErrorContains(t, FollowServiceLogs(context.Background(), g, false, "1s", &log), "podman ps: exit status 125: no podman")
 }
+
+// Prepull: the mirrors written first, an image already in the VM left
+// alone, another pulled (anonymously); a bad name is refused naming it.
+func TestPrepull(t *testing.T) {
+	g := &fakeGuest{rules: []rule{
+		{prefix: "podman image exists docker.io/library/postgres:15", code: 0},
+		{prefix: "podman image exists docker.io/library/redis:7", code: 1},
+	}}
+	var log bytes.Buffer
+	require.NoError(t, Prepull(context.Background(), g, []string{"postgres:15", "redis:7"}, Options{Registries: []byte("[[registry]]\n")}, &log))
+	require.Equal(t, []string{
+		"podman --version",
+		"sh -c " + writeFileScript + " lve-write " + RegistriesPath + " 0644",
+		"podman image exists docker.io/library/postgres:15",
+		"podman image exists docker.io/library/redis:7",
+		"podman pull --quiet docker.io/library/redis:7",
+	}, g.lines())
+	require.Contains(t, log.String(), "Using image docker.io/library/postgres:15 for the pool's pre-pull (pull policy if-not-present: already in the VM)")
+	require.Contains(t, log.String(), "Pre-pulled 2 image(s) in ")
+
+	require.NoError(t, Prepull(context.Background(), &fakeGuest{}, nil, Options{}, &log), "nothing to pull: nothing done")
+	err := Prepull(context.Background(), &fakeGuest{}, []string{"UPPER/Case::bad"}, Options{}, &log)
+	require.ErrorContains(t, err, `pre-pull "UPPER/Case::bad"`)
+}

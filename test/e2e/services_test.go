@@ -34,6 +34,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 )
 
@@ -322,13 +323,16 @@ func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec
 }
 
 // TestServicesThroughRealRunner: a job written for the Docker executor's
-// services, run unchanged through the real runner: prepare starts its
-// postgres:15 service (alias db) in the job's podman-image VM before the
-// first script, the script on the VM's own OS reaches it by its derived
-// name and its alias, the service got the job's public variables, the
-// masked one is in no log line, and nothing is left after cleanup. A
-// service image the admin does not allow fails the next job before any
-// machine is made.
+// services, run unchanged through the real runner, warm: the pool service
+// keeps an idle podman-image VM with the service's image pre-pulled
+// ([images.podman.pool] prepull), the job claims it and prepare starts its
+// postgres:15 service (alias db) there before the first script without a
+// pull; the script on the VM's own OS reaches it by its derived name and
+// its alias, the service got the job's public variables, the masked one
+// is in no log line, CI_DEBUG_SERVICES streams what the service wrote
+// during the script, and nothing is left after cleanup. A service image
+// the admin does not allow fails the next job before any machine is made.
+// (TestContainerJobThroughRealRunner starts services in a cold VM.)
 func TestServicesThroughRealRunner(t *testing.T) {
 	rr := newRealRunner(t)
 	podman := podmanImage(t, rr.r)
@@ -348,7 +352,13 @@ plain_http = [%q]
 "docker.io" = [%q]
 `, reg.Host, reg.Host)
 	})
+	r = r.withConfig(t, func(s string) string {
+		return strings.Replace(poolsvc.WithPool(s, "podman", 1), "[images.podman.pool]\n", "[images.podman.pool]\nprepull = [\"postgres:15\"]\n", 1)
+	})
 	rr.cfgPath = r.cfgPath
+	svc := r.serve(t)
+	idle := r.waitIdle(t, 1, 5*time.Minute)
+	require.Regexp(t, `pre-pull into a standby VM.*Pulled image docker.io/library/postgres:15`, svc.Log())
 
 	before := serviceStarts(t, r)
 	const secret = "masked-svc-s3cr3t-value"
@@ -374,6 +384,9 @@ plain_http = [%q]
 	require.Contains(t, ok.Trace, "postgres says: marker=from-the-job")
 	require.Contains(t, ok.Trace, "db says: marker=from-the-job")
 	require.Regexp(t, `Services ready in \S+: 1 started`, ok.Trace)
+	require.Equal(t, idle[0], warmVM(ok.Trace), "the job claimed the idle VM")
+	require.Contains(t, ok.Trace, `Using image docker.io/library/postgres:15 for service "postgres:15" (services[0]) (pull policy if-not-present: already in the VM)`)
+	require.NotContains(t, ok.Trace, "Pulling image", "a warm job with a pre-pulled image pulls nothing")
 	// CI_DEBUG_SERVICES: what the service wrote while the script ran (one
 	// line per request it answered) is in the job log.
 	require.Contains(t, ok.Trace, "[service lve-service-0] svcserver: GET / answered")
@@ -395,7 +408,8 @@ plain_http = [%q]
 	}
 	require.Len(t, starts, 1, "one prepare started services: %v", starts)
 	require.Regexp(t, `"services":\{"started":1,"s":[0-9.e+-]+,"result":"ok"\}`, starts[0])
-	r.requireNoLeftovers(t, "after the services jobs")
+	// The service's cleanup (stop, idle VMs removed), then setup's check
+	// that nothing is left, run when the test ends.
 }
 
 // serviceStarts are the event spool's prepare records that started
