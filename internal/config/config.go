@@ -757,6 +757,11 @@ func (c *Config) Validate() error {
 	c.Registry.validate(&p)
 	c.Services.validate(&p)
 	c.Services.ContainerJobs.validate(&p, c.Services.Enabled, c.ImageNames())
+	for _, n := range c.ImageNames() {
+		if img := c.Images[n]; img.Pool != nil && len(img.Pool.Prepull) > 0 && !c.Services.Enabled {
+			p.bad("images."+n+".pool.prepull", "pulls container images for [services], which is off: set [services] enabled = true, or remove prepull")
+		}
+	}
 	c.validateImages(&p)
 	c.validateDefaultImage(&p)
 	return p.err()

@@ -133,24 +133,18 @@ func debugServices(getenv func(string) string) bool {
 
 // followServiceLogs streams what the job's services write during a stage
 // of the user's scripts into the job log, beside the script's output
-// (CI_DEBUG_SERVICES, services.FollowServiceLogs), over a connection of
-// its own; stop ends it. A failure to start it is a line in the job log:
-// the stage goes on.
+// (CI_DEBUG_SERVICES, services.StartServiceLogs), over the stage's direct
+// connection into the guest; stop ends it, a second after the script, for
+// the services' last lines. A failure to start it is a line in the job
+// log: the stage goes on.
 func followServiceLogs(ctx context.Context, e Env, sess *jobvm.Session, sudo bool) (stop func()) {
 	_, c, err := sess.Client(ctx)
-	if err != nil {
-		fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)
-		return func() {}
-	}
-	fctx, cancel := context.WithCancel(ctx)
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		// From a second before the stage: what a service wrote as the
-		// stage began is not lost (a line may be shown twice).
-		if err := services.FollowServiceLogs(fctx, c, sudo, "1s", e.Stdout); err != nil && fctx.Err() == nil {
-			fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)
+	if err == nil {
+		var end func(time.Duration)
+		if end, err = services.StartServiceLogs(ctx, c, sudo, e.Stdout); err == nil {
+			return func() { end(time.Second) }
 		}
-	}()
-	return func() { cancel(); <-done }
+	}
+	fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)
+	return func() {}
 }

@@ -17,8 +17,8 @@ const addressLock = "_addresses"
 // directory, after the domain.
 type AddressBook struct{ Store state.Store }
 
-// Take implements vm.AddressBook: the first spare, by address, that no
-// machine of this installation holds.
+// Take implements vm.AddressBook: the first spare, in the order given
+// (the network's), that no machine of this installation holds.
 func (b AddressBook) Take(ctx context.Context, name string, spares []vm.DHCPHost) (vm.DHCPHost, bool, error) {
 	if len(spares) == 0 {
 		return vm.DHCPHost{}, false, nil

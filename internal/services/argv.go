@@ -41,8 +41,9 @@ func PullArgv(ref Ref, authFile string) []string {
 	return append(argv, ref.String())
 }
 
-// RemoveFileArgv removes a file the driver wrote (the credentials).
-func RemoveFileArgv(path string) []string { return []string{"rm", "-f", "--", path} }
+// RemoveFileArgv removes a file the driver wrote (the credentials), and
+// WriteFileArgv's temporary copy of it.
+func RemoveFileArgv(path string) []string { return []string{"rm", "-f", "--", path, path + ".lve-tmp"} }
 
 // ExposedPortsArgv prints the image's exposed ports as JSON
 // ({"5432/tcp":{}}, or null).

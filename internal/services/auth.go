@@ -33,9 +33,10 @@ const (
 	maxSecretLen   = 4 << 10  // a user name or password
 )
 
-// hostRE is a registry host as podman's auth file keys it: a DNS name or
-// an IPv4 address, with an optional port.
-var hostRE = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})(:[0-9]{1,5})?$`)
+// hostRE is a registry as podman's auth file keys it: a DNS name or an
+// IPv4 address, with an optional port, and optionally a repository path
+// (credentials for that namespace only).
+var hostRE = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9.-]*(:[0-9]{1,5})?(/[a-z0-9._-]+)*$`)
 
 // registryHost turns what a job names a registry by (a host, a host with a
 // port, or a URL such as https://index.docker.io/v1/) into the key of the
@@ -50,7 +51,7 @@ func registryHost(s string) (string, bool) {
 		s = u.Host
 	}
 	s = strings.TrimSuffix(s, "/")
-	if !hostRE.MatchString(s) {
+	if len(s) > 512 || !hostRE.MatchString(s) {
 		return "", false
 	}
 	switch strings.ToLower(s) {
@@ -69,16 +70,19 @@ type authEntry struct {
 // DOCKER_AUTH_CONFIG variable first (its "auths": each entry's "auth", or
 // "username" and "password"), then the payload's registry credentials for
 // registries it did not name, as GitLab Runner's Docker executor orders
-// them. nil when the job gives none. An error names the variable or the
+// them. nil when the job gives none. An entry it cannot use (a credential
+// helper's or an identity token's, a key that is no registry) is skipped
+// with a note for the job log; DOCKER_AUTH_CONFIG that is no JSON object
+// or too long is an error. Notes and errors name the variable or the
 // credential's place, never a value.
-func AuthFile(p *Payload) ([]byte, error) {
+func AuthFile(p *Payload) (file []byte, notes []string, err error) {
 	auths := map[string]authEntry{}
 	for _, v := range p.Variables {
 		if v.Key != "DOCKER_AUTH_CONFIG" || v.Value == "" {
 			continue
 		}
 		if len(v.Value) > maxAuthConfig {
-			return nil, exitcodes.Userf("DOCKER_AUTH_CONFIG: longer than %d bytes", maxAuthConfig)
+			return nil, nil, exitcodes.Userf("DOCKER_AUTH_CONFIG: longer than %d bytes", maxAuthConfig)
 		}
 		var dc struct {
 			Auths map[string]struct {
@@ -88,7 +92,7 @@ func AuthFile(p *Payload) ([]byte, error) {
 			} `json:"auths"`
 		}
 		if err := json.Unmarshal([]byte(v.Value), &dc); err != nil {
-			return nil, exitcodes.Userf(`DOCKER_AUTH_CONFIG: not a JSON object of the shape {"auths": {"REGISTRY": {"auth": "BASE64(USER:PASSWORD)"}}}`)
+			return nil, nil, exitcodes.Userf(`DOCKER_AUTH_CONFIG: not a JSON object of the shape {"auths": {"REGISTRY": {"auth": "BASE64(USER:PASSWORD)"}}}`)
 		}
 		hosts := make([]string, 0, len(dc.Auths))
 		for h := range dc.Auths {
@@ -99,14 +103,16 @@ func AuthFile(p *Payload) ([]byte, error) {
 			e := dc.Auths[h]
 			host, ok := registryHost(h)
 			if !ok {
-				return nil, exitcodes.Userf("DOCKER_AUTH_CONFIG: %q is not a registry host (HOST, HOST:PORT or https://HOST/)", clipName(h))
+				notes = append(notes, fmt.Sprintf("DOCKER_AUTH_CONFIG: entry %q skipped: not a registry (HOST, HOST:PORT, HOST/PATH or https://HOST/)", clipName(h)))
+				continue
 			}
 			a := e.Auth
 			if a == "" && e.Username != "" {
 				a = base64.StdEncoding.EncodeToString([]byte(e.Username + ":" + e.Password))
 			}
 			if !validAuth(a) {
-				return nil, exitcodes.Userf("DOCKER_AUTH_CONFIG: the entry for %s has no usable \"auth\" (base64 of USER:PASSWORD) or \"username\" and \"password\"", host)
+				notes = append(notes, fmt.Sprintf("DOCKER_AUTH_CONFIG: entry for %s skipped: no \"auth\" (base64 of USER:PASSWORD) or \"username\" and \"password\" (credential helpers and identity tokens are not used)", host))
+				continue
 			}
 			auths[host] = authEntry{Auth: a}
 		}
@@ -117,29 +123,31 @@ func AuthFile(p *Payload) ([]byte, error) {
 		}
 		host, ok := registryHost(c.URL)
 		if !ok {
-			return nil, exitcodes.Userf("credentials[%d]: %q is not a registry host", i, clipName(c.URL))
+			notes = append(notes, fmt.Sprintf("credentials[%d] skipped: %q is not a registry", i, clipName(c.URL)))
+			continue
 		}
 		if _, named := auths[host]; named {
 			continue
 		}
 		if c.Username == "" || len(c.Username) > maxSecretLen || len(c.Password) > maxSecretLen || strings.Contains(c.Username, ":") {
-			return nil, exitcodes.Userf("credentials[%d] (%s): a user name without ':' and a password of at most %d bytes each", i, host, maxSecretLen)
+			notes = append(notes, fmt.Sprintf("credentials[%d] (%s) skipped: not a user name without ':' and a password of at most %d bytes each", i, host, maxSecretLen))
+			continue
 		}
 		auths[host] = authEntry{Auth: base64.StdEncoding.EncodeToString([]byte(c.Username + ":" + c.Password))}
 	}
 	if len(auths) == 0 {
-		return nil, nil
+		return nil, notes, nil
 	}
 	if len(auths) > maxAuthEntries {
-		return nil, exitcodes.Userf("registry credentials for %d registries: at most %d", len(auths), maxAuthEntries)
+		return nil, nil, exitcodes.Userf("registry credentials for %d registries: at most %d", len(auths), maxAuthEntries)
 	}
 	b, err := json.Marshal(struct {
 		Auths map[string]authEntry `json:"auths"`
 	}{auths})
 	if err != nil {
-		return nil, fmt.Errorf("registry credentials: %w", err)
+		return nil, nil, fmt.Errorf("registry credentials: %w", err)
 	}
-	return b, nil
+	return b, notes, nil
 }
 
 // validAuth: base64 of USER:PASSWORD, bounded.

@@ -137,11 +137,8 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 // failed: no secret stays readable in the guest for the job's scripts.
 func (d *driver) pullAll(ctx context.Context, plan *Plan) (err error) {
 	if len(plan.Auth) > 0 {
-		if _, err := d.must(ctx, "write the job's registry credentials ("+AuthPath+")",
-			d.podman(WriteFileArgv(AuthPath, "0600")), bytes.NewReader(plan.Auth)); err != nil {
-			return err
-		}
-		d.authFile = AuthPath
+		// The removal is set up first: a write cut half-way (a lost
+		// connection) leaves neither the file nor its temporary copy.
 		defer func() {
 			d.authFile = ""
 			rctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
@@ -150,6 +147,11 @@ func (d *driver) pullAll(ctx context.Context, plan *Plan) (err error) {
 				err = errors.Join(err, rerr)
 			}
 		}()
+		if _, err := d.must(ctx, "write the job's registry credentials ("+AuthPath+")",
+			d.podman(WriteFileArgv(AuthPath, "0600")), bytes.NewReader(plan.Auth)); err != nil {
+			return err
+		}
+		d.authFile = AuthPath
 		d.say("Registry credentials of the job for its pulls: %s (removed after them)", AuthPath)
 	}
 	for _, s := range plan.Services {
@@ -488,19 +490,29 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, since stri
 // serviceContainerRE is a service container's name (containerName).
 var serviceContainerRE = regexp.MustCompile(`^lve-service-[0-9]{1,3}$`)
 
-// FollowServiceLogs is what CI_DEBUG_SERVICES asks of a job's stage: the
-// output the job's service containers write from since on (podman's
-// --since, such as "1s") streamed into w until ctx ends, each line
-// prefixed "[service lve-service-N]". It finds them in the guest: the
-// running containers with the driver's label and a service's name.
-func FollowServiceLogs(ctx context.Context, g Guest, sudo bool, since string, w io.Writer) error {
+// StartServiceLogs is what CI_DEBUG_SERVICES asks of a job's stage: what
+// the job's service containers write from now on (from the guest's
+// previous second: a line may show in two stages) streamed into w, each
+// line prefixed "[service lve-service-N]". It returns once the guest's
+// time is read and the containers are found (the running containers
+// with the driver's label and a service's name; none: nothing follows);
+// stop waits grace for the last lines, then ends the streams.
+func StartServiceLogs(ctx context.Context, g Guest, sudo bool, w io.Writer) (stop func(grace time.Duration), err error) {
 	d := &driver{g: g, o: Options{Sudo: sudo}, log: io.Discard}
-	code, out, errText, err := d.exec(ctx, d.podman(ServiceContainersArgv()), nil, nil)
+	code, out, errText, err := d.exec(ctx, []string{"date", "+%s"}, nil, nil)
 	if err != nil {
-		return err
+		return nil, err
+	}
+	now, perr := strconv.ParseInt(strings.TrimSpace(string(out)), 10, 64)
+	if code != 0 || perr != nil {
+		return nil, fmt.Errorf("the guest's time: exit status %d: %s", code, printable(errText))
+	}
+	code, out, errText, err = d.exec(ctx, d.podman(ServiceContainersArgv()), nil, nil)
+	if err != nil {
+		return nil, err
 	}
 	if code != 0 {
-		return fmt.Errorf("podman ps: exit status %d: %s", code, printable(errText))
+		return nil, fmt.Errorf("podman ps: exit status %d: %s", code, printable(errText))
 	}
 	st := &Started{}
 	for _, n := range strings.Fields(string(out)) {
@@ -508,8 +520,24 @@ func FollowServiceLogs(ctx context.Context, g Guest, sudo bool, since string, w 
 			st.Services = append(st.Services, Running{Service: Service{Container: n, Aliases: []string{n}}})
 		}
 	}
-	FollowLogs(ctx, g, st, sudo, since, w)
-	return nil
+	fctx, cancel := context.WithCancel(ctx)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		FollowLogs(fctx, g, st, sudo, strconv.FormatInt(now-1, 10), w)
+	}()
+	return func(grace time.Duration) {
+		if len(st.Services) > 0 && grace > 0 {
+			t := time.NewTimer(grace)
+			select {
+			case <-t.C:
+			case <-ctx.Done():
+			}
+			t.Stop()
+		}
+		cancel()
+		<-done
+	}, nil
 }
 
 // printable is a guest's line for the job log: control characters (a

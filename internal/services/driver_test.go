@@ -256,15 +256,19 @@ func TestFollowLogs(t *testing.T) {
 
 // CI_DEBUG_SERVICES in a stage: the labelled service containers found in
 // the guest (not the job's container, nothing else named by the guest)
-// are followed from since on, each line prefixed with its container.
-func TestFollowServiceLogs(t *testing.T) {
+// are followed from the guest's previous second on, each line prefixed
+// with its container; stop ends the streams.
+func TestStartServiceLogs(t *testing.T) {
 	g := &fakeGuest{rules: []rule{
+		{prefix: "date +%s", out: "1700000000\n"},
 		{prefix: "podman ps --filter label=" + Label + " --format {{.Names}}", out: "lve-service-0\nlve-job-9-build\nlve-service-1\n$(reboot)\n"},
-		{prefix: "podman logs --follow --since 1s lve-service-0", out: "GET / from 10.89.0.9\n"},
-		{prefix: "podman logs --follow --since 1s lve-service-1", out: "\x1b[31mready\n"},
+		{prefix: "podman logs --follow --since 1699999999 lve-service-0", out: "GET / from 10.89.0.9\n"},
+		{prefix: "podman logs --follow --since 1699999999 lve-service-1", out: "\x1b[31mready\n"},
 	}}
-	var log bytes.Buffer
-	require.NoError(t, FollowServiceLogs(context.Background(), g, false, "1s", &log))
+	var log syncBuffer
+	stop, err := StartServiceLogs(context.Background(), g, false, &log)
+	require.NoError(t, err)
+	stop(10 * time.Millisecond)
 	lines := strings.Split(strings.TrimSpace(log.String()), "\n")
 	slices.Sort(lines)
 	require.Equal(t, []string{"[service lve-service-0] GET / from 10.89.0.9", `[service lve-service-1] \x1b[31mready`}, lines)
@@ -273,8 +277,27 @@ func TestFollowServiceLogs(t *testing.T) {
 		require.NotContains(t, l, "reboot")
 	}
 
-	g = &fakeGuest{rules: []rule{{prefix: "podman ps", code: 125, out: "no podman"}}}
-	require.ErrorContains(t, FollowServiceLogs(context.Background(), g, false, "1s", &log), "podman ps: exit status 125: no podman")
+	g = &fakeGuest{rules: []rule{{prefix: "date", out: "1700000000\n"}, {prefix: "podman ps", code: 125, out: "no podman"}}}
+	_, err = StartServiceLogs(context.Background(), g, false, &log)
+	require.ErrorContains(t, err, "podman ps: exit status 125: no podman")
+}
+
+// syncBuffer is a bytes.Buffer for writers on several goroutines.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
 }
 
 // Prepull: the mirrors written first, an image already in the VM left

@@ -132,11 +132,11 @@ func NewPlan(p *Payload, o Options) (*Plan, error) {
 		return nil, exitcodes.Userf("the job asks for %d services: at most %d", len(p.Services), MaxServices)
 	}
 	pl := &Plan{Network: NetworkName(o.JobID)}
-	auth, err := AuthFile(p)
+	auth, notes, err := AuthFile(p)
 	if err != nil {
 		return nil, err
 	}
-	pl.Auth = auth
+	pl.Auth, pl.Notes = auth, notes
 	vars := p.Variables
 	for _, v := range vars {
 		if v.Key == "CI_DEBUG_SERVICES" {

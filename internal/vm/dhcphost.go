@@ -197,6 +197,11 @@ func (c *creation) reserveAddress(ctx context.Context) error {
 			c.took, c.m.IP, c.m.MAC, c.s.MAC = true, h.IP, h.MAC, h.MAC
 			return nil
 		}
+		// The next spare needs a MAC of its own: the lost one carries
+		// this one (libvirt refuses a second entry with a MAC).
+		if c.s.MAC, err = NewMAC(); err != nil {
+			return err
+		}
 	}
 	return fmt.Errorf("network %s: every spare DHCP host entry made for this machine was taken by another at once (%d tries)", s.Network, maxAddressTries)
 }

@@ -211,3 +211,34 @@ func TestSpareEntriesOutliveTheirMachines(t *testing.T) {
 	}}
 	require.Equal(t, []DHCPHost{spare}, d.Spares(prefix))
 }
+
+// racingBook lets another machine take the first spare the machine added
+// before it can: the machine adds another, with a MAC of its own.
+type racingBook struct {
+	memBook
+	stolen bool
+}
+
+func (b *racingBook) Take(ctx context.Context, name string, spares []DHCPHost) (DHCPHost, bool, error) {
+	if !b.stolen && len(spares) == 1 {
+		b.stolen = true
+		b.held[spares[0].IP] = "lve-0123abcd-other"
+	}
+	return b.memBook.Take(ctx, name, spares)
+}
+
+func TestLostSpareRaceAddsAnotherWithItsOwnMAC(t *testing.T) {
+	const prefix = "lve-0123abcd-"
+	f := vmtest.New()
+	f.DHCP = rigDHCP()
+	book := &racingBook{memBook: memBook{held: map[string]string{}}}
+	e := &Engine{HV: f, Controller: testSpec().Owner.Controller, Network: "ci", NamePrefix: prefix, Addresses: book}
+	s := testSpec()
+	s.Name, s.StaticAddress = prefix+"r1", true
+	m, err := e.Create(context.Background(), s)
+	require.NoError(t, err)
+	require.Len(t, f.DHCP.Hosts, 2, "the stolen spare and its own")
+	require.NotEqual(t, f.DHCP.Hosts[0].MAC, f.DHCP.Hosts[1].MAC)
+	require.Equal(t, prefix+"r1", book.held[m.IP])
+	require.Equal(t, f.DHCP.Hosts[1].MAC, m.MAC)
+}

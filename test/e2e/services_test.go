@@ -71,6 +71,7 @@ func TestServicesInPodmanVM(t *testing.T) {
 	login := auth.Credential{Username: reg.User, Password: reg.Password}
 	pushServiceImage(t, reg.Host, "library/postgres", "15", login)
 	pushServiceImage(t, reg.Host, "library/redis", "latest", login)
+	pushServiceImage(t, reg.Host, "lve-e2e/onlyhere", "1", login)
 
 	r := base.withConfig(t, func(s string) string {
 		s = setKey("default_image", `"podman"`)(s)
@@ -177,14 +178,16 @@ plain_http = [%q]
 		require.Contains(t, res.stdout, want)
 	}
 
-	// Without the job's credentials the registry refuses the pull: a
-	// system failure naming the image.
-	noLogin, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "postgres:15", PullPolicy: []string{"always"}}}},
+	// Without the job's credentials the registry refuses the pull (an
+	// image only it has): a system failure naming the image, with the
+	// registry's answer.
+	noLogin, err := services.NewPlan(&services.Payload{Services: []services.Image{{Name: "lve-e2e/onlyhere:1"}}},
 		services.Options{JobID: 3, DefaultPullPolicy: services.PullIfNotPresent})
 	require.NoError(t, err)
 	log.Reset()
 	_, err = services.Start(ctx, c, noLogin, opts, &log)
-	require.ErrorContains(t, err, `cannot get image docker.io/library/postgres:15 of service "postgres:15" (services[0])`)
+	require.ErrorContains(t, err, `cannot get image docker.io/lve-e2e/onlyhere:1 of service "lve-e2e/onlyhere:1" (services[0])`)
+	require.Contains(t, strings.ToLower(err.Error()), "unauthorized", "the registry refused it for want of a login")
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
 
 	// An image the registry does not have: a system failure naming it.
