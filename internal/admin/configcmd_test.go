@@ -55,7 +55,7 @@ func TestConfigShow(t *testing.T) {
 	path := writeConfig(t, "[limits]\nmax_vcpus = 2\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\n")
 	out := captureStdout(t, func() { require.NoError(t, runAdmin("config", "show", "--config", path)) })
 	lines := strings.Split(strings.TrimSpace(out), "\n")
-	require.Len(t, lines, 1+len(config.Keys())-4-3, "a header and every key, but the 4 of [images.NAME.pool] and the 3 of [garm.flavors.NAME]: no such table")
+	require.Len(t, lines, 1+len(config.Keys())-5-3, "a header and every key, but the 5 of [images.NAME.pool] and the 3 of [garm.flavors.NAME]: no such table")
 	require.Regexp(t, `^KEY +VALUE +SOURCE$`, lines[0])
 	require.Contains(t, out, "\nlimits.max_vcpus ")
 	for _, want := range []string{
