@@ -57,8 +57,10 @@ func ExposedPortsArgv(ref Ref) []string {
 // entrypoint as a JSON argument vector, the command as separate
 // arguments after the image.
 func RunArgv(network string, s Service) []string {
+	// k8s-file: its logs can be followed (CI_DEBUG_SERVICES) whatever
+	// the image's events backend; journald's cannot with the file one.
 	argv := []string{"podman", "run", "--detach", "--pull", "never", "--name", s.Container,
-		"--label", Label, "--network", network}
+		"--label", Label, "--log-driver", "k8s-file", "--network", network}
 	for _, a := range s.Aliases {
 		argv = append(argv, "--network-alias", a)
 	}

@@ -125,7 +125,7 @@ func TestStartOrderAliasesHostsAndNoSecretOnArgv(t *testing.T) {
 	}
 	require.Equal(t, want, lines[:len(want)])
 	require.True(t, strings.HasPrefix(lines[7], "podman run --detach --pull never --name lve-service-0 --label "+Label+
-		" --network lve-job-9 --network-alias postgres --network-alias db --env CI_JOB_ID"), lines[7])
+		" --log-driver k8s-file --network lve-job-9 --network-alias postgres --network-alias db --env CI_JOB_ID"), lines[7])
 	require.True(t, strings.HasSuffix(lines[7], "--env PW docker.io/library/postgres:15"), lines[7])
 	require.Contains(t, lines, "timeout 30 bash -c "+waitScript+" lve-wait 10.89.0.2 5432")
 	require.Contains(t, lines, "timeout 30 bash -c "+waitScript+" lve-wait 10.89.0.3 5432",

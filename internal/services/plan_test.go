@@ -121,7 +121,7 @@ func TestRunArgvCarriesNoValue(t *testing.T) {
 		Variables: []Variable{{Key: "PW", Value: "$DB_PASSWORD", Public: true}}}}}, Options{JobID: 1})
 	require.NoError(t, err)
 	argv := RunArgv(pl.Network, pl.Services[0])
-	require.Equal(t, []string{"podman", "run", "--detach", "--pull", "never", "--name", "lve-service-0", "--label", Label,
+	require.Equal(t, []string{"podman", "run", "--detach", "--pull", "never", "--name", "lve-service-0", "--label", Label, "--log-driver", "k8s-file",
 		"--network", "lve-job-1", "--network-alias", "postgres", "--network-alias", "db",
 		"--env", "CI_JOB_ID", "--env", "PUBLIC_FLAG", "--env", "PG_TAG", "--env", "PW",
 		`--entrypoint=["/bin/sh","-c"]`, "docker.io/library/postgres:15", "exec postgres -c 'a b'"}, argv)

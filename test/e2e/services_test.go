@@ -362,11 +362,6 @@ plain_http = [%q]
 	svc := r.serve(t)
 	idle := r.waitIdle(t, 1, 5*time.Minute)
 	require.Regexp(t, `pre-pull into a standby VM.*Pulled image docker.io/library/postgres:15`, svc.Log())
-	// The idle VM stays for the job's claim (prepare claims it, not the
-	// service); stopped now, the service boots no replacement beside the
-	// job on this 2-core rig.
-	_, err := svc.Stop(poolsvc.StopWait)
-	require.NoError(t, err)
 
 	before := serviceStarts(t, r)
 	const secret = "masked-svc-s3cr3t-value"
