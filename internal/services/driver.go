@@ -85,11 +85,8 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 	if err := d.checkRuntime(ctx); err != nil {
 		return nil, err
 	}
-	if len(o.Registries) > 0 {
-		if _, err := d.must(ctx, "write the registry mirrors ("+RegistriesPath+")",
-			d.podman(WriteFileArgv(RegistriesPath, "0644")), bytes.NewReader(o.Registries)); err != nil {
-			return nil, err
-		}
+	if err := d.writeMirrors(ctx); err != nil {
+		return nil, err
 	}
 	t := time.Now()
 	if _, err := d.must(ctx, "create the job's network "+plan.Network, d.podman(NetworkCreateArgv(plan.Network)), nil); err != nil {
@@ -129,6 +126,17 @@ func Start(ctx context.Context, g Guest, plan *Plan, o Options, log io.Writer) (
 		d.say("Services ready in %s: %d started", since(t0), len(st.Services))
 	}
 	return st, nil
+}
+
+// writeMirrors writes the registries.conf drop-in of the driver's options
+// (none without mirrors).
+func (d *driver) writeMirrors(ctx context.Context) error {
+	if len(d.o.Registries) == 0 {
+		return nil
+	}
+	_, err := d.must(ctx, "write the registry mirrors ("+RegistriesPath+")",
+		d.podman(WriteFileArgv(RegistriesPath, "0644")), bytes.NewReader(d.o.Registries))
+	return err
 }
 
 // pullAll pulls the plan's images (by their pull policies); with the

@@ -14,6 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/syncbuf"
 )
 
 // call is one program the fake guest was asked to run.
@@ -265,7 +266,7 @@ func TestStartServiceLogs(t *testing.T) {
 		{prefix: "podman logs --follow --since 1699999999 lve-service-0", out: "GET / from 10.89.0.9\n"},
 		{prefix: "podman logs --follow --since 1699999999 lve-service-1", out: "\x1b[31mready\n"},
 	}}
-	var log syncBuffer
+	var log syncbuf.Buffer
 	stop, err := StartServiceLogs(context.Background(), g, false, &log)
 	require.NoError(t, err)
 	stop(10 * time.Millisecond)
@@ -280,24 +281,6 @@ func TestStartServiceLogs(t *testing.T) {
 	g = &fakeGuest{rules: []rule{{prefix: "date", out: "1700000000\n"}, {prefix: "podman ps", code: 125, out: "no podman"}}}
 	_, err = StartServiceLogs(context.Background(), g, false, &log)
 	require.ErrorContains(t, err, "podman ps: exit status 125: no podman")
-}
-
-// syncBuffer is a bytes.Buffer for writers on several goroutines.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
 }
 
 // Prepull: the mirrors written first, an image already in the VM left

@@ -1,7 +1,6 @@
 package services
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -23,11 +22,8 @@ func Prepull(ctx context.Context, g Guest, images []string, o Options, log io.Wr
 	if err := d.checkRuntime(ctx); err != nil {
 		return err
 	}
-	if len(o.Registries) > 0 {
-		if _, err := d.must(ctx, "write the registry mirrors ("+RegistriesPath+")",
-			d.podman(WriteFileArgv(RegistriesPath, "0644")), bytes.NewReader(o.Registries)); err != nil {
-			return err
-		}
+	if err := d.writeMirrors(ctx); err != nil {
+		return err
 	}
 	for _, name := range images {
 		ref, err := ParseRef(name)
