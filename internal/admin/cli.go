@@ -346,6 +346,9 @@ func App() *cli.App {
 					&cli.StringFlag{Name: "listen", Usage: "host:port for the fake GitLab job API, reachable from the guests (default: this host's address on the configured network, a free port)"},
 					&cli.StringFlag{Name: "image", Usage: "the image the jobs ask for (default: the configuration's default image)"},
 					&cli.BoolFlag{Name: "steps", Usage: "also run a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM (docs/steps.md)"},
+					&cli.StringFlag{Name: "services", Usage: "also run a job with this container image as its service (alias " + selftest.ServiceAlias + "), in a fresh VM of --services-image: the image is pulled and started in the VM and the job finds it (docs/services.md)"},
+					&cli.StringFlag{Name: "services-image", Usage: "the VM image (with podman) of the --services job (default: --image, else the configuration's default image)"},
+					&cli.IntFlag{Name: "service-port", Usage: "a TCP port the --services job connects to at its service's alias (default: none; the driver waits for the image's exposed ports either way)"},
 					&cli.StringFlag{Name: "url", Usage: "the GitLab the runner is registered with, probed from the guest (DNS, route, TLS, certificate); default: the first [[runners]] url of --runner-config"},
 					&cli.StringFlag{Name: "tls-ca-file", Usage: "the CA file the runner trusts for --url (default: --runner-config's tls-ca-file; none: the system store)"},
 					&cli.StringFlag{Name: "runner-config", Value: "/etc/gitlab-runner/config.toml", Usage: "the runner's config.toml, read for url and tls-ca-file when --url is not given (skipped when it cannot be read)"},
@@ -401,6 +404,9 @@ func runSelftest(c *cli.Context) error {
 			return fmt.Errorf("--image %q: not an image of the configuration (%s)", c.String("image"), strings.Join(cfg.ImageNames(), ", "))
 		}
 	}
+	if err := selftestServicesFlags(c, cfg); err != nil {
+		return err
+	}
 	listen := c.String("listen")
 	if listen == "" {
 		conn, err := libvirtvm.Connect(c.Context, cfg.LibvirtURI)
@@ -433,6 +439,7 @@ func runSelftest(c *cli.Context) error {
 		Config: cfg.Path, BinDir: filepath.Dir(exe), Runner: runner, Listen: listen,
 		GitLabURL: gitlabURL, GitLabCA: caFile,
 		Image: c.String("image"), Steps: c.Bool("steps"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
+		Services: c.String("services"), ServicesImage: c.String("services-image"), ServicePort: c.Int("service-port"),
 	})
 	if err != nil {
 		return err
@@ -445,6 +452,31 @@ func runSelftest(c *cli.Context) error {
 	}
 	if !rep.OK() {
 		return errors.New("selftest failed")
+	}
+	return nil
+}
+
+// selftestServicesFlags checks selftest's --services flags against the
+// configuration before any VM is made.
+func selftestServicesFlags(c *cli.Context, cfg *config.Config) error {
+	if c.String("services") == "" {
+		for _, f := range []string{"services-image", "service-port"} {
+			if c.IsSet(f) {
+				return fmt.Errorf("--%s needs --services IMAGE", f)
+			}
+		}
+		return nil
+	}
+	if !cfg.Services.Enabled {
+		return fmt.Errorf("--services: this configuration does not start services ([services] enabled = false in %s; docs/services.md)", cfg.Path)
+	}
+	if img := c.String("services-image"); img != "" {
+		if _, ok := cfg.Image(img); !ok {
+			return fmt.Errorf("--services-image %q: not an image of the configuration (%s)", img, strings.Join(cfg.ImageNames(), ", "))
+		}
+	}
+	if p := c.Int("service-port"); c.IsSet("service-port") && (p < 1 || p > 65535) {
+		return fmt.Errorf("--service-port %d: must be a TCP port, 1 to 65535", p)
 	}
 	return nil
 }

@@ -8,6 +8,7 @@
 package selftest
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -42,6 +43,14 @@ type Options struct {
 	// Steps adds a GitLab Steps job (run:), run through `gitlab-runner
 	// run` (the only mode that converts run: jobs), in a fresh VM.
 	Steps bool
+	// Services, if set, adds a job with this image as its one service
+	// (alias ServiceAlias), in a fresh VM of ServicesImage ("" for Image):
+	// the driver pulls and starts the service in the job's VM, and the
+	// job's script finds it by its alias and reaches it on its port
+	// (ServicePort, if set; the driver's own wait covers the image's
+	// exposed ports).
+	Services, ServicesImage string
+	ServicePort             int
 	// GitLabURL, if set, is the GitLab the runner is registered with (its
 	// config.toml's url: RunnerGitLab, or --url): the first job probes it
 	// from the guest (name, route, TLS and certificate) and the report
@@ -63,6 +72,9 @@ type JobReport struct {
 	// Ready is prepare's "Machine ready in" (0 if not found).
 	Took, Ready time.Duration
 	Trace       string
+	// Services is the services job's finding: "" when its service
+	// started and answered, else what went wrong (servicesVerdict).
+	Services string
 }
 
 // Report is the self test's outcome.
@@ -86,6 +98,9 @@ const (
 	produceName = "selftest-produce"
 	consumeName = "selftest-consume"
 	stepsName   = "selftest-steps"
+	svcName     = "selftest-services"
+	// ServiceAlias is the alias the services job gives its service.
+	ServiceAlias = "selftest-service"
 	cacheKey    = "libvirt-executor-selftest"
 	// skipped is the second job's state when the first failed.
 	skipped = "skipped"
@@ -200,7 +215,17 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		rep.Wall += time.Since(t1)
 		runErr = errors.Join(runErr, stepsErr)
 	}
-	rep.Fixes = diagnose(rep, runErr, runnerOut.String(), ctx.Err())
+	if o.Services != "" && ctx.Err() == nil {
+		t1 := time.Now()
+		say("running a job with the service %s (alias %s) in a fresh VM of image %s ...", o.Services, ServiceAlias, cmp.Or(o.ServicesImage, o.Image, "(the default image)"))
+		id := api.Enqueue(servicesJob(o))
+		runErr = errors.Join(runErr, runOne())
+		jr := report(svcName, id)
+		jr.Services = servicesVerdict(jr, o)
+		rep.Jobs = append(rep.Jobs, jr)
+		rep.Wall += time.Since(t1)
+	}
+	rep.Fixes = diagnose(rep, o, runErr, runnerOut.String(), ctx.Err())
 	if o.GitLabURL != "" && first.Trace != "" {
 		if out, ok := probeOutput(first.Trace); ok {
 			line, fix := probeVerdict(ClassifyProbe(out, o.GitLabURL), o.GitLabURL, o.GitLabCA, out)
@@ -270,7 +295,7 @@ func machineReady(trace string) time.Duration {
 }
 
 // diagnose says what to fix, from the jobs' logs and the runner's output.
-func diagnose(rep *Report, runErr error, runnerOut string, ctxErr error) []string {
+func diagnose(rep *Report, o Options, runErr error, runnerOut string, ctxErr error) []string {
 	var fixes []string
 	add := func(s string) {
 		for _, f := range fixes {
@@ -284,13 +309,22 @@ func diagnose(rep *Report, runErr error, runnerOut string, ctxErr error) []strin
 		add("the self test ran out of time (--timeout): the job logs below show where it stood")
 	}
 	for _, j := range rep.Jobs {
+		if j.Services != "" {
+			add(j.Services)
+		}
 		if j.State == jobapi.StateSuccess || j.State == skipped {
 			continue
 		}
 		t := j.Trace
+		svcFix := ""
+		if j.Name == svcName {
+			svcFix = servicesFix(j, o)
+		}
 		switch {
 		case j.State == "not run":
 			add(fmt.Sprintf("%s never ran: gitlab-runner did not take it (its output is below)", j.Name))
+		case svcFix != "":
+			add(svcFix)
 		case j.Name == stepsName && strings.Contains(t, "needs step-runner"):
 			add("the guest has no step-runner for GitLab Steps: set [guest_tools] step_runner to a linux/amd64 step-runner, or install one in the image (docs/steps.md)")
 		case j.Name == stepsName && j.State == "no step output":
@@ -356,8 +390,11 @@ func (r *Report) Print(w io.Writer) {
 	if r.OK() {
 		verdict := "OK: VMs start, run the stages and go; the guest's gitlab-runner uploaded and downloaded an artifact and archived and restored a cache"
 		for _, j := range r.Jobs {
-			if j.Name == stepsName {
+			switch j.Name {
+			case stepsName:
 				verdict += "; a GitLab Steps job ran its step with the guest's step-runner"
+			case svcName:
+				verdict += "; a job's service container started in its VM and the job found it by its alias"
 			}
 		}
 		fmt.Fprintln(w, verdict+".")
@@ -368,7 +405,7 @@ func (r *Report) Print(w io.Writer) {
 		fmt.Fprintf(w, "  - %s\n", f)
 	}
 	for _, j := range r.Jobs {
-		if j.State == jobapi.StateSuccess || j.Trace == "" {
+		if (j.State == jobapi.StateSuccess && j.Services == "") || j.Trace == "" {
 			continue
 		}
 		fmt.Fprintf(w, "\n--- last lines of %s ---\n%s\n", j.Name, lastLines(j.Trace, 40))

@@ -31,7 +31,7 @@ func TestDiagnose(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rep := &Report{Listen: "10.0.0.1:9", Jobs: []JobReport{ok, {Name: consumeName, State: tc.state, FailureReason: tc.reason, Trace: tc.trace}}}
-			fixes := diagnose(rep, nil, "runner output", nil)
+			fixes := diagnose(rep, Options{}, nil, "runner output", nil)
 			require.Len(t, fixes, 1)
 			require.Contains(t, fixes[0], tc.want)
 			rep.Fixes = fixes
@@ -44,18 +44,18 @@ func TestDiagnose(t *testing.T) {
 	}
 
 	rep := &Report{Jobs: []JobReport{ok, {Name: consumeName, State: jobapi.StateSuccess}}}
-	require.Empty(t, diagnose(rep, nil, "", nil))
+	require.Empty(t, diagnose(rep, Options{}, nil, "", nil))
 	var out bytes.Buffer
 	rep.Print(&out)
 	require.Contains(t, out.String(), "OK: VMs start")
 
-	require.NotEmpty(t, diagnose(&Report{Jobs: []JobReport{ok}}, errors.New("exit status 1"), "boom", nil), "a failed runner is reported even when its jobs passed")
+	require.NotEmpty(t, diagnose(&Report{Jobs: []JobReport{ok}}, Options{}, errors.New("exit status 1"), "boom", nil), "a failed runner is reported even when its jobs passed")
 
 	// A second job skipped after the first failed adds no fix of its own.
 	failed := JobReport{Name: produceName, State: jobapi.StateFailed, FailureReason: "script_failure",
 		Trace: "Uploading cache.zip to http://10.0.0.1:9/x\nWARNING: Retrying... error=Put \"http://10.0.0.1:9/x\" dial tcp 10.0.0.1:9: connect: connection refused"}
 	rep = &Report{Listen: "10.0.0.1:9", Jobs: []JobReport{failed, {Name: consumeName, State: skipped}}}
-	fixes := diagnose(rep, nil, "", nil)
+	fixes := diagnose(rep, Options{}, nil, "", nil)
 	require.Len(t, fixes, 1)
 	require.Contains(t, fixes[0], "cannot reach this host at 10.0.0.1:9")
 	rep.Fixes = fixes
@@ -70,15 +70,15 @@ func TestDiagnoseSteps(t *testing.T) {
 	ok := JobReport{Name: produceName, State: jobapi.StateSuccess}
 	noStepRunner := JobReport{Name: stepsName, State: jobapi.StateFailed, FailureReason: "runner_system_failure",
 		Trace: "libvirt-executor-prepare: check: this run: job (GitLab Steps) needs step-runner in the guest\nERROR: Preparation failed: exit status 2"}
-	fixes := diagnose(&Report{Jobs: []JobReport{ok, noStepRunner}}, nil, "", nil)
+	fixes := diagnose(&Report{Jobs: []JobReport{ok, noStepRunner}}, Options{}, nil, "", nil)
 	require.Len(t, fixes, 1)
 	require.Contains(t, fixes[0], "set [guest_tools] step_runner")
-	fixes = diagnose(&Report{Jobs: []JobReport{ok, {Name: stepsName, State: "no step output"}}}, nil, "", nil)
+	fixes = diagnose(&Report{Jobs: []JobReport{ok, {Name: stepsName, State: "no step output"}}}, Options{}, nil, "", nil)
 	require.Len(t, fixes, 1)
 	require.Contains(t, fixes[0], "passed without running its step")
 
 	rep := &Report{Jobs: []JobReport{ok, {Name: stepsName, State: jobapi.StateSuccess}}}
-	require.Empty(t, diagnose(rep, nil, "", nil))
+	require.Empty(t, diagnose(rep, Options{}, nil, "", nil))
 	var out bytes.Buffer
 	rep.Print(&out)
 	require.Contains(t, out.String(), "selftest-steps     success")

@@ -411,6 +411,22 @@ plain_http = [%q]
 	}
 	require.Len(t, starts, 1, "one prepare started services: %v", starts)
 	require.Regexp(t, `"services":\{"started":1,"s":[0-9.e+-]+,"result":"ok"\}`, starts[0])
+
+	// selftest --services (#46 item 4): what an admin runs before pointing
+	// GitLab at the host; its services job (in a podman VM of this
+	// configuration, warm when the pool has refilled) pulls and starts the
+	// service, finds it by its alias and connects to its port.
+	ln2 := r.serviceListener(t)
+	listen := ln2.Addr().String()
+	require.NoError(t, ln2.Close())
+	cmd := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "selftest", "--runner", rr.bin,
+		"--listen", listen, "--timeout", "6m",
+		"--services", "postgres:15", "--services-image", "podman", "--service-port", "5432")
+	b, err := cmd.CombinedOutput()
+	t.Logf("selftest --services:\n%s", b)
+	require.NoError(t, err)
+	require.Regexp(t, `selftest-services +success`, string(b))
+	require.Contains(t, string(b), "a job's service container started in its VM and the job found it by its alias")
 	// The service's cleanup (stop, idle VMs removed), then setup's check
 	// that nothing is left, run when the test ends.
 }
