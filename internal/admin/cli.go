@@ -348,6 +348,7 @@ func App() *cli.App {
 					&cli.BoolFlag{Name: "steps", Usage: "also run a GitLab Steps job (run:) through gitlab-runner run, in a fresh VM (docs/steps.md)"},
 					&cli.StringFlag{Name: "services", Usage: "also run a job with this container image as its service (alias " + selftest.ServiceAlias + "), in a fresh VM of --services-image: the image is pulled and started in the VM and the job finds it (docs/services.md)"},
 					&cli.StringFlag{Name: "services-image", Usage: "the VM image (with podman) of the --services job (default: --image, else the configuration's default image)"},
+					&cli.BoolFlag{Name: "sample-jobs", Value: true, Usage: "run the two sample jobs (artifacts and a cache, and the GitLab probe); --sample-jobs=false runs only --steps and --services"},
 					&cli.IntFlag{Name: "service-port", Usage: "a TCP port the --services job connects to at its service's alias (default: none; the driver waits for the image's exposed ports either way)"},
 					&cli.StringFlag{Name: "url", Usage: "the GitLab the runner is registered with, probed from the guest (DNS, route, TLS, certificate); default: the first [[runners]] url of --runner-config"},
 					&cli.StringFlag{Name: "tls-ca-file", Usage: "the CA file the runner trusts for --url (default: --runner-config's tls-ca-file; none: the system store)"},
@@ -421,7 +422,7 @@ func runSelftest(c *cli.Context) error {
 		listen = net.JoinHostPort(addr, "0")
 	}
 	gitlabURL, caFile := c.String("url"), c.String("tls-ca-file")
-	if gitlabURL == "" {
+	if gitlabURL == "" && c.Bool("sample-jobs") {
 		if u, ca, err := selftest.RunnerGitLab(c.String("runner-config")); err == nil {
 			gitlabURL, caFile = u, cmp.Or(caFile, ca)
 			fmt.Printf("GitLab from %s: %s\n", c.String("runner-config"), u)
@@ -440,6 +441,7 @@ func runSelftest(c *cli.Context) error {
 		GitLabURL: gitlabURL, GitLabCA: caFile,
 		Image: c.String("image"), Steps: c.Bool("steps"), Timeout: c.Duration("timeout"), Progress: os.Stdout,
 		Services: c.String("services"), ServicesImage: c.String("services-image"), ServicePort: c.Int("service-port"),
+		SkipSamples: !c.Bool("sample-jobs"),
 	})
 	if err != nil {
 		return err
@@ -459,6 +461,14 @@ func runSelftest(c *cli.Context) error {
 // selftestServicesFlags checks selftest's --services flags against the
 // configuration before any VM is made.
 func selftestServicesFlags(c *cli.Context, cfg *config.Config) error {
+	if !c.Bool("sample-jobs") {
+		if !c.Bool("steps") && c.String("services") == "" {
+			return errors.New("--sample-jobs=false leaves nothing to run: add --steps or --services IMAGE")
+		}
+		if c.IsSet("url") || c.IsSet("tls-ca-file") {
+			return errors.New("--url and --tls-ca-file: the GitLab probe runs in the first sample job, which --sample-jobs=false leaves out")
+		}
+	}
 	if c.String("services") == "" {
 		for _, f := range []string{"services-image", "service-port"} {
 			if c.IsSet(f) {

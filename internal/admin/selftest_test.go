@@ -25,6 +25,8 @@ func TestSelftestServicesFlags(t *testing.T) {
 	enabled := "[services]\nenabled = true\n"
 	require.NoError(t, check(""), "no --services: nothing to check")
 	require.NoError(t, check(enabled, "--services", "postgres:15", "--services-image", "ok", "--service-port", "5432"))
+	require.NoError(t, check(enabled, "--sample-jobs=false", "--services", "postgres:15"))
+	require.NoError(t, check("", "--sample-jobs=false", "--steps"))
 	for _, tc := range []struct {
 		extra string
 		args  []string
@@ -36,6 +38,8 @@ func TestSelftestServicesFlags(t *testing.T) {
 		{enabled, []string{"--services", "postgres:15", "--service-port", "0"}, "--service-port 0: must be a TCP port"},
 		{enabled, []string{"--service-port", "5432"}, "--service-port needs --services IMAGE"},
 		{enabled, []string{"--services-image", "ok"}, "--services-image needs --services IMAGE"},
+		{enabled, []string{"--sample-jobs=false"}, "--sample-jobs=false leaves nothing to run: add --steps or --services IMAGE"},
+		{enabled, []string{"--sample-jobs=false", "--services", "postgres:15", "--url", "https://gitlab.example.com"}, "the GitLab probe runs in the first sample job"},
 	} {
 		err := check(tc.extra, tc.args...)
 		require.Error(t, err, "%v", tc.args)

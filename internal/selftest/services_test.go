@@ -72,4 +72,13 @@ func TestDiagnoseServices(t *testing.T) {
 	var out bytes.Buffer
 	rep.Print(&out)
 	require.Contains(t, out.String(), "a job's service container started in its VM and the job found it by its alias")
+	require.Contains(t, out.String(), "uploaded and downloaded an artifact", "the sample jobs ran")
+
+	// --sample-jobs=false: the verdict claims only what ran.
+	rep = &Report{Jobs: []JobReport{j}}
+	require.Empty(t, diagnose(rep, o, nil, "", nil))
+	out.Reset()
+	rep.Print(&out)
+	require.Contains(t, out.String(), "OK: VMs start, run the stages and go; a job's service container started")
+	require.NotContains(t, out.String(), "artifact")
 }

@@ -415,17 +415,19 @@ plain_http = [%q]
 	// selftest --services (#46 item 4): what an admin runs before pointing
 	// GitLab at the host; its services job (in a podman VM of this
 	// configuration, warm when the pool has refilled) pulls and starts the
-	// service, finds it by its alias and connects to its port.
+	// service, finds it by its alias and connects to its port. The two
+	// sample jobs are left out (TestSelftest* run them).
 	ln2 := r.serviceListener(t)
 	listen := ln2.Addr().String()
 	require.NoError(t, ln2.Close())
 	cmd := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "selftest", "--runner", rr.bin,
-		"--listen", listen, "--timeout", "6m",
+		"--listen", listen, "--timeout", "6m", "--sample-jobs=false",
 		"--services", "postgres:15", "--services-image", "podman", "--service-port", "5432")
 	b, err := cmd.CombinedOutput()
 	t.Logf("selftest --services:\n%s", b)
 	require.NoError(t, err)
 	require.Regexp(t, `selftest-services +success`, string(b))
+	require.NotContains(t, string(b), "selftest-produce")
 	require.Contains(t, string(b), "a job's service container started in its VM and the job found it by its alias")
 	// The service's cleanup (stop, idle VMs removed), then setup's check
 	// that nothing is left, run when the test ends.
