@@ -1,0 +1,219 @@
+package ghhooks
+
+import (
+	"encoding/json"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
+)
+
+// options is what an admin would configure for a runner at work/externals.
+func options(t *testing.T, work, externals string) Options {
+	allow, err := services.NewAllowlist([]string{"node:*", "redis", "redis:*", "alpine:*"})
+	require.NoError(t, err)
+	return Options{WorkDir: work, Externals: externals, Images: allow}
+}
+
+// example is the prepare_job example input (the shape of the runner's
+// hook examples) with WORK and EXTERNALS made this test's directories.
+func example(t *testing.T) (string, string, string) {
+	dir := t.TempDir()
+	work, ext := filepath.Join(dir, "_work"), filepath.Join(dir, "externals")
+	b, err := os.ReadFile("testdata/prepare-job.json")
+	require.NoError(t, err)
+	s := strings.ReplaceAll(string(b), "EXTERNALS", ext)
+	return strings.ReplaceAll(s, "WORK", work), work, ext
+}
+
+func TestDecodePrepareExample(t *testing.T) {
+	in, work, ext := example(t)
+	h, err := Decode(strings.NewReader(in))
+	require.NoError(t, err)
+	require.Equal(t, PrepareJob, h.Command)
+	require.Equal(t, filepath.Join(work, "resp.json"), *h.ResponseFile)
+	a, err := h.Prepare(options(t, work, ext))
+	require.NoError(t, err)
+	require.Equal(t, "node:22", a.Container.Image)
+	require.Equal(t, "/__w/repo/repo", a.Container.WorkingDir)
+	require.Len(t, a.Services, 1)
+	require.Equal(t, "redis", a.Services[0].ContextName)
+	require.Nil(t, a.Services[0].EntryPoint, "the example's lower-case entrypoint: null")
+	args, err := options(t, work, ext).CreateArgs("container", a.Container.CreateOptions)
+	require.NoError(t, err)
+	require.Equal(t, []string{"--cpus=1", "--health-cmd=pg_isready -U postgres", "--init"}, args)
+}
+
+func TestDecodeRefusesBadInput(t *testing.T) {
+	for _, tc := range []struct{ name, in, want string }{
+		{"not JSON", `{"command": "prepare_job"`, "not a JSON object"},
+		{"two values", `{"command":"cleanup_job"} {"command":"cleanup_job"}`, "more than one JSON value"},
+		{"unknown command", `{"command":"rm_rf","args":{}}`, `command "rm_rf" is not one of prepare_job, run_script_step, run_container_step, cleanup_job`},
+		{"no response file", `{"command":"prepare_job","args":{}}`, "prepare_job has no responseFile"},
+		{"null response file", `{"command":"prepare_job","responseFile":null,"args":{}}`, "prepare_job has no responseFile"},
+		{"relative response file", `{"command":"prepare_job","responseFile":"resp.json","args":{}}`, `responseFile "resp.json": not an absolute path`},
+		{"dotdot response file", `{"command":"prepare_job","responseFile":"/a/../etc/x","args":{}}`, "not a clean path"},
+		{"too big", `{"command":"cleanup_job","state":"` + strings.Repeat("x", MaxInput) + `"}`, "more than 4194304 bytes"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Decode(strings.NewReader(tc.in))
+			require.Error(t, err)
+			require.Contains(t, err.Error(), tc.want)
+		})
+	}
+	// cleanup_job and the steps need no response file (the runner sends null).
+	_, err := Decode(strings.NewReader(`{"command":"cleanup_job","responseFile":null,"state":{"machine":"m","job":"j"}}`))
+	require.NoError(t, err)
+}
+
+// prepareWith decodes the example with edit applied to its args.
+func prepareWith(t *testing.T, edit func(a map[string]any)) error {
+	in, work, ext := example(t)
+	var m map[string]any
+	require.NoError(t, json.Unmarshal([]byte(in), &m))
+	edit(m["args"].(map[string]any))
+	b, err := json.Marshal(m)
+	require.NoError(t, err)
+	h, err := Decode(strings.NewReader(string(b)))
+	require.NoError(t, err)
+	_, err = h.Prepare(options(t, work, ext))
+	return err
+}
+
+func TestPrepareRefuses(t *testing.T) {
+	container := func(a map[string]any) map[string]any { return a["container"].(map[string]any) }
+	for _, tc := range []struct {
+		name string
+		edit func(a map[string]any)
+		want string
+	}{
+		{"no container", func(a map[string]any) { delete(a, "container") }, "ACTIONS_RUNNER_REQUIRE_JOB_CONTAINER=true"},
+		{"image not allowed", func(a map[string]any) { container(a)["image"] = "ubuntu:24.04" }, `container.image "ubuntu:24.04" is not among the images this runner allows (allowed_images: node:*, redis, redis:*, alpine:*)`},
+		{"privileged", func(a map[string]any) { container(a)["createOptions"] = "--cpus 1 --privileged" }, "container.createOptions: --privileged is not allowed (allowed: --cpus"},
+		{"volume option", func(a map[string]any) { container(a)["createOptions"] = "-v /:/host" }, "container.createOptions: -v is not allowed"},
+		{"network option", func(a map[string]any) { container(a)["createOptions"] = "--network=host" }, "container.createOptions: --network is not allowed"},
+		{"shell operator", func(a map[string]any) { container(a)["createOptions"] = "--cpus 1; reboot" }, "a shell operator"},
+		{"unbalanced quote", func(a map[string]any) { container(a)["createOptions"] = "--label 'x" }, "container.createOptions: invalid command line string"},
+		{"bare word", func(a map[string]any) { container(a)["createOptions"] = "privileged" }, `"privileged" is not an option`},
+		{"missing value", func(a map[string]any) { container(a)["createOptions"] = "--cpus" }, "--cpus needs a value"},
+		{"host path mount", func(a map[string]any) {
+			container(a)["systemMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/etc", "targetVolumePath": "/x"}}
+		}, `container.systemMountVolumes[0]: "/etc" is not under the runner's directories shared with the job's VM`},
+		{"user host path", func(a map[string]any) {
+			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/root/.ssh", "targetVolumePath": "/x"}}
+		}, `container.userMountVolumes[0]: "/root/.ssh" is not under`},
+		{"escape by dotdot", func(a map[string]any) {
+			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/tmp/../etc", "targetVolumePath": "/x"}}
+		}, "not a clean path"},
+		{"bad env name", func(a map[string]any) { container(a)["environmentVariables"] = map[string]any{"A=B": "v"} }, `container.environmentVariables: "A=B" is not a variable name`},
+		{"bad port", func(a map[string]any) { container(a)["portMappings"] = []any{"0.0.0.0:80:8080"} }, `container.portMappings[0]: "0.0.0.0:80:8080" is not a port mapping`},
+		{"port range", func(a map[string]any) { container(a)["portMappings"] = []any{"70000"} }, "port 70000 is not 1 to 65535"},
+		{"relative workdir", func(a map[string]any) { container(a)["workingDirectory"] = "repo" }, `container.workingDirectory "repo": not an absolute path`},
+		{"service name", func(a map[string]any) {
+			a["services"].([]any)[0].(map[string]any)["contextName"] = "a b"
+		}, `services[0]: contextName "a b" is not a name`},
+		{"service twice", func(a map[string]any) {
+			a["services"] = append(a["services"].([]any), a["services"].([]any)[0])
+		}, `services[1]: contextName "redis" is used twice`},
+		{"service image", func(a map[string]any) {
+			a["services"].([]any)[0].(map[string]any)["image"] = "mysql:8"
+		}, `services[0].image "mysql:8" is not among the images`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			err := prepareWith(t, tc.edit)
+			require.Error(t, err)
+			require.Contains(t, err.Error(), tc.want)
+			require.NotContains(t, err.Error(), "s3cret-registry-password", "no secret in a message")
+		})
+	}
+}
+
+func TestScriptStep(t *testing.T) {
+	h, err := Decode(strings.NewReader(`{"command":"run_script_step","responseFile":null,"state":{"machine":"m","job":"j"},
+		"args":{"entryPoint":"bash","entryPointArgs":["-e","/__w/_temp/x.sh"],"environmentVariables":{"CI":"true"},"prependPath":["/opt/bin"],"workingDirectory":"/__w/repo/repo"}}`))
+	require.NoError(t, err)
+	a, err := h.Script()
+	require.NoError(t, err)
+	require.Equal(t, "bash", a.EntryPoint)
+	require.Equal(t, []string{"-e", "/__w/_temp/x.sh"}, a.EntryPointArgs)
+	st, err := h.DecodeState()
+	require.NoError(t, err)
+	require.Equal(t, "m", st.Machine)
+
+	for _, tc := range []struct{ args, want string }{
+		{`{"entryPoint":""}`, "args.entryPoint: empty"},
+		{`{"entryPoint":"sh","prependPath":["/a:/b"]}`, "args.prependPath[0]: not a directory for PATH"},
+		{`{"entryPoint":"sh","workingDirectory":"x"}`, `args.workingDirectory "x": not an absolute path`},
+		{`null`, "args: missing"},
+	} {
+		h, err := Decode(strings.NewReader(`{"command":"run_script_step","args":` + tc.args + `}`))
+		require.NoError(t, err)
+		_, err = h.Script()
+		require.Error(t, err, tc.args)
+		require.Contains(t, err.Error(), tc.want)
+	}
+	for _, st := range []string{`{}`, `null`, `{"network":"x"}`} {
+		h, err := Decode(strings.NewReader(`{"command":"cleanup_job","state":` + st + `}`))
+		require.NoError(t, err)
+		_, err = h.DecodeState()
+		require.Error(t, err, st)
+	}
+}
+
+func TestContainerStep(t *testing.T) {
+	_, work, ext := example(t)
+	o := options(t, work, ext)
+	step := func(args string) error {
+		h, err := Decode(strings.NewReader(`{"command":"run_container_step","args":` + args + `}`))
+		require.NoError(t, err)
+		_, err = h.ContainerStep(o)
+		return err
+	}
+	require.NoError(t, step(`{"image":"alpine:3.19","entryPoint":"sh","entryPointArgs":["-c","true"],"workingDirectory":"/__w/repo/repo"}`))
+	require.NoError(t, step(`{"dockerfile":"`+work+`/repo/repo/Dockerfile","workingDirectory":"/__w/repo/repo"}`))
+	err := step(`{"dockerfile":"/etc/Dockerfile"}`)
+	require.ErrorContains(t, err, `args.dockerfile "/etc/Dockerfile": not under the runner's work directory`)
+	require.ErrorContains(t, step(`{}`), "neither image nor dockerfile")
+	require.ErrorContains(t, step(`{"image":"evil.example/x:1"}`), "is not among the images this runner allows")
+}
+
+func TestParsePort(t *testing.T) {
+	p, err := ParsePort("8080:80/udp")
+	require.NoError(t, err)
+	require.Equal(t, Port{VM: 8080, Container: 80, Proto: "udp"}, p)
+	p, err = ParsePort("6379")
+	require.NoError(t, err)
+	require.Equal(t, Port{Container: 6379, Proto: "tcp"}, p)
+	for _, bad := range []string{"", "a", "1:2:3", "80/sctp", "0", "65536:1"} {
+		_, err := ParsePort(bad)
+		require.Error(t, err, bad)
+	}
+}
+
+func TestWriteResponse(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "resp.json")
+	r := &Response{State: State{Machine: "lve-x", Job: "k", Network: "n", Container: "c", Services: map[string]string{"redis": "s"}}, IsAlpine: true}
+	r.Context.Container = ContainerContext{ID: "c", Network: "n", Ports: map[string]string{"8080": "80"}}
+	r.Context.Services = []ServiceContext{{ContextName: "redis", Image: "redis", ID: "s"}}
+	require.NoError(t, WriteResponse(path, r))
+	st, err := os.Stat(path)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
+	var back map[string]any
+	b, err := os.ReadFile(path)
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(b, &back))
+	require.Equal(t, true, back["isAlpine"])
+	require.Equal(t, "lve-x", back["state"].(map[string]any)["machine"])
+	require.Equal(t, "redis", back["context"].(map[string]any)["services"].([]any)[0].(map[string]any)["contextName"])
+	left, _ := filepath.Glob(filepath.Join(dir, ".lve-hook-response-*"))
+	require.Empty(t, left, "no temporary file left")
+
+	err = WriteResponse(filepath.Join(dir, "nope", "resp.json"), r)
+	require.ErrorContains(t, err, "does not exist")
+}
