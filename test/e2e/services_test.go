@@ -14,6 +14,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
 	"runtime"
 	"slices"
 	"strconv"
@@ -335,7 +336,10 @@ func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec
 // is in no log line, CI_DEBUG_SERVICES streams what the service wrote
 // during the script, and nothing is left after cleanup. A service image
 // the admin does not allow fails the next job before any machine is made.
-// (TestContainerJobThroughRealRunner starts services in a cold VM.)
+// A container job (image: alpine:3.19, pre-pulled too) claims the other
+// idle VM and runs its script in the job's container without a pull.
+// (TestContainerJobThroughRealRunner starts services and a container job
+// in cold VMs.)
 func TestServicesThroughRealRunner(t *testing.T) {
 	rr := newRealRunner(t)
 	podman := podmanImage(t, rr.r)
@@ -344,6 +348,7 @@ func TestServicesThroughRealRunner(t *testing.T) {
 	require.NoError(t, ln.Close())
 	reg := registrytest.StartAt(t, addr)
 	pushServiceImage(t, reg.Host, "library/postgres", "15")
+	pushShellImage(t, reg.Host, "library/alpine", "3.19")
 	r := rr.r.withConfig(t, func(s string) string {
 		return s + "\n" + podman + fmt.Sprintf(`
 [services]
@@ -353,14 +358,17 @@ allowed_images = ["postgres:*"]
 plain_http = [%q]
 [services.mirrors]
 "docker.io" = [%q]
+[services.container_jobs]
+allowed_images = ["alpine:*"]
+vm_image = "podman"
 `, reg.Host, reg.Host)
 	})
 	r = r.withConfig(t, func(s string) string {
-		return strings.Replace(poolsvc.WithPool(s, "podman", 1), "[images.podman.pool]\n", "[images.podman.pool]\nprepull = [\"postgres:15\"]\n", 1)
+		return strings.Replace(poolsvc.WithPool(s, "podman", 2), "[images.podman.pool]\n", "[images.podman.pool]\nprepull = [\"postgres:15\", \"alpine:3.19\"]\n", 1)
 	})
 	rr.cfgPath = r.cfgPath
 	svc := r.serve(t)
-	idle := r.waitIdle(t, 1, 5*time.Minute)
+	idle := r.waitIdle(t, 2, 5*time.Minute)
 	require.Regexp(t, `pre-pull into a standby VM.*Pulled image docker.io/library/postgres:15`, svc.Log())
 
 	before := serviceStarts(t, r)
@@ -378,16 +386,20 @@ plain_http = [%q]
 		Services: []jobapi.Service{{Name: "postgres:15", Alias: "db"}},
 		Script:   []string{get("postgres"), get("db"), `echo "password seen as $DB_PASSWORD"`},
 	}, jobapi.Job{
+		Name: "container-warm", Image: "alpine:3.19", GitURL: rr.repo, SHA: rr.sha,
+		Variables: []jobapi.Variable{{Key: "MARKER", Value: "from-the-job", Public: true}},
+		Script:    []string{"grep '^ID=' /etc/os-release", `echo "variable: $MARKER"`},
+	}, jobapi.Job{
 		Name: "not-allowed", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
 		Services: []jobapi.Service{{Name: "redis:7"}},
 		Script:   []string{"echo NEVER-RUNS"},
 	})
-	ok, refused := res[0], res[1]
+	ok, inContainer, refused := res[0], res[1], res[2]
 	require.Equal(t, jobapi.StateSuccess, ok.State, ok.Trace)
 	require.Contains(t, ok.Trace, "postgres says: marker=from-the-job")
 	require.Contains(t, ok.Trace, "db says: marker=from-the-job")
 	require.Regexp(t, `Services ready in \S+: 1 started`, ok.Trace)
-	require.Equal(t, idle[0], warmVM(ok.Trace), "the job claimed the idle VM")
+	require.Contains(t, idle, warmVM(ok.Trace), "the job claimed an idle VM")
 	require.Contains(t, ok.Trace, `Using image docker.io/library/postgres:15 for service "postgres:15" (services[0]) (pull policy if-not-present: already in the VM)`)
 	require.NotContains(t, ok.Trace, "Pulling image", "a warm job with a pre-pulled image pulls nothing")
 	// CI_DEBUG_SERVICES: what the service wrote while the script ran (one
@@ -395,6 +407,14 @@ plain_http = [%q]
 	require.Contains(t, ok.Trace, "[service lve-service-0] svcserver: GET / answered")
 	require.NotContains(t, ok.Trace, "does not provide services")
 	require.NotContains(t, ok.Trace, secret)
+
+	require.Equal(t, jobapi.StateSuccess, inContainer.State, inContainer.Trace)
+	require.Contains(t, idle, warmVM(inContainer.Trace), "the container job claimed the other idle VM")
+	require.NotEqual(t, warmVM(ok.Trace), warmVM(inContainer.Trace))
+	require.Contains(t, inContainer.Trace, "ID=lve-container-test", "the script ran in the container")
+	require.Contains(t, inContainer.Trace, "variable: from-the-job")
+	require.Contains(t, inContainer.Trace, `Using image docker.io/library/alpine:3.19 for the job's image "alpine:3.19" (pull policy if-not-present: already in the VM)`)
+	require.NotContains(t, inContainer.Trace, "Pulling image")
 
 	require.Equal(t, jobapi.StateFailed, refused.State, refused.Trace)
 	require.Contains(t, refused.Trace, "redis:7")
@@ -409,8 +429,18 @@ plain_http = [%q]
 			starts = append(starts, l)
 		}
 	}
-	require.Len(t, starts, 1, "one prepare started services: %v", starts)
-	require.Regexp(t, `"services":\{"started":1,"s":[0-9.e+-]+,"result":"ok"\}`, starts[0])
+	require.Len(t, starts, 2, "two prepares started services or a container: %v", starts)
+	var withService, withContainer int
+	for _, l := range starts {
+		if regexp.MustCompile(`"services":\{"started":1,"s":[0-9.e+-]+,"result":"ok"\}`).MatchString(l) {
+			withService++
+		}
+		if regexp.MustCompile(`"services":\{"started":0,"s":[0-9.e+-]+,"container":true,"result":"ok"\}`).MatchString(l) {
+			withContainer++
+		}
+	}
+	require.Equal(t, 1, withService, "one prepare started one service: %v", starts)
+	require.Equal(t, 1, withContainer, "one prepare started the job's container: %v", starts)
 
 	// selftest --services (#46 item 4): what an admin runs before pointing
 	// GitLab at the host; its services job (in a podman VM of this
