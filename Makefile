@@ -147,6 +147,7 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 	  if [ -n "$$big" ]; then echo "tracked files over 1 MiB (build outputs belong in bin/, ignored):"; echo "$$big"; exit 1; fi
 	$(GO) vet ./...
 	$(GO) vet -tags e2e ./test/e2e/
+	$(GO) vet -tags "e2e bench" ./test/e2e/
 	@command -v golangci-lint >/dev/null || { echo "make lint needs golangci-lint: run 'make deps' as root" >&2; exit 1; }
 	golangci-lint run ./...
 	@command -v shellcheck >/dev/null || { echo "make lint needs shellcheck: run 'make deps' as root" >&2; exit 1; }
