@@ -376,9 +376,7 @@ vm_image = "podman"
 	get := func(host string) string {
 		return `exec 3<>/dev/tcp/` + host + `/5432; printf 'GET / HTTP/1.0\r\n\r\n' >&3; echo "` + host + ` says: $(tail -n 1 <&3)"; exec 3<&-`
 	}
-	// The two warm jobs at once, as a runner with concurrent = 2 runs
-	// them (each claims an idle VM of its own).
-	res := rr.runMulti(t, 2, jobapi.Job{
+	res := rr.runJobs(t, jobapi.Job{
 		Name: "with-services", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
 		Variables: []jobapi.Variable{
 			{Key: "MARKER", Value: "from-the-job", Public: true},
