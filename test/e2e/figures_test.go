@@ -295,6 +295,7 @@ func TestMain(m *testing.M) {
 		return
 	}
 	code := m.Run()
+	endConfined()
 	figures.end()
 	os.Exit(code)
 }

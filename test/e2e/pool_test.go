@@ -48,7 +48,7 @@ func (r *rig) serve(t *testing.T) *service {
 // removes them in the end).
 func (r *rig) serveKeeping(t *testing.T, keepIdle bool) *service {
 	t.Helper()
-	s, err := poolsvc.Start(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath)
+	s, err := poolsvc.StartAs(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath, r.cred())
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		select {
