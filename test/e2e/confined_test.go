@@ -72,7 +72,12 @@ func (r *rig) confine(t *testing.T) {
 	if os.Geteuid() != 0 {
 		t.Fatalf("%s=%s needs root to make and confine that user", runnerUserEnv, name)
 	}
-	confinedOnce.Do(func() { confined, confinedErr = setupConfined(r, name) })
+	confinedOnce.Do(func() {
+		confined, confinedErr = setupConfined(r, name)
+		if confinedErr == nil {
+			t.Logf("confined mode: the driver runs as %s (uid %d) under %s, configuration %s", name, confined.user.cred.Uid, confined.rules, confined.cfgPath)
+		}
+	})
 	require.NoError(t, confinedErr, "the confined runner's user %s", name)
 	r.root = &rig{cfg: r.cfg, cfgPath: r.cfgPath, bin: r.bin, conn: r.conn}
 	r.cfg, r.cfgPath, r.bin, r.user = confined.cfg, confined.cfgPath, confined.bin, &confined.user
@@ -133,7 +138,7 @@ func setupConfined(r *rig, name string) (*confinedSuite, error) {
 		return nil, err
 	}
 	for _, e := range entries {
-		if !strings.HasPrefix(e.Name(), "libvirt-executor") || e.IsDir() {
+		if e.IsDir() || !strings.HasPrefix(e.Name(), "libvirt-executor") && e.Name() != "lve-agent" {
 			continue
 		}
 		if err := installCopy(filepath.Join(r.bin, e.Name()), filepath.Join(s.bin, e.Name())); err != nil {
