@@ -5,6 +5,7 @@ package e2e
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"fmt"
 	"os"
 	"os/exec"
@@ -19,6 +20,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 )
 
 // The confined mode (make test-e2e-confined): with LVE_E2E_RUNNER_USER=NAME
@@ -49,6 +53,7 @@ type confinedSuite struct {
 	cfg     *config.Config
 	bin     string
 	runner  string // the real gitlab-runner, started as the user (a wrapper)
+	testBin string // a copy of this test binary, for managerAs
 	rules   string // the polkit rules file, removed when the tests end
 }
 
@@ -142,6 +147,14 @@ func setupConfined(r *rig, name string) (*confinedSuite, error) {
 			continue
 		}
 		if err := installCopy(filepath.Join(r.bin, e.Name()), filepath.Join(s.bin, e.Name())); err != nil {
+			return nil, err
+		}
+	}
+	// This test binary, for what the tests do in-process with the user's
+	// installation (managerAs).
+	if self, err := os.Executable(); err == nil {
+		s.testBin = filepath.Join(s.bin, "e2e.test")
+		if err := installCopy(self, s.testBin); err != nil {
 			return nil, err
 		}
 	}
@@ -347,4 +360,93 @@ func virshQuiet(u testUser, uri string, args ...string) (string, error) {
 	cmd.Dir = home
 	out, err := cmd.CombinedOutput()
 	return string(out), err
+}
+
+// The pool tests look at and remove standby VMs through the installation,
+// in this process. In the confined mode the installation is the runner's
+// user's, and the state directory refuses root's changes (state.CheckOwner):
+// the same calls run in a copy of this test binary as that user.
+
+// managerOpEnv makes the test binary run one manager operation (TestMain).
+const managerOpEnv = "LVE_E2E_MANAGER_OP"
+
+// managerAnswer is what a manager operation printed, as JSON.
+type managerAnswer struct {
+	Idle, Other []string
+	Errors      []string
+	Age         time.Duration
+	OK          bool
+}
+
+// managerOp runs op ("standbys", "remove-standbys", "service-status") on
+// the installation of the configuration in LVE_E2E_CONFIG and prints its
+// answer; it returns the exit code.
+func managerOp(op string) int {
+	fail := func(err error) int {
+		fmt.Fprintln(os.Stderr, err)
+		return 1
+	}
+	cfg, err := config.Load(os.Getenv("LVE_E2E_CONFIG"))
+	if err != nil {
+		return fail(err)
+	}
+	m, err := jobvm.Open(cfg, lifecycle.Options{})
+	if err != nil {
+		return fail(err)
+	}
+	defer m.Close()
+	var a managerAnswer
+	switch op {
+	case "standbys":
+		if a.Idle, a.Other, err = standbysOf(m); err != nil {
+			return fail(err)
+		}
+	case "remove-standbys":
+		_, errs := poolsvc.RemoveStandbys(context.Background(), m, 2*time.Minute, "test over")
+		for _, e := range errs {
+			a.Errors = append(a.Errors, e.Error())
+		}
+	case "service-status":
+		_, a.Age, a.OK = m.ServiceStatus()
+	default:
+		return fail(fmt.Errorf("unknown manager operation %q", op))
+	}
+	if err := json.NewEncoder(os.Stdout).Encode(a); err != nil {
+		return fail(err)
+	}
+	return 0
+}
+
+// managerAs runs op as the runner's user and decodes its answer into a.
+func (r *rig) managerAs(t *testing.T, op string, a *managerAnswer) {
+	t.Helper()
+	require.NotEmpty(t, confined.testBin, "the test binary, where the runner's user can run it")
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, confined.testBin)
+	cmd.Env = []string{managerOpEnv + "=" + op, "LVE_E2E_CONFIG=" + r.cfgPath, "PATH=/usr/bin:/bin", "HOME=/nonexistent"}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: r.user.cred}
+	var stderr strings.Builder
+	cmd.Stderr = &stderr
+	out, err := cmd.Output()
+	require.NoError(t, err, "%s as %s: %s", op, r.user.name, stderr.String())
+	require.NoError(t, json.Unmarshal(out, a), "%s as %s: %s", op, r.user.name, out)
+}
+
+// serviceStatus returns a look at the pool service's heartbeat: its age
+// and whether there is one.
+func (r *rig) serviceStatus(t *testing.T) func() (time.Duration, bool) {
+	t.Helper()
+	if r.user != nil {
+		return func() (time.Duration, bool) {
+			var a managerAnswer
+			r.managerAs(t, "service-status", &a)
+			return a.Age, a.OK
+		}
+	}
+	m := r.manager(t)
+	return func() (time.Duration, bool) {
+		_, age, ok := m.ServiceStatus()
+		return age, ok
+	}
 }
