@@ -3,6 +3,7 @@
 package e2e
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"os"
@@ -67,7 +68,7 @@ func (rr *realRunner) runMultiCancel(t *testing.T, concurrent, cancel int, after
 	done := make(chan error, 1)
 	go func() {
 		done <- jobapi.RunMulti(ctx, jobapi.RunMultiOptions{
-			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
+			Binary: cmp.Or(rr.asUser, rr.bin), URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
 			Custom: rr.custom(), BuildsDir: "/builds", CacheDir: "/cache", Concurrent: concurrent,
 			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home},
 			Dir: rr.workDir, Stdout: &out, Stderr: &out,
