@@ -31,12 +31,12 @@ BENCH_SERVICES_RUNS ?= 3
 comma := ,
 GO_WANT := $(shell sed -n 's/^go //p' go.mod)
 
-.PHONY: help deps build build-prereqs package release test test-unit test-e2e soak lint install demo bench rig-up rig-down images clean
+.PHONY: help deps build build-prereqs package release test test-unit test-e2e test-e2e-confined soak lint install demo bench rig-up rig-down images clean
 
 # `build` needs only Go (and the C toolchain and libvirt-dev of the cgo binding), not
 # root. The targets below install what they need first (root): when one of them is
 # asked for, `build` and its checks come after `deps` (also with make -j).
-DEPS_GOALS := deps test test-e2e soak demo bench install
+DEPS_GOALS := deps test test-e2e test-e2e-confined soak demo bench install
 ifneq ($(filter $(DEPS_GOALS),$(MAKECMDGOALS)),)
 build-prereqs: deps
 endif
@@ -94,6 +94,11 @@ test-e2e: deps build ## end-to-end tests on real VMs in the private rig (root; i
 	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_IMAGES=debian,cloud LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 LVE_E2E_GITLAB_RUNNER=$$runner LVE_E2E_STEP_RUNNER=$$steprunner \
 	    $(GO) test -tags e2e -count=1 -timeout 55m -v ./test/e2e/ 2>&1 | tee $(BIN)/e2e.log || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
+
+E2E_RUNNER_USER ?= lve-e2e-runner
+
+test-e2e-confined: ## test-e2e with every driver executable run as a polkit-confined runner user (LVE_E2E_RUNNER_USER, made and kept; docs/security.md)
+	@LVE_E2E_RUNNER_USER=$(E2E_RUNNER_USER) $(MAKE) --no-print-directory test-e2e
 
 SOAK_ROUNDS ?= 1
 SOAK_JOBS ?= 1000

@@ -183,6 +183,9 @@ type RunMultiOptions struct {
 	// Dir is the runner's working directory ("" for this process's).
 	Dir            string
 	Stdout, Stderr io.Writer
+	// RunAs, if set, runs the runner as this user (as systemd's User=
+	// does): its config.toml and the directory holding it are given to it.
+	RunAs *syscall.Credential
 }
 
 // multiConfig is the config.toml RunMulti writes (gitlab-runner's
@@ -277,8 +280,18 @@ func RunMulti(ctx context.Context, o RunMultiOptions) error {
 	if err := os.WriteFile(cfgPath, data, 0o600); err != nil {
 		return err
 	}
+	if o.RunAs != nil {
+		for _, p := range []string{dir, cfgPath} {
+			if err := os.Chown(p, int(o.RunAs.Uid), int(o.RunAs.Gid)); err != nil {
+				return err
+			}
+		}
+	}
 
 	cmd := exec.Command(o.Binary, "run", "--config", cfgPath, "--working-directory", cmp.Or(o.Dir, dir)) //nolint:gosec // G204: the operator's binary, a path this function made
+	if o.RunAs != nil {
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: o.RunAs}
+	}
 	cmd.Env = o.Env
 	cmd.Dir = o.Dir
 	cmd.Stdout, cmd.Stderr = o.Stdout, o.Stderr

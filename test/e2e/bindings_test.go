@@ -4,8 +4,6 @@ package e2e
 
 import (
 	"fmt"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -53,7 +51,7 @@ func TestStaleFilterBindings(t *testing.T) {
 	require.NotContains(t, r.staleBindings(t), "binding "+dev+" "+name, "a running machine's binding is not stale")
 
 	r.staleBinding(t, "vnet9999", prefix+"gone-2")
-	out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+	out, err := r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	require.Contains(t, string(out), "removed stale network filter binding vnet9999 ("+vm.FilterName+" of "+prefix+"gone-2) (its machine did not run)")
 	require.Empty(t, r.staleBindings(t))

@@ -34,11 +34,15 @@ func (r *rig) withConfig(t *testing.T, edit func(string) string) *rig {
 	t.Helper()
 	b, err := os.ReadFile(r.cfgPath)
 	require.NoError(t, err)
-	path := filepath.Join(t.TempDir(), "config.toml")
-	require.NoError(t, os.WriteFile(path, []byte(edit(string(b))), 0o600))
+	path, mode := filepath.Join(t.TempDir(), "config.toml"), os.FileMode(0o600)
+	if r.user != nil {
+		// Where the runner's user reads it.
+		path, mode = filepath.Join(readableDir(t), "config.toml"), 0o644
+	}
+	require.NoError(t, os.WriteFile(path, []byte(edit(string(b))), mode))
 	cfg, err := config.Load(path)
 	require.NoError(t, err)
-	return &rig{cfg: cfg, cfgPath: path, bin: r.bin, conn: r.conn}
+	return &rig{cfg: cfg, cfgPath: path, bin: r.bin, conn: r.conn, user: r.user, root: r.root}
 }
 
 // setKey replaces (or adds, at the top level) "key = value".
@@ -63,6 +67,7 @@ type running struct {
 func (s *stageRunner) start(t *testing.T, stage string, args ...string) *running {
 	t.Helper()
 	rn := &running{done: make(chan struct{})}
+	s.handOverArgs(t, args)
 	rn.cmd = exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
 	rn.cmd.Dir, rn.cmd.Env = s.dir, s.env
 	rn.cmd.Stdout, rn.cmd.Stderr = &rn.out, &rn.err
@@ -300,7 +305,7 @@ func TestFaultSIGKILLPrepare(t *testing.T) {
 				deadline := r.ownerDeadline(t, name)
 				waitFor(t, 30*time.Second, "the machine's deadline ("+deadline.Format(time.RFC3339Nano)+") passed",
 					func() bool { return time.Now().After(deadline) })
-				out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+				out, err := r.admin("gc").CombinedOutput()
 				t.Logf("gc: %s", out)
 				require.NoError(t, err)
 			}
@@ -343,7 +348,7 @@ func TestFaultSIGTERM(t *testing.T) {
 		// A state directory of its own: the guest tool check, the step
 		// after SSH answers, is remembered per image in the state directory
 		// and would otherwise be skipped.
-		stateDir := t.TempDir()
+		stateDir := r.userDir(t)
 		r := r.withConfig(t, setKey("state_dir", fmt.Sprintf("%q", stateDir)))
 		// Another installation (controller id): its own tools volume, not kept.
 		t.Cleanup(func() { r.removeToolsVolumes(t, stateDir) })
@@ -375,6 +380,8 @@ func TestFaultSIGTERM(t *testing.T) {
 		name := s.name(t)
 		unlock, err := state.Store{Dir: r.cfg.StateDir}.TryLock(name)
 		require.NoError(t, err)
+		// (The confined mode: the lock file stays the stages' user's.)
+		r.handOver(t, filepath.Join(r.cfg.StateDir, "locks", name+".lock"))
 		// Cleanup tries the lock every 50 ms, opening its file each time:
 		// a second open means the first found it taken and cleanup waits.
 		opens := watchOpens(t, filepath.Join(r.cfg.StateDir, "locks", name+".lock"))

@@ -294,7 +294,11 @@ func TestMain(m *testing.M) {
 		helperListen(addr) // the test binary as a tiny TCP service, see metadataStandIn
 		return
 	}
+	if op := os.Getenv(managerOpEnv); op != "" {
+		os.Exit(managerOp(op)) // the test binary as the runner's user, see rig.managerAs
+	}
 	code := m.Run()
+	endConfined()
 	figures.end()
 	os.Exit(code)
 }

@@ -20,6 +20,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
@@ -247,6 +248,11 @@ func jobTarball(t *testing.T, ranURL, configuredURL, job string) []byte {
 func garmCall(t *testing.T, bin, cfg, ctrl, pool, command, instance, stdin string) (string, string, int) {
 	t.Helper()
 	cmd := exec.Command(filepath.Join(bin, "libvirt-executor-garm"))
+	if confined != nil && bin == confined.bin {
+		// The confined mode: the provider runs as the runner's user, whose
+		// state directory it shares.
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: confined.user.cred}
+	}
 	cmd.Env = append(os.Environ(), "GARM_COMMAND="+command, "GARM_CONTROLLER_ID="+ctrl, "GARM_POOL_ID="+pool,
 		"GARM_INSTANCE_ID="+instance, "GARM_PROVIDER_CONFIG_FILE="+cfg, "GARM_INTERFACE_VERSION=v0.1.1")
 	cmd.Stdin = strings.NewReader(stdin)
@@ -292,8 +298,10 @@ func TestGarmProvider(t *testing.T) {
 
 	// doctor: garm's endpoint answers and the guard lets the guests reach
 	// it; the closed one is a failure naming the guard's ports.
+	// (As root: the guard's configuration is in the rig's private run
+	// directory; doctor only reads the state directory.)
 	doc := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "doctor")
-	doc.Env = append(os.Environ(), "LIBVIRT_EXECUTOR_GUARD_CONF="+filepath.Join(filepath.Dir(base.cfgPath), "run", "hooks", "libvirt-executor-guard.conf"))
+	doc.Env = append(os.Environ(), "LIBVIRT_EXECUTOR_GUARD_CONF="+filepath.Join(filepath.Dir(base.rigConfigPath()), "run", "hooks", "libvirt-executor-guard.conf"))
 	docOut, _ := doc.CombinedOutput()
 	require.Contains(t, string(docOut), "[ok  ] garm endpoint http://"+ln.Addr().String()+": answers; the guard lets the guests reach port", string(docOut))
 	require.Contains(t, string(docOut), "[FAIL] garm endpoint "+closed+": the guard keeps the guests of network", string(docOut))

@@ -5,7 +5,6 @@ package e2e
 import (
 	"fmt"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"syscall"
@@ -330,7 +329,7 @@ func TestFaultReaperKilled(t *testing.T) {
 			}
 			require.NoFileExists(t, filepath.Join(r.cfg.StateDir, "machines", name, "id_ed25519"))
 			waitFor(t, 10*time.Second, "no connection holder of "+name, func() bool { return len(holderProcesses(name)) == 0 })
-			out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+			out, err := r.admin("gc").CombinedOutput()
 			t.Logf("gc: %s", out)
 			require.NoError(t, err)
 			left := r.leftovers(t)

@@ -11,7 +11,6 @@ import (
 	"io"
 	"io/fs"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -42,7 +41,7 @@ func hostCacheRunner(t *testing.T, extra string) (*realRunner, string) {
 func hostCacheRig(t *testing.T, extra string, idle int, edits ...func(string) string) (*realRunner, string, *rig) {
 	t.Helper()
 	rr := newRealRunner(t)
-	dir := filepath.Join(t.TempDir(), "host-cache")
+	dir := filepath.Join(rr.r.userDir(t), "host-cache")
 	r := rr.r.withConfig(t, func(s string) string {
 		s += fmt.Sprintf("\n[cache]\ndir = %q\n%s", dir, extra)
 		if idle > 0 {
@@ -368,7 +367,7 @@ func TestHostCacheWarmVM(t *testing.T) {
 		r.reconnect(t, rr.r)
 	}
 	gc := func() string {
-		out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "gc").CombinedOutput()
+		out, err := r.admin("gc").CombinedOutput()
 		require.NoError(t, err, "%s", out)
 		return string(out)
 	}
@@ -466,7 +465,7 @@ func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
 // the run stage restores and saves.)
 func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 	base := setup(t)
-	dir := filepath.Join(t.TempDir(), "host-cache")
+	dir := filepath.Join(base.userDir(t), "host-cache")
 	r := base.withConfig(t, func(s string) string { return s + fmt.Sprintf("\n[cache]\ndir = %q\n", dir) })
 	const size = 64 << 20
 	// The runner's archive_cache stage makes an archive (64 MiB: long

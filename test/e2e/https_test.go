@@ -61,7 +61,7 @@ func newTestCA(t *testing.T, host string) *testCA {
 		KeyUsage: x509.KeyUsageDigitalSignature, ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
 	leafDER, err := x509.CreateCertificate(rand.Reader, leafTmpl, ca, &key.PublicKey, caKey)
 	require.NoError(t, err)
-	file := filepath.Join(t.TempDir(), "gitlab-ca.pem")
+	file := filepath.Join(readableDir(t), "gitlab-ca.pem")
 	require.NoError(t, os.WriteFile(file, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: caDER}), 0o644))
 	return &testCA{File: file, cert: tls.Certificate{Certificate: [][]byte{leafDER, caDER}, PrivateKey: key}}
 }

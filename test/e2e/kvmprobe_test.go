@@ -6,7 +6,6 @@ import (
 	"context"
 	"encoding/json"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"strings"
@@ -40,7 +39,7 @@ func TestDomainTypeAutoProbesKVM(t *testing.T) {
 	_, devErr := os.Stat("/dev/kvm")
 	t.Logf("/dev/kvm: %v; vmx/svm in /proc/cpuinfo: %v", devErr == nil, virt)
 
-	out, _ := exec.Command(filepath.Join(ra.bin, "libvirt-executor"), "--config", ra.cfgPath, "doctor").CombinedOutput()
+	out, _ := ra.admin("doctor").CombinedOutput()
 	t.Logf("doctor:\n%s", out)
 	line := regexp.MustCompile(`(?m)^\[[a-z ]+\] domain type: .*(\n +fix: .*)?`).Find(out)
 	require.NotNil(t, line, "doctor has a domain type line")

@@ -170,9 +170,10 @@ func (p *promServer) waitValue(t *testing.T, q string, want float64, within time
 func TestMetricsScrapedByPrometheus(t *testing.T) {
 	promBin, promtool := requirePrometheus(t)
 	metricsAddr := loopbackAddr(t)
-	stepLog := filepath.Join(t.TempDir(), "log", "steps.jsonl")
+	base := setup(t)
+	stepLog := filepath.Join(base.userDir(t), "log", "steps.jsonl")
 	serveHeader := regexp.MustCompile(`(?m)^\[serve\][ \t]*$`)
-	r := setup(t).withPool(t, 1).withConfig(t, func(s string) string {
+	r := base.withPool(t, 1).withConfig(t, func(s string) string {
 		s = serveHeader.ReplaceAllString(s, fmt.Sprintf("[serve]\nmetrics_listen = %q", metricsAddr))
 		return s + fmt.Sprintf("\n[log]\nsteps = \"file\"\nsteps_file = %q\n", stepLog)
 	})

@@ -45,6 +45,7 @@ const hostCacheDir = "/var/cache/libvirt-executor/jobs"
 // purging removes the state only when asked (LIBVIRT_EXECUTOR_PURGE_STATE).
 func TestDebianPackage(t *testing.T) {
 	rr := newRealRunner(t)
+	rr.rootOnly(t, "installs the .deb and runs its jobs as the package's own gitlab-runner user (postinst's), with the rig's state")
 	r := rr.r
 	for _, tool := range []string{"dpkg", "dpkg-deb", "lintian", "git", "strip"} {
 		if _, err := exec.LookPath(tool); err != nil {

@@ -48,7 +48,7 @@ func (r *rig) serve(t *testing.T) *service {
 // removes them in the end).
 func (r *rig) serveKeeping(t *testing.T, keepIdle bool) *service {
 	t.Helper()
-	s, err := poolsvc.Start(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath)
+	s, err := poolsvc.StartAs(filepath.Join(r.bin, "libvirt-executor"), r.cfgPath, r.cred())
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		select {
@@ -92,9 +92,21 @@ func (r *rig) manager(t *testing.T) *jobvm.Host {
 // it to be gone.
 func (r *rig) standbys(t *testing.T) (idle, other []string) {
 	t.Helper()
-	m := r.manager(t)
-	all, err := m.Standbys()
+	if r.user != nil {
+		var a managerAnswer
+		r.managerAs(t, "standbys", &a)
+		return a.Idle, a.Other
+	}
+	idle, other, err := standbysOf(r.manager(t))
 	require.NoError(t, err)
+	return idle, other
+}
+
+func standbysOf(m *jobvm.Host) (idle, other []string, err error) {
+	all, err := m.Standbys()
+	if err != nil {
+		return nil, nil, err
+	}
 	for _, s := range all {
 		if e, _ := m.Manager().Store.EndedOf(s.Name); e != nil {
 			continue
@@ -105,7 +117,7 @@ func (r *rig) standbys(t *testing.T) (idle, other []string) {
 			other = append(other, s.Name)
 		}
 	}
-	return idle, other
+	return idle, other, nil
 }
 
 // waitIdle waits until exactly n standby VMs are idle and none boots or
@@ -123,6 +135,12 @@ func (r *rig) waitIdle(t *testing.T, n int, within time.Duration) []string {
 // removeStandbys removes every standby VM (the service is stopped).
 func (r *rig) removeStandbys(t *testing.T) {
 	t.Helper()
+	if r.user != nil {
+		var a managerAnswer
+		r.managerAs(t, "remove-standbys", &a)
+		require.Empty(t, a.Errors)
+		return
+	}
 	_, errs := poolsvc.RemoveStandbys(context.Background(), r.manager(t), 2*time.Minute, "test over")
 	require.Empty(t, errs)
 }
@@ -225,10 +243,10 @@ func TestPoolFaults(t *testing.T) {
 		svc = keep(t)
 		// A few looks of the restarted service at its pools, health checks
 		// included: each touches its heartbeat anew.
-		m := r.manager(t)
+		status := r.serviceStatus(t)
 		looks, last := 0, time.Duration(-1)
 		waitFor(t, 2*time.Minute, "three looks of the restarted service", func() bool {
-			_, age, ok := m.ServiceStatus()
+			age, ok := status()
 			switch {
 			case !ok:
 			case last >= 0 && age < last:

@@ -68,7 +68,13 @@ func TestUnprivilegedRunnerUser(t *testing.T) {
 		copyFile(t, filepath.Join(r.bin, name), filepath.Join(bin, name), 0o755)
 	}
 
-	runner := ensureUser(t, "lve-e2e-runner", true)
+	// The confined mode's own user (LVE_E2E_RUNNER_USER) has the suite's
+	// rules already: this test confines one of its own.
+	runnerName := "lve-e2e-runner"
+	if confinedUser() == runnerName {
+		runnerName = "lve-e2e-runner-p"
+	}
+	runner := ensureUser(t, runnerName, true)
 	outsider := ensureUser(t, "lve-e2e-outsider", false)
 
 	t.Run("job as a libvirt group member", func(t *testing.T) {
@@ -293,20 +299,30 @@ func ensureUser(t *testing.T, name string, inLibvirt bool) testUser {
 	}
 	out, err := exec.Command("usermod", append(args, name)...).CombinedOutput()
 	require.NoError(t, err, "usermod: %s", out)
-	u, err := user.Lookup(name)
+	u, err := lookupTestUser(name)
 	require.NoError(t, err)
+	return u
+}
+
+// lookupTestUser is the user name with the groups its login would get, as
+// systemd's User= gives them to gitlab-runner.
+func lookupTestUser(name string) (testUser, error) {
+	u, err := user.Lookup(name)
+	if err != nil {
+		return testUser{}, err
+	}
 	uid, _ := strconv.Atoi(u.Uid)
 	gid, _ := strconv.Atoi(u.Gid)
-	// The groups the user's login would get, as systemd's User= gives them
-	// to gitlab-runner.
 	gids, err := u.GroupIds()
-	require.NoError(t, err)
+	if err != nil {
+		return testUser{}, err
+	}
 	cred := &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}
 	for _, g := range gids {
 		n, _ := strconv.Atoi(g)
 		cred.Groups = append(cred.Groups, uint32(n))
 	}
-	return testUser{name: name, cred: cred}
+	return testUser{name: name, cred: cred}, nil
 }
 
 // privateConfig is the rig's configuration with its own state directory,

@@ -46,6 +46,8 @@ type realRunner struct {
 	// noDistributedCache: the runner gets no S3 cache (the host cache's
 	// tests: the archives stay in the guest's cache_dir).
 	noDistributedCache bool
+	// asUser, in the confined mode, starts bin as the runner's user.
+	asUser string
 	// url and caFile, if set, are the GitLab URL the runner is given
 	// instead of the fake's own, and the CA file it trusts for it
 	// (--tls-ca-file): the fake behind a TLS front with a host name.
@@ -65,7 +67,11 @@ func newRealRunner(t *testing.T) *realRunner {
 	require.NoError(t, err)
 	t.Cleanup(func() { _ = api.Close(); cancel() })
 	repo, sha := r.repo(t)
-	return &realRunner{r: r, bin: bin, api: api, repo: repo, sha: sha, home: t.TempDir(), workDir: t.TempDir()}
+	rr := &realRunner{r: r, bin: bin, api: api, repo: repo, sha: sha, home: r.userDir(t), workDir: r.userDir(t)}
+	if r.user != nil {
+		rr.asUser = confined.runner
+	}
+	return rr
 }
 
 // custom is the Custom executor's settings: the four executables with the
@@ -94,7 +100,7 @@ func (rr *realRunner) start(t *testing.T, n int) (wait func() (string, error)) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	go func() {
 		done <- jobapi.RunSingle(ctx, jobapi.RunSingleOptions{
-			Binary: rr.bin, URL: cmp.Or(rr.url, rr.api.URL()), TLSCAFile: rr.caFile, Token: rr.api.RunnerToken(), Executor: "custom",
+			Binary: cmp.Or(rr.asUser, rr.bin), URL: cmp.Or(rr.url, rr.api.URL()), TLSCAFile: rr.caFile, Token: rr.api.RunnerToken(), Executor: "custom",
 			Custom:    rr.custom(),
 			BuildsDir: "/builds", CacheDir: "/cache",
 			MaxBuilds: n, WaitTimeout: 5 * time.Minute,
@@ -301,8 +307,8 @@ func TestRealRunnerServices(t *testing.T) {
 	rr := newRealRunner(t)
 	text, err := os.ReadFile(rr.r.cfgPath)
 	require.NoError(t, err)
-	rr.cfgPath = filepath.Join(t.TempDir(), "config.toml")
-	require.NoError(t, os.WriteFile(rr.cfgPath, append(text, "\n[gitlab]\nservices = \"fail\"\n"...), 0o600))
+	rr.cfgPath = filepath.Join(readableDir(t), "config.toml")
+	require.NoError(t, os.WriteFile(rr.cfgPath, append(text, "\n[gitlab]\nservices = \"fail\"\n"...), 0o644))
 	res := rr.runJobs(t, jobapi.Job{
 		Name: "with-services", Script: []string{"echo SCRIPT-RAN"},
 		Services: []jobapi.Service{{Name: "postgres:15", Alias: "db"}, {Name: "redis:7"}},

@@ -43,6 +43,7 @@ func TestImageFromRegistry(t *testing.T) {
 	store, err := os.MkdirTemp("/var/cache/libvirt-executor", "oci-e2e-") // QEMU reads the stored files
 	require.NoError(t, err)
 	require.NoError(t, os.Chmod(store, 0o755))
+	base.handOver(t, store)
 	t.Cleanup(func() { _ = os.RemoveAll(store) })
 	tiny, ok := base.cfg.Image("tiny")
 	require.True(t, ok, "the rig's tiny image")
@@ -65,7 +66,7 @@ cmdline = %q
 `, store, reg.Host, src, tiny.User, tiny.Shell, tiny.BuildsDir, tiny.CacheDir, tiny.KeyInjection, tiny.Cmdline)
 	})
 	admin := func(args ...string) (string, error) {
-		out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), append([]string{"--config", r.cfgPath}, args...)...).CombinedOutput()
+		out, err := r.admin(args...).CombinedOutput()
 		t.Logf("libvirt-executor %s:\n%s", strings.Join(args, " "), out)
 		return string(out), err
 	}
@@ -92,7 +93,7 @@ cmdline = %q
 	require.Regexp(t, `Pulled `+regexp.QuoteMeta(src)+` \(`+v1+`, [0-9.]+ MiB received, [0-9.]+ MiB stored\) in `, res.Log)
 
 	// The tag moves: the same disk in other bytes, same kernel and initrd.
-	disk2 := filepath.Join(t.TempDir(), "disk.qcow2")
+	disk2 := filepath.Join(readableDir(t), "disk.qcow2")
 	conv, err := exec.Command("qemu-img", "convert", "-O", "qcow2", "-o", "cluster_size=131072", tiny.Base, disk2).CombinedOutput()
 	require.NoError(t, err, "%s", conv)
 	out, err = admin("image", "push", "--disk", disk2, "--kernel", tiny.Kernel, "--initrd", tiny.Initrd, src)
@@ -105,7 +106,7 @@ cmdline = %q
 
 	// A corrupted blob under another tag: refused, nothing stored.
 	bad := "oci://" + reg.Host + "/vm/tiny:bad"
-	small := filepath.Join(t.TempDir(), "disk.qcow2")
+	small := filepath.Join(readableDir(t), "disk.qcow2")
 	conv, err = exec.Command("qemu-img", "create", "-f", "qcow2", small, "64M").CombinedOutput()
 	require.NoError(t, err, "%s", conv)
 	_, err = admin("image", "push", "--disk", small, bad)
@@ -169,6 +170,7 @@ func TestImageNamingAHostFileRefused(t *testing.T) {
 	store, err := os.MkdirTemp("/var/cache/libvirt-executor", "oci-e2e-")
 	require.NoError(t, err)
 	require.NoError(t, os.Chmod(store, 0o755))
+	rr.r.handOver(t, store)
 	t.Cleanup(func() { _ = os.RemoveAll(store) })
 
 	secretDir, err := os.MkdirTemp("/var/lib", "lve-e2e-secret-")
@@ -180,7 +182,7 @@ func TestImageNamingAHostFileRefused(t *testing.T) {
 	before, err := os.Stat(secret)
 	require.NoError(t, err)
 
-	evil := filepath.Join(t.TempDir(), "disk.qcow2")
+	evil := filepath.Join(readableDir(t), "disk.qcow2")
 	out, err := exec.Command("qemu-img", "create", "-q", "-f", "qcow2", "-b", secret, "-F", "raw", evil, "64M").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 	tiny, ok := rr.r.cfg.Image("tiny")
@@ -204,7 +206,7 @@ cmdline = %q
 `, store, reg.Host, src, tiny.User, tiny.Shell, tiny.BuildsDir, tiny.CacheDir, tiny.KeyInjection, tiny.Cmdline)
 	})
 	rr.cfgPath = r.cfgPath
-	push, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "image", "push",
+	push, err := r.admin("image", "push",
 		"--disk", evil, "--kernel", tiny.Kernel, "--initrd", tiny.Initrd, src).CombinedOutput()
 	require.NoError(t, err, "%s", push)
 

@@ -12,7 +12,6 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"regexp"
 	"slices"
@@ -39,6 +38,10 @@ type rig struct {
 	cfgPath string
 	bin     string
 	conn    *libvirt.Connect
+	// user, in the confined mode (LVE_E2E_RUNNER_USER), is the runner's
+	// user the driver runs as, and root the rig as it is (rootOnly).
+	user *testUser
+	root *rig
 }
 
 // setup finds the rig. Without it the tests skip, saying what is missing,
@@ -66,6 +69,7 @@ func setup(t *testing.T) *rig {
 	}
 	t.Cleanup(func() { _, _ = conn.Close() })
 	r := &rig{cfg: cfg, cfgPath: cfgPath, bin: bin, conn: conn}
+	r.confine(t)
 	r.requireNoLeftovers(t, "before the test")
 	t.Cleanup(func() { r.requireNoLeftovers(t, "after the test") })
 	return r
@@ -106,6 +110,7 @@ func (r *rig) options(t *testing.T) (harness.Options, *logWriter) {
 		StageTimeouts:     harness.StageTimeouts{Prepare: 5 * time.Minute, Cleanup: 2 * time.Minute},
 		Log:               lw,
 		DebugLog:          io.Discard,
+		RunAs:             r.cred(),
 	}, lw
 }
 
@@ -167,7 +172,7 @@ func (r *rig) clearLeftovers(t *testing.T, left []string) {
 	if len(args) > 0 {
 		ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 		defer cancel()
-		cmd := exec.CommandContext(ctx, filepath.Join(r.bin, "libvirt-executor"), append([]string{"--config", r.cfgPath, "rm"}, args...)...)
+		cmd := r.adminContext(ctx, append([]string{"rm"}, args...)...)
 		out, err := cmd.CombinedOutput()
 		t.Logf("removing the leftovers %v: %v\n%s", args, err, out)
 	}
@@ -359,7 +364,15 @@ func stageExit(t *testing.T, res *harness.Result, name string) harness.StageResu
 // controller is the installation id of the rig's state directory.
 func (r *rig) controller(t *testing.T) string {
 	t.Helper()
-	id, err := state.Store{Dir: r.cfg.StateDir}.ControllerID()
+	st := state.Store{Dir: r.cfg.StateDir}
+	if r.user != nil {
+		// The runner's user's state directory: root only reads it (the
+		// confined suite's setup made the id, as that user).
+		id, err := st.ExistingControllerID()
+		require.NoError(t, err)
+		return id
+	}
+	id, err := st.ControllerID()
 	require.NoError(t, err)
 	return id
 }

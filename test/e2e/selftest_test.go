@@ -6,8 +6,6 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
-	"os/exec"
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -30,7 +28,7 @@ func TestSelftest(t *testing.T) {
 	host, _, err := net.SplitHostPort(addr)
 	require.NoError(t, err)
 	blocked := net.JoinHostPort(host, "31999")
-	cmd := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "selftest", "--runner", bin, "--listen", blocked, "--timeout", "5m")
+	cmd := r.admin("selftest", "--runner", r.readableRunner(bin), "--listen", blocked, "--timeout", "5m")
 	b, err := cmd.CombinedOutput()
 	out := string(b)
 	t.Logf("selftest --listen %s:\n%s", blocked, out)
@@ -58,7 +56,7 @@ func TestSelftestProbesGitLab(t *testing.T) {
 		ln := r.serviceListener(t)
 		listen := ln.Addr().String()
 		require.NoError(t, ln.Close())
-		cmd := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "selftest", "--runner", bin,
+		cmd := r.admin("selftest", "--runner", r.readableRunner(bin),
 			"--listen", listen, "--timeout", "6m", "--url", url, "--tls-ca-file", caFile)
 		b, err := cmd.CombinedOutput()
 		t.Logf("selftest --url %s --tls-ca-file %s:\n%s", url, caFile, b)

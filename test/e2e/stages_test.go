@@ -37,7 +37,7 @@ type stageResult struct {
 }
 
 func newStageRunner(t *testing.T, r *rig) *stageRunner {
-	return newStageRunnerFor(t, r, nextJobID(), t.TempDir())
+	return newStageRunnerFor(t, r, nextJobID(), r.userDir(t))
 }
 
 // newStageRunnerFor is newStageRunner for job id in work directory dir.
@@ -47,7 +47,13 @@ func newStageRunnerFor(t *testing.T, r *rig, id int64, dir string) *stageRunner 
 		"BUILD_FAILURE_EXIT_CODE=1", "SYSTEM_FAILURE_EXIT_CODE=2", "TMPDIR="+dir,
 		"JOB_RESPONSE_FILE="+filepath.Join(dir, "response.json"),
 		fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id), "CUSTOM_ENV_CI_JOB_STATUS=running")
-	return &stageRunner{r: r, dir: dir, env: env}
+	s := &stageRunner{r: r, dir: dir, env: env}
+	if r.user != nil {
+		// As the runner's user (the confined mode), in a directory of its own.
+		r.handOver(t, dir, filepath.Join(dir, "response.json"))
+		s.cred = r.user.cred
+	}
+	return s
 }
 
 func writePayload(t *testing.T, dir string, id int64, timeout int) {
@@ -66,6 +72,7 @@ func (s *stageRunner) run(t *testing.T, stage string, args ...string) stageResul
 		}
 		writePayload(t, s.dir, id, s.timeout)
 	}
+	s.handOverArgs(t, args)
 	cmd := exec.Command(s.r.exe(stage), append([]string{"--config", s.r.cfgPath}, args...)...)
 	cmd.Dir, cmd.Env = s.dir, s.env
 	if s.cred != nil {
@@ -90,6 +97,24 @@ func (s *stageRunner) runScript(t *testing.T, stage, script string) stageResult 
 	path := filepath.Join(s.dir, "script.")
 	require.NoError(t, os.WriteFile(path, []byte(script), 0o700))
 	return s.run(t, "run", path, stage)
+}
+
+// handOverArgs gives the files of the job's directory that a stage is
+// handed (the run stage's script) to the stages' user, when it is not
+// this process's: the runner writes them as its own user.
+func (s *stageRunner) handOverArgs(t *testing.T, args []string) {
+	t.Helper()
+	if s.cred == nil {
+		return
+	}
+	for _, a := range args {
+		if !strings.HasPrefix(a, s.dir+string(filepath.Separator)) {
+			continue
+		}
+		if _, err := os.Lstat(a); err == nil {
+			require.NoError(t, os.Lchown(a, int(s.cred.Uid), int(s.cred.Gid)))
+		}
+	}
 }
 
 func (s *stageRunner) name(t *testing.T) string {

@@ -67,7 +67,7 @@ func (rr *realRunner) runMultiCancel(t *testing.T, concurrent, cancel int, after
 	done := make(chan error, 1)
 	go func() {
 		done <- jobapi.RunMulti(ctx, jobapi.RunMultiOptions{
-			Binary: rr.bin, URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
+			Binary: rr.r.readableRunner(rr.bin), RunAs: rr.r.cred(), URL: rr.api.URL(), Token: rr.api.RunnerToken(), Executor: "custom",
 			Custom: rr.custom(), BuildsDir: "/builds", CacheDir: "/cache", Concurrent: concurrent,
 			Env: []string{"PATH=" + os.Getenv("PATH"), "HOME=" + rr.home},
 			Dir: rr.workDir, Stdout: &out, Stderr: &out,

@@ -61,13 +61,19 @@ type Service struct {
 // Start starts exe (libvirt-executor) serve with the configuration file at
 // configPath; its output is kept (Log).
 func Start(exe, configPath string) (*Service, error) {
+	return StartAs(exe, configPath, nil)
+}
+
+// StartAs is Start with the service running as cred (nil: this process's
+// user), as systemd's User= runs it.
+func StartAs(exe, configPath string, cred *syscall.Credential) (*Service, error) {
 	if _, err := os.Stat(exe); err != nil {
 		return nil, fmt.Errorf("pool service: %w (build it first: make build)", err)
 	}
 	s := &Service{done: make(chan struct{})}
 	s.cmd = exec.Command(exe, "--config", configPath, "serve")
 	s.cmd.Stdout, s.cmd.Stderr = &s.log, &s.log
-	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	s.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Credential: cred}
 	if err := s.cmd.Start(); err != nil {
 		return nil, fmt.Errorf("pool service: %w", err)
 	}
