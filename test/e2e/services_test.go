@@ -450,7 +450,7 @@ vm_image = "podman"
 	ln2 := r.serviceListener(t)
 	listen := ln2.Addr().String()
 	require.NoError(t, ln2.Close())
-	cmd := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "selftest", "--runner", rr.bin,
+	cmd := r.admin("selftest", "--runner", r.readableRunner(rr.bin),
 		"--listen", listen, "--timeout", "6m", "--sample-jobs=false",
 		"--services", "postgres:15", "--services-image", "podman", "--service-port", "5432")
 	b, err := cmd.CombinedOutput()
