@@ -123,7 +123,9 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	})
 	gitURL := byNameOverHTTPS(t, rr)
 	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
-	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache,
+	// The jobs of project 1 clone the same repository: the runner derives
+	// the project's cache directory from its URL.
+	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache, GitURL: gitURL, SHA: rr.sha,
 		Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt", "head -c 3145728 /dev/urandom > vendor/blob"}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "Created cache")
