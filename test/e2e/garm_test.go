@@ -42,8 +42,12 @@ type fakeGarm struct {
 	ran      map[string]int // what the runner services said they ran as
 	config   []string       // config.sh's arguments, as the fake runner got them
 	badAuth  []string
-	// down: until then garm's callback and metadata endpoints answer 503
-	down time.Time
+	// downFor: for this long from the first request to them, garm's
+	// callback and metadata endpoints answer 503 (unavailable counts the
+	// 503s; firstCall is when the first request came)
+	downFor     time.Duration
+	firstCall   time.Time
+	unavailable int
 	// patterns are what the guest's job searches for (/patterns); job is
 	// what it reported (/job)
 	patterns string
@@ -138,10 +142,17 @@ func (g *fakeGarm) handler(tokens map[string]string) http.Handler {
 		g.mu.Unlock()
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		api := strings.HasPrefix(r.URL.Path, "/api/v1/")
 		g.mu.Lock()
-		down := time.Now().Before(g.down)
+		if api && g.firstCall.IsZero() {
+			g.firstCall = time.Now()
+		}
+		down := api && g.downFor > 0 && time.Since(g.firstCall) < g.downFor
+		if down {
+			g.unavailable++
+		}
 		g.mu.Unlock()
-		if down && strings.HasPrefix(r.URL.Path, "/api/v1/") {
+		if down {
 			http.Error(w, "garm is down", http.StatusServiceUnavailable)
 			return
 		}
@@ -627,7 +638,8 @@ func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (str
 
 // TestGarmTokenGoneBeforeJobs: garm's token is gone from the guest before
 // the runner can take a job, without garm calling the provider again.
-// garm answers 503 for a minute (the bootstrap waits it out), and the test
+// garm answers 503 for 15 s from the bootstrap's first call (the bootstrap
+// waits it out, retrying: asserted), and the test
 // makes no provider call after CreateInstance: the first thing the runner
 // service does is a job that, as the runner user with its sudo, reads
 // every file and every block device of the guest (the seed disk included)
@@ -648,7 +660,9 @@ func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	sum := sha256.Sum256(g.tarball)
 	tok := "garm-token-job-" + fmt.Sprint(time.Now().UnixNano())
 	g.patterns = strings.Join(tokenForms(tok), "\n") + "\n"
-	g.down = time.Now().Add(time.Minute)
+	// Down from the bootstrap's first call, not from CreateInstance: the
+	// wait is the bootstrap's retries (1+2+4+8 s), not the guest's boot.
+	g.downFor = 15 * time.Second
 	srv := &http.Server{Handler: g.handler(map[string]string{tok: ""}), ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })
@@ -687,6 +701,10 @@ func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	job, seq := g.job[0], slices.Clone(g.statuses[tok])
 	g.mu.Unlock()
 	t.Logf("job: %s", job)
+	g.mu.Lock()
+	unavailable := g.unavailable
+	g.mu.Unlock()
+	require.GreaterOrEqual(t, unavailable, 2, "the bootstrap met a garm that answered 503 and waited it out")
 	require.NotContains(t, job, "FOUND", "the runner's job found garm's token")
 	require.Contains(t, job, "UID 0\n", "the job searched with the runner's sudo")
 	require.Contains(t, job, "SUDO_USER runner")

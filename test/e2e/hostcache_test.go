@@ -13,6 +13,7 @@ import (
 	"os"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strings"
 	"syscall"
 	"testing"
@@ -108,15 +109,22 @@ func cacheZips(files map[string]int64) []string {
 // default image, configured with cache_via = "ssh". A job of another project
 // on the same GitLab finds nothing of it; nothing goes to the S3 endpoint;
 // no restore disk's volume outlives its job. The restoring jobs run at
-// the same time, one runner each.
+// the same time, one runner each. The runners reach the fake GitLab, and
+// the restoring jobs clone, by name over HTTPS (byNameOverHTTPS): on
+// every image the guest resolves the name through the DHCP-given server
+// and trusts the CA the runner hands its git and helper (what
+// TestGitLabByNameOverHTTPS checks on the default image), in the same VM.
 func TestHostCacheBetweenJobs(t *testing.T) {
 	var def string
 	rr, dir, _ := hostCacheRig(t, "disk_min_mib = 0\n", 0, func(s string) string {
 		def = regexp.MustCompile(`(?m)^default_image = "([a-z0-9-]+)"`).FindStringSubmatch(s)[1]
 		return strings.Replace(s, "[images."+def+"]\n", "[images."+def+"]\ncache_via = \"ssh\"\n", 1)
 	})
+	gitURL := byNameOverHTTPS(t, rr)
 	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
-	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache,
+	// The jobs of project 1 clone the same repository: the runner derives
+	// the project's cache directory from its URL.
+	res := rr.runJobs(t, jobapi.Job{Name: "fill", Cache: cache, GitURL: gitURL, SHA: rr.sha,
 		Script: []string{"mkdir -p vendor", "echo cached-$CI_JOB_ID > vendor/dep.txt", "head -c 3145728 /dev/urandom > vendor/blob"}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "Created cache")
@@ -127,8 +135,8 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 	// the image's way, the script fails with 2 and still its cache is
 	// archived and its artifacts uploaded by the guest's gitlab-runner.
 	use := func(img string) jobapi.Job {
-		j := jobapi.Job{Name: "use-" + img, Image: img, Cache: cache,
-			Script: []string{`echo "restored: $(cat vendor/dep.txt) $(wc -c < vendor/blob)"`}}
+		j := jobapi.Job{Name: "use-" + img, Image: img, Cache: cache, GitURL: gitURL, SHA: rr.sha,
+			Script: append(slices.Clone(httpsScript), `echo "restored: $(cat vendor/dep.txt) $(wc -c < vendor/blob)"`)}
 		if img != def {
 			ic, _ := rr.r.cfg.Image(img)
 			j.Script = append(j.Script, "head -n1 /etc/os-release", "git --version", "echo key-injection-"+ic.KeyInjection+"-ok",
@@ -170,6 +178,7 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 		x := byName["use-"+img]
 		require.Regexp(t, `restored: cached-\d+ 3145728`, x.Trace, img)
 		require.Contains(t, x.Trace, agentSaid, "%s: the guest agent runs the stages on every image", img)
+		requireClonedByName(t, rr, x, img)
 		if img == def {
 			require.Equal(t, jobapi.StateSuccess, x.State, x.Trace)
 		} else {
