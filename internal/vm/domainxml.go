@@ -2,6 +2,8 @@ package vm
 
 import (
 	"fmt"
+	"path/filepath"
+	"regexp"
 
 	"libvirt.org/go/libvirtxml"
 )
@@ -83,6 +85,11 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 			Serial:   sd.Serial,
 		})
 	}
+	if len(s.Dirs) > 0 {
+		if err := addDirs(d, s.Dirs); err != nil {
+			return "", err
+		}
+	}
 	dev.Interfaces = []libvirtxml.DomainInterface{{
 		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
 		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
@@ -120,4 +127,34 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		}}
 	}
 	return d.Marshal()
+}
+
+// virtiofsTag is a virtiofs tag the guest mounts by.
+var virtiofsTag = regexp.MustCompile(`^[a-z][a-z0-9-]{0,35}$`)
+
+// addDirs adds the virtiofs shares and the shared guest memory they need.
+func addDirs(d *libvirtxml.Domain, dirs []SharedDir) error {
+	if len(dirs) > 8 {
+		return fmt.Errorf("%d shared directories: at most 8", len(dirs))
+	}
+	seen := map[string]bool{}
+	for _, sd := range dirs {
+		if !virtiofsTag.MatchString(sd.Tag) || seen[sd.Tag] {
+			return fmt.Errorf("shared directory tag %q: want a unique name of 1 to 36 lower-case letters, digits and '-'", sd.Tag)
+		}
+		seen[sd.Tag] = true
+		if !filepath.IsAbs(sd.Socket) || filepath.Clean(sd.Socket) != sd.Socket {
+			return fmt.Errorf("shared directory %s: socket %q is not a clean absolute path", sd.Tag, sd.Socket)
+		}
+		d.Devices.Filesystems = append(d.Devices.Filesystems, libvirtxml.DomainFilesystem{
+			Driver: &libvirtxml.DomainFilesystemDriver{Type: "virtiofs", Queue: 1024},
+			Source: &libvirtxml.DomainFilesystemSource{Mount: &libvirtxml.DomainFilesystemSourceMount{Socket: sd.Socket}},
+			Target: &libvirtxml.DomainFilesystemTarget{Dir: sd.Tag},
+		})
+	}
+	d.MemoryBacking = &libvirtxml.DomainMemoryBacking{
+		MemorySource: &libvirtxml.DomainMemorySource{Type: "memfd"},
+		MemoryAccess: &libvirtxml.DomainMemoryAccess{Mode: "shared"},
+	}
+	return nil
 }

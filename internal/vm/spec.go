@@ -59,6 +59,11 @@ type Spec struct {
 	// as the guest tools disk). They are not the machine's: Remove never
 	// deletes them.
 	Shared []SharedDisk
+	// Dirs are host directories shared into the guest with virtiofs,
+	// each served by a virtiofsd the caller started (libvirt 9.0 runs its
+	// own only as root, and supports no read-only virtiofs). They need the
+	// guest's memory shared (memfd), which DomainXML then sets.
+	Dirs []SharedDir
 	// Isolated sets the interface's bridge port isolated: isolated ports on
 	// one bridge cannot talk to each other, only to the uplink (the host side
 	// of the network: DHCP, DNS, NAT to the outside).
@@ -74,6 +79,16 @@ type Spec struct {
 	ConsoleLog string
 	// Owner is stored in the domain's metadata.
 	Owner Owner
+}
+
+// SharedDir is a host directory served into the guest by a virtiofsd the
+// caller started.
+type SharedDir struct {
+	// Socket is the virtiofsd's vhost-user socket (QEMU's user must be
+	// able to connect to it).
+	Socket string
+	// Tag is the name the guest mounts it by (mount -t virtiofs TAG DIR).
+	Tag string
 }
 
 // SharedDisk is a read-only raw disk image shared between machines.
