@@ -450,3 +450,40 @@ func (r *rig) serviceStatus(t *testing.T) func() (time.Duration, bool) {
 		return age, ok
 	}
 }
+
+// testRulesName is the polkit rules file of a test whose configuration
+// names a storage pool of its own. The generated rules answer NO for any
+// pool but their configuration's, so it sorts before the suite's file
+// (polkit takes the first rule that answers) and is removed when the test
+// ends.
+const testRulesName = "39-lve-e2e-test.rules"
+
+// allowConfig, in the confined mode, confines the runner's user to r's
+// configuration instead of the suite's for the rest of the test (a test
+// with a storage pool of its own), as an admin would regenerate the rules
+// after changing the pool, and waits until polkit has loaded them and,
+// after the test, the suite's again. In the default mode it does nothing.
+func (r *rig) allowConfig(t *testing.T) {
+	t.Helper()
+	if r.user == nil {
+		return
+	}
+	run := cmp.Or(os.Getenv("LVE_RIG_RUN"), "/var/lib/libvirt-executor-rig/run")
+	out, err := exec.Command(filepath.Join(r.bin, "libvirt-executor"), "--config", r.cfgPath, "polkit-rules", "--user", r.user.name).Output()
+	require.NoError(t, err, "polkit-rules for %s", r.cfgPath)
+	path := filepath.Join(run, "polkit-rules.d", testRulesName)
+	require.NoError(t, os.WriteFile(path, out, 0o644))
+	u, uri, suitePool := *r.user, r.cfg.LibvirtURI, confined.cfg.StoragePool
+	t.Cleanup(func() {
+		_ = os.Remove(path)
+		waitFor(t, 30*time.Second, "polkit loads the suite's rules again", func() bool {
+			_, err := virshQuiet(u, uri, "pool-refresh", suitePool)
+			return err == nil
+		})
+	})
+	waitFor(t, 30*time.Second, "polkit loads the rules for pool "+r.cfg.StoragePool, func() bool {
+		_, err := virshQuiet(u, uri, "pool-refresh", r.cfg.StoragePool)
+		return err == nil
+	})
+	t.Logf("confined mode: %s confined to this test's configuration (pool %s) by %s", u.name, r.cfg.StoragePool, path)
+}

@@ -672,8 +672,10 @@ func (base *rig) smallPool(t *testing.T, size string, fill bool) *rig {
 	t.Cleanup(func() { _ = pool.Destroy(); _ = pool.Free() })
 	// No guest tools disk (neither program): its 110 MB would not fit,
 	// and these tests are about the machine's own disk.
-	return base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`)).withConfig(t, setKey("gitlab_runner", `"none"`)).
+	r := base.withConfig(t, setKey("storage_pool", `"lve-e2e-small"`)).withConfig(t, setKey("gitlab_runner", `"none"`)).
 		withConfig(t, setKey("step_runner", `"none"`))
+	r.allowConfig(t) // the confined runner's rules name this pool
+	return r
 }
 
 // TestFaultPrepareFailsThreeTimes: a broken image makes every prepare attempt
