@@ -130,8 +130,8 @@ func Decode(r io.Reader) (*Input, error) {
 	if err := dec.Decode(&in); err != nil {
 		return nil, fmt.Errorf("hook input: not a JSON object of the runner's hook protocol: %w", err)
 	}
-	if dec.More() {
-		return nil, errors.New("hook input: more than one JSON value")
+	if err := dec.Decode(&json.RawMessage{}); err != io.EOF {
+		return nil, errors.New("hook input: more than one JSON value, or text after it")
 	}
 	if !contains(Commands, in.Command) {
 		return nil, fmt.Errorf("hook input: command %q is not one of %s", cut(in.Command, 64), strings.Join(Commands, ", "))
@@ -150,7 +150,7 @@ func Decode(r io.Reader) (*Input, error) {
 // Prepare decodes and checks prepare_job's arguments against o.
 func (in *Input) Prepare(o Options) (*PrepareArgs, error) {
 	var a PrepareArgs
-	if err := strictArgs(in.Args, &a); err != nil {
+	if err := decodeArgs(in.Args, &a); err != nil {
 		return nil, err
 	}
 	if a.Container == nil || a.Container.Image == "" {
@@ -159,6 +159,7 @@ func (in *Input) Prepare(o Options) (*PrepareArgs, error) {
 	if err := o.checkContainer("container", a.Container, true); err != nil {
 		return nil, err
 	}
+	a.Container.SystemMounts = withoutDockerSocket(a.Container.SystemMounts)
 	if len(a.Services) > MaxServices {
 		return nil, fmt.Errorf("services: %d service containers (at most %d)", len(a.Services), MaxServices)
 	}
@@ -183,7 +184,7 @@ func (in *Input) Prepare(o Options) (*PrepareArgs, error) {
 // Script decodes and checks run_script_step's arguments.
 func (in *Input) Script() (*ScriptArgs, error) {
 	var a ScriptArgs
-	if err := strictArgs(in.Args, &a); err != nil {
+	if err := decodeArgs(in.Args, &a); err != nil {
 		return nil, err
 	}
 	if a.EntryPoint == "" {
@@ -209,7 +210,7 @@ func (in *Input) Script() (*ScriptArgs, error) {
 // ContainerStep decodes and checks run_container_step's arguments.
 func (in *Input) ContainerStep(o Options) (*Container, error) {
 	var c Container
-	if err := strictArgs(in.Args, &c); err != nil {
+	if err := decodeArgs(in.Args, &c); err != nil {
 		return nil, err
 	}
 	if c.Image == "" && (c.Dockerfile == nil || *c.Dockerfile == "") {
@@ -223,20 +224,38 @@ func (in *Input) ContainerStep(o Options) (*Container, error) {
 		return nil, err
 	}
 	if c.Dockerfile != nil && *c.Dockerfile != "" {
+		if !o.AllowBuild {
+			// A repository's own Dockerfile names any base image and
+			// runs any command at build time: the image allow-list
+			// would not hold.
+			return nil, errors.New("args.dockerfile: this runner does not build container steps from a Dockerfile " +
+				"(a Dockerfile's FROM and RUN would bypass the allowed images); use an allowed image, or set allow_build = true")
+		}
 		if err := checkPath("args.dockerfile", *c.Dockerfile); err != nil {
 			return nil, err
 		}
 		if !o.underShared(*c.Dockerfile) {
-			return nil, fmt.Errorf("args.dockerfile %q: not under the runner's work directory %s", cut(*c.Dockerfile, 256), o.WorkDir)
+			return nil, fmt.Errorf("args.dockerfile %q: not under the runner's directories shared with the job's VM (%s, %s)", cut(*c.Dockerfile, 256), o.WorkDir, o.Externals)
 		}
 	}
 	return &c, nil
 }
 
-// strictArgs decodes args into v. Fields this hook does not know are
+// withoutDockerSocket is mounts less the docker socket.
+func withoutDockerSocket(mounts []Mount) []Mount {
+	var out []Mount
+	for _, m := range mounts {
+		if m.Source != dockerSocket {
+			out = append(out, m)
+		}
+	}
+	return out
+}
+
+// decodeArgs decodes args into v. Fields this hook does not know are
 // ignored (a newer runner may send more); the known ones are checked by
 // the caller.
-func strictArgs(raw json.RawMessage, v any) error {
+func decodeArgs(raw json.RawMessage, v any) error {
 	if len(raw) == 0 || string(raw) == "null" {
 		return errors.New("args: missing")
 	}
@@ -258,7 +277,7 @@ func checkPath(what, p string) error {
 		return fmt.Errorf("%s: longer than %d bytes", what, MaxPath)
 	case !filepath.IsAbs(p):
 		return fmt.Errorf("%s %q: not an absolute path", what, cut(p, 256))
-	case strings.ContainsAny(p, "\x00\n\r"):
+	case strings.IndexFunc(p, isControl) >= 0:
 		return fmt.Errorf("%s %q: holds a control character", what, cut(p, 256))
 	case filepath.Clean(p) != p && filepath.Clean(p)+"/" != p:
 		return fmt.Errorf("%s %q: not a clean path (no '..', '.' or '//')", what, cut(p, 256))
@@ -266,12 +285,17 @@ func checkPath(what, p string) error {
 	return nil
 }
 
+func isControl(r rune) bool { return r < 0x20 || r == 0x7f }
+
 func checkArgv(what, entry string, args []string) error {
 	if len(args) > MaxArgs {
 		return fmt.Errorf("%s.entryPointArgs: %d arguments (at most %d)", what, len(args), MaxArgs)
 	}
 	for i, a := range append([]string{entry}, args...) {
 		if len(a) > MaxArg {
+			if i == 0 {
+				return fmt.Errorf("%s.entryPoint: longer than %d bytes", what, MaxArg)
+			}
 			return fmt.Errorf("%s.entryPointArgs[%d]: longer than %d bytes", what, i-1, MaxArg)
 		}
 		if strings.ContainsRune(a, 0) {

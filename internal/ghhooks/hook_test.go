@@ -46,12 +46,23 @@ func TestDecodePrepareExample(t *testing.T) {
 	args, err := options(t, work, ext).CreateArgs("container", a.Container.CreateOptions)
 	require.NoError(t, err)
 	require.Equal(t, []string{"--cpus=1", "--health-cmd=pg_isready -U postgres", "--init"}, args)
+	for _, m := range a.Container.SystemMounts {
+		require.NotEqual(t, "/var/run/docker.sock", m.Source, "the docker socket is dropped")
+	}
+	require.Len(t, a.Container.SystemMounts, 4)
+	require.Equal(t, "docker.io", RegistryHost(a.Container.Registry.ServerURL))
+	require.Equal(t, "registry.example:5000", RegistryHost("registry.example:5000"))
+	args, err = options(t, work, ext).CreateArgs("c", "-e A=b --env=B= --label x=y")
+	require.NoError(t, err)
+	require.Equal(t, []string{"-e=A=b", "--env=B=", "--label=x=y"}, args)
 }
 
 func TestDecodeRefusesBadInput(t *testing.T) {
 	for _, tc := range []struct{ name, in, want string }{
 		{"not JSON", `{"command": "prepare_job"`, "not a JSON object"},
 		{"two values", `{"command":"cleanup_job"} {"command":"cleanup_job"}`, "more than one JSON value"},
+		{"trailing brace", `{"command":"cleanup_job"}}`, "more than one JSON value, or text after it"},
+		{"control character", "{\"command\":\"prepare_job\",\"responseFile\":\"/w/a\\u001b[2Jb\",\"args\":{}}", "holds a control character"},
 		{"unknown command", `{"command":"rm_rf","args":{}}`, `command "rm_rf" is not one of prepare_job, run_script_step, run_container_step, cleanup_job`},
 		{"no response file", `{"command":"prepare_job","args":{}}`, "prepare_job has no responseFile"},
 		{"null response file", `{"command":"prepare_job","responseFile":null,"args":{}}`, "prepare_job has no responseFile"},
@@ -119,6 +130,21 @@ func TestPrepareRefuses(t *testing.T) {
 		{"service twice", func(a map[string]any) {
 			a["services"] = append(a["services"].([]any), a["services"].([]any)[0])
 		}, `services[1]: contextName "redis" is used twice`},
+		{"env without value", func(a map[string]any) { container(a)["createOptions"] = "-e AWS_SECRET_ACCESS_KEY" }, "-e wants NAME=VALUE"},
+		{"env pattern", func(a map[string]any) { container(a)["createOptions"] = "--env 'AWS*'" }, "--env wants NAME=VALUE"},
+		{"driver's label", func(a map[string]any) { container(a)["createOptions"] = "--label io.libvirt-executor.services=1" }, "--label io.libvirt-executor.services is the driver's own"},
+		{"docker socket as user mount", func(a map[string]any) {
+			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/var/run/docker.sock", "targetVolumePath": "/var/run/docker.sock"}}
+		}, "the docker socket is not shared with a job"},
+		{"registry flag", func(a map[string]any) {
+			container(a)["registry"] = map[string]any{"username": "u", "password": "s3cret-registry-password", "serverUrl": "--tls-verify=false"}
+		}, `container.registry.serverUrl "--tls-verify=false": not a registry`},
+		{"registry user flag", func(a map[string]any) {
+			container(a)["registry"] = map[string]any{"username": "--password-stdin", "password": "s3cret-registry-password", "serverUrl": "ghcr.io"}
+		}, "the user name starts with '-'"},
+		{"registry newline", func(a map[string]any) {
+			container(a)["registry"] = map[string]any{"username": "u", "password": "s3cret-registry-password\nx", "serverUrl": "ghcr.io"}
+		}, "holds a control character"},
 		{"service image", func(a map[string]any) {
 			a["services"].([]any)[0].(map[string]any)["image"] = "mysql:8"
 		}, `services[0].image "mysql:8" is not among the images`},
@@ -174,9 +200,12 @@ func TestContainerStep(t *testing.T) {
 		return err
 	}
 	require.NoError(t, step(`{"image":"alpine:3.19","entryPoint":"sh","entryPointArgs":["-c","true"],"workingDirectory":"/__w/repo/repo"}`))
-	require.NoError(t, step(`{"dockerfile":"`+work+`/repo/repo/Dockerfile","workingDirectory":"/__w/repo/repo"}`))
+	dockerfile := `{"dockerfile":"` + work + `/repo/repo/Dockerfile","workingDirectory":"/__w/repo/repo"}`
+	require.ErrorContains(t, step(dockerfile), "does not build container steps from a Dockerfile", "a Dockerfile would bypass the allowed images")
+	o.AllowBuild = true
+	require.NoError(t, step(dockerfile))
 	err := step(`{"dockerfile":"/etc/Dockerfile"}`)
-	require.ErrorContains(t, err, `args.dockerfile "/etc/Dockerfile": not under the runner's work directory`)
+	require.ErrorContains(t, err, `args.dockerfile "/etc/Dockerfile": not under the runner's directories shared with the job's VM`)
 	require.ErrorContains(t, step(`{}`), "neither image nor dockerfile")
 	require.ErrorContains(t, step(`{"image":"evil.example/x:1"}`), "is not among the images this runner allows")
 }
@@ -200,7 +229,7 @@ func TestWriteResponse(t *testing.T) {
 	r := &Response{State: State{Machine: "lve-x", Job: "k", Network: "n", Container: "c", Services: map[string]string{"redis": "s"}}, IsAlpine: true}
 	r.Context.Container = ContainerContext{ID: "c", Network: "n", Ports: map[string]string{"8080": "80"}}
 	r.Context.Services = []ServiceContext{{ContextName: "redis", Image: "redis", ID: "s"}}
-	require.NoError(t, WriteResponse(path, r))
+	require.NoError(t, WriteResponse(dir, path, r))
 	st, err := os.Stat(path)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o600), st.Mode().Perm())
@@ -214,6 +243,30 @@ func TestWriteResponse(t *testing.T) {
 	left, _ := filepath.Glob(filepath.Join(dir, ".lve-hook-response-*"))
 	require.Empty(t, left, "no temporary file left")
 
-	err = WriteResponse(filepath.Join(dir, "nope", "resp.json"), r)
+	require.NoError(t, WriteResponse(dir, path, r), "an answer already there is replaced")
+
+	err = WriteResponse(dir, filepath.Join(dir, "nope", "resp.json"), r)
 	require.ErrorContains(t, err, "does not exist")
+	err = WriteResponse(dir, "/etc/resp.json", r)
+	require.ErrorContains(t, err, "not in the runner's work directory")
+
+	// A link a job left in the work directory is not followed: not on
+	// the way to the file, and not at its name (replaced, not written
+	// through).
+	outside := t.TempDir()
+	require.NoError(t, os.Symlink(outside, filepath.Join(dir, "_temp")))
+	err = WriteResponse(dir, filepath.Join(dir, "_temp", "resp.json"), r)
+	require.ErrorContains(t, err, "a symbolic link on the way")
+	left, _ = filepath.Glob(filepath.Join(outside, "*"))
+	require.Empty(t, left, "nothing written through the link")
+	target := filepath.Join(outside, "victim")
+	require.NoError(t, os.WriteFile(target, []byte("keep"), 0o644))
+	require.NoError(t, os.Symlink(target, filepath.Join(dir, "linked.json")))
+	require.NoError(t, WriteResponse(dir, filepath.Join(dir, "linked.json"), r))
+	b, err = os.ReadFile(target)
+	require.NoError(t, err)
+	require.Equal(t, "keep", string(b), "the link's target is untouched")
+	fi, err := os.Lstat(filepath.Join(dir, "linked.json"))
+	require.NoError(t, err)
+	require.True(t, fi.Mode().IsRegular(), "the link itself was replaced by the answer")
 }

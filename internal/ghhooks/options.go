@@ -25,6 +25,9 @@ type Options struct {
 	// passes on to podman (each takes one value unless it is in
 	// CreateSwitches); any other flag is refused.
 	CreateOptions, CreateSwitches []string
+	// AllowBuild lets container steps build from the repository's
+	// Dockerfile (its FROM and RUN are not held to Images).
+	AllowBuild bool
 }
 
 // DefaultCreateOptions are the `options:` flags allowed when the admin
@@ -89,6 +92,9 @@ func (o Options) CreateArgs(what, text string) ([]string, error) {
 			if strings.ContainsRune(value, 0) {
 				return nil, fmt.Errorf("%s.createOptions: the value of %s holds a NUL byte", what, flag)
 			}
+			if err := checkOptionValue(what, flag, value); err != nil {
+				return nil, err
+			}
 			out = append(out, flag+"="+value)
 		default:
 			return nil, fmt.Errorf("%s.createOptions: %s is not allowed (allowed: %s; with no value: %s)", what, cut(flag, 64),
@@ -96,6 +102,30 @@ func (o Options) CreateArgs(what, text string) ([]string, error) {
 		}
 	}
 	return out, nil
+}
+
+// checkOptionValue checks the values of the flags whose values matter
+// beyond the container: a variable is NAME=VALUE (a bare NAME or a
+// pattern would copy podman's own environment, the guest login's, into
+// the container), and a label never is the driver's own (what the sweep
+// of the job's VM goes by).
+func checkOptionValue(what, flag, value string) error {
+	switch flag {
+	case "-e", "--env":
+		name, v, ok := strings.Cut(value, "=")
+		if !ok || !validEnv.MatchString(name) {
+			return fmt.Errorf("%s.createOptions: %s wants NAME=VALUE with NAME a variable name (a bare name or a pattern would copy the VM's own environment), not %q", what, flag, cut(name, 64))
+		}
+		if len(v) > MaxEnvValue {
+			return fmt.Errorf("%s.createOptions: the value of %s %s is longer than %d bytes", what, flag, name, MaxEnvValue)
+		}
+	case "--label":
+		key, _, _ := strings.Cut(value, "=")
+		if own, _, _ := strings.Cut(services.Label, "="); key == own {
+			return fmt.Errorf("%s.createOptions: --label %s is the driver's own", what, own)
+		}
+	}
+	return nil
 }
 
 // checkContainer checks a container's image (allowed), and the rest
@@ -166,14 +196,57 @@ func (o Options) checkContainerBody(what string, c *Container) error {
 			return fmt.Errorf("%s.portMappings[%d]: %w", what, i, err)
 		}
 	}
-	if r := c.Registry; r != nil && (len(r.Username) > 4096 || len(r.Password) > 4096 || len(r.ServerURL) > MaxPath) {
-		return fmt.Errorf("%s.registry: a field longer than allowed (user name and password 4096 bytes)", what)
+	if r := c.Registry; r != nil {
+		if err := checkRegistry(what+".registry", r); err != nil {
+			return err
+		}
 	}
 	return nil
 }
 
-// The docker socket the runner adds to every job container's mounts: a
-// VM has none, and the hook never shares the host's.
+// registryHost is a registry's host with an optional port.
+var registryHost = regexp.MustCompile(`^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})(:[0-9]{1,5})?$`)
+
+// checkRegistry: a login's fields are bounded and free of control
+// characters, and its server is a registry host (with a scheme and a
+// path, as the runner writes docker.io's), never something a command
+// could take for a flag. Its password is never in a message.
+func checkRegistry(what string, r *Registry) error {
+	if len(r.Username) > 4096 || len(r.Password) > 4096 || len(r.ServerURL) > 1024 {
+		return fmt.Errorf("%s: a field longer than allowed (user name and password 4096 bytes, serverUrl 1024)", what)
+	}
+	if strings.IndexFunc(r.Username, isControl) >= 0 || strings.IndexFunc(r.Password, isControl) >= 0 {
+		return fmt.Errorf("%s: the user name or password holds a control character", what)
+	}
+	if strings.HasPrefix(r.Username, "-") {
+		return fmt.Errorf("%s: the user name starts with '-'", what)
+	}
+	if RegistryHost(r.ServerURL) == "" {
+		return fmt.Errorf("%s.serverUrl %q: not a registry (HOST[:PORT], optionally with https:// and a path)", what, cut(r.ServerURL, 128))
+	}
+	return nil
+}
+
+// RegistryHost is the host[:port] of a registry login's serverUrl
+// ("https://index.docker.io/v1" is docker.io's), "" when it names none.
+func RegistryHost(serverURL string) string {
+	h := serverURL
+	for _, scheme := range []string{"https://", "http://"} {
+		h = strings.TrimPrefix(h, scheme)
+	}
+	h, _, _ = strings.Cut(h, "/")
+	if !registryHost.MatchString(h) {
+		return ""
+	}
+	if h == "index.docker.io" || h == "registry-1.docker.io" {
+		return "docker.io"
+	}
+	return h
+}
+
+// The docker socket the runner adds to every job container's system
+// mounts: a VM has none, and the hook never shares the host's (Prepare
+// drops it).
 const dockerSocket = "/var/run/docker.sock"
 
 // checkMount: a system mount is a host path under the shared directories
@@ -184,7 +257,10 @@ func (o Options) checkMount(what string, m Mount, system bool) error {
 		return err
 	}
 	if m.Source == dockerSocket {
-		return nil
+		if !system {
+			return fmt.Errorf("%s: the docker socket is not shared with a job (the job's VM runs podman; the runner's host's socket never goes in)", what)
+		}
+		return nil // dropped by Prepare
 	}
 	if !system && validName.MatchString(m.Source) {
 		return nil // a named volume, in the job's VM

@@ -1,12 +1,16 @@
 package ghhooks
 
 import (
+	"crypto/rand"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
-	"io/fs"
 	"os"
 	"path/filepath"
+	"strings"
+
+	"golang.org/x/sys/unix"
 )
 
 // State is what the hook keeps between its calls: the runner hands back,
@@ -66,34 +70,62 @@ func (in *Input) DecodeState() (*State, error) {
 	return &st, nil
 }
 
-// WriteResponse writes r to path as the runner reads it: the whole answer
-// or nothing (a file beside it, renamed into place), mode 0600. The
-// directory must exist; a file already there is replaced.
-func WriteResponse(path string, r *Response) error {
+// WriteResponse writes r to path, which must lie in the runner's work
+// directory workDir, as the runner reads it: the whole answer or nothing (a
+// file beside it, renamed into place), mode 0600, a file already there
+// replaced. The way from workDir to the file's directory is walked without
+// following a symbolic link (openat2 RESOLVE_BENEATH|RESOLVE_NO_SYMLINKS):
+// a job's VM can write into the work directory, and a link it left there
+// must not lead this write anywhere else.
+func WriteResponse(workDir, path string, r *Response) error {
 	b, err := json.Marshal(r)
 	if err != nil {
 		return err
 	}
-	dir := filepath.Dir(path)
-	if st, err := os.Stat(dir); err != nil || !st.IsDir() {
-		if err == nil || errors.Is(err, fs.ErrNotExist) {
-			return fmt.Errorf("responseFile %s: its directory %s does not exist", path, dir)
-		}
-		return fmt.Errorf("responseFile %s: %w", path, err)
+	rel, err := filepath.Rel(workDir, path)
+	if err != nil || rel == "." || rel == ".." || strings.HasPrefix(rel, "../") || !filepath.IsAbs(workDir) {
+		return fmt.Errorf("responseFile %s: not in the runner's work directory %s", path, workDir)
 	}
-	f, err := os.CreateTemp(dir, ".lve-hook-response-*")
+	root, err := unix.Open(workDir, unix.O_DIRECTORY|unix.O_RDONLY|unix.O_CLOEXEC|unix.O_NOFOLLOW, 0)
 	if err != nil {
-		return fmt.Errorf("responseFile %s: cannot write in %s: %w", path, dir, err)
+		return fmt.Errorf("responseFile %s: the work directory %s: %w", path, workDir, err)
 	}
-	tmp := f.Name()
+	defer unix.Close(root)
+	dir := root
+	if d := filepath.Dir(rel); d != "." {
+		dir, err = unix.Openat2(root, d, &unix.OpenHow{
+			Flags:   unix.O_DIRECTORY | unix.O_RDONLY | unix.O_CLOEXEC,
+			Resolve: unix.RESOLVE_BENEATH | unix.RESOLVE_NO_SYMLINKS,
+		})
+		switch {
+		case errors.Is(err, unix.ENOENT) || errors.Is(err, unix.ENOTDIR):
+			return fmt.Errorf("responseFile %s: its directory %s does not exist", path, filepath.Dir(path))
+		case errors.Is(err, unix.ELOOP) || errors.Is(err, unix.EXDEV):
+			return fmt.Errorf("responseFile %s: a symbolic link on the way from %s to it (not followed)", path, workDir)
+		case err != nil:
+			return fmt.Errorf("responseFile %s: %w", path, err)
+		}
+		defer unix.Close(dir)
+	}
+	var nonce [8]byte
+	if _, err := rand.Read(nonce[:]); err != nil {
+		return err
+	}
+	tmp := ".lve-hook-response-" + hex.EncodeToString(nonce[:])
+	fd, err := unix.Openat(dir, tmp, unix.O_WRONLY|unix.O_CREAT|unix.O_EXCL|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0o600)
+	if err != nil {
+		return fmt.Errorf("responseFile %s: cannot write in %s: %w", path, filepath.Dir(path), err)
+	}
+	f := os.NewFile(uintptr(fd), tmp)
 	_, werr := f.Write(b)
 	cerr := f.Close()
 	if err := errors.Join(werr, cerr); err != nil {
-		_ = os.Remove(tmp)
+		_ = unix.Unlinkat(dir, tmp, 0)
 		return fmt.Errorf("responseFile %s: %w", path, err)
 	}
-	if err := os.Rename(tmp, path); err != nil {
-		_ = os.Remove(tmp)
+	// A link already at the name is replaced, never followed.
+	if err := unix.Renameat(dir, tmp, dir, filepath.Base(rel)); err != nil {
+		_ = unix.Unlinkat(dir, tmp, 0)
 		return fmt.Errorf("responseFile %s: %w", path, err)
 	}
 	return nil
