@@ -26,6 +26,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ociimage/transfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/progress"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/selftest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm"
 )
@@ -479,6 +480,18 @@ func selftestServicesFlags(c *cli.Context, cfg *config.Config) error {
 	}
 	if !cfg.Services.Enabled {
 		return fmt.Errorf("--services: this configuration does not start services ([services] enabled = false in %s; docs/services.md)", cfg.Path)
+	}
+	ref, err := services.ParseRef(c.String("services"))
+	if err != nil {
+		return fmt.Errorf("--services %q: %w", c.String("services"), err)
+	}
+	allow, err := services.NewAllowlist(cfg.Services.AllowedImages)
+	if err != nil {
+		return err
+	}
+	if !allow.Allows(c.String("services"), ref) {
+		return fmt.Errorf("--services %q: not among the images this configuration allows for services ([services] allowed_images: %s)",
+			c.String("services"), strings.Join(cfg.Services.AllowedImages, ", "))
 	}
 	if img := c.String("services-image"); img != "" {
 		if _, ok := cfg.Image(img); !ok {

@@ -22,7 +22,7 @@ func TestSelftestServicesFlags(t *testing.T) {
 		app := &cli.App{Name: "selftest", Flags: cmd.Flags, Action: func(c *cli.Context) error { return selftestServicesFlags(c, cfg) }}
 		return app.Run(append([]string{"selftest"}, args...))
 	}
-	enabled := "[services]\nenabled = true\n"
+	enabled := "[services]\nenabled = true\nallowed_images = [\"postgres:*\"]\n"
 	require.NoError(t, check(""), "no --services: nothing to check")
 	require.NoError(t, check(enabled, "--services", "postgres:15", "--services-image", "ok", "--service-port", "5432"))
 	require.NoError(t, check(enabled, "--sample-jobs=false", "--services", "postgres:15"))
@@ -37,6 +37,8 @@ func TestSelftestServicesFlags(t *testing.T) {
 		{enabled, []string{"--services", "postgres:15", "--service-port", "70000"}, "--service-port 70000: must be a TCP port, 1 to 65535"},
 		{enabled, []string{"--services", "postgres:15", "--service-port", "0"}, "--service-port 0: must be a TCP port"},
 		{enabled, []string{"--service-port", "5432"}, "--service-port needs --services IMAGE"},
+		{enabled, []string{"--services", "redis:7"}, `--services "redis:7": not among the images this configuration allows for services ([services] allowed_images: postgres:*)`},
+		{enabled, []string{"--services", "-x"}, `--services "-x": `},
 		{enabled, []string{"--services-image", "ok"}, "--services-image needs --services IMAGE"},
 		{enabled, []string{"--sample-jobs=false"}, "--sample-jobs=false leaves nothing to run: add --steps or --services IMAGE"},
 		{enabled, []string{"--sample-jobs=false", "--services", "postgres:15", "--url", "https://gitlab.example.com"}, "the GitLab probe runs in the first sample job"},

@@ -208,6 +208,10 @@ func TestContainerStep(t *testing.T) {
 	require.ErrorContains(t, err, `args.dockerfile "/etc/Dockerfile": not under the runner's directories shared with the job's VM`)
 	require.ErrorContains(t, step(`{}`), "neither image nor dockerfile")
 	require.ErrorContains(t, step(`{"image":"evil.example/x:1"}`), "is not among the images this runner allows")
+	none, err := services.NewAllowlist(nil)
+	require.NoError(t, err)
+	o.Images = none
+	require.ErrorContains(t, step(`{"image":"alpine:3.19"}`), "allowed_images: none configured", "an empty list allows nothing here")
 }
 
 func TestParsePort(t *testing.T) {

@@ -19,7 +19,8 @@ type Options struct {
 	// absolute paths (Externals read-only). A system mount must lie in
 	// one of them.
 	WorkDir, Externals string
-	// Images allows the job's, services' and steps' container images.
+	// Images allows the job's, services' and steps' container images; an
+	// empty or nil list allows none.
 	Images *services.Allowlist
 	// CreateOptions are the flags of a container's `options:` this hook
 	// passes on to podman (each takes one value unless it is in
@@ -139,12 +140,13 @@ func (o Options) checkContainer(what string, c *Container, job bool) error {
 	if err != nil {
 		return fmt.Errorf("%s.image %q: %w", what, cut(c.Image, 256), err)
 	}
-	if o.Images == nil || !o.Images.Allows(c.Image, ref) {
-		var pats []string
-		if o.Images != nil {
-			pats = o.Images.Patterns()
+	// Match, not Allows: for the hook an empty list allows nothing.
+	if _, ok := o.Images.Match(c.Image, ref); o.Images == nil || !ok {
+		pats := "none configured"
+		if o.Images != nil && len(o.Images.Patterns()) > 0 {
+			pats = strings.Join(o.Images.Patterns(), ", ")
 		}
-		return fmt.Errorf("%s.image %q is not among the images this runner allows (allowed_images: %s)", what, cut(c.Image, 256), strings.Join(pats, ", "))
+		return fmt.Errorf("%s.image %q is not among the images this runner allows (allowed_images: %s)", what, cut(c.Image, 256), pats)
 	}
 	if job && c.WorkingDir == "" {
 		return fmt.Errorf("%s.workingDirectory: empty", what)

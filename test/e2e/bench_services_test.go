@@ -125,6 +125,12 @@ vm_image = "podman"
 		if len(j.Services) > 0 {
 			require.Contains(t, res.Trace, "Services ready in")
 		}
+		// Where the script ran: the container's os-release, or Debian's.
+		if strings.HasPrefix(j.Image, "alpine") {
+			require.Contains(t, res.Trace, "ID=lve-container-test", "the script ran in the job's container")
+		} else {
+			require.Contains(t, res.Trace, "ID=debian", "the script ran on the VM's OS")
+		}
 		m.Job = append(m.Job, res.Duration.Seconds())
 		m.Ready = append(m.Ready, benchDuration(benchReadyRE, res.Trace))
 		m.Services = append(m.Services, benchDuration(benchServicesRE, res.Trace))

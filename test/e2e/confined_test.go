@@ -237,6 +237,17 @@ func setupConfined(r *rig, name string) (*confinedSuite, error) {
 			return nil, fmt.Errorf("polkit did not load %s within 30 s: virsh pool-refresh as %s: %v: %s", s.rules, name, err, out)
 		}
 	}
+	// And the rules confine: the user cannot define a pool, which a
+	// libvirt that let it do anything would allow (the whole confined
+	// suite would then prove nothing).
+	forbidden := "lve-e2e-forbidden-pool"
+	if out, err = virshQuiet(u, s.cfg.LibvirtURI, "pool-define-as", forbidden, "dir", "--target", "/nonexistent/lve-e2e-forbidden"); err == nil {
+		_, _ = virshQuiet(u, s.cfg.LibvirtURI, "pool-undefine", forbidden)
+		return nil, fmt.Errorf("the rules in %s do not confine %s: it defined the storage pool %s", s.rules, name, forbidden)
+	}
+	if !strings.Contains(out, "access denied") {
+		return nil, fmt.Errorf("pool-define-as as %s failed, but not for want of access: %s", name, out)
+	}
 	return s, nil
 }
 
