@@ -130,6 +130,7 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 		require.NoError(t, os.WriteFile(conf, []byte(strings.Replace(string(b), from+"\n", to+"\n", 1)), 0o640))
 	}
 	var custom *jobapi.CustomConfig
+	selftested := false
 	confined := false
 	runnerAs := testUser{name: runnerUser.Username, cred: &syscall.Credential{Uid: uint32(uid), Gid: uint32(gid)}}
 	gids, err := runnerUser.GroupIds()
@@ -190,6 +191,7 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 			require.Contains(t, out, "selftest-produce   success")
 			require.Contains(t, out, "selftest-consume   success")
 			require.Contains(t, out, "OK: VMs start")
+			selftested = true
 		case strings.HasPrefix(step, "gitlab-runner register "):
 			custom = registered(t, step)
 		default:
@@ -197,6 +199,9 @@ func adminPath(t *testing.T, rr *realRunner, version string) {
 		}
 	}
 	require.NotNil(t, custom, "README's admin path registers the runner")
+	// TestDebianPackage leaves the installed selftest's sample jobs to this
+	// step: README must keep it.
+	require.True(t, selftested, "README's admin path runs selftest as the runner's user")
 
 	// The first job, as README shows it, through the real gitlab-runner
 	// running as the runner's user with the registered settings.
