@@ -123,7 +123,7 @@ func TestFaultRandomJobs(t *testing.T) {
 		done     int
 		leases   []addressLease
 		started  = time.Now()
-		workDirs = t.TempDir()
+		workDirs = r.userDir(t) // the confined runner's user works in them too
 	)
 	var wg sync.WaitGroup
 	for range atOnce {
