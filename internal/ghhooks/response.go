@@ -90,7 +90,7 @@ func WriteResponse(workDir, path string, r *Response) error {
 	if err != nil {
 		return fmt.Errorf("responseFile %s: the work directory %s: %w", path, workDir, err)
 	}
-	defer unix.Close(root)
+	defer func() { _ = unix.Close(root) }()
 	dir := root
 	if d := filepath.Dir(rel); d != "." {
 		dir, err = unix.Openat2(root, d, &unix.OpenHow{
@@ -105,7 +105,7 @@ func WriteResponse(workDir, path string, r *Response) error {
 		case err != nil:
 			return fmt.Errorf("responseFile %s: %w", path, err)
 		}
-		defer unix.Close(dir)
+		defer func() { _ = unix.Close(dir) }()
 	}
 	var nonce [8]byte
 	if _, err := rand.Read(nonce[:]); err != nil {
