@@ -63,7 +63,7 @@ type Spec struct {
 	// each served by a virtiofsd the caller started (libvirt 9.0 runs its
 	// own only as root, and supports no read-only virtiofs). They need the
 	// guest's memory shared (memfd), which DomainXML then sets.
-	Dirs []SharedDir
+	Dirs []SharedDir `json:",omitempty"`
 	// Isolated sets the interface's bridge port isolated: isolated ports on
 	// one bridge cannot talk to each other, only to the uplink (the host side
 	// of the network: DHCP, DNS, NAT to the outside).
