@@ -15,9 +15,10 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"maps"
 	"path/filepath"
 	"regexp"
-	"sort"
+	"slices"
 	"strings"
 )
 
@@ -133,7 +134,7 @@ func Decode(r io.Reader) (*Input, error) {
 	if err := dec.Decode(&json.RawMessage{}); err != io.EOF {
 		return nil, errors.New("hook input: more than one JSON value, or text after it")
 	}
-	if !contains(Commands, in.Command) {
+	if !slices.Contains(Commands, in.Command) {
 		return nil, fmt.Errorf("hook input: command %q is not one of %s", cut(in.Command, 64), strings.Join(Commands, ", "))
 	}
 	if in.Command == PrepareJob {
@@ -309,7 +310,7 @@ func checkEnv(what string, env map[string]string) error {
 	if len(env) > MaxEnv {
 		return fmt.Errorf("%s: %d variables (at most %d)", what, len(env), MaxEnv)
 	}
-	for _, k := range sortedKeys(env) {
+	for _, k := range slices.Sorted(maps.Keys(env)) {
 		if !validEnv.MatchString(k) {
 			// The name only: a value may be a secret.
 			return fmt.Errorf("%s: %q is not a variable name (letters, digits and '_', not starting with a digit)", what, cut(k, 64))
@@ -331,24 +332,6 @@ func checkPrependPath(what string, dirs []string) error {
 		}
 	}
 	return nil
-}
-
-func sortedKeys(m map[string]string) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	sort.Strings(keys)
-	return keys
-}
-
-func contains(list []string, s string) bool {
-	for _, l := range list {
-		if l == s {
-			return true
-		}
-	}
-	return false
 }
 
 // cut shortens untrusted text for a message.

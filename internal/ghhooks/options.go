@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"path/filepath"
 	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 
@@ -77,12 +78,12 @@ func (o Options) CreateArgs(what, text string) ([]string, error) {
 			return nil, fmt.Errorf("%s.createOptions: %q is not an option (a container's options are flags with their values)", what, cut(w, 64))
 		}
 		switch {
-		case contains(switches, flag):
+		case slices.Contains(switches, flag):
 			if hasValue {
 				return nil, fmt.Errorf("%s.createOptions: %s takes no value", what, flag)
 			}
 			out = append(out, flag)
-		case contains(allowed, flag):
+		case slices.Contains(allowed, flag):
 			if !hasValue {
 				if i+1 >= len(words) {
 					return nil, fmt.Errorf("%s.createOptions: %s needs a value", what, flag)
