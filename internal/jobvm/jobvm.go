@@ -42,27 +42,40 @@ type Host struct {
 }
 
 // Open opens the installation cfg describes (lifecycle.Open) with the
-// hooks of job machines; o.Hooks is replaced.
+// hooks of job machines, given at open time; o.Hooks is replaced.
 func Open(cfg *config.Config, o lifecycle.Options) (*Host, error) {
+	h := &Host{}
+	o.Hooks = h.hooks()
 	m, err := lifecycle.Open(cfg, o)
 	if err != nil {
 		return nil, err
 	}
-	return New(m), nil
+	h.m = m
+	return h, nil
 }
 
-// New is a Host over m, whose hooks it sets.
+// New is a Host over a Manager the caller made (tests and tools:
+// lifecycle.New, a fake hypervisor); its hooks are replaced by the job
+// machines'.
 func New(m *lifecycle.Manager) *Host {
 	h := &Host{m: m}
-	m.SetHooks(lifecycle.Hooks{
+	m.SetHooks(h.hooks())
+	return h
+}
+
+// hooks are what job machines add to lifecycle: idle standbys make room
+// (makeRoom), every provisioned machine gets the guest tools disk, a
+// machine's holder stops when its user is done with it, and the sweeps
+// also remove stale job mappings and old tools volumes.
+func (h *Host) hooks() lifecycle.Hooks {
+	return lifecycle.Hooks{
 		MakeRoom: func(ctx context.Context, _ *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
 			return h.makeRoom(ctx, short, reason)
 		},
 		Shared:   guesttools.Disk{},
 		Release:  []func(*lifecycle.Manager, string){stopHolder},
 		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep},
-	})
-	return h
+	}
 }
 
 // Manager is the one-machine layer under the host: for the host's tools

@@ -27,8 +27,8 @@ type Options struct {
 	Say func(format string, args ...any)
 	// OnReconnect, if set, is told about each re-made connection.
 	OnReconnect func(cause error)
-	// Hooks are what the kinds of machines add (internal/jobvm.New sets
-	// the job machines' with SetHooks once the Manager exists).
+	// Hooks are what the kinds of machines add (internal/jobvm.Open gives
+	// the job machines').
 	Hooks Hooks
 	// ReadOnly promises that the caller only looks (list, explain): then
 	// a state directory of another user (root looking) is no refusal, as
@@ -47,6 +47,7 @@ type Options struct {
 // (*state.OwnerError, from ControllerID), unless o.ReadOnly, and so is one
 // that keeps another libvirt's machines (*state.HostError).
 func Open(cfg *config.Config, o Options) (*Manager, error) {
+	hv := reconnecting(cfg.LibvirtURI, o) // connects on first use
 	store := state.Store{Dir: cfg.StateDir}
 	ctrl, err := store.ControllerID()
 	if _, foreign := errors.AsType[*state.OwnerError](err); foreign && o.ReadOnly {
@@ -62,7 +63,7 @@ func Open(cfg *config.Config, o Options) (*Manager, error) {
 	if err := store.BindHost(vm.HostKey(cfg.LibvirtURI), !cfg.LocalLibvirt(), o.ReadOnly); err != nil {
 		return nil, err
 	}
-	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: reconnecting(cfg.LibvirtURI, o), hooks: o.Hooks}, nil
+	return &Manager{Cfg: cfg, Store: store, Controller: ctrl, Say: o.Say, hv: hv, hooks: o.Hooks}, nil
 }
 
 // New is a Manager over a hypervisor connection the caller made (tests
@@ -72,7 +73,8 @@ func New(cfg *config.Config, hv vm.Hypervisor, controller string, o Options) *Ma
 	return &Manager{Cfg: cfg, Store: state.Store{Dir: cfg.StateDir}, Controller: controller, Say: o.Say, hv: hv, hooks: o.Hooks}
 }
 
-// SetHooks replaces the Manager's hooks (before its first use).
+// SetHooks replaces the Manager's hooks before its first use (a Manager
+// made by New; Open takes them in its Options).
 func (m *Manager) SetHooks(h Hooks) { m.hooks = h }
 
 // reconnecting is the hypervisor connection of a Manager: made through
