@@ -207,6 +207,9 @@ else
 		mkdir -p "$LVE_RIG_RUN/hooks/network.d" /etc/libvirt/hooks
 		install -m 0755 "$here/../network/libvirt-executor-guard" "$LVE_RIG_RUN/hooks/network.d/50-libvirt-executor-guard"
 		printf '%s %s\n' "$LVE_RIG_NET" "$LVE_RIG_SERVICE_PORTS" >"$LVE_RIG_RUN/hooks/libvirt-executor-guard.conf"
+		# And the QEMU hook that forgets a released VM's tracked connections.
+		mkdir -p "$LVE_RIG_RUN/hooks/qemu.d"
+		install -m 0755 "$here/../network/libvirt-executor-conntrack" "$LVE_RIG_RUN/hooks/qemu.d/50-libvirt-executor-conntrack"
 		# shellcheck disable=SC2016 # "$1" and "$@" are the inner sh's
 		ip netns exec "$LVE_RIG_NS" env ${rig_bus:+DBUS_SYSTEM_BUS_ADDRESS="$rig_bus"} sh -c 'mount --bind "$1" /etc/libvirt/hooks && shift && exec "$@"' sh "$LVE_RIG_RUN/hooks" \
 			libvirtd -d -f "$LVE_RIG_RUN/libvirtd.conf" -p "$LVE_RIG_RUN/libvirtd.pid"

@@ -46,8 +46,13 @@ var Formats = []string{"deb", "rpm"}
 // /etc/libvirt/hooks (and AppArmor's profile for libvirtd lets it execute only
 // there). From a version where it was a conffile, dpkg replaces it and drops
 // its conffile record (no dpkg-maintscript-helper needed).
+//
+// ConntrackHook is libvirt's QEMU hook that forgets a released VM's tracked
+// connections (deploy/network/libvirt-executor-conntrack): code too, and
+// in /etc for the same reason.
 const (
-	GuardHook = "/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
+	GuardHook     = "/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
+	ConntrackHook = "/etc/libvirt/hooks/qemu.d/50-libvirt-executor-conntrack"
 	GuardConf = "/etc/libvirt/hooks/libvirt-executor-guard.conf"
 	Config    = "/etc/libvirt-executor/config.toml"
 )
@@ -162,6 +167,7 @@ func (b Build) describe(stage string) (*description, error) {
 	}
 	add(files.TypeConfigNoReplace, "", out, GuardConf, 0o644)
 	file(filepath.Join(top, "deploy/network/libvirt-executor-guard"), GuardHook, 0o755)
+	file(filepath.Join(top, "deploy/network/libvirt-executor-conntrack"), ConntrackHook, 0o755)
 	// polkit rules for libvirt's access driver, for the example configuration (they
 	// do nothing until access_drivers = [ "polkit" ]; /etc/polkit-1/rules.d/ of the
 	// same name wins).
@@ -237,7 +243,7 @@ func (b Build) describe(stage string) (*description, error) {
 		Overrides: map[string]*nfpm.Overridables{
 			"deb": {
 				Depends:    []string{"libc6 (>= 2.34)", "libvirt0 (>= 9.0.0)", "adduser", "init-system-helpers (>= 1.60)"},
-				Recommends: []string{"libvirt-daemon-system", "libvirt-clients", "libvirt-daemon-config-nwfilter", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables"},
+				Recommends: []string{"libvirt-daemon-system", "libvirt-clients", "libvirt-daemon-config-nwfilter", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables", "conntrack"},
 				Suggests:   []string{"gitlab-runner", "prometheus"},
 				Scripts: nfpm.Scripts{
 					PostInstall: filepath.Join(top, "deploy/package/debian/postinst"),
@@ -251,7 +257,7 @@ func (b Build) describe(stage string) (*description, error) {
 				// executables' one shared library besides glibc's); shadow-utils
 				// usermod (%post adds the runner's user to libvirt's group).
 				Depends:    []string{"glibc >= 2.34", "libvirt-libs >= 9.0.0", "shadow-utils", "systemd"},
-				Recommends: []string{"libvirt-daemon-kvm", "libvirt-daemon-config-network", "libvirt-daemon-config-nwfilter", "libvirt-client", "qemu-kvm", "qemu-img", "dnsmasq"},
+				Recommends: []string{"libvirt-daemon-kvm", "libvirt-daemon-config-network", "libvirt-daemon-config-nwfilter", "libvirt-client", "qemu-kvm", "qemu-img", "dnsmasq", "conntrack-tools"},
 				Suggests:   []string{"gitlab-runner"},
 				Scripts: nfpm.Scripts{
 					PostInstall: filepath.Join(top, "deploy/package/rpm/post"),

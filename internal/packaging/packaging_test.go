@@ -100,6 +100,8 @@ func TestDescriptionConffiles(t *testing.T) {
 		require.Equal(t, []string{Config, GuardConf}, configs(want), f)
 		require.Contains(t, want, GuardHook, f)
 		require.Equal(t, "-rwxr-xr-x", want[GuardHook].mode, f)
+		require.Contains(t, want, ConntrackHook, f)
+		require.Equal(t, "-rwxr-xr-x", want[ConntrackHook].mode, f)
 		require.Equal(t, "-rw-r-----", want[Config].mode, "%s: the configuration is the runner's group's only (postinst)", f)
 	}
 }
@@ -224,16 +226,17 @@ func TestRPM(t *testing.T) {
 
 	// Dependencies: the RHEL family's package names (RHEL 9, Rocky, Alma,
 	// Fedora): libvirt's library required; the daemon with its KVM driver,
-	// QEMU, qemu-img, the network and nwfilter configuration and dnsmasq
-	// recommended. No Debian name in either.
+	// QEMU, qemu-img, the network and nwfilter configuration, dnsmasq and
+	// conntrack-tools (the QEMU hook's conntrack) recommended. No Debian
+	// name in either.
 	requires := q("--requires")
 	for _, r := range []string{"libvirt-libs >= 9.0.0", "glibc >= 2.34", "shadow-utils", "systemd"} {
 		require.Contains(t, requires, r+"\n")
 	}
 	recommends := q("--recommends")
-	require.Equal(t, "dnsmasq\nlibvirt-client\nlibvirt-daemon-config-network\nlibvirt-daemon-config-nwfilter\nlibvirt-daemon-kvm\nqemu-img\nqemu-kvm\n",
+	require.Equal(t, "conntrack-tools\ndnsmasq\nlibvirt-client\nlibvirt-daemon-config-network\nlibvirt-daemon-config-nwfilter\nlibvirt-daemon-kvm\nqemu-img\nqemu-kvm\n",
 		sortedLines(recommends))
-	for _, debian := range []string{"libvirt0", "libc6", "adduser", "init-system-helpers", "libvirt-daemon-system", "libvirt-clients", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables"} {
+	for _, debian := range []string{"libvirt0", "libc6", "adduser", "init-system-helpers", "libvirt-daemon-system", "libvirt-clients", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables", "conntrack"} {
 		for _, l := range strings.Split(requires+recommends, "\n") {
 			name, _, _ := strings.Cut(l, " ")
 			require.NotEqual(t, debian, name, "Debian's %s in the .rpm's dependencies", debian)

@@ -546,3 +546,70 @@ func acceptAndClose(ln net.Listener) {
 		_ = c.Close()
 	}
 }
+
+// TestReleasedVMConnectionsForgotten: the host's connection tracking
+// entries of a job VM's address go with the VM (the QEMU hook
+// deploy/network/libvirt-executor-conntrack, which the rig installs as an
+// admin does). Without it a tracked connection of job A outlives A, and on a
+// NAT network a late reply would be translated to whichever VM has A's
+// address next. The guest opens a connection to the host and leaves it; the
+// entry is there before cleanup (the precondition: the entry lasts for
+// minutes when nothing removes it) and gone once cleanup has ended the VM.
+func TestReleasedVMConnectionsForgotten(t *testing.T) {
+	r := setup(t)
+	_, err := exec.LookPath("conntrack")
+	require.NoError(t, err, "conntrack(8) is needed to look at the host's tracked connections (deploy/install-deps.sh installs it)")
+	ln := r.serviceListener(t)
+	defer ln.Close()
+	peers := make(chan net.Conn, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err == nil {
+			peers <- c // left open: only the guest's side ends
+		}
+	}()
+	host, port, err := net.SplitHostPort(ln.Addr().String())
+	require.NoError(t, err)
+
+	s := newStageRunner(t, r)
+	require.Equal(t, 0, s.run(t, "config").code)
+	cleaned := false
+	defer func() {
+		if !cleaned {
+			s.run(t, "cleanup")
+		}
+	}()
+	require.Equal(t, 0, s.run(t, "prepare").code)
+	res := s.runScript(t, "build_script", fmt.Sprintf("#!/usr/bin/env bash\nexec 3<>/dev/tcp/%s/%s || exit 3\necho hello >&3\necho opened\n", host, port))
+	require.Equal(t, 0, res.code, "the guest reaches the service port")
+	var peer net.Conn
+	select {
+	case peer = <-peers:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the guest's connection did not arrive")
+	}
+	defer peer.Close()
+	addr, _, err := net.SplitHostPort(peer.RemoteAddr().String())
+	require.NoError(t, err)
+	tracked := func() int {
+		out, _ := exec.Command("conntrack", "-L", "--orig-src", addr).Output()
+		return strings.Count(string(out), "\n")
+	}
+	require.Positive(t, tracked(), "the guest's connection is tracked while its VM runs")
+	// The hook finds the address in the VM's filter, which the job's holder
+	// gives it while the first stages run.
+	name := s.name(t)
+	waitFor(t, 30*time.Second, "the VM's filter given its address "+addr, func() bool {
+		d, err := r.conn.LookupDomainByName(name)
+		if err != nil {
+			return false
+		}
+		defer d.Free()
+		x, err := d.GetXMLDesc(0)
+		return err == nil && strings.Contains(strings.ReplaceAll(x, `"`, "'"), "<parameter name='IP' value='"+addr+"'/>")
+	})
+
+	require.Equal(t, 0, s.run(t, "cleanup").code)
+	cleaned = true
+	waitFor(t, 15*time.Second, "no tracked connection of "+addr+" once its VM is gone", func() bool { return tracked() == 0 })
+}
