@@ -97,6 +97,21 @@ type Hypervisor interface {
 	// the domain's persistent definition does not get it). ErrNotFound if
 	// the domain is absent.
 	AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error
+	// AttachInterface adds iface to the running domain, live only (a hot
+	// plug: a clone restored without a NIC gets its own). ErrNotFound if
+	// the domain is absent.
+	AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error
+	// Save writes the running domain's memory and device state to path
+	// (virDomainSave: the domain stops, a persistent one stays defined).
+	// ErrNotFound if the domain is absent.
+	Save(ctx context.Context, name, path string) error
+	// RestoreClone starts a running, transient domain from the save file
+	// save under the XML xml (CloneXML: the saved domain with a clone's
+	// name, UUID and disks), which goes into a copy of save's header that
+	// is written, with save's migration stream, into a pipe that libvirt
+	// reads (WriteClone): nothing is copied on disk. A call cut by a lost
+	// connection is not repeated (the pipe is read once).
+	RestoreClone(ctx context.Context, save, xml string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
 	Owner(ctx context.Context, name string) (string, error)

@@ -298,6 +298,32 @@ func (r *Reconnecting) Suspend(ctx context.Context, name string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.Suspend(ctx, name) })
 }
 
+// AttachInterface implements Hypervisor.
+func (r *Reconnecting) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.AttachInterface(ctx, name, iface) })
+}
+
+// Save implements Hypervisor: not repeated on a new connection (the
+// domain may have stopped, its file half written).
+func (r *Reconnecting) Save(ctx context.Context, name, path string) error {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.Save(ctx, name, path) }, nil)
+	return err // the next call reconnects if the connection is lost
+}
+
+// RestoreClone implements Hypervisor: not repeated on a new connection.
+func (r *Reconnecting) RestoreClone(ctx context.Context, save, xml string) error {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.RestoreClone(ctx, save, xml) }, nil)
+	return err
+}
+
 // Destroy implements Hypervisor.
 func (r *Reconnecting) Destroy(ctx context.Context, name string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.Destroy(ctx, name) })

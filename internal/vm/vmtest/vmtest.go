@@ -791,3 +791,89 @@ func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 	}
 	return nil
 }
+
+// AttachInterface implements vm.Hypervisor: the running domain's XML gets
+// iface.
+func (f *Fake) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
+	f.wait("AttachInterface")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("AttachInterface"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if !d.Active {
+		return fmt.Errorf("domain %s is not running", name)
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(d.XML); err != nil {
+		return err
+	}
+	if dx.Devices == nil {
+		dx.Devices = &libvirtxml.DomainDeviceList{}
+	}
+	dx.Devices.Interfaces = append(dx.Devices.Interfaces, *iface)
+	x, err := dx.Marshal()
+	if err != nil {
+		return err
+	}
+	d.XML = x
+	return nil
+}
+
+// Save implements vm.Hypervisor: the domain stops and its XML is written
+// to path (the fake's save file; RestoreClone reads only the XML it is
+// given).
+func (f *Fake) Save(ctx context.Context, name, path string) error {
+	f.wait("Save")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("Save"); err != nil {
+		return err
+	}
+	d, ok := f.Domains[name]
+	if !ok {
+		return vm.ErrNotFound
+	}
+	if !d.Active {
+		return fmt.Errorf("domain %s is not running", name)
+	}
+	if err := os.WriteFile(path, []byte(d.XML), 0o600); err != nil {
+		return err
+	}
+	d.Active, d.Paused = false, false
+	if d.Transient {
+		delete(f.Domains, name)
+	}
+	return nil
+}
+
+// RestoreClone implements vm.Hypervisor: save must exist; the domain xml
+// names runs, transient.
+func (f *Fake) RestoreClone(ctx context.Context, save, xml string) error {
+	f.wait("RestoreClone")
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("RestoreClone"); err != nil {
+		return err
+	}
+	if _, err := os.Stat(save); err != nil {
+		return err
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(xml); err != nil {
+		return err
+	}
+	if _, ok := f.Domains[dx.Name]; ok {
+		return errors.New("domain already exists")
+	}
+	var owner string
+	if dx.Metadata != nil {
+		owner = dx.Metadata.XML
+	}
+	f.Domains[dx.Name] = &Domain{XML: xml, OwnerXML: owner, Active: true, Transient: true}
+	return nil
+}

@@ -1,0 +1,85 @@
+package libvirtvm
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+
+	"golang.org/x/sys/unix"
+	"libvirt.org/go/libvirt"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// AttachInterface implements vm.Hypervisor.
+func (l *Conn) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
+	x, err := iface.Marshal()
+	if err != nil {
+		return err
+	}
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		return notFound(d.AttachDeviceFlags(x, libvirt.DOMAIN_DEVICE_MODIFY_LIVE), libvirt.ERR_NO_DOMAIN)
+	})
+}
+
+// Save implements vm.Hypervisor.
+func (l *Conn) Save(ctx context.Context, name, path string) error {
+	return call0(ctx, l, func() error {
+		d, err := l.domain(name)
+		if err != nil {
+			return err
+		}
+		defer d.Free()
+		return notFound(d.SaveFlags(path, "", 0), libvirt.ERR_NO_DOMAIN)
+	})
+}
+
+// RestoreClone implements vm.Hypervisor. The pipe is made in a private
+// directory beside save (libvirtd, root, opens it by path; QEMU reads it
+// through the descriptor libvirt hands it) and removed when the call
+// returns. The
+// pipe is opened for reading and writing here, so the open never waits
+// for libvirt; closing it ends a write libvirt stopped reading.
+func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
+	src, err := os.Open(save)
+	if err != nil {
+		return err
+	}
+	defer src.Close()
+	dir, err := os.MkdirTemp(filepath.Dir(save), ".restore-")
+	if err != nil {
+		return err
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	fifo := filepath.Join(dir, "clone.save")
+	if err := unix.Mkfifo(fifo, 0o600); err != nil {
+		return fmt.Errorf("restore pipe: %w", err)
+	}
+	w, err := os.OpenFile(fifo, os.O_RDWR, 0)
+	if err != nil {
+		return fmt.Errorf("restore pipe: %w", err)
+	}
+	wrote := make(chan error, 1)
+	go func() { wrote <- vm.WriteClone(w, src, xml) }()
+	restoreErr := call0(ctx, l, func() error { return l.conn.DomainRestoreFlags(fifo, "", libvirt.DOMAIN_SAVE_RUNNING) })
+	_ = w.Close() // ends a write that libvirt stopped reading
+	werr := <-wrote
+	if restoreErr != nil {
+		if errors.Is(werr, vm.ErrSaveImage) {
+			return werr // the reason libvirt read nothing usable
+		}
+		return restoreErr
+	}
+	if werr != nil && !errors.Is(werr, os.ErrClosed) {
+		return fmt.Errorf("restore pipe: %w", werr)
+	}
+	return nil
+}
