@@ -9,6 +9,7 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	diskfs "github.com/diskfs/go-diskfs"
 	"github.com/stretchr/testify/require"
@@ -167,4 +168,32 @@ func TestSeedISO(t *testing.T) {
 		require.NoError(t, err)
 		require.Equal(t, "cidata", strings.TrimSpace(string(out)))
 	}
+}
+
+func TestCloneCredentialDisk(t *testing.T) {
+	k, err := NewKeys("c")
+	require.NoError(t, err)
+	now := time.Unix(1796000000, 0)
+	disk := k.CloneCredentialDisk("lve-clone", now, []byte{1, 2, 3, 0xff})
+	require.Zero(t, len(disk)%512, "whole sectors")
+	got := map[string]string{}
+	for _, l := range strings.Split(strings.TrimRight(string(disk), "\x00\n"), "\n") {
+		kv := l[strings.IndexByte(l, ':')+1:]
+		name, value, ok := strings.Cut(kv, "=")
+		require.True(t, ok, l)
+		if strings.HasPrefix(l, "io.systemd.credential.binary:") {
+			b, err := base64.StdEncoding.DecodeString(value)
+			require.NoError(t, err, l)
+			value = string(b)
+		} else {
+			require.True(t, strings.HasPrefix(l, "io.systemd.credential:"), l)
+		}
+		got[name] = value
+	}
+	require.Equal(t, k.AuthorizedKey("lve-clone"), got["ssh.authorized_keys.root"])
+	require.Equal(t, "1796000000", got[ClockCredential])
+	require.Equal(t, "\x01\x02\x03\xff", got[EntropyCredential])
+	hs, err := ssh.ParsePrivateKey([]byte(got[HostKeyCredential]))
+	require.NoError(t, err)
+	require.Equal(t, k.Host.Marshal(), hs.PublicKey().Marshal())
 }

@@ -10,7 +10,9 @@ import (
 	"encoding/base64"
 	"encoding/pem"
 	"fmt"
+	"strconv"
 	"strings"
+	"time"
 
 	"golang.org/x/crypto/ssh"
 )
@@ -96,5 +98,30 @@ func (k *Keys) CredentialDisk() []byte {
 	size := (len(line) + 511) / 512 * 512
 	b := make([]byte, size)
 	copy(b, line)
+	return b
+}
+
+// Credentials the host gives a clone restored from a snapshot template
+// (issue #48): its clock and entropy, which would otherwise be the
+// template's.
+const (
+	ClockCredential   = "libvirt-executor.clock"   //nolint:gosec // G101: a credential's name
+	EntropyCredential = "libvirt-executor.entropy" //nolint:gosec // G101: a credential's name
+)
+
+// CloneCredentialDisk is the credentials disk of a clone restored from a
+// snapshot template, which got no SMBIOS strings of its own: the host key
+// (CredentialDisk's line), root's authorized key, the host's clock (seconds
+// since the epoch, now) and entropy (random bytes for the guest's pool), in
+// the same syntax and padding. The guest waits for it, so it is plugged in
+// last.
+func (k *Keys) CloneCredentialDisk(comment string, now time.Time, entropy []byte) []byte {
+	lines := "io.systemd.credential:ssh.authorized_keys.root=" + k.AuthorizedKey(comment) + "\n" +
+		"io.systemd.credential.binary:" + HostKeyCredential + "=" + base64.StdEncoding.EncodeToString(k.HostPEM) + "\n" +
+		"io.systemd.credential:" + ClockCredential + "=" + strconv.FormatInt(now.Unix(), 10) + "\n" +
+		"io.systemd.credential.binary:" + EntropyCredential + "=" + base64.StdEncoding.EncodeToString(entropy) + "\n"
+	size := (len(lines) + 511) / 512 * 512
+	b := make([]byte, size)
+	copy(b, lines)
 	return b
 }

@@ -6,6 +6,7 @@ import (
 	"context"
 	"crypto/rand"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -17,6 +18,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 	_ "gitlab.com/libvirt-executor/libvirt-executor/internal/vm/libvirtvm" // vm.Connect's libvirt
 )
@@ -27,8 +30,10 @@ import (
 // same time (RestoreClone: the save header's XML rewritten with each
 // clone's name, UUID, overlay and console, streamed through a pipe), each
 // runs under its own identity on its own overlay over the frozen one, and
-// a NIC hot-plugged into a clone is there. What a job needs on top (its
-// identity in the guest, lease, SSH) is not built yet (docs/pool.md).
+// each gets its identity by hot plug (its NIC, then the credentials disk
+// the template's guest waits for), takes its own lease and answers SSH
+// with its own host key, the host's clock set. The driver does not use it
+// yet (docs/pool.md).
 func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	r := setup(t)
 	img, ok := r.cfg.Images["tiny"]
@@ -71,7 +76,7 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	tmplDisk := overlay(tmpl, img.Base)
 	tmplLog := filepath.Join(dir, tmpl+".log")
 	x := fmt.Sprintf(`<domain type='%s'><name>%s</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-<os><type arch='x86_64' machine='pc'>hvm</type><kernel>%s</kernel><initrd>%s</initrd><cmdline>console=ttyS0 root=/dev/vda rw</cmdline></os>
+<os><type arch='x86_64' machine='pc'>hvm</type><kernel>%s</kernel><initrd>%s</initrd><cmdline>console=ttyS0 root=/dev/vda rw lve.snapshot=template</cmdline></os>
 <features><acpi/><apic/></features>
 <devices><disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='%s'/><target dev='vda' bus='virtio'/></disk>
 <serial type='file'><source path='%s'/><target port='0'/></serial></devices></domain>`,
@@ -79,9 +84,9 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	require.NoError(t, hv.Define(ctx, x))
 	names = append(names, tmpl)
 	require.NoError(t, hv.Start(ctx, tmpl))
-	waitFor(t, 2*time.Minute, "the template's boot", func() bool {
+	waitFor(t, 2*time.Minute, "the template's wait for its credentials disk", func() bool {
 		b, _ := os.ReadFile(tmplLog)
-		return strings.Contains(string(b), "boot done")
+		return strings.Contains(string(b), "snapshot template: waiting for the credentials disk")
 	})
 	save := filepath.Join(dir, tmpl+".save")
 	t0 := time.Now()
@@ -135,16 +140,56 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 		require.Contains(t, dx, "<uuid>"+c.uuid+"</uuid>")
 		require.Contains(t, dx, "<source file='"+c.disk+"'", "%s writes its own overlay", c.name)
 	}
-	// The NIC a clone's job gets is plugged in after the restore.
-	iface := &libvirtxml.DomainInterface{Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: r.cfg.Network}},
-		Model: &libvirtxml.DomainInterfaceModel{Type: "virtio"}}
-	require.NoError(t, hv.AttachInterface(ctx, clones[0].name, iface))
-	d, err := r.conn.LookupDomainByName(clones[0].name)
-	require.NoError(t, err)
-	dx, err := d.GetXMLDesc(0)
-	_ = d.Free()
-	require.NoError(t, err)
-	require.Contains(t, dx, "<interface type='network'>", "the hot-plugged NIC")
+	// Each clone's identity arrives by hot plug, no network needed: its
+	// NIC (its own MAC), then the credentials disk the template waits for
+	// (its own host key, which the host pins, root's key, the clock and
+	// entropy). Then it takes its lease and starts sshd as a fresh boot
+	// would.
+	hostKeys := map[string]string{}
+	addrs := map[string]string{}
+	for i, c := range clones {
+		t0 := time.Now()
+		mac := fmt.Sprintf("52:54:00:e5:%02x:%02x", tag[0], i)
+		iface := &libvirtxml.DomainInterface{Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: r.cfg.Network}},
+			MAC: &libvirtxml.DomainInterfaceMAC{Address: mac}, Model: &libvirtxml.DomainInterfaceModel{Type: "virtio"}}
+		require.NoError(t, hv.AttachInterface(ctx, c.name, iface))
+		keys, err := guestinit.NewKeys(c.name)
+		require.NoError(t, err)
+		creds := filepath.Join(dir, c.name+".creds")
+		require.NoError(t, os.WriteFile(creds, keys.CloneCredentialDisk(c.name, time.Now(), rnd(64)), 0o644)) //nolint:gosec // G306: QEMU's user reads it; removed with dir
+		require.NoError(t, hv.AttachDisk(ctx, c.name, &libvirtxml.DomainDisk{Device: "disk", Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
+			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: creds}}, Target: &libvirtxml.DomainDiskTarget{Dev: "vdb", Bus: "virtio"},
+			ReadOnly: &libvirtxml.DomainDiskReadOnly{}, Serial: guestinit.CredentialDiskSerial}))
+		plugged := time.Since(t0)
+		var ip string
+		waitFor(t, time.Minute, c.name+"'s lease", func() bool {
+			ls, err := hv.Addresses(ctx, c.name, vm.SourceLease)
+			for _, l := range ls {
+				if err == nil && strings.EqualFold(l.MAC, mac) && l.IP != nil {
+					ip = l.IP.String()
+				}
+			}
+			return ip != ""
+		})
+		leased := time.Since(t0)
+		wctx, wcancel := context.WithTimeout(ctx, time.Minute)
+		cl, _, err := sshexec.WaitReady(wctx, sshexec.Target{Addr: net.JoinHostPort(ip, "22"), User: "root", Signer: keys.Client, HostKey: keys.Host}, 0, 0)
+		wcancel()
+		require.NoError(t, err, "%s answers SSH with its own host key", c.name)
+		out, err := cl.Output(ctx, "date +%s; cat /proc/sys/kernel/random/boot_id")
+		_ = cl.Close()
+		require.NoError(t, err)
+		t.Logf("%s: NIC and credentials plugged in %s, lease after %s, SSH after %s; guest says %q",
+			c.name, plugged.Round(time.Millisecond), leased.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond), strings.TrimSpace(string(out)))
+		var guestNow int64
+		_, err = fmt.Sscan(string(out), &guestNow)
+		require.NoError(t, err)
+		require.InDelta(t, time.Now().Unix(), guestNow, 30, "the clone's clock is the host's, not the template's")
+		hostKeys[string(keys.Host.Marshal())] = c.name
+		addrs[ip] = c.name
+	}
+	require.Len(t, hostKeys, len(clones), "no two clones share a host key")
+	require.Len(t, addrs, len(clones), "no two clones share an address")
 
 	// A save file that is not one is refused before libvirt is asked.
 	bad := filepath.Join(dir, "bad.save")
