@@ -53,8 +53,8 @@ var Formats = []string{"deb", "rpm"}
 const (
 	GuardHook     = "/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
 	ConntrackHook = "/etc/libvirt/hooks/qemu.d/50-libvirt-executor-conntrack"
-	GuardConf = "/etc/libvirt/hooks/libvirt-executor-guard.conf"
-	Config    = "/etc/libvirt-executor/config.toml"
+	GuardConf     = "/etc/libvirt/hooks/libvirt-executor-guard.conf"
+	Config        = "/etc/libvirt-executor/config.toml"
 )
 
 var versionRE = regexp.MustCompile(`^[0-9][A-Za-z0-9.+~]*$`)
