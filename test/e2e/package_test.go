@@ -56,7 +56,7 @@ func TestDebianPackage(t *testing.T) {
 		t.Fatalf("%s is installed on this machine already (%s): the test would replace it", pkgName, out)
 	}
 	for _, p := range []string{"/var/lib/libvirt-executor", "/var/cache/libvirt-executor/oci", hostCacheDir, "/etc/libvirt-executor", "/usr/bin/libvirt-executor",
-		"/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", "/etc/libvirt/hooks/libvirt-executor-guard.conf"} {
+		"/etc/libvirt/hooks/network.d/50-libvirt-executor-guard", "/etc/libvirt/hooks/libvirt-executor-guard.conf", "/etc/libvirt/hooks/qemu.d/50-libvirt-executor-conntrack"} {
 		if _, err := os.Lstat(p); err == nil {
 			t.Fatalf("%s exists on this machine already: the test would change it", p)
 		}
