@@ -109,7 +109,7 @@ type Hypervisor interface {
 	// save under the XML xml (CloneXML: the saved domain with a clone's
 	// name, UUID and disks), which goes into a copy of save's header that
 	// is written, with save's migration stream, into a pipe that libvirt
-	// reads (WriteClone): nothing is copied on disk. A call cut by a lost
+	// reads (CloneHead): nothing is copied on disk. A call cut by a lost
 	// connection is not repeated (the pipe is read once).
 	RestoreClone(ctx context.Context, save, xml string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,

@@ -207,20 +207,13 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 	return d.Marshal()
 }
 
-// WriteClone writes a clone's save file to w: save's head with xml, then
-// save's migration stream, unchanged. save is read from its start.
-func WriteClone(w io.Writer, save io.Reader, xml string) error {
+// CloneHead reads save's head (save is then at its migration stream) and
+// gives it xml in place of the saved XML: what a clone's save file starts
+// with; the stream follows unchanged. Its errors are ErrSaveImage's.
+func CloneHead(save io.Reader, xml string) (*SaveHead, error) {
 	h, err := ReadSaveHead(save)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	c, err := h.WithXML(xml)
-	if err != nil {
-		return err
-	}
-	if _, err := c.WriteTo(w); err != nil {
-		return err
-	}
-	_, err = io.Copy(w, save)
-	return err
+	return h.WithXML(xml)
 }

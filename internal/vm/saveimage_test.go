@@ -3,6 +3,7 @@ package vm
 import (
 	"bytes"
 	"encoding/binary"
+	"io"
 	"strings"
 	"testing"
 
@@ -55,7 +56,13 @@ func TestSaveHeadRoundTrip(t *testing.T) {
 	c, err := h.WithXML(longer)
 	require.NoError(t, err)
 	var out bytes.Buffer
-	require.NoError(t, WriteClone(&out, bytes.NewReader(f), longer))
+	src := bytes.NewReader(f)
+	ch, err := CloneHead(src, longer)
+	require.NoError(t, err)
+	_, err = ch.WriteTo(&out)
+	require.NoError(t, err)
+	_, err = io.Copy(&out, src)
+	require.NoError(t, err)
 	require.Equal(t, len(f), out.Len(), "a clone's file is as long as the template's")
 	back, err := ReadSaveHead(bytes.NewReader(out.Bytes()))
 	require.NoError(t, err)

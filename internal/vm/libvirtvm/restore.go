@@ -2,8 +2,8 @@ package libvirtvm
 
 import (
 	"context"
-	"errors"
 	"fmt"
+	"io"
 	"os"
 	"path/filepath"
 
@@ -42,18 +42,25 @@ func (l *Conn) Save(ctx context.Context, name, path string) error {
 	})
 }
 
-// RestoreClone implements vm.Hypervisor. The pipe is made in a private
-// directory beside save (libvirtd, root, opens it by path; QEMU reads it
-// through the descriptor libvirt hands it) and removed when the call
-// returns. The
-// pipe is opened for reading and writing here, so the open never waits
-// for libvirt; closing it ends a write libvirt stopped reading.
+// RestoreClone implements vm.Hypervisor. save's head is read and given
+// xml before libvirt is asked (a file this code does not rewrite fails
+// here, ErrSaveImage). The pipe is made in a private directory beside save
+// (libvirtd, root, opens it by path; QEMU reads it through the descriptor
+// libvirt hands it) and removed when the call returns. It is opened for
+// reading and writing here, so the open never waits for libvirt; it is
+// closed once the stream is written (libvirt reads the rest, then the
+// end), or failed, and when libvirt's call returns (a write libvirt never
+// read ends).
 func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
 	src, err := os.Open(save)
 	if err != nil {
 		return err
 	}
 	defer src.Close()
+	head, err := vm.CloneHead(src, xml)
+	if err != nil {
+		return err
+	}
 	dir, err := os.MkdirTemp(filepath.Dir(save), ".restore-")
 	if err != nil {
 		return err
@@ -68,17 +75,24 @@ func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
 		return fmt.Errorf("restore pipe: %w", err)
 	}
 	wrote := make(chan error, 1)
-	go func() { wrote <- vm.WriteClone(w, src, xml) }()
+	go func() {
+		// The head is longer than a pipe holds (libvirt pads the XML block
+		// by 64 KiB): once it is written, libvirt has the pipe open, and
+		// closing it is an end libvirt sees.
+		_, err := head.WriteTo(w)
+		if err == nil {
+			_, err = io.Copy(w, src)
+		}
+		_ = w.Close()
+		wrote <- err
+	}()
 	restoreErr := call0(ctx, l, func() error { return l.conn.DomainRestoreFlags(fifo, "", libvirt.DOMAIN_SAVE_RUNNING) })
-	_ = w.Close() // ends a write that libvirt stopped reading
+	_ = w.Close()
 	werr := <-wrote
 	if restoreErr != nil {
-		if errors.Is(werr, vm.ErrSaveImage) {
-			return werr // the reason libvirt read nothing usable
-		}
 		return restoreErr
 	}
-	if werr != nil && !errors.Is(werr, os.ErrClosed) {
+	if werr != nil {
 		return fmt.Errorf("restore pipe: %w", werr)
 	}
 	return nil
