@@ -134,15 +134,20 @@ func debugServices(getenv func(string) string) bool {
 // followServiceLogs streams what the job's services write during a stage
 // of the user's scripts into the job log, beside the script's output
 // (CI_DEBUG_SERVICES, services.StartServiceLogs), over the stage's direct
-// connection into the guest; stop ends it, a second after the script, for
-// the services' last lines. A failure to start it is a line in the job
-// log: the stage goes on.
+// connection into the guest; stop ends it once the streams have shown
+// what the services wrote so far (at most serviceLogsCatchUp after the
+// script: a follower starts slowly in a slow guest). A failure to start it
+// is a line in the job log: the stage goes on.
+// serviceLogsCatchUp bounds how long a stage waits, after its script, for
+// the services' logs to be shown.
+const serviceLogsCatchUp = 15 * time.Second
+
 func followServiceLogs(ctx context.Context, e Env, sess *jobvm.Session, sudo bool) (stop func()) {
 	_, c, err := sess.Client(ctx)
 	if err == nil {
 		var end func(time.Duration)
 		if end, err = services.StartServiceLogs(ctx, c, sudo, e.Stdout); err == nil {
-			return func() { end(time.Second) }
+			return func() { end(serviceLogsCatchUp) }
 		}
 	}
 	fmt.Fprintf(e.Stderr, "libvirt-executor: CI_DEBUG_SERVICES: the services' logs are not shown: %v\n", err)

@@ -12,6 +12,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
@@ -470,9 +471,15 @@ func (d *driver) showLogs(ctx context.Context, s Service, n int) {
 // first alias, until ctx ends or the services end. It returns when ctx
 // ends.
 func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, since string, w io.Writer) {
+	followLogs(ctx, g, st, sudo, since, w, nil)
+}
+
+// followLogs is FollowLogs, counting each service's lines in seen (if
+// set, one counter a service).
+func followLogs(ctx context.Context, g Guest, st *Started, sudo bool, since string, w io.Writer, seen []atomic.Int64) {
 	d := &driver{g: g, o: Options{Sudo: sudo}, log: w}
 	var wg sync.WaitGroup
-	for _, r := range st.Services {
+	for i, r := range st.Services {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
@@ -484,6 +491,9 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, since stri
 				sc.Buffer(make([]byte, 4096), 64<<10)
 				for sc.Scan() {
 					d.say("[service %s] %s", r.Aliases[0], printable(sc.Text()))
+					if seen != nil {
+						seen[i].Add(1)
+					}
 				}
 				_, _ = io.Copy(io.Discard, pr)
 			}()
@@ -495,6 +505,34 @@ func FollowLogs(ctx context.Context, g Guest, st *Started, sudo bool, since stri
 	wg.Wait()
 }
 
+// lineCount counts the lines written to it.
+type lineCount struct{ n int64 }
+
+func (c *lineCount) Write(p []byte) (int, error) {
+	c.n += int64(bytes.Count(p, []byte{'\n'}))
+	return len(p), nil
+}
+
+// catchUp waits, until deadline, for each service's follower to have
+// shown the lines its container has written since since (podman logs
+// once, without following, counts them): a follower starts slowly in a
+// slow guest, and a stage that ends before it printed would lose them.
+func catchUp(ctx context.Context, d *driver, st *Started, since string, seen []atomic.Int64, deadline time.Time) {
+	for i, r := range st.Services {
+		var n lineCount
+		argv := d.podman([]string{"podman", "logs", "--since", since, r.Container})
+		cctx, cancel := context.WithDeadline(ctx, deadline)
+		_, err := d.g.Exec(cctx, argv, nil, nil, &n, &n)
+		cancel()
+		if err != nil {
+			return
+		}
+		for seen[i].Load() < n.n && time.Now().Before(deadline) && ctx.Err() == nil {
+			time.Sleep(50 * time.Millisecond) // the follower's progress is polled
+		}
+	}
+}
+
 // serviceContainerRE is a service container's name (containerName).
 var serviceContainerRE = regexp.MustCompile(`^lve-service-[0-9]{1,3}$`)
 
@@ -504,7 +542,8 @@ var serviceContainerRE = regexp.MustCompile(`^lve-service-[0-9]{1,3}$`)
 // line prefixed "[service lve-service-N]". It returns once the guest's
 // time is read and the containers are found (the running containers
 // with the driver's label and a service's name; none: nothing follows);
-// stop waits grace for the last lines, then ends the streams.
+// stop waits, at most grace, until each stream has shown what its
+// container wrote so far (catchUp), then ends the streams.
 func StartServiceLogs(ctx context.Context, g Guest, sudo bool, w io.Writer) (stop func(grace time.Duration), err error) {
 	d := &driver{g: g, o: Options{Sudo: sudo}, log: io.Discard}
 	code, out, errText, err := d.exec(ctx, []string{"date", "+%s"}, nil, nil)
@@ -530,18 +569,15 @@ func StartServiceLogs(ctx context.Context, g Guest, sudo bool, w io.Writer) (sto
 	}
 	fctx, cancel := context.WithCancel(ctx)
 	done := make(chan struct{})
+	since := strconv.FormatInt(now-1, 10)
+	seen := make([]atomic.Int64, len(st.Services))
 	go func() {
 		defer close(done)
-		FollowLogs(fctx, g, st, sudo, strconv.FormatInt(now-1, 10), w)
+		followLogs(fctx, g, st, sudo, since, w, seen)
 	}()
 	return func(grace time.Duration) {
 		if len(st.Services) > 0 && grace > 0 {
-			t := time.NewTimer(grace)
-			select {
-			case <-t.C:
-			case <-ctx.Done():
-			}
-			t.Stop()
+			catchUp(ctx, d, st, since, seen, time.Now().Add(grace))
 		}
 		cancel()
 		<-done

@@ -37,9 +37,10 @@ type rule struct {
 	code   int
 	out    string
 	err    error
+	delay  time.Duration // before the answer (a slow guest)
 }
 
-func (g *fakeGuest) Exec(_ context.Context, argv, env []string, stdin io.Reader, stdout, stderr io.Writer) (int, error) {
+func (g *fakeGuest) Exec(ctx context.Context, argv, env []string, stdin io.Reader, stdout, stderr io.Writer) (int, error) {
 	var in []byte
 	if stdin != nil {
 		in, _ = io.ReadAll(stdin)
@@ -63,6 +64,13 @@ func (g *fakeGuest) Exec(_ context.Context, argv, env []string, stdin io.Reader,
 	}
 	for _, r := range g.rules {
 		if strings.HasPrefix(line, r.prefix) {
+			if r.delay > 0 {
+				select {
+				case <-time.After(r.delay):
+				case <-ctx.Done():
+					return -1, ctx.Err() // a stream ended before it answered
+				}
+			}
 			if r.code != 0 {
 				_, _ = io.WriteString(stderr, r.out)
 			} else {
@@ -277,6 +285,23 @@ func TestStartServiceLogs(t *testing.T) {
 		require.NotContains(t, l, "lve-job-9-build")
 		require.NotContains(t, l, "reboot")
 	}
+
+	// A follower that starts slowly (under software emulation podman takes
+	// seconds) still shows what the service wrote during the stage: stop
+	// waits until it has as many lines as podman has, at most its grace.
+	g = &fakeGuest{rules: []rule{
+		{prefix: "date +%s", out: "1700000000\n"},
+		{prefix: "podman ps", out: "lve-service-0\n"},
+		{prefix: "podman logs --follow --since 1699999999 lve-service-0", out: "GET / answered\n", delay: 400 * time.Millisecond},
+		{prefix: "podman logs --since 1699999999 lve-service-0", out: "GET / answered\n"},
+	}}
+	var slow syncbuf.Buffer
+	stop, err = StartServiceLogs(context.Background(), g, false, &slow)
+	require.NoError(t, err)
+	t0 := time.Now()
+	stop(10 * time.Second)
+	require.Equal(t, "[service lve-service-0] GET / answered\n", slow.String())
+	require.Less(t, time.Since(t0), 5*time.Second, "stop waits for the follower, not for its grace")
 
 	g = &fakeGuest{rules: []rule{{prefix: "date", out: "1700000000\n"}, {prefix: "podman ps", code: 125, out: "no podman"}}}
 	_, err = StartServiceLogs(context.Background(), g, false, &log)
