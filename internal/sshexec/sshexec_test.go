@@ -54,7 +54,10 @@ var agents sync.Map // *Client -> *AgentSession
 
 func run(c *Client, ctx context.Context, script string) (string, string, error) {
 	var out, errb sshtest.Buffer
-	o := RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: 2 * time.Second}
+	// Graces shorter than the defaults (2 s for the leftovers, 5 s to
+	// kill), to keep the package's tests short: what the tests look at
+	// happens well within them, or is what follows them.
+	o := RunOptions{Shell: "bash", Stdout: &out, Stderr: &errb, KillGrace: time.Second, LeftoverGrace: 500 * time.Millisecond}
 	if a, ok := agents.Load(c); ok {
 		o.Agent = a.(*AgentSession)
 	}

@@ -5,6 +5,7 @@ package e2e
 import (
 	"os"
 	"path/filepath"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -57,7 +58,19 @@ func TestFaultAgentKilledMidStage(t *testing.T) {
 // as a system failure, the stalled agent and the stage's processes are
 // stopped, and the job goes on through the wrapper on the same connection.
 func TestFaultAgentChannelStalls(t *testing.T) {
-	r := setup(t)
+	// A short keepalive (1 s x 3: a dead guest given up within 3-4 s), so
+	// that the wait below, longer than it takes, is short too.
+	r := setup(t).withConfig(t, func(s string) string {
+		s = regexp.MustCompile(`(?m)^keepalive_(interval|count) = .*\n`).ReplaceAllString(s, "")
+		const keys = "keepalive_interval = \"1s\"\nkeepalive_count = 3\n"
+		if strings.Contains(s, "\n[ssh]\n") {
+			return strings.Replace(s, "\n[ssh]\n", "\n[ssh]\n"+keys, 1)
+		}
+		return s + "\n[ssh]\n" + keys
+	})
+	keepalive := r.cfg.SSH.KeepaliveInterval.D()
+	require.Equal(t, time.Second, keepalive)
+	require.Equal(t, 3, r.cfg.SSH.KeepaliveCount)
 	s := newStageRunner(t, r)
 	require.Equal(t, 0, s.run(t, "config").code)
 	require.Equal(t, 0, s.run(t, "prepare").code)
@@ -69,9 +82,13 @@ func TestFaultAgentChannelStalls(t *testing.T) {
 	rn := s.start(t, "run", path, "build_script")
 	waitFor(t, 60*time.Second, "script started", func() bool { return strings.Contains(rn.out.String(), "started") })
 	// What is asserted is that nothing happens for longer than the
-	// keepalive takes to give up a dead guest (9-12 s), the 3 s before the
-	// stall included: the guest is not dead, and nothing takes it for dead.
-	time.Sleep(18 * time.Second)
+	// keepalive takes to give up a dead guest (count intervals without a
+	// reply, one more for the first probe to go out: 4 s), the 3 s before
+	// the stall, and as much again as the keepalive's own time for the
+	// verdict to reach the stage: the guest is not dead, and nothing takes
+	// it for dead. (A fixed wait is the assertion here: that nothing
+	// happens.)
+	time.Sleep(3*time.Second + 2*keepalive*time.Duration(r.cfg.SSH.KeepaliveCount+1))
 	require.False(t, rn.ended(), "a stalled agent is not a dead guest: the stage runs until it is cancelled")
 	t0 := time.Now()
 	rn.signal(syscall.SIGTERM)

@@ -46,6 +46,32 @@ func TestBackgroundProcessesEndWithTheirStage(t *testing.T) {
 }
 
 func backgroundProcesses(t *testing.T, r *rig, agent bool) {
+	// The script's own failure still decides the class, promptly: a job of
+	// its own, in a VM of its own, run beside the first (one vCPU each, the
+	// host has two cores) and looked at after it.
+	failOpts, failLog := r.options(t)
+	type result struct {
+		res *harness.Result
+		err error
+	}
+	failed := make(chan result, 1)
+	go func() {
+		res, err := harness.RunJob(context.Background(), failOpts, harness.Job{
+			Timeout: 5 * time.Minute,
+			Script:  []string{"sleep 300 &", "echo failing-now", "exit 4"},
+		})
+		failed <- result{res, err}
+	}()
+	// (A test that fails before it reads the result still waits for the
+	// job, so that its VM is gone before the leftover check.)
+	var fail result
+	var got bool
+	t.Cleanup(func() {
+		if !got {
+			<-failed
+		}
+	})
+
 	opts, lw := r.options(t)
 	start := time.Now()
 	res, err := harness.RunJob(context.Background(), opts, harness.Job{
@@ -91,17 +117,13 @@ func backgroundProcesses(t *testing.T, r *rig, agent bool) {
 	}
 	t.Logf("job with background processes: %s in all", time.Since(start).Round(time.Second))
 
-	// The script's own failure still decides the class, promptly.
-	opts, lw = r.options(t)
-	res, err = harness.RunJob(context.Background(), opts, harness.Job{
-		Timeout: 5 * time.Minute,
-		Script:  []string{"sleep 300 &", "echo failing-now", "exit 4"},
-	})
+	fail, got = <-failed, true
+	res, err = fail.res, fail.err
 	require.NoError(t, err)
 	require.Equal(t, harness.ReasonScriptFailure, res.FailureReason, res.Message)
 	require.Equal(t, 4, res.ScriptExitCode)
 	build := stageExit(t, res, "build_script")
 	require.Equal(t, 1, build.ExitCode)
 	require.Less(t, build.Duration, stageBound)
-	require.Contains(t, lw.buf.String(), "failing-now")
+	require.Contains(t, failLog.buf.String(), "failing-now")
 }

@@ -88,18 +88,7 @@ func TestBenchServices(t *testing.T) {
 	pushServiceImage(t, reg.Host, "library/postgres", "15")
 	pushShellImage(t, reg.Host, "library/alpine", "3.19")
 	cold := rr.r.withConfig(t, func(s string) string {
-		return s + "\n" + podman + fmt.Sprintf(`
-[services]
-enabled = true
-wait_timeout = "60s"
-allowed_images = ["postgres:*"]
-plain_http = [%q]
-[services.mirrors]
-"docker.io" = [%q]
-[services.container_jobs]
-allowed_images = ["alpine:*"]
-vm_image = "podman"
-`, reg.Host, reg.Host)
+		return s + "\n" + podman + servicesConfig(reg.Host, "60s", "postgres:*", "alpine:*")
 	})
 	// The same script in every mode: on the VM's OS it reads Debian's
 	// os-release, in the container the image's.

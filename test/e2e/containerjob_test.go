@@ -78,17 +78,7 @@ func TestContainerJobThroughRealRunner(t *testing.T) {
 	pushServiceImage(t, reg.Host, "library/postgres", "15")
 	pushShellImage(t, reg.Host, "library/alpine", "3.19")
 	r := rr.r.withConfig(t, func(s string) string {
-		return s + "\n" + podman + fmt.Sprintf(`
-[services]
-enabled = true
-wait_timeout = "60s"
-plain_http = [%q]
-[services.mirrors]
-"docker.io" = [%q]
-[services.container_jobs]
-allowed_images = ["alpine:*"]
-vm_image = "podman"
-`, reg.Host, reg.Host)
+		return s + "\n" + podman + servicesConfig(reg.Host, "60s", "", "alpine:*")
 	})
 	rr.cfgPath = r.cfgPath
 

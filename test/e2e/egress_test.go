@@ -43,10 +43,7 @@ func TestEgressAllow(t *testing.T) {
 	r := base.withConfig(t, withImageKey("tiny", `egress_allow = ["192.0.2.10:80", "198.51.100.0/24"]`))
 	require.NotNil(t, r.cfg.Images["tiny"].EgressAllow, "the edited config has the list")
 	limited, open := newStageRunner(t, r), newStageRunner(t, base)
-	for _, s := range []*stageRunner{limited, open} {
-		require.Equal(t, 0, s.run(t, "config").code)
-		require.Equal(t, 0, s.run(t, "prepare").code)
-	}
+	prepareTogether(t, limited, open)
 	defer func() {
 		for _, s := range []*stageRunner{limited, open} {
 			require.Equal(t, 0, s.run(t, "cleanup").code)

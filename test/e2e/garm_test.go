@@ -638,7 +638,7 @@ func guestSSH(t *testing.T, r *rig, ctrl, pool, name, script, stdin string) (str
 
 // TestGarmTokenGoneBeforeJobs: garm's token is gone from the guest before
 // the runner can take a job, without garm calling the provider again.
-// garm answers 503 for 15 s from the bootstrap's first call (the bootstrap
+// garm answers 503 for 5 s from the bootstrap's first call (the bootstrap
 // waits it out, retrying: asserted), and the test
 // makes no provider call after CreateInstance: the first thing the runner
 // service does is a job that, as the runner user with its sudo, reads
@@ -661,8 +661,9 @@ func TestGarmTokenGoneBeforeJobs(t *testing.T) {
 	tok := "garm-token-job-" + fmt.Sprint(time.Now().UnixNano())
 	g.patterns = strings.Join(tokenForms(tok), "\n") + "\n"
 	// Down from the bootstrap's first call, not from CreateInstance: the
-	// wait is the bootstrap's retries (1+2+4+8 s), not the guest's boot.
-	g.downFor = 15 * time.Second
+	// wait is the bootstrap's retries (1, 2, then 4 s apart: its calls at
+	// 0, 1 and 3 s meet the 503), not the guest's boot.
+	g.downFor = 5 * time.Second
 	srv := &http.Server{Handler: g.handler(map[string]string{tok: ""}), ReadHeaderTimeout: 10 * time.Second}
 	go func() { _ = srv.Serve(ln) }()
 	t.Cleanup(func() { _ = srv.Close() })

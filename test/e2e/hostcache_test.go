@@ -480,7 +480,11 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 	// The runner's archive_cache stage makes an archive (64 MiB: long
 	// enough a copy to be killed in).
 	archive := fmt.Sprintf("#!/usr/bin/env bash\n# gitlab-runner cache-archiver (stand-in)\nmkdir -p /cache/lve/p/k && head -c %d /dev/urandom > /cache/lve/p/k/cache.zip\n", size)
-	saving := func(t *testing.T, projectID int) (*stageRunner, *running) {
+	// The three subtests' jobs (projects 77, 78 and 79), prepared at the
+	// same time up front (one vCPU each, the host has two cores; prepare
+	// never touches the host cache).
+	jobs := map[int]*stageRunner{}
+	for _, projectID := range []int{77, 78, 79} {
 		s := newStageRunner(t, r)
 		// A payload with a project, as GitLab sends it.
 		id := nextJobID()
@@ -492,11 +496,14 @@ func TestFaultSIGKILLDuringCacheSave(t *testing.T) {
 				s.env[i] = fmt.Sprintf("CUSTOM_ENV_CI_JOB_ID=%d", id)
 			}
 		}
-		require.Equal(t, 0, s.run(t, "config").code)
-		require.Equal(t, 0, s.run(t, "prepare").code)
+		jobs[projectID] = s
 		// Whatever a subtest got to, its job is cleaned up (again: a
 		// cleanup of a cleaned-up job does nothing).
 		t.Cleanup(func() { s.run(t, "cleanup") })
+	}
+	prepareTogether(t, jobs[77], jobs[78], jobs[79])
+	saving := func(t *testing.T, projectID int) (*stageRunner, *running) {
+		s := jobs[projectID]
 		rn := s.start(t, "run", writeScript(t, s, archive), "archive_cache")
 		scratch := vm.ScratchVolume(s.name(t))
 		waitFor(t, 2*time.Minute, "the save under way: the guest writing its scratch disk, or the host staging", func() bool {

@@ -153,10 +153,19 @@ func TestGitLabByNameOverHTTPS(t *testing.T) {
 		require.Equal(t, "built-on-"+img+"\n", zipFiles(t, res.Artifacts)["out/r.txt"], "%s: the artifact uploaded by the guest's helper over HTTPS", img)
 	}
 	def := r.cfg.DefaultImage
-	// Cold, before the standby pool is up.
-	check(rr.runJobs(t, job(def))[0], def, "")
-	// Warm: a standby VM claimed.
+	// Cold, before the standby pool is up; the pool service starts once
+	// the cold job has its machine, and its standby boots while that job
+	// runs.
+	cold := rr.api.Enqueue(job(def))
+	coldDone := rr.start(t, 1)
+	waitFor(t, 5*time.Minute, "the cold job's machine", func() bool {
+		return strings.Contains(rr.api.Trace(cold), "Machine ready")
+	})
 	r.serve(t)
+	coldRes := rr.results(t, coldDone, []int64{cold})[0]
+	check(coldRes, def, "")
+	require.NotRegexp(t, warmRE, coldRes.Trace, "the first job's VM was made for it")
+	// Warm: a standby VM claimed.
 	r.waitIdle(t, 1, 3*time.Minute)
 	res := rr.runJobs(t, job(def))[0]
 	check(res, def, def)

@@ -83,10 +83,7 @@ func TestL2FilterStopsSpoofing(t *testing.T) {
 	})
 	require.Equal(t, 30, ra.cfg.SSH.KeepaliveCount)
 	a, b := newStageRunner(t, ra), newStageRunner(t, r)
-	for _, s := range []*stageRunner{a, b} {
-		require.Equal(t, 0, s.run(t, "config").code)
-		require.Equal(t, 0, s.run(t, "prepare").code)
-	}
+	prepareTogether(t, a, b)
 	defer func() {
 		for _, s := range []*stageRunner{a, b} {
 			require.Equal(t, 0, s.run(t, "cleanup").code)

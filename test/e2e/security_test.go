@@ -182,10 +182,7 @@ func TestJobVMsCannotReachEachOther(t *testing.T) {
 		t.Skip("isolate_guests = false in the rig configuration")
 	}
 	a, b := newStageRunner(t, r), newStageRunner(t, r)
-	for _, s := range []*stageRunner{a, b} {
-		require.Equal(t, 0, s.run(t, "config").code)
-		require.Equal(t, 0, s.run(t, "prepare").code)
-	}
+	prepareTogether(t, a, b)
 	defer func() {
 		for _, s := range []*stageRunner{a, b} {
 			require.Equal(t, 0, s.run(t, "cleanup").code)

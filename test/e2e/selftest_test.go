@@ -42,7 +42,7 @@ func TestSelftest(t *testing.T) {
 // inside a guest, by its host name over HTTPS, with the runner's CA file:
 // all well, it says the name resolved and TLS verified; with another CA's
 // file it names the certificate; with a name the network's DNS does not
-// know, it names DNS; each with its fix.
+// know, it names DNS; each with its fix. The three run at the same time.
 func TestSelftestProbesGitLab(t *testing.T) {
 	r := setup(t)
 	bin := runnerBinary(t)
@@ -52,28 +52,47 @@ func TestSelftestProbesGitLab(t *testing.T) {
 	ca := newTestCA(t, gitlabHost())
 	front := ca.front(t, r, backend.URL)
 	other := newTestCA(t, gitlabHost())
-	selftest := func(url, caFile string) (string, error) {
-		ln := r.serviceListener(t)
-		listen := ln.Addr().String()
-		require.NoError(t, ln.Close())
-		cmd := r.admin("selftest", "--runner", r.readableRunner(bin),
-			"--listen", listen, "--timeout", "6m", "--url", url, "--tls-ca-file", caFile)
-		b, err := cmd.CombinedOutput()
-		t.Logf("selftest --url %s --tls-ca-file %s:\n%s", url, caFile, b)
-		return string(b), err
+	// The three self tests run at the same time (each with its own job API
+	// and VMs, of one vCPU each; the host has two cores); all have ended
+	// before their logs and verdicts are read. Their three ports are taken
+	// at once (three different ones), then freed for them to listen on.
+	var listeners []net.Listener
+	for range 3 {
+		listeners = append(listeners, r.serviceListener(t))
 	}
-	out, err := selftest(front, ca.File)
-	require.NoError(t, err)
-	require.Contains(t, out, "resolved, reached, TLS verified with the runner's CA file "+ca.File)
-
-	out, err = selftest(front, other.File)
-	require.Error(t, err)
-	require.Contains(t, out, "GitLab from the guest: certificate: ")
-	require.Contains(t, out, "does not verify with the runner's CA file "+other.File)
-
+	var listen []string
+	for _, ln := range listeners {
+		listen = append(listen, ln.Addr().String())
+		require.NoError(t, ln.Close())
+	}
+	selftest := func(url, caFile string) func() (string, error) {
+		cmd := r.admin("selftest", "--runner", r.readableRunner(bin),
+			"--listen", listen[0], "--timeout", "6m", "--url", url, "--tls-ca-file", caFile)
+		listen = listen[1:]
+		var b []byte
+		var err error
+		done := make(chan struct{})
+		go func() { b, err = cmd.CombinedOutput(); close(done) }()
+		return func() (string, error) {
+			<-done
+			t.Logf("selftest --url %s --tls-ca-file %s:\n%s", url, caFile, b)
+			return string(b), err
+		}
+	}
 	nowhere := strings.Replace(front, gitlabHost(), "nowhere."+gitlabHost(), 1)
-	out, err = selftest(nowhere, ca.File)
-	require.Error(t, err)
-	require.Contains(t, out, "GitLab from the guest: DNS: ")
-	require.Contains(t, out, "the guest cannot resolve nowhere."+gitlabHost())
+	good, badCA, noDNS := selftest(front, ca.File), selftest(front, other.File), selftest(nowhere, ca.File)
+	goodOut, goodErr := good()
+	badCAOut, badCAErr := badCA()
+	noDNSOut, noDNSErr := noDNS()
+
+	require.NoError(t, goodErr)
+	require.Contains(t, goodOut, "resolved, reached, TLS verified with the runner's CA file "+ca.File)
+
+	require.Error(t, badCAErr)
+	require.Contains(t, badCAOut, "GitLab from the guest: certificate: ")
+	require.Contains(t, badCAOut, "does not verify with the runner's CA file "+other.File)
+
+	require.Error(t, noDNSErr)
+	require.Contains(t, noDNSOut, "GitLab from the guest: DNS: ")
+	require.Contains(t, noDNSOut, "the guest cannot resolve nowhere."+gitlabHost())
 }

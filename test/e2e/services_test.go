@@ -76,14 +76,9 @@ func TestServicesInPodmanVM(t *testing.T) {
 
 	r := base.withConfig(t, func(s string) string {
 		s = setKey("default_image", `"podman"`)(s)
-		return s + "\n" + podman + fmt.Sprintf(`
-[services]
-enabled = true
-wait_timeout = "20s"
-plain_http = [%q]
-[services.mirrors]
-"docker.io" = [%q]
-`, reg.Host, reg.Host)
+		// A short wait: the two services that answer do within a second;
+		// the silent one's warning comes after the whole of it.
+		return s + "\n" + podman + servicesConfig(reg.Host, "8s", "", "")
 	})
 	s := newStageRunner(t, r)
 	require.Equal(t, 0, s.run(t, "config").code)
@@ -199,6 +194,23 @@ plain_http = [%q]
 	_, err = services.Start(ctx, c, missing, opts, &log)
 	require.ErrorContains(t, err, `cannot get image docker.io/team/missing:1 of service "team/missing:1" (services[0])`)
 	require.Equal(t, exitcodes.SystemClass, exitcodes.Classify(err))
+}
+
+// servicesConfig is the [services] table of the services and container
+// job tests: the registry at host (plain HTTP) as docker.io's mirror, the
+// ports' wait, and, where not "", the one allowed service image pattern
+// and the one allowed container job image pattern (container jobs in
+// podman-image VMs).
+func servicesConfig(host, wait, allowedService, allowedContainer string) string {
+	s := fmt.Sprintf("\n[services]\nenabled = true\nwait_timeout = %q\n", wait)
+	if allowedService != "" {
+		s += fmt.Sprintf("allowed_images = [%q]\n", allowedService)
+	}
+	s += fmt.Sprintf("plain_http = [%q]\n[services.mirrors]\n\"docker.io\" = [%q]\n", host, host)
+	if allowedContainer != "" {
+		s += fmt.Sprintf("[services.container_jobs]\nallowed_images = [%q]\nvm_image = \"podman\"\n", allowedContainer)
+	}
+	return s
 }
 
 // podmanImage is the [images.podman] table to add to the rig's
@@ -350,18 +362,7 @@ func TestServicesThroughRealRunner(t *testing.T) {
 	pushServiceImage(t, reg.Host, "library/postgres", "15")
 	pushShellImage(t, reg.Host, "library/alpine", "3.19")
 	r := rr.r.withConfig(t, func(s string) string {
-		return s + "\n" + podman + fmt.Sprintf(`
-[services]
-enabled = true
-wait_timeout = "60s"
-allowed_images = ["postgres:*"]
-plain_http = [%q]
-[services.mirrors]
-"docker.io" = [%q]
-[services.container_jobs]
-allowed_images = ["alpine:*"]
-vm_image = "podman"
-`, reg.Host, reg.Host)
+		return s + "\n" + podman + servicesConfig(reg.Host, "60s", "postgres:*", "alpine:*")
 	})
 	r = r.withConfig(t, func(s string) string {
 		return strings.Replace(poolsvc.WithPool(s, "podman", 2), "[images.podman.pool]\n", "[images.podman.pool]\nprepull = [\"postgres:15\", \"alpine:3.19\"]\n", 1)

@@ -13,6 +13,7 @@ import (
 	"strings"
 	"syscall"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 )
@@ -90,6 +91,22 @@ func (s *stageRunner) run(t *testing.T, stage string, args ...string) stageResul
 	}
 	t.Logf("%s exit %d\nstdout: %s\nstderr: %s", stage, res.code, strings.TrimSpace(res.stdout), strings.TrimSpace(res.stderr))
 	return res
+}
+
+// prepareTogether runs config for each of ss, then their prepares at the
+// same time (each VM has one vCPU, the host two cores: two boots take
+// about as long as one), and requires each to succeed.
+func prepareTogether(t *testing.T, ss ...*stageRunner) {
+	t.Helper()
+	rns := make([]*running, len(ss))
+	for i, s := range ss {
+		require.Equal(t, 0, s.run(t, "config").code)
+		rns[i] = s.start(t, "prepare")
+	}
+	for _, rn := range rns {
+		res := rn.wait(t, 5*time.Minute)
+		require.Equal(t, 0, res.code, "prepare: %s", res.stderr)
+	}
 }
 
 func (s *stageRunner) runScript(t *testing.T, stage, script string) stageResult {
