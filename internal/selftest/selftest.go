@@ -197,7 +197,16 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 		runErr = runOne()
 		first = report(produceName, produce)
 		rep.Jobs = append(rep.Jobs, first)
-		if first.State == jobapi.StateSuccess && ctx.Err() == nil {
+		probeFailed := false
+		if o.GitLabURL != "" {
+			if out, ok := probeOutput(first.Trace); ok && ClassifyProbe(out, o.GitLabURL) != ProbeOK {
+				// The verdict below names the fix; the runner's jobs cannot
+				// fetch their sources until it is made.
+				say("the second sample job is not run: the first job's guest could not ask %s (the fix is below)", o.GitLabURL)
+				probeFailed = true
+			}
+		}
+		if first.State == jobapi.StateSuccess && ctx.Err() == nil && !probeFailed {
 			consume := api.Enqueue(jobapi.Job{
 				Name: consumeName, Stage: "test", Image: o.Image, Dependencies: []int64{produce},
 				Script: []string{
@@ -210,7 +219,8 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			rep.Jobs = append(rep.Jobs, report(consumeName, consume))
 		} else {
 			// It needs the first job's artifact and cache: what failed there
-			// is the fix, and a second VM would only fail the same way.
+			// is the fix, and a second VM would only fail the same way. Or
+			// the guest could not reach GitLab: that is the fix first.
 			rep.Jobs = append(rep.Jobs, JobReport{Name: consumeName, State: skipped})
 		}
 		rep.Wall = time.Since(t0)

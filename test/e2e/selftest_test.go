@@ -42,7 +42,8 @@ func TestSelftest(t *testing.T) {
 // inside a guest, by its host name over HTTPS, with the runner's CA file:
 // all well, it says the name resolved and TLS verified; with another CA's
 // file it names the certificate; with a name the network's DNS does not
-// know, it names DNS; each with its fix. The three run at the same time.
+// know, it names DNS; each with its fix, and without the second sample
+// job's VM (the fix comes first). The three run at the same time.
 func TestSelftestProbesGitLab(t *testing.T) {
 	r := setup(t)
 	bin := runnerBinary(t)
@@ -92,7 +93,11 @@ func TestSelftestProbesGitLab(t *testing.T) {
 	require.Contains(t, badCAOut, "GitLab from the guest: certificate: ")
 	require.Contains(t, badCAOut, "does not verify with the runner's CA file "+other.File)
 
+	require.Regexp(t, `selftest-consume +skipped`, badCAOut, "no second VM once the guest could not reach GitLab")
+
 	require.Error(t, noDNSErr)
 	require.Contains(t, noDNSOut, "GitLab from the guest: DNS: ")
 	require.Contains(t, noDNSOut, "the guest cannot resolve nowhere."+gitlabHost())
+	require.Regexp(t, `selftest-consume +skipped`, noDNSOut)
+	require.NotRegexp(t, `selftest-consume +skipped`, goodOut, "all well, both sample jobs run")
 }
