@@ -30,9 +30,9 @@ import (
 // Name is the package's name in both formats.
 const Name = "libvirt-executor"
 
-// Executables are the six a host runs, installed into /usr/bin.
+// Executables are the seven a host runs, installed into /usr/bin.
 var Executables = []string{"libvirt-executor", "libvirt-executor-config", "libvirt-executor-prepare",
-	"libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor-garm"}
+	"libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor-garm", "libvirt-executor-hooks"}
 
 // Units are the systemd units, from deploy/systemd/.
 var Units = []string{"libvirt-executor.service", "libvirt-executor-gc.service", "libvirt-executor-gc.timer"}
