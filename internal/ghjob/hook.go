@@ -29,6 +29,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghhooks"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghshare"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -36,6 +37,9 @@ import (
 
 // Frontend is the ownership record's front end of the hook's machines.
 const Frontend = "github-hooks"
+
+// WorkTag is the virtiofs tag the guest mounts the work directory by.
+const WorkTag = "lve-work"
 
 // Env is what the hook gets from its process.
 type Env struct {
@@ -46,8 +50,8 @@ type Env struct {
 	Connect jobvm.Connector
 	// Euid is the hook's effective user id (os.Geteuid).
 	Euid int
-	// PPID is the hook's parent (the runner's worker), recorded at
-	// prepare_job for the sweep.
+	// PPID is the hook's parent: the runner's worker, or a process under
+	// it (ghshare.FindWorker), recorded at prepare_job for the sweep.
 	PPID int
 }
 
@@ -154,7 +158,7 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	if !ok {
 		return fmt.Errorf("github_hooks.vm_image %q is not a configured image", h.g.VMImage)
 	}
-	su, err := resolveShareUser(h.g, h.e.Euid)
+	su, err := ghshare.ResolveUser(h.g, h.e.Euid)
 	if err != nil {
 		return err
 	}
@@ -177,10 +181,10 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	began := time.Now()
 	h.say("Preparing a fresh %s VM %s for this job (libvirt-executor-hooks)", img.Name, name)
 
-	share := &Share{Machine: name, JobID: id, At: time.Now().UTC(), RunnerPID: h.e.PPID}
-	if h.e.PPID > 0 {
-		share.RunnerStart, _ = procStart(h.e.PPID)
-	}
+	share := &ghshare.Share{Machine: name, JobID: id, At: time.Now().UTC()}
+	// The runner's worker, if the hook runs under one: the sweep removes
+	// the job once it is gone without a cleanup_job.
+	share.RunnerPID, share.RunnerStart = ghshare.FindWorker(h.e.PPID)
 	// From here on, every error removes what the job has.
 	defer func() {
 		if err == nil {
@@ -191,15 +195,15 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		if _, rerr := j.Release(cctx, jobvm.Observer{}); rerr != nil {
 			err = errors.Join(err, fmt.Errorf("remove the job's VM: %w", rerr))
 		}
-		if serr := stopShare(h.cfg.StateDir, share); serr != nil {
+		if serr := ghshare.Stop(h.cfg.StateDir, share); serr != nil {
 			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
 		}
 	}()
 	t := time.Now()
-	if err := startShare(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+	if err := ghshare.Start(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
 		return err
 	}
-	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.name, vm.Round(time.Since(t)))
+	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.Name, vm.Round(time.Since(t)))
 
 	im := *img
 	im.Pool = nil // a standby machine has no share: always cold (for now)
@@ -488,12 +492,12 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 	if err != nil {
 		return fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
 	}
-	share, err := loadShare(h.cfg.StateDir, st.Machine)
+	share, err := ghshare.Load(h.cfg.StateDir, st.Machine)
 	if err != nil {
 		return err
 	}
 	if share != nil {
-		if err := stopShare(h.cfg.StateDir, share); err != nil {
+		if err := ghshare.Stop(h.cfg.StateDir, share); err != nil {
 			return fmt.Errorf("stop the job's virtiofsd: %w", err)
 		}
 	}

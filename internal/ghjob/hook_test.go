@@ -3,8 +3,6 @@ package ghjob
 import (
 	"bytes"
 	"context"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -33,61 +31,6 @@ func TestStepArgv(t *testing.T) {
 	require.Empty(t, env)
 	argv, _ = stepArgv(&ghhooks.State{Container: "c"}, &ghhooks.ScriptArgs{EntryPoint: "sh", PrependPath: []string{"/x"}})
 	require.Contains(t, argv, "PATH=/x:"+defaultPath)
-}
-
-func TestResolveShareUser(t *testing.T) {
-	g := config.GitHubHooks{QEMUGroup: "root"}
-	_, err := resolveShareUser(g, 0)
-	require.ErrorContains(t, err, "share_user is not set and the hook runs as root: virtiofsd never runs as root")
-	g.ShareUser = "root"
-	_, err = resolveShareUser(g, 0)
-	require.ErrorContains(t, err, "share_user is root")
-	g.ShareUser = "nobody"
-	su, err := resolveShareUser(g, 0)
-	require.NoError(t, err)
-	require.True(t, su.asOther)
-	require.Equal(t, "nobody", su.name)
-	_, err = resolveShareUser(g, 4242)
-	require.ErrorContains(t, err, "the hook runs as user 4242, not root: it starts virtiofsd only as itself")
-	g.QEMUGroup = "no-such-group-here"
-	_, err = resolveShareUser(g, 0)
-	require.ErrorContains(t, err, `github_hooks.qemu_group "no-such-group-here"`)
-}
-
-func TestProcStartTellsProcessesApart(t *testing.T) {
-	start, err := procStart(os.Getpid())
-	require.NoError(t, err)
-	require.NotZero(t, start)
-	require.True(t, alive(os.Getpid(), start))
-	require.False(t, alive(os.Getpid(), start+1), "another start time: another process under the same pid")
-	cmd := exec.Command("true")
-	require.NoError(t, cmd.Run())
-	require.False(t, alive(cmd.Process.Pid, 0), "an ended process")
-}
-
-func TestStopShareIsIdempotent(t *testing.T) {
-	state := t.TempDir()
-	sock := filepath.Join(t.TempDir(), "lve-x")
-	require.NoError(t, os.Mkdir(sock, 0o700))
-	cmd := exec.Command("sleep", "60")
-	cmd.SysProcAttr = nil
-	require.NoError(t, cmd.Start())
-	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
-	start, err := procStart(cmd.Process.Pid)
-	require.NoError(t, err)
-	// another start time: not this process, left alone
-	s := &Share{Machine: "lve-x", SocketDir: sock, PID: cmd.Process.Pid, Start: start + 1}
-	require.NoError(t, saveShare(state, s))
-	got, err := loadShare(state, "lve-x")
-	require.NoError(t, err)
-	require.Equal(t, s.PID, got.PID)
-	require.NoError(t, stopShare(state, got))
-	require.True(t, alive(cmd.Process.Pid, start), "a process the record does not name is not ended")
-	require.NoDirExists(t, sock)
-	got, err = loadShare(state, "lve-x")
-	require.NoError(t, err)
-	require.Nil(t, got, "the record is gone")
-	require.NoError(t, stopShare(state, s), "a second stop finds nothing and succeeds")
 }
 
 // run is Run on input under a configuration with the hook on, work dir

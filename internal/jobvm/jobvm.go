@@ -21,6 +21,7 @@ import (
 	"context"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghshare"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -60,7 +61,7 @@ func New(m *lifecycle.Manager) *Host {
 		},
 		Shared:   guesttools.Disk{},
 		Release:  []func(*lifecycle.Manager, string){stopHolder},
-		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep},
+		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep, ghshare.Sweep},
 	})
 	return h
 }

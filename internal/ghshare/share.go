@@ -1,4 +1,8 @@
-package ghjob
+// Package ghshare is the share of a GitHub hook job (libvirt-executor-hooks,
+// internal/ghjob): the virtiofsd that serves the runner's _work directory
+// into the job's VM, its record in the state directory, and the sweep of
+// the jobs whose runner is gone without a cleanup_job.
+package ghshare
 
 import (
 	"context"
@@ -25,9 +29,6 @@ import (
 // share user's (or a subordinate id's), never root's. Its vhost-user
 // socket is made here and handed over as a descriptor (--fd), in a
 // directory only QEMU's group may enter.
-
-// WorkTag is the virtiofs tag the guest mounts the work directory by.
-const WorkTag = "lve-work"
 
 // shareDir is the state directory's subdirectory of the hook jobs' records.
 const shareDir = "github-hooks"
@@ -64,8 +65,8 @@ func logPath(stateDir, machine string) string {
 	return filepath.Join(stateDir, shareDir, machine+".log")
 }
 
-// saveShare writes the record whole (a file beside it, renamed).
-func saveShare(stateDir string, s *Share) error {
+// save writes the record whole (a file beside it, renamed).
+func save(stateDir string, s *Share) error {
 	dir := filepath.Join(stateDir, shareDir)
 	if err := os.MkdirAll(dir, 0o700); err != nil {
 		return err
@@ -82,8 +83,8 @@ func saveShare(stateDir string, s *Share) error {
 	return os.Rename(tmp, p)
 }
 
-// loadShare reads a job's record; nil and no error when there is none.
-func loadShare(stateDir, machine string) (*Share, error) {
+// Load reads a job's record; nil and no error when there is none.
+func Load(stateDir, machine string) (*Share, error) {
 	b, err := os.ReadFile(recordPath(stateDir, machine))
 	if errors.Is(err, os.ErrNotExist) {
 		return nil, nil
@@ -98,18 +99,18 @@ func loadShare(stateDir, machine string) (*Share, error) {
 	return &s, nil
 }
 
-// shareUser is who virtiofsd runs as and the group QEMU runs with.
-type shareUser struct {
+// User is who virtiofsd runs as and the group QEMU runs with.
+type User struct {
 	uid, gid, qemuGID int
-	name              string
+	Name              string
 	// asOther: the hook runs as root and starts virtiofsd as uid.
 	asOther bool
 }
 
-// resolveShareUser finds the share user (g.ShareUser, else the hook's own
+// ResolveUser finds the share user (g.ShareUser, else the hook's own
 // user, which must not be root) and QEMU's group.
-func resolveShareUser(g config.GitHubHooks, euid int) (*shareUser, error) {
-	var su shareUser
+func ResolveUser(g config.GitHubHooks, euid int) (*User, error) {
+	var su User
 	if g.ShareUser == "" {
 		if euid == 0 {
 			return nil, errors.New("github_hooks.share_user is not set and the hook runs as root: virtiofsd never runs as root " +
@@ -120,7 +121,7 @@ func resolveShareUser(g config.GitHubHooks, euid int) (*shareUser, error) {
 		if err != nil {
 			return nil, fmt.Errorf("the hook's user %d: %w", euid, err)
 		}
-		su.name = u.Username
+		su.Name = u.Username
 		su.uid = euid
 		su.gid, _ = strconv.Atoi(u.Gid)
 	} else {
@@ -128,7 +129,7 @@ func resolveShareUser(g config.GitHubHooks, euid int) (*shareUser, error) {
 		if err != nil {
 			return nil, fmt.Errorf("github_hooks.share_user %q: %w", g.ShareUser, err)
 		}
-		su.name = u.Username
+		su.Name = u.Username
 		su.uid, _ = strconv.Atoi(u.Uid)
 		su.gid, _ = strconv.Atoi(u.Gid)
 		if su.uid == 0 {
@@ -149,20 +150,20 @@ func resolveShareUser(g config.GitHubHooks, euid int) (*shareUser, error) {
 	return &su, nil
 }
 
-// startShare starts the job's virtiofsd for g.WorkDir and records it: the
+// Start starts the job's virtiofsd for g.WorkDir and records it: the
 // socket directory (QEMU's group, 0710) and the listening socket are made
 // here, virtiofsd gets the socket as descriptor 3, runs as the share user
 // under unshare (a user namespace mapping that user to root and its
 // subordinate ids to the rest) and logs to the state directory. On an
 // error nothing of it is left.
-func startShare(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share, su *shareUser) (err error) {
+func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share, su *User) (err error) {
 	s.SocketDir = filepath.Join(g.RuntimeDir, s.Machine)
-	if err := saveShare(stateDir, s); err != nil {
+	if err := save(stateDir, s); err != nil {
 		return fmt.Errorf("record the job's share: %w", err)
 	}
 	defer func() {
 		if err != nil {
-			err = errors.Join(err, stopShare(stateDir, s))
+			err = errors.Join(err, Stop(stateDir, s))
 		}
 	}()
 	if err := os.MkdirAll(g.RuntimeDir, 0o711); err != nil {
@@ -207,11 +208,11 @@ func startShare(ctx context.Context, g config.GitHubHooks, stateDir string, s *S
 	}
 	pid, err := detach.Start(spec)
 	if err != nil {
-		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", su.name, err)
+		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", su.Name, err)
 	}
 	s.PID = pid
 	s.Start, _ = procStart(pid)
-	if err := saveShare(stateDir, s); err != nil {
+	if err := save(stateDir, s); err != nil {
 		return fmt.Errorf("record the job's virtiofsd: %w", err)
 	}
 	// Running once unshare has made the namespace and exec'd virtiofsd
@@ -226,7 +227,7 @@ func startShare(ctx context.Context, g config.GitHubHooks, stateDir string, s *S
 			return nil
 		}
 		if !alive(pid, s.Start) {
-			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", su.name, logTail(logPath(stateDir, s.Machine)))
+			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", su.Name, logTail(logPath(stateDir, s.Machine)))
 		}
 		select {
 		case <-ctx.Done():
@@ -236,10 +237,10 @@ func startShare(ctx context.Context, g config.GitHubHooks, stateDir string, s *S
 	}
 }
 
-// stopShare ends the share's virtiofsd (SIGTERM, SIGKILL after 5 s; only
+// Stop ends the share's virtiofsd (SIGTERM, SIGKILL after 5 s; only
 // the process the record names, by its start time) and removes its socket
 // directory and record. Safe to call again: what is gone is skipped.
-func stopShare(stateDir string, s *Share) error {
+func Stop(stateDir string, s *Share) error {
 	var errs []error
 	if s.PID > 0 && alive(s.PID, s.Start) {
 		// Its own session (detach.Start): the group holds virtiofsd's
