@@ -385,20 +385,20 @@ func roOpt(ro bool) string {
 
 // jobOf finds the job the state names: its handle, checked to be the
 // machine the state names.
-func (h *hook) jobOf(st *ghhooks.State) (*jobvm.Jobs, *jobvm.Job, int64, error) {
+func (h *hook) jobOf(st *ghhooks.State) (*jobvm.Jobs, *jobvm.Job, error) {
 	id, err := strconv.ParseInt(st.Job, 10, 64)
 	if err != nil || id <= 0 {
-		return nil, nil, 0, fmt.Errorf("state: job %q is not a job of this hook", st.Job)
+		return nil, nil, fmt.Errorf("state: job %q is not a job of this hook", st.Job)
 	}
 	jobs, j, err := h.open(id)
 	if err != nil {
-		return nil, nil, 0, err
+		return nil, nil, err
 	}
 	if j.Name() != st.Machine {
 		_ = jobs.Close()
-		return nil, nil, 0, fmt.Errorf("state: machine %q is not job %d's of this runner (%s)", st.Machine, id, j.Name())
+		return nil, nil, fmt.Errorf("state: machine %q is not job %d's of this runner (%s)", st.Machine, id, j.Name())
 	}
-	return jobs, j, id, nil
+	return jobs, j, nil
 }
 
 func (h *hook) script(ctx context.Context, in *ghhooks.Input) error {
@@ -410,7 +410,7 @@ func (h *hook) script(ctx context.Context, in *ghhooks.Input) error {
 	if err != nil {
 		return err
 	}
-	jobs, j, _, err := h.jobOf(st)
+	jobs, j, err := h.jobOf(st)
 	if err != nil {
 		return err
 	}
@@ -478,7 +478,7 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 		h.say("Nothing to clean up: %v", err)
 		return nil
 	}
-	jobs, j, _, err := h.jobOf(st)
+	jobs, j, err := h.jobOf(st)
 	if err != nil {
 		return err
 	}

@@ -166,7 +166,7 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 			err = errors.Join(err, Stop(stateDir, s))
 		}
 	}()
-	if err := os.MkdirAll(g.RuntimeDir, 0o711); err != nil {
+	if err := os.MkdirAll(g.RuntimeDir, 0o711); err != nil { //nolint:gosec // G301: QEMU's user passes through to the job's own directory, which is 0710
 		return fmt.Errorf("github_hooks.runtime_dir: %w", err)
 	}
 	_ = os.RemoveAll(s.SocketDir) // a stale one of an earlier attempt
@@ -176,7 +176,7 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 	if err := os.Chown(s.SocketDir, -1, su.qemuGID); err != nil {
 		return fmt.Errorf("the job's socket directory %s to group %s (github_hooks.qemu_group; the hook's user must be in it): %w", s.SocketDir, g.QEMUGroup, err)
 	}
-	if err := os.Chmod(s.SocketDir, 0o710); err != nil {
+	if err := os.Chmod(s.SocketDir, 0o710); err != nil { //nolint:gosec // G302: QEMU's group enters it, no one else
 		return err
 	}
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: s.Socket(), Net: "unix"})
@@ -184,11 +184,11 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 		return fmt.Errorf("the job's virtiofsd socket: %w", err)
 	}
 	ln.SetUnlinkOnClose(false)
-	defer ln.Close()
+	defer func() { _ = ln.Close() }() // virtiofsd has its own copy
 	if err := os.Chown(s.Socket(), -1, su.qemuGID); err != nil {
 		return err
 	}
-	if err := os.Chmod(s.Socket(), 0o660); err != nil {
+	if err := os.Chmod(s.Socket(), 0o660); err != nil { //nolint:gosec // G302: QEMU's group connects to it
 		return err
 	}
 	f, err := ln.File()
