@@ -90,7 +90,21 @@ func callHook(t *testing.T, exe, cfgPath string, input any) hookResult {
 //     and so does the hook, the third sees the first's file;
 //   - cleanup_job twice: both succeed, and no domain, volume, machine
 //     state, share record, socket directory or virtiofsd is left.
-func TestGitHubHooks(t *testing.T) {
+//
+// hookSetup is the rig of a hook test: the share user, a registry reached
+// as docker.io's mirror with the shell image as alpine:3.19, the runner's
+// layout in a temporary directory (RUNNER/_work, the share user's, with a
+// checkout; RUNNER/externals) and a configuration with [github_hooks].
+type hookSetup struct {
+	r         *rig
+	work, ext string
+	uid, gid  int
+	hook      string
+	checkout  string
+}
+
+func newHookSetup(t *testing.T) *hookSetup {
+	t.Helper()
 	base := setup(t)
 	if base.user != nil {
 		t.Skip("the hook runs as root here and starts virtiofsd as its share user; the confined mode's runner user has no subordinate ids")
@@ -137,9 +151,13 @@ runtime_dir = "/run/lve-e2e-hooks"
 job_timeout = "30m"
 `, reg.Host, reg.Host, work, hookShareUser)
 	})
-	hook := filepath.Join(r.bin, "libvirt-executor-hooks")
+	return &hookSetup{r: r, work: work, ext: ext, uid: uid, gid: gid, hook: filepath.Join(r.bin, "libvirt-executor-hooks"), checkout: checkout}
+}
 
-	resp := filepath.Join(work, "_temp/_runner_hook_responses/prepare.json")
+// prepareInput is prepare_job's input as the runner writes it (the shape
+// of the hook examples), answering into resp.
+func (hs *hookSetup) prepareInput(resp string) map[string]any {
+	work, ext := hs.work, hs.ext
 	mounts := []map[string]any{
 		{"sourceVolumePath": "/var/run/docker.sock", "targetVolumePath": "/var/run/docker.sock", "readOnly": false},
 		{"sourceVolumePath": work, "targetVolumePath": "/__w", "readOnly": false},
@@ -148,8 +166,7 @@ job_timeout = "30m"
 		{"sourceVolumePath": "/" + work + "/_temp/_github_home", "targetVolumePath": "/github/home", "readOnly": false},
 		{"sourceVolumePath": work + "/_temp/_github_workflow", "targetVolumePath": "/github/workflow", "readOnly": false},
 	}
-	began := time.Now()
-	prep := callHook(t, hook, r.cfgPath, map[string]any{
+	return map[string]any{
 		"command": "prepare_job", "responseFile": resp, "state": map[string]any{},
 		"args": map[string]any{
 			"container": map[string]any{
@@ -162,7 +179,39 @@ job_timeout = "30m"
 			},
 			"services": []any{},
 		},
-	})
+	}
+}
+
+// hookShare is the share record of a hook job's machine.
+type hookShare struct {
+	PID       int    `json:"pid"`
+	SocketDir string `json:"socket_dir"`
+	RunnerPID int    `json:"runner_pid"`
+}
+
+func (hs *hookSetup) share(t *testing.T, machine string) hookShare {
+	t.Helper()
+	var share hookShare
+	rb, err := os.ReadFile(filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(rb, &share))
+	return share
+}
+
+// requireShareGone: no record, socket directory or virtiofsd of machine.
+func (hs *hookSetup) requireShareGone(t *testing.T, machine string, share hookShare) {
+	t.Helper()
+	require.NoFileExists(t, filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"), "the share record is gone")
+	require.NoDirExists(t, share.SocketDir)
+	require.True(t, processGone(share.PID), "virtiofsd has ended")
+}
+
+func TestGitHubHooks(t *testing.T) {
+	hs := newHookSetup(t)
+	r, work, uid, hook, checkout := hs.r, hs.work, hs.uid, hs.hook, hs.checkout
+	resp := filepath.Join(work, "_temp/_runner_hook_responses/prepare.json")
+	began := time.Now()
+	prep := callHook(t, hook, r.cfgPath, hs.prepareInput(resp))
 	require.Equal(t, 0, prep.code, "prepare_job")
 	t.Logf("prepare_job took %s (cold)", time.Since(began))
 	b, err := os.ReadFile(resp)
@@ -184,14 +233,9 @@ job_timeout = "30m"
 	require.Contains(t, prep.stderr, "Mounted "+work+" in the VM at the same path (virtiofs)")
 
 	// The job's virtiofsd: recorded, running as the share user.
-	var share struct {
-		PID       int    `json:"pid"`
-		SocketDir string `json:"socket_dir"`
-	}
-	rb, err := os.ReadFile(filepath.Join(r.cfg.StateDir, "github-hooks", machine+".json"))
-	require.NoError(t, err)
-	require.NoError(t, json.Unmarshal(rb, &share))
+	share := hs.share(t, machine)
 	require.NotZero(t, share.PID)
+	require.Zero(t, share.RunnerPID, "no runner's worker above a test")
 	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", share.PID))
 	require.NoError(t, err)
 	require.Contains(t, string(status), fmt.Sprintf("\nUid:\t%d\t%d\t%d\t%d\n", uid, uid, uid, uid), "virtiofsd runs as the share user, never root")
@@ -240,9 +284,7 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 		require.Equal(t, 0, c.code, "cleanup_job #%d", i+1)
 	}
 	r.requireNoLeftovers(t, "after cleanup_job")
-	require.NoFileExists(t, filepath.Join(r.cfg.StateDir, "github-hooks", machine+".json"), "the share record is gone")
-	require.NoDirExists(t, share.SocketDir)
-	require.True(t, processGone(share.PID), "virtiofsd has ended")
+	hs.requireShareGone(t, machine, share)
 }
 
 // processGone says whether process pid has ended (gone, or a zombie).
@@ -254,4 +296,67 @@ func processGone(pid int) bool {
 	s := string(b)
 	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
 	return len(f) > 0 && (f[0] == "Z" || f[0] == "X")
+}
+
+// TestGitHubHooksSweep: a runner that never calls cleanup_job. prepare_job
+// runs under a stand-in for the runner's worker (a script named
+// Runner.Worker): the share record names it; a sweep while it runs leaves
+// the job alone; once it is killed, the next sweep (libvirt-executor gc)
+// removes the VM and stops virtiofsd, and nothing of the job is left.
+func TestGitHubHooksSweep(t *testing.T) {
+	hs := newHookSetup(t)
+	r := hs.r
+	dir := t.TempDir()
+	worker := filepath.Join(dir, "Runner.Worker")
+	require.NoError(t, os.WriteFile(worker, []byte("#!/bin/sh\n\"$1\" <\"$2\" 2>\"$2.err\"; echo $? >\"$2.rc\"\nsleep 900\n"), 0o755))
+	resp := filepath.Join(hs.work, "_temp/_runner_hook_responses/sweep.json")
+	b, err := json.Marshal(hs.prepareInput(resp))
+	require.NoError(t, err)
+	input := filepath.Join(dir, "prepare.json")
+	require.NoError(t, os.WriteFile(input, b, 0o600))
+	cmd := exec.Command(worker, hs.hook, input)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LIBVIRT_EXECUTOR_CONFIG=" + r.cfgPath}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	require.NoError(t, cmd.Start())
+	killed := false
+	kill := func() {
+		if !killed {
+			killed = true
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			_ = cmd.Wait()
+		}
+	}
+	t.Cleanup(kill)
+	deadline := time.Now().Add(10 * time.Minute)
+	var rc []byte
+	for time.Now().Before(deadline) {
+		if rc, err = os.ReadFile(input + ".rc"); err == nil && len(rc) > 0 {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	stderr, _ := os.ReadFile(input + ".err")
+	t.Logf("prepare_job under the stand-in worker: exit %s%s", rc, stderr)
+	require.Equal(t, "0\n", string(rc), "prepare_job")
+	b, err = os.ReadFile(resp)
+	require.NoError(t, err)
+	var answer struct {
+		State struct{ Machine string } `json:"state"`
+	}
+	require.NoError(t, json.Unmarshal(b, &answer))
+	machine := answer.State.Machine
+	share := hs.share(t, machine)
+	require.Equal(t, cmd.Process.Pid, share.RunnerPID, "the record names the runner's worker")
+
+	out, err := r.admin("gc").CombinedOutput()
+	require.NoError(t, err, "gc: %s", out)
+	require.Contains(t, r.leftovers(t), "domain "+machine, "a sweep while the worker runs leaves its job alone")
+	require.False(t, processGone(share.PID))
+
+	kill()
+	out, err = r.admin("gc").CombinedOutput()
+	require.NoError(t, err, "gc: %s", out)
+	t.Logf("gc after the worker ended:\n%s", out)
+	r.requireNoLeftovers(t, "after the sweep")
+	hs.requireShareGone(t, machine, share)
 }
