@@ -490,19 +490,21 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 	}
 	r, err := j.Release(ctx, jobvm.Observer{})
 	if err != nil {
-		return fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
+		err = fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
 	}
-	share, err := ghshare.Load(h.cfg.StateDir, st.Machine)
-	if err != nil {
-		return err
+	// virtiofsd is stopped also when the VM's removal failed (the sweep
+	// removes the VM): it serves the runner's _work to nothing else.
+	share, lerr := ghshare.Load(h.cfg.StateDir, st.Machine)
+	if lerr != nil {
+		return errors.Join(err, lerr)
 	}
 	if share != nil {
-		if err := ghshare.Stop(h.cfg.StateDir, share); err != nil {
-			return fmt.Errorf("stop the job's virtiofsd: %w", err)
+		if serr := ghshare.Stop(h.cfg.StateDir, share); serr != nil {
+			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
 		}
 	}
-	if r.Machine.Name != "" {
+	if err == nil {
 		h.say("Removed the job's VM %s and stopped its virtiofsd", r.Machine.Name)
 	}
-	return nil
+	return err
 }
