@@ -488,6 +488,8 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 	if err := jobs.Dial(ctx); err != nil {
 		return err
 	}
+	_, recErr := j.Record()
+	existed := recErr == nil
 	r, err := j.Release(ctx, jobvm.Observer{})
 	if err != nil {
 		err = fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
@@ -503,8 +505,12 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
 		}
 	}
-	if err == nil {
+	switch {
+	case err != nil:
+	case existed || share != nil:
 		h.say("Removed the job's VM %s and stopped its virtiofsd", r.Machine.Name)
+	default:
+		h.say("Nothing left of the job's VM %s (cleaned up before)", r.Machine.Name)
 	}
 	return err
 }

@@ -279,9 +279,10 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	require.Equal(t, 0, third.code)
 	require.Contains(t, third.stdout, "third sees written in the VM")
 
-	for i := 0; i < 2; i++ {
+	for i, want := range []string{"Removed the job's VM " + machine, "Nothing left of the job's VM " + machine} {
 		c := callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
 		require.Equal(t, 0, c.code, "cleanup_job #%d", i+1)
+		require.Contains(t, c.stderr, want)
 	}
 	r.requireNoLeftovers(t, "after cleanup_job")
 	hs.requireShareGone(t, machine, share)
