@@ -361,3 +361,30 @@ func TestGitHubHooksSweep(t *testing.T) {
 	r.requireNoLeftovers(t, "after the sweep")
 	hs.requireShareGone(t, machine, share)
 }
+
+// TestGitHubHooksFailedPrepareLeavesNothing: a prepare_job that fails
+// after its VM booted (the image is allowed, but the registry has not got
+// it) exits non-zero naming the failure, writes no response, and leaves
+// no domain, volume, machine state, share record, socket directory or
+// virtiofsd.
+func TestGitHubHooksFailedPrepareLeavesNothing(t *testing.T) {
+	hs := newHookSetup(t)
+	r := hs.r
+	resp := filepath.Join(hs.work, "_temp/_runner_hook_responses/failed.json")
+	in := hs.prepareInput(resp)
+	in["args"].(map[string]any)["container"].(map[string]any)["image"] = "alpine:0-not-in-the-registry"
+	res := callHook(t, hs.hook, r.cfgPath, in)
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "pull docker.io/library/alpine:0-not-in-the-registry failed")
+	require.Contains(t, res.stderr, "Mounted "+hs.work+" in the VM", "it failed after the VM was up")
+	require.NoFileExists(t, resp)
+	r.requireNoLeftovers(t, "after the failed prepare_job")
+	recs, err := filepath.Glob(filepath.Join(r.cfg.StateDir, "github-hooks", "*"))
+	require.NoError(t, err)
+	require.Empty(t, recs, "no share record or log")
+	socks, err := filepath.Glob("/run/lve-e2e-hooks/*")
+	require.NoError(t, err)
+	require.Empty(t, socks, "no socket directory")
+	out, err := exec.Command("pgrep", "-u", hookShareUser, "virtiofsd").CombinedOutput()
+	require.Error(t, err, "no virtiofsd of the share user runs: %s", out)
+}
