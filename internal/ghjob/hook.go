@@ -488,8 +488,6 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 	if err := jobs.Dial(ctx); err != nil {
 		return err
 	}
-	_, recErr := j.Record()
-	existed := recErr == nil
 	r, err := j.Release(ctx, jobvm.Observer{})
 	if err != nil {
 		err = fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
@@ -505,12 +503,14 @@ func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
 			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
 		}
 	}
+	// The share's record goes first thing at prepare_job and last at
+	// cleanup: without it, an earlier cleanup_job (or the sweep) ran.
 	switch {
 	case err != nil:
-	case existed || share != nil:
+	case share != nil:
 		h.say("Removed the job's VM %s and stopped its virtiofsd", r.Machine.Name)
 	default:
-		h.say("Nothing left of the job's VM %s (cleaned up before)", r.Machine.Name)
+		h.say("The job's VM %s was released before; no virtiofsd left", r.Machine.Name)
 	}
 	return err
 }
