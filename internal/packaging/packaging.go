@@ -238,7 +238,9 @@ func (b Build) describe(stage string) (*description, error) {
 			"deb": {
 				Depends:    []string{"libc6 (>= 2.34)", "libvirt0 (>= 9.0.0)", "adduser", "init-system-helpers (>= 1.60)"},
 				Recommends: []string{"libvirt-daemon-system", "libvirt-clients", "libvirt-daemon-config-nwfilter", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables"},
-				Suggests:   []string{"gitlab-runner", "prometheus"},
+				// uidmap: libvirt-executor-hooks runs virtiofsd in a user
+				// namespace of the share user's subordinate ids (newuidmap).
+				Suggests: []string{"gitlab-runner", "prometheus", "uidmap"},
 				Scripts: nfpm.Scripts{
 					PostInstall: filepath.Join(top, "deploy/package/debian/postinst"),
 					PreRemove:   filepath.Join(top, "deploy/package/debian/prerm"),
