@@ -122,7 +122,10 @@ func SweepRecords(ctx context.Context, stateDir string, ms Machines, now time.Ti
 // machines of hook jobs whose runner is gone.
 func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport, dryRun bool) error {
 	removed, err := SweepRecords(ctx, m.Cfg.StateDir, managerMachines{m}, time.Now(), dryRun)
-	rep.Removed = append(rep.Removed, removed...)
+	if !dryRun {
+		// A dry run's report lists no removals (as lifecycle's own).
+		rep.Removed = append(rep.Removed, removed...)
+	}
 	return err
 }
 
