@@ -43,13 +43,23 @@ func run(ctx context.Context, getenv func(string) string, stdin io.Reader, stdou
 		err = ghjob.Run(ctx, ghjob.Env{Stdin: stdin, Stdout: stdout, Stderr: stderr, Log: log, Connect: connect,
 			Euid: os.Geteuid(), PPID: os.Getppid()}, cfg)
 	}
+	code := exitCode(err)
+	if err != nil && code == 1 {
+		fmt.Fprintf(stderr, "libvirt-executor-hooks: %v\n", err)
+	}
+	return code
+}
+
+// exitCode is the hook's exit status for err: 0 for none, a step's own
+// status (*ghjob.ExitError, also wrapped), else 1 (the hook's own failure,
+// which it has said on stderr).
+func exitCode(err error) int {
 	var exit *ghjob.ExitError
 	switch {
 	case err == nil:
 		return 0
-	case errors.As(err, &exit):
+	case errors.As(err, &exit) && exit.Code > 0 && exit.Code < 256:
 		return exit.Code
 	}
-	fmt.Fprintf(stderr, "libvirt-executor-hooks: %v\n", err)
 	return 1
 }
