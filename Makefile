@@ -10,7 +10,7 @@ COMMIT ?= $(word 2,$(BUILD_ID))
 BUILD_DATE ?= $(word 3,$(BUILD_ID))
 BI := gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo
 LDFLAGS := -X $(BI).Version=$(VERSION) -X $(BI).Commit=$(COMMIT) -X $(BI).Date=$(BUILD_DATE)
-# The six executables a host installs are position-independent (-buildmode=pie), as
+# The seven executables a host installs are position-independent (-buildmode=pie), as
 # Debian builds its own; the package ships them stripped (make package).
 # urfave/cli without its man/markdown generators (and their markdown library):
 # nothing here uses them, and every stage start paid for their initialisation.
@@ -47,11 +47,12 @@ help: ## show this help
 deps: ## install what build, lint and the tests need: Debian packages, shellcheck, a verified Go toolchain, golangci-lint (Debian 12, root)
 	@deploy/install-deps.sh
 
-build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the guest agent (static), the test harness and the benchmark into bin/ (needs Go: make deps)
+build: build-prereqs ## build the four stage executables, the admin tool, the garm provider, the GitHub Actions hook, the guest agent (static), the test harness and the benchmark into bin/ (needs Go: make deps)
 	@mkdir -p $(BIN); t0=$$(date +%s); \
 	for s in $(STAGES); do $(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-$$s ./cmd/$$s || exit 1; done; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor ./cmd/admin || exit 1; \
 	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-garm ./cmd/garm || exit 1; \
+	$(GO) build -trimpath -buildmode=pie -tags '$(BUILD_TAGS)' -ldflags '$(LDFLAGS)' -o $(BIN)/libvirt-executor-hooks ./cmd/hooks || exit 1; \
 	CGO_ENABLED=0 $(GO) build -trimpath -ldflags '$(LDFLAGS) -s -w' -o $(BIN)/lve-agent ./cmd/lve-agent || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-harness ./cmd/lve-harness || exit 1; \
 	$(GO) build -trimpath -o $(BIN)/lve-bench ./cmd/lve-bench || exit 1; \
@@ -165,7 +166,7 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 
 install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent into $(PREFIX)/lib/libvirt-executor, the image recipes into $(PREFIX)/share/libvirt-executor/images and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
-	@install -m 0755 $(BIN)/libvirt-executor $(BIN)/libvirt-executor-garm $(PREFIX)/bin/
+	@install -m 0755 $(BIN)/libvirt-executor $(BIN)/libvirt-executor-garm $(BIN)/libvirt-executor-hooks $(PREFIX)/bin/
 	@install -d -m 0755 $(PREFIX)/lib/libvirt-executor && install -m 0755 $(BIN)/lve-agent $(PREFIX)/lib/libvirt-executor/
 	@# the image recipes, where libvirt-executor image build finds them (../share/libvirt-executor/images)
 	@rm -rf $(PREFIX)/share/libvirt-executor/images && install -d -m 0755 $(PREFIX)/share/libvirt-executor && cp -r deploy/images $(PREFIX)/share/libvirt-executor/images

@@ -35,7 +35,9 @@ set -euo pipefail
 # rpm: the unit test of the package description (internal/packaging) reads the .rpm
 # with rpm's own query tools (files, modes, config files, scripts, dependencies),
 # and has shellcheck check the scriptlets as the .rpm carries them.
-pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils rpm conntrack)
+# uidmap: the GitHub hook e2e tests run virtiofsd in a user namespace of the share
+# user's subordinate ids (newuidmap, newgidmap).
+pkgs=(gcc make git pkg-config libvirt-dev ca-certificates curl unzip busybox-static dash shellcheck xz-utils prometheus python3 lintian docker-registry qemu-utils rpm uidmap conntrack)
 
 die() { printf 'install-deps: %s\n' "$*" >&2; exit 1; }
 # The package manager's and go install's output go here, not to the terminal; a

@@ -2,7 +2,7 @@
 # Builds the Debian package: deploy/package/build.sh [--binaries DIR] [--version V] OUTDIR
 # (make package). Prints the .deb's path on stdout, nothing else.
 #
-# It packages make build's six executables (position-independent) and the guest agent
+# It packages make build's seven executables (position-independent) and the guest agent
 # (static) from bin/, stamped with deploy/package/version.sh's identity, stripped; --binaries DIR packages those
 # found in DIR instead (the e2e upgrade test packages an earlier commit's build this
 # way, with --version naming it). The package is described once, for the .deb and the

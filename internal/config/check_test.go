@@ -26,7 +26,7 @@ vcpus = 2
 		got = append(got, p.String())
 	}
 	require.Equal(t, []string{
-		`1: domain_typo: unknown key "domain_typo" in the top level; it allows libvirt_uri, domain_type, storage_pool, network, name_prefix, state_dir, default_image, isolate_guests, l2_filter, static_addresses, host_key_policy, insecure_job_id_from_env, defaults, limits, capacity, debug, timeouts, ssh, serve, guest_tools, log, garm, gitlab, cache, registry, services, images (docs/configuration.md)`,
+		`1: domain_typo: unknown key "domain_typo" in the top level; it allows libvirt_uri, domain_type, storage_pool, network, name_prefix, state_dir, default_image, isolate_guests, l2_filter, static_addresses, host_key_policy, insecure_job_id_from_env, defaults, limits, capacity, debug, timeouts, ssh, serve, guest_tools, log, garm, gitlab, cache, registry, services, github_hooks, images (docs/configuration.md)`,
 		`3: limits.max_disk: unknown key "max_disk" in [limits]; it allows allow_job_overrides, max_vcpus, max_memory_mib, max_disk_gib (docs/configuration.md)`,
 		`9: garm.flavors.big.memory_mib (not set in [garm.flavors.big]): 0 is out of range 128-262144`,
 		`7: images.a.egress_allow[0]: "x": not an IPv4 address; allowed forms: "10.1.0.0/16", "10.1.2.3", "10.1.0.0/16:443" or "10.1.2.3:443" (IPv4, port 1-65535)`,

@@ -135,6 +135,9 @@ type Config struct {
 	Registry Registry `toml:"registry"`
 	// Services configures a job's services in its VM ([services]).
 	Services Services `toml:"services"`
+	// GitHubHooks configures libvirt-executor-hooks, the GitHub Actions
+	// runner's container hook ([github_hooks]).
+	GitHubHooks GitHubHooks `toml:"github_hooks"`
 	// Images maps an image name (what a job's `image:` selects) to its
 	// definition. Names: lower-case letters, digits, '.', '_' and '-', 1-63
 	// characters, starting with a letter or digit.
@@ -685,6 +688,7 @@ func (c *Config) applyDefaults() {
 	c.Cache.applyDefaults()
 	c.Registry.applyDefaults()
 	c.Services.applyDefaults()
+	c.GitHubHooks.applyDefaults()
 	def(&c.Log.Steps, "auto")
 	def(&c.Log.StepsFile, filepath.Join(c.StateDir, "log", "steps.jsonl"))
 	if c.Log.StepsFileMiB == 0 {
@@ -757,6 +761,7 @@ func (c *Config) Validate() error {
 	c.Registry.validate(&p)
 	c.Services.validate(&p)
 	c.Services.ContainerJobs.validate(&p, c.Services.Enabled, c.ImageNames())
+	c.GitHubHooks.validate(&p, c.ImageNames())
 	for _, n := range c.ImageNames() {
 		if img := c.Images[n]; img.Pool != nil && len(img.Pool.Prepull) > 0 && !c.Services.Enabled {
 			p.bad("images."+n+".pool.prepull", "pulls container images for [services], which is off: set [services] enabled = true, or remove prepull")

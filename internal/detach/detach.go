@@ -32,6 +32,10 @@ type Spec struct {
 	// EnvExtra is added to Env ("NAME=value": the host's proxy settings
 	// for a process that reaches a registry; never a job's variables).
 	EnvExtra []string
+	// Credential, if set, runs the process as another user (the starter
+	// must be root): a GitHub hook job's virtiofsd runs as the share
+	// user, never as root.
+	Credential *syscall.Credential
 }
 
 // stdinWait bounds writing Stdin (the process reads it at its start).
@@ -50,7 +54,7 @@ func Start(s Spec) (int, error) {
 	cmd.Env = append(append([]string{}, Env...), s.EnvExtra...)
 	cmd.Stderr = logf
 	cmd.ExtraFiles = s.Extra
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true, Credential: s.Credential}
 	var w *os.File
 	if s.Stdin != nil {
 		r, pw, err := os.Pipe()

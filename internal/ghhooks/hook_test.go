@@ -117,6 +117,9 @@ func TestPrepareRefuses(t *testing.T) {
 		{"user host path", func(a map[string]any) {
 			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/root/.ssh", "targetVolumePath": "/x"}}
 		}, `container.userMountVolumes[0]: "/root/.ssh" is not under`},
+		{"comma in a mount", func(a map[string]any) {
+			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "vol", "targetVolumePath": "/x,source=/etc"}}
+		}, "container.userMountVolumes[0]: a path holds ','"},
 		{"escape by dotdot", func(a map[string]any) {
 			container(a)["userMountVolumes"] = []any{map[string]any{"sourceVolumePath": "/tmp/../etc", "targetVolumePath": "/x"}}
 		}, "not a clean path"},

@@ -259,6 +259,11 @@ func (o Options) checkMount(what string, m Mount, system bool) error {
 	if err := checkPath(what+".targetVolumePath", m.Target); err != nil {
 		return err
 	}
+	// podman's --mount splits its value at ',' (a path holding one would
+	// add options of the job's choosing).
+	if strings.Contains(m.Source, ",") || strings.Contains(m.Target, ",") {
+		return fmt.Errorf("%s: a path holds ',' (podman's --mount separator)", what)
+	}
 	if m.Source == dockerSocket {
 		if !system {
 			return fmt.Errorf("%s: the docker socket is not shared with a job (the job's VM runs podman; the runner's host's socket never goes in)", what)
@@ -337,3 +342,11 @@ func port(s string) (int, error) {
 	}
 	return n, nil
 }
+
+// HostPath is a mount's host path as the hook uses it: the runner writes
+// some with a leading "//".
+func HostPath(p string) string { return cleanDouble(p) }
+
+// UnderShared reports whether the host path p is the work or externals
+// directory or lies under one of them.
+func (o Options) UnderShared(p string) bool { return o.underShared(p) }

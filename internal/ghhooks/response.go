@@ -27,6 +27,9 @@ type State struct {
 	Network   string            `json:"network"`
 	Container string            `json:"container"`
 	Services  map[string]string `json:"services,omitempty"`
+	// Path is the job container's own PATH, which a step's prependPath
+	// goes before.
+	Path string `json:"path,omitempty"`
 }
 
 // ContainerContext is what the runner learns of one container.

@@ -21,6 +21,7 @@ import (
 	"context"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghshare"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guesttools"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -66,7 +67,8 @@ func New(m *lifecycle.Manager) *Host {
 // hooks are what job machines add to lifecycle: idle standbys make room
 // (makeRoom), every provisioned machine gets the guest tools disk, a
 // machine's holder stops when its user is done with it, and the sweeps
-// also remove stale job mappings and old tools volumes.
+// also remove stale job mappings, old tools volumes and the shares of
+// GitHub hook jobs whose runner is gone (ghshare.Sweep).
 func (h *Host) hooks() lifecycle.Hooks {
 	return lifecycle.Hooks{
 		MakeRoom: func(ctx context.Context, _ *lifecycle.Manager, short lifecycle.Shortfall, reason string) string {
@@ -74,7 +76,7 @@ func (h *Host) hooks() lifecycle.Hooks {
 		},
 		Shared:   guesttools.Disk{},
 		Release:  []func(*lifecycle.Manager, string){stopHolder},
-		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep},
+		Sweepers: []lifecycle.Sweeper{sweepJobMappings, guesttools.Sweep, ghshare.Sweep},
 	}
 }
 

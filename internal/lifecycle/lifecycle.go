@@ -135,6 +135,10 @@ type Request struct {
 	// critical path (libvirt re-instantiates the filter, seconds on a busy
 	// host). Until then the filter holds the address it learnt from DHCP.
 	DeferFilterPin bool
+	// Dirs are host directories shared into the guest with virtiofs, each
+	// through a virtiofsd the caller started (vm.Spec.Dirs): a GitHub
+	// hook job's _work. A machine with Dirs is never a standby's.
+	Dirs []vm.SharedDir
 }
 
 // request is what one provisioning asks for: a Request, provisioned

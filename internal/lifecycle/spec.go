@@ -58,6 +58,7 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		Isolated:   cfg.IsolateGuests == nil || *cfg.IsolateGuests,
 		ConsoleLog: in.ConsoleLog,
 		Shared:     in.Shared,
+		Dirs:       req.Dirs,
 		Owner: vm.Owner{
 			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job, Tags: req.Tags,
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),

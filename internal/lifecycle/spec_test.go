@@ -152,6 +152,21 @@ func TestMachineSpecUsesItsInputs(t *testing.T) {
 	x, err := vm.DomainXML(s, "/d", "/s")
 	require.NoError(t, err)
 	require.NotContains(t, x, "fixed host key")
+	require.Empty(t, s.Dirs)
+	require.NotContains(t, x, "virtiofs")
+
+	// A GitHub hook job's machine shares _work through the caller's
+	// virtiofsd (Request.Dirs).
+	dirs := []vm.SharedDir{{Socket: "/run/lve-hooks/lve-0123abcd-9/fs.sock", Tag: "lve-work"}}
+	s = MachineSpec(cfg, SpecInput{
+		Request:    Request{Name: "lve-0123abcd-9", Image: img, VCPUs: 1, MemoryMiB: 256, Dirs: dirs, Lifetime: time.Hour},
+		Controller: controller, DomainType: "kvm", Keys: keys, MAC: "52:54:00:01:02:03", Created: created,
+	})
+	require.Equal(t, dirs, s.Dirs)
+	x, err = vm.DomainXML(s, "/d", "/s")
+	require.NoError(t, err)
+	require.Contains(t, x, `socket="/run/lve-hooks/lve-0123abcd-9/fs.sock"`)
+	require.Contains(t, x, `<access mode="shared"></access>`)
 }
 
 func TestCloudInitSeedOnlyForCloudInitImages(t *testing.T) {

@@ -30,9 +30,9 @@ import (
 // Name is the package's name in both formats.
 const Name = "libvirt-executor"
 
-// Executables are the six a host runs, installed into /usr/bin.
+// Executables are the seven a host runs, installed into /usr/bin.
 var Executables = []string{"libvirt-executor", "libvirt-executor-config", "libvirt-executor-prepare",
-	"libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor-garm"}
+	"libvirt-executor-run", "libvirt-executor-cleanup", "libvirt-executor-garm", "libvirt-executor-hooks"}
 
 // Units are the systemd units, from deploy/systemd/.
 var Units = []string{"libvirt-executor.service", "libvirt-executor-gc.service", "libvirt-executor-gc.timer"}
@@ -244,7 +244,9 @@ func (b Build) describe(stage string) (*description, error) {
 			"deb": {
 				Depends:    []string{"libc6 (>= 2.34)", "libvirt0 (>= 9.0.0)", "adduser", "init-system-helpers (>= 1.60)"},
 				Recommends: []string{"libvirt-daemon-system", "libvirt-clients", "libvirt-daemon-config-nwfilter", "qemu-system-x86", "qemu-utils", "dnsmasq-base", "ebtables", "conntrack"},
-				Suggests:   []string{"gitlab-runner", "prometheus"},
+				// uidmap: libvirt-executor-hooks runs virtiofsd in a user
+				// namespace of the share user's subordinate ids (newuidmap).
+				Suggests: []string{"gitlab-runner", "prometheus", "uidmap"},
 				Scripts: nfpm.Scripts{
 					PostInstall: filepath.Join(top, "deploy/package/debian/postinst"),
 					PreRemove:   filepath.Join(top, "deploy/package/debian/prerm"),

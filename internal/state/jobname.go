@@ -44,7 +44,8 @@ func IsBadRecord(err error) bool { return errors.Is(err, errBadRecord) }
 // JobNamePath is key's record file relative to the store (for Age).
 func JobNamePath(key string) string { return filepath.Join(jobNameDir, key+".json") }
 
-var jobKeyRE = regexp.MustCompile(`^[a-z]+-[0-9a-f]{8,64}-[0-9]{1,19}$`)
+// A front end's name is lower-case words joined by '-' ("gitlab", "github-hooks").
+var jobKeyRE = regexp.MustCompile(`^[a-z]+(-[a-z]+)*-[0-9a-f]{8,64}-[0-9]{1,19}$`)
 
 func (s Store) jobNamePath(key string) (string, error) {
 	if !jobKeyRE.MatchString(key) {

@@ -45,3 +45,15 @@ func TestJobNameRecords(t *testing.T) {
 		require.Error(t, s.NameJob(bad, JobName{Job: "x"}), bad)
 	}
 }
+
+// TestJobNameKeys: a front end's name may hold '-' (github-hooks); a key
+// is never a path.
+func TestJobNameKeys(t *testing.T) {
+	s := Store{Dir: t.TempDir()}
+	for _, k := range []string{"gitlab-0123abcd-1", "github-hooks-5774bcb7-2738330466436720794"} {
+		require.NoError(t, s.NameJob(k, JobName{Job: "lve-x-1"}), k)
+	}
+	for _, k := range []string{"../x-0123abcd-1", "gitlab-0123abcd-", "-0123abcd-1", "github--hooks-0123abcd-1", "gitlab-0123abcd-1/../../x"} {
+		require.Error(t, s.NameJob(k, JobName{Job: "lve-x-1"}), k)
+	}
+}

@@ -1,0 +1,516 @@
+// Package ghjob is libvirt-executor-hooks' front end (issue #47): the
+// GitHub Actions runner's container hook commands (internal/ghhooks reads
+// and checks them) carried out on the engine through the job layer
+// (jobvm, front end "github-hooks"). prepare_job starts a virtiofsd of the
+// job's own for the runner's _work directory (share.go), acquires a cold
+// VM of [github_hooks] vm_image with that share, mounts it in the guest at
+// the same absolute path and starts the job container there with podman;
+// run_script_step runs a step in it with podman exec; cleanup_job releases
+// the VM and stops virtiofsd. Every guest command is a fixed argument
+// vector (sshexec's Exec), the job's variables travel as its environment,
+// never on a command line.
+package ghjob
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghhooks"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/ghshare"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// Frontend is the ownership record's front end of the hook's machines.
+const Frontend = "github-hooks"
+
+// WorkTag is the virtiofs tag the guest mounts the work directory by.
+const WorkTag = "lve-work"
+
+// Env is what the hook gets from its process.
+type Env struct {
+	Stdin          io.Reader
+	Stdout, Stderr io.Writer
+	Log            *slog.Logger
+	// Connect opens the hypervisor; nil means libvirt.
+	Connect jobvm.Connector
+	// Euid is the hook's effective user id (os.Geteuid).
+	Euid int
+	// PPID is the hook's parent: the runner's worker, or a process under
+	// it (ghshare.FindWorker), recorded at prepare_job for the sweep.
+	PPID int
+}
+
+// ExitError carries a step's exit status: the hook exits with it.
+type ExitError struct{ Code int }
+
+func (e *ExitError) Error() string { return fmt.Sprintf("the step exited with status %d", e.Code) }
+
+// podman is the guest's podman, by its path: a step's PATH never decides
+// which program runs.
+const podman = "/usr/bin/podman"
+
+// defaultPath is the job container's PATH when it names none.
+const defaultPath = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+// Run carries out one hook call read from e.Stdin under cfg. A step's own
+// non-zero status is an *ExitError.
+func Run(ctx context.Context, e Env, cfg *config.Config) error {
+	in, err := ghhooks.Decode(e.Stdin)
+	if err != nil {
+		return err
+	}
+	g := cfg.GitHubHooks
+	if !g.Enabled() {
+		return fmt.Errorf("[github_hooks] vm_image is not set in %s: the hook runs no job (docs/github-hooks.md)", cfg.Path)
+	}
+	if !cfg.LocalLibvirt() {
+		return fmt.Errorf("libvirt_uri %q is another host's libvirt: the hook shares the runner's _work with its VM, which must run on this host", cfg.LibvirtURI)
+	}
+	allow, err := services.NewAllowlist(g.AllowedImages)
+	if err != nil {
+		return fmt.Errorf("github_hooks.allowed_images: %w", err)
+	}
+	opts := ghhooks.Options{WorkDir: g.WorkDir, Externals: g.ExternalsDir, Images: allow}
+	h := &hook{e: e, cfg: cfg, g: g, opts: opts, say: func(format string, args ...any) {
+		fmt.Fprintf(e.Stderr, format+"\n", args...)
+	}}
+	switch in.Command {
+	case ghhooks.PrepareJob:
+		return h.prepare(ctx, in)
+	case ghhooks.RunScriptStep:
+		return h.script(ctx, in)
+	case ghhooks.CleanupJob:
+		return h.cleanup(ctx, in)
+	case ghhooks.RunContainerStep:
+		return errors.New("run_container_step: container steps (a step's `uses: docker://...` or a Docker action) are not supported by libvirt-executor-hooks yet")
+	}
+	return fmt.Errorf("command %q is not handled", in.Command)
+}
+
+type hook struct {
+	e    Env
+	cfg  *config.Config
+	g    config.GitHubHooks
+	opts ghhooks.Options
+	say  func(string, ...any)
+}
+
+// instance is the instance tag of the hook's machines on this host: one
+// runner (its work directory).
+func (h *hook) instance() string { return jobvm.InstanceTag(Frontend, h.g.WorkDir) }
+
+// open opens the job layer and the job's handle.
+func (h *hook) open(id int64) (*jobvm.Jobs, *jobvm.Job, error) {
+	jobs, err := jobvm.OpenJobs(h.cfg, jobvm.Options{Connect: h.e.Connect, Log: h.e.Log, Say: h.say})
+	if err != nil {
+		return nil, nil, err
+	}
+	j, err := jobs.Job(jobvm.JobRef{Frontend: Frontend, Instance: h.instance(), ID: id}, h.e.Log)
+	if err != nil {
+		_ = jobs.Close()
+		return nil, nil, err
+	}
+	return jobs, j, nil
+}
+
+// newJobID is a fresh random job id (positive, 62 bits): the runner names
+// its job to the hook by nothing the hook could trust as unique.
+func newJobID() (int64, error) {
+	var b [8]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return 0, err
+	}
+	return int64(binary.BigEndian.Uint64(b[:]) >> 2), nil //nolint:gosec // G115: 62 bits
+}
+
+func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
+	args, err := in.Prepare(h.opts)
+	if err != nil {
+		return err
+	}
+	c := args.Container
+	if len(args.Services) > 0 {
+		return fmt.Errorf("services: this job has %d service containers; libvirt-executor-hooks does not start services yet (docs/github-hooks.md)", len(args.Services))
+	}
+	if len(c.PortMappings) > 0 {
+		return errors.New("container.portMappings: libvirt-executor-hooks does not map a job container's ports yet (docs/github-hooks.md)")
+	}
+	createArgs, err := h.opts.CreateArgs("container", c.CreateOptions)
+	if err != nil {
+		return err
+	}
+	img, ok := h.cfg.Images[h.g.VMImage]
+	if !ok {
+		return fmt.Errorf("github_hooks.vm_image %q is not a configured image", h.g.VMImage)
+	}
+	su, err := ghshare.ResolveUser(h.g, h.e.Euid)
+	if err != nil {
+		return err
+	}
+	svcOpts, err := services.OptionsFrom(h.cfg.Services, 0, img.Name, img.User)
+	if err != nil {
+		return fmt.Errorf("the registry mirrors of [services]: %w", err)
+	}
+	id, err := newJobID()
+	if err != nil {
+		return err
+	}
+	jobs, j, err := h.open(id)
+	if err != nil {
+		return err
+	}
+	defer jobs.Close()
+	name := j.Name()
+	log := h.e.Log.With("job", id, "domain", name)
+	j.SetLog(log)
+	began := time.Now()
+	h.say("Preparing a fresh %s VM %s for this job (libvirt-executor-hooks)", img.Name, name)
+
+	share := &ghshare.Share{Machine: name, JobID: id, At: time.Now().UTC()}
+	// The runner's worker, if the hook runs under one: the sweep removes
+	// the job once it is gone without a cleanup_job.
+	share.RunnerPID, share.RunnerStart = ghshare.FindWorker(h.e.PPID)
+	// From here on, every error removes what the job has.
+	defer func() {
+		if err == nil {
+			return
+		}
+		cctx, cancel := detachctx.WithTimeout(ctx, h.cfg.Timeouts.Cleanup.D())
+		defer cancel()
+		if _, rerr := j.Release(cctx, jobvm.Observer{}); rerr != nil {
+			err = errors.Join(err, fmt.Errorf("remove the job's VM: %w", rerr))
+		}
+		if serr := ghshare.Stop(h.cfg.StateDir, share); serr != nil {
+			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
+		}
+	}()
+	t := time.Now()
+	if err := ghshare.Start(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+		return err
+	}
+	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.Name, vm.Round(time.Since(t)))
+
+	im := *img
+	im.Pool = nil // a standby machine has no share: always cold (for now)
+	a, err := j.Acquire(ctx, jobvm.AcquireRequest{
+		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: &im, Lifetime: h.g.JobTimeout.D(),
+			Dirs: []vm.SharedDir{{Socket: share.Socket(), Tag: WorkTag}}},
+		Size: h.cfg.ImageSize(img), Log: log,
+	})
+	if err != nil {
+		return fmt.Errorf("the job's VM: %w", err)
+	}
+	_ = a
+	sess := j.Session()
+	defer sess.Close()
+	rec, cl, err := sess.Client(ctx)
+	if err != nil {
+		return fmt.Errorf("the job's VM: %w", err)
+	}
+	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
+	t = time.Now()
+	if _, err := g.must(ctx, "make "+h.g.WorkDir+" in the VM", []string{"mkdir", "-p", "--", h.g.WorkDir}, nil); err != nil {
+		return err
+	}
+	if _, err := g.must(ctx, "mount the runner's work directory in the VM (virtiofs)", []string{"mount", "-t", "virtiofs", WorkTag, h.g.WorkDir}, nil); err != nil {
+		return err
+	}
+	h.say("Mounted %s in the VM at the same path (virtiofs) in %s", h.g.WorkDir, vm.Round(time.Since(t)))
+
+	st := ghhooks.State{Machine: name, Job: strconv.FormatInt(id, 10), Network: "lve-gh-" + strconv.FormatInt(id, 10), Container: "lve-gh-" + strconv.FormatInt(id, 10) + "-job"}
+	id2, path, alpine, err := h.startContainer(ctx, g, c, createArgs, st, svcOpts)
+	if err != nil {
+		return err
+	}
+	st.Path = path
+	var resp ghhooks.Response
+	resp.State = st
+	resp.Context.Container = ghhooks.ContainerContext{ID: id2, Network: st.Network}
+	resp.Context.Services = []ghhooks.ServiceContext{}
+	resp.IsAlpine = alpine
+	if err := ghhooks.WriteResponse(h.g.WorkDir, *in.ResponseFile, &resp); err != nil {
+		return err
+	}
+	log.Info("prepared", "took", vm.Round(time.Since(began)).String())
+	h.say("Job container %s ready in %s", st.Container, vm.Round(time.Since(began)))
+	return nil
+}
+
+// startContainer starts the job container in the VM: the registry mirrors
+// of [services], the job's network, the image's pull (with the job's
+// registry login, written for the pull only), then the container,
+// detached, with the job's mounts (those under the work directory at
+// their paths in the VM, named volumes), variables, options and entry
+// point. It returns the container's id and PATH and whether it is
+// Alpine.
+func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Container, createArgs []string, st ghhooks.State, so services.Options) (id, path string, alpine bool, err error) {
+	t := time.Now()
+	if _, err := g.must(ctx, "check for podman in the VM", []string{podman, "--version"}, nil); err != nil {
+		return "", "", false, err
+	}
+	if len(so.Registries) > 0 {
+		if _, err := g.mustIn(ctx, "write the registry mirrors", services.WriteFileArgv(services.RegistriesPath, "0644"), nil, strings.NewReader(string(so.Registries))); err != nil {
+			return "", "", false, err
+		}
+	}
+	if _, err := g.must(ctx, "create the job's network", services.NetworkCreateArgv(st.Network), nil); err != nil {
+		return "", "", false, err
+	}
+	ref, err := services.ParseRef(c.Image)
+	if err != nil {
+		return "", "", false, fmt.Errorf("container.image: %w", err)
+	}
+	if err := h.pull(ctx, g, ref, c.Registry); err != nil {
+		return "", "", false, err
+	}
+	h.say("Pulled %s in the VM in %s", ref.String(), vm.Round(time.Since(t)))
+
+	argv := []string{podman, "run", "--detach", "--pull=never", "--name", st.Container, "--label", services.Label, "--network", st.Network}
+	if c.WorkingDir != "" {
+		argv = append(argv, "--workdir", c.WorkingDir)
+	}
+	var env []string
+	for _, k := range slices.Sorted(mapsKeys(c.Env)) {
+		if k == "PATH" {
+			argv = append(argv, "--env", "PATH="+c.Env[k])
+			continue
+		}
+		argv = append(argv, "--env", k)
+		env = append(env, k+"="+c.Env[k])
+	}
+	for _, m := range append(slices.Clone(c.SystemMounts), c.UserMounts...) {
+		src := ghhooks.HostPath(m.Source)
+		if !filepath.IsAbs(src) {
+			// a named volume, made in the VM
+			argv = append(argv, "--mount", "type=volume,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
+			continue
+		}
+		if !h.underWork(src) {
+			h.say("Not mounted in the job container: %s at %s (only %s is shared with the VM)", src, m.Target, h.g.WorkDir)
+			continue
+		}
+		argv = append(argv, "--mount", "type=bind,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
+	}
+	argv = append(argv, createArgs...)
+	ep := []string{"sh", "-c", `trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done`}
+	var cmd []string
+	if c.EntryPoint != nil && *c.EntryPoint != "" {
+		ep, cmd = []string{*c.EntryPoint}, c.EntryPointArgs
+	}
+	b, _ := json.Marshal(ep)
+	argv = append(argv, "--entrypoint="+string(b), ref.String())
+	argv = append(argv, cmd...)
+	t = time.Now()
+	out, err := g.must(ctx, "start the job container", argv, env)
+	if err != nil {
+		return "", "", false, err
+	}
+	id = strings.TrimSpace(string(out))
+	h.say("Started the job container %s (%s) in %s", st.Container, ref.String(), vm.Round(time.Since(t)))
+	out, err = g.must(ctx, "read the job container's PATH", []string{podman, "exec", st.Container, "sh", "-c", `printf %s "$PATH"`}, nil)
+	if err != nil {
+		return "", "", false, err
+	}
+	path = strings.TrimSpace(string(out))
+	// Alpine's /etc/os-release says ID=alpine (the runner then runs
+	// actions' Alpine builds).
+	code, osr, _, err := g.exec(ctx, []string{podman, "exec", st.Container, "cat", "/etc/os-release"}, nil, nil)
+	if err != nil {
+		return "", "", false, err
+	}
+	if code == 0 {
+		for _, l := range strings.Split(string(osr), "\n") {
+			if v, ok := strings.CutPrefix(strings.TrimSpace(l), "ID="); ok && strings.Trim(v, `"'`) == "alpine" {
+				alpine = true
+			}
+		}
+	}
+	return id, path, alpine, nil
+}
+
+// pull pulls the job's image; a registry login is written for the pull
+// only (0600, through stdin) and removed after it, also when it failed.
+func (h *hook) pull(ctx context.Context, g *guest, ref services.Ref, r *ghhooks.Registry) (err error) {
+	authFile := ""
+	if r != nil && r.Username != "" {
+		host := ghhooks.RegistryHost(r.ServerURL)
+		b, jerr := json.Marshal(map[string]any{"auths": map[string]any{host: map[string]string{
+			"auth": base64Std(r.Username + ":" + r.Password)}}})
+		if jerr != nil {
+			return jerr
+		}
+		defer func() {
+			rctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
+			defer cancel()
+			if _, rerr := g.must(rctx, "remove the job's registry login", services.RemoveFileArgv(services.AuthPath), nil); rerr != nil {
+				err = errors.Join(err, rerr)
+			}
+		}()
+		if _, err := g.mustIn(ctx, "write the job's registry login", services.WriteFileArgv(services.AuthPath, "0600"), nil, strings.NewReader(string(b))); err != nil {
+			return err
+		}
+		authFile = services.AuthPath
+	}
+	argv := services.PullArgv(ref, authFile)
+	argv[0] = podman
+	_, err = g.must(ctx, "pull "+ref.String(), argv, nil)
+	return err
+}
+
+func (h *hook) underWork(p string) bool {
+	return ghhooks.Options{WorkDir: h.g.WorkDir}.UnderShared(p)
+}
+
+func roOpt(ro bool) string {
+	if ro {
+		return ",readonly=true"
+	}
+	return ""
+}
+
+// jobOf finds the job the state names: its handle, checked to be the
+// machine the state names.
+func (h *hook) jobOf(st *ghhooks.State) (*jobvm.Jobs, *jobvm.Job, error) {
+	id, err := strconv.ParseInt(st.Job, 10, 64)
+	if err != nil || id <= 0 {
+		return nil, nil, fmt.Errorf("state: job %q is not a job of this hook", st.Job)
+	}
+	jobs, j, err := h.open(id)
+	if err != nil {
+		return nil, nil, err
+	}
+	if j.Name() != st.Machine {
+		_ = jobs.Close()
+		return nil, nil, fmt.Errorf("state: machine %q is not job %d's of this runner (%s)", st.Machine, id, j.Name())
+	}
+	return jobs, j, nil
+}
+
+func (h *hook) script(ctx context.Context, in *ghhooks.Input) error {
+	st, err := in.DecodeState()
+	if err != nil {
+		return err
+	}
+	args, err := in.Script()
+	if err != nil {
+		return err
+	}
+	jobs, j, err := h.jobOf(st)
+	if err != nil {
+		return err
+	}
+	defer jobs.Close()
+	sess := j.Session()
+	defer sess.Close()
+	rec, cl, err := sess.Client(ctx)
+	if err != nil {
+		return fmt.Errorf("the job's VM: %w", err)
+	}
+	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
+	argv, env := stepArgv(st, args)
+	code, err := cl.Exec(ctx, g.wrap(argv, env), env, nil, h.e.Stdout, h.e.Stderr)
+	if ctx.Err() != nil {
+		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
+		defer cancel()
+		_, _ = cl.Exec(sctx, g.wrap(services.StopScriptsArgv(st.Container), nil), nil, nil, nil, nil)
+		return fmt.Errorf("the step in the job container %s stopped: %w", st.Container, context.Cause(ctx))
+	}
+	if err != nil {
+		return fmt.Errorf("the job container %s: %w", st.Container, err)
+	}
+	if code != 0 {
+		return &ExitError{Code: code}
+	}
+	return nil
+}
+
+// stepArgv is the podman exec of a step: its working directory, its
+// variables (names on the command line, values in the environment), PATH
+// (prependPath before the step's PATH, else the container's), then its
+// entry point and arguments.
+func stepArgv(st *ghhooks.State, a *ghhooks.ScriptArgs) (argv, env []string) {
+	argv = []string{podman, "exec"}
+	if a.WorkingDir != "" {
+		argv = append(argv, "--workdir", a.WorkingDir)
+	}
+	base, hasPath := a.Env["PATH"]
+	if !hasPath {
+		base = st.Path
+	}
+	if base == "" {
+		base = defaultPath
+	}
+	if len(a.PrependPath) > 0 {
+		argv = append(argv, "--env", "PATH="+strings.Join(a.PrependPath, ":")+":"+base)
+	} else if hasPath {
+		argv = append(argv, "--env", "PATH="+base)
+	}
+	for _, k := range slices.Sorted(mapsKeys(a.Env)) {
+		if k == "PATH" {
+			continue
+		}
+		argv = append(argv, "--env", k)
+		env = append(env, k+"="+a.Env[k])
+	}
+	argv = append(argv, st.Container, a.EntryPoint)
+	return append(argv, a.EntryPointArgs...), env
+}
+
+func (h *hook) cleanup(ctx context.Context, in *ghhooks.Input) error {
+	st, err := in.DecodeState()
+	if err != nil {
+		// prepare_job failed (and removed what it made) or never ran.
+		h.say("Nothing to clean up: %v", err)
+		return nil
+	}
+	jobs, j, err := h.jobOf(st)
+	if err != nil {
+		return err
+	}
+	defer jobs.Close()
+	ctx, cancel := detachctx.WithTimeout(ctx, h.cfg.Timeouts.Cleanup.D())
+	defer cancel()
+	if err := jobs.Dial(ctx); err != nil {
+		return err
+	}
+	r, err := j.Release(ctx, jobvm.Observer{})
+	if err != nil {
+		err = fmt.Errorf("remove the job's VM %s: %w", st.Machine, err)
+	}
+	// virtiofsd is stopped also when the VM's removal failed (the sweep
+	// removes the VM): it serves the runner's _work to nothing else.
+	share, lerr := ghshare.Load(h.cfg.StateDir, st.Machine)
+	if lerr != nil {
+		return errors.Join(err, lerr)
+	}
+	if share != nil {
+		if serr := ghshare.Stop(h.cfg.StateDir, share); serr != nil {
+			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
+		}
+	}
+	// The share's record goes first thing at prepare_job and last at
+	// cleanup: without it, an earlier cleanup_job (or the sweep) ran.
+	switch {
+	case err != nil:
+	case share != nil:
+		h.say("Removed the job's VM %s and stopped its virtiofsd", r.Machine.Name)
+	default:
+		h.say("The job's VM %s was released before; no virtiofsd left", r.Machine.Name)
+	}
+	return err
+}

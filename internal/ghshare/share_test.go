@@ -1,0 +1,170 @@
+package ghshare
+
+import (
+	"context"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+)
+
+func TestResolveShareUser(t *testing.T) {
+	g := config.GitHubHooks{QEMUGroup: "root"}
+	_, err := ResolveUser(g, 0)
+	require.ErrorContains(t, err, "share_user is not set and the hook runs as root: virtiofsd never runs as root")
+	g.ShareUser = "root"
+	_, err = ResolveUser(g, 0)
+	require.ErrorContains(t, err, "share_user is root")
+	g.ShareUser = "nobody"
+	su, err := ResolveUser(g, 0)
+	require.NoError(t, err)
+	require.True(t, su.asOther)
+	require.Equal(t, "nobody", su.Name)
+	_, err = ResolveUser(g, 4242)
+	require.ErrorContains(t, err, "the hook runs as user 4242, not root: it starts virtiofsd only as itself")
+	g.QEMUGroup = "no-such-group-here"
+	_, err = ResolveUser(g, 0)
+	require.ErrorContains(t, err, `github_hooks.qemu_group "no-such-group-here"`)
+}
+
+func TestProcStartTellsProcessesApart(t *testing.T) {
+	start, err := procStart(os.Getpid())
+	require.NoError(t, err)
+	require.NotZero(t, start)
+	require.True(t, alive(os.Getpid(), start))
+	require.False(t, alive(os.Getpid(), start+1), "another start time: another process under the same pid")
+	cmd := exec.Command("true")
+	require.NoError(t, cmd.Run())
+	require.False(t, alive(cmd.Process.Pid, 0), "an ended process")
+}
+
+func TestStopShareIsIdempotent(t *testing.T) {
+	state := t.TempDir()
+	sock := filepath.Join(t.TempDir(), "lve-x")
+	require.NoError(t, os.Mkdir(sock, 0o700))
+	cmd := exec.Command("sleep", "60")
+	cmd.SysProcAttr = nil
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+	start, err := procStart(cmd.Process.Pid)
+	require.NoError(t, err)
+	// another start time: not this process, left alone
+	s := &Share{Machine: "lve-x", SocketDir: sock, PID: cmd.Process.Pid, Start: start + 1}
+	require.NoError(t, save(state, s))
+	got, err := Load(state, "lve-x")
+	require.NoError(t, err)
+	require.Equal(t, s.PID, got.PID)
+	require.NoError(t, Stop(state, got))
+	require.True(t, alive(cmd.Process.Pid, start), "a process the record does not name is not ended")
+	require.NoDirExists(t, sock)
+	got, err = Load(state, "lve-x")
+	require.NoError(t, err)
+	require.Nil(t, got, "the record is gone")
+	require.NoError(t, Stop(state, s), "a second stop finds nothing and succeeds")
+}
+
+// fakeMachines records teardowns.
+type fakeMachines struct {
+	have     map[string]bool
+	tornDown []string
+}
+
+func (f *fakeMachines) Has(name string) (bool, error) { return f.have[name], nil }
+func (f *fakeMachines) Teardown(_ context.Context, name string) error {
+	f.tornDown = append(f.tornDown, name)
+	delete(f.have, name)
+	return nil
+}
+
+// TestSweepRemovesJobsWhoseRunnerIsGone: a job whose runner's worker ended
+// without a cleanup_job loses its machine and its virtiofsd in the sweep;
+// one whose worker runs, or that names none, is left alone; a record
+// whose machine is gone has its virtiofsd stopped once it is old.
+func TestSweepRemovesJobsWhoseRunnerIsGone(t *testing.T) {
+	state := t.TempDir()
+	start := func() (*exec.Cmd, uint64) {
+		cmd := exec.Command("sleep", "60")
+		// a group of its own, as detach.Start gives virtiofsd
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+		require.NoError(t, cmd.Start())
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+		st, err := procStart(cmd.Process.Pid)
+		require.NoError(t, err)
+		return cmd, st
+	}
+	worker, wStart := start()
+	gone, gStart := start()
+	vfs, vStart := start() // stands for the job's virtiofsd
+	sockDir := filepath.Join(t.TempDir(), "lve-a")
+	require.NoError(t, os.Mkdir(sockDir, 0o700))
+	now := time.Now()
+	recs := []*Share{
+		{Machine: "lve-a", SocketDir: sockDir, PID: vfs.Process.Pid, Start: vStart, RunnerPID: gone.Process.Pid, RunnerStart: gStart, At: now},
+		{Machine: "lve-b", RunnerPID: worker.Process.Pid, RunnerStart: wStart, At: now},
+		{Machine: "lve-c", At: now},
+		{Machine: "lve-d", At: now.Add(-2 * orphanAge)},
+	}
+	for _, r := range recs {
+		require.NoError(t, save(state, r))
+	}
+	ms := &fakeMachines{have: map[string]bool{"lve-a": true, "lve-b": true, "lve-c": true}}
+
+	removed, err := SweepRecords(context.Background(), state, ms, now, false)
+	require.NoError(t, err)
+	require.Empty(t, removed, "every runner still runs")
+
+	require.NoError(t, gone.Process.Kill())
+	_, _ = gone.Process.Wait()
+	removed, err = SweepRecords(context.Background(), state, ms, now, true)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-a"}, removed, "dry run: would remove")
+	require.Empty(t, ms.tornDown)
+	removed, err = SweepRecords(context.Background(), state, ms, now, false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-a"}, removed)
+	require.Equal(t, []string{"lve-a"}, ms.tornDown, "the machine of the job whose runner is gone")
+	_, _ = vfs.Process.Wait()
+	require.False(t, alive(vfs.Process.Pid, vStart), "the job's virtiofsd is stopped")
+	require.NoDirExists(t, sockDir)
+	for name, want := range map[string]bool{"lve-a": false, "lve-b": true, "lve-c": true, "lve-d": false} {
+		s, err := Load(state, name)
+		require.NoError(t, err)
+		require.Equal(t, want, s != nil, "record of %s kept", name)
+	}
+}
+
+// TestFindWorker: the runner's worker is found from a process under it
+// (the hook's parent may be the runner's node), and not where there is
+// none.
+func TestFindWorker(t *testing.T) {
+	dir := t.TempDir()
+	script := filepath.Join(dir, WorkerComm)
+	require.NoError(t, os.WriteFile(script, []byte("#!/bin/sh\nsleep 60\n"), 0o755))
+	cmd := exec.Command(script)
+	require.NoError(t, cmd.Start())
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+	var child int
+	for i := 0; i < 200 && child == 0; i++ {
+		b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid), "task", strconv.Itoa(cmd.Process.Pid), "children"))
+		if f := strings.Fields(string(b)); len(f) > 0 {
+			child, _ = strconv.Atoi(f[0])
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	require.NotZero(t, child, "the worker's child")
+	pid, start := FindWorker(child)
+	require.Equal(t, cmd.Process.Pid, pid)
+	want, err := procStart(cmd.Process.Pid)
+	require.NoError(t, err)
+	require.Equal(t, want, start)
+	pid, _ = FindWorker(os.Getpid())
+	require.Zero(t, pid, "a test is no runner's worker")
+}

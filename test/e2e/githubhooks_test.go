@@ -1,0 +1,390 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"os/user"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
+)
+
+// hookShareUser is the user the hook test's virtiofsd runs as: made once
+// (a system user without a home, with 65536 subordinate ids) and kept.
+const hookShareUser = "lve-e2e-hooks"
+
+// ensureHookShareUser makes hookShareUser with its subordinate ids, if
+// this host has not got it yet, and returns its uid and gid.
+func ensureHookShareUser(t *testing.T) (uid, gid int) {
+	t.Helper()
+	if _, err := user.Lookup(hookShareUser); err != nil {
+		out, err := exec.Command("useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", hookShareUser).CombinedOutput()
+		require.NoError(t, err, "useradd: %s", out)
+	}
+	sub, err := os.ReadFile("/etc/subuid")
+	if err != nil || !strings.Contains(string(sub), hookShareUser+":") {
+		out, err := exec.Command("usermod", "--add-subuids", "1200000000-1200065535", "--add-subgids", "1200000000-1200065535", hookShareUser).CombinedOutput()
+		require.NoError(t, err, "usermod: %s", out)
+	}
+	u, err := user.Lookup(hookShareUser)
+	require.NoError(t, err)
+	uid, _ = strconv.Atoi(u.Uid)
+	gid, _ = strconv.Atoi(u.Gid)
+	return uid, gid
+}
+
+// hookResult is one call of the hook.
+type hookResult struct {
+	code           int
+	stdout, stderr string
+}
+
+// callHook runs the real libvirt-executor-hooks as the runner does: one
+// JSON object on stdin, the configuration from the environment.
+func callHook(t *testing.T, exe, cfgPath string, input any) hookResult {
+	t.Helper()
+	b, err := json.Marshal(input)
+	require.NoError(t, err)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, exe)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LIBVIRT_EXECUTOR_CONFIG=" + cfgPath}
+	cmd.Stdin = bytes.NewReader(b)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err = cmd.Run()
+	code := 0
+	if ee, ok := err.(*exec.ExitError); ok {
+		code = ee.ExitCode()
+	} else {
+		require.NoError(t, err)
+	}
+	t.Logf("hook %v: exit %d\nstdout:\n%s\nstderr:\n%s", input.(map[string]any)["command"], code, out.String(), errb.String())
+	return hookResult{code: code, stdout: out.String(), stderr: errb.String()}
+}
+
+// TestGitHubHooks drives the real libvirt-executor-hooks with the runner's
+// JSON shapes (those of actions/runner-container-hooks' examples) and a
+// temporary _work, on one cold VM of the podman image:
+//   - prepare_job starts the job's virtiofsd (as the share user, in a user
+//     namespace), boots the VM with _work shared at the same path, starts
+//     the job container (an image from a registry reached as docker.io's
+//     mirror) and writes the response: the state names the VM;
+//   - three run_script_step calls run in the job container with the
+//     step's variables, working directory and prependPath: the first reads
+//     the checkout the runner made on the host and writes a file the host
+//     then sees (owned by the share user, not root), the second exits 3
+//     and so does the hook, the third sees the first's file;
+//   - cleanup_job twice: both succeed, and no domain, volume, machine
+//     state, share record, socket directory or virtiofsd is left.
+//
+// hookSetup is the rig of a hook test: the share user, a registry reached
+// as docker.io's mirror with the shell image as alpine:3.19, the runner's
+// layout in a temporary directory (RUNNER/_work, the share user's, with a
+// checkout; RUNNER/externals) and a configuration with [github_hooks].
+type hookSetup struct {
+	r         *rig
+	work, ext string
+	uid, gid  int
+	hook      string
+	checkout  string
+}
+
+func newHookSetup(t *testing.T) *hookSetup {
+	t.Helper()
+	base := setup(t)
+	if base.user != nil {
+		t.Skip("the hook runs as root here and starts virtiofsd as its share user; the confined mode's runner user has no subordinate ids")
+	}
+	podman := podmanImage(t, base)
+	uid, gid := ensureHookShareUser(t)
+	ln := base.serviceListener(t)
+	addr := ln.Addr().String()
+	require.NoError(t, ln.Close())
+	reg := registrytest.StartAt(t, addr)
+	pushShellImage(t, reg.Host, "library/alpine", "3.19")
+
+	// The runner's layout: RUNNER/_work (the share user's, as a runner's
+	// user owns it) and RUNNER/externals.
+	root, err := os.MkdirTemp("", "lve-gh-")
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = os.RemoveAll(root) })
+	require.NoError(t, os.Chmod(root, 0o755))
+	work, ext := filepath.Join(root, "_work"), filepath.Join(root, "externals")
+	for _, d := range []string{work, ext, work + "/_temp/_runner_hook_responses", work + "/_temp/_github_home", work + "/_temp/_github_workflow", work + "/repo/repo"} {
+		require.NoError(t, os.MkdirAll(d, 0o755))
+	}
+	const checkout = "checked out on the host\n"
+	require.NoError(t, os.WriteFile(filepath.Join(work, "repo/repo/checkout.txt"), []byte(checkout), 0o644))
+	require.NoError(t, filepath.Walk(work, func(p string, _ os.FileInfo, err error) error {
+		if err != nil {
+			return err
+		}
+		return os.Lchown(p, uid, gid)
+	}))
+
+	r := base.withConfig(t, func(s string) string {
+		return s + "\n" + podman + fmt.Sprintf(`
+[services]
+plain_http = [%q]
+[services.mirrors]
+"docker.io" = [%q]
+[github_hooks]
+vm_image = "podman"
+allowed_images = ["alpine:*"]
+work_dir = %q
+share_user = %q
+runtime_dir = "/run/lve-e2e-hooks"
+job_timeout = "30m"
+`, reg.Host, reg.Host, work, hookShareUser)
+	})
+	return &hookSetup{r: r, work: work, ext: ext, uid: uid, gid: gid, hook: filepath.Join(r.bin, "libvirt-executor-hooks"), checkout: checkout}
+}
+
+// prepareInput is prepare_job's input as the runner writes it (the shape
+// of the hook examples), answering into resp.
+func (hs *hookSetup) prepareInput(resp string) map[string]any {
+	work, ext := hs.work, hs.ext
+	mounts := []map[string]any{
+		{"sourceVolumePath": "/var/run/docker.sock", "targetVolumePath": "/var/run/docker.sock", "readOnly": false},
+		{"sourceVolumePath": work, "targetVolumePath": "/__w", "readOnly": false},
+		{"sourceVolumePath": ext, "targetVolumePath": "/__e", "readOnly": true},
+		{"sourceVolumePath": work + "/_temp", "targetVolumePath": "/__w/_temp", "readOnly": false},
+		{"sourceVolumePath": "/" + work + "/_temp/_github_home", "targetVolumePath": "/github/home", "readOnly": false},
+		{"sourceVolumePath": work + "/_temp/_github_workflow", "targetVolumePath": "/github/workflow", "readOnly": false},
+	}
+	return map[string]any{
+		"command": "prepare_job", "responseFile": resp, "state": map[string]any{},
+		"args": map[string]any{
+			"container": map[string]any{
+				"image": "alpine:3.19", "workingDirectory": "/__w/repo/repo",
+				"entryPoint": "tail", "entryPointArgs": []string{"-f", "/dev/null"},
+				"createOptions":        "--label lve-e2e=hooks",
+				"environmentVariables": map[string]string{"GITHUB_ACTIONS": "true", "CI": "true"},
+				"userMountVolumes":     []any{}, "systemMountVolumes": mounts,
+				"registry": nil, "portMappings": []string{},
+			},
+			"services": []any{},
+		},
+	}
+}
+
+// hookShare is the share record of a hook job's machine.
+type hookShare struct {
+	PID       int    `json:"pid"`
+	SocketDir string `json:"socket_dir"`
+	RunnerPID int    `json:"runner_pid"`
+}
+
+func (hs *hookSetup) share(t *testing.T, machine string) hookShare {
+	t.Helper()
+	var share hookShare
+	rb, err := os.ReadFile(filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(rb, &share))
+	return share
+}
+
+// requireShareGone: no record, socket directory or virtiofsd of machine.
+func (hs *hookSetup) requireShareGone(t *testing.T, machine string, share hookShare) {
+	t.Helper()
+	require.NoFileExists(t, filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"), "the share record is gone")
+	require.NoDirExists(t, share.SocketDir)
+	require.True(t, processGone(share.PID), "virtiofsd has ended")
+}
+
+func TestGitHubHooks(t *testing.T) {
+	hs := newHookSetup(t)
+	r, work, uid, hook, checkout := hs.r, hs.work, hs.uid, hs.hook, hs.checkout
+	resp := filepath.Join(work, "_temp/_runner_hook_responses/prepare.json")
+	began := time.Now()
+	prep := callHook(t, hook, r.cfgPath, hs.prepareInput(resp))
+	require.Equal(t, 0, prep.code, "prepare_job")
+	t.Logf("prepare_job took %s (cold)", time.Since(began))
+	b, err := os.ReadFile(resp)
+	require.NoError(t, err)
+	var answer struct {
+		State   map[string]any `json:"state"`
+		Context struct {
+			Container struct{ ID, Network string } `json:"container"`
+		} `json:"context"`
+		IsAlpine *bool `json:"isAlpine"`
+	}
+	require.NoError(t, json.Unmarshal(b, &answer))
+	machine, _ := answer.State["machine"].(string)
+	require.True(t, strings.HasPrefix(machine, r.cfg.NamePrefix+"-"), "the state names the job's VM: %v", answer.State)
+	require.NotEmpty(t, answer.Context.Container.ID)
+	require.NotEmpty(t, answer.Context.Container.Network)
+	require.NotNil(t, answer.IsAlpine)
+	require.False(t, *answer.IsAlpine, "the busybox image has no /etc/os-release of Alpine")
+	require.Contains(t, prep.stderr, "Mounted "+work+" in the VM at the same path (virtiofs)")
+
+	// The job's virtiofsd: recorded, running as the share user.
+	share := hs.share(t, machine)
+	require.NotZero(t, share.PID)
+	require.Zero(t, share.RunnerPID, "no runner's worker above a test")
+	status, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", share.PID))
+	require.NoError(t, err)
+	require.Contains(t, string(status), fmt.Sprintf("\nUid:\t%d\t%d\t%d\t%d\n", uid, uid, uid, uid), "virtiofsd runs as the share user, never root")
+	fi, err := os.Stat(share.SocketDir)
+	require.NoError(t, err)
+	require.Equal(t, os.FileMode(0o710)|os.ModeDir, fi.Mode(), "only QEMU's group may enter the socket's directory")
+
+	step := func(script string, env map[string]string) hookResult {
+		name := fmt.Sprintf("step-%d.sh", time.Now().UnixNano())
+		require.NoError(t, os.WriteFile(filepath.Join(work, "_temp", name), []byte(script), 0o644))
+		return callHook(t, hook, r.cfgPath, map[string]any{
+			"command": "run_script_step", "responseFile": nil, "state": answer.State,
+			"args": map[string]any{
+				"entryPoint": "sh", "entryPointArgs": []string{"-e", "/__w/_temp/" + name},
+				"environmentVariables": env, "prependPath": []string{"/opt/lve-tool/bin"},
+				"workingDirectory": "/__w/repo/repo",
+			},
+		})
+	}
+	first := step(`echo "hello from $GREETING in $(pwd)"
+echo "PATH=$PATH"
+cat /__w/repo/repo/checkout.txt
+echo "written in the VM" > /__w/repo/repo/out.txt
+`, map[string]string{"GREETING": "the first step", "GITHUB_WORKSPACE": "/__w/repo/repo"})
+	require.Equal(t, 0, first.code)
+	require.Contains(t, first.stdout, "hello from the first step in /__w/repo/repo")
+	require.Contains(t, first.stdout, "PATH=/opt/lve-tool/bin:/bin", "prependPath before the container's PATH")
+	require.Contains(t, first.stdout, checkout, "the step sees the checkout the runner made on the host")
+	out, err := os.ReadFile(filepath.Join(work, "repo/repo/out.txt"))
+	require.NoError(t, err, "the file the step wrote is in the runner's _work")
+	require.Equal(t, "written in the VM\n", string(out))
+	fi, err = os.Stat(filepath.Join(work, "repo/repo/out.txt"))
+	require.NoError(t, err)
+	require.Equal(t, uint32(uid), fi.Sys().(*syscall.Stat_t).Uid, "what the container's root writes is the share user's on the host, not root's") //nolint:gosec // a uid
+
+	second := step("echo before the failure\nexit 3\n", nil)
+	require.Equal(t, 3, second.code, "the step's status is the hook's")
+	require.Contains(t, second.stdout, "before the failure")
+
+	third := step("test -f out.txt && echo third sees $(cat out.txt)\n", nil)
+	require.Equal(t, 0, third.code)
+	require.Contains(t, third.stdout, "third sees written in the VM")
+
+	for i, want := range []string{"Removed the job's VM " + machine, "The job's VM " + machine + " was released before"} {
+		c := callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
+		require.Equal(t, 0, c.code, "cleanup_job #%d", i+1)
+		require.Contains(t, c.stderr, want)
+	}
+	r.requireNoLeftovers(t, "after cleanup_job")
+	hs.requireShareGone(t, machine, share)
+}
+
+// processGone says whether process pid has ended (gone, or a zombie).
+func processGone(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	s := string(b)
+	f := strings.Fields(s[strings.LastIndexByte(s, ')')+1:])
+	return len(f) > 0 && (f[0] == "Z" || f[0] == "X")
+}
+
+// TestGitHubHooksSweep: a runner that never calls cleanup_job. prepare_job
+// runs under a stand-in for the runner's worker (a script named
+// Runner.Worker): the share record names it; a sweep while it runs leaves
+// the job alone; once it is killed, the next sweep (libvirt-executor gc)
+// removes the VM and stops virtiofsd, and nothing of the job is left.
+func TestGitHubHooksSweep(t *testing.T) {
+	hs := newHookSetup(t)
+	r := hs.r
+	dir := t.TempDir()
+	worker := filepath.Join(dir, "Runner.Worker")
+	require.NoError(t, os.WriteFile(worker, []byte("#!/bin/sh\n\"$1\" <\"$2\" 2>\"$2.err\"; echo $? >\"$2.rc\"\nsleep 900\n"), 0o755))
+	resp := filepath.Join(hs.work, "_temp/_runner_hook_responses/sweep.json")
+	b, err := json.Marshal(hs.prepareInput(resp))
+	require.NoError(t, err)
+	input := filepath.Join(dir, "prepare.json")
+	require.NoError(t, os.WriteFile(input, b, 0o600))
+	cmd := exec.Command(worker, hs.hook, input)
+	cmd.Env = []string{"PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LIBVIRT_EXECUTOR_CONFIG=" + r.cfgPath}
+	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	require.NoError(t, cmd.Start())
+	killed := false
+	kill := func() {
+		if !killed {
+			killed = true
+			_ = syscall.Kill(-cmd.Process.Pid, syscall.SIGKILL)
+			_ = cmd.Wait()
+		}
+	}
+	t.Cleanup(kill)
+	deadline := time.Now().Add(10 * time.Minute)
+	var rc []byte
+	for time.Now().Before(deadline) {
+		if rc, err = os.ReadFile(input + ".rc"); err == nil && len(rc) > 0 {
+			break
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	stderr, _ := os.ReadFile(input + ".err")
+	t.Logf("prepare_job under the stand-in worker: exit %s%s", rc, stderr)
+	require.Equal(t, "0\n", string(rc), "prepare_job")
+	b, err = os.ReadFile(resp)
+	require.NoError(t, err)
+	var answer struct {
+		State struct{ Machine string } `json:"state"`
+	}
+	require.NoError(t, json.Unmarshal(b, &answer))
+	machine := answer.State.Machine
+	share := hs.share(t, machine)
+	require.Equal(t, cmd.Process.Pid, share.RunnerPID, "the record names the runner's worker")
+
+	out, err := r.admin("gc").CombinedOutput()
+	require.NoError(t, err, "gc: %s", out)
+	require.Contains(t, r.leftovers(t), "domain "+machine, "a sweep while the worker runs leaves its job alone")
+	require.False(t, processGone(share.PID))
+
+	kill()
+	out, err = r.admin("gc").CombinedOutput()
+	require.NoError(t, err, "gc: %s", out)
+	t.Logf("gc after the worker ended:\n%s", out)
+	r.requireNoLeftovers(t, "after the sweep")
+	hs.requireShareGone(t, machine, share)
+}
+
+// TestGitHubHooksFailedPrepareLeavesNothing: a prepare_job that fails
+// after its VM booted (the image is allowed, but the registry has not got
+// it) exits non-zero naming the failure, writes no response, and leaves
+// no domain, volume, machine state, share record, socket directory or
+// virtiofsd.
+func TestGitHubHooksFailedPrepareLeavesNothing(t *testing.T) {
+	hs := newHookSetup(t)
+	r := hs.r
+	resp := filepath.Join(hs.work, "_temp/_runner_hook_responses/failed.json")
+	in := hs.prepareInput(resp)
+	in["args"].(map[string]any)["container"].(map[string]any)["image"] = "alpine:0-not-in-the-registry"
+	res := callHook(t, hs.hook, r.cfgPath, in)
+	require.Equal(t, 1, res.code)
+	require.Contains(t, res.stderr, "pull docker.io/library/alpine:0-not-in-the-registry failed")
+	require.Contains(t, res.stderr, "Mounted "+hs.work+" in the VM", "it failed after the VM was up")
+	require.NoFileExists(t, resp)
+	r.requireNoLeftovers(t, "after the failed prepare_job")
+	recs, err := filepath.Glob(filepath.Join(r.cfg.StateDir, "github-hooks", "*"))
+	require.NoError(t, err)
+	require.Empty(t, recs, "no share record or log")
+	socks, err := filepath.Glob("/run/lve-e2e-hooks/*")
+	require.NoError(t, err)
+	require.Empty(t, socks, "no socket directory")
+	out, err := exec.Command("pgrep", "-u", hookShareUser, "virtiofsd").CombinedOutput()
+	require.Error(t, err, "no virtiofsd of the share user runs: %s", out)
+}
