@@ -29,7 +29,7 @@ rig_valid_prefix "$LVE_RIG_PREFIX" ||
 
 # --- packages ---------------------------------------------------------------------
 lve_apt_install qemu-system-x86 qemu-utils libvirt-daemon-system libvirt-daemon-driver-qemu \
-	libvirt-clients libvirt-daemon-config-nwfilter ebtables dnsmasq-base iptables iproute2 util-linux
+	libvirt-clients libvirt-daemon-config-nwfilter ebtables dnsmasq-base iptables iproute2 util-linux conntrack
 
 # --- host fixes --------------------------------------------------------------------
 if [ -e /dev/kvm ]; then

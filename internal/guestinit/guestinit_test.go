@@ -196,4 +196,14 @@ func TestCloneCredentialDisk(t *testing.T) {
 	hs, err := ssh.ParsePrivateKey([]byte(got[HostKeyCredential]))
 	require.NoError(t, err)
 	require.Equal(t, k.Host.Marshal(), hs.PublicKey().Marshal())
+
+	// A comment cannot add a line (a credential of its own).
+	disk = k.CloneCredentialDisk("x\nio.systemd.credential:libvirt-executor.clock=1", now, nil)
+	clockLines := 0
+	for _, l := range strings.Split(string(disk), "\n") {
+		if strings.HasPrefix(l, "io.systemd.credential:"+ClockCredential+"=") {
+			clockLines++
+		}
+	}
+	require.Equal(t, 1, clockLines, "one clock line: the host's")
 }

@@ -116,6 +116,12 @@ const (
 // the same syntax and padding. The guest waits for it, so it is plugged in
 // last.
 func (k *Keys) CloneCredentialDisk(comment string, now time.Time, entropy []byte) []byte {
+	comment = strings.Map(func(r rune) rune { // one line each: no credential of the comment's
+		if r < 0x20 || r == 0x7f {
+			return '_'
+		}
+		return r
+	}, comment)
 	lines := "io.systemd.credential:ssh.authorized_keys.root=" + k.AuthorizedKey(comment) + "\n" +
 		"io.systemd.credential.binary:" + HostKeyCredential + "=" + base64.StdEncoding.EncodeToString(k.HostPEM) + "\n" +
 		"io.systemd.credential:" + ClockCredential + "=" + strconv.FormatInt(now.Unix(), 10) + "\n" +

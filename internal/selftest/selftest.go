@@ -202,7 +202,7 @@ func Run(ctx context.Context, o Options) (*Report, error) {
 			if out, ok := probeOutput(first.Trace); ok && ClassifyProbe(out, o.GitLabURL) != ProbeOK {
 				// The verdict below names the fix; the runner's jobs cannot
 				// fetch their sources until it is made.
-				say("the second sample job is not run: the first job's guest could not ask %s (the fix is below)", o.GitLabURL)
+				say("the second sample job is not run: the probe of %s from the first job's guest failed (the fix is below)", o.GitLabURL)
 				probeFailed = true
 			}
 		}

@@ -505,11 +505,12 @@ func followLogs(ctx context.Context, g Guest, st *Started, sudo bool, since stri
 	wg.Wait()
 }
 
-// lineCount counts the lines written to it.
-type lineCount struct{ n int64 }
+// lineCount counts the lines written to it (stdout and stderr of one
+// command, written from two goroutines).
+type lineCount struct{ n atomic.Int64 }
 
 func (c *lineCount) Write(p []byte) (int, error) {
-	c.n += int64(bytes.Count(p, []byte{'\n'}))
+	c.n.Add(int64(bytes.Count(p, []byte{'\n'})))
 	return len(p), nil
 }
 
@@ -522,12 +523,12 @@ func catchUp(ctx context.Context, d *driver, st *Started, since string, seen []a
 		var n lineCount
 		argv := d.podman([]string{"podman", "logs", "--since", since, r.Container})
 		cctx, cancel := context.WithDeadline(ctx, deadline)
-		_, err := d.g.Exec(cctx, argv, nil, nil, &n, &n)
+		code, err := d.g.Exec(cctx, argv, nil, nil, &n, &n)
 		cancel()
-		if err != nil {
-			return
+		if err != nil || code != 0 {
+			continue // gone (the script removed it?): nothing to wait for
 		}
-		for seen[i].Load() < n.n && time.Now().Before(deadline) && ctx.Err() == nil {
+		for seen[i].Load() < n.n.Load() && time.Now().Before(deadline) && ctx.Err() == nil {
 			time.Sleep(50 * time.Millisecond) // the follower's progress is polled
 		}
 	}

@@ -110,7 +110,12 @@ type Hypervisor interface {
 	// name, UUID and disks), which goes into a copy of save's header that
 	// is written, with save's migration stream, into a pipe that libvirt
 	// reads (CloneHead): nothing is copied on disk. A call cut by a lost
-	// connection is not repeated (the pipe is read once).
+	// connection is not repeated (the pipe is read once). On an error the
+	// clone may run all the same (ctx ended while libvirt finished the
+	// restore): the caller, who named it, removes it by its name. Tried on
+	// libvirt 9.0, which opens the file once; a libvirt that opens it twice
+	// (reads the header, then opens it again) fails on the pipe
+	// (docs/pool.md).
 	RestoreClone(ctx context.Context, save, xml string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).

@@ -94,7 +94,9 @@ func ReadSaveHead(r io.Reader) (*SaveHead, error) {
 		if i := bytes.IndexByte(cookie, 0); i >= 0 {
 			cookie = cookie[:i+1]
 		}
-		h.cookie = cookie
+		if len(cookie) > 0 && cookie[0] != 0 {
+			h.cookie = cookie // else none: an empty cookie is not written back
+		}
 	}
 	end := bytes.IndexByte(xmlPart, 0)
 	if end < 0 {
@@ -158,7 +160,9 @@ type CloneIdentity struct {
 // UUID, disk files and console log. A writable disk the identity does not
 // map is refused (two machines would write one file), and so is a domain
 // with an interface (the template has none: a clone's NIC is plugged in
-// after its restore, with its own MAC and filter).
+// after its restore, with its own MAC and filter) or a shared host
+// directory. The UUID is libvirt's: the guest's SMBIOS UUID is the
+// template's (its memory was made with it).
 func CloneXML(saved string, id CloneIdentity) (string, error) {
 	if err := CheckName(id.Name); err != nil {
 		return "", err
@@ -177,9 +181,15 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 	if len(d.Devices.Interfaces) != 0 {
 		return "", fmt.Errorf("%w: its domain has %d network interface(s); a template has none", ErrSaveImage, len(d.Devices.Interfaces))
 	}
+	if len(d.Devices.Filesystems) != 0 {
+		return "", fmt.Errorf("%w: its domain shares %d host directories; a template shares none", ErrSaveImage, len(d.Devices.Filesystems))
+	}
 	for i := range d.Devices.Disks {
 		disk := &d.Devices.Disks[i]
 		if disk.Source == nil || disk.Source.File == nil {
+			if disk.ReadOnly == nil && disk.Shareable == nil && disk.Device != "cdrom" {
+				return "", fmt.Errorf("%w: a writable disk (%s) that is not a file; a template's writable disks are files", ErrSaveImage, disk.Device)
+			}
 			continue
 		}
 		if to, ok := id.Disks[disk.Source.File.File]; ok {

@@ -97,6 +97,16 @@ func TestSaveHeadRefusals(t *testing.T) {
 		_, err := ReadSaveHead(bytes.NewReader(f))
 		require.ErrorContains(t, err, "1 to 4194304 allowed")
 	})
+	t.Run("empty cookie at the block's end", func(t *testing.T) {
+		f := saveFile(t, saveMagic, 2, 0, "<domain/>", "", 0, nil)
+		binary.LittleEndian.PutUint32(f[32:], binary.LittleEndian.Uint32(f[20:])) // offset == block length
+		h, err := ReadSaveHead(bytes.NewReader(f))
+		require.NoError(t, err)
+		var out bytes.Buffer
+		_, err = h.WriteTo(&out)
+		require.NoError(t, err)
+		require.Zero(t, binary.LittleEndian.Uint32(out.Bytes()[32:]), "no cookie offset is written for no cookie")
+	})
 	t.Run("XML without its NUL", func(t *testing.T) {
 		f := saveFile(t, saveMagic, 2, 0, "<domain/>", "", 0, nil)
 		f[len(f)-1] = '>'
@@ -130,6 +140,12 @@ func TestCloneXML(t *testing.T) {
 	withNIC := strings.Replace(templateXML, "</devices>", `<interface type="network"><source network="ci"></source></interface></devices>`, 1)
 	_, err = CloneXML(withNIC, id)
 	require.ErrorContains(t, err, "network interface")
+	withFS := strings.Replace(templateXML, "</devices>", `<filesystem type="mount"><source dir="/srv"></source><target dir="srv"></target></filesystem></devices>`, 1)
+	_, err = CloneXML(withFS, id)
+	require.ErrorContains(t, err, "shares 1 host directories")
+	withBlock := strings.Replace(templateXML, "</devices>", `<disk type="block" device="disk"><source dev="/dev/sdz"></source><target dev="vdc" bus="virtio"></target></disk></devices>`, 1)
+	_, err = CloneXML(withBlock, id)
+	require.ErrorContains(t, err, "writable disk (disk) that is not a file")
 	_, err = CloneXML(templateXML, CloneIdentity{Name: "Bad Name", UUID: id.UUID, Disks: id.Disks})
 	require.ErrorContains(t, err, "machine name")
 	_, err = CloneXML(templateXML, CloneIdentity{Name: id.Name, UUID: "x'/><evil/>", Disks: id.Disks})

@@ -549,9 +549,10 @@ func acceptAndClose(ln net.Listener) {
 // deploy/network/libvirt-executor-conntrack, which the rig installs as an
 // admin does). Without it a tracked connection of job A outlives A, and on a
 // NAT network a late reply would be translated to whichever VM has A's
-// address next. The guest opens a connection to the host and leaves it; the
-// entry is there before cleanup (the precondition: the entry lasts for
-// minutes when nothing removes it) and gone once cleanup has ended the VM.
+// address next. The guest opens a connection to the host; the entry is
+// there before cleanup, and gone once cleanup has ended the VM, before its
+// own timeout (about a minute for the connection the guest's script closed,
+// days for an established one) would have removed it.
 func TestReleasedVMConnectionsForgotten(t *testing.T) {
 	r := setup(t)
 	_, err := exec.LookPath("conntrack")
@@ -588,11 +589,23 @@ func TestReleasedVMConnectionsForgotten(t *testing.T) {
 	defer peer.Close()
 	addr, _, err := net.SplitHostPort(peer.RemoteAddr().String())
 	require.NoError(t, err)
-	tracked := func() int {
+	// tracked is the number of entries of addr and the longest time one of
+	// them has left (conntrack -L's third field, seconds).
+	tracked := func() (n, left int) {
 		out, _ := exec.Command("conntrack", "-L", "--orig-src", addr).Output()
-		return strings.Count(string(out), "\n")
+		for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+			if f := strings.Fields(l); len(f) > 2 {
+				n++
+				var s int
+				_, _ = fmt.Sscan(f[2], &s)
+				left = max(left, s)
+			}
+		}
+		return n, left
 	}
-	require.Positive(t, tracked(), "the guest's connection is tracked while its VM runs")
+	n, left := tracked()
+	require.Positive(t, n, "the guest's connection is tracked while its VM runs")
+	expires := time.Now().Add(time.Duration(left) * time.Second)
 	// The hook finds the address in the VM's filter, which the job's holder
 	// gives it while the first stages run.
 	name := s.name(t)
@@ -608,5 +621,8 @@ func TestReleasedVMConnectionsForgotten(t *testing.T) {
 
 	require.Equal(t, 0, s.run(t, "cleanup").code)
 	cleaned = true
-	waitFor(t, 15*time.Second, "no tracked connection of "+addr+" once its VM is gone", func() bool { return tracked() == 0 })
+	waitFor(t, 15*time.Second, "no tracked connection of "+addr+" once its VM is gone", func() bool { n, _ := tracked(); return n == 0 })
+	// Without the hook the entry would still be there: its own timeout had
+	// not run out (a closed connection's is about a minute).
+	require.True(t, time.Now().Before(expires), "the entry's own timeout (%d s when cleanup began) ran out first: the test showed nothing", left)
 }

@@ -32,7 +32,7 @@ import (
 // runs under its own identity on its own overlay over the frozen one, and
 // each gets its identity by hot plug (its NIC, then the credentials disk
 // the template's guest waits for), takes its own lease and answers SSH
-// with its own host key, the host's clock set. The driver does not use it
+// with its own host key, its clock the credential's. The driver does not use it
 // yet (docs/pool.md).
 func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	r := setup(t)
@@ -62,9 +62,11 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	prefix := fmt.Sprintf("%s-e2esnap-%x", r.cfg.NamePrefix, tag)
 	var names []string
 	defer func() {
+		cctx, ccancel := context.WithTimeout(context.Background(), time.Minute)
+		defer ccancel()
 		for _, n := range names {
-			_ = hv.Destroy(context.Background(), n)
-			_ = hv.Undefine(context.Background(), n)
+			_ = hv.Destroy(cctx, n)
+			_ = hv.Undefine(cctx, n)
 		}
 	}()
 
@@ -75,7 +77,7 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	tmpl := prefix + "-tmpl"
 	tmplDisk := overlay(tmpl, img.Base)
 	tmplLog := filepath.Join(dir, tmpl+".log")
-	x := fmt.Sprintf(`<domain type='%s'><name>%s</name><memory unit='MiB'>256</memory><vcpu>1</vcpu>
+	x := fmt.Sprintf(`<domain type='%s'><name>%s</name><genid/><memory unit='MiB'>256</memory><vcpu>1</vcpu>
 <os><type arch='x86_64' machine='pc'>hvm</type><kernel>%s</kernel><initrd>%s</initrd><cmdline>console=ttyS0 root=/dev/vda rw lve.snapshot=template</cmdline></os>
 <features><acpi/><apic/></features>
 <devices><disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='%s'/><target dev='vda' bus='virtio'/></disk>
@@ -156,7 +158,10 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 		keys, err := guestinit.NewKeys(c.name)
 		require.NoError(t, err)
 		creds := filepath.Join(dir, c.name+".creds")
-		require.NoError(t, os.WriteFile(creds, keys.CloneCredentialDisk(c.name, time.Now(), rnd(64)), 0o644)) //nolint:gosec // G306: QEMU's user reads it; removed with dir
+		// An hour ahead: the clone's clock is the credential's, not the
+		// template's (which the restore continues from).
+		clock := time.Now().Add(time.Hour)
+		require.NoError(t, os.WriteFile(creds, keys.CloneCredentialDisk(c.name, clock, rnd(64)), 0o644)) //nolint:gosec // G306: QEMU's user reads it; removed with dir
 		require.NoError(t, hv.AttachDisk(ctx, c.name, &libvirtxml.DomainDisk{Device: "disk", Driver: &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
 			Source: &libvirtxml.DomainDiskSource{File: &libvirtxml.DomainDiskSourceFile{File: creds}}, Target: &libvirtxml.DomainDiskTarget{Dev: "vdb", Bus: "virtio"},
 			ReadOnly: &libvirtxml.DomainDiskReadOnly{}, Serial: guestinit.CredentialDiskSerial}))
@@ -184,11 +189,11 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 		var guestNow int64
 		_, err = fmt.Sscan(string(out), &guestNow)
 		require.NoError(t, err)
-		require.InDelta(t, time.Now().Unix(), guestNow, 30, "the clone's clock is the host's, not the template's")
+		require.InDelta(t, clock.Unix(), guestNow, 30, "the clone's clock is the credential's, not the template's")
 		hostKeys[string(keys.Host.Marshal())] = c.name
 		addrs[ip] = c.name
 	}
-	require.Len(t, hostKeys, len(clones), "no two clones share a host key")
+	require.Len(t, hostKeys, len(clones), "no two clones share a host key (each answered with its own, pinned)")
 	require.Len(t, addrs, len(clones), "no two clones share an address")
 
 	// A save file that is not one is refused before libvirt is asked.
