@@ -277,6 +277,22 @@ func TestPrebuiltWithoutAgent(t *testing.T) {
 	require.Contains(t, want, "/usr/bin/libvirt-executor")
 }
 
+// An earlier build without an executable added since is packaged without
+// it (the upgrade test's old version); this tree's build must have it.
+func TestPrebuiltWithoutNewerExecutable(t *testing.T) {
+	b := testBuild(t)
+	require.NoError(t, os.Remove(filepath.Join(b.Binaries, "libvirt-executor-hooks")))
+	_, err := b.describe(t.TempDir())
+	require.ErrorContains(t, err, "no executable libvirt-executor-hooks")
+	b.Prebuilt = true
+	want := described(t, b, "deb")
+	require.NotContains(t, want, "/usr/bin/libvirt-executor-hooks")
+	require.Contains(t, want, "/usr/bin/libvirt-executor-prepare")
+	require.NoError(t, os.Remove(filepath.Join(b.Binaries, "libvirt-executor-prepare")))
+	_, err = b.describe(t.TempDir())
+	require.ErrorContains(t, err, "no executable libvirt-executor-prepare", "only the newer ones may be missing")
+}
+
 func TestVersionChecked(t *testing.T) {
 	b := testBuild(t)
 	b.Version = "v1.0-rc1"
