@@ -230,8 +230,10 @@ echo started`, pids, service), RunOptions{LeftoverGrace: time.Second})
 			// ends after the drain grace without it, saying so
 			writer := filepath.Join(dir, "writer")
 			t0 := time.Now()
-			x, out, notes = run(t, a, sh, fmt.Sprintf(`setsid sh -c 'echo $$ > %s; while :; do echo tick; sleep 0.05; done' &
-sleep 0.3; echo done`, writer), RunOptions{DrainGrace: 300 * time.Millisecond})
+			// (The stage waits for the writer's first tick: on a loaded host
+			// the writer may not have run at all within a fixed wait.)
+			x, out, notes = run(t, a, sh, fmt.Sprintf(`setsid sh -c 'echo $$ > %[1]s; while :; do echo tick; : > %[1]s.ticked; sleep 0.05; done' &
+until [ -e %[1]s.ticked ]; do sleep 0.01; done; echo done`, writer), RunOptions{DrainGrace: 300 * time.Millisecond})
 			require.Less(t, time.Since(t0), 5*time.Second)
 			require.True(t, x.Detached, "%+v", x)
 			require.Equal(t, 0, x.Code)
