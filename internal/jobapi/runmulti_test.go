@@ -44,7 +44,11 @@ PATH=$LVE_TEST_PATH:$PATH exec bash "$1"
 `), 0o755))
 	o := RunMultiOptions{
 		Binary: r.bin, URL: r.srv.URL(), Token: r.srv.RunnerToken(),
-		Executor: "custom", BuildsDir: t.TempDir(), CacheDir: r.cacheDir, Concurrent: 2,
+		// One job at a time: the Custom executor's jobs of one project
+		// share a builds directory here, and a second job's cleanup
+		// removed the first one's files mid-stage (a clean-clone make
+		// test failed on it).
+		Executor: "custom", BuildsDir: t.TempDir(), CacheDir: r.cacheDir, Concurrent: 1,
 		Custom: &CustomConfig{RunExec: run},
 		Env:    []string{"HOME=" + r.home, "PATH=" + os.Getenv("PATH"), "LVE_TEST_PATH=" + pathDir, "TMPDIR=" + t.TempDir()},
 		Dir:    t.TempDir(),
