@@ -715,6 +715,11 @@ func (l *Conn) AttachDisk(ctx context.Context, name string, disk *libvirtxml.Dom
 	if err != nil {
 		return err
 	}
+	return l.attachLive(ctx, name, x)
+}
+
+// attachLive hot-plugs the device XML x into the running domain name.
+func (l *Conn) attachLive(ctx context.Context, name, x string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {

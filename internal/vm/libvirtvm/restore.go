@@ -20,14 +20,7 @@ func (l *Conn) AttachInterface(ctx context.Context, name string, iface *libvirtx
 	if err != nil {
 		return err
 	}
-	return call0(ctx, l, func() error {
-		d, err := l.domain(name)
-		if err != nil {
-			return err
-		}
-		defer d.Free()
-		return notFound(d.AttachDeviceFlags(x, libvirt.DOMAIN_DEVICE_MODIFY_LIVE), libvirt.ERR_NO_DOMAIN)
-	})
+	return l.attachLive(ctx, name, x)
 }
 
 // Save implements vm.Hypervisor.

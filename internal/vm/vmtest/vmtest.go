@@ -469,10 +469,24 @@ func (f *Fake) DACImageLabel(ctx context.Context, name string) (string, error) {
 // Fake keeps one definition, live and persistent alike). The domain must
 // run, and no disk of the same target may be there.
 func (f *Fake) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
-	f.wait("AttachDisk")
+	return f.plug("AttachDisk", name, func(dev *libvirtxml.DomainDeviceList) error {
+		for _, have := range dev.Disks {
+			if have.Target != nil && disk.Target != nil && have.Target.Dev == disk.Target.Dev {
+				return fmt.Errorf("target %s already exists", disk.Target.Dev)
+			}
+		}
+		dev.Disks = append(dev.Disks, *disk)
+		return nil
+	})
+}
+
+// plug is a hot plug (op) into the running domain name: add changes its
+// devices in the domain's XML.
+func (f *Fake) plug(op, name string, add func(*libvirtxml.DomainDeviceList) error) error {
+	f.wait(op)
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if err := f.call("AttachDisk"); err != nil {
+	if err := f.call(op); err != nil {
 		return err
 	}
 	d, ok := f.Domains[name]
@@ -489,12 +503,9 @@ func (f *Fake) AttachDisk(ctx context.Context, name string, disk *libvirtxml.Dom
 	if dx.Devices == nil {
 		dx.Devices = &libvirtxml.DomainDeviceList{}
 	}
-	for _, have := range dx.Devices.Disks {
-		if have.Target != nil && disk.Target != nil && have.Target.Dev == disk.Target.Dev {
-			return fmt.Errorf("target %s already exists", disk.Target.Dev)
-		}
+	if err := add(dx.Devices); err != nil {
+		return err
 	}
-	dx.Devices.Disks = append(dx.Devices.Disks, *disk)
 	x, err := dx.Marshal()
 	if err != nil {
 		return err
@@ -795,33 +806,10 @@ func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 // AttachInterface implements vm.Hypervisor: the running domain's XML gets
 // iface.
 func (f *Fake) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
-	f.wait("AttachInterface")
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if err := f.call("AttachInterface"); err != nil {
-		return err
-	}
-	d, ok := f.Domains[name]
-	if !ok {
-		return vm.ErrNotFound
-	}
-	if !d.Active {
-		return fmt.Errorf("domain %s is not running", name)
-	}
-	var dx libvirtxml.Domain
-	if err := dx.Unmarshal(d.XML); err != nil {
-		return err
-	}
-	if dx.Devices == nil {
-		dx.Devices = &libvirtxml.DomainDeviceList{}
-	}
-	dx.Devices.Interfaces = append(dx.Devices.Interfaces, *iface)
-	x, err := dx.Marshal()
-	if err != nil {
-		return err
-	}
-	d.XML = x
-	return nil
+	return f.plug("AttachInterface", name, func(dev *libvirtxml.DomainDeviceList) error {
+		dev.Interfaces = append(dev.Interfaces, *iface)
+		return nil
+	})
 }
 
 // Save implements vm.Hypervisor: the domain stops and its XML is written
