@@ -127,6 +127,12 @@ func newHookSetup(t *testing.T) *hookSetup {
 	for _, d := range []string{work, ext, work + "/_temp/_runner_hook_responses", work + "/_temp/_github_home", work + "/_temp/_github_workflow", work + "/repo/repo"} {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
+	// A stand-in for the runner's node (JavaScript actions run it from
+	// /__e): the externals stay root's, as the runner's user's are not the
+	// share's namespace's.
+	require.NoError(t, os.MkdirAll(filepath.Join(ext, "node20/bin"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(ext, "node20/bin/node"), []byte("#!/bin/sh\necho \"node stand-in: $*\"\n"), 0o755)) //nolint:gosec // G306: runs in the job container
+	require.NoError(t, os.Symlink("node20/bin/node", filepath.Join(ext, "node")))
 	const checkout = "checked out on the host\n"
 	require.NoError(t, os.WriteFile(filepath.Join(work, "repo/repo/checkout.txt"), []byte(checkout), 0o644))
 	require.NoError(t, filepath.Walk(work, func(p string, _ os.FileInfo, err error) error {
@@ -185,6 +191,7 @@ func (hs *hookSetup) prepareInput(resp string) map[string]any {
 // hookShare is the share record of a hook job's machine.
 type hookShare struct {
 	PID       int    `json:"pid"`
+	ExtPID    int    `json:"ext_pid"`
 	SocketDir string `json:"socket_dir"`
 	RunnerPID int    `json:"runner_pid"`
 }
@@ -204,6 +211,7 @@ func (hs *hookSetup) requireShareGone(t *testing.T, machine string, share hookSh
 	require.NoFileExists(t, filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"), "the share record is gone")
 	require.NoDirExists(t, share.SocketDir)
 	require.True(t, processGone(share.PID), "virtiofsd has ended")
+	require.True(t, share.ExtPID == 0 || processGone(share.ExtPID), "the externals' virtiofsd has ended")
 }
 
 func TestGitHubHooks(t *testing.T) {
@@ -242,6 +250,10 @@ func TestGitHubHooks(t *testing.T) {
 	fi, err := os.Stat(share.SocketDir)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o710)|os.ModeDir, fi.Mode(), "only QEMU's group may enter the socket's directory")
+	require.NotZero(t, share.ExtPID, "the externals have a virtiofsd of their own")
+	status, err = os.ReadFile(fmt.Sprintf("/proc/%d/status", share.ExtPID))
+	require.NoError(t, err)
+	require.Contains(t, string(status), "\nUid:\t1200000000\t", "the externals' virtiofsd is a subordinate id of the share user on the host, not the user")
 
 	step := func(script string, env map[string]string) hookResult {
 		name := fmt.Sprintf("step-%d.sh", time.Now().UnixNano())
@@ -278,6 +290,33 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	third := step("test -f out.txt && echo third sees $(cat out.txt)\n", nil)
 	require.Equal(t, 0, third.code)
 	require.Contains(t, third.stdout, "third sees written in the VM")
+
+	// The runner's externals: in the job container at /__e, read-only
+	// there and in the VM; a root guest that mounts them writable still
+	// cannot change them on the host.
+	require.Contains(t, prep.stderr, "Mounted "+hs.ext+" in the VM at the same path, read-only")
+	node := step("/__e/node20/bin/node --version\n/__e/node x\nif echo x > /__e/planted 2>/dev/null; then echo planted in the container; fi\n", nil)
+	require.Equal(t, 0, node.code, "%s", node.stderr)
+	require.Contains(t, node.stdout, "node stand-in: --version", "a JavaScript action's node runs from the externals")
+	require.Contains(t, node.stdout, "node stand-in: x", "symbolic links inside the externals work")
+	require.NotContains(t, node.stdout, "planted")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rec, cl, err := r.manager(t).Manager().Machine(machine).Connect(ctx)
+	require.NoError(t, err)
+	defer cl.Close()
+	sudo := "sudo -n "
+	if rec.User == "root" {
+		sudo = ""
+	}
+	attack := sudo + "sh -c 'mount -o remount,rw " + hs.ext + " 2>&1; echo planted > " + hs.ext + "/planted 2>&1; echo x >> " + hs.ext + "/node20/bin/node 2>&1; true'"
+	aout, err := cl.Output(ctx, attack)
+	require.NoError(t, err)
+	t.Logf("a root guest writing to the externals: %s", aout)
+	require.NoFileExists(t, filepath.Join(hs.ext, "planted"), "a root guest cannot add a file to the runner's externals")
+	nb, err := os.ReadFile(filepath.Join(hs.ext, "node20/bin/node"))
+	require.NoError(t, err)
+	require.NotContains(t, string(nb), "\nx\n", "a root guest cannot change the runner's node")
 
 	for i, want := range []string{"Removed the job's VM " + machine, "The job's VM " + machine + " was released before"} {
 		c := callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
