@@ -227,17 +227,23 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		}
 	}
 
-	im := *img
-	im.Pool = nil // a standby machine has no share: always cold (for now)
+	// Warm when the image's pool has an idle machine (its memory is
+	// shared: the job's directories are hot-plugged into it), else cold.
 	a, err := j.Acquire(ctx, jobvm.AcquireRequest{
-		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: &im, Lifetime: h.g.JobTimeout.D(),
+		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: img, Lifetime: h.g.JobTimeout.D(),
 			Dirs: dirs},
 		Size: h.cfg.ImageSize(img), Log: log,
 	})
 	if err != nil {
 		return fmt.Errorf("the job's VM: %w", err)
 	}
-	_ = a
+	if err := ghshare.SetVM(h.cfg.StateDir, share, a.Name); err != nil {
+		return fmt.Errorf("record the job's VM: %w", err)
+	}
+	start := "cold"
+	if a.Warm {
+		start = "warm"
+	}
 	sess := j.Session()
 	defer sess.Close()
 	rec, cl, err := sess.Client(ctx)
@@ -278,8 +284,8 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	if err := ghhooks.WriteResponse(h.g.WorkDir, *in.ResponseFile, &resp); err != nil {
 		return err
 	}
-	log.Info("prepared", "took", vm.Round(time.Since(began)).String())
-	h.say("Job container %s ready in %s", st.Container, vm.Round(time.Since(began)))
+	log.Info("prepared", "took", vm.Round(time.Since(began)).String(), "start", start)
+	h.say("Job container %s ready in %s (%s start)", st.Container, vm.Round(time.Since(began)), start)
 	return nil
 }
 

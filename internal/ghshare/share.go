@@ -38,7 +38,12 @@ const shareDir = "github-hooks"
 // still there?). It is kept in the state directory
 // (github-hooks/MACHINE.json) from before virtiofsd starts until cleanup.
 type Share struct {
+	// Machine is the name the job knows its machine by (jobvm.Job.Name:
+	// the record's and the socket directory's name); VM, once acquired,
+	// the machine that serves the job (a claimed standby machine's own
+	// name, else the same).
 	Machine string `json:"machine"`
+	VM      string `json:"vm,omitempty"`
 	// JobID is the job's id (its jobvm.JobRef.ID).
 	JobID int64 `json:"job_id"`
 	// SocketDir is the directory of the socket (removed with the share).
@@ -92,6 +97,20 @@ func save(stateDir string, s *Share) error {
 		return err
 	}
 	return os.Rename(tmp, p)
+}
+
+// SetVM records the machine that serves the job (Share.VM).
+func SetVM(stateDir string, s *Share, vm string) error {
+	s.VM = vm
+	return save(stateDir, s)
+}
+
+// vm is the machine that serves the job.
+func (s *Share) vm() string {
+	if s.VM != "" {
+		return s.VM
+	}
+	return s.Machine
 }
 
 // Load reads a job's record; nil and no error when there is none.
