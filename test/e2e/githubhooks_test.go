@@ -19,6 +19,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 )
 
@@ -191,6 +192,7 @@ func (hs *hookSetup) prepareInput(resp string) map[string]any {
 // hookShare is the share record of a hook job's machine.
 type hookShare struct {
 	PID       int    `json:"pid"`
+	VM        string `json:"vm"`
 	ExtPID    int    `json:"ext_pid"`
 	SocketDir string `json:"socket_dir"`
 	RunnerPID int    `json:"runner_pid"`
@@ -343,9 +345,16 @@ func processGone(pid int) bool {
 // Runner.Worker): the share record names it; a sweep while it runs leaves
 // the job alone; once it is killed, the next sweep (libvirt-executor gc)
 // removes the VM and stops virtiofsd, and nothing of the job is left.
+//
+// It is also the warm start: the pool service keeps one idle VM of the
+// hook's image (booted with shared memory), and prepare_job claims it and
+// hot-plugs the job's shares into it.
 func TestGitHubHooksSweep(t *testing.T) {
 	hs := newHookSetup(t)
+	hs.r = hs.r.withConfig(t, func(s string) string { return poolsvc.WithPool(s, "podman", 1) })
 	r := hs.r
+	svc := r.serve(t)
+	r.waitIdle(t, 1, 5*time.Minute)
 	dir := t.TempDir()
 	worker := filepath.Join(dir, "Runner.Worker")
 	require.NoError(t, os.WriteFile(worker, []byte("#!/bin/sh\n\"$1\" <\"$2\" 2>\"$2.err\"; echo $? >\"$2.rc\"\nsleep 900\n"), 0o755))
@@ -378,6 +387,12 @@ func TestGitHubHooksSweep(t *testing.T) {
 	stderr, _ := os.ReadFile(input + ".err")
 	t.Logf("prepare_job under the stand-in worker: exit %s%s", rc, stderr)
 	require.Equal(t, "0\n", string(rc), "prepare_job")
+	require.Regexp(t, `Warm start: VM \S+ \(idle for`, string(stderr), "an idle VM of the pool took the job")
+	require.Contains(t, string(stderr), "The job's shared directories hot-plugged into")
+	require.Contains(t, string(stderr), "(warm start)")
+	// No more boots: the job's VM is what the sweep is about.
+	_, err = svc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
 	b, err = os.ReadFile(resp)
 	require.NoError(t, err)
 	var answer struct {
@@ -387,6 +402,7 @@ func TestGitHubHooksSweep(t *testing.T) {
 	machine := answer.State.Machine
 	share := hs.share(t, machine)
 	require.Equal(t, cmd.Process.Pid, share.RunnerPID, "the record names the runner's worker")
+	require.NotEqual(t, machine, share.VM, "the record names the claimed standby VM that serves the job")
 
 	out, err := r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)
@@ -397,6 +413,8 @@ func TestGitHubHooksSweep(t *testing.T) {
 	out, err = r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)
 	t.Logf("gc after the worker ended:\n%s", out)
+	require.NotContains(t, r.leftovers(t), "domain "+share.VM, "the sweep removed the claimed VM")
+	r.removeStandbys(t) // the pool's refill, if it booted before the service stopped
 	r.requireNoLeftovers(t, "after the sweep")
 	hs.requireShareGone(t, machine, share)
 }
