@@ -224,3 +224,26 @@ func TestStopEndsTheExternalsDaemonToo(t *testing.T) {
 	require.NoError(t, err)
 	require.Nil(t, got, "the record goes with them")
 }
+
+// A warm job's record names the claimed standby VM that serves it: the
+// sweep removes that machine, not the job's name (which no machine has).
+func TestSweepRemovesTheClaimedVM(t *testing.T) {
+	state := t.TempDir()
+	gone := exec.Command("sleep", "60")
+	require.NoError(t, gone.Start())
+	st, err := procStart(gone.Process.Pid)
+	require.NoError(t, err)
+	require.NoError(t, gone.Process.Kill())
+	_ = gone.Wait()
+	s := &Share{Machine: "lve-0123abcd-gh-9", RunnerPID: gone.Process.Pid, RunnerStart: st, At: time.Now()}
+	require.NoError(t, save(state, s))
+	require.NoError(t, SetVM(state, s, "lve-0123abcd-sb-1"))
+	ms := &fakeMachines{have: map[string]bool{"lve-0123abcd-sb-1": true}}
+	removed, err := SweepRecords(context.Background(), state, ms, time.Now(), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-0123abcd-sb-1"}, removed)
+	require.Equal(t, []string{"lve-0123abcd-sb-1"}, ms.tornDown)
+	got, err := Load(state, "lve-0123abcd-gh-9")
+	require.NoError(t, err)
+	require.Nil(t, got)
+}
