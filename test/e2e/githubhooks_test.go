@@ -311,7 +311,7 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	if rec.User == "root" {
 		sudo = ""
 	}
-	attack := sudo + "sh -c 'mount -o remount,rw " + hs.ext + " 2>&1; echo planted > " + hs.ext + "/planted 2>&1; echo x >> " + hs.ext + "/node20/bin/node 2>&1; true'"
+	attack := sudo + "sh -c 'mount -o remount,rw " + hs.ext + "; grep \" " + hs.ext + " \" /proc/mounts; echo planted > " + hs.ext + "/planted; echo x >> " + hs.ext + "/node20/bin/node; true' 2>&1"
 	aout, err := cl.Output(ctx, attack)
 	require.NoError(t, err)
 	t.Logf("a root guest writing to the externals: %s", aout)
@@ -406,7 +406,7 @@ func TestGitHubHooksSweep(t *testing.T) {
 
 	out, err := r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)
-	require.Contains(t, r.leftovers(t), "domain "+machine, "a sweep while the worker runs leaves its job alone")
+	require.Contains(t, r.leftovers(t), "domain "+share.VM, "a sweep while the worker runs leaves its job alone")
 	require.False(t, processGone(share.PID))
 
 	kill()
