@@ -315,6 +315,8 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	aout, err := cl.Output(ctx, attack)
 	require.NoError(t, err)
 	t.Logf("a root guest writing to the externals: %s", aout)
+	require.Regexp(t, `virtiofs rw[, ]`, string(aout), "the guest's root made its mount writable: only the host stops the writes")
+	require.Contains(t, string(aout), "Permission denied", "the host refused the guest's writes")
 	require.NoFileExists(t, filepath.Join(hs.ext, "planted"), "a root guest cannot add a file to the runner's externals")
 	nb, err := os.ReadFile(filepath.Join(hs.ext, "node20/bin/node"))
 	require.NoError(t, err)
