@@ -292,6 +292,11 @@ type Image struct {
 	// is loaded), Digest its manifest's digest.
 	Source string `toml:"source"`
 	Digest string `toml:"-"`
+	// SharedMemory: the image's machines boot with shared guest memory, so
+	// that a virtiofs share can be hot-plugged into one (set for
+	// github_hooks.vm_image: its standby machines can then take a hook
+	// job, whose runner's directories they get when claimed).
+	SharedMemory bool `toml:"-"`
 	// Format of Base: "qcow2" (default) or "raw".
 	Format string `toml:"format"`
 	// User is the guest account that runs jobs. Default "root". Images using
@@ -699,6 +704,7 @@ func (c *Config) applyDefaults() {
 			continue
 		}
 		img.Name = name
+		img.SharedMemory = c.GitHubHooks.VMImage == name
 		if p := img.Pool; p != nil {
 			if p.MaxIdle == 0 {
 				p.MaxIdle = p.IdleCount

@@ -20,6 +20,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"os"
 	"path/filepath"
 	"slices"
 	"strconv"
@@ -38,8 +39,12 @@ import (
 // Frontend is the ownership record's front end of the hook's machines.
 const Frontend = "github-hooks"
 
-// WorkTag is the virtiofs tag the guest mounts the work directory by.
-const WorkTag = "lve-work"
+// WorkTag is the virtiofs tag the guest mounts the work directory by,
+// ExtTag the one of the runner's externals directory (read-only).
+const (
+	WorkTag = "lve-work"
+	ExtTag  = "lve-ext"
+)
 
 // Env is what the hook gets from its process.
 type Env struct {
@@ -108,6 +113,9 @@ type hook struct {
 	g    config.GitHubHooks
 	opts ghhooks.Options
 	say  func(string, ...any)
+	// extShared: the runner's externals are in the job's VM, read-only
+	// (prepare_job shared them).
+	extShared bool
 }
 
 // instance is the instance tag of the hook's machines on this host: one
@@ -204,18 +212,38 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		return err
 	}
 	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.Name, vm.Round(time.Since(t)))
+	dirs := []vm.SharedDir{{Socket: share.Socket(), Tag: WorkTag}}
+	if h.g.ExternalsDir != "" {
+		if _, serr := os.Stat(h.g.ExternalsDir); errors.Is(serr, os.ErrNotExist) {
+			h.say("Not shared with the VM: the runner's externals directory %s does not exist (JavaScript actions need it)", h.g.ExternalsDir)
+		} else {
+			t = time.Now()
+			if err := ghshare.StartExternals(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+				return err
+			}
+			h.extShared = true
+			dirs = append(dirs, vm.SharedDir{Socket: share.ExtSocket(), Tag: ExtTag})
+			h.say("Started a read-only virtiofsd for %s (as a subordinate id of %s) in %s", h.g.ExternalsDir, su.Name, vm.Round(time.Since(t)))
+		}
+	}
 
-	im := *img
-	im.Pool = nil // a standby machine has no share: always cold (for now)
+	// Warm when the image's pool has an idle machine (its memory is
+	// shared: the job's directories are hot-plugged into it), else cold.
 	a, err := j.Acquire(ctx, jobvm.AcquireRequest{
-		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: &im, Lifetime: h.g.JobTimeout.D(),
-			Dirs: []vm.SharedDir{{Socket: share.Socket(), Tag: WorkTag}}},
+		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: img, Lifetime: h.g.JobTimeout.D(),
+			Dirs: dirs},
 		Size: h.cfg.ImageSize(img), Log: log,
 	})
 	if err != nil {
 		return fmt.Errorf("the job's VM: %w", err)
 	}
-	_ = a
+	if err := ghshare.SetVM(h.cfg.StateDir, share, a.Name); err != nil {
+		return fmt.Errorf("record the job's VM: %w", err)
+	}
+	start := "cold"
+	if a.Warm {
+		start = "warm"
+	}
 	sess := j.Session()
 	defer sess.Close()
 	rec, cl, err := sess.Client(ctx)
@@ -231,6 +259,16 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		return err
 	}
 	h.say("Mounted %s in the VM at the same path (virtiofs) in %s", h.g.WorkDir, vm.Round(time.Since(t)))
+	if h.extShared {
+		t = time.Now()
+		if _, err := g.must(ctx, "make "+h.g.ExternalsDir+" in the VM", []string{"mkdir", "-p", "--", h.g.ExternalsDir}, nil); err != nil {
+			return err
+		}
+		if _, err := g.must(ctx, "mount the runner's externals in the VM (virtiofs, read-only)", []string{"mount", "-t", "virtiofs", "-o", "ro", ExtTag, h.g.ExternalsDir}, nil); err != nil {
+			return err
+		}
+		h.say("Mounted %s in the VM at the same path, read-only, in %s", h.g.ExternalsDir, vm.Round(time.Since(t)))
+	}
 
 	st := ghhooks.State{Machine: name, Job: strconv.FormatInt(id, 10), Network: "lve-gh-" + strconv.FormatInt(id, 10), Container: "lve-gh-" + strconv.FormatInt(id, 10) + "-job"}
 	id2, path, alpine, err := h.startContainer(ctx, g, c, createArgs, st, svcOpts)
@@ -246,8 +284,8 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	if err := ghhooks.WriteResponse(h.g.WorkDir, *in.ResponseFile, &resp); err != nil {
 		return err
 	}
-	log.Info("prepared", "took", vm.Round(time.Since(began)).String())
-	h.say("Job container %s ready in %s", st.Container, vm.Round(time.Since(began)))
+	log.Info("prepared", "took", vm.Round(time.Since(began)).String(), "start", start)
+	h.say("Job container %s ready in %s (%s start)", st.Container, vm.Round(time.Since(began)), start)
 	return nil
 }
 
@@ -300,11 +338,12 @@ func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Containe
 			argv = append(argv, "--mount", "type=volume,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
 			continue
 		}
-		if !h.underWork(src) {
-			h.say("Not mounted in the job container: %s at %s (only %s is shared with the VM)", src, m.Target, h.g.WorkDir)
+		shared, ro := h.inVM(src)
+		if !shared {
+			h.say("Not mounted in the job container: %s at %s (not shared with the VM)", src, m.Target)
 			continue
 		}
-		argv = append(argv, "--mount", "type=bind,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
+		argv = append(argv, "--mount", "type=bind,source="+src+",destination="+m.Target+roOpt(m.ReadOnly || ro))
 	}
 	argv = append(argv, createArgs...)
 	ep := []string{"sh", "-c", `trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done`}
@@ -374,6 +413,19 @@ func (h *hook) pull(ctx context.Context, g *guest, ref services.Ref, r *ghhooks.
 
 func (h *hook) underWork(p string) bool {
 	return ghhooks.Options{WorkDir: h.g.WorkDir}.UnderShared(p)
+}
+
+// inVM says whether the host path p is in the job's VM at the same path
+// (under the work directory, or under the externals when they are
+// shared) and whether it is there read-only (the externals).
+func (h *hook) inVM(p string) (shared, readOnly bool) {
+	if h.underWork(p) {
+		return true, false
+	}
+	if h.extShared && (ghhooks.Options{WorkDir: h.g.ExternalsDir}).UnderShared(p) {
+		return true, true
+	}
+	return false, false
 }
 
 func roOpt(ro bool) string {

@@ -38,7 +38,12 @@ const shareDir = "github-hooks"
 // still there?). It is kept in the state directory
 // (github-hooks/MACHINE.json) from before virtiofsd starts until cleanup.
 type Share struct {
+	// Machine is the name the job knows its machine by (jobvm.Job.Name:
+	// the record's and the socket directory's name); VM, once acquired,
+	// the machine that serves the job (a claimed standby machine's own
+	// name, else the same).
 	Machine string `json:"machine"`
+	VM      string `json:"vm,omitempty"`
 	// JobID is the job's id (its jobvm.JobRef.ID).
 	JobID int64 `json:"job_id"`
 	// SocketDir is the directory of the socket (removed with the share).
@@ -49,13 +54,20 @@ type Share struct {
 	Start uint64 `json:"start,omitempty"`
 	// RunnerPID and RunnerStart identify the process that ran prepare_job's
 	// hook (the runner's worker).
-	RunnerPID   int       `json:"runner_pid,omitempty"`
-	RunnerStart uint64    `json:"runner_start,omitempty"`
-	At          time.Time `json:"at"`
+	RunnerPID   int    `json:"runner_pid,omitempty"`
+	RunnerStart uint64 `json:"runner_start,omitempty"`
+	// ExtPID and ExtStart identify the virtiofsd of the runner's
+	// externals directory (StartExternals); 0 for none.
+	ExtPID   int       `json:"ext_pid,omitempty"`
+	ExtStart uint64    `json:"ext_start,omitempty"`
+	At       time.Time `json:"at"`
 }
 
 // Socket is the share's vhost-user socket.
 func (s *Share) Socket() string { return filepath.Join(s.SocketDir, "fs.sock") }
+
+// ExtSocket is the vhost-user socket of the externals' virtiofsd.
+func (s *Share) ExtSocket() string { return filepath.Join(s.SocketDir, "ext.sock") }
 
 func recordPath(stateDir, machine string) string {
 	return filepath.Join(stateDir, shareDir, machine+".json")
@@ -63,6 +75,10 @@ func recordPath(stateDir, machine string) string {
 
 func logPath(stateDir, machine string) string {
 	return filepath.Join(stateDir, shareDir, machine+".log")
+}
+
+func extLogPath(stateDir, machine string) string {
+	return filepath.Join(stateDir, shareDir, machine+".ext.log")
 }
 
 // save writes the record whole (a file beside it, renamed).
@@ -81,6 +97,20 @@ func save(stateDir string, s *Share) error {
 		return err
 	}
 	return os.Rename(tmp, p)
+}
+
+// SetVM records the machine that serves the job (Share.VM).
+func SetVM(stateDir string, s *Share, vm string) error {
+	s.VM = vm
+	return save(stateDir, s)
+}
+
+// vm is the machine that serves the job.
+func (s *Share) vm() string {
+	if s.VM != "" {
+		return s.VM
+	}
+	return s.Machine
 }
 
 // Load reads a job's record; nil and no error when there is none.
@@ -179,16 +209,130 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 	if err := os.Chmod(s.SocketDir, 0o710); err != nil { //nolint:gosec // G302: QEMU's group enters it, no one else
 		return err
 	}
-	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: s.Socket(), Net: "unix"})
+	args := []string{"--user", "--map-user=0", "--map-group=0", "--map-users=auto", "--map-groups=auto", "--",
+		g.Virtiofsd, "--fd=3", "-o", "source=" + g.WorkDir, "-o", "cache=none", "-o", "no_posix_lock", "-o", "no_xattr"}
+	return startDaemon(ctx, g, s.Socket(), args, logPath(stateDir, s.Machine), su, func(pid int, start uint64) error {
+		s.PID, s.Start = pid, start
+		return save(stateDir, s)
+	})
+}
+
+// StartExternals starts a second virtiofsd for the runner's externals
+// directory (g.ExternalsDir: the node of JavaScript actions, mounted
+// read-only into every job container) and records it in s. Read-only:
+// libvirt 9.0 and this virtiofsd have no read-only share, so this one runs
+// as root of a user namespace that maps only the share user's subordinate
+// ids: on the host it is a subordinate id, which may read the runner's
+// files but not change them (they belong to the runner's user, who is not
+// in the namespace), whatever a root guest asks of it. It needs the
+// share's socket directory (Start first). On an error the caller's Stop
+// removes what was started.
+func StartExternals(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share, su *User) error {
+	if s.SocketDir == "" {
+		return errors.New("the externals' virtiofsd needs the job's share started first")
+	}
+	fi, err := os.Stat(g.ExternalsDir)
+	if err != nil {
+		return fmt.Errorf("github_hooks.externals_dir: %w", err)
+	}
+	if !fi.IsDir() {
+		return fmt.Errorf("github_hooks.externals_dir %s is not a directory", g.ExternalsDir)
+	}
+	if fi.Mode().Perm()&0o002 != 0 {
+		return fmt.Errorf("github_hooks.externals_dir %s is writable by every user (mode %s): the job's VM would get it writable", g.ExternalsDir, fi.Mode().Perm())
+	}
+	if err := othersCanReach(g.ExternalsDir); err != nil {
+		return err
+	}
+	uids, err := subIDs("/etc/subuid", su)
+	if err != nil {
+		return err
+	}
+	gids, err := subIDs("/etc/subgid", su)
+	if err != nil {
+		return err
+	}
+	args := []string{"--user", "--map-users=" + uids, "--map-groups=" + gids, "--setuid=0", "--setgid=0", "--",
+		g.Virtiofsd, "--fd=3", "-o", "source=" + g.ExternalsDir, "-o", "cache=auto", "-o", "no_posix_lock", "-o", "no_xattr"}
+	return startDaemon(ctx, g, s.ExtSocket(), args, extLogPath(stateDir, s.Machine), su, func(pid int, start uint64) error {
+		s.ExtPID, s.ExtStart = pid, start
+		return save(stateDir, s)
+	})
+}
+
+// othersCanReach checks that a user outside dir's owner and group (the
+// externals' virtiofsd: a subordinate id) can reach dir: search
+// permission for others on each directory above it, read and search on
+// dir itself.
+func othersCanReach(dir string) error {
+	for d := filepath.Dir(dir); ; d = filepath.Dir(d) {
+		fi, err := os.Stat(d)
+		if err != nil {
+			return err
+		}
+		if fi.Mode().Perm()&0o001 == 0 {
+			return fmt.Errorf("github_hooks.externals_dir %s: %s (mode %s) does not let other users pass (the externals are served read-only by a user of no group of theirs): chmod o+x %s", dir, d, fi.Mode().Perm(), d)
+		}
+		if d == "/" {
+			break
+		}
+	}
+	fi, err := os.Stat(dir)
+	if err != nil {
+		return err
+	}
+	if fi.Mode().Perm()&0o005 != 0o005 {
+		return fmt.Errorf("github_hooks.externals_dir %s (mode %s) is not readable by other users (the externals are served read-only by a user of no group of theirs): chmod o+rx %s", dir, fi.Mode().Perm(), dir)
+	}
+	return nil
+}
+
+// maxSubIDs is how many subordinate ids a namespace of a share maps.
+const maxSubIDs = 65536
+
+// subIDs is unshare's --map-users (or --map-groups) value mapping the
+// first range of su's subordinate ids in file (/etc/subuid, /etc/subgid)
+// to 0 and up: "OUTER,0,COUNT".
+func subIDs(file string, su *User) (string, error) {
+	b, err := os.ReadFile(file)
+	if err != nil {
+		return "", fmt.Errorf("the share user's subordinate ids: %w", err)
+	}
+	return parseSubIDs(string(b), file, su.Name, su.uid)
+}
+
+func parseSubIDs(content, file, name string, uid int) (string, error) {
+	for _, line := range strings.Split(content, "\n") {
+		f := strings.Split(strings.TrimSpace(line), ":")
+		if len(f) != 3 || (f[0] != name && f[0] != strconv.Itoa(uid)) {
+			continue
+		}
+		start, err1 := strconv.ParseUint(f[1], 10, 32)
+		count, err2 := strconv.ParseUint(f[2], 10, 32)
+		if err1 != nil || err2 != nil || count == 0 || start == 0 {
+			continue
+		}
+		return fmt.Sprintf("%d,0,%d", start, min(count, maxSubIDs)), nil
+	}
+	return "", fmt.Errorf("%s has no range for the share user %s (usermod --add-subuids/--add-subgids)", file, name)
+}
+
+// startDaemon makes a listening socket at sock (QEMU's group, 0660) and
+// starts a virtiofsd under unshare (args) with it as descriptor 3, as
+// the share user, logging to logp; started is called with the process as
+// soon as it runs (to record it). It returns once the process is
+// virtiofsd itself (unshare has made the namespace and exec'd it).
+func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []string, logp string, su *User, started func(int, uint64) error) error {
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		return fmt.Errorf("the job's virtiofsd socket: %w", err)
 	}
 	ln.SetUnlinkOnClose(false)
 	defer func() { _ = ln.Close() }() // virtiofsd has its own copy
-	if err := os.Chown(s.Socket(), -1, su.qemuGID); err != nil {
+	if err := os.Chown(sock, -1, su.qemuGID); err != nil {
 		return err
 	}
-	if err := os.Chmod(s.Socket(), 0o660); err != nil { //nolint:gosec // G302: QEMU's group connects to it
+	if err := os.Chmod(sock, 0o660); err != nil { //nolint:gosec // G302: QEMU's group connects to it
 		return err
 	}
 	f, err := ln.File()
@@ -196,13 +340,7 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 		return err
 	}
 	defer f.Close()
-	spec := detach.Spec{
-		Exe: "/usr/bin/unshare",
-		Args: []string{"--user", "--map-user=0", "--map-group=0", "--map-users=auto", "--map-groups=auto", "--",
-			g.Virtiofsd, "--fd=3", "-o", "source=" + g.WorkDir, "-o", "cache=none", "-o", "no_posix_lock", "-o", "no_xattr"},
-		Extra: []*os.File{f},
-		Log:   logPath(stateDir, s.Machine),
-	}
+	spec := detach.Spec{Exe: "/usr/bin/unshare", Args: args, Extra: []*os.File{f}, Log: logp}
 	if su.asOther {
 		spec.Credential = &syscall.Credential{Uid: uint32(su.uid), Gid: uint32(su.gid), Groups: []uint32{}} //nolint:gosec // G115: ids from the user database
 	}
@@ -210,9 +348,8 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 	if err != nil {
 		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", su.Name, err)
 	}
-	s.PID = pid
-	s.Start, _ = procStart(pid)
-	if err := save(stateDir, s); err != nil {
+	start, _ := procStart(pid)
+	if err := started(pid, start); err != nil {
 		return fmt.Errorf("record the job's virtiofsd: %w", err)
 	}
 	// Running once unshare has made the namespace and exec'd virtiofsd
@@ -226,12 +363,12 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 		if err == nil && exe == g.Virtiofsd {
 			return nil
 		}
-		if !alive(pid, s.Start) {
-			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", su.Name, logTail(logPath(stateDir, s.Machine)))
+		if !alive(pid, start) {
+			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", su.Name, logTail(logp))
 		}
 		select {
 		case <-ctx.Done():
-			return fmt.Errorf("virtiofsd did not start: %w (%s)", context.Cause(ctx), logTail(logPath(stateDir, s.Machine)))
+			return fmt.Errorf("virtiofsd did not start: %w (%s)", context.Cause(ctx), logTail(logp))
 		case <-tick.C:
 		}
 	}
@@ -242,23 +379,11 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 // directory and record. Safe to call again: what is gone is skipped.
 func Stop(stateDir string, s *Share) error {
 	var errs []error
-	if s.PID > 0 && alive(s.PID, s.Start) {
-		// Its own session (detach.Start): the group holds virtiofsd's
-		// sandboxed child too.
-		_ = syscall.Kill(-s.PID, syscall.SIGTERM)
-		deadline := time.Now().Add(5 * time.Second)
-		for alive(s.PID, s.Start) && time.Now().Before(deadline) {
-			time.Sleep(50 * time.Millisecond)
-		}
-		if alive(s.PID, s.Start) {
-			_ = syscall.Kill(-s.PID, syscall.SIGKILL)
-			for i := 0; i < 100 && alive(s.PID, s.Start); i++ {
-				time.Sleep(20 * time.Millisecond)
-			}
-			if alive(s.PID, s.Start) {
-				errs = append(errs, fmt.Errorf("virtiofsd (pid %d) does not end", s.PID))
-			}
-		}
+	if err := stopDaemon(s.PID, s.Start); err != nil {
+		errs = append(errs, err)
+	}
+	if err := stopDaemon(s.ExtPID, s.ExtStart); err != nil {
+		errs = append(errs, err)
 	}
 	if s.SocketDir != "" {
 		if err := os.RemoveAll(s.SocketDir); err != nil {
@@ -266,13 +391,38 @@ func Stop(stateDir string, s *Share) error {
 		}
 	}
 	if len(errs) == 0 {
-		for _, p := range []string{recordPath(stateDir, s.Machine), logPath(stateDir, s.Machine)} {
+		for _, p := range []string{recordPath(stateDir, s.Machine), logPath(stateDir, s.Machine), extLogPath(stateDir, s.Machine)} {
 			if err := os.Remove(p); err != nil && !errors.Is(err, os.ErrNotExist) {
 				errs = append(errs, err)
 			}
 		}
 	}
 	return errors.Join(errs...)
+}
+
+// stopDaemon ends one virtiofsd (SIGTERM to its session, SIGKILL after
+// 5 s), only the process that started at start; 0 is none.
+func stopDaemon(pid int, start uint64) error {
+	if pid <= 0 || !alive(pid, start) {
+		return nil
+	}
+	// Its own session (detach.Start): the group holds virtiofsd's
+	// sandboxed child too.
+	_ = syscall.Kill(-pid, syscall.SIGTERM)
+	deadline := time.Now().Add(5 * time.Second)
+	for alive(pid, start) && time.Now().Before(deadline) {
+		time.Sleep(50 * time.Millisecond)
+	}
+	if alive(pid, start) {
+		_ = syscall.Kill(-pid, syscall.SIGKILL)
+		for i := 0; i < 100 && alive(pid, start); i++ {
+			time.Sleep(20 * time.Millisecond)
+		}
+		if alive(pid, start) {
+			return fmt.Errorf("virtiofsd (pid %d) does not end", pid)
+		}
+	}
+	return nil
 }
 
 // procStart is the start time of process pid (clock ticks after boot,

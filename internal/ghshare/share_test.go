@@ -168,3 +168,82 @@ func TestFindWorker(t *testing.T) {
 	pid, _ = FindWorker(os.Getpid())
 	require.Zero(t, pid, "a test is no runner's worker")
 }
+
+func TestParseSubIDs(t *testing.T) {
+	content := "other:100000:65536\n# comment\nrunner:0:65536\nrunner:300000:1000\n1001:400000:200000\n"
+	got, err := parseSubIDs(content, "/etc/subuid", "runner", 1000)
+	require.NoError(t, err)
+	require.Equal(t, "300000,0,1000", got, "the first usable range of the user (a range at 0 is not one)")
+	got, err = parseSubIDs(content, "/etc/subuid", "someone", 1001)
+	require.NoError(t, err)
+	require.Equal(t, "400000,0,65536", got, "by uid, at most 65536 ids")
+	_, err = parseSubIDs(content, "/etc/subgid", "nobody-here", 5)
+	require.ErrorContains(t, err, "/etc/subgid has no range for the share user nobody-here")
+}
+
+func TestOthersCanReach(t *testing.T) {
+	root := t.TempDir()
+	require.NoError(t, os.Chmod(filepath.Dir(root), 0o711)) // the test's own directory
+	require.NoError(t, os.Chmod(root, 0o755))
+	home := filepath.Join(root, "home")
+	ext := filepath.Join(home, "externals")
+	require.NoError(t, os.MkdirAll(ext, 0o755))
+	require.NoError(t, os.Chmod(home, 0o755))
+	require.NoError(t, othersCanReach(ext))
+	require.NoError(t, os.Chmod(home, 0o700))
+	require.ErrorContains(t, othersCanReach(ext), "mode -rwx------) does not let other users pass")
+	require.ErrorContains(t, othersCanReach(ext), "chmod o+x "+home)
+	require.NoError(t, os.Chmod(home, 0o711))
+	require.NoError(t, othersCanReach(ext))
+	require.NoError(t, os.Chmod(ext, 0o750))
+	require.ErrorContains(t, othersCanReach(ext), "is not readable by other users")
+}
+
+func TestStopEndsTheExternalsDaemonToo(t *testing.T) {
+	state := t.TempDir()
+	var cmds []*exec.Cmd
+	for range 2 {
+		cmd := exec.Command("sleep", "60")
+		cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
+		require.NoError(t, cmd.Start())
+		t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
+		cmds = append(cmds, cmd)
+	}
+	st0, err := procStart(cmds[0].Process.Pid)
+	require.NoError(t, err)
+	st1, err := procStart(cmds[1].Process.Pid)
+	require.NoError(t, err)
+	s := &Share{Machine: "lve-y", PID: cmds[0].Process.Pid, Start: st0, ExtPID: cmds[1].Process.Pid, ExtStart: st1}
+	require.NoError(t, save(state, s))
+	require.NoError(t, Stop(state, s))
+	for _, c := range cmds {
+		_ = c.Wait()
+		require.False(t, alive(c.Process.Pid, 0))
+	}
+	got, err := Load(state, "lve-y")
+	require.NoError(t, err)
+	require.Nil(t, got, "the record goes with them")
+}
+
+// A warm job's record names the claimed standby VM that serves it: the
+// sweep removes that machine, not the job's name (which no machine has).
+func TestSweepRemovesTheClaimedVM(t *testing.T) {
+	state := t.TempDir()
+	gone := exec.Command("sleep", "60")
+	require.NoError(t, gone.Start())
+	st, err := procStart(gone.Process.Pid)
+	require.NoError(t, err)
+	require.NoError(t, gone.Process.Kill())
+	_ = gone.Wait()
+	s := &Share{Machine: "lve-0123abcd-gh-9", RunnerPID: gone.Process.Pid, RunnerStart: st, At: time.Now()}
+	require.NoError(t, save(state, s))
+	require.NoError(t, SetVM(state, s, "lve-0123abcd-sb-1"))
+	ms := &fakeMachines{have: map[string]bool{"lve-0123abcd-sb-1": true}}
+	removed, err := SweepRecords(context.Background(), state, ms, time.Now(), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-0123abcd-sb-1"}, removed)
+	require.Equal(t, []string{"lve-0123abcd-sb-1"}, ms.tornDown)
+	got, err := Load(state, "lve-0123abcd-gh-9")
+	require.NoError(t, err)
+	require.Nil(t, got)
+}

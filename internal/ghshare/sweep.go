@@ -89,7 +89,7 @@ func SweepRecords(ctx context.Context, stateDir string, ms Machines, now time.Ti
 			}
 			continue
 		}
-		has, err := ms.Has(s.Machine)
+		has, err := ms.Has(s.vm())
 		if err != nil {
 			errs = append(errs, err)
 			continue
@@ -97,13 +97,13 @@ func SweepRecords(ctx context.Context, stateDir string, ms Machines, now time.Ti
 		runnerGone := s.RunnerPID > 0 && !alive(s.RunnerPID, s.RunnerStart)
 		switch {
 		case runnerGone:
-			removed = append(removed, s.Machine)
+			removed = append(removed, s.vm())
 			if dryRun {
 				continue
 			}
 			if has {
-				if err := ms.Teardown(ctx, s.Machine); err != nil {
-					errs = append(errs, fmt.Errorf("remove %s (its runner is gone): %w", s.Machine, err))
+				if err := ms.Teardown(ctx, s.vm()); err != nil {
+					errs = append(errs, fmt.Errorf("remove %s (its runner is gone): %w", s.vm(), err))
 					continue
 				}
 			}

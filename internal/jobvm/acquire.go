@@ -190,7 +190,15 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 		h.m.Sayf("%s", guesttools.DescribeTools(mach.Tools, 0))
 	}
 	var connErr error
-	if req.Check != nil {
+	if len(req.Dirs) > 0 {
+		// The job's shared directories (a GitHub hook job's), hot-plugged:
+		// the pool's machines of its image boot with shared memory.
+		t1 := time.Now()
+		if connErr = h.m.Machine(mach.Name).AttachDirs(ctx, req.Dirs); connErr == nil {
+			h.m.Sayf("The job's shared directories hot-plugged into %s in %s", mach.Name, vm.Round(time.Since(t1)))
+		}
+	}
+	if req.Check != nil && connErr == nil {
 		g := &guestOnDemand{h: h, name: mach.Name}
 		err = req.Check(ctx, g, mach.Tools)
 		g.close()
@@ -208,8 +216,9 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
 		case err == nil && terr == nil:
 			// The claimed VM does not take the SSH connection every stage
-			// needs: it is gone, and the job can still start cold.
-			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
+			// needs (or the job's shared directories): it is gone, and the
+			// job can still start cold.
+			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH or the job's shared directories (%v); it was removed", mach.Name, connErr)
 			req.Observe.pool("miss", MissError)
 			req.Observe.machine(req.Name, img.Name)
 			return nil, nil

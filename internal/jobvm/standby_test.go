@@ -2,6 +2,7 @@ package jobvm
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"net"
@@ -1275,4 +1276,62 @@ func TestLaunchForAJobRetiresIdleStandby(t *testing.T) {
 	_, err = m.Manager().Launch(context.Background(), other)
 	require.ErrorIs(t, err, lifecycle.ErrNoRoom)
 	require.NoError(t, m.Manager().Machine(req.Name).Teardown(context.Background()))
+}
+
+// A hook job's shared directories go into a claimed standby machine by
+// hot plug: the standby machines of github_hooks.vm_image boot with
+// shared memory. A machine that does not take them is removed and the
+// job starts cold.
+func TestAcquireWarmHotPlugsTheJobsDirs(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, _ := poolManager(t, hv, g.Port(), "[github_hooks]\nvm_image = \"tiny\"\nwork_dir = \"/srv/runner/_work\"\n")
+	require.True(t, img.SharedMemory, "github_hooks.vm_image's machines get shared memory")
+	ctx := context.Background()
+	boot := func() string {
+		ready, err := m.BootStandby(ctx, img, nil)
+		require.NoError(t, err)
+		require.NoError(t, ready.Client.Close())
+		require.Contains(t, domainXML(t, hv, ready.Machine.Name), `<access mode="shared"></access>`, "booted with shared memory, no share yet")
+		return ready.Machine.Name
+	}
+	name := boot()
+	lockService(t, m)
+	dirs := []vm.SharedDir{{Socket: "/run/lve-hooks/x/fs.sock", Tag: "lve-work"}}
+	req := claimRequest(m, img, "lve-0123abcd-gh-7")
+	req.Dirs = dirs
+	a, err := m.Acquire(ctx, req)
+	require.NoError(t, err)
+	require.True(t, a.Warm)
+	require.Equal(t, name, a.Name)
+	x := domainXML(t, hv, name)
+	require.Contains(t, x, `<source socket="/run/lve-hooks/x/fs.sock"></source>`)
+	require.Contains(t, x, `<target dir="lve-work"></target>`)
+	_, err = m.TeardownJob(ctx, req.Name)
+	require.NoError(t, err)
+	requireGone(t, hv, m, name)
+
+	// The hot plug refused: that standby goes, the job boots cold.
+	name = boot()
+	hv.Lock()
+	hv.FailOn["AttachFilesystem"] = errors.New("device_add refused")
+	hv.Unlock()
+	req.Name = "lve-0123abcd-gh-8"
+	a, err = m.Acquire(ctx, req)
+	require.NoError(t, err)
+	require.False(t, a.Warm, "cold after the claimed machine refused the share")
+	requireGone(t, hv, m, name)
+	require.Contains(t, domainXML(t, hv, a.Name), `<target dir="lve-work"></target>`, "the cold machine has the share from its boot")
+	_, err = m.TeardownJob(ctx, req.Name)
+	require.NoError(t, err)
+}
+
+// domainXML is the fake's XML of domain name.
+func domainXML(t *testing.T, hv *vmtest.Fake, name string) string {
+	t.Helper()
+	hv.Lock()
+	defer hv.Unlock()
+	d, ok := hv.Domains[name]
+	require.True(t, ok, "domain %s", name)
+	return d.XML
 }

@@ -158,6 +158,14 @@ func (mc Machine) AttachData(ctx context.Context, r io.Reader, size int64) error
 	return m.withLock(ctx, name, func() error { return m.engine().AttachData(ctx, name, m.Cfg.StoragePool, r, size) })
 }
 
+// AttachDirs hot-plugs virtiofs shares into the running machine name
+// (vm.Engine.AttachDirs), under the machine's lock; it needs the machine
+// booted with shared memory (config.Image.SharedMemory).
+func (mc Machine) AttachDirs(ctx context.Context, dirs []vm.SharedDir) error {
+	m, name := mc.m, mc.name
+	return m.withLock(ctx, name, func() error { return m.engine().AttachDirs(ctx, name, dirs) })
+}
+
 // AttachScratch gives the running machine name an empty writable disk of
 // capacity bytes (vm.Engine.AttachScratch), under the machine's lock.
 func (mc Machine) AttachScratch(ctx context.Context, capacity int64) error {

@@ -59,6 +59,9 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 		ConsoleLog: in.ConsoleLog,
 		Shared:     in.Shared,
 		Dirs:       req.Dirs,
+		// The image's (SpecFingerprint covers it): a standby of
+		// github_hooks.vm_image can get a hook job's shares (Machine.AttachDirs).
+		SharedMemory: img.SharedMemory,
 		Owner: vm.Owner{
 			Controller: in.Controller, Frontend: req.Frontend, Job: req.Job, Tags: req.Tags,
 			Created: in.Created, Deadline: in.Created.Add(req.Lifetime + cfg.Timeouts.JobSlack.D()),

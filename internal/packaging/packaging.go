@@ -56,7 +56,11 @@ var Formats = []string{"deb", "rpm"}
 // connections (deploy/network/libvirt-executor-conntrack): code too, and
 // in /etc for the same reason.
 const (
-	GuardHook     = "/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
+	GuardHook = "/etc/libvirt/hooks/network.d/50-libvirt-executor-guard"
+	// GitHubHook is what ACTIONS_RUNNER_CONTAINER_HOOKS names: the runner
+	// runs only a .js, .sh or .ps1 file, so this script hands its input to
+	// libvirt-executor-hooks (deploy/github-hooks/container-hook.sh).
+	GitHubHook    = "/usr/lib/libvirt-executor/github-container-hook.sh"
 	ConntrackHook = "/etc/libvirt/hooks/qemu.d/50-libvirt-executor-conntrack"
 	GuardConf     = "/etc/libvirt/hooks/libvirt-executor-guard.conf"
 	Config        = "/etc/libvirt-executor/config.toml"
@@ -177,6 +181,7 @@ func (b Build) describe(stage string) (*description, error) {
 	add(files.TypeConfigNoReplace, "", out, GuardConf, 0o644)
 	file(filepath.Join(top, "deploy/network/libvirt-executor-guard"), GuardHook, 0o755)
 	file(filepath.Join(top, "deploy/network/libvirt-executor-conntrack"), ConntrackHook, 0o755)
+	file(filepath.Join(top, "deploy/github-hooks/container-hook.sh"), GitHubHook, 0o755)
 	// polkit rules for libvirt's access driver, for the example configuration (they
 	// do nothing until access_drivers = [ "polkit" ]; /etc/polkit-1/rules.d/ of the
 	// same name wins).

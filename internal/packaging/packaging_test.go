@@ -102,6 +102,8 @@ func TestDescriptionConffiles(t *testing.T) {
 		require.Equal(t, "-rwxr-xr-x", want[GuardHook].mode, f)
 		require.Contains(t, want, ConntrackHook, f)
 		require.Equal(t, "-rwxr-xr-x", want[ConntrackHook].mode, f)
+		require.Contains(t, want, GitHubHook, f)
+		require.Equal(t, "-rwxr-xr-x", want[GitHubHook].mode, f)
 		require.Equal(t, "-rw-r-----", want[Config].mode, "%s: the configuration is the runner's group's only (postinst)", f)
 	}
 }

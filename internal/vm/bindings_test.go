@@ -129,3 +129,31 @@ func TestRemoveTakesTheMachinesOwnBindings(t *testing.T) {
 	require.Equal(t, []string{"vnet2", "vnet3", "vnet4"}, portDevs(f.Bindings))
 	require.Equal(t, "lve-0123abcd-new", f.Bindings[2].OwnerName)
 }
+
+// A standby machine that a hook job may claim boots with shared memory and
+// no share; the job's shares are hot-plugged, each checked first.
+func TestSharedMemoryThenAttachDirs(t *testing.T) {
+	s := testSpec()
+	s.SharedMemory = true
+	x, err := DomainXML(s, "/pool/d.qcow2", "")
+	require.NoError(t, err)
+	var d libvirtxml.Domain
+	require.NoError(t, d.Unmarshal(x))
+	require.Equal(t, "memfd", d.MemoryBacking.MemorySource.Type)
+	require.Equal(t, "shared", d.MemoryBacking.MemoryAccess.Mode)
+	require.Empty(t, d.Devices.Filesystems)
+
+	f := vmtest.New()
+	f.Domains["lve-0123abcd-sb-1"] = &vmtest.Domain{Active: true, XML: x}
+	e := &Engine{HV: f, Controller: "c", NamePrefix: "lve-0123abcd-"}
+	ctx := context.Background()
+	for _, bad := range []SharedDir{{Socket: "/run/x.sock", Tag: "Work"}, {Socket: "run/x.sock", Tag: "w"}} {
+		require.Error(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{bad}), "%+v", bad)
+	}
+	require.NotContains(t, f.Calls, "AttachFilesystem", "nothing unchecked reaches libvirt")
+	require.NoError(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{{Socket: "/run/w.sock", Tag: "lve-work"}, {Socket: "/run/e.sock", Tag: "lve-ext"}}))
+	require.NoError(t, d.Unmarshal(f.Domains["lve-0123abcd-sb-1"].XML))
+	require.Len(t, d.Devices.Filesystems, 2)
+	require.Equal(t, "/run/e.sock", d.Devices.Filesystems[1].Source.Mount.Socket)
+	require.ErrorIs(t, e.AttachDirs(ctx, "lve-0123abcd-gone", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}}), ErrNotFound)
+}

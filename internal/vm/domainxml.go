@@ -1,6 +1,7 @@
 package vm
 
 import (
+	"context"
 	"fmt"
 	"path/filepath"
 	"regexp"
@@ -90,6 +91,12 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 			return "", err
 		}
 	}
+	if len(s.Dirs) > 0 || s.SharedMemory {
+		d.MemoryBacking = &libvirtxml.DomainMemoryBacking{
+			MemorySource: &libvirtxml.DomainMemorySource{Type: "memfd"},
+			MemoryAccess: &libvirtxml.DomainMemoryAccess{Mode: "shared"},
+		}
+	}
 	dev.Interfaces = []libvirtxml.DomainInterface{{
 		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
 		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
@@ -132,29 +139,60 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 // virtiofsTag is a virtiofs tag the guest mounts by.
 var virtiofsTag = regexp.MustCompile(`^[a-z][a-z0-9-]{0,35}$`)
 
-// addDirs adds the virtiofs shares and the shared guest memory they need.
+// addDirs adds the virtiofs shares (DomainXML gives the guest the shared
+// memory they need).
 func addDirs(d *libvirtxml.Domain, dirs []SharedDir) error {
-	if len(dirs) > 8 {
-		return fmt.Errorf("%d shared directories: at most 8", len(dirs))
+	if len(dirs) > maxDirs {
+		return fmt.Errorf("%d shared directories: at most %d", len(dirs), maxDirs)
 	}
 	seen := map[string]bool{}
 	for _, sd := range dirs {
-		if !virtiofsTag.MatchString(sd.Tag) || seen[sd.Tag] {
-			return fmt.Errorf("shared directory tag %q: want a unique name of 1 to 36 lower-case letters, digits and '-'", sd.Tag)
+		if seen[sd.Tag] {
+			return fmt.Errorf("shared directory tag %q: given twice", sd.Tag)
 		}
 		seen[sd.Tag] = true
-		if !filepath.IsAbs(sd.Socket) || filepath.Clean(sd.Socket) != sd.Socket {
-			return fmt.Errorf("shared directory %s: socket %q is not a clean absolute path", sd.Tag, sd.Socket)
+		fs, err := dirDevice(sd)
+		if err != nil {
+			return err
 		}
-		d.Devices.Filesystems = append(d.Devices.Filesystems, libvirtxml.DomainFilesystem{
-			Driver: &libvirtxml.DomainFilesystemDriver{Type: "virtiofs", Queue: 1024},
-			Source: &libvirtxml.DomainFilesystemSource{Mount: &libvirtxml.DomainFilesystemSourceMount{Socket: sd.Socket}},
-			Target: &libvirtxml.DomainFilesystemTarget{Dir: sd.Tag},
-		})
+		d.Devices.Filesystems = append(d.Devices.Filesystems, *fs)
 	}
-	d.MemoryBacking = &libvirtxml.DomainMemoryBacking{
-		MemorySource: &libvirtxml.DomainMemorySource{Type: "memfd"},
-		MemoryAccess: &libvirtxml.DomainMemoryAccess{Mode: "shared"},
+	return nil
+}
+
+// maxDirs is how many shared directories a machine may have.
+const maxDirs = 8
+
+// dirDevice is the virtiofs device of sd, checked.
+func dirDevice(sd SharedDir) (*libvirtxml.DomainFilesystem, error) {
+	if !virtiofsTag.MatchString(sd.Tag) {
+		return nil, fmt.Errorf("shared directory tag %q: want a name of 1 to 36 lower-case letters, digits and '-'", sd.Tag)
+	}
+	if !filepath.IsAbs(sd.Socket) || filepath.Clean(sd.Socket) != sd.Socket {
+		return nil, fmt.Errorf("shared directory %s: socket %q is not a clean absolute path", sd.Tag, sd.Socket)
+	}
+	return &libvirtxml.DomainFilesystem{
+		Driver: &libvirtxml.DomainFilesystemDriver{Type: "virtiofs", Queue: 1024},
+		Source: &libvirtxml.DomainFilesystemSource{Mount: &libvirtxml.DomainFilesystemSourceMount{Socket: sd.Socket}},
+		Target: &libvirtxml.DomainFilesystemTarget{Dir: sd.Tag},
+	}, nil
+}
+
+// AttachDirs hot-plugs the virtiofs shares dirs into the running machine
+// name, which must have been booted with shared memory (Spec.SharedMemory):
+// a standby machine that a GitHub hook job claims gets the job's shares.
+func (e *Engine) AttachDirs(ctx context.Context, name string, dirs []SharedDir) error {
+	if len(dirs) > maxDirs {
+		return fmt.Errorf("%d shared directories: at most %d", len(dirs), maxDirs)
+	}
+	for _, sd := range dirs {
+		fs, err := dirDevice(sd)
+		if err != nil {
+			return err
+		}
+		if err := change(ctx, func(ctx context.Context) error { return e.HV.AttachFilesystem(ctx, name, fs) }); err != nil {
+			return fmt.Errorf("attach the shared directory %s: %w", sd.Tag, err)
+		}
 	}
 	return nil
 }

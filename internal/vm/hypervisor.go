@@ -101,6 +101,10 @@ type Hypervisor interface {
 	// plug: a clone restored without a NIC gets its own). ErrNotFound if
 	// the domain is absent.
 	AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error
+	// AttachFilesystem adds fs (a virtiofs share) to the running domain,
+	// live only; the domain needs shared memory. ErrNotFound if the
+	// domain is absent.
+	AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error
 	// Save writes the running domain's memory and device state to path
 	// (virDomainSave: the domain stops, a persistent one stays defined).
 	// ErrNotFound if the domain is absent.

@@ -303,6 +303,11 @@ func (r *Reconnecting) AttachInterface(ctx context.Context, name string, iface *
 	return retry0(ctx, r, func(h Hypervisor) error { return h.AttachInterface(ctx, name, iface) })
 }
 
+// AttachFilesystem implements Hypervisor.
+func (r *Reconnecting) AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error {
+	return retry0(ctx, r, func(h Hypervisor) error { return h.AttachFilesystem(ctx, name, fs) })
+}
+
 // Save implements Hypervisor: not repeated on a new connection (the
 // domain may have stopped, its file half written).
 func (r *Reconnecting) Save(ctx context.Context, name, path string) error {

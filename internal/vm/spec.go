@@ -64,6 +64,10 @@ type Spec struct {
 	// own only as root, and supports no read-only virtiofs). They need the
 	// guest's memory shared (memfd), which DomainXML then sets.
 	Dirs []SharedDir `json:",omitempty"`
+	// SharedMemory gives the guest shared memory (memfd) without a shared
+	// directory yet, so that Engine.AttachDirs can add some later (a
+	// standby machine that a GitHub hook job may claim).
+	SharedMemory bool `json:",omitempty"`
 	// Isolated sets the interface's bridge port isolated: isolated ports on
 	// one bridge cannot talk to each other, only to the uplink (the host side
 	// of the network: DHCP, DNS, NAT to the outside).

@@ -19,6 +19,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 )
 
@@ -127,6 +128,12 @@ func newHookSetup(t *testing.T) *hookSetup {
 	for _, d := range []string{work, ext, work + "/_temp/_runner_hook_responses", work + "/_temp/_github_home", work + "/_temp/_github_workflow", work + "/repo/repo"} {
 		require.NoError(t, os.MkdirAll(d, 0o755))
 	}
+	// A stand-in for the runner's node (JavaScript actions run it from
+	// /__e): the externals stay root's, as the runner's user's are not the
+	// share's namespace's.
+	require.NoError(t, os.MkdirAll(filepath.Join(ext, "node20/bin"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(ext, "node20/bin/node"), []byte("#!/bin/sh\necho \"node stand-in: $*\"\n"), 0o755)) //nolint:gosec // G306: runs in the job container
+	require.NoError(t, os.Symlink("node20/bin/node", filepath.Join(ext, "node")))
 	const checkout = "checked out on the host\n"
 	require.NoError(t, os.WriteFile(filepath.Join(work, "repo/repo/checkout.txt"), []byte(checkout), 0o644))
 	require.NoError(t, filepath.Walk(work, func(p string, _ os.FileInfo, err error) error {
@@ -185,6 +192,8 @@ func (hs *hookSetup) prepareInput(resp string) map[string]any {
 // hookShare is the share record of a hook job's machine.
 type hookShare struct {
 	PID       int    `json:"pid"`
+	VM        string `json:"vm"`
+	ExtPID    int    `json:"ext_pid"`
 	SocketDir string `json:"socket_dir"`
 	RunnerPID int    `json:"runner_pid"`
 }
@@ -204,6 +213,7 @@ func (hs *hookSetup) requireShareGone(t *testing.T, machine string, share hookSh
 	require.NoFileExists(t, filepath.Join(hs.r.cfg.StateDir, "github-hooks", machine+".json"), "the share record is gone")
 	require.NoDirExists(t, share.SocketDir)
 	require.True(t, processGone(share.PID), "virtiofsd has ended")
+	require.True(t, share.ExtPID == 0 || processGone(share.ExtPID), "the externals' virtiofsd has ended")
 }
 
 func TestGitHubHooks(t *testing.T) {
@@ -242,6 +252,10 @@ func TestGitHubHooks(t *testing.T) {
 	fi, err := os.Stat(share.SocketDir)
 	require.NoError(t, err)
 	require.Equal(t, os.FileMode(0o710)|os.ModeDir, fi.Mode(), "only QEMU's group may enter the socket's directory")
+	require.NotZero(t, share.ExtPID, "the externals have a virtiofsd of their own")
+	status, err = os.ReadFile(fmt.Sprintf("/proc/%d/status", share.ExtPID))
+	require.NoError(t, err)
+	require.Contains(t, string(status), "\nUid:\t1200000000\t", "the externals' virtiofsd is a subordinate id of the share user on the host, not the user")
 
 	step := func(script string, env map[string]string) hookResult {
 		name := fmt.Sprintf("step-%d.sh", time.Now().UnixNano())
@@ -279,6 +293,35 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	require.Equal(t, 0, third.code)
 	require.Contains(t, third.stdout, "third sees written in the VM")
 
+	// The runner's externals: in the job container at /__e, read-only
+	// there and in the VM; a root guest that mounts them writable still
+	// cannot change them on the host.
+	require.Contains(t, prep.stderr, "Mounted "+hs.ext+" in the VM at the same path, read-only")
+	node := step("/__e/node20/bin/node --version\n/__e/node x\nif echo x > /__e/planted 2>/dev/null; then echo planted in the container; fi\n", nil)
+	require.Equal(t, 0, node.code, "%s", node.stderr)
+	require.Contains(t, node.stdout, "node stand-in: --version", "a JavaScript action's node runs from the externals")
+	require.Contains(t, node.stdout, "node stand-in: x", "symbolic links inside the externals work")
+	require.NotContains(t, node.stdout, "planted")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	rec, cl, err := r.manager(t).Manager().Machine(machine).Connect(ctx)
+	require.NoError(t, err)
+	defer cl.Close()
+	sudo := "sudo -n "
+	if rec.User == "root" {
+		sudo = ""
+	}
+	attack := sudo + "sh -c 'mount -o remount,rw " + hs.ext + "; grep \" " + hs.ext + " \" /proc/mounts; echo planted > " + hs.ext + "/planted; echo x >> " + hs.ext + "/node20/bin/node; true' 2>&1"
+	aout, err := cl.Output(ctx, attack)
+	require.NoError(t, err)
+	t.Logf("a root guest writing to the externals: %s", aout)
+	require.Regexp(t, `virtiofs rw[, ]`, string(aout), "the guest's root made its mount writable: only the host stops the writes")
+	require.Contains(t, string(aout), "Permission denied", "the host refused the guest's writes")
+	require.NoFileExists(t, filepath.Join(hs.ext, "planted"), "a root guest cannot add a file to the runner's externals")
+	nb, err := os.ReadFile(filepath.Join(hs.ext, "node20/bin/node"))
+	require.NoError(t, err)
+	require.NotContains(t, string(nb), "\nx\n", "a root guest cannot change the runner's node")
+
 	for i, want := range []string{"Removed the job's VM " + machine, "The job's VM " + machine + " was released before"} {
 		c := callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
 		require.Equal(t, 0, c.code, "cleanup_job #%d", i+1)
@@ -304,9 +347,16 @@ func processGone(pid int) bool {
 // Runner.Worker): the share record names it; a sweep while it runs leaves
 // the job alone; once it is killed, the next sweep (libvirt-executor gc)
 // removes the VM and stops virtiofsd, and nothing of the job is left.
+//
+// It is also the warm start: the pool service keeps one idle VM of the
+// hook's image (booted with shared memory), and prepare_job claims it and
+// hot-plugs the job's shares into it.
 func TestGitHubHooksSweep(t *testing.T) {
 	hs := newHookSetup(t)
+	hs.r = hs.r.withConfig(t, func(s string) string { return poolsvc.WithPool(s, "podman", 1) })
 	r := hs.r
+	svc := r.serve(t)
+	r.waitIdle(t, 1, 5*time.Minute)
 	dir := t.TempDir()
 	worker := filepath.Join(dir, "Runner.Worker")
 	require.NoError(t, os.WriteFile(worker, []byte("#!/bin/sh\n\"$1\" <\"$2\" 2>\"$2.err\"; echo $? >\"$2.rc\"\nsleep 900\n"), 0o755))
@@ -339,6 +389,12 @@ func TestGitHubHooksSweep(t *testing.T) {
 	stderr, _ := os.ReadFile(input + ".err")
 	t.Logf("prepare_job under the stand-in worker: exit %s%s", rc, stderr)
 	require.Equal(t, "0\n", string(rc), "prepare_job")
+	require.Regexp(t, `Warm start: VM \S+ \(idle for`, string(stderr), "an idle VM of the pool took the job")
+	require.Contains(t, string(stderr), "The job's shared directories hot-plugged into")
+	require.Contains(t, string(stderr), "(warm start)")
+	// No more boots: the job's VM is what the sweep is about.
+	_, err = svc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
 	b, err = os.ReadFile(resp)
 	require.NoError(t, err)
 	var answer struct {
@@ -348,16 +404,19 @@ func TestGitHubHooksSweep(t *testing.T) {
 	machine := answer.State.Machine
 	share := hs.share(t, machine)
 	require.Equal(t, cmd.Process.Pid, share.RunnerPID, "the record names the runner's worker")
+	require.NotEqual(t, machine, share.VM, "the record names the claimed standby VM that serves the job")
 
 	out, err := r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)
-	require.Contains(t, r.leftovers(t), "domain "+machine, "a sweep while the worker runs leaves its job alone")
+	require.Contains(t, r.leftovers(t), "domain "+share.VM, "a sweep while the worker runs leaves its job alone")
 	require.False(t, processGone(share.PID))
 
 	kill()
 	out, err = r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)
 	t.Logf("gc after the worker ended:\n%s", out)
+	require.NotContains(t, r.leftovers(t), "domain "+share.VM, "the sweep removed the claimed VM")
+	r.removeStandbys(t) // the pool's refill, if it booted before the service stopped
 	r.requireNoLeftovers(t, "after the sweep")
 	hs.requireShareGone(t, machine, share)
 }

@@ -718,6 +718,15 @@ func (l *Conn) AttachDisk(ctx context.Context, name string, disk *libvirtxml.Dom
 	return l.attachLive(ctx, name, x)
 }
 
+// AttachFilesystem implements vm.Hypervisor.
+func (l *Conn) AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error {
+	x, err := fs.Marshal()
+	if err != nil {
+		return err
+	}
+	return l.attachLive(ctx, name, x)
+}
+
 // attachLive hot-plugs the device XML x into the running domain name.
 func (l *Conn) attachLive(ctx context.Context, name, x string) error {
 	return call0(ctx, l, func() error {

@@ -803,6 +803,15 @@ func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 	return nil
 }
 
+// AttachFilesystem implements vm.Hypervisor: the running domain's XML
+// gets fs.
+func (f *Fake) AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error {
+	return f.plug("AttachFilesystem", name, func(dev *libvirtxml.DomainDeviceList) error {
+		dev.Filesystems = append(dev.Filesystems, *fs)
+		return nil
+	})
+}
+
 // AttachInterface implements vm.Hypervisor: the running domain's XML gets
 // iface.
 func (f *Fake) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
