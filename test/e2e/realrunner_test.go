@@ -136,6 +136,31 @@ func (rr *realRunner) runJobs(t *testing.T, jobs ...jobapi.Job) []jobapi.Result 
 	return rr.results(t, wait, ids)
 }
 
+// runJobsAtOnce queues jobs and runs them at the same time, one runner
+// (`gitlab-runner run-single` for one job) each; which runner takes which
+// job is the runners' race. It returns their results in order once every
+// runner has ended.
+func (rr *realRunner) runJobsAtOnce(t *testing.T, jobs ...jobapi.Job) []jobapi.Result {
+	t.Helper()
+	ids := make([]int64, len(jobs))
+	for i, j := range jobs {
+		ids[i] = rr.api.Enqueue(j)
+	}
+	waits := make([]func() (string, error), len(jobs))
+	for i := range jobs {
+		waits[i] = rr.start(t, 1)
+	}
+	all := func() (string, error) {
+		outs := make([]string, len(waits))
+		errs := make([]error, len(waits))
+		for i, w := range waits {
+			outs[i], errs[i] = w()
+		}
+		return strings.Join(outs, "\n"), errors.Join(errs...)
+	}
+	return rr.results(t, all, ids)
+}
+
 func (rr *realRunner) results(t *testing.T, wait func() (string, error), ids []int64) []jobapi.Result {
 	t.Helper()
 	out, err := wait()

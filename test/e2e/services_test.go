@@ -349,9 +349,10 @@ func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec
 // during the script, and nothing is left after cleanup. A service image
 // the admin does not allow fails the next job before any machine is made.
 // A container job (image: alpine:3.19, pre-pulled too) claims the other
-// idle VM and runs its script in the job's container without a pull.
+// idle VM and runs its script in the job's container without a pull. The
+// three jobs run at once, one runner each.
 // (TestContainerJobThroughRealRunner starts services and a container job
-// in cold VMs.)
+// in a cold VM.)
 func TestServicesThroughRealRunner(t *testing.T) {
 	rr := newRealRunner(t)
 	podman := podmanImage(t, rr.r)
@@ -377,7 +378,10 @@ func TestServicesThroughRealRunner(t *testing.T) {
 	get := func(host string) string {
 		return `exec 3<>/dev/tcp/` + host + `/5432; printf 'GET / HTTP/1.0\r\n\r\n' >&3; echo "` + host + ` says: $(tail -n 1 <&3)"; exec 3<&-`
 	}
-	res := rr.runJobs(t, jobapi.Job{
+	// The three jobs at once, one runner each: the two warm ones claim
+	// the two idle VMs (each its own: checked below), the refused one
+	// makes none.
+	res := rr.runJobsAtOnce(t, jobapi.Job{
 		Name: "with-services", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
 		Variables: []jobapi.Variable{
 			{Key: "MARKER", Value: "from-the-job", Public: true},
@@ -445,9 +449,11 @@ func TestServicesThroughRealRunner(t *testing.T) {
 
 	// selftest --services (#46 item 4): what an admin runs before pointing
 	// GitLab at the host; its services job (in a podman VM of this
-	// configuration, warm when the pool has refilled) pulls and starts the
+	// configuration, warm: it waits for the pool to have refilled, not to
+	// boot a third podman VM beside the two refilling ones) starts the
 	// service, finds it by its alias and connects to its port. The two
 	// sample jobs are left out (TestSelftest* run them).
+	r.waitIdle(t, 2, 5*time.Minute)
 	ln2 := r.serviceListener(t)
 	listen := ln2.Addr().String()
 	require.NoError(t, ln2.Close())
