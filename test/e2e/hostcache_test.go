@@ -37,14 +37,14 @@ func hostCacheRunner(t *testing.T, extra string) (*realRunner, string) {
 }
 
 // hostCacheChain is hostCacheRunner for jobs that run one after another:
-// with a standby pool of one tiny VM, served, each next job's VM boots
-// while the job before it runs (on the other core), and the job claims it.
-// The host cache is the run stage's either way (prepare never touches
-// it), so the jobs take the same paths as cold ones; a job that finds no
-// idle VM starts cold.
-func hostCacheChain(t *testing.T, extra string) (*realRunner, string) {
+// with a standby pool of idle tiny VMs (one for each job after the first),
+// served, the next jobs' VMs boot while the first job runs (the other
+// core), and the jobs claim them. The host cache is the run stage's
+// either way (prepare never touches it), so the jobs take the same paths
+// as cold ones; a job that finds no idle VM starts cold.
+func hostCacheChain(t *testing.T, extra string, idle int) (*realRunner, string) {
 	t.Helper()
-	rr, dir, r := hostCacheRig(t, extra, 1)
+	rr, dir, r := hostCacheRig(t, extra, idle)
 	r.serve(t)
 	return rr, dir
 }
@@ -257,7 +257,7 @@ func TestHostCacheBetweenJobs(t *testing.T) {
 // archive is kept, in a cache of its own. The protected job's next run
 // restores its archive, byte for byte as the first run kept it.
 func TestHostCacheProtectedApart(t *testing.T) {
-	rr, dir := hostCacheChain(t, "disk_min_mib = 0\n")
+	rr, dir := hostCacheChain(t, "disk_min_mib = 0\n", 2)
 	protected := func(on string) []jobapi.Variable {
 		return []jobapi.Variable{{Key: "CI_COMMIT_REF_PROTECTED", Value: on, Public: true}}
 	}
@@ -330,7 +330,7 @@ func TestHostCacheProtectedApart(t *testing.T) {
 // scratch disk (cache.disk_min_mib = 0): what the guest wrote on it is
 // checked as any stream of its.
 func TestHostCacheLimitAndHostileGuest(t *testing.T) {
-	rr, dir := hostCacheChain(t, "project_limit_mib = 1\ndisk_min_mib = 0\n")
+	rr, dir := hostCacheChain(t, "project_limit_mib = 1\ndisk_min_mib = 0\n", 1)
 	small := &jobapi.Cache{Key: "small", Paths: []string{"vendor/"}}
 	big := &jobapi.Cache{Key: "big", Paths: []string{"blob/"}}
 	res := rr.runJobs(t,
@@ -455,7 +455,7 @@ func TestHostCacheTwoJobsAtOnce(t *testing.T) {
 // total limit that holds two: the third save removes the project used
 // longest ago, and the job log says room was made.
 func TestHostCacheEvictsLeastRecentlyUsed(t *testing.T) {
-	rr, dir := hostCacheChain(t, "project_limit_mib = 1\ntotal_limit_mib = 1\n")
+	rr, dir := hostCacheChain(t, "project_limit_mib = 1\ntotal_limit_mib = 1\n", 2)
 	cache := &jobapi.Cache{Key: "k", Paths: []string{"vendor/"}}
 	job := func(id int64, name string) jobapi.Job {
 		return jobapi.Job{Name: name, Cache: cache, Project: &jobapi.Project{ID: id, Namespace: "lve", Name: name},
