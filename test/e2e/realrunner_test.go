@@ -21,7 +21,6 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/sshtest"
 )
 
@@ -249,13 +248,9 @@ func TestRealRunnerScriptFailure(t *testing.T) {
 // (dependencies) in another VM, and its cache, archived into the runner's
 // distributed cache (an S3 endpoint of the fake; docs/images.md says why not
 // a host directory), is restored there. (Two tests until 2026-11-27, a pair
-// of jobs each.) A standby pool of one tiny VM boots the second job's VM
-// while the first job runs: the first starts cold, the second warm.
+// of jobs each.)
 func TestRealRunnerArtifactsAndCacheBetweenJobs(t *testing.T) {
 	rr := newRealRunner(t)
-	r := rr.r.withConfig(t, func(s string) string { return poolsvc.WithPool(s, "tiny", 1) })
-	rr.cfgPath = r.cfgPath
-	r.serve(t)
 	cache := &jobapi.Cache{Key: "deps-v1", Paths: []string{"vendor/"}}
 	first := rr.api.Enqueue(jobapi.Job{
 		Name: "produce", Stage: "build", Cache: cache,
