@@ -5,16 +5,19 @@ package e2e
 import (
 	"archive/tar"
 	"bytes"
+	"errors"
 	"fmt"
 	"os"
 	"os/exec"
 	"strings"
 	"testing"
+	"time"
 
 	ocispec "github.com/opencontainers/image-spec/specs-go/v1"
 	"github.com/stretchr/testify/require"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/poolsvc"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/testkit/registrytest"
 )
 
@@ -66,8 +69,10 @@ func pushShellImage(t *testing.T, host, repo, tag string) {
 // network, and writes an artifact and a cache (the runner's own stages,
 // on the VM's OS, upload them from the bind-mounted builds directory).
 // The next job, in the same image, gets both and ends with exit 3: a
-// script_failure with code 3. An image that is neither a VM image nor
-// allowed is refused naming the allow-list, before any machine is made.
+// script_failure with code 3; it runs warm, on a standby VM the pool
+// service booted while the first job ran. An image that is neither a VM
+// image nor allowed is refused naming the allow-list, before any machine
+// is made.
 func TestContainerJobThroughRealRunner(t *testing.T) {
 	rr := newRealRunner(t)
 	podman := podmanImage(t, rr.r)
@@ -78,7 +83,7 @@ func TestContainerJobThroughRealRunner(t *testing.T) {
 	pushServiceImage(t, reg.Host, "library/postgres", "15")
 	pushShellImage(t, reg.Host, "library/alpine", "3.19")
 	r := rr.r.withConfig(t, func(s string) string {
-		return s + "\n" + podman + servicesConfig(reg.Host, "60s", "", "alpine:*")
+		return poolsvc.WithPool(s+"\n"+podman+servicesConfig(reg.Host, "60s", "", "alpine:*"), "podman", 1)
 	})
 	rr.cfgPath = r.cfgPath
 
@@ -100,10 +105,35 @@ func TestContainerJobThroughRealRunner(t *testing.T) {
 		Script: []string{`echo "got: $(cat out/result.txt)"`, `echo "restored: $(cat vendor/dep.txt)"`, "exit 3"},
 	})
 	refused := rr.api.Enqueue(jobapi.Job{Name: "not-allowed", Image: "ubuntu:24.04", Script: []string{"echo NEVER-RUNS"}})
-	res := rr.results(t, rr.start(t, 3), []int64{first, second, refused})
+	// The first job starts cold (no pool service yet). Once its VM is up
+	// (two podman guests booting at once on 2 cores took as long as one
+	// after the other), the pool service boots a standby VM while that job
+	// runs, and the second job, run by a second runner once the first has
+	// ended, claims it. The service then stops (undoing its refill's
+	// boot): nothing here needs another VM.
+	vmReady := func(id int64) func() bool {
+		return func() bool {
+			tr := rr.api.Trace(id)
+			return strings.Contains(tr, "Machine ready in") || strings.Contains(tr, "ERROR: Job failed")
+		}
+	}
+	wait1 := rr.start(t, 1)
+	waitFor(t, 5*time.Minute, "the first job's VM", vmReady(first))
+	svc := r.serve(t)
+	out1, err1 := wait1()
+	r.waitIdle(t, 1, 5*time.Minute)
+	wait2 := rr.start(t, 2)
+	waitFor(t, 5*time.Minute, "the second job's VM", vmReady(second))
+	_, err := svc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
+	res := rr.results(t, func() (string, error) {
+		out2, err2 := wait2()
+		return out1 + "\n" + out2, errors.Join(err1, err2)
+	}, []int64{first, second, refused})
 
 	ok := res[0]
 	require.Equal(t, jobapi.StateSuccess, ok.State, ok.Trace)
+	require.Contains(t, ok.Trace, "Cold start: the pool service (libvirt-executor serve) is not running")
 	require.Contains(t, ok.Trace, "Started the job's container lve-job-")
 	require.Contains(t, ok.Trace, "ID=lve-container-test", "the script ran in the container")
 	require.Contains(t, ok.Trace, "db says: marker=from-the-job", "the service by its alias, from the container")
@@ -117,11 +147,14 @@ func TestContainerJobThroughRealRunner(t *testing.T) {
 	require.Equal(t, 3, failed.ExitCode)
 	require.Contains(t, failed.Trace, fmt.Sprintf("got: artifact-from-%d", first))
 	require.Contains(t, failed.Trace, fmt.Sprintf("restored: cached-%d", first))
+	require.Regexp(t, warmRE, failed.Trace, "the second job claimed the standby VM")
+	require.Contains(t, failed.Trace, "Started the job's container lve-job-")
 
 	no := res[2]
 	require.Equal(t, jobapi.StateFailed, no.State, no.Trace)
 	require.Contains(t, no.Trace, `services.container_jobs.allowed_images: ["alpine:*"]`)
 	require.NotContains(t, no.Trace, "NEVER-RUNS")
 	require.NotContains(t, no.Trace, "Preparing a fresh")
+	r.removeStandbys(t)
 	r.requireNoLeftovers(t, "after the container jobs")
 }

@@ -136,6 +136,31 @@ func (rr *realRunner) runJobs(t *testing.T, jobs ...jobapi.Job) []jobapi.Result 
 	return rr.results(t, wait, ids)
 }
 
+// runJobsAtOnce queues jobs and runs them at the same time, one runner
+// (`gitlab-runner run-single` for one job) each; which runner takes which
+// job is the runners' race. It returns their results in order once every
+// runner has ended.
+func (rr *realRunner) runJobsAtOnce(t *testing.T, jobs ...jobapi.Job) []jobapi.Result {
+	t.Helper()
+	ids := make([]int64, len(jobs))
+	for i, j := range jobs {
+		ids[i] = rr.api.Enqueue(j)
+	}
+	waits := make([]func() (string, error), len(jobs))
+	for i := range jobs {
+		waits[i] = rr.start(t, 1)
+	}
+	all := func() (string, error) {
+		outs := make([]string, len(waits))
+		errs := make([]error, len(waits))
+		for i, w := range waits {
+			outs[i], errs[i] = w()
+		}
+		return strings.Join(outs, "\n"), errors.Join(errs...)
+	}
+	return rr.results(t, all, ids)
+}
+
 func (rr *realRunner) results(t *testing.T, wait func() (string, error), ids []int64) []jobapi.Result {
 	t.Helper()
 	out, err := wait()
@@ -262,10 +287,11 @@ func TestRealRunnerCancel(t *testing.T) {
 }
 
 // TestRealRunnerJobTimeout: a job that outlives its timeout fails as
-// job_execution_timeout, at the timeout.
+// job_execution_timeout, at the timeout. (20 s: a tiny guest's prepare
+// takes 6-9 s here, so the timeout comes during the script.)
 func TestRealRunnerJobTimeout(t *testing.T) {
 	rr := newRealRunner(t)
-	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 30, Script: []string{"echo sleeping", "sleep 600"}})[0]
+	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 20, Script: []string{"echo sleeping", "sleep 600"}})[0]
 	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
 	require.Equal(t, "job_execution_timeout", res.FailureReason)
 	require.Regexp(t, `(?m)^sleeping\r?$`, res.Trace, "the timeout ended the script, not prepare")

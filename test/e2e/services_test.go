@@ -377,7 +377,7 @@ func TestServicesThroughRealRunner(t *testing.T) {
 	get := func(host string) string {
 		return `exec 3<>/dev/tcp/` + host + `/5432; printf 'GET / HTTP/1.0\r\n\r\n' >&3; echo "` + host + ` says: $(tail -n 1 <&3)"; exec 3<&-`
 	}
-	res := rr.runJobs(t, jobapi.Job{
+	jobs := []jobapi.Job{{
 		Name: "with-services", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
 		Variables: []jobapi.Variable{
 			{Key: "MARKER", Value: "from-the-job", Public: true},
@@ -394,7 +394,27 @@ func TestServicesThroughRealRunner(t *testing.T) {
 		Name: "not-allowed", Image: "podman", GitURL: rr.repo, SHA: rr.sha,
 		Services: []jobapi.Service{{Name: "redis:7"}},
 		Script:   []string{"echo NEVER-RUNS"},
+	}}
+	ids := make([]int64, len(jobs))
+	for i, j := range jobs {
+		ids[i] = rr.api.Enqueue(j)
+	}
+	wait := rr.start(t, len(jobs))
+	// Once both warm jobs have their VMs, the pool service stops (undoing
+	// its refill's boots): nothing here needs the refilled VMs, and their
+	// boots and pre-pulls took the 2 cores from the jobs and the selftest
+	// below. (A job that fails before its VM is ready fails below.)
+	waitFor(t, 5*time.Minute, "the warm jobs' VMs", func() bool {
+		for _, id := range ids[:2] {
+			if tr := rr.api.Trace(id); !strings.Contains(tr, "Machine ready in") && !strings.Contains(tr, "ERROR: Job failed") {
+				return false
+			}
+		}
+		return true
 	})
+	_, err := svc.Stop(poolsvc.StopWait)
+	require.NoError(t, err)
+	res := rr.results(t, wait, ids)
 	ok, inContainer, refused := res[0], res[1], res[2]
 	require.Equal(t, jobapi.StateSuccess, ok.State, ok.Trace)
 	require.Contains(t, ok.Trace, "postgres says: marker=from-the-job")
@@ -445,8 +465,8 @@ func TestServicesThroughRealRunner(t *testing.T) {
 
 	// selftest --services (#46 item 4): what an admin runs before pointing
 	// GitLab at the host; its services job (in a podman VM of this
-	// configuration, warm when the pool has refilled) pulls and starts the
-	// service, finds it by its alias and connects to its port. The two
+	// configuration, cold: the pool service is stopped) pulls and starts
+	// the service, finds it by its alias and connects to its port. The two
 	// sample jobs are left out (TestSelftest* run them).
 	ln2 := r.serviceListener(t)
 	listen := ln2.Addr().String()
@@ -460,8 +480,8 @@ func TestServicesThroughRealRunner(t *testing.T) {
 	require.Regexp(t, `selftest-services +success`, string(b))
 	require.NotContains(t, string(b), "selftest-produce")
 	require.Contains(t, string(b), "a job's service container started in its VM and the job found it by its alias")
-	// The service's cleanup (stop, idle VMs removed), then setup's check
-	// that nothing is left, run when the test ends.
+	// The service's cleanup (idle VMs removed), then setup's check that
+	// nothing is left, run when the test ends.
 }
 
 // serviceStarts are the event spool's prepare records that started
