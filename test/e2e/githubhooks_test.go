@@ -422,20 +422,23 @@ func TestGitHubHooksSweep(t *testing.T) {
 }
 
 // TestGitHubHooksFailedPrepareLeavesNothing: a prepare_job that fails
-// after its VM booted (the image is allowed, but the registry has not got
-// it) exits non-zero naming the failure, writes no response, and leaves
-// no domain, volume, machine state, share record, socket directory or
-// virtiofsd.
+// after its VM booted (a VM image without virtiofs) exits non-zero naming
+// the failure, writes no response, and leaves no domain, volume, machine
+// state, share record, socket directory or virtiofsd.
 func TestGitHubHooksFailedPrepareLeavesNothing(t *testing.T) {
 	hs := newHookSetup(t)
+	// The tiny image as the hook's VM (it boots in seconds): it has no
+	// virtiofs, so prepare_job fails once the VM is up, both virtiofsd run
+	// and the shares are plugged in, at the mount.
+	hs.r = hs.r.withConfig(t, func(s string) string {
+		return strings.Replace(s, "vm_image = \"podman\"", "vm_image = \"tiny\"", 1)
+	})
 	r := hs.r
 	resp := filepath.Join(hs.work, "_temp/_runner_hook_responses/failed.json")
-	in := hs.prepareInput(resp)
-	in["args"].(map[string]any)["container"].(map[string]any)["image"] = "alpine:0-not-in-the-registry"
-	res := callHook(t, hs.hook, r.cfgPath, in)
+	res := callHook(t, hs.hook, r.cfgPath, hs.prepareInput(resp))
 	require.Equal(t, 1, res.code)
-	require.Contains(t, res.stderr, "pull docker.io/library/alpine:0-not-in-the-registry failed")
-	require.Contains(t, res.stderr, "Mounted "+hs.work+" in the VM", "it failed after the VM was up")
+	require.Contains(t, res.stderr, "Started a read-only virtiofsd for "+hs.ext, "both shares were up")
+	require.Contains(t, res.stderr, "mount the runner's work directory in the VM (virtiofs) failed", "it failed after the VM was up")
 	require.NoFileExists(t, resp)
 	r.requireNoLeftovers(t, "after the failed prepare_job")
 	recs, err := filepath.Glob(filepath.Join(r.cfg.StateDir, "github-hooks", "*"))
@@ -446,4 +449,6 @@ func TestGitHubHooksFailedPrepareLeavesNothing(t *testing.T) {
 	require.Empty(t, socks, "no socket directory")
 	out, err := exec.Command("pgrep", "-u", hookShareUser, "virtiofsd").CombinedOutput()
 	require.Error(t, err, "no virtiofsd of the share user runs: %s", out)
+	out, err = exec.Command("pgrep", "-u", "1200000000", "virtiofsd").CombinedOutput()
+	require.Error(t, err, "no virtiofsd of the externals (a subordinate id of the share user) runs: %s", out)
 }
