@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -97,7 +96,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config) error {
 	case ghhooks.CleanupJob:
 		return h.cleanup(ctx, in)
 	case ghhooks.RunContainerStep:
-		return errors.New("run_container_step: container steps (a step's `uses: docker://...` or a Docker action) are not supported by libvirt-executor-hooks yet")
+		return h.containerStep(ctx, in)
 	}
 	return fmt.Errorf("command %q is not handled", in.Command)
 }
@@ -144,15 +143,15 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		return err
 	}
 	c := args.Container
-	if len(args.Services) > 0 {
-		return fmt.Errorf("services: this job has %d service containers; libvirt-executor-hooks does not start services yet (docs/github-hooks.md)", len(args.Services))
-	}
-	if len(c.PortMappings) > 0 {
-		return errors.New("container.portMappings: libvirt-executor-hooks does not map a job container's ports yet (docs/github-hooks.md)")
-	}
 	createArgs, err := h.opts.CreateArgs("container", c.CreateOptions)
 	if err != nil {
 		return err
+	}
+	svcArgs := make([][]string, len(args.Services))
+	for i, s := range args.Services {
+		if svcArgs[i], err = h.opts.CreateArgs(fmt.Sprintf("services[%d]", i), s.CreateOptions); err != nil {
+			return err
+		}
 	}
 	img, ok := h.cfg.Images[h.g.VMImage]
 	if !ok {
@@ -239,9 +238,16 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	}
 	st.Path = path
 	var resp ghhooks.Response
-	resp.State = st
 	resp.Context.Container = ghhooks.ContainerContext{ID: id2, Network: st.Network}
-	resp.Context.Services = []ghhooks.ServiceContext{}
+	if len(c.PortMappings) > 0 {
+		if resp.Context.Container.Ports, err = h.ports(ctx, g, st.Container); err != nil {
+			return err
+		}
+	}
+	if resp.Context.Services, err = h.startServices(ctx, g, args.Services, svcArgs, &st); err != nil {
+		return err
+	}
+	resp.State = st
 	resp.IsAlpine = alpine
 	if err := ghhooks.WriteResponse(h.g.WorkDir, *in.ResponseFile, &resp); err != nil {
 		return err
@@ -280,33 +286,7 @@ func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Containe
 	}
 	h.say("Pulled %s in the VM in %s", ref.String(), vm.Round(time.Since(t)))
 
-	argv := []string{podman, "run", "--detach", "--pull=never", "--name", st.Container, "--label", services.Label, "--network", st.Network}
-	if c.WorkingDir != "" {
-		argv = append(argv, "--workdir", c.WorkingDir)
-	}
-	var env []string
-	for _, k := range slices.Sorted(mapsKeys(c.Env)) {
-		if k == "PATH" {
-			argv = append(argv, "--env", "PATH="+c.Env[k])
-			continue
-		}
-		argv = append(argv, "--env", k)
-		env = append(env, k+"="+c.Env[k])
-	}
-	for _, m := range append(slices.Clone(c.SystemMounts), c.UserMounts...) {
-		src := ghhooks.HostPath(m.Source)
-		if !filepath.IsAbs(src) {
-			// a named volume, made in the VM
-			argv = append(argv, "--mount", "type=volume,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
-			continue
-		}
-		if !h.underWork(src) {
-			h.say("Not mounted in the job container: %s at %s (only %s is shared with the VM)", src, m.Target, h.g.WorkDir)
-			continue
-		}
-		argv = append(argv, "--mount", "type=bind,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
-	}
-	argv = append(argv, createArgs...)
+	argv, env := h.runArgv([]string{podman, "run", "--detach", "--pull=never"}, c, st.Container, st.Network, nil, createArgs)
 	ep := []string{"sh", "-c", `trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done`}
 	var cmd []string
 	if c.EntryPoint != nil && *c.EntryPoint != "" {
