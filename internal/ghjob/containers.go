@@ -252,15 +252,15 @@ func (h *hook) runStep(ctx context.Context, g *guest, st *ghhooks.State, c *ghho
 		if ref, err = services.ParseRef(tag); err != nil {
 			return err
 		}
-		built = ref.String()
 		h.say("Building the step's image from %s in the VM", *c.Dockerfile)
-		code, err := g.c.Exec(ctx, g.wrap(buildArgv(*c.Dockerfile, built), nil), nil, nil, h.e.Stderr, h.e.Stderr)
+		code, err := g.c.Exec(ctx, g.wrap(buildArgv(*c.Dockerfile, ref.String()), nil), nil, nil, h.e.Stderr, h.e.Stderr)
 		if err != nil {
 			return fmt.Errorf("build the step's image: %w", err)
 		}
 		if code != 0 {
 			return fmt.Errorf("build the step's image from %s failed (exit status %d)", *c.Dockerfile, code)
 		}
+		built = ref.String()
 	} else {
 		if ref, err = services.ParseRef(c.Image); err != nil {
 			return fmt.Errorf("args.image: %w", err)
@@ -297,7 +297,7 @@ func rmArgv(name string) []string {
 }
 
 // rmiArgv removes an image the step built.
-func rmiArgv(ref string) []string { return []string{podman, "rmi", "--force", "--ignore", ref} }
+func rmiArgv(ref string) []string { return []string{podman, "rmi", "--force", ref} }
 
 // cut shortens untrusted text for a message.
 func cut(s string, n int) string {
