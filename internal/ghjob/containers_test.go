@@ -67,9 +67,14 @@ func TestStartServices(t *testing.T) {
 	require.Equal(t, []string{podman, "run", "--detach", "--pull=never", "--name", "lve-gh-1-job-svc-cache", "--label", services.Label,
 		"--network", "lve-gh-1", "--network-alias", "cache", "docker.io/library/alpine:3.19"}, runs[1],
 		"no entry point: the image's own; no ports asked: none read")
+	pulls := 0
 	for _, a := range fg.calls {
 		require.NotEqual(t, []string{podman, "port", "lve-gh-1-job-svc-cache"}, a)
+		if len(a) > 1 && a[1] == "pull" {
+			pulls++
+		}
 	}
+	require.Equal(t, 1, pulls, "two services of one image: one pull")
 
 	// a service that fails to start fails the prepare, naming it
 	_, err = h.startServices(context.Background(), &guest{c: &fakeGuest{fail: podman + " run "}}, svcs[:1], [][]string{nil}, &st)

@@ -107,6 +107,9 @@ type hook struct {
 	g    config.GitHubHooks
 	opts ghhooks.Options
 	say  func(string, ...any)
+	// pulled are the images this call pulled into the job's VM: a
+	// service of the job's image is not pulled twice.
+	pulled map[string]bool
 }
 
 // instance is the instance tag of the hook's machines on this host: one
@@ -323,9 +326,21 @@ func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Containe
 	return id, path, alpine, nil
 }
 
-// pull pulls the job's image; a registry login is written for the pull
-// only (0600, through stdin) and removed after it, also when it failed.
+// pull pulls an image of the job (once per hook call); a registry login
+// is written for the pull only (0600, through stdin) and removed after it,
+// also when it failed.
 func (h *hook) pull(ctx context.Context, g *guest, ref services.Ref, r *ghhooks.Registry) (err error) {
+	if h.pulled[ref.String()] {
+		return nil
+	}
+	defer func() {
+		if err == nil {
+			if h.pulled == nil {
+				h.pulled = map[string]bool{}
+			}
+			h.pulled[ref.String()] = true
+		}
+	}()
 	authFile := ""
 	if r != nil && r.Username != "" {
 		host := ghhooks.RegistryHost(r.ServerURL)

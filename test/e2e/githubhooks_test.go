@@ -68,14 +68,16 @@ func callHook(t *testing.T, exe, cfgPath string, input any) hookResult {
 	cmd.Stdin = bytes.NewReader(b)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
+	began := time.Now()
 	err = cmd.Run()
+	took := time.Since(began)
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
 		code = ee.ExitCode()
 	} else {
 		require.NoError(t, err)
 	}
-	t.Logf("hook %v: exit %d\nstdout:\n%s\nstderr:\n%s", input.(map[string]any)["command"], code, out.String(), errb.String())
+	t.Logf("hook %v: exit %d in %s\nstdout:\n%s\nstderr:\n%s", input.(map[string]any)["command"], code, took.Round(time.Millisecond), out.String(), errb.String())
 	return hookResult{code: code, stdout: out.String(), stderr: errb.String()}
 }
 
