@@ -51,6 +51,10 @@ type GitHubHooks struct {
 	// sweep removes it after that and timeouts.job_slack). Default "6h",
 	// allowed 1m to 120h.
 	JobTimeout Duration `toml:"job_timeout"`
+	// AllowBuild lets a container step build its image from a Dockerfile
+	// in WorkDir (podman build in the job's VM). Default false: a
+	// Dockerfile's FROM and RUN are not held to AllowedImages.
+	AllowBuild bool `toml:"allow_build"`
 }
 
 // Enabled says whether the hook may run: a VM image is named.

@@ -54,6 +54,7 @@ type ServiceContext struct {
 	ContextName string            `json:"contextName"`
 	Image       string            `json:"image"`
 	ID          string            `json:"id"`
+	Network     string            `json:"network,omitempty"`
 	Ports       map[string]string `json:"ports,omitempty"`
 }
 

@@ -21,7 +21,6 @@ import (
 	"io"
 	"log/slog"
 	"os"
-	"path/filepath"
 	"slices"
 	"strconv"
 	"strings"
@@ -102,7 +101,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config) error {
 	case ghhooks.CleanupJob:
 		return h.cleanup(ctx, in)
 	case ghhooks.RunContainerStep:
-		return errors.New("run_container_step: container steps (a step's `uses: docker://...` or a Docker action) are not supported by libvirt-executor-hooks yet")
+		return h.containerStep(ctx, in)
 	}
 	return fmt.Errorf("command %q is not handled", in.Command)
 }
@@ -114,8 +113,12 @@ type hook struct {
 	opts ghhooks.Options
 	say  func(string, ...any)
 	// extShared: the runner's externals are in the job's VM, read-only
-	// (prepare_job shared them).
+	// (prepare_job shared them; a later call reads it from the share's
+	// record).
 	extShared bool
+	// pulled are the images this call pulled into the job's VM: a
+	// service of the job's image is not pulled twice.
+	pulled map[string]bool
 }
 
 // instance is the instance tag of the hook's machines on this host: one
@@ -152,15 +155,15 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		return err
 	}
 	c := args.Container
-	if len(args.Services) > 0 {
-		return fmt.Errorf("services: this job has %d service containers; libvirt-executor-hooks does not start services yet (docs/github-hooks.md)", len(args.Services))
-	}
-	if len(c.PortMappings) > 0 {
-		return errors.New("container.portMappings: libvirt-executor-hooks does not map a job container's ports yet (docs/github-hooks.md)")
-	}
 	createArgs, err := h.opts.CreateArgs("container", c.CreateOptions)
 	if err != nil {
 		return err
+	}
+	svcArgs := make([][]string, len(args.Services))
+	for i, s := range args.Services {
+		if svcArgs[i], err = h.opts.CreateArgs(fmt.Sprintf("services[%d]", i), s.CreateOptions); err != nil {
+			return err
+		}
 	}
 	img, ok := h.cfg.Images[h.g.VMImage]
 	if !ok {
@@ -277,9 +280,16 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	}
 	st.Path = path
 	var resp ghhooks.Response
-	resp.State = st
 	resp.Context.Container = ghhooks.ContainerContext{ID: id2, Network: st.Network}
-	resp.Context.Services = []ghhooks.ServiceContext{}
+	if len(c.PortMappings) > 0 {
+		if resp.Context.Container.Ports, err = h.ports(ctx, g, st.Container); err != nil {
+			return err
+		}
+	}
+	if resp.Context.Services, err = h.startServices(ctx, g, args.Services, svcArgs, &st); err != nil {
+		return err
+	}
+	resp.State = st
 	resp.IsAlpine = alpine
 	if err := ghhooks.WriteResponse(h.g.WorkDir, *in.ResponseFile, &resp); err != nil {
 		return err
@@ -318,34 +328,7 @@ func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Containe
 	}
 	h.say("Pulled %s in the VM in %s", ref.String(), vm.Round(time.Since(t)))
 
-	argv := []string{podman, "run", "--detach", "--pull=never", "--name", st.Container, "--label", services.Label, "--network", st.Network}
-	if c.WorkingDir != "" {
-		argv = append(argv, "--workdir", c.WorkingDir)
-	}
-	var env []string
-	for _, k := range slices.Sorted(mapsKeys(c.Env)) {
-		if k == "PATH" {
-			argv = append(argv, "--env", "PATH="+c.Env[k])
-			continue
-		}
-		argv = append(argv, "--env", k)
-		env = append(env, k+"="+c.Env[k])
-	}
-	for _, m := range append(slices.Clone(c.SystemMounts), c.UserMounts...) {
-		src := ghhooks.HostPath(m.Source)
-		if !filepath.IsAbs(src) {
-			// a named volume, made in the VM
-			argv = append(argv, "--mount", "type=volume,source="+src+",destination="+m.Target+roOpt(m.ReadOnly))
-			continue
-		}
-		shared, ro := h.inVM(src)
-		if !shared {
-			h.say("Not mounted in the job container: %s at %s (not shared with the VM)", src, m.Target)
-			continue
-		}
-		argv = append(argv, "--mount", "type=bind,source="+src+",destination="+m.Target+roOpt(m.ReadOnly || ro))
-	}
-	argv = append(argv, createArgs...)
+	argv, env := h.runArgv([]string{podman, "run", "--detach", "--pull=never"}, c, st.Container, st.Network, nil, createArgs)
 	ep := []string{"sh", "-c", `trap 'exit 0' TERM INT; while :; do sleep 3600 & wait $!; done`}
 	var cmd []string
 	if c.EntryPoint != nil && *c.EntryPoint != "" {
@@ -382,9 +365,21 @@ func (h *hook) startContainer(ctx context.Context, g *guest, c *ghhooks.Containe
 	return id, path, alpine, nil
 }
 
-// pull pulls the job's image; a registry login is written for the pull
-// only (0600, through stdin) and removed after it, also when it failed.
+// pull pulls an image of the job (once per hook call); a registry login
+// is written for the pull only (0600, through stdin) and removed after it,
+// also when it failed.
 func (h *hook) pull(ctx context.Context, g *guest, ref services.Ref, r *ghhooks.Registry) (err error) {
+	if h.pulled[ref.String()] {
+		return nil
+	}
+	defer func() {
+		if err == nil {
+			if h.pulled == nil {
+				h.pulled = map[string]bool{}
+			}
+			h.pulled[ref.String()] = true
+		}
+	}()
 	authFile := ""
 	if r != nil && r.Username != "" {
 		host := ghhooks.RegistryHost(r.ServerURL)

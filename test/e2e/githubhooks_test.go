@@ -7,6 +7,9 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
+	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"os/user"
@@ -66,14 +69,16 @@ func callHook(t *testing.T, exe, cfgPath string, input any) hookResult {
 	cmd.Stdin = bytes.NewReader(b)
 	var out, errb bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &errb
+	began := time.Now()
 	err = cmd.Run()
+	took := time.Since(began)
 	code := 0
 	if ee, ok := err.(*exec.ExitError); ok {
 		code = ee.ExitCode()
 	} else {
 		require.NoError(t, err)
 	}
-	t.Logf("hook %v: exit %d\nstdout:\n%s\nstderr:\n%s", input.(map[string]any)["command"], code, out.String(), errb.String())
+	t.Logf("hook %v: exit %d in %s\nstdout:\n%s\nstderr:\n%s", input.(map[string]any)["command"], code, took.Round(time.Millisecond), out.String(), errb.String())
 	return hookResult{code: code, stdout: out.String(), stderr: errb.String()}
 }
 
@@ -89,6 +94,17 @@ func callHook(t *testing.T, exe, cfgPath string, input any) hookResult {
 //     the checkout the runner made on the host and writes a file the host
 //     then sees (owned by the share user, not root), the second exits 3
 //     and so does the hook, the third sees the first's file;
+//   - a service container (the test image's HTTP server, contextName db,
+//     a port published where podman picks) and a job container port at
+//     VM port 8080: the response names both with their ports; a script
+//     step reaches the service as db; the service answers at the VM's
+//     address and the port the response names;
+//   - three run_container_step calls (the checkout mounted as the runner
+//     mounts it): the first (an allowed image) reaches the service, sees
+//     its variables (the step's and one of its options) and writes a file
+//     the host then sees; the second exits 5 and so does the hook; the
+//     third runs an image built in the VM from a Dockerfile in the
+//     checkout (allow_build); no step's container or built image is left;
 //   - cleanup_job twice: both succeed, and no domain, volume, machine
 //     state, share record, socket directory or virtiofsd is left.
 //
@@ -156,6 +172,7 @@ work_dir = %q
 share_user = %q
 runtime_dir = "/run/lve-e2e-hooks"
 job_timeout = "30m"
+allow_build = true
 `, reg.Host, reg.Host, work, hookShareUser)
 	})
 	return &hookSetup{r: r, work: work, ext: ext, uid: uid, gid: gid, hook: filepath.Join(r.bin, "libvirt-executor-hooks"), checkout: checkout}
@@ -220,22 +237,53 @@ func TestGitHubHooks(t *testing.T) {
 	hs := newHookSetup(t)
 	r, work, uid, hook, checkout := hs.r, hs.work, hs.uid, hs.hook, hs.checkout
 	resp := filepath.Join(work, "_temp/_runner_hook_responses/prepare.json")
+	in := hs.prepareInput(resp)
+	// A service (the test image's HTTP server) reached by its contextName,
+	// its port published on the VM where podman picks, and one of the job
+	// container's at a port asked for.
+	args := in["args"].(map[string]any)
+	args["container"].(map[string]any)["portMappings"] = []string{"8080:80"}
+	args["services"] = []any{map[string]any{
+		"contextName": "db", "image": "alpine:3.19", "entryPoint": "/bin/svcserver", "entryPointArgs": []string{},
+		"createOptions": "--hostname db-host", "environmentVariables": map[string]string{"MARKER": "svc-marker"},
+		"userMountVolumes": []any{}, "systemMountVolumes": []any{}, "registry": nil, "portMappings": []string{"5432"},
+	}}
 	began := time.Now()
-	prep := callHook(t, hook, r.cfgPath, hs.prepareInput(resp))
+	prep := callHook(t, hook, r.cfgPath, in)
 	require.Equal(t, 0, prep.code, "prepare_job")
 	t.Logf("prepare_job took %s (cold)", time.Since(began))
 	b, err := os.ReadFile(resp)
 	require.NoError(t, err)
+	type ctxContainer struct {
+		ContextName, Image, ID, Network string
+		Ports                           map[string]string
+	}
 	var answer struct {
 		State   map[string]any `json:"state"`
 		Context struct {
-			Container struct{ ID, Network string } `json:"container"`
+			Container ctxContainer   `json:"container"`
+			Services  []ctxContainer `json:"services"`
 		} `json:"context"`
 		IsAlpine *bool `json:"isAlpine"`
 	}
 	require.NoError(t, json.Unmarshal(b, &answer))
+	require.Equal(t, map[string]string{"80": "8080"}, answer.Context.Container.Ports, "the job container's port at the VM's port asked for")
+	require.Len(t, answer.Context.Services, 1)
+	svc := answer.Context.Services[0]
+	require.Equal(t, "db", svc.ContextName)
+	require.NotEmpty(t, svc.ID)
+	require.Equal(t, answer.Context.Container.Network, svc.Network)
+	require.Contains(t, svc.Ports, "5432", "the service's port is reported: %v", svc.Ports)
+	vmPort := svc.Ports["5432"]
+	require.Regexp(t, `^[0-9]+$`, vmPort)
 	machine, _ := answer.State["machine"].(string)
 	require.True(t, strings.HasPrefix(machine, r.cfg.NamePrefix+"-"), "the state names the job's VM: %v", answer.State)
+	cleaned := false
+	t.Cleanup(func() {
+		if !cleaned { // a failed test: its job goes, virtiofsd and all
+			callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
+		}
+	})
 	require.NotEmpty(t, answer.Context.Container.ID)
 	require.NotEmpty(t, answer.Context.Container.Network)
 	require.NotNil(t, answer.IsAlpine)
@@ -304,15 +352,15 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	require.NotContains(t, node.stdout, "planted")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	rec, cl, err := r.manager(t).Manager().Machine(machine).Connect(ctx)
+	mrec, mcl, err := r.manager(t).Manager().Machine(machine).Connect(ctx)
 	require.NoError(t, err)
-	defer cl.Close()
+	defer mcl.Close()
 	sudo := "sudo -n "
-	if rec.User == "root" {
+	if mrec.User == "root" {
 		sudo = ""
 	}
 	attack := sudo + "sh -c 'mount -o remount,rw " + hs.ext + "; grep \" " + hs.ext + " \" /proc/mounts; echo planted > " + hs.ext + "/planted; echo x >> " + hs.ext + "/node20/bin/node; true' 2>&1"
-	aout, err := cl.Output(ctx, attack)
+	aout, err := mcl.Output(ctx, attack)
 	require.NoError(t, err)
 	t.Logf("a root guest writing to the externals: %s", aout)
 	require.Regexp(t, `virtiofs rw[, ]`, string(aout), "the guest's root made its mount writable: only the host stops the writes")
@@ -322,11 +370,94 @@ echo "written in the VM" > /__w/repo/repo/out.txt
 	require.NoError(t, err)
 	require.NotContains(t, string(nb), "\nx\n", "a root guest cannot change the runner's node")
 
+	// The service by its contextName, from the job container (the
+	// network's DNS); the server may take a moment after its start.
+	svcStep := step("for i in 1 2 3 4 5 6 7 8 9 10; do svcserver get http://db:5432/ && exit 0; sleep 1; done; exit 1\n", nil)
+	require.Equal(t, 0, svcStep.code)
+	require.Contains(t, svcStep.stdout, "marker=svc-marker", "the job container reaches the service by its contextName")
+
+	// The service's port as published on the VM answers there, from the
+	// VM's network (the test's side of it).
+	var rec struct {
+		Address string `json:"address"`
+	}
+	rb, err := os.ReadFile(filepath.Join(r.cfg.StateDir, "machines", machine, "machine.json"))
+	require.NoError(t, err)
+	require.NoError(t, json.Unmarshal(rb, &rec))
+	hc := &http.Client{Timeout: 30 * time.Second, Transport: &http.Transport{Proxy: nil}}
+	hr, err := hc.Get("http://" + net.JoinHostPort(rec.Address, vmPort) + "/")
+	require.NoError(t, err, "the service's published port on the VM")
+	hb, err := io.ReadAll(hr.Body)
+	_ = hr.Body.Close()
+	require.NoError(t, err)
+	require.Contains(t, string(hb), "marker=svc-marker", "the service answers at the VM's port the response names")
+	c := dialMachine(t, r, machine)
+	vctx, vcancel := context.WithTimeout(context.Background(), 10*time.Minute)
+	defer vcancel()
+	// (stdout and stderr in buffers of their own: two copies into one
+	// bytes.Buffer race)
+	var got, gotErr bytes.Buffer
+
+	// Container steps: a one-off container of an allowed image on the
+	// job's network, the checkout mounted as the runner mounts it.
+	cstep := func(script string, env map[string]string, dockerfile ...string) hookResult {
+		image, df := any("alpine:3.19"), any(nil)
+		if len(dockerfile) > 0 {
+			image, df = "", dockerfile[0]
+		}
+		return callHook(t, hook, r.cfgPath, map[string]any{
+			"command": "run_container_step", "responseFile": nil, "state": answer.State,
+			"args": map[string]any{
+				"image": image, "dockerfile": df, "entryPoint": "sh", "entryPointArgs": []string{"-c", script},
+				"workingDirectory": "/github/workspace", "createOptions": "--env OPT_VAR=from-options",
+				"environmentVariables": env, "prependPath": []string{}, "portMappings": []string{},
+				"systemMountVolumes": []map[string]any{
+					{"sourceVolumePath": "/var/run/docker.sock", "targetVolumePath": "/var/run/docker.sock", "readOnly": false},
+					{"sourceVolumePath": work + "/repo/repo", "targetVolumePath": "/github/workspace", "readOnly": false},
+					{"sourceVolumePath": hs.ext, "targetVolumePath": "/__e", "readOnly": true},
+				},
+				"userMountVolumes": []any{}, "registry": nil,
+			},
+		})
+	}
+	cs := cstep(`echo "container step in $(pwd) with $STEP_VAR and $OPT_VAR"; svcserver get http://db:5432/; echo "$STEP_VAR" > step.txt`,
+		map[string]string{"STEP_VAR": "step-value"})
+	require.Equal(t, 0, cs.code)
+	require.Contains(t, cs.stdout, "container step in /github/workspace with step-value and from-options", "the step's output streams through the hook")
+	require.Contains(t, cs.stdout, "marker=svc-marker", "a container step is on the job's network")
+	out, err = os.ReadFile(filepath.Join(work, "repo/repo/step.txt"))
+	require.NoError(t, err, "the container step's file is in the runner's _work")
+	require.Equal(t, "step-value\n", string(out))
+	failed := cstep("echo failing; exit 5", nil)
+	require.Equal(t, 5, failed.code, "the container's status is the hook's")
+	require.Contains(t, failed.stdout, "failing")
+	// A step built from a Dockerfile in the checkout (allow_build), in the
+	// VM, FROM an allowed image through the same mirror.
+	df := filepath.Join(work, "repo/repo/action/Dockerfile")
+	require.NoError(t, os.MkdirAll(filepath.Dir(df), 0o755))
+	require.NoError(t, os.WriteFile(df, []byte("FROM alpine:3.19\nRUN echo built in the VM > /built.txt\n"), 0o644))
+	require.NoError(t, os.Chown(filepath.Dir(df), uid, hs.gid))
+	require.NoError(t, os.Chown(df, uid, hs.gid))
+	bs := cstep("cat /built.txt", nil, df)
+	require.Equal(t, 0, bs.code)
+	require.Contains(t, bs.stdout, "built in the VM")
+	code, err := c.Exec(vctx, []string{"podman", "ps", "--all", "--format", "{{.Names}}"}, nil, nil, &got, &gotErr)
+	require.NoError(t, err)
+	require.Equal(t, 0, code, "%s", gotErr.String())
+	require.ElementsMatch(t, []string{answer.State["container"].(string), answer.State["container"].(string) + "-svc-db"}, strings.Fields(got.String()),
+		"the container steps' containers are gone; the job's and the service's remain")
+	got.Reset()
+	code, err = c.Exec(vctx, []string{"podman", "images", "--format", "{{.Repository}}"}, nil, nil, &got, &gotErr)
+	require.NoError(t, err)
+	require.Equal(t, 0, code, "%s", gotErr.String())
+	require.NotContains(t, got.String(), "-step-", "the built image is gone")
+
 	for i, want := range []string{"Removed the job's VM " + machine, "The job's VM " + machine + " was released before"} {
 		c := callHook(t, hook, r.cfgPath, map[string]any{"command": "cleanup_job", "responseFile": nil, "state": answer.State, "args": map[string]any{}})
 		require.Equal(t, 0, c.code, "cleanup_job #%d", i+1)
 		require.Contains(t, c.stderr, want)
 	}
+	cleaned = true
 	r.requireNoLeftovers(t, "after cleanup_job")
 	hs.requireShareGone(t, machine, share)
 }
@@ -344,9 +475,11 @@ func processGone(pid int) bool {
 
 // TestGitHubHooksSweep: a runner that never calls cleanup_job. prepare_job
 // runs under a stand-in for the runner's worker (a script named
-// Runner.Worker): the share record names it; a sweep while it runs leaves
-// the job alone; once it is killed, the next sweep (libvirt-executor gc)
-// removes the VM and stops virtiofsd, and nothing of the job is left.
+// Runner.Worker): the share record names it; a step's hook is killed
+// (SIGKILL) in the middle of a long step; a sweep while the worker runs
+// leaves the job alone; once the worker is killed, the next sweep
+// (libvirt-executor gc) removes the VM and stops virtiofsd, and nothing of
+// the job is left.
 //
 // It is also the warm start: the pool service keeps one idle VM of the
 // hook's image (booted with shared memory), and prepare_job claims it and
@@ -398,13 +531,56 @@ func TestGitHubHooksSweep(t *testing.T) {
 	b, err = os.ReadFile(resp)
 	require.NoError(t, err)
 	var answer struct {
-		State struct{ Machine string } `json:"state"`
+		State map[string]any `json:"state"`
 	}
 	require.NoError(t, json.Unmarshal(b, &answer))
-	machine := answer.State.Machine
+	machine, _ := answer.State["machine"].(string)
 	share := hs.share(t, machine)
 	require.Equal(t, cmd.Process.Pid, share.RunnerPID, "the record names the runner's worker")
 	require.NotEqual(t, machine, share.VM, "the record names the claimed standby VM that serves the job")
+
+	// SIGKILL of the hook in the middle of a long step: the step's hook
+	// is gone, the job's VM is not, until the sweep.
+	require.NoError(t, os.WriteFile(filepath.Join(hs.work, "_temp", "long.sh"), []byte("echo long step started\nsleep 600\n"), 0o644))
+	sb, err := json.Marshal(map[string]any{
+		"command": "run_script_step", "responseFile": nil, "state": answer.State,
+		"args": map[string]any{"entryPoint": "sh", "entryPointArgs": []string{"-e", "/__w/_temp/long.sh"},
+			"environmentVariables": map[string]string{}, "prependPath": []string{}, "workingDirectory": "/__w/repo/repo"},
+	})
+	require.NoError(t, err)
+	stepCmd := exec.Command(hs.hook)
+	stepCmd.Env = cmd.Env
+	stepCmd.Stdin = bytes.NewReader(sb)
+	pr, pw, err := os.Pipe()
+	require.NoError(t, err)
+	stepCmd.Stdout, stepCmd.Stderr = pw, pw
+	require.NoError(t, stepCmd.Start())
+	require.NoError(t, pw.Close())
+	started := make(chan string, 1)
+	go func() {
+		var seen bytes.Buffer
+		buf := make([]byte, 4096)
+		for {
+			n, rerr := pr.Read(buf)
+			seen.Write(buf[:n])
+			if strings.Contains(seen.String(), "long step started") || rerr != nil {
+				started <- seen.String()
+				return
+			}
+		}
+	}()
+	select {
+	case got := <-started:
+		require.Contains(t, got, "long step started", "the long step runs")
+	case <-time.After(3 * time.Minute):
+		_ = stepCmd.Process.Kill()
+		t.Fatal("the long step did not start within 3 minutes")
+	}
+	require.NoError(t, stepCmd.Process.Signal(syscall.SIGKILL))
+	werr := stepCmd.Wait()
+	_ = pr.Close()
+	require.Error(t, werr, "the hook was killed mid-step")
+	t.Logf("the step's hook killed mid-step: %v", werr)
 
 	out, err := r.admin("gc").CombinedOutput()
 	require.NoError(t, err, "gc: %s", out)

@@ -312,6 +312,10 @@ func pushOCIImage(t *testing.T, host, repo, tag string, layer []byte, ic ocispec
 		Platform: ocispec.Platform{Architecture: "amd64", OS: "linux"},
 		Config:   ic,
 		RootFS:   ocispec.RootFS{Type: "layers", DiffIDs: []digest.Digest{digest.FromBytes(layer)}},
+		// One history entry for the layer, as a built image has: podman
+		// build (buildah) cannot commit a step on a base image whose
+		// history lists fewer layers than it has.
+		History: []ocispec.History{{CreatedBy: "the libvirt-executor e2e test's layer"}},
 	})
 	require.NoError(t, err)
 
