@@ -27,8 +27,8 @@ type GitHubHooks struct {
 	WorkDir string `toml:"work_dir"`
 	// ExternalsDir is the runner's externals directory (a job container's
 	// mount the runner always asks for). Default: "externals" beside
-	// WorkDir, as the runner lays them out. Not shared into the VM yet:
-	// its mounts are left out of the job container.
+	// WorkDir, as the runner lays them out. Shared into the job's VM
+	// read-only at the same path (a virtiofsd of its own).
 	ExternalsDir string `toml:"externals_dir"`
 	// ShareUser is the host user virtiofsd runs as, in a user namespace
 	// of its own where it is root and its subordinate ids (/etc/subuid,
@@ -55,6 +55,11 @@ type GitHubHooks struct {
 	// in WorkDir (podman build in the job's VM). Default false: a
 	// Dockerfile's FROM and RUN are not held to AllowedImages.
 	AllowBuild bool `toml:"allow_build"`
+	// HealthTimeout bounds the wait, per service container with a health
+	// check of its own, for it to answer healthy before prepare_job
+	// answers (the runner's Docker hook waits too): one still unhealthy
+	// then fails the job. Default "2m", allowed 1s to 30m.
+	HealthTimeout Duration `toml:"health_timeout"`
 }
 
 // Enabled says whether the hook may run: a VM image is named.
@@ -77,6 +82,9 @@ func (g *GitHubHooks) applyDefaults() {
 	}
 	if g.JobTimeout == 0 {
 		g.JobTimeout = Duration(6 * time.Hour)
+	}
+	if g.HealthTimeout == 0 {
+		g.HealthTimeout = Duration(2 * time.Minute)
 	}
 }
 
@@ -108,5 +116,8 @@ func (g GitHubHooks) validate(p *problems, images []string) {
 	}
 	if d := g.JobTimeout.D(); d < time.Minute || d > 120*time.Hour {
 		p.bad("github_hooks.job_timeout", "%s must be 1m to 120h", d)
+	}
+	if d := g.HealthTimeout.D(); d < time.Second || d > 30*time.Minute {
+		p.bad("github_hooks.health_timeout", "%s must be 1s to 30m", d)
 	}
 }

@@ -174,7 +174,55 @@ func (h *hook) startServices(ctx context.Context, g *guest, svcs []ghhooks.Conta
 		out = append(out, sc)
 		h.say("Started the service %s (%s) in %s", s.ContextName, ref.String(), vm.Round(time.Since(t)))
 	}
+	// All started, each may now take its time to become healthy.
+	for i := range svcs {
+		if err := h.waitHealthy(ctx, g, svcs[i].ContextName, st.Services[svcs[i].ContextName]); err != nil {
+			return nil, err
+		}
+	}
 	return out, nil
+}
+
+// healthPoll is how often waitHealthy runs a service's health check.
+const healthPoll = time.Second
+
+// waitHealthy waits until the service container name (the job's service
+// contextName) answers its health check (podman healthcheck run: its
+// createOptions' --health-cmd, else the image's HEALTHCHECK), as the
+// runner's Docker hook waits before prepare_job answers; at most
+// github_hooks.health_timeout. A service without a health check is not
+// waited for; one still unhealthy then fails, with its check's answer.
+func (h *hook) waitHealthy(ctx context.Context, g *guest, contextName, name string) error {
+	t := time.Now()
+	deadline := t.Add(h.g.HealthTimeout.D())
+	for tries := 1; ; tries++ {
+		code, out, errText, err := g.exec(ctx, []string{podman, "healthcheck", "run", name}, nil, nil)
+		if err != nil {
+			return fmt.Errorf("the health check of the service %s: %w", contextName, err)
+		}
+		switch {
+		case code == 0:
+			if tries > 1 {
+				h.say("The service %s is healthy after %s (%d checks)", contextName, vm.Round(time.Since(t)), tries)
+			} else {
+				h.say("The service %s is healthy", contextName)
+			}
+			return nil
+		case code == 125 && strings.Contains(strings.ToLower(errText), "no defined healthcheck"):
+			return nil
+		case code != 1:
+			return fmt.Errorf("the health check of the service %s failed (exit status %d): %s", contextName, code, strconv.Quote(errText))
+		}
+		if !time.Now().Add(healthPoll).Before(deadline) {
+			return fmt.Errorf("the service %s is not healthy after %s (github_hooks.health_timeout; %d checks, the last said %s)",
+				contextName, vm.Round(time.Since(t)), tries, strconv.Quote(strings.TrimSpace(string(out)+" "+errText)))
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("waiting for the service %s to be healthy: %w", contextName, context.Cause(ctx))
+		case <-time.After(healthPoll):
+		}
+	}
 }
 
 // stepName is a fresh name for a container step's container (and its

@@ -4,9 +4,11 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -150,4 +152,58 @@ func TestRunStep(t *testing.T) {
 	err = h.runStep(context.Background(), &guest{c: sg}, st, &ghhooks.Container{Image: "alpine:3.19"}, nil)
 	require.ErrorContains(t, err, "connection lost")
 	require.False(t, errors.As(err, &ee))
+}
+
+// healthGuest answers podman healthcheck run NAME from a list of exit
+// statuses per container (the last one repeats), every other command 0.
+type healthGuest struct {
+	fakeGuest
+	codes map[string][]int
+	runs  map[string]int
+}
+
+func (g *healthGuest) Exec(ctx context.Context, argv, env []string, stdin io.Reader, stdout, stderr io.Writer) (int, error) {
+	if len(argv) == 4 && argv[1] == "healthcheck" && argv[2] == "run" {
+		g.mu.Lock()
+		defer g.mu.Unlock()
+		cs, ok := g.codes[argv[3]]
+		if !ok {
+			_, _ = io.WriteString(stderr, "Error: container "+argv[3]+" has no defined healthcheck")
+			return 125, nil
+		}
+		i := min(g.runs[argv[3]], len(cs)-1)
+		g.runs[argv[3]]++
+		if cs[i] == 1 {
+			_, _ = io.WriteString(stdout, "unhealthy\n")
+		}
+		return cs[i], nil
+	}
+	return g.fakeGuest.Exec(ctx, argv, env, stdin, stdout, stderr)
+}
+
+// prepare_job waits for each service with a health check to be healthy
+// (as the Docker hook does), not for one without; one that stays
+// unhealthy fails it, saying so.
+func TestStartServicesWaitsForHealth(t *testing.T) {
+	var said []string
+	h := &hook{g: config.GitHubHooks{WorkDir: "/home/runner/_work", HealthTimeout: config.Duration(30 * time.Second)},
+		say: func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }}
+	svcs := []ghhooks.Container{{ContextName: "db", Image: "alpine:3.19"}, {ContextName: "cache", Image: "alpine:3.19"}}
+	st := ghhooks.State{Network: "lve-gh-1", Container: "lve-gh-1-job"}
+	g := &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {1, 1, 0}}, runs: map[string]int{}}
+	_, err := h.startServices(context.Background(), &guest{c: g}, svcs, [][]string{nil, nil}, &st)
+	require.NoError(t, err)
+	require.Equal(t, 3, g.runs["lve-gh-1-job-svc-db"], "checked until healthy")
+	require.Contains(t, strings.Join(said, "\n"), "The service db is healthy after")
+	require.NotContains(t, strings.Join(said, "\n"), "The service cache is healthy", "no health check: not waited for")
+
+	h.g.HealthTimeout = config.Duration(1500 * time.Millisecond)
+	g = &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {1}}, runs: map[string]int{}}
+	_, err = h.startServices(context.Background(), &guest{c: g}, svcs[:1], [][]string{nil}, &st)
+	require.ErrorContains(t, err, "the service db is not healthy after")
+	require.ErrorContains(t, err, `github_hooks.health_timeout; 2 checks, the last said "unhealthy"`)
+
+	g = &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {2}}, runs: map[string]int{}}
+	_, err = h.startServices(context.Background(), &guest{c: g}, svcs[:1], [][]string{nil}, &st)
+	require.ErrorContains(t, err, "the health check of the service db failed (exit status 2)")
 }

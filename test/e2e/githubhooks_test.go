@@ -245,8 +245,9 @@ func TestGitHubHooks(t *testing.T) {
 	args["container"].(map[string]any)["portMappings"] = []string{"8080:80"}
 	args["services"] = []any{map[string]any{
 		"contextName": "db", "image": "alpine:3.19", "entryPoint": "/bin/svcserver", "entryPointArgs": []string{},
-		"createOptions": "--hostname db-host", "environmentVariables": map[string]string{"MARKER": "svc-marker"},
-		"userMountVolumes": []any{}, "systemMountVolumes": []any{}, "registry": nil, "portMappings": []string{"5432"},
+		"createOptions":        `--hostname db-host --health-cmd "/bin/svcserver get http://127.0.0.1:5432/"`,
+		"environmentVariables": map[string]string{"MARKER": "svc-marker"},
+		"userMountVolumes":     []any{}, "systemMountVolumes": []any{}, "registry": nil, "portMappings": []string{"5432"},
 	}}
 	began := time.Now()
 	prep := callHook(t, hook, r.cfgPath, in)
@@ -289,6 +290,7 @@ func TestGitHubHooks(t *testing.T) {
 	require.NotNil(t, answer.IsAlpine)
 	require.False(t, *answer.IsAlpine, "the busybox image has no /etc/os-release of Alpine")
 	require.Contains(t, prep.stderr, "Mounted "+work+" in the VM at the same path (virtiofs)")
+	require.Regexp(t, `The service db is healthy`, prep.stderr, "prepare_job waited for the service's health check")
 
 	// The job's virtiofsd: recorded, running as the share user.
 	share := hs.share(t, machine)
