@@ -27,6 +27,9 @@ share_user = "runner"
 	require.Equal(t, "/usr/lib/qemu/virtiofsd", g.Virtiofsd)
 	require.Equal(t, "/run/libvirt-executor-hooks", g.RuntimeDir)
 	require.Equal(t, 6*time.Hour, g.JobTimeout.D())
+	require.Equal(t, 2*time.Minute, g.HealthTimeout.D())
+	require.True(t, c.Images["podman"].SharedMemory, "vm_image's machines boot with shared memory (warm starts)")
+	require.False(t, c.Images["a"].SharedMemory)
 
 	for _, tc := range []struct{ name, toml, want string }{
 		{"unknown vm image", "vm_image = \"nope\"\nwork_dir = \"/w\"",
@@ -38,6 +41,7 @@ share_user = "runner"
 		{"bad user", "share_user = \"Run ner\"", `github_hooks.share_user: "Run ner" is not a user or group name`},
 		{"bad pattern", "allowed_images = [\"no de\"]", `github_hooks.allowed_images: "no de" must be an image name or glob`},
 		{"timeout", "job_timeout = \"200h\"", "github_hooks.job_timeout: 200h0m0s must be 1m to 120h"},
+		{"health timeout", "health_timeout = \"1h\"", "github_hooks.health_timeout: 1h0m0s must be 1s to 30m"},
 		{"unknown key", "images = []", `unknown key "github_hooks.images"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
