@@ -292,11 +292,14 @@ type Image struct {
 	// is loaded), Digest its manifest's digest.
 	Source string `toml:"source"`
 	Digest string `toml:"-"`
-	// SharedMemory: the image's machines boot with shared guest memory, so
-	// that a virtiofs share can be hot-plugged into one (set for
-	// github_hooks.vm_image: its standby machines can then take a hook
-	// job, whose runner's directories they get when claimed).
-	SharedMemory bool `toml:"-"`
+	// SharedMemory: the image's machines boot with shared guest memory
+	// (memfd), so that a virtiofs share can be hot-plugged into one: the
+	// standby machines of github_hooks.vm_image can then take a hook job,
+	// whose runner's directories they get when claimed (a warm start).
+	// Default false: hook jobs on the image boot cold. It is part of the
+	// image's machine spec: every configuration file of the host (the pool
+	// service's, each runner's) must say the same.
+	SharedMemory bool `toml:"shared_memory"`
 	// Format of Base: "qcow2" (default) or "raw".
 	Format string `toml:"format"`
 	// User is the guest account that runs jobs. Default "root". Images using
@@ -704,7 +707,6 @@ func (c *Config) applyDefaults() {
 			continue
 		}
 		img.Name = name
-		img.SharedMemory = c.GitHubHooks.VMImage == name
 		if p := img.Pool; p != nil {
 			if p.MaxIdle == 0 {
 				p.MaxIdle = p.IdleCount

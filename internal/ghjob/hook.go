@@ -121,6 +121,32 @@ type hook struct {
 	pulled map[string]bool
 }
 
+// startShares starts the job's virtiofsd for the work directory and, when
+// the externals directory exists, a read-only one for it (ghshare), and
+// returns the shares for the job's VM.
+func (h *hook) startShares(ctx context.Context, share *ghshare.Share, su *ghshare.User) ([]vm.SharedDir, error) {
+	t := time.Now()
+	if err := ghshare.Start(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+		return nil, err
+	}
+	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.Name, vm.Round(time.Since(t)))
+	dirs := []vm.SharedDir{{Socket: share.Socket(), Tag: WorkTag}}
+	if h.g.ExternalsDir == "" {
+		return dirs, nil
+	}
+	if _, err := os.Stat(h.g.ExternalsDir); errors.Is(err, os.ErrNotExist) {
+		h.say("Not shared with the VM: the runner's externals directory %s does not exist (JavaScript actions need it)", h.g.ExternalsDir)
+		return dirs, nil
+	}
+	t = time.Now()
+	if err := ghshare.StartExternals(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+		return nil, err
+	}
+	h.extShared = true
+	h.say("Started a read-only virtiofsd for %s (as a subordinate id of %s) in %s", h.g.ExternalsDir, su.Name, vm.Round(time.Since(t)))
+	return append(dirs, vm.SharedDir{Socket: share.ExtSocket(), Tag: ExtTag}), nil
+}
+
 // instance is the instance tag of the hook's machines on this host: one
 // runner (its work directory).
 func (h *hook) instance() string { return jobvm.InstanceTag(Frontend, h.g.WorkDir) }
@@ -210,33 +236,39 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 			err = errors.Join(err, fmt.Errorf("stop the job's virtiofsd: %w", serr))
 		}
 	}()
-	t := time.Now()
-	if err := ghshare.Start(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
+	dirs, err := h.startShares(ctx, share, su)
+	if err != nil {
 		return err
 	}
-	h.say("Started virtiofsd for %s (as %s, in a user namespace) in %s", h.g.WorkDir, su.Name, vm.Round(time.Since(t)))
-	dirs := []vm.SharedDir{{Socket: share.Socket(), Tag: WorkTag}}
-	if h.g.ExternalsDir != "" {
-		if _, serr := os.Stat(h.g.ExternalsDir); errors.Is(serr, os.ErrNotExist) {
-			h.say("Not shared with the VM: the runner's externals directory %s does not exist (JavaScript actions need it)", h.g.ExternalsDir)
-		} else {
-			t = time.Now()
-			if err := ghshare.StartExternals(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
-				return err
-			}
-			h.extShared = true
-			dirs = append(dirs, vm.SharedDir{Socket: share.ExtSocket(), Tag: ExtTag})
-			h.say("Started a read-only virtiofsd for %s (as a subordinate id of %s) in %s", h.g.ExternalsDir, su.Name, vm.Round(time.Since(t)))
-		}
-	}
 
-	// Warm when the image's pool has an idle machine (its memory is
-	// shared: the job's directories are hot-plugged into it), else cold.
-	a, err := j.Acquire(ctx, jobvm.AcquireRequest{
-		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: img, Lifetime: h.g.JobTimeout.D(),
+	// Warm when the image's pool has an idle machine with shared memory
+	// (the job's directories are hot-plugged into it), else cold.
+	im := *img
+	if im.Pool != nil && !im.SharedMemory {
+		im.Pool = nil
+		h.say("Cold start: the standby VMs of %s have no shared memory for the job's directories (set shared_memory = true in [images.%s] of every configuration file of this host for warm starts)", img.Name, img.Name)
+	}
+	req := jobvm.AcquireRequest{
+		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(id, 10), Image: &im, Lifetime: h.g.JobTimeout.D(),
 			Dirs: dirs},
 		Size: h.cfg.ImageSize(img), Log: log,
-	})
+	}
+	a, err := j.Acquire(ctx, req)
+	if refused := (*jobvm.SharesRefusedError)(nil); errors.As(err, &refused) {
+		// The refused plug spent the servers' one connection each: new
+		// servers, then a cold VM.
+		if err := ghshare.Stop(h.cfg.StateDir, share); err != nil {
+			return fmt.Errorf("stop the job's virtiofsd: %w", err)
+		}
+		if req.Dirs, err = h.startShares(ctx, share, su); err != nil {
+			return err
+		}
+		cold := im
+		cold.Pool = nil
+		req.Image = &cold
+		h.say("Cold start: %v", refused)
+		a, err = j.Acquire(ctx, req)
+	}
 	if err != nil {
 		return fmt.Errorf("the job's VM: %w", err)
 	}
@@ -254,7 +286,7 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 		return fmt.Errorf("the job's VM: %w", err)
 	}
 	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
-	t = time.Now()
+	t := time.Now()
 	if _, err := g.must(ctx, "make "+h.g.WorkDir+" in the VM", []string{"mkdir", "-p", "--", h.g.WorkDir}, nil); err != nil {
 		return err
 	}

@@ -161,6 +161,22 @@ func (h *Host) pinNow(ctx context.Context, req JobRequest, addr string) {
 	h.m.Sayf("Network filter given the address in %s", vm.Round(time.Since(t0)))
 }
 
+// SharesRefusedError is Acquire's error when a claimed standby machine
+// did not take the job's shared directories (JobRequest.Dirs): it was
+// removed, and nothing of the job is left. Their servers may have served
+// their one connection: the caller starts them again and may ask for a
+// cold machine (a request without the image's pool).
+type SharesRefusedError struct {
+	Machine string
+	Err     error
+}
+
+func (e *SharesRefusedError) Error() string {
+	return fmt.Sprintf("the claimed VM %s did not take the job's shared directories: %v", e.Machine, e.Err)
+}
+
+func (e *SharesRefusedError) Unwrap() error { return e.Err }
+
 // acquireWarm tries to give the job an idle machine of its image's
 // standby pool. It returns nil and no error when the job takes the cold
 // path (the job log says why).
@@ -189,16 +205,16 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 	if mach.Tools != nil {
 		h.m.Sayf("%s", guesttools.DescribeTools(mach.Tools, 0))
 	}
-	var connErr error
+	var connErr, plugErr error
 	if len(req.Dirs) > 0 {
 		// The job's shared directories (a GitHub hook job's), hot-plugged:
 		// the pool's machines of its image boot with shared memory.
 		t1 := time.Now()
-		if connErr = h.m.Machine(mach.Name).AttachDirs(ctx, req.Dirs); connErr == nil {
+		if plugErr = h.m.Machine(mach.Name).AttachDirs(ctx, req.Dirs); plugErr == nil {
 			h.m.Sayf("The job's shared directories hot-plugged into %s in %s", mach.Name, vm.Round(time.Since(t1)))
 		}
 	}
-	if req.Check != nil && connErr == nil {
+	if req.Check != nil && plugErr == nil {
 		g := &guestOnDemand{h: h, name: mach.Name}
 		err = req.Check(ctx, g, mach.Tools)
 		g.close()
@@ -207,23 +223,30 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 	if err == nil {
 		err = ctx.Err()
 	}
-	if err != nil || connErr != nil {
+	if err != nil || connErr != nil || plugErr != nil {
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
 		_, terr := h.TeardownJob(tctx, req.Name)
 		switch {
 		case ctx.Err() != nil:
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
+		case plugErr != nil && err == nil && terr == nil:
+			// A share's server (virtiofsd) serves one connection: the one
+			// the refused plug made is spent. The caller starts its
+			// servers again before it boots cold (ErrSharesRefused).
+			h.m.Sayf("The claimed VM %s did not take the job's shared directories (%v); it was removed", mach.Name, plugErr)
+			req.Observe.pool("miss", MissError)
+			req.Observe.machine(req.Name, img.Name)
+			return nil, &SharesRefusedError{Machine: mach.Name, Err: plugErr}
 		case err == nil && terr == nil:
 			// The claimed VM does not take the SSH connection every stage
-			// needs (or the job's shared directories): it is gone, and the
-			// job can still start cold.
-			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH or the job's shared directories (%v); it was removed", mach.Name, connErr)
+			// needs: it is gone, and the job can still start cold.
+			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
 			req.Observe.pool("miss", MissError)
 			req.Observe.machine(req.Name, img.Name)
 			return nil, nil
 		}
-		return nil, errors.Join(err, terr)
+		return nil, errors.Join(err, plugErr, terr)
 	}
 	h.startHolder(req, mach.Name)
 	return &Acquired{Name: mach.Name, Warm: true, Claimed: c}, nil

@@ -150,7 +150,13 @@ func TestSharedMemoryThenAttachDirs(t *testing.T) {
 	for _, bad := range []SharedDir{{Socket: "/run/x.sock", Tag: "Work"}, {Socket: "run/x.sock", Tag: "w"}} {
 		require.Error(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{bad}), "%+v", bad)
 	}
-	require.NotContains(t, f.Calls, "AttachFilesystem", "nothing unchecked reaches libvirt")
+	require.Error(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}, {Socket: "/run/x.sock", Tag: "w"}}), "a tag twice")
+	require.Error(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}, {Socket: "x.sock", Tag: "x"}}), "a bad second entry")
+	require.NotContains(t, f.Calls, "AttachFilesystem", "nothing unchecked reaches libvirt, not even a good first entry")
+	plain, err := DomainXML(testSpec(), "/pool/d.qcow2", "")
+	require.NoError(t, err)
+	f.Domains["lve-0123abcd-plain"] = &vmtest.Domain{Active: true, XML: plain}
+	require.ErrorContains(t, e.AttachDirs(ctx, "lve-0123abcd-plain", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}}), "needs shared memory")
 	require.NoError(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{{Socket: "/run/w.sock", Tag: "lve-work"}, {Socket: "/run/e.sock", Tag: "lve-ext"}}))
 	require.NoError(t, d.Unmarshal(f.Domains["lve-0123abcd-sb-1"].XML))
 	require.Len(t, d.Devices.Filesystems, 2)

@@ -182,16 +182,16 @@ func dirDevice(sd SharedDir) (*libvirtxml.DomainFilesystem, error) {
 // name, which must have been booted with shared memory (Spec.SharedMemory):
 // a standby machine that a GitHub hook job claims gets the job's shares.
 func (e *Engine) AttachDirs(ctx context.Context, name string, dirs []SharedDir) error {
-	if len(dirs) > maxDirs {
-		return fmt.Errorf("%d shared directories: at most %d", len(dirs), maxDirs)
+	// All checked (as for a boot: addDirs) before the first is plugged.
+	var d libvirtxml.Domain
+	d.Devices = &libvirtxml.DomainDeviceList{}
+	if err := addDirs(&d, dirs); err != nil {
+		return err
 	}
-	for _, sd := range dirs {
-		fs, err := dirDevice(sd)
-		if err != nil {
-			return err
-		}
+	for i := range d.Devices.Filesystems {
+		fs := &d.Devices.Filesystems[i]
 		if err := change(ctx, func(ctx context.Context) error { return e.HV.AttachFilesystem(ctx, name, fs) }); err != nil {
-			return fmt.Errorf("attach the shared directory %s: %w", sd.Tag, err)
+			return fmt.Errorf("attach the shared directory %s: %w", fs.Target.Dir, err)
 		}
 	}
 	return nil

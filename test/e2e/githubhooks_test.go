@@ -160,7 +160,10 @@ func newHookSetup(t *testing.T) *hookSetup {
 	}))
 
 	r := base.withConfig(t, func(s string) string {
-		return s + "\n" + podman + fmt.Sprintf(`
+		// The podman image's machines boot with shared memory: a hook job
+		// can take one of its standby VMs (TestGitHubHooksSweep).
+		s = strings.Replace(s+"\n"+podman, "[images.podman]\n", "[images.podman]\nshared_memory = true\n", 1)
+		return s + fmt.Sprintf(`
 [services]
 plain_http = [%q]
 [services.mirrors]

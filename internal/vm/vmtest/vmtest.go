@@ -804,8 +804,16 @@ func (f *Fake) EnsureNWFilters(ctx context.Context, requires []string, defs []vm
 }
 
 // AttachFilesystem implements vm.Hypervisor: the running domain's XML
-// gets fs.
+// gets fs; refused, as QEMU refuses it, when the domain's memory is not
+// shared.
 func (f *Fake) AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error {
+	f.mu.Lock()
+	d, ok := f.Domains[name]
+	shared := ok && strings.Contains(d.XML, `<access mode="shared">`)
+	f.mu.Unlock()
+	if ok && !shared {
+		return fmt.Errorf("domain %s: vhost-user-fs needs shared memory", name)
+	}
 	return f.plug("AttachFilesystem", name, func(dev *libvirtxml.DomainDeviceList) error {
 		dev.Filesystems = append(dev.Filesystems, *fs)
 		return nil
