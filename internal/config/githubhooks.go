@@ -117,7 +117,16 @@ func (g GitHubHooks) validate(p *problems, images []string) {
 	if d := g.JobTimeout.D(); d < time.Minute || d > 120*time.Hour {
 		p.bad("github_hooks.job_timeout", "%s must be 1m to 120h", d)
 	}
+	if w, e := g.WorkDir, g.ExternalsDir; w != "" && e != "" && (within(e, w) || within(w, e)) {
+		p.bad("github_hooks.externals_dir", "%q and work_dir %q must not contain one another (the work directory is shared writable, the externals read-only)", e, w)
+	}
 	if d := g.HealthTimeout.D(); d < time.Second || d > 30*time.Minute {
 		p.bad("github_hooks.health_timeout", "%s must be 1s to 30m", d)
 	}
+}
+
+// within says whether the clean absolute path p is dir or lies under it.
+func within(p, dir string) bool {
+	rel, err := filepath.Rel(dir, p)
+	return err == nil && rel != ".." && !strings.HasPrefix(rel, "../")
 }

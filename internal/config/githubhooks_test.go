@@ -41,6 +41,8 @@ share_user = "runner"
 		{"bad pattern", "allowed_images = [\"no de\"]", `github_hooks.allowed_images: "no de" must be an image name or glob`},
 		{"timeout", "job_timeout = \"200h\"", "github_hooks.job_timeout: 200h0m0s must be 1m to 120h"},
 		{"health timeout", "health_timeout = \"1h\"", "github_hooks.health_timeout: 1h0m0s must be 1s to 30m"},
+		{"externals in work", "vm_image = \"podman\"\nwork_dir = \"/r/_work\"\nexternals_dir = \"/r/_work/ext\"", `github_hooks.externals_dir: "/r/_work/ext" and work_dir "/r/_work" must not contain one another`},
+		{"work in externals", "vm_image = \"podman\"\nwork_dir = \"/r/e/_work\"\nexternals_dir = \"/r/e\"", `must not contain one another`},
 		{"unknown key", "images = []", `unknown key "github_hooks.images"`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

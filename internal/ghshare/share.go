@@ -211,7 +211,7 @@ func Start(ctx context.Context, g config.GitHubHooks, stateDir string, s *Share,
 	}
 	args := []string{"--user", "--map-user=0", "--map-group=0", "--map-users=auto", "--map-groups=auto", "--",
 		g.Virtiofsd, "--fd=3", "-o", "source=" + g.WorkDir, "-o", "cache=none", "-o", "no_posix_lock", "-o", "no_xattr"}
-	return startDaemon(ctx, g, s.Socket(), args, logPath(stateDir, s.Machine), su, func(pid int, start uint64) error {
+	return startDaemon(ctx, g, s.Socket(), args, logPath(stateDir, s.Machine), su.Name, su, func(pid int, start uint64) error {
 		s.PID, s.Start = pid, start
 		return save(stateDir, s)
 	})
@@ -239,10 +239,7 @@ func StartExternals(ctx context.Context, g config.GitHubHooks, stateDir string, 
 		return fmt.Errorf("github_hooks.externals_dir %s is not a directory", g.ExternalsDir)
 	}
 	if fi.Mode().Perm()&0o002 != 0 {
-		return fmt.Errorf("github_hooks.externals_dir %s is writable by every user (mode %s): the job's VM would get it writable", g.ExternalsDir, fi.Mode().Perm())
-	}
-	if err := othersCanReach(g.ExternalsDir); err != nil {
-		return err
+		return fmt.Errorf("github_hooks.externals_dir %s is writable by every user (mode %s): the job's VM would get it writable; chmod o-w %s", g.ExternalsDir, fi.Mode().Perm(), g.ExternalsDir)
 	}
 	uids, err := subIDs("/etc/subuid", su)
 	if err != nil {
@@ -254,10 +251,20 @@ func StartExternals(ctx context.Context, g config.GitHubHooks, stateDir string, 
 	}
 	args := []string{"--user", "--map-users=" + uids, "--map-groups=" + gids, "--setuid=0", "--setgid=0", "--",
 		g.Virtiofsd, "--fd=3", "-o", "source=" + g.ExternalsDir, "-o", "cache=auto", "-o", "no_posix_lock", "-o", "no_xattr"}
-	return startDaemon(ctx, g, s.ExtSocket(), args, extLogPath(stateDir, s.Machine), su, func(pid int, start uint64) error {
+	sub, _, _ := strings.Cut(uids, ",")
+	err = startDaemon(ctx, g, s.ExtSocket(), args, extLogPath(stateDir, s.Machine), "uid "+sub+", a subordinate id of "+su.Name, su, func(pid int, start uint64) error {
 		s.ExtPID, s.ExtStart = pid, start
 		return save(stateDir, s)
 	})
+	if err != nil {
+		// The likeliest cause: that id may not pass a directory above the
+		// externals (a home directory 0700); it needs search there and
+		// read and search on the externals, by ACL or by mode.
+		if herr := othersCanReach(g.ExternalsDir); herr != nil {
+			err = fmt.Errorf("%w; %v (or an ACL for that id alone: setfacl -m u:%s:x on each directory above it, -m u:%s:rx on it)", err, herr, sub, sub)
+		}
+	}
+	return err
 }
 
 // othersCanReach checks that a user outside dir's owner and group (the
@@ -292,7 +299,9 @@ const maxSubIDs = 65536
 
 // subIDs is unshare's --map-users (or --map-groups) value mapping the
 // first range of su's subordinate ids in file (/etc/subuid, /etc/subgid)
-// to 0 and up: "OUTER,0,COUNT".
+// to 0 and up: "OUTER,0,COUNT", util-linux 2.38's order (Debian 12's
+// unshare: outer id, inner id, count; later versions also take
+// "INNER:OUTER:COUNT", with colons).
 func subIDs(file string, su *User) (string, error) {
 	b, err := os.ReadFile(file)
 	if err != nil {
@@ -322,7 +331,7 @@ func parseSubIDs(content, file, name string, uid int) (string, error) {
 // the share user, logging to logp; started is called with the process as
 // soon as it runs (to record it). It returns once the process is
 // virtiofsd itself (unshare has made the namespace and exec'd it).
-func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []string, logp string, su *User, started func(int, uint64) error) error {
+func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []string, logp, who string, su *User, started func(int, uint64) error) error {
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: sock, Net: "unix"})
 	if err != nil {
 		return fmt.Errorf("the job's virtiofsd socket: %w", err)
@@ -346,7 +355,7 @@ func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []
 	}
 	pid, err := detach.Start(spec)
 	if err != nil {
-		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", su.Name, err)
+		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", who, err)
 	}
 	start, _ := procStart(pid)
 	if err := started(pid, start); err != nil {
@@ -364,7 +373,7 @@ func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []
 			return nil
 		}
 		if !alive(pid, start) {
-			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", su.Name, logTail(logp))
+			return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", who, logTail(logp))
 		}
 		select {
 		case <-ctx.Done():

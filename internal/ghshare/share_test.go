@@ -74,10 +74,12 @@ func TestStopShareIsIdempotent(t *testing.T) {
 // fakeMachines records teardowns.
 type fakeMachines struct {
 	have     map[string]bool
+	serving  map[string]string // job -> machine (the job's mapping)
 	tornDown []string
 }
 
-func (f *fakeMachines) Has(name string) (bool, error) { return f.have[name], nil }
+func (f *fakeMachines) Has(name string) (bool, error)      { return f.have[name], nil }
+func (f *fakeMachines) Serving(job string) (string, error) { return f.serving[job], nil }
 func (f *fakeMachines) Teardown(_ context.Context, name string) error {
 	f.tornDown = append(f.tornDown, name)
 	delete(f.have, name)
@@ -246,4 +248,14 @@ func TestSweepRemovesTheClaimedVM(t *testing.T) {
 	got, err := Load(state, "lve-0123abcd-gh-9")
 	require.NoError(t, err)
 	require.Nil(t, got)
+
+	// Killed between the claim and the record's VM: the job's mapping
+	// names the claimed machine.
+	s = &Share{Machine: "lve-0123abcd-gh-10", RunnerPID: gone.Process.Pid, RunnerStart: st, At: time.Now()}
+	require.NoError(t, save(state, s))
+	ms = &fakeMachines{have: map[string]bool{"lve-0123abcd-sb-2": true}, serving: map[string]string{"lve-0123abcd-gh-10": "lve-0123abcd-sb-2"}}
+	removed, err = SweepRecords(context.Background(), state, ms, time.Now(), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{"lve-0123abcd-sb-2"}, removed)
+	require.Equal(t, []string{"lve-0123abcd-sb-2"}, ms.tornDown)
 }

@@ -65,6 +65,10 @@ const orphanAge = time.Hour
 type Machines interface {
 	Has(name string) (bool, error)
 	Teardown(ctx context.Context, name string) error
+	// Serving is the machine the job's mapping names ("" for none): a
+	// claimed standby machine, before the record's VM was written (a
+	// prepare_job killed between the claim and that).
+	Serving(job string) (string, error)
 }
 
 // SweepRecords removes the hook jobs whose runner is gone: a job whose
@@ -88,6 +92,11 @@ func SweepRecords(ctx context.Context, stateDir string, ms Machines, now time.Ti
 				errs = append(errs, err)
 			}
 			continue
+		}
+		if s.VM == "" {
+			if m, err := ms.Serving(s.Machine); err == nil && m != "" {
+				s.VM = m
+			}
 		}
 		has, err := ms.Has(s.vm())
 		if err != nil {
@@ -132,6 +141,13 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 type managerMachines struct{ m *lifecycle.Manager }
 
 func (mm managerMachines) Has(name string) (bool, error) { return mm.m.Store.Has(name) }
+func (mm managerMachines) Serving(job string) (string, error) {
+	jm, err := mm.m.Store.MachineOfJob(job)
+	if err != nil || jm == nil {
+		return "", err
+	}
+	return jm.Machine, nil
+}
 func (mm managerMachines) Teardown(ctx context.Context, name string) error {
 	return mm.m.Machine(name).Teardown(ctx)
 }
