@@ -164,10 +164,12 @@ lint: ## gofmt, go vet, golangci-lint (.golangci.yml) and shellcheck over the sh
 	echo "shellcheck -x" $$files; \
 	printf '%s\n' "$$files" | xargs -d '\n' shellcheck -x -P SCRIPTDIR
 
-install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent into $(PREFIX)/lib/libvirt-executor, the image recipes into $(PREFIX)/share/libvirt-executor/images and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
+install: deps build ## install the stage executables and the admin tool into $(PREFIX)/bin, the guest agent and the GitHub runner's hook script into $(PREFIX)/lib/libvirt-executor, the image recipes into $(PREFIX)/share/libvirt-executor/images and the systemd units into /etc/systemd/system, enabling none (root; installs what it needs)
 	@for s in $(STAGES); do install -m 0755 $(BIN)/libvirt-executor-$$s $(PREFIX)/bin/; done
 	@install -m 0755 $(BIN)/libvirt-executor $(BIN)/libvirt-executor-garm $(BIN)/libvirt-executor-hooks $(PREFIX)/bin/
 	@install -d -m 0755 $(PREFIX)/lib/libvirt-executor && install -m 0755 $(BIN)/lve-agent $(PREFIX)/lib/libvirt-executor/
+	@# the GitHub runner's container hook (ACTIONS_RUNNER_CONTAINER_HOOKS), naming this prefix's libvirt-executor-hooks
+	@sed 's|/usr/bin/libvirt-executor-hooks|$(PREFIX)/bin/libvirt-executor-hooks|' deploy/github-hooks/container-hook.sh > $(BIN)/github-container-hook.sh && install -m 0755 $(BIN)/github-container-hook.sh $(PREFIX)/lib/libvirt-executor/
 	@# the image recipes, where libvirt-executor image build finds them (../share/libvirt-executor/images)
 	@rm -rf $(PREFIX)/share/libvirt-executor/images && install -d -m 0755 $(PREFIX)/share/libvirt-executor && cp -r deploy/images $(PREFIX)/share/libvirt-executor/images
 	@install -d -m 0755 /etc/libvirt-executor

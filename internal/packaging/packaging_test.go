@@ -104,6 +104,10 @@ func TestDescriptionConffiles(t *testing.T) {
 		require.Equal(t, "-rwxr-xr-x", want[ConntrackHook].mode, f)
 		require.Contains(t, want, GitHubHook, f)
 		require.Equal(t, "-rwxr-xr-x", want[GitHubHook].mode, f)
+		script, err := os.ReadFile(filepath.Join(b.Top, "deploy/github-hooks/container-hook.sh"))
+		require.NoError(t, err)
+		require.Contains(t, string(script), "exec /usr/bin/libvirt-executor-hooks \"$@\"")
+		require.Contains(t, want, "/usr/bin/libvirt-executor-hooks", "%s: the hook script's executable is packaged", f)
 		require.Equal(t, "-rw-r-----", want[Config].mode, "%s: the configuration is the runner's group's only (postinst)", f)
 	}
 }
