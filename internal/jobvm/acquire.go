@@ -233,7 +233,7 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 		case plugErr != nil && err == nil && terr == nil:
 			// A share's server (virtiofsd) serves one connection: the one
 			// the refused plug made is spent. The caller starts its
-			// servers again before it boots cold (ErrSharesRefused).
+			// servers again before it boots cold (SharesRefusedError).
 			h.m.Sayf("The claimed VM %s did not take the job's shared directories (%v); it was removed", mach.Name, plugErr)
 			req.Observe.pool("miss", MissError)
 			req.Observe.machine(req.Name, img.Name)
