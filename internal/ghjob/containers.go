@@ -183,8 +183,11 @@ func (h *hook) startServices(ctx context.Context, g *guest, svcs []ghhooks.Conta
 	return out, nil
 }
 
-// healthPoll is how often waitHealthy runs a service's health check.
+// healthPoll is how often waitHealthy runs a service's health check,
+// healthGrace how long past health_timeout one check may take to answer.
 const healthPoll = time.Second
+
+var healthGrace = 5 * time.Second
 
 // waitHealthy waits until the service container name (the job's service
 // contextName) answers its health check (podman healthcheck run: its
@@ -196,8 +199,15 @@ func (h *hook) waitHealthy(ctx context.Context, g *guest, contextName, name stri
 	t := time.Now()
 	deadline := t.Add(h.g.HealthTimeout.D())
 	for tries := 1; ; tries++ {
-		code, out, errText, err := g.exec(ctx, []string{podman, "healthcheck", "run", name}, nil, nil)
+		// One check may hang (its own --health-timeout is the job's):
+		// health_timeout bounds it too, with a little room to answer.
+		cctx, cancel := context.WithDeadline(ctx, deadline.Add(healthGrace))
+		code, out, errText, err := g.exec(cctx, []string{podman, "healthcheck", "run", name}, nil, nil)
+		cancel()
 		if err != nil {
+			if ctx.Err() == nil && time.Now().After(deadline) {
+				return fmt.Errorf("the service %s is not healthy after %s: its health check did not answer (github_hooks.health_timeout = %s, allowed 1s to 30m)", contextName, vm.Round(time.Since(t)), h.g.HealthTimeout.D())
+			}
 			return fmt.Errorf("the health check of the service %s: %w", contextName, err)
 		}
 		switch {
@@ -214,8 +224,8 @@ func (h *hook) waitHealthy(ctx context.Context, g *guest, contextName, name stri
 			return fmt.Errorf("the health check of the service %s failed (exit status %d): %s", contextName, code, strconv.Quote(errText))
 		}
 		if !time.Now().Add(healthPoll).Before(deadline) {
-			return fmt.Errorf("the service %s is not healthy after %s (github_hooks.health_timeout; %d checks, the last said %s)",
-				contextName, vm.Round(time.Since(t)), tries, strconv.Quote(strings.TrimSpace(string(out)+" "+errText)))
+			return fmt.Errorf("the service %s is not healthy after %s (github_hooks.health_timeout = %s, allowed 1s to 30m; %d checks, podman's last answer %s)",
+				contextName, vm.Round(time.Since(t)), h.g.HealthTimeout.D(), tries, strconv.Quote(strings.TrimSpace(string(out)+" "+errText)))
 		}
 		select {
 		case <-ctx.Done():

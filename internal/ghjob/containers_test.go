@@ -173,6 +173,12 @@ func (g *healthGuest) Exec(ctx context.Context, argv, env []string, stdin io.Rea
 		}
 		i := min(g.runs[argv[3]], len(cs)-1)
 		g.runs[argv[3]]++
+		if cs[i] < 0 { // a check that hangs
+			g.mu.Unlock()
+			<-ctx.Done()
+			g.mu.Lock()
+			return -1, ctx.Err()
+		}
 		if cs[i] == 1 {
 			_, _ = io.WriteString(stdout, "unhealthy\n")
 		}
@@ -201,9 +207,39 @@ func TestStartServicesWaitsForHealth(t *testing.T) {
 	g = &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {1}}, runs: map[string]int{}}
 	_, err = h.startServices(context.Background(), &guest{c: g}, svcs[:1], [][]string{nil}, &st)
 	require.ErrorContains(t, err, "the service db is not healthy after")
-	require.ErrorContains(t, err, `github_hooks.health_timeout; 2 checks, the last said "unhealthy"`)
+	require.ErrorContains(t, err, `github_hooks.health_timeout = 1.5s, allowed 1s to 30m; 2 checks, podman's last answer "unhealthy"`)
+
+	// A check that hangs ends with health_timeout (and a little grace).
+	healthGrace = 100 * time.Millisecond
+	t.Cleanup(func() { healthGrace = 5 * time.Second })
+	h.g.HealthTimeout = config.Duration(time.Second)
+	g = &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {-1}}, runs: map[string]int{}}
+	t0 := time.Now()
+	_, err = h.startServices(context.Background(), &guest{c: g}, svcs[:1], [][]string{nil}, &st)
+	require.ErrorContains(t, err, "its health check did not answer (github_hooks.health_timeout = 1s")
+	require.Less(t, time.Since(t0), 5*time.Second)
 
 	g = &healthGuest{codes: map[string][]int{"lve-gh-1-job-svc-db": {2}}, runs: map[string]int{}}
 	_, err = h.startServices(context.Background(), &guest{c: g}, svcs[:1], [][]string{nil}, &st)
 	require.ErrorContains(t, err, "the health check of the service db failed (exit status 2)")
+}
+
+// A mount under the externals is bound read-only when the externals are
+// in the VM, whatever the runner asks; left out when they are not.
+func TestRunArgvExternalsReadOnly(t *testing.T) {
+	var said []string
+	h := &hook{g: config.GitHubHooks{WorkDir: "/r/_work", ExternalsDir: "/r/externals"},
+		say: func(f string, a ...any) { said = append(said, fmt.Sprintf(f, a...)) }}
+	c := &ghhooks.Container{SystemMounts: []ghhooks.Mount{
+		{Source: "/r/externals", Target: "/__e"},
+		{Source: "/r/_work", Target: "/__w"},
+	}}
+	argv, _ := h.runArgv([]string{podman, "run"}, c, "n", "net", nil, nil)
+	require.NotContains(t, strings.Join(argv, " "), "/__e", "externals not shared: not mounted")
+	require.Contains(t, argv, "type=bind,source=/r/_work,destination=/__w")
+	require.Contains(t, strings.Join(said, "\n"), "Not mounted in n: /r/externals at /__e (not shared with the VM)")
+	h.extShared = true
+	argv, _ = h.runArgv([]string{podman, "run"}, c, "n", "net", nil, nil)
+	require.Contains(t, argv, "type=bind,source=/r/externals,destination=/__e,readonly=true", "read-only although the runner asked for it writable")
+	require.Contains(t, argv, "type=bind,source=/r/_work,destination=/__w")
 }

@@ -125,6 +125,7 @@ type hook struct {
 // the externals directory exists, a read-only one for it (ghshare), and
 // returns the shares for the job's VM.
 func (h *hook) startShares(ctx context.Context, share *ghshare.Share, su *ghshare.User) ([]vm.SharedDir, error) {
+	h.extShared = false
 	t := time.Now()
 	if err := ghshare.Start(ctx, h.g, h.cfg.StateDir, share, su); err != nil {
 		return nil, err
@@ -198,6 +199,9 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	su, err := ghshare.ResolveUser(h.g, h.e.Euid)
 	if err != nil {
 		return err
+	}
+	if ghshare.SetuidReachable(h.g.WorkDir) {
+		h.say("Warning: every local user can reach %s, on a filesystem that honours setuid bits: a root guest can leave a program there that runs as %s for whoever starts it; close a directory above it to others (chmod o-x), or mount it nosuid", h.g.WorkDir, su.Name)
 	}
 	svcOpts, err := services.OptionsFrom(h.cfg.Services, 0, img.Name, img.User)
 	if err != nil {

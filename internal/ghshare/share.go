@@ -261,11 +261,29 @@ func StartExternals(ctx context.Context, g config.GitHubHooks, stateDir string, 
 		// externals (a home directory 0700); it needs search there and
 		// read and search on the externals, by ACL or by mode.
 		if herr := othersCanReach(g.ExternalsDir); herr != nil {
-			err = fmt.Errorf("%w; %v (or an ACL for that id alone: setfacl -m u:%s:x on each directory above it, -m u:%s:rx on it)", err, herr, sub, sub)
+			err = fmt.Errorf("%w; unless uid %s has an ACL entry there, it cannot reach the externals: %v; give that id alone passage: setfacl -m u:%s:x on each directory above it, -m u:%s:rx on it", err, sub, herr, sub, sub)
 		}
 	}
 	return err
 }
+
+// SetuidReachable says whether other local users can reach dir (every
+// directory above it lets them pass, it lets them in) on a filesystem
+// that honours setuid bits: a root guest can leave a setuid file of the
+// share user in a share, and such a user could run it.
+func SetuidReachable(dir string) bool {
+	if othersCanReach(dir) != nil {
+		return false
+	}
+	var st syscall.Statfs_t
+	if err := syscall.Statfs(dir, &st); err != nil {
+		return true
+	}
+	return st.Flags&stNoSuid == 0
+}
+
+// stNoSuid is statfs's ST_NOSUID flag.
+const stNoSuid = 0x2
 
 // othersCanReach checks that a user outside dir's owner and group (the
 // externals' virtiofsd: a subordinate id) can reach dir: search
@@ -278,7 +296,7 @@ func othersCanReach(dir string) error {
 			return err
 		}
 		if fi.Mode().Perm()&0o001 == 0 {
-			return fmt.Errorf("github_hooks.externals_dir %s: %s (mode %s) does not let other users pass (the externals are served read-only by a user of no group of theirs): chmod o+x %s", dir, d, fi.Mode().Perm(), d)
+			return fmt.Errorf("github_hooks.externals_dir %s: %s (mode %s) does not let other users pass", dir, d, fi.Mode().Perm())
 		}
 		if d == "/" {
 			break
@@ -289,7 +307,7 @@ func othersCanReach(dir string) error {
 		return err
 	}
 	if fi.Mode().Perm()&0o005 != 0o005 {
-		return fmt.Errorf("github_hooks.externals_dir %s (mode %s) is not readable by other users (the externals are served read-only by a user of no group of theirs): chmod o+rx %s", dir, fi.Mode().Perm(), dir)
+		return fmt.Errorf("github_hooks.externals_dir %s (mode %s) is not readable by other users", dir, fi.Mode().Perm())
 	}
 	return nil
 }
@@ -357,7 +375,13 @@ func startDaemon(ctx context.Context, g config.GitHubHooks, sock string, args []
 	if err != nil {
 		return fmt.Errorf("start virtiofsd (as %s, under unshare): %w", who, err)
 	}
-	start, _ := procStart(pid)
+	start, err := procStart(pid)
+	if err != nil {
+		// Without its start time the process cannot be told from a later
+		// one of the same pid: end it now, by pid, while it is ours.
+		_ = syscall.Kill(-pid, syscall.SIGKILL)
+		return fmt.Errorf("virtiofsd (as %s, under unshare) ended at its start: %s", who, logTail(logp))
+	}
 	if err := started(pid, start); err != nil {
 		return fmt.Errorf("record the job's virtiofsd: %w", err)
 	}
@@ -390,9 +414,13 @@ func Stop(stateDir string, s *Share) error {
 	var errs []error
 	if err := stopDaemon(s.PID, s.Start); err != nil {
 		errs = append(errs, err)
+	} else {
+		s.PID, s.Start = 0, 0
 	}
 	if err := stopDaemon(s.ExtPID, s.ExtStart); err != nil {
 		errs = append(errs, err)
+	} else {
+		s.ExtPID, s.ExtStart = 0, 0
 	}
 	if s.SocketDir != "" {
 		if err := os.RemoveAll(s.SocketDir); err != nil {

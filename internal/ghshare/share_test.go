@@ -194,11 +194,12 @@ func TestOthersCanReach(t *testing.T) {
 	require.NoError(t, othersCanReach(ext))
 	require.NoError(t, os.Chmod(home, 0o700))
 	require.ErrorContains(t, othersCanReach(ext), "mode -rwx------) does not let other users pass")
-	require.ErrorContains(t, othersCanReach(ext), "chmod o+x "+home)
 	require.NoError(t, os.Chmod(home, 0o711))
 	require.NoError(t, othersCanReach(ext))
+	require.Equal(t, othersCanReach(ext) == nil, SetuidReachable(ext) || nosuid(t, ext), "reachable: a setuid risk unless the filesystem is nosuid")
 	require.NoError(t, os.Chmod(ext, 0o750))
 	require.ErrorContains(t, othersCanReach(ext), "is not readable by other users")
+	require.False(t, SetuidReachable(ext), "closed to others: no setuid risk")
 }
 
 func TestStopEndsTheExternalsDaemonToo(t *testing.T) {
@@ -258,4 +259,11 @@ func TestSweepRemovesTheClaimedVM(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, []string{"lve-0123abcd-sb-2"}, removed)
 	require.Equal(t, []string{"lve-0123abcd-sb-2"}, ms.tornDown)
+}
+
+func nosuid(t *testing.T, dir string) bool {
+	t.Helper()
+	var st syscall.Statfs_t
+	require.NoError(t, syscall.Statfs(dir, &st))
+	return st.Flags&stNoSuid != 0
 }

@@ -156,7 +156,7 @@ func TestSharedMemoryThenAttachDirs(t *testing.T) {
 	plain, err := DomainXML(testSpec(), "/pool/d.qcow2", "")
 	require.NoError(t, err)
 	f.Domains["lve-0123abcd-plain"] = &vmtest.Domain{Active: true, XML: plain}
-	require.ErrorContains(t, e.AttachDirs(ctx, "lve-0123abcd-plain", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}}), "needs shared memory")
+	require.ErrorContains(t, e.AttachDirs(ctx, "lve-0123abcd-plain", []SharedDir{{Socket: "/run/w.sock", Tag: "w"}}), "needs shared memory", "the hypervisor refuses a share without shared memory (the fake as QEMU): AttachDirs passes the refusal on")
 	require.NoError(t, e.AttachDirs(ctx, "lve-0123abcd-sb-1", []SharedDir{{Socket: "/run/w.sock", Tag: "lve-work"}, {Socket: "/run/e.sock", Tag: "lve-ext"}}))
 	require.NoError(t, d.Unmarshal(f.Domains["lve-0123abcd-sb-1"].XML))
 	require.Len(t, d.Devices.Filesystems, 2)
