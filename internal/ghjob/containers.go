@@ -280,13 +280,11 @@ func (h *hook) containerStep(ctx context.Context, in *ghhooks.Input) (err error)
 	if share, err := ghshare.Load(h.cfg.StateDir, st.Machine); err == nil && share != nil && share.ExtPID > 0 {
 		h.extShared = true
 	}
-	sess := j.Session()
-	defer sess.Close()
-	rec, cl, err := sess.Client(ctx)
+	g, closeGuest, err := jobGuest(ctx, j)
 	if err != nil {
-		return fmt.Errorf("the job's VM: %w", err)
+		return err
 	}
-	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
+	defer closeGuest()
 	return h.runStep(ctx, g, st, c, createArgs)
 }
 

@@ -283,13 +283,11 @@ func (h *hook) prepare(ctx context.Context, in *ghhooks.Input) (err error) {
 	if a.Warm {
 		start = "warm"
 	}
-	sess := j.Session()
-	defer sess.Close()
-	rec, cl, err := sess.Client(ctx)
+	g, closeGuest, err := jobGuest(ctx, j)
 	if err != nil {
-		return fmt.Errorf("the job's VM: %w", err)
+		return err
 	}
-	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
+	defer closeGuest()
 	t := time.Now()
 	if _, err := g.must(ctx, "make "+h.g.WorkDir+" in the VM", []string{"mkdir", "-p", "--", h.g.WorkDir}, nil); err != nil {
 		return err
@@ -484,6 +482,19 @@ func (h *hook) jobOf(st *ghhooks.State) (*jobvm.Jobs, *jobvm.Job, error) {
 	return jobs, j, nil
 }
 
+// jobGuest opens the guest connection of job j (its Session: the one way
+// into the job's VM) for the hook's commands, through sudo -n where the
+// login is not root; closeGuest ends it.
+func jobGuest(ctx context.Context, j *jobvm.Job) (g *guest, closeGuest func(), err error) {
+	sess := j.Session()
+	rec, cl, err := sess.Client(ctx)
+	if err != nil {
+		sess.Close()
+		return nil, nil, fmt.Errorf("the job's VM: %w", err)
+	}
+	return &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}, sess.Close, nil
+}
+
 func (h *hook) script(ctx context.Context, in *ghhooks.Input) error {
 	st, err := in.DecodeState()
 	if err != nil {
@@ -498,19 +509,17 @@ func (h *hook) script(ctx context.Context, in *ghhooks.Input) error {
 		return err
 	}
 	defer jobs.Close()
-	sess := j.Session()
-	defer sess.Close()
-	rec, cl, err := sess.Client(ctx)
+	g, closeGuest, err := jobGuest(ctx, j)
 	if err != nil {
-		return fmt.Errorf("the job's VM: %w", err)
+		return err
 	}
-	g := &guest{c: cl, sudo: rec.User != "" && rec.User != "root"}
+	defer closeGuest()
 	argv, env := stepArgv(st, args)
-	code, err := cl.Exec(ctx, g.wrap(argv, env), env, nil, h.e.Stdout, h.e.Stderr)
+	code, err := g.c.Exec(ctx, g.wrap(argv, env), env, nil, h.e.Stdout, h.e.Stderr)
 	if ctx.Err() != nil {
 		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
 		defer cancel()
-		_, _ = cl.Exec(sctx, g.wrap(services.StopScriptsArgv(st.Container), nil), nil, nil, nil, nil)
+		_, _ = g.c.Exec(sctx, g.wrap(services.StopScriptsArgv(st.Container), nil), nil, nil, nil, nil)
 		return fmt.Errorf("the step in the job container %s stopped: %w", st.Container, context.Cause(ctx))
 	}
 	if err != nil {

@@ -711,24 +711,24 @@ func (l *Conn) DACImageLabel(ctx context.Context, name string) (string, error) {
 
 // AttachDisk implements vm.Hypervisor.
 func (l *Conn) AttachDisk(ctx context.Context, name string, disk *libvirtxml.DomainDisk) error {
-	x, err := disk.Marshal()
-	if err != nil {
-		return err
-	}
-	return l.attachLive(ctx, name, x)
+	return l.attachLive(ctx, name, disk)
 }
 
 // AttachFilesystem implements vm.Hypervisor.
 func (l *Conn) AttachFilesystem(ctx context.Context, name string, fs *libvirtxml.DomainFilesystem) error {
-	x, err := fs.Marshal()
+	return l.attachLive(ctx, name, fs)
+}
+
+// device is a libvirt device definition (libvirtxml's DomainDisk,
+// DomainInterface, DomainFilesystem, ...).
+type device interface{ Marshal() (string, error) }
+
+// attachLive hot-plugs dev into the running domain name.
+func (l *Conn) attachLive(ctx context.Context, name string, dev device) error {
+	x, err := dev.Marshal()
 	if err != nil {
 		return err
 	}
-	return l.attachLive(ctx, name, x)
-}
-
-// attachLive hot-plugs the device XML x into the running domain name.
-func (l *Conn) attachLive(ctx context.Context, name, x string) error {
 	return call0(ctx, l, func() error {
 		d, err := l.domain(name)
 		if err != nil {

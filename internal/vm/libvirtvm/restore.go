@@ -16,11 +16,7 @@ import (
 
 // AttachInterface implements vm.Hypervisor.
 func (l *Conn) AttachInterface(ctx context.Context, name string, iface *libvirtxml.DomainInterface) error {
-	x, err := iface.Marshal()
-	if err != nil {
-		return err
-	}
-	return l.attachLive(ctx, name, x)
+	return l.attachLive(ctx, name, iface)
 }
 
 // Save implements vm.Hypervisor.
