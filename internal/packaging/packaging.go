@@ -127,6 +127,7 @@ func (b Build) describe(stage string) (*description, error) {
 	dir := func(dst string) { add(files.TypeDir, "", "", dst, 0o755) }
 
 	// The executables, stripped (what dh_strip does: the package ships no symbols).
+	packaged := map[string]bool{}
 	for _, e := range Executables {
 		if _, err := os.Stat(filepath.Join(b.Binaries, e)); err != nil && b.Prebuilt && newerExecutables[e] {
 			continue
@@ -136,6 +137,7 @@ func (b Build) describe(stage string) (*description, error) {
 			return nil, err
 		}
 		file(out, "/usr/bin/"+e, 0o755)
+		packaged[e] = true
 	}
 	// The guest agent (static; it goes onto the guests' tools disk, never runs on
 	// the host): where guest_tools.agent = "auto" finds it, ../lib/libvirt-executor
@@ -181,7 +183,9 @@ func (b Build) describe(stage string) (*description, error) {
 	add(files.TypeConfigNoReplace, "", out, GuardConf, 0o644)
 	file(filepath.Join(top, "deploy/network/libvirt-executor-guard"), GuardHook, 0o755)
 	file(filepath.Join(top, "deploy/network/libvirt-executor-conntrack"), ConntrackHook, 0o755)
-	file(filepath.Join(top, "deploy/github-hooks/container-hook.sh"), GitHubHook, 0o755)
+	if packaged["libvirt-executor-hooks"] { // the script runs it
+		file(filepath.Join(top, "deploy/github-hooks/container-hook.sh"), GitHubHook, 0o755)
+	}
 	// polkit rules for libvirt's access driver, for the example configuration (they
 	// do nothing until access_drivers = [ "polkit" ]; /etc/polkit-1/rules.d/ of the
 	// same name wins).

@@ -293,6 +293,7 @@ func TestPrebuiltWithoutNewerExecutable(t *testing.T) {
 	b.Prebuilt = true
 	want := described(t, b, "deb")
 	require.NotContains(t, want, "/usr/bin/libvirt-executor-hooks")
+	require.NotContains(t, want, GitHubHook, "no hook script without the executable it runs")
 	require.Contains(t, want, "/usr/bin/libvirt-executor-prepare")
 	require.NoError(t, os.Remove(filepath.Join(b.Binaries, "libvirt-executor-prepare")))
 	_, err = b.describe(t.TempDir())
