@@ -97,22 +97,17 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 			MemoryAccess: &libvirtxml.DomainMemoryAccess{Mode: "shared"},
 		}
 	}
-	dev.Interfaces = []libvirtxml.DomainInterface{{
-		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
-		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
-		Model:  &libvirtxml.DomainInterfaceModel{Type: "virtio"},
-		// No iPXE option ROM: the disk or kernel boots, never the network.
-		ROM: &libvirtxml.DomainROM{Enabled: "no"},
-	}}
-	if s.Isolated {
-		dev.Interfaces[0].PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
-	}
-	if s.Filter != nil {
-		ref, err := filterRef(s.Filter)
+	if s.Template {
+		if s.Seed != nil || len(s.OEMStrings) > 0 || len(s.Shared) > 0 || len(s.Dirs) > 0 || s.SharedMemory || s.GuestAgent {
+			return "", fmt.Errorf("snapshot template %s: no seed, SMBIOS strings, shared disks or directories, shared memory or agent channel (a clone gets what is its own after its restore)", s.Name)
+		}
+		d.GenID = &libvirtxml.DomainGenID{}
+	} else {
+		nic, err := InterfaceDevice(s)
 		if err != nil {
 			return "", err
 		}
-		dev.Interfaces[0].FilterRef = ref
+		dev.Interfaces = []libvirtxml.DomainInterface{*nic}
 	}
 	serial := libvirtxml.DomainSerial{Source: &libvirtxml.DomainChardevSource{Pty: &libvirtxml.DomainChardevSourcePty{}}}
 	if s.ConsoleLog != "" {
@@ -134,6 +129,30 @@ func DomainXML(s Spec, diskPath, seedPath string) (string, error) {
 		}}
 	}
 	return d.Marshal()
+}
+
+// InterfaceDevice is the machine's network interface on s.Network with
+// s.MAC, its port isolated with s.Isolated and filtered with s.Filter: in
+// its definition for a boot, hot-plugged into a restored clone.
+func InterfaceDevice(s Spec) (*libvirtxml.DomainInterface, error) {
+	nic := &libvirtxml.DomainInterface{
+		MAC:    &libvirtxml.DomainInterfaceMAC{Address: s.MAC},
+		Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: s.Network}},
+		Model:  &libvirtxml.DomainInterfaceModel{Type: "virtio"},
+		// No iPXE option ROM: the disk or kernel boots, never the network.
+		ROM: &libvirtxml.DomainROM{Enabled: "no"},
+	}
+	if s.Isolated {
+		nic.PortOptions = &libvirtxml.DomainInterfacePortOptions{Isolated: "yes"}
+	}
+	if s.Filter != nil {
+		ref, err := filterRef(s.Filter)
+		if err != nil {
+			return nil, err
+		}
+		nic.FilterRef = ref
+	}
+	return nic, nil
 }
 
 // virtiofsTag is a virtiofs tag the guest mounts by.

@@ -190,26 +190,11 @@ func (c *creation) deleteVolume(name string) func(context.Context) error {
 // define defines the domain on the volumes made before.
 func (c *creation) define(ctx context.Context) error {
 	s := c.s
-	if s.Filter != nil && c.m.IP != "" {
-		f := *s.Filter
-		f.IP = c.m.IP
-		s.Filter = &f
+	f, err := c.completeFilter(ctx)
+	if err != nil {
+		return err
 	}
-	if s.Filter != nil && s.Filter.Gateway == "" {
-		gw, err := c.e.HV.NetworkGateway(ctx, s.Network)
-		if err != nil {
-			return fmt.Errorf("network %s: its address, for the interface's filter: %w", s.Network, err)
-		}
-		f := *s.Filter
-		f.Gateway = gw
-		s.Filter = &f
-	}
-	if s.Filter != nil {
-		err := c.e.HV.EnsureNWFilters(ctx, []string{FilterBase}, Filters())
-		if err != nil {
-			return fmt.Errorf("network filters (l2_filter): %w", err)
-		}
-	}
+	s.Filter = f
 	x, err := DomainXML(s, c.m.DiskPath, c.seedPath)
 	if err != nil {
 		return err

@@ -121,6 +121,12 @@ type Hypervisor interface {
 	// (reads the header, then opens it again) fails on the pipe
 	// (docs/pool.md).
 	RestoreClone(ctx context.Context, save, xml string) error
+	// RestoreStream starts a running, transient domain from r, a whole
+	// save file as libvirt writes one (a clone's head, CloneHead, then the
+	// template's migration stream), through a named pipe made in pipeDir
+	// that libvirt reads. Like RestoreClone it is not repeated, and on an
+	// error the domain its head names may run all the same.
+	RestoreStream(ctx context.Context, r io.Reader, pipeDir string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).
 	Owner(ctx context.Context, name string) (string, error)

@@ -37,8 +37,12 @@ func DataVolume(name string) string { return name + "-data.img" }
 // (AttachScratch).
 func ScratchVolume(name string) string { return name + "-scratch.img" }
 
+// SaveVolume is the name of a snapshot template's save volume: its memory
+// and device state (Engine.SaveMachine), which clones restore from.
+func SaveVolume(name string) string { return name + ".save" }
+
 // Volumes are the names of every volume the engine may make for machine
 // name; teardown and sweep look for all of them.
 func Volumes(name string) []string {
-	return []string{DiskVolume(name), SeedVolume(name), DataVolume(name), ScratchVolume(name)}
+	return []string{DiskVolume(name), SeedVolume(name), DataVolume(name), ScratchVolume(name), SaveVolume(name)}
 }

@@ -329,6 +329,17 @@ func (r *Reconnecting) RestoreClone(ctx context.Context, save, xml string) error
 	return err
 }
 
+// RestoreStream implements Hypervisor: not repeated on a new connection
+// (the stream is read once).
+func (r *Reconnecting) RestoreStream(ctx context.Context, rd io.Reader, pipeDir string) error {
+	hv, err := r.connection(ctx)
+	if err != nil {
+		return err
+	}
+	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.RestoreStream(ctx, rd, pipeDir) }, nil)
+	return err
+}
+
 // Destroy implements Hypervisor.
 func (r *Reconnecting) Destroy(ctx context.Context, name string) error {
 	return retry0(ctx, r, func(h Hypervisor) error { return h.Destroy(ctx, name) })

@@ -154,6 +154,9 @@ type CloneIdentity struct {
 	Disks map[string]string
 	// ConsoleLog, if set, is the clone's serial console log file.
 	ConsoleLog string
+	// Owner, if set, is the clone's ownership record (MarshalOwner), in
+	// place of the template's.
+	Owner string
 }
 
 // CloneXML is the saved domain's XML with the clone's identity: its name,
@@ -202,10 +205,16 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 			return "", fmt.Errorf("%w: the writable disk %s is not given a file of the clone's", ErrSaveImage, disk.Source.File.File)
 		}
 	}
+	if id.Owner != "" {
+		d.Metadata = &libvirtxml.DomainMetadata{XML: id.Owner}
+	}
 	if id.ConsoleLog != "" {
 		for i := range d.Devices.Serials {
 			if s := d.Devices.Serials[i].Source; s != nil && s.File != nil {
 				s.File.Path = id.ConsoleLog
+			}
+			if l := d.Devices.Serials[i].Log; l != nil {
+				l.File = id.ConsoleLog
 			}
 		}
 		for i := range d.Devices.Consoles {

@@ -83,6 +83,14 @@ type Spec struct {
 	ConsoleLog string
 	// Owner is stored in the domain's metadata.
 	Owner Owner
+	// Template makes the machine a snapshot template (issue #48,
+	// docs/pool.md): no network interface, no seed or SMBIOS strings, no
+	// shared disks or directories (a clone gets its own by hot plug after
+	// its restore), and a VM generation id, which libvirt renews on every
+	// restore so that each clone's kernel reseeds its random generator.
+	// The caller puts the guest's template marker on the kernel command
+	// line.
+	Template bool `json:",omitempty"`
 }
 
 // SharedDir is a host directory served into the guest by a virtiofsd the

@@ -1,6 +1,7 @@
 package libvirtvm
 
 import (
+	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -31,15 +32,9 @@ func (l *Conn) Save(ctx context.Context, name, path string) error {
 	})
 }
 
-// RestoreClone implements vm.Hypervisor. save's head is read and given
+// RestoreClone implements vm.Hypervisor: save's head is read and given
 // xml before libvirt is asked (a file this code does not rewrite fails
-// here, ErrSaveImage). The pipe is made in a private directory beside save
-// (libvirtd, root, opens it by path; QEMU reads it through the descriptor
-// libvirt hands it) and removed when the call returns. It is opened for
-// reading and writing here, so the open never waits for libvirt; it is
-// closed once the stream is written (libvirt reads the rest, then the
-// end), or failed, and when libvirt's call returns (a write libvirt never
-// read ends).
+// here, ErrSaveImage); the pipe is made in a private directory beside save.
 func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
 	src, err := os.Open(save)
 	if err != nil {
@@ -50,7 +45,22 @@ func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
 	if err != nil {
 		return err
 	}
-	dir, err := os.MkdirTemp(filepath.Dir(save), ".restore-")
+	var hb bytes.Buffer
+	if _, err := head.WriteTo(&hb); err != nil {
+		return err
+	}
+	return l.RestoreStream(ctx, io.MultiReader(&hb, src), filepath.Dir(save))
+}
+
+// RestoreStream implements vm.Hypervisor. The pipe is made in a private
+// directory in pipeDir (libvirtd, root, opens it by path; QEMU reads it
+// through the descriptor libvirt hands it) and removed when the call
+// returns. It is opened for reading and writing here, so the open never
+// waits for libvirt; it is closed once the stream is written (libvirt
+// reads the rest, then the end), or failed, and when libvirt's call
+// returns (a write libvirt never read ends).
+func (l *Conn) RestoreStream(ctx context.Context, r io.Reader, pipeDir string) error {
+	dir, err := os.MkdirTemp(pipeDir, ".restore-")
 	if err != nil {
 		return err
 	}
@@ -68,10 +78,7 @@ func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
 		// The head is longer than a pipe holds (libvirt pads the XML block
 		// by 64 KiB): once it is written, libvirt has the pipe open, and
 		// closing it is an end libvirt sees.
-		_, err := head.WriteTo(w)
-		if err == nil {
-			_, err = io.Copy(w, src)
-		}
+		_, err := io.Copy(w, r)
 		_ = w.Close()
 		wrote <- err
 	}()

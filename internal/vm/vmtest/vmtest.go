@@ -4,6 +4,7 @@ package vmtest
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -308,8 +309,13 @@ func (f *Fake) Define(ctx context.Context, x string) error {
 	if err := d.Unmarshal(x); err != nil {
 		return err
 	}
-	if _, ok := f.Domains[d.Name]; ok {
-		return errors.New("domain already exists")
+	if old, ok := f.Domains[d.Name]; ok {
+		if !old.Transient {
+			return errors.New("domain already exists")
+		}
+		// libvirt: a running transient domain becomes persistent.
+		old.Transient, old.XML, old.OwnerXML = false, x, d.Metadata.XML
+		return nil
 	}
 	f.Domains[d.Name] = &Domain{XML: x, OwnerXML: d.Metadata.XML}
 	return nil
@@ -846,13 +852,68 @@ func (f *Fake) Save(ctx context.Context, name, path string) error {
 	if !d.Active {
 		return fmt.Errorf("domain %s is not running", name)
 	}
-	if err := os.WriteFile(path, []byte(d.XML), 0o600); err != nil {
+	if key, ok := strings.CutPrefix(path, "/pool/"); ok {
+		// A volume's path (CreateVolume's): the volume holds a save file
+		// of libvirt's format with the domain's XML and a stand-in stream.
+		if _, ok := f.Volumes[key]; !ok {
+			return fmt.Errorf("no volume at %s", path)
+		}
+		f.Volumes[key] = SaveFile(d.XML, []byte("fake migration stream"))
+	} else if err := os.WriteFile(path, []byte(d.XML), 0o600); err != nil {
 		return err
 	}
 	d.Active, d.Paused = false, false
 	if d.Transient {
 		delete(f.Domains, name)
 	}
+	return nil
+}
+
+// SaveFile is a save file of libvirt's format (version 2, raw) holding
+// xml, then stream: what the fake's Save writes into a volume.
+func SaveFile(xml string, stream []byte) []byte {
+	block := make([]byte, len(xml)+1+4096)
+	copy(block, xml)
+	hdr := make([]byte, 92)
+	copy(hdr, "LibvirtQemudSave")
+	binary.LittleEndian.PutUint32(hdr[16:], 2)
+	binary.LittleEndian.PutUint32(hdr[20:], uint32(len(block))) //nolint:gosec // G115: a test's XML
+	binary.LittleEndian.PutUint32(hdr[24:], 1)
+	return append(append(hdr, block...), stream...)
+}
+
+// RestoreStream implements vm.Hypervisor: r must be a save file whose
+// head vm.ReadSaveHead reads, followed by a stream; the domain its XML
+// names runs, transient. pipeDir must exist.
+func (f *Fake) RestoreStream(ctx context.Context, r io.Reader, pipeDir string) error {
+	f.wait("RestoreStream")
+	head, herr := vm.ReadSaveHead(r)
+	if herr == nil {
+		_, herr = io.Copy(io.Discard, r)
+	}
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if err := f.call("RestoreStream"); err != nil {
+		return err
+	}
+	if herr != nil {
+		return herr
+	}
+	if st, err := os.Stat(pipeDir); err != nil || !st.IsDir() {
+		return fmt.Errorf("pipe directory %s: not a directory", pipeDir)
+	}
+	var dx libvirtxml.Domain
+	if err := dx.Unmarshal(head.XML); err != nil {
+		return err
+	}
+	if _, ok := f.Domains[dx.Name]; ok {
+		return errors.New("domain already exists")
+	}
+	var owner string
+	if dx.Metadata != nil {
+		owner = dx.Metadata.XML
+	}
+	f.Domains[dx.Name] = &Domain{XML: head.XML, OwnerXML: owner, Active: true, Transient: true}
 	return nil
 }
 
