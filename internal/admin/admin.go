@@ -55,6 +55,8 @@ func List(ctx context.Context, w io.Writer, m *jobvm.Host, now time.Time) error 
 			if r := it.Standby.Record; r != nil && r.Standby != nil {
 				pool += " (" + r.Standby.Image + ")"
 			}
+		} else if m.Manager().Machine(it.Name).IsSnapshotTemplate() {
+			pool = "snapshot"
 		}
 		if it.Domain {
 			st = "shut off"

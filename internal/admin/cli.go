@@ -247,6 +247,29 @@ func App() *cli.App {
 						},
 					},
 					{
+						Name:      "snapshot",
+						Usage:     "make the memory snapshot of a configured image (snapshot = true), from which its jobs start when no standby VM is idle (docs/pool.md); --remove removes it",
+						ArgsUsage: "NAME",
+						Flags:     []cli.Flag{&cli.BoolFlag{Name: "remove", Usage: "remove the image's snapshot instead"}},
+						Action: func(c *cli.Context) error {
+							if c.NArg() != 1 {
+								return fmt.Errorf("image snapshot takes one configured image name")
+							}
+							return withManager(c, false, func(_ *config.Config, m *jobvm.Host) error {
+								return ImageSnapshot(c.Context, os.Stdout, m, c.Args().First(), c.Bool("remove"))
+							})
+						},
+					},
+					{
+						Name:  "snapshots",
+						Usage: "list the images' memory snapshots: template, size, age, and whether jobs start from them",
+						Action: func(c *cli.Context) error {
+							return withManager(c, true, func(_ *config.Config, m *jobvm.Host) error {
+								return SnapshotList(c.Context, os.Stdout, m, time.Now())
+							})
+						},
+					},
+					{
 						Name:  "prune",
 						Usage: "remove stored images no configured source names and no VM's disk uses",
 						Flags: []cli.Flag{&cli.BoolFlag{Name: "dry-run", Usage: "only show what would be removed"}},

@@ -38,7 +38,7 @@ func TestConfigCheck(t *testing.T) {
 	bad := writeConfig(t, "domain_type = \"kvmm\"\n[images.tiny]\nbase = \"/img/tiny.qcow2\"\nbot = \"disk\"\n")
 	var err error
 	out = captureStdout(t, func() { err = runAdmin("--config", bad, "config", "check") })
-	require.Equal(t, bad+`:4: images.tiny.bot: unknown key "bot" in [images.tiny]; it allows base, source, shared_memory, format, user, shell, builds_dir, cache_dir, key_injection, boot, kernel, initrd, cmdline, address_source, machine, cache_via, egress_allow, vcpus, memory_mib, disk_gib, pool (docs/configuration.md)
+	require.Equal(t, bad+`:4: images.tiny.bot: unknown key "bot" in [images.tiny]; it allows base, source, shared_memory, snapshot, format, user, shell, builds_dir, cache_dir, key_injection, boot, kernel, initrd, cmdline, address_source, machine, cache_via, egress_allow, vcpus, memory_mib, disk_gib, pool (docs/configuration.md)
 `+bad+`:1: domain_type: "kvmm" is not allowed; use one of "auto", "kvm", "qemu"
 `, out)
 	require.EqualError(t, err, "config "+bad+": 2 problems")

@@ -300,6 +300,15 @@ type Image struct {
 	// image's machine spec: every configuration file of the host (the pool
 	// service's, each runner's) must say the same.
 	SharedMemory bool `toml:"shared_memory"`
+	// Snapshot: a job of the image that finds no idle standby machine
+	// starts as a clone of the image's memory snapshot, when there is a
+	// current one, instead of booting (issue #48, docs/pool.md): the pool
+	// service, or `libvirt-executor image snapshot NAME`, makes it. Needs
+	// boot = "kernel", key_injection = "smbios", address_source =
+	// "lease", no shared_memory, and a guest that waits for its
+	// credentials disk when booted with lve.snapshot=template (the
+	// project's tiny and Debian images). Default false.
+	Snapshot bool `toml:"snapshot"`
 	// Format of Base: "qcow2" (default) or "raw".
 	Format string `toml:"format"`
 	// User is the guest account that runs jobs. Default "root". Images using
@@ -1081,6 +1090,18 @@ func (img *Image) validateBoot(p *problems, key string) {
 		}
 	} else if img.Boot != BootKernel && (img.Kernel != "" || img.Initrd != "" || img.Cmdline != "") {
 		p.bad(key+".boot", "kernel, initrd and cmdline need boot = \"kernel\"")
+	}
+	if img.Snapshot {
+		switch {
+		case img.Boot != BootKernel:
+			p.bad(key+".snapshot", "needs boot = \"kernel\" (the template's guest is told by its kernel command line), got boot = %q", img.Boot)
+		case img.KeyInjection != InjectSMBIOS:
+			p.bad(key+".snapshot", "needs key_injection = \"smbios\" (a clone's keys arrive on a hot-plugged credentials disk), got %q", img.KeyInjection)
+		case img.AddressSource != "lease":
+			p.bad(key+".snapshot", "needs address_source = \"lease\", got %q", img.AddressSource)
+		case img.SharedMemory:
+			p.bad(key+".snapshot", "cannot go with shared_memory = true (a snapshot template has no shared memory)")
+		}
 	}
 }
 

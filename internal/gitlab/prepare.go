@@ -80,13 +80,14 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 		j.log.Error("prepare failed", "err", err)
 		return exitcodes.System(err)
 	}
-	if a.Warm {
-		e.Report.Path(obs.PathWarm)
-		say("Machine ready in %s (warm)", jobvm.Round(time.Since(began)))
+	switch start := a.Start(); start {
+	case obs.PathCold:
 		writeTimings(e, j, a, began)
-	} else {
+		e.Report.Path(start)
+	default:
+		e.Report.Path(start)
+		say("Machine ready in %s (%s)", jobvm.Round(time.Since(began)), start)
 		writeTimings(e, j, a, began)
-		e.Report.Path(obs.PathCold)
 	}
 	if plan != nil {
 		// The machine is the job's now: a failure here leaves it to

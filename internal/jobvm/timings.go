@@ -1,6 +1,7 @@
 package jobvm
 
 import (
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/obs"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
@@ -27,6 +28,19 @@ func (a *Acquired) Timings(began time.Time) lifecycle.TimingRecord {
 		return NewClaimRecord(a.Claimed.Machine, a.Claimed, began)
 	}
 	return lifecycle.NewTimingRecord(a.Ready, began)
+}
+
+// Start is how the job's machine started: obs.PathWarm (a claimed standby
+// machine), obs.PathSnapshot (restored from its image's memory snapshot)
+// or obs.PathCold (booted).
+func (a *Acquired) Start() string {
+	switch {
+	case a.Warm:
+		return obs.PathWarm
+	case a.Ready != nil && a.Ready.Timings.Start == lifecycle.StartSnapshot:
+		return obs.PathSnapshot
+	}
+	return obs.PathCold
 }
 
 // WriteTimings appends rec to the file that LIBVIRT_EXECUTOR_TIMINGS

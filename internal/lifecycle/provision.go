@@ -2,12 +2,15 @@ package lifecycle
 
 import (
 	"context"
+	"crypto/rand"
+	"errors"
 	"fmt"
 	"time"
 
 	"golang.org/x/crypto/ssh"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -204,6 +207,17 @@ func (p *provision) create(ctx context.Context) error {
 		Keys: p.keys, CloudInitSeed: p.seed, MAC: p.mac, Created: p.created, ConsoleLog: p.consoleLog,
 		Shared: p.shared.disks(),
 	})
+	img := p.req.Image
+	if snap, why := SnapshotsOf(p.m).usable(p.req, p.domainType); snap != nil {
+		snap.PipeDir = p.dir
+		err := p.restore(ctx, spec, *snap)
+		if err == nil || ctx.Err() != nil {
+			return err
+		}
+		p.m.say("Memory snapshot of image %s not used: %v; booting cold", img.Name, err)
+	} else if why != "" {
+		p.m.say("Memory snapshot of image %s not used: %s; booting cold", img.Name, why)
+	}
 	p.filtered = spec.Filter != nil
 	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
 	t0 := time.Now()
@@ -220,12 +234,62 @@ func (p *provision) create(ctx context.Context) error {
 	}
 	p.mac = mach.MAC // a spare DHCP host entry's, when the machine took one
 	p.timings.Started = time.Now()
-	p.timings.Created, p.timings.Create = p.timings.Started.Sub(t0), mach.Steps
+	p.timings.Created, p.timings.Create, p.timings.Start = p.timings.Started.Sub(t0), mach.Steps, StartCold
 	req := p.req
 	p.m.say("Created %s from image %s (%s, %d vCPU, %d MiB) in %s", req.Name, req.Image.Name, p.domainType, req.VCPUs, req.MemoryMiB, vm.Round(p.timings.Created))
+	p.startBootDeadline(ctx)
+	return nil
+}
+
+// startBootDeadline bounds the waits for the address and SSH by
+// timeouts.boot from now on.
+func (p *provision) startBootDeadline(ctx context.Context) {
 	boot := p.m.Cfg.Timeouts.Boot.D()
 	p.bootCtx, p.endBoot = context.WithTimeoutCause(ctx, boot,
 		fmt.Errorf("%w %s (timeouts.boot) reached", ErrBootTimeout, boot))
+}
+
+// restore starts the machine of spec as a clone of snap (vm.Engine.Restore)
+// with a credentials disk of its own (its keys, the host's clock and 64
+// bytes of the host's entropy), then waits, within snapshotLeaseWait, for
+// its lease: a clone whose guest does not go on is removed again, and the
+// error says why (create then boots cold).
+func (p *provision) restore(ctx context.Context, spec vm.Spec, snap vm.Snapshot) error {
+	entropy := make([]byte, 64)
+	if _, err := rand.Read(entropy); err != nil {
+		return err
+	}
+	spec.Seed = p.keys.CloneCredentialDisk(p.req.Name, time.Now(), entropy)
+	spec.SeedSerial, spec.OEMStrings, spec.SeedWritable = guestinit.CredentialDiskSerial, nil, false
+	p.filtered = spec.Filter != nil
+	p.eng.Progress = func(format string, args ...any) { p.m.say("  "+format, args...) }
+	t0 := time.Now()
+	mach, err := p.eng.Restore(ctx, spec, snap)
+	if err != nil {
+		return err
+	}
+	restored := time.Since(t0)
+	lctx, cancel := context.WithTimeout(ctx, snapshotLeaseWait)
+	_, err = p.eng.WaitAddress(lctx, p.req.Name, mach.MAC, vm.SourceLease)
+	cancel()
+	if err != nil {
+		if t := tail(p.consoleLog, 25); len(t) > 0 {
+			p.m.say("Last lines of the restored guest's console:\n%s", t)
+		}
+		rctx, rcancel := detachctx.WithTimeout(ctx, p.m.Cfg.Timeouts.Cleanup.D())
+		defer rcancel()
+		if rerr := p.remove(rctx); rerr != nil {
+			return errors.Join(fmt.Errorf("the restored guest took no address within %s: %w", snapshotLeaseWait, err), rerr)
+		}
+		return fmt.Errorf("the restored guest took no address within %s: %w", snapshotLeaseWait, err)
+	}
+	p.mac = mach.MAC
+	p.timings.Started = time.Now()
+	p.timings.Created, p.timings.Create, p.timings.Start = p.timings.Started.Sub(t0), mach.Steps, StartSnapshot
+	req := p.req
+	p.m.say("Restored %s from the memory snapshot of image %s (%s, %d vCPU, %d MiB) in %s, its lease after %s",
+		req.Name, req.Image.Name, p.domainType, req.VCPUs, req.MemoryMiB, vm.Round(restored), vm.Round(p.timings.Created-restored))
+	p.startBootDeadline(ctx)
 	return nil
 }
 

@@ -78,6 +78,9 @@ func MachineSpec(cfg *config.Config, in SpecInput) vm.Spec {
 			s.SeedWritable, s.SeedSerial = true, guestinit.WritableSeedSerial
 		}
 	case config.InjectSMBIOS:
+		if in.Keys == nil {
+			break // a snapshot template: no keys
+		}
 		s.Seed, s.SeedSerial = in.Keys.CredentialDisk(), guestinit.CredentialDiskSerial
 		s.OEMStrings = in.Keys.OEMStrings(req.Name)
 	}
@@ -126,7 +129,7 @@ func CloudInitSeed(name string, img *config.Image, keys *guestinit.Keys, dir str
 // standby machine built under another fingerprint is never handed out.
 func SpecFingerprint(cfg *config.Config, img *config.Image) string {
 	i := *img
-	i.Pool = nil
+	i.Pool, i.Snapshot = nil, false
 	b, _ := json.Marshal(struct {
 		Version, Network, StoragePool, DomainType, HostKeyPolicy, NamePrefix string
 		Isolated                                                             bool

@@ -12,6 +12,9 @@ import (
 // Timings are the durations Provision measures, unrounded (the job log
 // prints them rounded), and when it reached each stage of the boot.
 type Timings struct {
+	// Start is how the machine started: StartCold (booted) or
+	// StartSnapshot (restored from its image's memory snapshot).
+	Start string
 	// Create is each step of vm.Engine.Create, in order: "clone disk",
 	// "create seed volume" and "upload seed" (for an image with a seed),
 	// "define", "start".
@@ -36,6 +39,12 @@ type Timings struct {
 	Started, Addressed, Connected time.Time
 }
 
+// How a provisioned machine started (Timings.Start).
+const (
+	StartCold     = "cold"
+	StartSnapshot = "snapshot"
+)
+
 // TimingsEnv is the environment variable of the runner host (set by its
 // administrator or the benchmark) that names the file a front end appends
 // one TimingRecord to for each machine it provisions. It is never read from
@@ -59,6 +68,9 @@ type TimingRecord struct {
 	SSHAttempts int                `json:"ssh_attempts"`
 	CheckMs     float64            `json:"check_ms"`
 	ReadyMs     float64            `json:"ready_ms"`
+	// Start is how a provisioned machine started: "cold" or "snapshot"
+	// (Timings.Start); empty for a claimed standby machine (Warm).
+	Start string `json:"start,omitempty"`
 	// Warm says the machine was a claimed standby machine; ClaimMs is the
 	// claim, Claimed when it completed. The boot fields are then empty.
 	Warm      bool      `json:"warm,omitempty"`
@@ -80,7 +92,7 @@ func NewTimingRecord(r *Ready, began time.Time) TimingRecord {
 	return TimingRecord{
 		Machine: r.Machine.Name, Image: r.Machine.Image, Began: began,
 		CreateMs: steps, CreatedMs: ms(t.Created), AddressMs: ms(t.Address),
-		SSHMs: ms(t.SSH), SSHAttempts: t.SSHAttempts, CheckMs: ms(t.Check), ReadyMs: ms(t.Ready),
+		SSHMs: ms(t.SSH), SSHAttempts: t.SSHAttempts, CheckMs: ms(t.Check), ReadyMs: ms(t.Ready), Start: t.Start,
 		Started: t.Started, Addressed: t.Addressed, Connected: t.Connected,
 	}
 }

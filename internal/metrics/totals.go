@@ -300,7 +300,7 @@ func (f *folder) stage(e obs.Event) {
 			t.add(PoolClaimsTotal, 1, img, oneOf(e.Pool, []string{"hit", "miss"}), pr)
 		}
 		if !failed {
-			t.observe(PrepareSeconds, e.Seconds, img, oneOf(e.Path, []string{obs.PathWarm, obs.PathCold}))
+			t.observe(PrepareSeconds, e.Seconds, img, oneOf(e.Path, []string{obs.PathWarm, obs.PathCold, obs.PathSnapshot}))
 			if p != nil {
 				// The runner retries a failed prepare: the attempt
 				// that worked decides.

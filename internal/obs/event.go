@@ -50,6 +50,9 @@ const (
 const (
 	PathWarm = "warm"
 	PathCold = "cold"
+	// PathSnapshot: a job's machine restored from its image's memory
+	// snapshot (issue #48).
+	PathSnapshot = "snapshot"
 )
 
 // EventVersion is the record format; records of another version are

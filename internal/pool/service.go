@@ -84,6 +84,8 @@ type Service struct {
 	wg     sync.WaitGroup
 	// images follows the images with a source (oci://).
 	images *follower
+	// snapping names the images whose memory snapshot is being made.
+	snapping map[string]bool
 }
 
 type backoff struct {
@@ -106,6 +108,7 @@ func (s *Service) init() {
 	s.unhealthy = map[string]int{}
 	s.failing = map[string]failure{}
 	s.boots = map[int]context.CancelFunc{}
+	s.snapping = map[string]bool{}
 	s.sem = make(chan struct{}, s.M.Manager().Cfg.Serve.BootParallelism)
 	s.mu.Lock()
 	s.images = newFollower(s.M.Manager().Cfg, s)
@@ -278,6 +281,87 @@ func (s *Service) Tick(ctx context.Context) {
 			s.keep(ctx, img, idle[img.Name], now)
 		}
 	}
+	s.keepSnapshots(ctx, now)
+}
+
+// keepSnapshots makes the memory snapshot of each image with snapshot =
+// true that has no current one (issue #48, docs/pool.md): one build per
+// image at a time, within the boots' parallelism, none while a job waits
+// for room, and after a failed build not again before its backoff.
+func (s *Service) keepSnapshots(ctx context.Context, now time.Time) {
+	cfg := s.M.Manager().Cfg
+	snaps := lifecycle.SnapshotsOf(s.M.Manager())
+	for _, name := range cfg.ImageNames() {
+		img := cfg.Images[name]
+		if !img.Snapshot || !img.Pulled() || s.M.Manager().Capacity().UnderPressure() {
+			continue
+		}
+		key := snapshotKey(name)
+		s.mu.Lock()
+		busy, bo := s.snapping[name], s.backoff[key]
+		s.mu.Unlock()
+		if busy || now.Before(bo.until) {
+			continue
+		}
+		rec, why := snaps.Current(ctx, img)
+		if rec != nil {
+			continue
+		}
+		s.snapshot(ctx, img, why)
+	}
+}
+
+// snapshotKey is an image's snapshot builds' key in Service.backoff.
+func snapshotKey(image string) string { return "\x00snapshot " + image }
+
+// snapshot makes img's memory snapshot in the background (why: what is
+// wrong with the one it has).
+func (s *Service) snapshot(ctx context.Context, img *config.Image, why string) {
+	bctx, cancel := context.WithCancel(ctx)
+	s.mu.Lock()
+	s.snapping[img.Name] = true
+	s.bootID++
+	id := s.bootID
+	s.boots[id] = cancel
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			delete(s.snapping, img.Name)
+			delete(s.boots, id)
+			s.mu.Unlock()
+			cancel()
+		}()
+		select {
+		case s.sem <- struct{}{}:
+		case <-bctx.Done():
+			return
+		}
+		defer func() { <-s.sem }()
+		s.Log.Info("making the memory snapshot", "image", img.Name, "why", why)
+		t0 := time.Now()
+		rec, err := lifecycle.SnapshotsOf(s.M.Manager()).Build(bctx, img)
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		key := snapshotKey(img.Name)
+		bo := s.backoff[key]
+		if err != nil {
+			if bctx.Err() != nil {
+				s.Log.Info("memory snapshot cancelled and undone", "image", img.Name)
+				return
+			}
+			bo.failures++
+			wait := min(10*time.Second<<min(bo.failures-1, 6), 10*time.Minute)
+			bo.until = time.Now().Add(wait)
+			s.backoff[key] = bo
+			s.Log.Error("memory snapshot not made", "image", img.Name, "err", err, "retry_in", wait.String())
+			return
+		}
+		delete(s.backoff, key)
+		s.Log.Info("memory snapshot made", "image", img.Name, "template", rec.Template, "took", vm.Round(time.Since(t0)).String())
+	}()
 }
 
 // baseOf caches one look at an image's base file per tick.

@@ -303,6 +303,9 @@ func (s Store) Due(key string, every time.Duration) bool {
 type Reservation struct {
 	VCPUs     int `json:"vcpus"`
 	MemoryMiB int `json:"memory_mib"`
+	// Saved: the machine is a saved snapshot template, which holds disk
+	// only (MarkSaved); admission does not count it.
+	Saved bool `json:"saved,omitempty"`
 }
 
 const reservationFile = "reservation.json"
@@ -325,8 +328,9 @@ func (s Store) Reserve(name string, r Reservation) (string, error) {
 	return dir, nil
 }
 
-// Reservations returns the reservation of every machine directory. A
-// directory without one (older, or broken) counts with def.
+// Reservations returns the reservation of every machine directory but the
+// saved snapshot templates'. A directory without one (older, or broken)
+// counts with def.
 func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
 	names, err := s.Names()
 	if err != nil {
@@ -338,6 +342,9 @@ func (s Store) Reservations(def Reservation) (map[string]Reservation, error) {
 		// Whatever went wrong (none, unreadable, a field of the wrong type),
 		// r keeps def where the file did not say otherwise.
 		_ = readRecord(filepath.Join(s.MachineDir(n), reservationFile), &r)
+		if r.Saved {
+			continue
+		}
 		out[n] = r
 	}
 	return out, nil

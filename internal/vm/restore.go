@@ -158,7 +158,7 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 	}()
 	defer func() {
 		_ = pr.Close() // a stream still running ends on its next write
-		<-streamed
+		_ = <-streamed
 	}()
 	head, err := ReadSaveHead(pr)
 	if err != nil {

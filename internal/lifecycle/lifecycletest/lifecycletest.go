@@ -6,6 +6,7 @@ package lifecycletest
 
 import (
 	"encoding/base64"
+	"fmt"
 	"net"
 	"os"
 	"strings"
@@ -38,13 +39,76 @@ type Guest struct {
 	OwnHostKey bool
 	// NoLease makes the guest never get an address.
 	NoLease bool
+	// TemplateSilent makes a snapshot template's guest never say it
+	// waits; CloneSilent makes a restored clone's guest not go on when
+	// its credentials disk arrives.
+	TemplateSilent, CloneSilent bool
 }
 
 func NewGuest(t *testing.T, hv *vmtest.Fake) *Guest {
 	g := &Guest{Server: sshtest.Start(t), hv: hv}
 	g.RejectSessions(true)
 	hv.OnStart = func(name string, d *libvirtxml.Domain) { g.boot(t, name, d) }
+	hv.OnPlug = func(name string, d *libvirtxml.Domain) { g.plugged(t, name, d) }
 	return g
+}
+
+// TemplateWaiting is the console line of a snapshot template's guest
+// (lifecycle.TemplateWaiting; not imported: lifecycle's tests use this
+// package).
+const TemplateWaiting = "snapshot template: waiting for the credentials disk"
+
+// template "boots" a snapshot template: it says on its console that it
+// waits for its credentials disk.
+func (g *Guest) template(t *testing.T, name string, d *libvirtxml.Domain) {
+	if g.TemplateSilent {
+		return
+	}
+	for _, s := range d.Devices.Serials {
+		if s.Log != nil && s.Log.File != "" {
+			f, err := os.OpenFile(s.Log.File, os.O_WRONLY|os.O_APPEND|os.O_CREATE, 0o600)
+			if err != nil {
+				t.Errorf("%s: console log: %v", name, err)
+				return
+			}
+			_, _ = f.WriteString("booting\n" + TemplateWaiting + "\n")
+			_ = f.Close()
+		}
+	}
+}
+
+// plugged is the guest of a restored clone seeing a hot plug: once it has
+// a credentials disk (the last of its hot plugs), it takes its keys from
+// it and gets its lease on its interface, as a fresh boot would.
+func (g *Guest) plugged(t *testing.T, name string, d *libvirtxml.Domain) {
+	if d.GenID == nil {
+		return // a booted machine (a clone has its template's generation id)
+	}
+	var creds bool
+	for _, disk := range d.Devices.Disks {
+		creds = creds || disk.Serial == guestinit.CredentialDiskSerial
+	}
+	if !creds || g.CloneSilent {
+		return
+	}
+	fail := func(format string, args ...any) { t.Errorf("%s: "+format, append([]any{name}, args...)...) }
+	if len(d.Devices.Interfaces) != 1 {
+		fail("credentials disk plugged before the network interface")
+		return
+	}
+	g.hv.Lock()
+	disk := g.hv.Volumes["jobs/"+vm.SeedVolume(name)]
+	g.hv.Unlock()
+	var authorized, hostPEM []byte
+	for _, line := range strings.Split(strings.TrimRight(string(disk), "\x00"), "\n") {
+		if v, ok := strings.CutPrefix(line, "io.systemd.credential:ssh.authorized_keys.root="); ok {
+			authorized = []byte(v)
+		}
+		if v, ok := strings.CutPrefix(line, "io.systemd.credential.binary:"+guestinit.HostKeyCredential+"="); ok {
+			hostPEM, _ = base64.StdEncoding.DecodeString(v)
+		}
+	}
+	g.serve(t, name, authorized, hostPEM, d.Devices.Interfaces[0].MAC.Address)
 }
 
 func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
@@ -58,6 +122,10 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 	}
 	if strings.Contains(x, "credential.binary") {
 		fail("private key material in the domain XML")
+		return
+	}
+	if d.GenID != nil && len(d.Devices.Interfaces) == 0 {
+		g.template(t, name, d)
 		return
 	}
 	if len(d.SysInfo) == 0 || d.SysInfo[0].SMBIOS == nil || d.SysInfo[0].SMBIOS.OEMStrings == nil {
@@ -88,6 +156,13 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 			}
 		}
 	}
+	g.serve(t, name, authorized, hostPEM, d.Devices.Interfaces[0].MAC.Address)
+}
+
+// serve makes the guest answer SSH with the keys it was given and get its
+// lease on mac.
+func (g *Guest) serve(t *testing.T, name string, authorized, hostPEM []byte, mac string) {
+	fail := func(format string, args ...any) { t.Errorf("%s: "+format, append([]any{name}, args...)...) }
 	allowed, _, _, _, err := ssh.ParseAuthorizedKey(authorized)
 	if err != nil {
 		fail("authorized key: %v", err)
@@ -113,7 +188,6 @@ func (g *Guest) boot(t *testing.T, name string, d *libvirtxml.Domain) {
 	g.SetAuthorizedKey(allowed)
 	if !g.NoLease {
 		// The address appears a little after boot, as DHCP does.
-		mac := d.Devices.Interfaces[0].MAC.Address
 		go func() {
 			time.Sleep(LeaseDelay)
 			g.hv.SetLeases(name, vm.Lease{MAC: mac, IP: net.ParseIP("127.0.0.1")})
@@ -174,7 +248,7 @@ base = "/img/tiny.qcow2"
 
 // Sayings records the job-log lines (their formats) a Manager says, and
 // logs them when the test fails.
-type Sayings struct{ buf sshtest.Buffer }
+type Sayings struct{ buf, text sshtest.Buffer }
 
 // NewSayings is a recorder whose lines the test's log gets if it fails.
 func NewSayings(t *testing.T) *Sayings {
@@ -188,7 +262,13 @@ func NewSayings(t *testing.T) *Sayings {
 }
 
 // Say records one line (Manager.Say); the format, not the text.
-func (s *Sayings) Say(format string, _ ...any) { _, _ = s.buf.Write([]byte(format + "\n")) }
+func (s *Sayings) Say(format string, args ...any) {
+	_, _ = s.buf.Write([]byte(format + "\n"))
+	_, _ = s.text.Write([]byte(fmt.Sprintf(format, args...) + "\n"))
+}
+
+// Args is every line said so far, formatted with its arguments.
+func (s *Sayings) Args() string { return s.text.String() }
 
 // Has reports whether a line recorded so far contains sub.
 func (s *Sayings) Has(sub string) bool { return strings.Contains(s.buf.String(), sub) }

@@ -60,6 +60,10 @@ type Fake struct {
 	Calls []string
 	// OnStart, if set, runs when a domain starts (a fake boot).
 	OnStart func(name string, d *libvirtxml.Domain)
+	// OnPlug, if set, runs after a hot plug into a running domain, with
+	// its devices then, without f's lock (a restored clone's guest going
+	// on when its credentials disk arrives).
+	OnPlug func(name string, d *libvirtxml.Domain)
 	// StartErr, if set, is asked first when a domain starts: an error it
 	// returns is Start's, and the domain does not start (QEMU exited).
 	StartErr func(name string, d *libvirtxml.Domain) error
@@ -517,6 +521,11 @@ func (f *Fake) plug(op, name string, add func(*libvirtxml.DomainDeviceList) erro
 		return err
 	}
 	d.XML = x
+	if on := f.OnPlug; on != nil {
+		f.mu.Unlock()
+		on(name, &dx)
+		f.mu.Lock()
+	}
 	return nil
 }
 

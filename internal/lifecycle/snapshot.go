@@ -1,0 +1,402 @@
+package lifecycle
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"strings"
+	"time"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// The guest side of a snapshot template (issue #48, docs/pool.md): a guest
+// booted with TemplateMarker on its kernel command line prints
+// TemplateWaiting on its serial console and waits for its credentials disk
+// (serial guestinit.CredentialDiskSerial); it is saved while it waits. A
+// clone restored from it gets, by hot plug, the tools disk, its network
+// interface, then its credentials disk, and goes on as a fresh boot:
+// clock and entropy from the disk, DHCP, its own host key, sshd.
+const (
+	TemplateMarker  = "lve.snapshot=template"
+	TemplateWaiting = "snapshot template: waiting for the credentials disk"
+)
+
+// snapshotTag is the machine-name shape of a snapshot template:
+// MachinePrefix, "snap-", 8 random hex digits (SnapshotName).
+const snapshotTag = "snap-"
+
+// SnapshotName is a fresh name for a snapshot template machine.
+func SnapshotName(prefix, controller string) (string, error) {
+	b := make([]byte, 4)
+	if _, err := rand.Read(b); err != nil {
+		return "", err
+	}
+	return MachinePrefix(prefix, controller) + snapshotTag + hex.EncodeToString(b), nil
+}
+
+// IsSnapshotTemplate reports whether the machine is a snapshot template of
+// this installation.
+func (mc Machine) IsSnapshotTemplate() bool {
+	return strings.HasPrefix(mc.name, mc.m.namePrefix()+snapshotTag)
+}
+
+// Snapshots are this installation's memory snapshots of its images: one
+// per image with snapshot = true, a saved template machine (its frozen
+// disk and save volume, counted by admission while it boots, disk only
+// once saved) and the record that names it (state.Snapshot).
+type Snapshots struct{ m *Manager }
+
+// SnapshotsOf is m's snapshots.
+func SnapshotsOf(m *Manager) Snapshots { return Snapshots{m: m} }
+
+// snapshotLeaseWait bounds a restored clone's wait for its address: a
+// clone that takes none by then (its guest does not go on from its wait)
+// is removed and the machine boots cold.
+var snapshotLeaseWait = 30 * time.Second
+
+// SnapshotFingerprint is the digest of what a snapshot of img is made
+// from: the image's machine spec (SpecFingerprint: the driver's version
+// and the configuration that shapes a machine), the domain type, the size,
+// and the image's files as they are now (path, size, modification time;
+// the manifest digest of a registry image). A snapshot is restored only
+// under the fingerprint it was made with.
+func SnapshotFingerprint(cfg *config.Config, img *config.Image, domainType string, size config.Size) string {
+	type file struct {
+		Path  string
+		Size  int64
+		MTime time.Time
+	}
+	var files []file
+	for _, p := range []string{img.Base, img.Kernel, img.Initrd} {
+		f := file{Path: p}
+		if st, err := os.Stat(p); err == nil && p != "" {
+			f.Size, f.MTime = st.Size(), st.ModTime().UTC()
+		}
+		files = append(files, f)
+	}
+	b, _ := json.Marshal(struct {
+		Spec, DomainType, Digest, Marker string
+		Size                             config.Size
+		Files                            []file
+	}{SpecFingerprint(cfg, img), domainType, img.Digest, TemplateMarker, size, files})
+	h := sha256.Sum256(b)
+	return hex.EncodeToString(h[:8])
+}
+
+// Support says why img cannot have a memory snapshot (nil: it can).
+func Support(img *config.Image) error {
+	switch {
+	case !img.Snapshot:
+		return fmt.Errorf("image %s: snapshot is off; set [images.%s] snapshot = true", img.Name, img.Name)
+	case img.Boot != config.BootKernel, img.KeyInjection != config.InjectSMBIOS, img.AddressSource != string(vm.SourceLease), img.SharedMemory:
+		return fmt.Errorf("image %s: a snapshot needs boot = \"kernel\", key_injection = \"smbios\", address_source = \"lease\" and no shared_memory", img.Name)
+	}
+	return nil
+}
+
+// Build makes a fresh snapshot of img and records it as the image's, in
+// place of the one it had (whose template goes once no clone's disk is
+// over its frozen one; else a later sweep removes it). The template boots
+// at the image's default size with no network interface and no secret,
+// and is saved when its guest says it waits for its credentials disk
+// (within timeouts.boot). It is admitted as a machine while it boots
+// (NoWait: a full host refuses it); once saved it holds no memory.
+// Whatever fails, nothing of the new template is left.
+func (s Snapshots) Build(ctx context.Context, img *config.Image) (*state.Snapshot, error) {
+	m := s.m
+	if err := Support(img); err != nil {
+		return nil, err
+	}
+	if img.Source != "" && !img.Pulled() {
+		return nil, fmt.Errorf("image %s (%s) is not on this host: libvirt-executor image pull %s", img.Name, img.Source, img.Name)
+	}
+	img = m.Cfg.ResolveFiles(img)
+	if err := m.Cfg.CheckBase(img); err != nil {
+		return nil, err
+	}
+	// One build per image at a time ('_': no machine name starts so).
+	unlockImage, err := m.Store.Lock(ctx, "_snapshot-"+img.Name)
+	if err != nil {
+		return nil, err
+	}
+	defer unlockImage()
+	domainType, err := m.KVM().DomainType(ctx)
+	if err != nil {
+		return nil, err
+	}
+	size := m.Cfg.ImageSize(img)
+	name, err := SnapshotName(m.Cfg.NamePrefix, m.Controller)
+	if err != nil {
+		return nil, err
+	}
+	// Held until the template is recorded: a sweep leaves it alone
+	// meanwhile, and removes it if this process dies first.
+	unlock, err := m.Store.Lock(ctx, name)
+	if err != nil {
+		return nil, err
+	}
+	defer unlock()
+	started := time.Now().UTC()
+	req := request{Request: Request{Name: name, Image: img, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskGiB: size.DiskGiB, NoWait: true}}
+	if _, err := m.admit(ctx, req); err != nil {
+		return nil, err
+	}
+	done := false
+	defer func() {
+		if !done {
+			tctx, cancel := detachctx.WithTimeout(ctx, m.Cfg.Timeouts.Cleanup.D())
+			defer cancel()
+			if err := m.teardown(tctx, name); err != nil {
+				m.say("Removing the unfinished snapshot template %s failed: %v", name, err)
+			}
+		}
+	}()
+	consoleLog := m.Machine(name).ConsoleLog()
+	if err := touchPrivate(consoleLog); err != nil {
+		return nil, err
+	}
+	spec := MachineSpec(m.Cfg, SpecInput{Request: req.Request, Controller: m.Controller, DomainType: domainType, Created: started, ConsoleLog: consoleLog})
+	spec.Template = true
+	spec.Seed, spec.SeedSerial, spec.OEMStrings, spec.Shared, spec.Filter = nil, "", nil, nil, nil
+	spec.StaticAddress, spec.MAC = false, ""
+	spec.Cmdline = strings.TrimSpace(spec.Cmdline + " " + TemplateMarker)
+	// Its record, not a deadline, keeps it (judgeTemplate).
+	spec.Owner.Deadline = started.AddDate(10, 0, 0)
+	eng := m.engine()
+	eng.Progress = func(format string, args ...any) { m.say("  "+format, args...) }
+	if _, err := eng.Create(ctx, spec); err != nil {
+		return nil, err
+	}
+	t0 := time.Now()
+	bctx, cancel := context.WithTimeout(ctx, m.Cfg.Timeouts.Boot.D())
+	err = m.waitConsole(bctx, name, consoleLog, TemplateWaiting)
+	cancel()
+	if err != nil {
+		if t := tail(consoleLog, 25); len(t) > 0 {
+			m.say("Last lines of the template's console:\n%s", t)
+		}
+		return nil, fmt.Errorf("snapshot template of image %s: %w", img.Name, err)
+	}
+	booted := time.Since(t0)
+	t0 = time.Now()
+	if err := eng.SaveMachine(ctx, name, m.Cfg.StoragePool); err != nil {
+		return nil, err
+	}
+	saved := time.Since(t0)
+	if err := m.Store.MarkSaved(name); err != nil {
+		return nil, err
+	}
+	diskPath, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, vm.DiskVolume(name))
+	if err != nil {
+		return nil, err
+	}
+	diskBytes, err := m.hv.VolumeCapacity(ctx, diskPath)
+	if err != nil {
+		return nil, err
+	}
+	rec := state.Snapshot{
+		Image: img.Name, Template: name, Fingerprint: SnapshotFingerprint(m.Cfg, img, domainType, size),
+		DomainType: domainType, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskBytes: diskBytes, DiskPath: diskPath,
+		Started: started, Saved: time.Now().UTC(),
+	}
+	old, _ := m.Store.SnapshotOf(img.Name)
+	if err := m.Store.PutSnapshot(rec); err != nil {
+		return nil, err
+	}
+	done = true
+	m.say("Snapshot of image %s made: template %s booted to its wait in %s, saved in %s", img.Name, name, vm.Round(booted), vm.Round(saved))
+	if old != nil && old.Template != name {
+		s.retire(ctx, old.Template)
+	}
+	return &rec, nil
+}
+
+// Remove removes the image's snapshot: its record, then its template
+// (unless a clone's disk is still over its frozen one: then a later sweep
+// does).
+func (s Snapshots) Remove(ctx context.Context, image string) error {
+	m := s.m
+	rec, err := m.Store.SnapshotOf(image)
+	if err != nil || rec == nil {
+		return err
+	}
+	if err := m.Store.ForgetSnapshot(image, rec.Template); err != nil {
+		return err
+	}
+	s.retire(ctx, rec.Template)
+	return nil
+}
+
+// List returns every snapshot record.
+func (s Snapshots) List() ([]state.Snapshot, error) { return s.m.Store.Snapshots() }
+
+// retire removes a template no record names any more, unless a clone's
+// disk is over its frozen one (a sweep removes it once none is).
+func (s Snapshots) retire(ctx context.Context, name string) {
+	m := s.m
+	if inUse, err := s.frozenInUse(ctx, name); err != nil || inUse {
+		return
+	}
+	unlock, err := m.Store.TryLock(name)
+	if err != nil {
+		return
+	}
+	defer unlock()
+	if err := m.teardown(ctx, name); err != nil {
+		m.say("Removing the old snapshot template %s failed: %v (a sweep tries again)", name, err)
+		return
+	}
+	m.Store.RemoveLock(name)
+}
+
+// frozenInUse reports whether a volume of the pool is over the template's
+// frozen disk (a clone that runs, or was kept).
+func (s Snapshots) frozenInUse(ctx context.Context, name string) (bool, error) {
+	m := s.m
+	path, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, vm.DiskVolume(name))
+	if errors.Is(err, vm.ErrNotFound) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	backing, err := m.Volumes().BackingFiles(ctx)
+	if err != nil {
+		return false, err
+	}
+	for _, b := range backing {
+		if b == path {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+// judgeTemplate is the verdict on a snapshot template that the deadline
+// rule kept: kept while its image's record names it or a clone's disk is
+// over its frozen one; else (replaced, forgotten, or its build died)
+// removed.
+func (s Snapshots) judgeTemplate(ctx context.Context, it *Item) {
+	recs, err := s.m.Store.Snapshots()
+	if err != nil {
+		return
+	}
+	for _, r := range recs {
+		if r.Template == it.Name && r.Ready() {
+			it.Reason = fmt.Sprintf("memory snapshot of image %s, saved %s ago", r.Image, time.Since(r.Saved).Round(time.Second))
+			return
+		}
+	}
+	if inUse, err := s.frozenInUse(ctx, it.Name); err != nil || inUse {
+		it.Reason = "an old memory snapshot: clones still use its disk"
+		return
+	}
+	it.Verdict, it.Reason = VerdictExpired, "a memory snapshot no record names (replaced, removed, or its build did not finish)"
+}
+
+// Current returns img's snapshot record when it is current (saved, made
+// from what a machine of img would be made of now, its template there),
+// else nil and why not.
+func (s Snapshots) Current(ctx context.Context, img *config.Image) (*state.Snapshot, string) {
+	m := s.m
+	domainType, err := m.KVM().DomainType(ctx)
+	if err != nil {
+		return nil, err.Error()
+	}
+	return s.current(m.Cfg.ResolveFiles(img), domainType)
+}
+
+// current is Current for img's files resolved and the domain type known.
+func (s Snapshots) current(img *config.Image, domainType string) (*state.Snapshot, string) {
+	m := s.m
+	rec, err := m.Store.SnapshotOf(img.Name)
+	switch {
+	case err != nil:
+		return nil, err.Error()
+	case rec == nil || !rec.Ready():
+		return nil, fmt.Sprintf("none made yet (the pool service makes it, or libvirt-executor image snapshot %s)", img.Name)
+	}
+	if fp := SnapshotFingerprint(m.Cfg, img, domainType, m.Cfg.ImageSize(img)); fp != rec.Fingerprint {
+		return nil, fmt.Sprintf("it is stale: the image, its files, the configuration or the driver changed since it was made %s ago (the pool service makes a new one, or libvirt-executor image snapshot %s)",
+			time.Since(rec.Saved).Round(time.Second), img.Name)
+	}
+	if ok, err := m.Store.Has(rec.Template); err != nil || !ok {
+		return nil, fmt.Sprintf("its template %s is gone", rec.Template)
+	}
+	return rec, ""
+}
+
+// usable returns the snapshot a job's machine of req starts from, or nil
+// and why not ("" where a snapshot does not apply: the image has none,
+// or the machine is not a job's).
+func (s Snapshots) usable(req request, domainType string) (*vm.Snapshot, string) {
+	img := req.Image
+	if !img.Snapshot || req.detached || req.Standby != nil || req.Seed != nil || req.SeedWritable {
+		return nil, ""
+	}
+	if len(req.Dirs) > 0 {
+		return nil, "the job shares host directories (they need shared memory, which a template has not)"
+	}
+	rec, why := s.current(img, domainType)
+	switch {
+	case rec == nil:
+		return nil, why
+	case req.VCPUs != rec.VCPUs || req.MemoryMiB != rec.MemoryMiB:
+		return nil, fmt.Sprintf("the job asks %d vCPUs and %d MiB; the snapshot has %d and %d", req.VCPUs, req.MemoryMiB, rec.VCPUs, rec.MemoryMiB)
+	case uint64(max(req.DiskGiB, 0))<<30 > rec.DiskBytes: //nolint:gosec // G115: non-negative
+		return nil, fmt.Sprintf("the job asks a %d GiB disk; the snapshot's is %d GiB", req.DiskGiB, rec.DiskBytes>>30)
+	}
+	return &vm.Snapshot{Template: rec.Template, DiskPath: rec.DiskPath, DiskBytes: rec.DiskBytes}, ""
+}
+
+// waitConsole waits until the machine's console log (its last 64 KiB,
+// read every 100 ms) holds line, the domain stops, or ctx ends.
+func (m *Manager) waitConsole(ctx context.Context, name, path, line string) error {
+	t := time.NewTicker(100 * time.Millisecond)
+	defer t.Stop()
+	want := []byte(line)
+	for {
+		if b := lastBytes(path, 64<<10); bytes.Contains(b, want) {
+			return nil
+		}
+		if active, err := m.hv.IsActive(ctx, name); err == nil && !active {
+			return fmt.Errorf("the guest stopped before it said %q", line)
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("the guest did not say %q: %w", line, context.Cause(ctx))
+		case <-t.C:
+		}
+	}
+}
+
+// lastBytes is up to n bytes at the end of the file at path (nil if it
+// cannot be read).
+func lastBytes(path string, n int64) []byte {
+	f, err := os.Open(path)
+	if err != nil {
+		return nil
+	}
+	defer f.Close()
+	st, err := f.Stat()
+	if err != nil {
+		return nil
+	}
+	off := max(st.Size()-n, 0)
+	b, err := io.ReadAll(io.NewSectionReader(f, off, n))
+	if err != nil {
+		return nil
+	}
+	return b
+}

@@ -1,0 +1,266 @@
+package lifecycle
+
+import (
+	"context"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"libvirt.org/go/libvirtxml"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle/lifecycletest"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm/vmtest"
+)
+
+// snapshotManager is a Manager whose tiny image boots a kernel and has
+// snapshot = true, with its job log recorded.
+func snapshotManager(t *testing.T, hv *vmtest.Fake, g *fakeGuest) (*Manager, *config.Image, *lifecycletest.Sayings) {
+	t.Helper()
+	cfg, err := config.Parse([]byte(`
+domain_type = "qemu"
+state_dir = "` + t.TempDir() + `"
+storage_pool = "jobs"
+[timeouts]
+boot = "5s"
+[images.tiny]
+base = "/img/tiny.qcow2"
+boot = "kernel"
+kernel = "/img/vmlinuz"
+cmdline = "console=ttyS0"
+memory_mib = 256
+vcpus = 1
+snapshot = true
+`))
+	require.NoError(t, err)
+	img, _ := cfg.Image("tiny")
+	s := lifecycletest.NewSayings(t)
+	m := &Manager{Cfg: cfg, hv: hv, Store: state.Store{Dir: cfg.StateDir}, Controller: controller,
+		SSHPort: g.Port(), SSHPollInterval: 20 * time.Millisecond, AddressPollInterval: 10 * time.Millisecond,
+		Say: s.Say}
+	return m, img, s
+}
+
+func domainXML(t *testing.T, hv *vmtest.Fake, name string) *libvirtxml.Domain {
+	t.Helper()
+	hv.Lock()
+	d, ok := hv.Domains[name]
+	var x string
+	if ok {
+		x = d.XML
+	}
+	hv.Unlock()
+	require.True(t, ok, "domain %s", name)
+	var dx libvirtxml.Domain
+	require.NoError(t, dx.Unmarshal(x))
+	return &dx
+}
+
+func TestSnapshotBuildRestoreAndSweep(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, say := snapshotManager(t, hv, g)
+	ctx := context.Background()
+	snaps := SnapshotsOf(m)
+
+	rec, err := snaps.Build(ctx, img)
+	require.NoError(t, err)
+	require.True(t, rec.Ready())
+	require.True(t, m.Machine(rec.Template).IsSnapshotTemplate())
+	// The template: no NIC, no secret, a VM generation id, the marker; it
+	// was saved (stopped, still defined) and holds no capacity now.
+	tx := domainXML(t, hv, rec.Template)
+	require.Empty(t, tx.Devices.Interfaces)
+	require.NotNil(t, tx.GenID)
+	require.Nil(t, tx.SysInfo)
+	require.Contains(t, tx.OS.Cmdline, TemplateMarker)
+	require.Len(t, tx.Devices.Disks, 1)
+	hv.Lock()
+	require.False(t, hv.Domains[rec.Template].Active)
+	require.NotEmpty(t, hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)])
+	hv.Unlock()
+	held, err := m.Capacity().Reservations()
+	require.NoError(t, err)
+	require.NotContains(t, held, rec.Template, "a saved template holds no memory")
+	cur, why := snaps.Current(ctx, img)
+	require.NotNil(t, cur, why)
+
+	// A job's machine restores from it: its own NIC, its credentials disk
+	// plugged last, its disk over the frozen one.
+	ready, err := m.Provision(ctx, testRequest(img))
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	require.Equal(t, StartSnapshot, ready.Timings.Start)
+	require.True(t, say.Has("Restored %s from the memory snapshot"), "the job log says how it started")
+	cx := domainXML(t, hv, "lve-0123abcd-7")
+	require.Len(t, cx.Devices.Interfaces, 1)
+	require.NotNil(t, cx.Devices.Interfaces[0].FilterRef, "the hot-plugged NIC is filtered")
+	require.Equal(t, guestinit.CredentialDiskSerial, cx.Devices.Disks[len(cx.Devices.Disks)-1].Serial, "credentials plugged last")
+	require.NotEqual(t, tx.UUID, cx.UUID)
+	o, err := vm.ParseOwner(domainXMLOwner(t, hv, "lve-0123abcd-7"))
+	require.NoError(t, err)
+	require.Equal(t, "7", o.Job)
+	hv.Lock()
+	require.Equal(t, rec.DiskPath, hv.Backing["jobs/"+vm.DiskVolume("lve-0123abcd-7")], "the clone's disk is over the frozen one")
+	persistent := !hv.Domains["lve-0123abcd-7"].Transient
+	hv.Unlock()
+	require.True(t, persistent, "the clone is defined, as a booted machine is")
+
+	// While a clone's disk is over it, a replaced template stays; the
+	// sweep keeps the current one.
+	items, err := m.Inventory(ctx, time.Now())
+	require.NoError(t, err)
+	require.Equal(t, VerdictKeep, item(t, items, rec.Template).Verdict)
+	require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(ctx))
+
+	// Removed from the record: the template goes (no clone uses it).
+	require.NoError(t, snaps.Remove(ctx, "tiny"))
+	hv.Lock()
+	_, left := hv.Domains[rec.Template]
+	hv.Unlock()
+	require.False(t, left)
+	require.NoError(t, err)
+	requireNothingLeft(t, hv, m)
+}
+
+func domainXMLOwner(t *testing.T, hv *vmtest.Fake, name string) string {
+	t.Helper()
+	hv.Lock()
+	defer hv.Unlock()
+	return hv.Domains[name].OwnerXML
+}
+
+func item(t *testing.T, items []Item, name string) Item {
+	t.Helper()
+	for _, it := range items {
+		if it.Name == name {
+			return it
+		}
+	}
+	t.Fatalf("%s not in the inventory", name)
+	return Item{}
+}
+
+// A clone that cannot be restored, or whose guest does not go on, is
+// removed and the machine boots cold; the job log says why.
+func TestSnapshotFallsBackToColdBoot(t *testing.T) {
+	for _, tc := range []struct {
+		name, why string
+		spoil     func(hv *vmtest.Fake, g *fakeGuest, rec *state.Snapshot)
+	}{
+		{"corrupt save file", "not a libvirt save file", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
+			hv.Lock()
+			hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)] = []byte(strings.Repeat("garbage, not a save file ", 20))
+			hv.Unlock()
+		}},
+		{"truncated save file", "header", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
+			hv.Lock()
+			hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)] = hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)][:40]
+			hv.Unlock()
+		}},
+		{"restore refused", "refused by the test", func(hv *vmtest.Fake, _ *fakeGuest, _ *state.Snapshot) {
+			hv.FailOn["RestoreStream"] = errString("refused by the test")
+		}},
+		{"hot plug refused", "attach the network interface", func(hv *vmtest.Fake, _ *fakeGuest, _ *state.Snapshot) {
+			hv.FailOn["AttachInterface"] = errString("no hot plug")
+		}},
+		{"guest silent", "took no address", func(_ *vmtest.Fake, g *fakeGuest, _ *state.Snapshot) {
+			g.CloneSilent = true
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			old := snapshotLeaseWait
+			snapshotLeaseWait = 300 * time.Millisecond
+			defer func() { snapshotLeaseWait = old }()
+			hv := vmtest.New()
+			g := newGuest(t, hv)
+			m, img, say := snapshotManager(t, hv, g)
+			ctx := context.Background()
+			rec, err := SnapshotsOf(m).Build(ctx, img)
+			require.NoError(t, err)
+			tc.spoil(hv, g, rec)
+			ready, err := m.Provision(ctx, testRequest(img))
+			require.NoError(t, err)
+			_ = ready.Client.Close()
+			require.Equal(t, StartCold, ready.Timings.Start)
+			require.True(t, say.Has("Memory snapshot of image %s not used: %v; booting cold"))
+			require.Contains(t, say.Args(), tc.why)
+			// The machine is the cold boot's: its NIC in its definition.
+			hv.Lock()
+			started := hv.Domains["lve-0123abcd-7"].Transient
+			hv.Unlock()
+			require.False(t, started)
+			cx := domainXML(t, hv, "lve-0123abcd-7")
+			require.Nil(t, cx.GenID, "not the template's domain")
+			require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(ctx))
+		})
+	}
+}
+
+type errString string
+
+func (e errString) Error() string { return string(e) }
+
+// A snapshot made from other inputs (here: another memory size) is not
+// used; the job boots cold and its log says the snapshot is stale.
+func TestSnapshotStaleNotUsed(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, _ := snapshotManager(t, hv, g)
+	ctx := context.Background()
+	_, err := SnapshotsOf(m).Build(ctx, img)
+	require.NoError(t, err)
+	m2, img2, say := snapshotManager(t, hv, g)
+	m2.Cfg.StateDir, m2.Store = m.Cfg.StateDir, m.Store
+	m2.Cfg.Defaults.DiskGiB++ // the image's size: another snapshot's
+	req := testRequest(img2)
+	ready, err := m2.Provision(ctx, req)
+	require.NoError(t, err)
+	_ = ready.Client.Close()
+	require.Equal(t, StartCold, ready.Timings.Start)
+	require.Contains(t, say.Args(), "stale")
+	_, why := SnapshotsOf(m2).Current(ctx, img2)
+	require.Contains(t, why, "stale")
+}
+
+// A template whose guest never says it waits fails within the boot
+// timeout and leaves nothing: no domain, volume, state or record.
+func TestSnapshotBuildFailureLeavesNothing(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	g.TemplateSilent = true
+	m, img, _ := snapshotManager(t, hv, g)
+	m.Cfg.Timeouts.Boot = config.Duration(300 * time.Millisecond)
+	_, err := SnapshotsOf(m).Build(context.Background(), img)
+	require.ErrorContains(t, err, TemplateWaiting)
+	hv.Lock()
+	require.Empty(t, hv.Domains)
+	require.Empty(t, hv.Volumes)
+	hv.Unlock()
+	names, err := m.Store.Names()
+	require.NoError(t, err)
+	require.Empty(t, names)
+	recs, err := m.Store.Snapshots()
+	require.NoError(t, err)
+	require.Empty(t, recs)
+}
+
+// An image that cannot have a snapshot is refused with what it needs.
+func TestSnapshotSupport(t *testing.T) {
+	cfg, img := lifecycletest.TinyConfig(t)
+	_ = cfg
+	require.ErrorContains(t, Support(img), "snapshot is off")
+	img.Snapshot = true
+	require.ErrorContains(t, Support(img), `boot = "kernel"`)
+	_, err := config.Parse([]byte(`
+[images.x]
+base = "/img/x.qcow2"
+snapshot = true
+`))
+	require.ErrorContains(t, err, "images.x.snapshot")
+	require.True(t, strings.Contains(err.Error(), `needs boot = "kernel"`), err.Error())
+}
