@@ -150,15 +150,15 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 	pr, pw := io.Pipe()
 	sctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	streamed := make(chan error, 1)
+	streamed := make(chan struct{})
 	go func() {
-		err := c.e.HV.StreamFromVolume(sctx, s.Pool, SaveVolume(snap.Template), pw)
-		_ = pw.CloseWithError(err)
-		streamed <- err
+		defer close(streamed)
+		// Its error reaches the reader (CloseWithError).
+		_ = pw.CloseWithError(c.e.HV.StreamFromVolume(sctx, s.Pool, SaveVolume(snap.Template), pw))
 	}()
 	defer func() {
 		_ = pr.Close() // a stream still running ends on its next write
-		_ = <-streamed
+		<-streamed
 	}()
 	head, err := ReadSaveHead(pr)
 	if err != nil {
