@@ -1,0 +1,128 @@
+//go:build e2e
+
+package e2e
+
+import (
+	"os"
+	"regexp"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobapi"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
+)
+
+// withSnapshot is the rig with snapshot = true for image.
+func (r *rig) withSnapshot(t *testing.T, image string) *rig {
+	t.Helper()
+	return r.withConfig(t, func(s string) string {
+		head := "[images." + image + "]\n"
+		require.Contains(t, s, head)
+		return strings.Replace(s, head, head+"snapshot = true\n", 1)
+	})
+}
+
+// makeSnapshot runs `libvirt-executor image snapshot IMAGE` and returns
+// the image's record; the test's cleanup removes the snapshot (--remove)
+// and checks that its template is gone.
+func (r *rig) makeSnapshot(t *testing.T, image string) *state.Snapshot {
+	t.Helper()
+	t0 := time.Now()
+	out, err := r.admin("image", "snapshot", image).CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	t.Logf("image snapshot %s in %s: %s", image, time.Since(t0).Round(time.Millisecond), strings.TrimSpace(string(out)))
+	rec, err := state.Store{Dir: r.cfg.StateDir}.SnapshotOf(image)
+	require.NoError(t, err)
+	require.NotNil(t, rec)
+	require.True(t, rec.Ready())
+	t.Cleanup(func() {
+		out, err := r.admin("image", "snapshot", "--remove", image).CombinedOutput()
+		require.NoError(t, err, "%s", out)
+		_, err = r.conn.LookupDomainByName(rec.Template)
+		require.Error(t, err, "the removed snapshot's template is gone")
+	})
+	return rec
+}
+
+// saveVolumePath is the path of a template's save volume.
+func (r *rig) saveVolumePath(t *testing.T, template string) string {
+	t.Helper()
+	p, err := r.conn.LookupStoragePoolByName(r.cfg.StoragePool)
+	require.NoError(t, err)
+	defer p.Free()
+	v, err := p.LookupStorageVolByName(vm.SaveVolume(template))
+	require.NoError(t, err)
+	defer v.Free()
+	path, err := v.GetPath()
+	require.NoError(t, err)
+	return path
+}
+
+var (
+	bootedAddressRE = regexp.MustCompile(`Booted, address ([0-9.]+) `)
+	hostKeyRE       = regexp.MustCompile(`host key (SHA256:[A-Za-z0-9+/]+) pinned`)
+	randomRE        = regexp.MustCompile(`RANDOM ([0-9a-f]{32})`)
+)
+
+// TestSnapshotRealRunnerJobs is #48 through a real runner on the tiny
+// image with no standby VM: `image snapshot` makes the image's memory
+// snapshot; two jobs at once start from it (the job log says so), each on
+// its own address with its own pinned host key and its own random state;
+// then, with the save file cut short, a job falls back to a cold boot and
+// its log says why; and nothing is left once the snapshot is removed.
+func TestSnapshotRealRunnerJobs(t *testing.T) {
+	rr := newRealRunner(t)
+	rs := rr.r.withSnapshot(t, "tiny")
+	rr.cfgPath = rs.cfgPath
+	rec := rs.makeSnapshot(t, "tiny")
+	require.True(t, strings.HasPrefix(rec.Template, lifecycle.MachinePrefix(rs.cfg.NamePrefix, rr.r.controller(t))), rec.Template)
+
+	script := []string{
+		`echo "RANDOM $(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"`,
+		`date +%s`,
+	}
+	res := rr.runJobsAtOnce(t,
+		jobapi.Job{Name: "snap-a", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: script},
+		jobapi.Job{Name: "snap-b", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: script},
+	)
+	addrs, keys, randoms := map[string]bool{}, map[string]bool{}, map[string]bool{}
+	for i, r := range res {
+		require.Equal(t, jobapi.StateSuccess, r.State, r.Trace)
+		require.Contains(t, r.Trace, "from the memory snapshot of image tiny", "the job log says it was restored")
+		require.Regexp(t, `Machine ready in [0-9.]+m?s \(snapshot\)`, r.Trace)
+		for re, seen := range map[*regexp.Regexp]map[string]bool{bootedAddressRE: addrs, hostKeyRE: keys, randomRE: randoms} {
+			m := re.FindStringSubmatch(r.Trace)
+			require.NotNil(t, m, "%s in the job log:\n%s", re, r.Trace)
+			seen[m[1]] = true
+		}
+		t.Logf("job %d: %s", i, firstLine(r.Trace, "Restored "))
+	}
+	require.Len(t, addrs, 2, "no two clones share an address")
+	require.Len(t, keys, 2, "no two clones share a host key")
+	require.Len(t, randoms, 2, "no two clones share their random state")
+
+	// A save file cut short: the job boots cold, and its log says why.
+	path := rr.r.saveVolumePath(t, rec.Template)
+	require.NoError(t, os.Truncate(path, 4096))
+	res = rr.runJobs(t, jobapi.Job{Name: "snap-cut", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: []string{"echo COLD-OK"}})
+	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
+	require.Contains(t, res[0].Trace, "COLD-OK")
+	require.Regexp(t, `Memory snapshot of image tiny not used: .*; booting cold`, res[0].Trace)
+	require.NotContains(t, res[0].Trace, "(snapshot)")
+	t.Logf("cut save file: %s", firstLine(res[0].Trace, "Memory snapshot of image tiny not used"))
+}
+
+// firstLine is the first line of s that contains sub ("" for none).
+func firstLine(s, sub string) string {
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			return strings.TrimSpace(l)
+		}
+	}
+	return ""
+}
