@@ -65,14 +65,16 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 				t.Skipf("the rig has no %s image (LVE_E2E_IMAGES does not name it)", c.image)
 			}
 			require.Equal(t, "kernel", img.Boot, "the %s image boots its kernel directly", c.image)
-			snapshotClones(t, r, hv, img, c.memoryMiB, c.wait, c.systemd, fmt.Sprintf("%x%d", tag, i), byte(i))
+			snapshotClones(t, r, hv, img, c.memoryMiB, c.wait, c.systemd, fmt.Sprintf("%x%d", tag, i), tag[0], byte(2*i))
 		})
 	}
 }
 
 // snapshotClones is TestSnapshotClonesFromOneSaveFile for one image; id
-// names its domains, macByte is the MACs' fifth byte.
-func snapshotClones(t *testing.T, r *rig, hv vm.Hypervisor, img *config.Image, memoryMiB int, wait time.Duration, systemd bool, id string, macByte byte) {
+// names its domains. The clones' MACs are 52:54:00:e5:mac5:mac6+i, random
+// per run (a MAC of an earlier run would find that run's lease) and apart
+// between the images.
+func snapshotClones(t *testing.T, r *rig, hv vm.Hypervisor, img *config.Image, memoryMiB int, wait time.Duration, systemd bool, id string, mac5, mac6 byte) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 
@@ -182,7 +184,7 @@ func snapshotClones(t *testing.T, r *rig, hv vm.Hypervisor, img *config.Image, m
 	addrs := map[string]string{}
 	for i, c := range clones {
 		t0 := time.Now()
-		mac := fmt.Sprintf("52:54:00:e5:%02x:%02x", macByte, i)
+		mac := fmt.Sprintf("52:54:00:e5:%02x:%02x", mac5, int(mac6)+i)
 		iface := &libvirtxml.DomainInterface{Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: r.cfg.Network}},
 			MAC: &libvirtxml.DomainInterfaceMAC{Address: mac}, Model: &libvirtxml.DomainInterfaceModel{Type: "virtio"}}
 		require.NoError(t, hv.AttachInterface(ctx, c.name, iface))
