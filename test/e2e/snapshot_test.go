@@ -5,6 +5,7 @@ package e2e
 import (
 	"context"
 	"crypto/rand"
+	"encoding/xml"
 	"fmt"
 	"net"
 	"os"
@@ -18,6 +19,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"libvirt.org/go/libvirtxml"
 
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
@@ -25,25 +27,56 @@ import (
 )
 
 // TestSnapshotClonesFromOneSaveFile is #48's engine step on the rig's
-// libvirt: a tiny template (no NIC, ACPI for hot plug) boots and is saved
-// once (vm.Hypervisor.Save); two clones restore from that one file at the
-// same time (RestoreClone: the save header's XML rewritten with each
-// clone's name, UUID, overlay and console, streamed through a pipe), each
-// runs under its own identity on its own overlay over the frozen one, and
-// each gets its identity by hot plug (its NIC, then the credentials disk
-// the template's guest waits for), takes its own lease and answers SSH
-// with its own host key, its clock the credential's. The driver does not use it
-// yet (docs/pool.md).
+// libvirt, for the tiny and the Debian image: a template (no NIC, ACPI for
+// hot plug, kernel option lve.snapshot=template) boots until its guest says
+// it waits for its credentials disk and is saved once (vm.Hypervisor.Save);
+// two clones restore from that one file at the same time (RestoreClone:
+// the save header's XML rewritten with each clone's name, UUID, overlay and
+// console, streamed through a pipe), each runs under its own identity on
+// its own overlay over the frozen one, and each gets its identity by hot
+// plug (its NIC, then the credentials disk the template's guest waits for),
+// takes its own lease and answers SSH with its own host key, its clock the
+// credential's and its CRNG reseeded from the host's entropy (the guest's
+// kernel log says so). The driver does not use it yet (docs/pool.md).
 func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	r := setup(t)
-	img, ok := r.cfg.Images["tiny"]
-	require.True(t, ok, "the rig's tiny image")
-	require.Equal(t, "kernel", img.Boot, "the tiny image boots its kernel directly")
-	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
-	defer cancel()
-	hv, err := vm.Connect(ctx, r.cfg.LibvirtURI)
+	hv, err := vm.Connect(context.Background(), r.cfg.LibvirtURI)
 	require.NoError(t, err)
 	defer hv.Close()
+	tag := make([]byte, 3)
+	_, _ = rand.Read(tag)
+	for i, c := range []struct {
+		image     string
+		memoryMiB int
+		// wait bounds the template's boot to its wait for the credentials
+		// disk (Debian's systemd boot takes ~25 s under emulation).
+		wait time.Duration
+		// systemd: the guest's wait is libvirt-executor-snapshot.service.
+		systemd bool
+	}{
+		{"tiny", 256, 2 * time.Minute, false},
+		{"debian", 768, 3 * time.Minute, true},
+	} {
+		t.Run(c.image, func(t *testing.T) {
+			img, ok := r.cfg.Images[c.image]
+			if !ok {
+				require.NotContains(t, strings.Split(os.Getenv("LVE_E2E_IMAGES")+",tiny", ","), c.image,
+					"the rig has no %s image", c.image)
+				t.Skipf("the rig has no %s image (LVE_E2E_IMAGES does not name it)", c.image)
+			}
+			require.Equal(t, "kernel", img.Boot, "the %s image boots its kernel directly", c.image)
+			snapshotClones(t, r, hv, img, c.memoryMiB, c.wait, c.systemd, fmt.Sprintf("%x%d", tag, i), tag[0], byte(2*i))
+		})
+	}
+}
+
+// snapshotClones is TestSnapshotClonesFromOneSaveFile for one image; id
+// names its domains. The clones' MACs are 52:54:00:e5:mac5:mac6+i, random
+// per run (a MAC of an earlier run would find that run's lease) and apart
+// between the images.
+func snapshotClones(t *testing.T, r *rig, hv vm.Hypervisor, img *config.Image, memoryMiB int, wait time.Duration, systemd bool, id string, mac5, mac6 byte) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
 
 	// Files libvirt's QEMU can reach (the rig's directory, not the test's
 	// private temporary one).
@@ -57,9 +90,7 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 		require.NoError(t, err, "%s", out)
 		return p
 	}
-	tag := make([]byte, 3)
-	_, _ = rand.Read(tag)
-	prefix := fmt.Sprintf("%s-e2esnap-%x", r.cfg.NamePrefix, tag)
+	prefix := fmt.Sprintf("%s-e2esnap-%s", r.cfg.NamePrefix, id)
 	var names []string
 	defer func() {
 		cctx, ccancel := context.WithTimeout(context.Background(), time.Minute)
@@ -77,21 +108,23 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	tmpl := prefix + "-tmpl"
 	tmplDisk := overlay(tmpl, img.Base)
 	tmplLog := filepath.Join(dir, tmpl+".log")
-	x := fmt.Sprintf(`<domain type='%s'><name>%s</name><genid/><memory unit='MiB'>256</memory><vcpu>1</vcpu>
-<os><type arch='x86_64' machine='pc'>hvm</type><kernel>%s</kernel><initrd>%s</initrd><cmdline>console=ttyS0 root=/dev/vda rw lve.snapshot=template</cmdline></os>
+	x := fmt.Sprintf(`<domain type='%s'><name>%s</name><genid/><memory unit='MiB'>%d</memory><vcpu>1</vcpu>
+<os><type arch='x86_64' machine='pc'>hvm</type><kernel>%s</kernel><initrd>%s</initrd><cmdline>%s</cmdline></os>
 <features><acpi/><apic/></features>
 <devices><disk type='file' device='disk'><driver name='qemu' type='qcow2'/><source file='%s'/><target dev='vda' bus='virtio'/></disk>
 <serial type='file'><source path='%s'/><target port='0'/></serial></devices></domain>`,
-		domainType, tmpl, img.Kernel, img.Initrd, tmplDisk, tmplLog)
+		domainType, tmpl, memoryMiB, img.Kernel, img.Initrd, xmlText(img.Cmdline+" lve.snapshot=template"), tmplDisk, tmplLog)
 	require.NoError(t, hv.Define(ctx, x))
 	names = append(names, tmpl)
 	require.NoError(t, hv.Start(ctx, tmpl))
-	waitFor(t, 2*time.Minute, "the template's wait for its credentials disk", func() bool {
+	t0 := time.Now()
+	waitFor(t, wait, "the template's wait for its credentials disk", func() bool {
 		b, _ := os.ReadFile(tmplLog)
 		return strings.Contains(string(b), "snapshot template: waiting for the credentials disk")
 	})
+	t.Logf("template booted to its wait for the credentials disk in %s", time.Since(t0).Round(time.Millisecond))
 	save := filepath.Join(dir, tmpl+".save")
-	t0 := time.Now()
+	t0 = time.Now()
 	require.NoError(t, hv.Save(ctx, tmpl, save))
 	t.Logf("template saved in %s", time.Since(t0).Round(time.Millisecond))
 	require.NoError(t, os.Chmod(tmplDisk, 0o444)) // frozen: the clones' overlays are over it
@@ -151,7 +184,7 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 	addrs := map[string]string{}
 	for i, c := range clones {
 		t0 := time.Now()
-		mac := fmt.Sprintf("52:54:00:e5:%02x:%02x", tag[0], i)
+		mac := fmt.Sprintf("52:54:00:e5:%02x:%02x", mac5, int(mac6)+i)
 		iface := &libvirtxml.DomainInterface{Source: &libvirtxml.DomainInterfaceSource{Network: &libvirtxml.DomainInterfaceSourceNetwork{Network: r.cfg.Network}},
 			MAC: &libvirtxml.DomainInterfaceMAC{Address: mac}, Model: &libvirtxml.DomainInterfaceModel{Type: "virtio"}}
 		require.NoError(t, hv.AttachInterface(ctx, c.name, iface))
@@ -182,8 +215,26 @@ func TestSnapshotClonesFromOneSaveFile(t *testing.T) {
 		wcancel()
 		require.NoError(t, err, "%s answers SSH with its own host key", c.name)
 		out, err := cl.Output(ctx, "date +%s; cat /proc/sys/kernel/random/boot_id")
-		_ = cl.Close()
 		require.NoError(t, err)
+		// The clone's CRNG is not the template's: the guest reseeded it
+		// from the entropy credential (RNDRESEEDCRNG; the images' cloud
+		// kernel has no vmgenid driver, which would log "crng reseeded due
+		// to virtual machine fork" on the restore's new generation id).
+		kmsg, err := cl.Output(ctx, "dmesg")
+		require.NoError(t, err)
+		if systemd {
+			// The wait ran (the kernel option's condition held) and its
+			// ordering before networkd, the keys, the tools disk and sshd
+			// made no cycle systemd had to break.
+			out, err := cl.Output(ctx, "systemctl is-active libvirt-executor-snapshot.service; journalctl -b -q --no-pager | grep -i 'ordering cycle' || true")
+			require.NoError(t, err)
+			require.Equal(t, "active", strings.TrimSpace(string(out)), "%s: the snapshot wait unit ran, and no ordering cycle", c.name)
+		}
+		_ = cl.Close()
+		require.Contains(t, string(kmsg), "lve: crng reseeded from the host's entropy credential",
+			"%s's kernel log says its CRNG was reseeded from the host's entropy", c.name)
+		t.Logf("%s: kernel reseed on the VM generation id change (vmgenid): %v", c.name,
+			strings.Contains(string(kmsg), "crng reseeded due to virtual machine fork"))
 		t.Logf("%s: NIC and credentials plugged in %s, lease after %s, SSH after %s; guest says %q",
 			c.name, plugged.Round(time.Millisecond), leased.Round(time.Millisecond), time.Since(t0).Round(time.Millisecond), strings.TrimSpace(string(out)))
 		var guestNow int64
@@ -207,4 +258,11 @@ func rnd(n int) []byte {
 	b := make([]byte, n)
 	_, _ = rand.Read(b)
 	return b
+}
+
+// xmlText is s escaped for XML character data.
+func xmlText(s string) string {
+	var b strings.Builder
+	_ = xml.EscapeText(&b, []byte(s))
+	return b.String()
 }
