@@ -199,9 +199,11 @@ func (c *creation) plugIdentity(ctx context.Context) error {
 			ReadOnly: &libvirtxml.DomainDiskReadOnly{},
 			Serial:   sd.Serial,
 		}
+		t0 := time.Now()
 		if err := change(ctx, func(ctx context.Context) error { return c.e.HV.AttachDisk(ctx, s.Name, d) }); err != nil {
 			return fmt.Errorf("attach the shared disk %s: %w", sd.Serial, err)
 		}
+		c.e.progress("shared disk %s plugged in %s", sd.Serial, Round(time.Since(t0)))
 	}
 	f, err := c.completeFilter(ctx)
 	if err != nil {
@@ -213,9 +215,11 @@ func (c *creation) plugIdentity(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
+	t0 := time.Now()
 	if err := change(ctx, func(ctx context.Context) error { return c.e.HV.AttachInterface(ctx, s.Name, nic) }); err != nil {
 		return fmt.Errorf("attach the network interface: %w", err)
 	}
+	c.e.progress("network interface (MAC %s%s) plugged in %s", s.MAC, map[bool]string{true: ", network filter", false: ""}[f != nil], Round(time.Since(t0)))
 	seed := &libvirtxml.DomainDisk{
 		Device:   "disk",
 		Driver:   &libvirtxml.DomainDiskDriver{Name: "qemu", Type: "raw"},
@@ -224,9 +228,11 @@ func (c *creation) plugIdentity(ctx context.Context) error {
 		ReadOnly: &libvirtxml.DomainDiskReadOnly{},
 		Serial:   s.SeedSerial,
 	}
+	t0 = time.Now()
 	if err := change(ctx, func(ctx context.Context) error { return c.e.HV.AttachDisk(ctx, s.Name, seed) }); err != nil {
 		return fmt.Errorf("attach the credentials disk: %w", err)
 	}
+	c.e.progress("credentials disk plugged in %s", Round(time.Since(t0)))
 	return nil
 }
 
