@@ -180,7 +180,7 @@ func MachineOfVolume(v string) (string, bool) {
 	if name, ok := strings.CutSuffix(v, ".qcow2"); ok {
 		return name, true
 	}
-	for _, suffix := range []string{"-seed.img", "-data.img", "-scratch.img"} {
+	for _, suffix := range []string{"-seed.img", "-data.img", "-scratch.img", ".save"} {
 		if name, ok := strings.CutSuffix(v, suffix); ok {
 			return name, true
 		}
