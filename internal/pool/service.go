@@ -84,8 +84,10 @@ type Service struct {
 	wg     sync.WaitGroup
 	// images follows the images with a source (oci://).
 	images *follower
-	// snapping names the images whose memory snapshot is being made.
-	snapping map[string]bool
+	// snapping names the images whose memory snapshot is being made;
+	// snapsLooked is when keepSnapshots last looked at them.
+	snapping    map[string]bool
+	snapsLooked time.Time
 }
 
 type backoff struct {
@@ -134,8 +136,14 @@ func (s *Service) Run(ctx context.Context) error {
 		defer stop()
 	}
 	pools := s.M.Manager().Cfg.Pooled()
-	if len(pools) == 0 {
-		s.Log.Warn("no image has a pool table ([images.NAME.pool]): nothing to keep")
+	snapshots := 0
+	for _, img := range s.M.Manager().Cfg.Images {
+		if img.Snapshot {
+			snapshots++
+		}
+	}
+	if len(pools) == 0 && snapshots == 0 {
+		s.Log.Warn("no image has a pool table ([images.NAME.pool]) or snapshot = true: nothing to keep")
 	}
 	for _, img := range pools {
 		p := img.Pool
@@ -289,6 +297,12 @@ func (s *Service) Tick(ctx context.Context) {
 // image at a time, within the boots' parallelism, none while a job waits
 // for room, and after a failed build not again before its backoff.
 func (s *Service) keepSnapshots(ctx context.Context, now time.Time) {
+	// Not every tick: a look reads each record, its image's files and
+	// (domain_type = "auto") the host's capabilities.
+	if now.Sub(s.snapsLooked) < snapshotLookEvery {
+		return
+	}
+	s.snapsLooked = now
 	cfg := s.M.Manager().Cfg
 	snaps := lifecycle.SnapshotsOf(s.M.Manager())
 	for _, name := range cfg.ImageNames() {
@@ -310,6 +324,10 @@ func (s *Service) keepSnapshots(ctx context.Context, now time.Time) {
 		s.snapshot(ctx, img, why)
 	}
 }
+
+// snapshotLookEvery is how often the service looks whether a snapshot
+// is missing or stale.
+const snapshotLookEvery = 2 * time.Second
 
 // snapshotKey is an image's snapshot builds' key in Service.backoff.
 func snapshotKey(image string) string { return "\x00snapshot " + image }

@@ -776,3 +776,34 @@ func TestTickRetiresRecordWithoutStandbyPart(t *testing.T) {
 	e.requireGone(n)
 	require.Contains(t, e.log.String(), "no standby record")
 }
+
+// An image with snapshot = true gets its memory snapshot from the service,
+// and a new one when its base file changes (the old template goes).
+func TestTickKeepsSnapshots(t *testing.T) {
+	e := newEnv(t, "idle_count = 0\nmax_idle = 1\n", "", "")
+	e.img.Boot, e.img.Kernel, e.img.Snapshot = config.BootKernel, "/img/vmlinuz", true
+	e.tick()
+	snaps := lifecycle.SnapshotsOf(e.m.Manager())
+	rec, why := snaps.Current(context.Background(), e.img)
+	require.NotNil(t, rec, why)
+	require.Contains(t, e.log.String(), "memory snapshot made")
+	e.tick() // within the look interval: nothing
+	e.s.snapsLooked = time.Time{}
+	e.tick() // current: nothing to do
+	again, _ := snaps.Current(context.Background(), e.img)
+	require.Equal(t, rec.Template, again.Template)
+
+	// The base file changes: the snapshot is stale, and replaced.
+	later := time.Now().Add(time.Minute)
+	require.NoError(t, os.Chtimes(e.img.Base, later, later))
+	_, why = snaps.Current(context.Background(), e.img)
+	require.Contains(t, why, "stale")
+	e.s.snapsLooked = time.Time{}
+	e.tick()
+	rec2, why := snaps.Current(context.Background(), e.img)
+	require.NotNil(t, rec2, why)
+	require.NotEqual(t, rec.Template, rec2.Template)
+	require.NotContains(t, e.domains(), rec.Template, "the old template is removed")
+	require.Contains(t, e.domains(), rec2.Template)
+	require.NotContains(t, e.log.String(), "level=ERROR")
+}
