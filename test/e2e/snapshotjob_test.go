@@ -4,9 +4,9 @@ package e2e
 
 import (
 	"os"
-	"syscall"
 	"regexp"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
