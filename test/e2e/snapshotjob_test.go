@@ -5,6 +5,7 @@ package e2e
 import (
 	"os"
 	"regexp"
+	"strconv"
 	"strings"
 	"syscall"
 	"testing"
@@ -71,6 +72,7 @@ var (
 	bootedAddressRE = regexp.MustCompile(`Booted, address ([0-9.]+) `)
 	hostKeyRE       = regexp.MustCompile(`host key (SHA256:[A-Za-z0-9+/]+) pinned`)
 	randomRE        = regexp.MustCompile(`RANDOM ([0-9a-f]{32})`)
+	clockRE         = regexp.MustCompile(`(?m)^CLOCK ([0-9]+)`)
 )
 
 // TestSnapshotRealRunnerJobs is #48 through a real runner with no
@@ -91,7 +93,7 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	script := []string{
 		`if dmesg | grep -q 'lve: crng reseeded'; then echo RESEEDED; fi`,
 		`echo "RANDOM $(head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n')"`,
-		`date +%s`,
+		`echo "CLOCK $(date +%s)"`,
 	}
 	res := rr.runJobsAtOnce(t,
 		jobapi.Job{Name: "snap-a", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: script},
@@ -108,6 +110,7 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 			require.NotNil(t, m, "%s in the job log:\n%s", re, r.Trace)
 			seen[m[1]] = true
 		}
+		requireHostClock(t, r.Trace)
 		t.Logf("job %d: %s", i, firstLine(r.Trace, "Restored "))
 	}
 	require.Len(t, addrs, 2, "no two clones share an address")
@@ -118,10 +121,17 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	// reseeded from the host's entropy (the cloud kernel has no vmgenid
 	// driver; the guest reseeds itself, docs/pool.md).
 	res = rr.runJobs(t, jobapi.Job{Name: "snap-debian", GitURL: rr.repo, SHA: rr.sha, Image: "debian",
-		Script: []string{"test -f README.md && echo CLONED", "if dmesg | grep -q 'lve: crng reseeded'; then echo RESEEDED; fi"}})
+		Script: []string{"test -f README.md && echo CLONED", "if dmesg | grep -q 'lve: crng reseeded'; then echo RESEEDED; fi",
+			`echo "CLOCK $(date +%s)"`,
+			// The wait ran (the kernel option's condition held), and its
+			// ordering before networkd, the keys, the tools disk and sshd
+			// made no cycle systemd had to break.
+			`echo "WAIT $(systemctl is-active libvirt-executor-snapshot.service) CYCLES $(journalctl -b -q --no-pager | grep -ci 'ordering cycle')"`}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "CLONED")
 	require.Regexp(t, `(?m)^RESEEDED`, res[0].Trace, "the clone's random generator was reseeded")
+	require.Regexp(t, `(?m)^WAIT active CYCLES 0`, res[0].Trace)
+	requireHostClock(t, res[0].Trace)
 	require.Contains(t, res[0].Trace, "from the memory snapshot of image debian")
 	require.Regexp(t, `Machine ready in [0-9.]+m?s \(snapshot\)`, res[0].Trace)
 	t.Logf("debian job: %s; %s", firstLine(res[0].Trace, "Restored "), firstLine(res[0].Trace, "Machine ready in"))
@@ -135,6 +145,18 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	require.Regexp(t, `Memory snapshot of image tiny not used: .*; booting cold`, res[0].Trace)
 	require.NotContains(t, res[0].Trace, "(snapshot)")
 	t.Logf("cut save file: %s", firstLine(res[0].Trace, "Memory snapshot of image tiny not used"))
+}
+
+// requireHostClock: the job's guest printed its clock ("CLOCK SECONDS"),
+// and it is the host's (the clone's credential), not its template's, which
+// stopped when the template was saved.
+func requireHostClock(t *testing.T, trace string) {
+	t.Helper()
+	m := clockRE.FindStringSubmatch(trace)
+	require.NotNil(t, m, "the guest's clock in the job log")
+	sec, err := strconv.ParseInt(m[1], 10, 64)
+	require.NoError(t, err)
+	require.InDelta(t, time.Now().Unix(), sec, 120, "the clone's clock is the host's")
 }
 
 // firstLine is the first line of s that contains sub ("" for none).
@@ -157,13 +179,13 @@ func TestFaultSnapshotRestore(t *testing.T) {
 	base := setup(t)
 	r := base.withSnapshot(t, "tiny")
 	r.makeSnapshot(t, "tiny")
-	restoring := func(s *stageRunner, name string) bool { e, _ := r.domainState(name); return e }
+	restoring := func(name string) bool { e, _ := r.domainState(name); return e }
 	t.Run("SIGKILL", func(t *testing.T) {
 		s := newStageRunner(t, r)
 		require.Equal(t, 0, s.run(t, "config").code)
 		name := s.name(t)
 		rn := s.start(t, "prepare")
-		rn.waitFor(t, "the clone's domain", func() bool { return restoring(s, name) })
+		rn.waitFor(t, "the clone's domain", func() bool { return restoring(name) })
 		rn.signal(syscall.SIGKILL)
 		rn.wait(t, 10*time.Second)
 		figures.fault()
@@ -177,7 +199,7 @@ func TestFaultSnapshotRestore(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "config").code)
 		name := s.name(t)
 		rn := s.start(t, "prepare")
-		rn.waitFor(t, "the clone's domain", func() bool { return restoring(s, name) })
+		rn.waitFor(t, "the clone's domain", func() bool { return restoring(name) })
 		rn.signal(syscall.SIGTERM)
 		res := rn.wait(t, 60*time.Second)
 		figures.fault()
@@ -194,7 +216,7 @@ func TestFaultSnapshotRestore(t *testing.T) {
 		require.Equal(t, 0, s.run(t, "config").code)
 		name := s.name(t)
 		rn := s.start(t, "prepare")
-		rn.waitFor(t, "the clone's domain", func() bool { return restoring(s, name) })
+		rn.waitFor(t, "the clone's domain", func() bool { return restoring(name) })
 		restartLibvirtd(t)
 		r.reconnect(t, base)
 		res := rn.wait(t, 3*time.Minute)
