@@ -218,6 +218,35 @@ type Check struct {
 	Fix  string
 }
 
+// snapshotCheck says whether the jobs of img (snapshot = true) start from
+// its memory snapshot now: made, and current (docs/pool.md).
+func snapshotCheck(cfg *config.Config, img *config.Image, now time.Time) Check {
+	c := Check{Name: "snapshot of image " + img.Name,
+		Fix: "the pool service (libvirt-executor serve) makes it; or libvirt-executor image snapshot " + img.Name + " (as the stages' user)"}
+	rec, err := state.Store{Dir: cfg.StateDir}.SnapshotOf(img.Name)
+	switch {
+	case err != nil:
+		c.Info = err.Error()
+		return c
+	case rec == nil || !rec.Ready():
+		c.OK, c.Warn, c.Info = true, true, "none made yet: jobs with no idle standby VM boot cold"
+		return c
+	}
+	age := now.Sub(rec.Saved).Round(time.Second)
+	domainType := cfg.DomainType
+	if domainType == config.DomainAuto {
+		domainType = rec.DomainType // what the stages resolve it to: the probe's, not doctor's to run
+	}
+	if lifecycle.SnapshotFingerprint(cfg, cfg.ResolveFiles(img), domainType, cfg.ImageSize(img)) != rec.Fingerprint {
+		c.OK, c.Warn = true, true
+		c.Info = fmt.Sprintf("stale (made %s ago; the image, its files, the configuration or the driver changed since): jobs with no idle standby VM boot cold", age)
+		return c
+	}
+	c.OK = true
+	c.Info = fmt.Sprintf("template %s, made %s ago (%d vCPU, %d MiB, %s): jobs with no idle standby VM start from it", rec.Template, age, rec.VCPUs, rec.MemoryMiB, rec.DomainType)
+	return c
+}
+
 // Doctor checks that the host can run jobs with this configuration; it
 // gives up on libvirt when ctx ends.
 func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Context, string) (*libvirtvm.Conn, error)) []Check {
@@ -389,6 +418,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 			c.Fix = "make sure they exist on that host, or put them into one of its pools so that doctor can see them"
 		}
 		add(c)
+		if img.Snapshot {
+			add(snapshotCheck(cfg, img, time.Now()))
+		}
 	}
 
 	if len(cfg.Garm.Endpoints) > 0 {
