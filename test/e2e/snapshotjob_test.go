@@ -170,8 +170,9 @@ func firstLine(s, sub string) string {
 }
 
 // TestFaultSnapshotRestore is #48's fault items: prepare killed (SIGKILL,
-// then the runner's cleanup) or stopped (SIGTERM) in the middle of a
-// restore from the tiny image's snapshot, and libvirtd restarted in the
+// then the runner's cleanup) or stopped (SIGTERM) at each step of a
+// restore from the tiny image's snapshot (its disk made, the restore, the
+// NIC's hot plug), and libvirtd restarted in the
 // middle of one, leave nothing of the job's machine; a full storage pool
 // while a snapshot is saved fails `image snapshot` with libvirt's reason
 // and leaves nothing of the template.
@@ -180,34 +181,56 @@ func TestFaultSnapshotRestore(t *testing.T) {
 	r := base.withSnapshot(t, "tiny")
 	r.makeSnapshot(t, "tiny")
 	restoring := func(name string) bool { e, _ := r.domainState(name); return e }
-	t.Run("SIGKILL", func(t *testing.T) {
-		s := newStageRunner(t, r)
-		require.Equal(t, 0, s.run(t, "config").code)
-		name := s.name(t)
-		rn := s.start(t, "prepare")
-		rn.waitFor(t, "the clone's domain", func() bool { return restoring(name) })
-		rn.signal(syscall.SIGKILL)
-		rn.wait(t, 10*time.Second)
-		figures.fault()
-		res := s.run(t, "cleanup")
-		figures.class(res.code, 0)
-		require.Equal(t, 0, res.code)
-		r.requireNoLeftovers(t, "after the fault")
-	})
-	t.Run("SIGTERM", func(t *testing.T) {
-		s := newStageRunner(t, r)
-		require.Equal(t, 0, s.run(t, "config").code)
-		name := s.name(t)
-		rn := s.start(t, "prepare")
-		rn.waitFor(t, "the clone's domain", func() bool { return restoring(name) })
-		rn.signal(syscall.SIGTERM)
-		res := rn.wait(t, 60*time.Second)
-		figures.fault()
-		figures.class(res.code, 2)
-		require.Equal(t, 2, res.code, "SYSTEM_FAILURE")
-		r.requireNoLeftovers(t, "after the fault")
-		require.Equal(t, 0, s.run(t, "cleanup").code)
-	})
+	nicPlugged := func(name string) bool {
+		d, err := r.conn.LookupDomainByName(name)
+		if err != nil {
+			return false
+		}
+		defer d.Free()
+		x, err := d.GetXMLDesc(0)
+		return err == nil && strings.Contains(x, "<interface")
+	}
+	points := []struct {
+		name    string
+		reached func(name string) bool
+	}{
+		{"after the clone's disk exists", func(n string) bool { return r.volumeExists(n + ".qcow2") }},
+		{"during the restore", restoring},
+		{"after the NIC's hot plug", nicPlugged},
+	}
+	for _, p := range points {
+		t.Run("SIGKILL "+p.name, func(t *testing.T) {
+			s := newStageRunner(t, r)
+			require.Equal(t, 0, s.run(t, "config").code)
+			name := s.name(t)
+			rn := s.start(t, "prepare")
+			rn.waitFor(t, p.name, func() bool { return p.reached(name) })
+			rn.signal(syscall.SIGKILL)
+			rn.wait(t, 10*time.Second)
+			figures.fault()
+			res := s.run(t, "cleanup")
+			figures.class(res.code, 0)
+			require.Equal(t, 0, res.code)
+			r.requireNoLeftovers(t, "after the fault")
+		})
+	}
+	for _, p := range points[1:] {
+		t.Run("SIGTERM "+p.name, func(t *testing.T) {
+			s := newStageRunner(t, r)
+			require.Equal(t, 0, s.run(t, "config").code)
+			name := s.name(t)
+			rn := s.start(t, "prepare")
+			rn.waitFor(t, p.name, func() bool { return p.reached(name) })
+			rn.signal(syscall.SIGTERM)
+			res := rn.wait(t, 60*time.Second)
+			figures.fault()
+			figures.class(res.code, 2)
+			require.Equal(t, 2, res.code, "SYSTEM_FAILURE")
+			// Prepare undid its own work before exiting.
+			r.requireNoLeftovers(t, "after the fault")
+			require.Equal(t, 0, s.run(t, "cleanup").code)
+		})
+	}
 	t.Run("libvirtd restarted", func(t *testing.T) {
 		if os.Getenv("LVE_E2E_ALLOW_LIBVIRTD_RESTART") == "" {
 			t.Skip("restarts the shared libvirtd: set LVE_E2E_ALLOW_LIBVIRTD_RESTART=1 (make test-e2e does)")
