@@ -264,3 +264,29 @@ snapshot = true
 	require.ErrorContains(t, err, "images.x.snapshot")
 	require.True(t, strings.Contains(err.Error(), `needs boot = "kernel"`), err.Error())
 }
+
+// A template no record names (its build was killed after the save, or
+// its record was lost) is removed by the sweep; one a record names is kept.
+func TestSweepRemovesUnrecordedTemplate(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, _ := snapshotManager(t, hv, g)
+	ctx := context.Background()
+	rec, err := SnapshotsOf(m).Build(ctx, img)
+	require.NoError(t, err)
+	rep, err := m.Sweep(ctx, time.Now(), false)
+	require.NoError(t, err)
+	require.Empty(t, rep.Removed, "the recorded template stays")
+	require.NoError(t, m.Store.ForgetSnapshot("tiny", ""))
+	items, err := m.Inventory(ctx, time.Now())
+	require.NoError(t, err)
+	it := item(t, items, rec.Template)
+	require.Equal(t, VerdictExpired, it.Verdict, it.Reason)
+	rep, err = m.Sweep(ctx, time.Now(), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{rec.Template}, rep.Removed)
+	hv.Lock()
+	require.Empty(t, hv.Domains)
+	require.Empty(t, hv.Volumes)
+	hv.Unlock()
+}
