@@ -109,23 +109,16 @@ type Hypervisor interface {
 	// (virDomainSave: the domain stops, a persistent one stays defined).
 	// ErrNotFound if the domain is absent.
 	Save(ctx context.Context, name, path string) error
-	// RestoreClone starts a running, transient domain from the save file
-	// save under the XML xml (CloneXML: the saved domain with a clone's
-	// name, UUID and disks), which goes into a copy of save's header that
-	// is written, with save's migration stream, into a pipe that libvirt
-	// reads (CloneHead): nothing is copied on disk. A call cut by a lost
-	// connection is not repeated (the pipe is read once). On an error the
-	// clone may run all the same (ctx ended while libvirt finished the
-	// restore): the caller, who named it, removes it by its name. Tried on
-	// libvirt 9.0, which opens the file once; a libvirt that opens it twice
-	// (reads the header, then opens it again) fails on the pipe
-	// (docs/pool.md).
-	RestoreClone(ctx context.Context, save, xml string) error
 	// RestoreStream starts a running, transient domain from r, a whole
-	// save file as libvirt writes one (a clone's head, CloneHead, then the
-	// template's migration stream), through a named pipe made in pipeDir
-	// that libvirt reads. Like RestoreClone it is not repeated, and on an
-	// error the domain its head names may run all the same.
+	// save file as libvirt writes one (a clone's head, SaveHead.WithXML,
+	// then the template's migration stream), through a named pipe made in
+	// pipeDir that libvirt reads: nothing is copied on disk. A call cut by
+	// a lost connection is not repeated (the stream is read once). On an
+	// error the domain its head names may run all the same (ctx ended
+	// while libvirt finished the restore): the caller, who named it,
+	// removes it by its name. Tried on libvirt 9.0, which opens the file
+	// once; a libvirt that opens it twice (reads the header, then opens it
+	// again) fails on the pipe (docs/pool.md).
 	RestoreStream(ctx context.Context, r io.Reader, pipeDir string) error
 	// Owner returns the domain's ownership metadata XML (ErrNotFound,
 	// ErrNoOwner).

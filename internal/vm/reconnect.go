@@ -319,16 +319,6 @@ func (r *Reconnecting) Save(ctx context.Context, name, path string) error {
 	return err // the next call reconnects if the connection is lost
 }
 
-// RestoreClone implements Hypervisor: not repeated on a new connection.
-func (r *Reconnecting) RestoreClone(ctx context.Context, save, xml string) error {
-	hv, err := r.connection(ctx)
-	if err != nil {
-		return err
-	}
-	_, err = Guard(ctx, func() (struct{}, error) { return struct{}{}, hv.RestoreClone(ctx, save, xml) }, nil)
-	return err
-}
-
 // RestoreStream implements Hypervisor: not repeated on a new connection
 // (the stream is read once).
 func (r *Reconnecting) RestoreStream(ctx context.Context, rd io.Reader, pipeDir string) error {

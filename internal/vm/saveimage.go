@@ -225,14 +225,3 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 	}
 	return d.Marshal()
 }
-
-// CloneHead reads save's head (save is then at its migration stream) and
-// gives it xml in place of the saved XML: what a clone's save file starts
-// with; the stream follows unchanged. Its errors are ErrSaveImage's.
-func CloneHead(save io.Reader, xml string) (*SaveHead, error) {
-	h, err := ReadSaveHead(save)
-	if err != nil {
-		return nil, err
-	}
-	return h.WithXML(xml)
-}

@@ -57,7 +57,9 @@ func TestSaveHeadRoundTrip(t *testing.T) {
 	require.NoError(t, err)
 	var out bytes.Buffer
 	src := bytes.NewReader(f)
-	ch, err := CloneHead(src, longer)
+	head, err := ReadSaveHead(src)
+	require.NoError(t, err)
+	ch, err := head.WithXML(longer)
 	require.NoError(t, err)
 	_, err = ch.WriteTo(&out)
 	require.NoError(t, err)

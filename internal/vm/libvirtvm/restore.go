@@ -1,7 +1,6 @@
 package libvirtvm
 
 import (
-	"bytes"
 	"context"
 	"fmt"
 	"io"
@@ -11,8 +10,6 @@ import (
 	"golang.org/x/sys/unix"
 	"libvirt.org/go/libvirt"
 	"libvirt.org/go/libvirtxml"
-
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/vm"
 )
 
 // AttachInterface implements vm.Hypervisor.
@@ -30,26 +27,6 @@ func (l *Conn) Save(ctx context.Context, name, path string) error {
 		defer d.Free()
 		return notFound(d.SaveFlags(path, "", 0), libvirt.ERR_NO_DOMAIN)
 	})
-}
-
-// RestoreClone implements vm.Hypervisor: save's head is read and given
-// xml before libvirt is asked (a file this code does not rewrite fails
-// here, ErrSaveImage); the pipe is made in a private directory beside save.
-func (l *Conn) RestoreClone(ctx context.Context, save, xml string) error {
-	src, err := os.Open(save)
-	if err != nil {
-		return err
-	}
-	defer src.Close()
-	head, err := vm.CloneHead(src, xml)
-	if err != nil {
-		return err
-	}
-	var hb bytes.Buffer
-	if _, err := head.WriteTo(&hb); err != nil {
-		return err
-	}
-	return l.RestoreStream(ctx, io.MultiReader(&hb, src), filepath.Dir(save))
 }
 
 // RestoreStream implements vm.Hypervisor. The pipe is made in a private

@@ -845,8 +845,7 @@ func (f *Fake) AttachInterface(ctx context.Context, name string, iface *libvirtx
 }
 
 // Save implements vm.Hypervisor: the domain stops and its XML is written
-// to path (the fake's save file; RestoreClone reads only the XML it is
-// given).
+// to path (the fake's save file).
 func (f *Fake) Save(ctx context.Context, name, path string) error {
 	f.wait("Save")
 	f.mu.Lock()
@@ -926,29 +925,3 @@ func (f *Fake) RestoreStream(ctx context.Context, r io.Reader, pipeDir string) e
 	return nil
 }
 
-// RestoreClone implements vm.Hypervisor: save must exist; the domain xml
-// names runs, transient.
-func (f *Fake) RestoreClone(ctx context.Context, save, xml string) error {
-	f.wait("RestoreClone")
-	f.mu.Lock()
-	defer f.mu.Unlock()
-	if err := f.call("RestoreClone"); err != nil {
-		return err
-	}
-	if _, err := os.Stat(save); err != nil {
-		return err
-	}
-	var dx libvirtxml.Domain
-	if err := dx.Unmarshal(xml); err != nil {
-		return err
-	}
-	if _, ok := f.Domains[dx.Name]; ok {
-		return errors.New("domain already exists")
-	}
-	var owner string
-	if dx.Metadata != nil {
-		owner = dx.Metadata.XML
-	}
-	f.Domains[dx.Name] = &Domain{XML: xml, OwnerXML: owner, Active: true, Transient: true}
-	return nil
-}
