@@ -220,7 +220,7 @@ type Check struct {
 
 // snapshotCheck says whether the jobs of img (snapshot = true) start from
 // its memory snapshot now: made, and current (docs/pool.md).
-func snapshotCheck(cfg *config.Config, img *config.Image, now time.Time) Check {
+func snapshotCheck(cfg *config.Config, img *config.Image, host string, now time.Time) Check {
 	c := Check{Name: "snapshot of image " + img.Name,
 		Fix: "the pool service (libvirt-executor serve) makes it; or libvirt-executor image snapshot " + img.Name + " (as the stages' user)"}
 	rec, err := state.Store{Dir: cfg.StateDir}.SnapshotOf(img.Name)
@@ -237,9 +237,17 @@ func snapshotCheck(cfg *config.Config, img *config.Image, now time.Time) Check {
 	if domainType == config.DomainAuto {
 		domainType = rec.DomainType // what the stages resolve it to: the probe's, not doctor's to run
 	}
-	if lifecycle.SnapshotFingerprint(cfg, cfg.ResolveFiles(img), domainType, cfg.ImageSize(img)) != rec.Fingerprint {
+	if lifecycle.SnapshotFingerprint(lifecycle.SnapshotInputs(cfg, cfg.ResolveFiles(img), domainType, cfg.ImageSize(img), host)) != rec.Fingerprint {
 		c.OK, c.Warn = true, true
-		c.Info = fmt.Sprintf("stale (made %s ago; the image, its files, the configuration or the driver changed since): jobs with no idle standby VM boot cold", age)
+		c.Info = fmt.Sprintf("stale (made %s ago; the image, its files, the configuration, libvirt, QEMU or the driver changed since): jobs with no idle standby VM boot cold", age)
+		return c
+	}
+	if ok, err := (state.Store{Dir: cfg.StateDir}).Has(rec.Template); err != nil || !ok {
+		c.Info = fmt.Sprintf("its template %s is gone: jobs with no idle standby VM boot cold", rec.Template)
+		return c
+	}
+	if rec.Failures >= state.MaxSnapshotFailures {
+		c.Info = fmt.Sprintf("its last %d restores failed: jobs with no idle standby VM boot cold", rec.Failures)
 		return c
 	}
 	c.OK = true
@@ -419,7 +427,7 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 		add(c)
 		if img.Snapshot {
-			add(snapshotCheck(cfg, img, time.Now()))
+			add(snapshotCheck(cfg, img, lifecycle.HostVersions(lv, hv), time.Now()))
 		}
 	}
 

@@ -1,6 +1,7 @@
 package admin
 
 import (
+	"context"
 	"os"
 	"path/filepath"
 	"testing"
@@ -31,22 +32,25 @@ snapshot = true
 	require.NoError(t, err)
 	img, _ := cfg.Image("tiny")
 	now := time.Now()
-	c := snapshotCheck(cfg, img, now)
+	const host = "libvirt 9000000, hypervisor 7002000"
+	c := snapshotCheck(cfg, img, host, now)
 	require.True(t, c.OK && c.Warn, "%+v", c)
 	require.Contains(t, c.Info, "none made yet")
 
 	store := state.Store{Dir: cfg.StateDir}
 	rec := state.Snapshot{Image: "tiny", Template: "lve-x-snap-1", DomainType: "qemu", VCPUs: 1, MemoryMiB: 1024,
-		Fingerprint: lifecycle.SnapshotFingerprint(cfg, cfg.ResolveFiles(img), "qemu", cfg.ImageSize(img)),
-		Started: now.Add(-time.Minute), Saved: now.Add(-time.Minute)}
-	require.NoError(t, store.PutSnapshot(rec))
-	c = snapshotCheck(cfg, img, now)
+		Fingerprint: lifecycle.SnapshotFingerprint(lifecycle.SnapshotInputs(cfg, cfg.ResolveFiles(img), "qemu", cfg.ImageSize(img), host)),
+		Started:     now.Add(-time.Minute), Saved: now.Add(-time.Minute)}
+	require.NoError(t, store.PutSnapshot(context.Background(), rec))
+	_, err = store.Create(rec.Template) // its state directory
+	require.NoError(t, err)
+	c = snapshotCheck(cfg, img, host, now)
 	require.True(t, c.OK && !c.Warn, "%+v", c)
 	require.Contains(t, c.Info, "made 1m0s ago")
 
 	later := now.Add(time.Hour)
 	require.NoError(t, os.Chtimes(kernel, later, later))
-	c = snapshotCheck(cfg, img, now)
+	c = snapshotCheck(cfg, img, host, now)
 	require.True(t, c.OK && c.Warn, "%+v", c)
 	require.Contains(t, c.Info, "stale")
 }

@@ -266,15 +266,27 @@ func touchPrivate(path string) error {
 	return f.Close()
 }
 
+// tail is the last lines of the guest's console log at path, from its
+// last 64 KiB, with control characters (a guest's terminal escapes) but
+// newlines and tabs shown as '?' (carriage returns dropped): what a guest prints reaches a job log or
+// an admin's terminal.
 func tail(path string, lines int) []byte {
 	if path == "" {
 		return nil
 	}
-	b, err := os.ReadFile(path)
-	if err != nil {
+	b := lastBytes(path, 64<<10)
+	if b == nil {
 		return nil
 	}
-	b = bytes.TrimRight(b, "\r\n\x00")
+	b = bytes.Map(func(r rune) rune {
+		if r == '\r' {
+			return -1
+		}
+		if (r < 0x20 && r != '\n' && r != '\t') || r == 0x7f {
+			return '?'
+		}
+		return r
+	}, bytes.TrimRight(b, "\r\n\x00"))
 	parts := bytes.Split(b, []byte("\n"))
 	if len(parts) > lines {
 		parts = parts[len(parts)-lines:]

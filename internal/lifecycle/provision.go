@@ -208,11 +208,30 @@ func (p *provision) create(ctx context.Context) error {
 		Shared: p.shared.disks(),
 	})
 	img := p.req.Image
-	if snap, why := SnapshotsOf(p.m).usable(p.req, p.domainType); snap != nil {
+	snaps := SnapshotsOf(p.m)
+	if snap, why := snaps.usable(ctx, p.req, p.domainType); snap != nil {
 		snap.PipeDir = p.dir
-		err := p.restore(ctx, spec, *snap)
-		if err == nil || ctx.Err() != nil {
+		// Bounded: a restore libvirt does not finish leaves time to boot.
+		rctx, cancel := context.WithTimeout(ctx, snapshotRestoreLimit)
+		err := p.restore(rctx, spec, *snap)
+		cancel()
+		if err == nil || snapshotsFault(err) {
+			snaps.noteRestore(ctx, img.Name, *snap, err)
+		}
+		if err == nil {
+			p.startBootDeadline(ctx)
+			return nil
+		}
+		if ctx.Err() != nil {
 			return err
+		}
+		// Whatever the failed restore left under this name goes before
+		// the boot (a clone libvirt started although its call failed).
+		dctx, dcancel := detachctx.WithTimeout(ctx, p.m.Cfg.Timeouts.Cleanup.D())
+		rerr := p.remove(dctx)
+		dcancel()
+		if rerr != nil {
+			return fmt.Errorf("restore from the memory snapshot failed (%w), and removing what it left failed: %v", err, rerr)
 		}
 		p.m.say("Memory snapshot of image %s not used: %v; booting cold", img.Name, err)
 	} else if why != "" {
@@ -247,6 +266,18 @@ func (p *provision) startBootDeadline(ctx context.Context) {
 	boot := p.m.Cfg.Timeouts.Boot.D()
 	p.bootCtx, p.endBoot = context.WithTimeoutCause(ctx, boot,
 		fmt.Errorf("%w %s (timeouts.boot) reached", ErrBootTimeout, boot))
+}
+
+// snapshotRestoreLimit bounds a restore, its hot plugs and its guest's
+// lease (snapshotLeaseWait).
+var snapshotRestoreLimit = time.Minute
+
+// snapshotsFault reports whether err is the snapshot's fault (its save
+// file refused, libvirt refusing the restore): a job's own failure (a hot
+// plug, its guest's lease, a lost connection) does not count against the
+// snapshot.
+func snapshotsFault(err error) bool {
+	return errors.Is(err, vm.ErrSaveImage) || errors.Is(err, vm.ErrRestore)
 }
 
 // restore starts the machine of spec as a clone of snap (vm.Engine.Restore)
@@ -289,7 +320,6 @@ func (p *provision) restore(ctx context.Context, spec vm.Spec, snap vm.Snapshot)
 	req := p.req
 	p.m.say("Restored %s from the memory snapshot of image %s (%s, %d vCPU, %d MiB) in %s, its lease after %s",
 		req.Name, req.Image.Name, p.domainType, req.VCPUs, req.MemoryMiB, vm.Round(restored), vm.Round(p.timings.Created-restored))
-	p.startBootDeadline(ctx)
 	return nil
 }
 

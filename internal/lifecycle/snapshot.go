@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"slices"
 	"strings"
 	"time"
 
@@ -65,33 +66,68 @@ func SnapshotsOf(m *Manager) Snapshots { return Snapshots{m: m} }
 // is removed and the machine boots cold.
 var snapshotLeaseWait = 30 * time.Second
 
-// SnapshotFingerprint is the digest of what a snapshot of img is made
-// from: the image's machine spec (SpecFingerprint: the driver's version
-// and the configuration that shapes a machine), the domain type, the size,
-// and the image's files as they are now (path, size, modification time;
-// the manifest digest of a registry image). A snapshot is restored only
-// under the fingerprint it was made with.
-func SnapshotFingerprint(cfg *config.Config, img *config.Image, domainType string, size config.Size) string {
-	type file struct {
-		Path  string
-		Size  int64
-		MTime time.Time
+// SnapshotInputs are what a snapshot of img is made from, by name: the
+// image's machine spec (SpecFingerprint: the driver's version and the
+// configuration that shapes a machine), the domain type, the size, the
+// image's files as they are now (path, size, modification time; the
+// manifest digest of a registry image), and host, the libvirt and QEMU
+// versions that save and restore it. A snapshot is restored only where
+// every input is what it was made from (SnapshotFingerprint); the record
+// keeps them, so that a stale snapshot's reason names what changed.
+func SnapshotInputs(cfg *config.Config, img *config.Image, domainType string, size config.Size, host string) map[string]string {
+	in := map[string]string{
+		"the driver's version or the image's machine configuration": SpecFingerprint(cfg, img),
+		"the domain type":                    domainType,
+		"the size":                           fmt.Sprintf("%d vCPU, %d MiB, %d GiB", size.VCPUs, size.MemoryMiB, size.DiskGiB),
+		"the image's registry digest":        img.Digest,
+		"the libvirt and QEMU versions":      host,
+		"the template's kernel command line": TemplateMarker,
 	}
-	var files []file
-	for _, p := range []string{img.Base, img.Kernel, img.Initrd} {
-		f := file{Path: p}
+	for what, p := range map[string]string{"base": img.Base, "kernel": img.Kernel, "initrd": img.Initrd} {
+		stamp := p
 		if st, err := os.Stat(p); err == nil && p != "" {
-			f.Size, f.MTime = st.Size(), st.ModTime().UTC()
+			stamp = fmt.Sprintf("%s %d %s", p, st.Size(), st.ModTime().UTC().Format(time.RFC3339Nano))
 		}
-		files = append(files, f)
+		in["the image's "+what+" file"] = stamp
 	}
-	b, _ := json.Marshal(struct {
-		Spec, DomainType, Digest, Marker string
-		Size                             config.Size
-		Files                            []file
-	}{SpecFingerprint(cfg, img), domainType, img.Digest, TemplateMarker, size, files})
+	return in
+}
+
+// SnapshotFingerprint is the digest of inputs (SnapshotInputs).
+func SnapshotFingerprint(inputs map[string]string) string {
+	b, _ := json.Marshal(inputs) // keys sorted
 	h := sha256.Sum256(b)
 	return hex.EncodeToString(h[:8])
+}
+
+// changedInputs names the inputs of now that differ from was (sorted).
+func changedInputs(was, now map[string]string) string {
+	var out []string
+	for k, v := range now {
+		if was[k] != v {
+			out = append(out, k)
+		}
+	}
+	if len(out) == 0 {
+		return "its inputs"
+	}
+	slices.Sort(out)
+	return strings.Join(out, ", ")
+}
+
+// hostVersions is the libvirt and QEMU versions, for SnapshotInputs.
+func (m *Manager) hostVersions(ctx context.Context) (string, error) {
+	lv, hv, err := m.hv.Version(ctx)
+	if err != nil {
+		return "", fmt.Errorf("libvirt's version: %w", err)
+	}
+	return HostVersions(lv, hv), nil
+}
+
+// HostVersions is libvirt's and the hypervisor's versions as
+// SnapshotInputs takes them (Hypervisor.Version's numbers).
+func HostVersions(libvirt, hypervisor uint32) string {
+	return fmt.Sprintf("libvirt %d, hypervisor %d", libvirt, hypervisor)
 }
 
 // Support says why img cannot have a memory snapshot (nil: it can).
@@ -197,6 +233,12 @@ func (s Snapshots) Build(ctx context.Context, img *config.Image) (*state.Snapsho
 	if err := m.Store.MarkSaved(name); err != nil {
 		return nil, err
 	}
+	// The definition goes: nothing can start the template again and write
+	// its disk, which every clone's is over. Its state directory and the
+	// record (judgeTemplate) prove its volumes ours.
+	if err := m.hv.Undefine(ctx, name); err != nil {
+		return nil, fmt.Errorf("undefine the saved template %s: %w", name, err)
+	}
 	diskPath, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, vm.DiskVolume(name))
 	if err != nil {
 		return nil, err
@@ -205,21 +247,68 @@ func (s Snapshots) Build(ctx context.Context, img *config.Image) (*state.Snapsho
 	if err != nil {
 		return nil, err
 	}
+	saveBytes, err := s.checkSave(ctx, name, diskPath)
+	if err != nil {
+		return nil, err
+	}
+	host, err := m.hostVersions(ctx)
+	if err != nil {
+		return nil, err
+	}
+	inputs := SnapshotInputs(m.Cfg, img, domainType, size, host)
 	rec := state.Snapshot{
-		Image: img.Name, Template: name, Fingerprint: SnapshotFingerprint(m.Cfg, img, domainType, size),
+		Image: img.Name, Template: name, Fingerprint: SnapshotFingerprint(inputs), Inputs: inputs,
 		DomainType: domainType, VCPUs: size.VCPUs, MemoryMiB: size.MemoryMiB, DiskBytes: diskBytes, DiskPath: diskPath,
-		Started: started, Saved: time.Now().UTC(),
+		SaveBytes: saveBytes, Started: started, Saved: time.Now().UTC(),
 	}
 	old, _ := m.Store.SnapshotOf(img.Name)
-	if err := m.Store.PutSnapshot(rec); err != nil {
+	if old != nil && old.Template != name {
+		// Kept a while by the sweep (judgeTemplate): a prepare that chose
+		// it a moment ago still makes its clone's disk over it.
+		rec.Previous = old.Template
+	}
+	if err := m.Store.PutSnapshot(ctx, rec); err != nil {
 		return nil, err
 	}
 	done = true
-	m.say("Snapshot of image %s made: template %s booted to its wait in %s, saved in %s", img.Name, name, vm.Round(booted), vm.Round(saved))
-	if old != nil && old.Template != name {
-		s.retire(ctx, old.Template)
-	}
+	m.say("Snapshot of image %s made: template %s booted to its wait in %s, saved in %s (%d MiB)", img.Name, name, vm.Round(booted), vm.Round(saved), saveBytes>>20)
 	return &rec, nil
+}
+
+// checkSave reads back the head of the template's save volume and makes
+// a clone's XML of it, as a restore will: a save this code cannot restore
+// (compressed by libvirt's save_image_format, another format version, a
+// disk it does not name) is refused now, not at every job. It returns
+// the volume's size.
+func (s Snapshots) checkSave(ctx context.Context, name, diskPath string) (uint64, error) {
+	m := s.m
+	savePath, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, vm.SaveVolume(name))
+	if err != nil {
+		return 0, err
+	}
+	size, err := m.hv.VolumeCapacity(ctx, savePath)
+	if err != nil {
+		return 0, err
+	}
+	pr, pw := io.Pipe()
+	sctx, cancel := context.WithCancel(ctx)
+	streamed := make(chan struct{})
+	go func() {
+		defer close(streamed)
+		_ = pw.CloseWithError(m.hv.StreamFromVolume(sctx, m.Cfg.StoragePool, vm.SaveVolume(name), pw))
+	}()
+	head, err := vm.ReadSaveHead(pr)
+	cancel()
+	_ = pr.Close()
+	<-streamed
+	if err != nil {
+		return 0, fmt.Errorf("the saved template %s: %w", name, err)
+	}
+	if _, err := vm.CloneXML(head.XML, vm.CloneIdentity{Name: name, UUID: "00000000-0000-4000-8000-000000000000",
+		Disks: map[string]string{diskPath: diskPath}}); err != nil {
+		return 0, fmt.Errorf("the saved template %s: %w", name, err)
+	}
+	return size, nil
 }
 
 // Remove removes the image's snapshot: its record, then its template
@@ -228,10 +317,13 @@ func (s Snapshots) Build(ctx context.Context, img *config.Image) (*state.Snapsho
 func (s Snapshots) Remove(ctx context.Context, image string) error {
 	m := s.m
 	rec, err := m.Store.SnapshotOf(image)
-	if err != nil || rec == nil {
+	if err != nil {
 		return err
 	}
-	if err := m.Store.ForgetSnapshot(image, rec.Template); err != nil {
+	if rec == nil {
+		return fmt.Errorf("image %s has no memory snapshot (libvirt-executor image snapshots lists them)", image)
+	}
+	if err := m.Store.ForgetSnapshot(ctx, image, rec.Template); err != nil {
 		return err
 	}
 	s.retire(ctx, rec.Template)
@@ -287,38 +379,50 @@ func (s Snapshots) frozenInUse(ctx context.Context, name string) (bool, error) {
 // rule kept: kept while its image's record names it or a clone's disk is
 // over its frozen one; else (replaced, forgotten, or its build died)
 // removed.
-func (s Snapshots) judgeTemplate(ctx context.Context, it *Item) {
+func (s Snapshots) judgeTemplate(ctx context.Context, it *Item, now time.Time) {
 	recs, err := s.m.Store.Snapshots()
 	if err != nil {
+		// An unreadable record may be the one that names it: kept.
+		it.Verdict, it.Reason = VerdictKeep, "a memory snapshot's template (a record is unreadable: "+err.Error()+")"
 		return
 	}
 	for _, r := range recs {
-		if r.Template == it.Name && r.Ready() {
-			it.Reason = fmt.Sprintf("memory snapshot of image %s, saved %s ago", r.Image, time.Since(r.Saved).Round(time.Second))
+		switch {
+		case r.Template == it.Name && r.Ready():
+			it.Verdict = VerdictKeep
+			it.Reason = fmt.Sprintf("memory snapshot of image %s, saved %s ago", r.Image, now.Sub(r.Saved).Round(time.Second))
+			return
+		case r.Previous == it.Name && now.Sub(r.Saved) < replacedGrace:
+			it.Verdict, it.Reason = VerdictKeep, fmt.Sprintf("the memory snapshot of image %s replaced %s ago", r.Image, now.Sub(r.Saved).Round(time.Second))
 			return
 		}
 	}
 	if inUse, err := s.frozenInUse(ctx, it.Name); err != nil || inUse {
-		it.Reason = "an old memory snapshot: clones still use its disk"
+		it.Verdict, it.Reason = VerdictKeep, "an old memory snapshot: clones still use its disk"
 		return
 	}
 	it.Verdict, it.Reason = VerdictExpired, "a memory snapshot no record names (replaced, removed, or its build did not finish)"
 }
 
+// replacedGrace is how long a replaced template stays for the prepares
+// that chose it just before (their clones' disks are over it once made).
+const replacedGrace = 2 * time.Minute
+
 // Current returns img's snapshot record when it is current (saved, made
-// from what a machine of img would be made of now, its template there),
-// else nil and why not.
+// from what a machine of img would be made of now, its template and
+// volumes there, not failed MaxSnapshotFailures restores in a row), else
+// nil and why not.
 func (s Snapshots) Current(ctx context.Context, img *config.Image) (*state.Snapshot, string) {
 	m := s.m
 	domainType, err := m.KVM().DomainType(ctx)
 	if err != nil {
 		return nil, err.Error()
 	}
-	return s.current(m.Cfg.ResolveFiles(img), domainType)
+	return s.current(ctx, m.Cfg.ResolveFiles(img), domainType)
 }
 
 // current is Current for img's files resolved and the domain type known.
-func (s Snapshots) current(img *config.Image, domainType string) (*state.Snapshot, string) {
+func (s Snapshots) current(ctx context.Context, img *config.Image, domainType string) (*state.Snapshot, string) {
 	m := s.m
 	rec, err := m.Store.SnapshotOf(img.Name)
 	switch {
@@ -326,13 +430,31 @@ func (s Snapshots) current(img *config.Image, domainType string) (*state.Snapsho
 		return nil, err.Error()
 	case rec == nil || !rec.Ready():
 		return nil, fmt.Sprintf("none made yet (the pool service makes it, or libvirt-executor image snapshot %s)", img.Name)
+	case rec.Failures >= state.MaxSnapshotFailures:
+		return nil, fmt.Sprintf("its last %d restores failed (the pool service makes a new one, or libvirt-executor image snapshot %s)", rec.Failures, img.Name)
 	}
-	if fp := SnapshotFingerprint(m.Cfg, img, domainType, m.Cfg.ImageSize(img)); fp != rec.Fingerprint {
-		return nil, fmt.Sprintf("it is stale: the image, its files, the configuration or the driver changed since it was made %s ago (the pool service makes a new one, or libvirt-executor image snapshot %s)",
-			time.Since(rec.Saved).Round(time.Second), img.Name)
+	host, err := m.hostVersions(ctx)
+	if err != nil {
+		return nil, err.Error()
+	}
+	if now := SnapshotInputs(m.Cfg, img, domainType, m.Cfg.ImageSize(img), host); SnapshotFingerprint(now) != rec.Fingerprint {
+		return nil, fmt.Sprintf("it is stale: %s changed since it was made %s ago (the pool service makes a new one where its configuration says the same, or libvirt-executor image snapshot %s)",
+			changedInputs(rec.Inputs, now), time.Since(rec.Saved).Round(time.Second), img.Name)
 	}
 	if ok, err := m.Store.Has(rec.Template); err != nil || !ok {
 		return nil, fmt.Sprintf("its template %s is gone", rec.Template)
+	}
+	// Its volumes, as libvirt has them: one removed by hand, or a save
+	// that is not the size it was made with, is not restored.
+	savePath, err := m.hv.VolumePath(ctx, m.Cfg.StoragePool, vm.SaveVolume(rec.Template))
+	if err != nil {
+		return nil, fmt.Sprintf("its save volume: %v", err)
+	}
+	if n, err := m.hv.VolumeCapacity(ctx, savePath); err != nil || n != rec.SaveBytes {
+		return nil, fmt.Sprintf("its save volume %s is not the one it was made with (%d bytes, recorded %d; %v)", savePath, n, rec.SaveBytes, err)
+	}
+	if _, err := m.hv.VolumeCapacity(ctx, rec.DiskPath); err != nil {
+		return nil, fmt.Sprintf("its disk %s: %v", rec.DiskPath, err)
 	}
 	return rec, ""
 }
@@ -340,7 +462,7 @@ func (s Snapshots) current(img *config.Image, domainType string) (*state.Snapsho
 // usable returns the snapshot a job's machine of req starts from, or nil
 // and why not ("" where a snapshot does not apply: the image has none,
 // or the machine is not a job's).
-func (s Snapshots) usable(req request, domainType string) (*vm.Snapshot, string) {
+func (s Snapshots) usable(ctx context.Context, req request, domainType string) (*vm.Snapshot, string) {
 	img := req.Image
 	if !img.Snapshot || req.detached || req.Standby != nil || req.Seed != nil || req.SeedWritable {
 		return nil, ""
@@ -348,7 +470,7 @@ func (s Snapshots) usable(req request, domainType string) (*vm.Snapshot, string)
 	if len(req.Dirs) > 0 {
 		return nil, "the job shares host directories (they need shared memory, which a template has not)"
 	}
-	rec, why := s.current(img, domainType)
+	rec, why := s.current(ctx, img, domainType)
 	switch {
 	case rec == nil:
 		return nil, why
@@ -358,6 +480,20 @@ func (s Snapshots) usable(req request, domainType string) (*vm.Snapshot, string)
 		return nil, fmt.Sprintf("the job asks a %d GiB disk; the snapshot's is %d GiB", req.DiskGiB, rec.DiskBytes>>30)
 	}
 	return &vm.Snapshot{Template: rec.Template, DiskPath: rec.DiskPath, DiskBytes: rec.DiskBytes}, ""
+}
+
+// noteRestore counts a restore from snap for img's snapshot: failed only
+// for the snapshot's own sake (a save file refused, libvirt refusing the
+// restore); a failure of the job's own (ctx ended) is not counted.
+func (s Snapshots) noteRestore(ctx context.Context, img string, snap vm.Snapshot, err error) {
+	m := s.m
+	failed := err != nil
+	if failed && ctx.Err() != nil {
+		return
+	}
+	if nerr := m.Store.NoteSnapshotRestore(ctx, img, snap.Template, failed); nerr != nil {
+		m.say("Note: the snapshot's restore count not recorded: %v", nerr)
+	}
 }
 
 // waitConsole waits until the machine's console log (its last 64 KiB,

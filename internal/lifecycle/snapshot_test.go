@@ -1,7 +1,10 @@
 package lifecycle
 
 import (
+	"bytes"
 	"context"
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -71,18 +74,25 @@ func TestSnapshotBuildRestoreAndSweep(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, rec.Ready())
 	require.True(t, m.Machine(rec.Template).IsSnapshotTemplate())
-	// The template: no NIC, no secret, a VM generation id, the marker; it
-	// was saved (stopped, still defined) and holds no capacity now.
-	tx := domainXML(t, hv, rec.Template)
+	// The template: no NIC, no secret, a VM generation id, the marker (its
+	// XML as its save file holds it); once saved it is undefined (nothing
+	// can start it and write its disk) and holds no capacity.
+	hv.Lock()
+	_, defined := hv.Domains[rec.Template]
+	save := hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)]
+	hv.Unlock()
+	require.False(t, defined)
+	head, err := vm.ReadSaveHead(bytes.NewReader(save))
+	require.NoError(t, err)
+	var tx libvirtxml.Domain
+	require.NoError(t, tx.Unmarshal(head.XML))
 	require.Empty(t, tx.Devices.Interfaces)
 	require.NotNil(t, tx.GenID)
 	require.Nil(t, tx.SysInfo)
 	require.Contains(t, tx.OS.Cmdline, TemplateMarker)
 	require.Len(t, tx.Devices.Disks, 1)
-	hv.Lock()
-	require.False(t, hv.Domains[rec.Template].Active)
-	require.NotEmpty(t, hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)])
-	hv.Unlock()
+	require.Equal(t, uint64(len(save)), rec.SaveBytes)
+	require.NotEmpty(t, rec.Inputs["the libvirt and QEMU versions"])
 	held, err := m.Capacity().Reservations()
 	require.NoError(t, err)
 	require.NotContains(t, held, rec.Template, "a saved template holds no memory")
@@ -119,12 +129,11 @@ func TestSnapshotBuildRestoreAndSweep(t *testing.T) {
 
 	// Removed from the record: the template goes (no clone uses it).
 	require.NoError(t, snaps.Remove(ctx, "tiny"))
-	hv.Lock()
-	_, left := hv.Domains[rec.Template]
-	hv.Unlock()
-	require.False(t, left)
-	require.NoError(t, err)
+	require.ErrorContains(t, snaps.Remove(ctx, "tiny"), "has no memory snapshot")
 	requireNothingLeft(t, hv, m)
+	names, err := m.Store.Names()
+	require.NoError(t, err)
+	require.Empty(t, names)
 }
 
 func domainXMLOwner(t *testing.T, hv *vmtest.Fake, name string) string {
@@ -152,12 +161,12 @@ func TestSnapshotFallsBackToColdBoot(t *testing.T) {
 		name, why string
 		spoil     func(hv *vmtest.Fake, g *fakeGuest, rec *state.Snapshot)
 	}{
-		{"corrupt save file", "not a libvirt save file", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
+		{"corrupt save file", "not the one it was made with", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
 			hv.Lock()
 			hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)] = []byte(strings.Repeat("garbage, not a save file ", 20))
 			hv.Unlock()
 		}},
-		{"truncated save file", "header", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
+		{"truncated save file", "not the one it was made with", func(hv *vmtest.Fake, _ *fakeGuest, rec *state.Snapshot) {
 			hv.Lock()
 			hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)] = hv.Volumes["jobs/"+vm.SaveVolume(rec.Template)][:40]
 			hv.Unlock()
@@ -187,8 +196,7 @@ func TestSnapshotFallsBackToColdBoot(t *testing.T) {
 			require.NoError(t, err)
 			_ = ready.Client.Close()
 			require.Equal(t, StartCold, ready.Timings.Start)
-			require.True(t, say.Has("Memory snapshot of image %s not used: %v; booting cold"))
-			require.Contains(t, say.Args(), tc.why)
+			require.Regexp(t, "Memory snapshot of image tiny not used: .*"+tc.why+".*; booting cold", say.Args())
 			// The machine is the cold boot's: its NIC in its definition.
 			hv.Lock()
 			started := hv.Domains["lve-0123abcd-7"].Transient
@@ -277,8 +285,26 @@ func TestSweepRemovesUnrecordedTemplate(t *testing.T) {
 	rep, err := m.Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Empty(t, rep.Removed, "the recorded template stays")
-	require.NoError(t, m.Store.ForgetSnapshot("tiny", ""))
+	// A new snapshot replaces it: the old template stays a while for the
+	// prepares that chose it a moment ago, then goes.
+	rec2, err := SnapshotsOf(m).Build(ctx, img)
+	require.NoError(t, err)
+	require.Equal(t, rec.Template, rec2.Previous)
+	rep, err = m.Sweep(ctx, time.Now(), false)
+	require.NoError(t, err)
+	require.Empty(t, rep.Removed, "the replaced template stays for replacedGrace")
+	rep, err = m.Sweep(ctx, time.Now().Add(replacedGrace+time.Second), false)
+	require.NoError(t, err)
+	require.Equal(t, []string{rec.Template}, rep.Removed)
+	rec = rec2
+	require.NoError(t, m.Store.ForgetSnapshot(context.Background(), "tiny", ""))
+	// An unreadable record might be the one that names it: kept.
+	require.NoError(t, os.WriteFile(filepath.Join(m.Store.Dir, state.SnapshotsDir, "other.json"), []byte("{cut"), 0o600))
 	items, err := m.Inventory(ctx, time.Now())
+	require.NoError(t, err)
+	require.Equal(t, VerdictKeep, item(t, items, rec.Template).Verdict)
+	require.NoError(t, os.Remove(filepath.Join(m.Store.Dir, state.SnapshotsDir, "other.json")))
+	items, err = m.Inventory(ctx, time.Now())
 	require.NoError(t, err)
 	it := item(t, items, rec.Template)
 	require.Equal(t, VerdictExpired, it.Verdict, it.Reason)
@@ -289,4 +315,26 @@ func TestSweepRemovesUnrecordedTemplate(t *testing.T) {
 	require.Empty(t, hv.Domains)
 	require.Empty(t, hv.Volumes)
 	hv.Unlock()
+}
+
+// A snapshot whose restores libvirt refuses MaxSnapshotFailures times in a
+// row is no longer used; jobs boot cold meanwhile.
+func TestSnapshotNotUsedAfterFailedRestores(t *testing.T) {
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, say := snapshotManager(t, hv, g)
+	ctx := context.Background()
+	_, err := SnapshotsOf(m).Build(ctx, img)
+	require.NoError(t, err)
+	hv.FailOn["RestoreStream"] = errString("refused by the test")
+	for range state.MaxSnapshotFailures {
+		ready, err := m.Provision(ctx, testRequest(img))
+		require.NoError(t, err)
+		_ = ready.Client.Close()
+		require.Equal(t, StartCold, ready.Timings.Start)
+		require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(ctx))
+	}
+	_, why := SnapshotsOf(m).Current(ctx, img)
+	require.Contains(t, why, "restores failed")
+	require.Contains(t, say.Args(), "libvirt refused the restore")
 }

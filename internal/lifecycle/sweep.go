@@ -224,8 +224,10 @@ func (m *Manager) examine(ctx context.Context, name string, poolVolumes []string
 	if it.Verdict == VerdictKeep && it.Pool() == "retiring" {
 		it.Verdict, it.Reason = VerdictRetired, "standby VM marked for removal: "+it.Standby.Claim.Reason
 	}
-	if it.Verdict == VerdictKeep && m.Machine(name).IsSnapshotTemplate() {
-		SnapshotsOf(m).judgeTemplate(ctx, &it)
+	if (it.Verdict == VerdictKeep || it.Verdict == VerdictOrphan) && m.Machine(name).IsSnapshotTemplate() {
+		// A saved template has no domain (Build undefines it): its record
+		// keeps it, not a deadline.
+		SnapshotsOf(m).judgeTemplate(ctx, &it, now)
 	}
 	if it.Verdict == VerdictKeep && it.Ended != nil {
 		it.Verdict, it.Reason = VerdictEnded, "its job ended ("+it.Ended.Reason+"); its reaper did not remove it"

@@ -1,6 +1,7 @@
 package state
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -35,10 +36,24 @@ type Snapshot struct {
 	Started     time.Time `json:"started"`
 	// Saved is when the template was saved; zero while it is being built.
 	Saved time.Time `json:"saved,omitzero"`
-	// SaveBytes is the save volume's size, DiskUsed the frozen overlay's
-	// (what the snapshot holds of the host's disk).
+	// SaveBytes is the save volume's size (what the snapshot holds of the
+	// host's disk, with the frozen overlay's allocation).
 	SaveBytes uint64 `json:"save_bytes,omitempty"`
+	// Inputs are what it was made from, by name (lifecycle's
+	// SnapshotInputs; Fingerprint is their digest).
+	Inputs map[string]string `json:"inputs,omitempty"`
+	// Previous is the template of the snapshot this one replaced.
+	Previous string `json:"previous,omitempty"`
+	// Failures counts the restores in a row that failed for the
+	// snapshot's own sake (its file, libvirt refusing it); at
+	// MaxSnapshotFailures it is no longer used.
+	Failures int `json:"failures,omitempty"`
 }
+
+// MaxSnapshotFailures is how many restores in a row may fail for a
+// snapshot's own sake before it is no longer used (and the pool service
+// makes a new one).
+const MaxSnapshotFailures = 3
 
 // Ready reports whether the snapshot was saved.
 func (s Snapshot) Ready() bool { return !s.Saved.IsZero() }
@@ -55,8 +70,26 @@ func (s Store) snapshotPath(image string) (string, error) {
 	return filepath.Join(s.Dir, SnapshotsDir, image+".json"), nil
 }
 
-// PutSnapshot writes the image's snapshot record (atomically, durably).
-func (s Store) PutSnapshot(sn Snapshot) error {
+// PutSnapshot writes the image's snapshot record (atomically, durably),
+// under the record's lock.
+func (s Store) PutSnapshot(ctx context.Context, sn Snapshot) error {
+	unlock, err := s.lockSnapshot(ctx, sn.Image)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	return s.putSnapshot(sn)
+}
+
+// lockSnapshot takes the lock of image's record ('_': no machine's).
+func (s Store) lockSnapshot(ctx context.Context, image string) (func(), error) {
+	if !snapshotImage.MatchString(image) {
+		return nil, fmt.Errorf("snapshot record of image %q: not an image name (letters, digits, '.', '_', '-', 1-64)", image)
+	}
+	return s.Lock(ctx, "_snapshot-record-"+image)
+}
+
+func (s Store) putSnapshot(sn Snapshot) error {
 	p, err := s.snapshotPath(sn.Image)
 	if err != nil {
 		return err
@@ -88,28 +121,66 @@ func (s Store) SnapshotOf(image string) (*Snapshot, error) {
 	return &sn, nil
 }
 
-// Snapshots returns every snapshot record (an unreadable one is skipped).
+// Snapshots returns every snapshot record; with an error, those it could
+// read (a record cut short by a crash is an error: whoever removes what
+// the records name must not take it for none).
 func (s Store) Snapshots() ([]Snapshot, error) {
 	images, err := s.namesIn(SnapshotsDir, ".json")
 	if err != nil {
 		return nil, err
 	}
 	var out []Snapshot
+	var errs []error
 	for _, im := range images {
-		if sn, err := s.SnapshotOf(im); err == nil && sn != nil {
+		sn, err := s.SnapshotOf(im)
+		if err != nil {
+			errs = append(errs, err)
+			continue
+		}
+		if sn != nil {
 			out = append(out, *sn)
 		}
 	}
-	return out, nil
+	return out, errors.Join(errs...)
+}
+
+// NoteSnapshotRestore counts a restore from template's snapshot of image:
+// failed (for the snapshot's own sake) adds one to its failures in a row,
+// a success clears them. A record that names another template is left
+// alone.
+func (s Store) NoteSnapshotRestore(ctx context.Context, image, template string, failed bool) error {
+	unlock, err := s.lockSnapshot(ctx, image)
+	if err != nil {
+		return err
+	}
+	defer unlock()
+	sn, err := s.SnapshotOf(image)
+	if err != nil || sn == nil || sn.Template != template {
+		return err
+	}
+	switch {
+	case failed:
+		sn.Failures++
+	case sn.Failures == 0:
+		return nil
+	default:
+		sn.Failures = 0
+	}
+	return s.putSnapshot(*sn)
 }
 
 // ForgetSnapshot removes the image's snapshot record if it still names
 // template ("" for whichever it names).
-func (s Store) ForgetSnapshot(image, template string) error {
+func (s Store) ForgetSnapshot(ctx context.Context, image, template string) error {
 	p, err := s.snapshotPath(image)
 	if err != nil {
 		return err
 	}
+	unlock, err := s.lockSnapshot(ctx, image)
+	if err != nil {
+		return err
+	}
+	defer unlock()
 	if template != "" {
 		sn, err := s.SnapshotOf(image)
 		if err != nil || sn == nil || sn.Template != template {

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"io"
 	"time"
@@ -29,6 +30,10 @@ type Snapshot struct {
 	// pipe is made (libvirtd opens it by path).
 	PipeDir string
 }
+
+// ErrRestore marks a restore libvirt refused (not a lost connection): the
+// snapshot's fault, as far as its caller can tell.
+var ErrRestore = errors.New("libvirt refused the restore")
 
 // SaveMachine saves the running machine name's memory and device state
 // into its save volume (SaveVolume) in pool: the machine stops (it stays
@@ -149,7 +154,6 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 	}
 	pr, pw := io.Pipe()
 	sctx, cancel := context.WithCancel(ctx)
-	defer cancel()
 	streamed := make(chan struct{})
 	go func() {
 		defer close(streamed)
@@ -157,6 +161,7 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 		_ = pw.CloseWithError(c.e.HV.StreamFromVolume(sctx, s.Pool, SaveVolume(snap.Template), pw))
 	}()
 	defer func() {
+		cancel()
 		_ = pr.Close() // a stream still running ends on its next write
 		<-streamed
 	}()
@@ -180,10 +185,28 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 		return err
 	}
 	// Not repeated on a lost connection: the stream is read once.
-	if err := c.e.HV.RestoreStream(ctx, io.MultiReader(&hb, pr), snap.PipeDir); err != nil {
-		return fmt.Errorf("restore from snapshot %s: %w", snap.Template, err)
+	err = c.e.HV.RestoreStream(ctx, io.MultiReader(&hb, pr), snap.PipeDir)
+	if err == nil {
+		err = change(ctx, func(ctx context.Context) error { return c.e.HV.Define(ctx, x) })
+		if err != nil {
+			err = fmt.Errorf("define the restored clone: %w", err)
+		}
+	} else if !errors.Is(err, ErrConnectionLost) && ctx.Err() == nil {
+		err = fmt.Errorf("restore from snapshot %s: %w: %w", snap.Template, ErrRestore, err)
+	} else {
+		err = fmt.Errorf("restore from snapshot %s: %w", snap.Template, err)
 	}
-	return change(ctx, func(ctx context.Context) error { return c.e.HV.Define(ctx, x) })
+	if err != nil {
+		// The step's undo does not run for the step that failed: a clone
+		// libvirt started all the same (the call cut, the define refused)
+		// goes here.
+		dctx, cancel := detachctx.WithTimeout(ctx, max(c.e.UndoTimeout, time.Minute))
+		defer cancel()
+		if uerr := c.undefine(dctx); uerr != nil {
+			return fmt.Errorf("%w (and removing the clone: %v)", err, uerr)
+		}
+	}
+	return err
 }
 
 // plugIdentity hot-plugs what is the clone's own: the shared disks, the

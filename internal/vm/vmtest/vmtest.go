@@ -924,4 +924,3 @@ func (f *Fake) RestoreStream(ctx context.Context, r io.Reader, pipeDir string) e
 	f.Domains[dx.Name] = &Domain{XML: head.XML, OwnerXML: owner, Active: true, Transient: true}
 	return nil
 }
-
