@@ -41,12 +41,15 @@ const benchDur = `([0-9.]+(?:ms|s|m[0-9.]*s?))`
 // whole time (a restored or claimed machine's line says which start).
 var benchPrepareRE = regexp.MustCompile(`(?s).*Machine ready in ` + benchDur)
 
-// benchSnapSteps are a snapshot prepare's step lines (vm.Engine.Restore's
-// progress, provision's restore, address and SSH lines), in their order.
-var benchSnapSteps = []struct {
+// benchStep is a row of the breakdown: its job log line (nil: derived).
+type benchStep struct {
 	Name string
 	re   *regexp.Regexp
-}{
+}
+
+// benchSnapSteps are a snapshot prepare's step lines (vm.Engine.Restore's
+// progress, provision's restore, address and SSH lines), in their order.
+var benchSnapSteps = []benchStep{
 	{"clone disk (overlay over the frozen one)", regexp.MustCompile(`clone disk done in ` + benchDur)},
 	{"reserve address (DHCP host entry)", regexp.MustCompile(`reserve address done in ` + benchDur)},
 	{"seed volume: create", regexp.MustCompile(`create seed volume done in ` + benchDur)},
@@ -56,11 +59,17 @@ var benchSnapSteps = []struct {
 	{"  shared disk (tools)", regexp.MustCompile(`shared disk \S+ plugged in ` + benchDur)},
 	{"  network interface", regexp.MustCompile(`network interface \([^)]*\) plugged in ` + benchDur)},
 	{"  credentials disk", regexp.MustCompile(`credentials disk plugged in ` + benchDur)},
+	{benchFilterSetup, nil}, // hot plug less its three plugs
 	{"Restored (all of the above)", regexp.MustCompile(`from the memory snapshot of image .* in ` + benchDur + `, its lease`)},
 	{"lease after the restore", regexp.MustCompile(`its lease after ` + benchDur)},
 	{"address", regexp.MustCompile(`Booted, address \S+ \(.*\) in ` + benchDur)},
 	{"SSH wait (SSH ready)", regexp.MustCompile(`SSH ready as .* in ` + benchDur + ` \(`)},
 }
+
+// benchFilterSetup is the part of the hot plug that no line times: the
+// interface's network filter made sure of (vm's completeFilter: the
+// network's gateway, EnsureNWFilters) before the interface is plugged.
+const benchFilterSetup = "  network filter setup (hot plug's rest)"
 
 // benchRest is the breakdown's last row: prepare less the restore, lease,
 // address and SSH (the tools disk, the guest tools check, the connection
@@ -118,6 +127,7 @@ func TestBenchSnapshot(t *testing.T) {
 
 	// Four tiny jobs at once, no pool: from the snapshot, then cold.
 	var atOnce []*benchAtOnce
+	four := &benchSnapImage{Image: "tiny, four at once", Steps: map[string][]float64{}}
 	for _, r := range []*rig{snap, cold} {
 		a := &benchAtOnce{Start: map[*rig]string{snap: "snapshot", cold: "cold"}[r]}
 		rr.cfgPath = r.cfgPath
@@ -128,6 +138,9 @@ func TestBenchSnapshot(t *testing.T) {
 			require.Equal(t, jobapi.StateSuccess, j.State, j.Trace)
 			require.Equal(t, a.Start == "snapshot", strings.Contains(j.Trace, "(snapshot)"), "a %s start: %s", a.Start, j.Trace)
 			a.Prepare = append(a.Prepare, benchDuration(benchPrepareRE, j.Trace))
+			if a.Start == "snapshot" {
+				benchSnapBreakdown(t, four, j.Trace)
+			}
 		}
 		t.Logf("[bench] four tiny jobs at once, %s: all done in %.2fs, prepares %v", a.Start, a.Wall, a.Prepare)
 		atOnce = append(atOnce, a)
@@ -192,19 +205,18 @@ func TestBenchSnapshot(t *testing.T) {
 	fmt.Fprintf(&b, "snapshot/cold (four at once): all done %.2fx, prepare %.2fx\n", atOnce[0].Wall/atOnce[1].Wall, benchMedian(atOnce[0].Prepare)/benchMedian(atOnce[1].Prepare))
 	fmt.Fprintf(&b, "\nWhere a snapshot prepare's time goes (job log lines; median, min-max, seconds):\n")
 	tw = tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
-	fmt.Fprintln(tw, "STEP\ttiny\tdebian")
-	for _, s := range benchSnapSteps {
-		fmt.Fprintf(tw, "%s\t%s\t%s\n", s.Name, benchCell(images[0].Steps[s.Name]), benchCell(images[1].Steps[s.Name]))
+	fmt.Fprintln(tw, "STEP\ttiny\tdebian\ttiny, four at once")
+	for _, s := range slices.Concat(benchSnapSteps, []benchStep{{Name: benchRest}}) {
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", s.Name, benchCell(images[0].Steps[s.Name]), benchCell(images[1].Steps[s.Name]), benchCell(four.Steps[s.Name]))
 	}
-	fmt.Fprintf(tw, "%s\t%s\t%s\n", benchRest, benchCell(images[0].Steps[benchRest]), benchCell(images[1].Steps[benchRest]))
-	fmt.Fprintf(tw, "prepare (Machine ready)\t%s\t%s\n", benchCell(images[0].Prepare["snapshot"]), benchCell(images[1].Prepare["snapshot"]))
+	fmt.Fprintf(tw, "prepare (Machine ready)\t%s\t%s\t%s\n", benchCell(images[0].Prepare["snapshot"]), benchCell(images[1].Prepare["snapshot"]), benchCell(atOnce[0].Prepare))
 	require.NoError(t, tw.Flush())
 	fmt.Fprintf(&b, "\nHeld per image with no job running (MiB; the base image is shared by both and not counted):\n")
 	tw = tabwriter.NewWriter(&b, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "IMAGE\tSNAPSHOT DISK (overlay + save)\tSNAPSHOT RAM\tSTANDBY DISK (overlay)\tSTANDBY RAM (QEMU RSS)\tVM MEMORY")
 	mib := func(n uint64) float64 { return float64(n) / (1 << 20) }
 	for _, im := range images {
-		fmt.Fprintf(tw, "%s\t%.0f (%.0f + %.0f)\t%.0f\t%.0f\t%.0f\t%d\n", im.Image, mib(im.SnapshotOverlayBytes+im.SnapshotSaveBytes),
+		fmt.Fprintf(tw, "%s\t%.1f (%.1f + %.1f)\t%.0f\t%.1f\t%.0f\t%d\n", im.Image, mib(im.SnapshotOverlayBytes+im.SnapshotSaveBytes),
 			mib(im.SnapshotOverlayBytes), mib(im.SnapshotSaveBytes), mib(im.SnapshotRAMBytes), mib(im.StandbyDiskBytes), mib(im.StandbyRSSBytes), im.MemoryMiB)
 	}
 	require.NoError(t, tw.Flush())
@@ -213,7 +225,7 @@ func TestBenchSnapshot(t *testing.T) {
 		require.NoError(t, os.WriteFile(p, []byte(b.String()), 0o644))
 	}
 	if p := os.Getenv("LVE_BENCH_SNAPSHOT_JSON"); p != "" {
-		js, err := json.MarshalIndent(map[string]any{"runs": runs, "images": images, "four_at_once": atOnce}, "", "  ")
+		js, err := json.MarshalIndent(map[string]any{"runs": runs, "images": images, "four_at_once": atOnce, "four_at_once_steps": four.Steps}, "", "  ")
 		require.NoError(t, err)
 		require.NoError(t, os.WriteFile(p, js, 0o644))
 	}
@@ -226,6 +238,12 @@ func benchSnapBreakdown(t *testing.T, im *benchSnapImage, trace string) {
 	t.Helper()
 	rest := benchDuration(benchPrepareRE, trace)
 	for _, s := range benchSnapSteps {
+		if s.re == nil {
+			n := len(im.Steps[s.Name])
+			plugs := im.Steps["hot plug, all"][n] - im.Steps["  shared disk (tools)"][n] - im.Steps["  network interface"][n] - im.Steps["  credentials disk"][n]
+			im.Steps[s.Name] = append(im.Steps[s.Name], plugs)
+			continue
+		}
 		if s.re.FindStringSubmatch(trace) == nil {
 			require.Contains(t, s.Name, "shared disk", "%q in the job log:\n%s", s.re, trace)
 		}
