@@ -28,6 +28,7 @@ BENCH_CACHE_MIB ?= 100
 BENCH_CACHE_RUNS ?= 3
 BENCH_STEPS_RUNS ?= 3
 BENCH_SERVICES_RUNS ?= 3
+BENCH_SNAPSHOT_RUNS ?= 3
 comma := ,
 GO_WANT := $(shell sed -n 's/^go //p' go.mod)
 
@@ -117,8 +118,8 @@ demo: deps build ## run a sample job end to end on a real VM, cold, then again w
 	@rc=0; ip netns exec $(RIG_NS) $(BIN)/lve-harness demo --warm --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) --git-port 20080 || rc=$$?; \
 	  deploy/rig/stop.sh; exit $$rc
 
-bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round, BENCH_DIRECT=N jobs with a connection per stage beside the connection holder's and BENCH_WRAPPER=N jobs through the holder without the guest agent (each default BENCH_RUNS, 0 skips); then a cache of BENCH_CACHE_MIB (100; 0 skips) MiB kept by the runner's distributed cache and by the host cache, BENCH_CACHE_RUNS rounds; then BENCH_STEPS_RUNS (3; 0 skips) no-op run: jobs (GitLab Steps, shim mode) beside no-op script: jobs; then BENCH_SERVICES_RUNS (3; 0 skips) jobs on the podman image with and without one service and as container jobs, cold and warm; leaves the rig up: make rig-down)
-	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES="$(BENCH_IMAGES)$(if $(filter-out 0,$(BENCH_SERVICES_RUNS)), podman)" deploy/rig/start.sh
+bench: deps build ## benchmark jobs on real VMs against the guest's own boot, cold and warm (root; installs what it needs; BENCH_IMAGES="tiny debian", BENCH_RUNS, BENCH_CONCURRENCY, BENCH_WARM=false skips the warm round, BENCH_DIRECT=N jobs with a connection per stage beside the connection holder's and BENCH_WRAPPER=N jobs through the holder without the guest agent (each default BENCH_RUNS, 0 skips); then a cache of BENCH_CACHE_MIB (100; 0 skips) MiB kept by the runner's distributed cache and by the host cache, BENCH_CACHE_RUNS rounds; then BENCH_STEPS_RUNS (3; 0 skips) no-op run: jobs (GitLab Steps, shim mode) beside no-op script: jobs; then BENCH_SERVICES_RUNS (3; 0 skips) jobs on the podman image with and without one service and as container jobs, cold and warm; then BENCH_SNAPSHOT_RUNS (3; 0 skips) tiny and Debian jobs from the image's memory snapshot against its cold boot and a warm claim, four at once, where a restore's time goes and what a snapshot holds against an idle standby; leaves the rig up: make rig-down)
+	@runner=$(TEST_RUNNER) && steprunner=$(TEST_STEP_RUNNER) && LVE_RIG_GITLAB_RUNNER=$$runner LVE_RIG_STEP_RUNNER=$$steprunner LVE_RIG_IMAGES="$(BENCH_IMAGES)$(if $(filter-out 0,$(BENCH_SERVICES_RUNS)), podman)$(if $(filter-out 0,$(BENCH_SNAPSHOT_RUNS)), tiny debian)" deploy/rig/start.sh
 	ip netns exec $(RIG_NS) $(BIN)/lve-bench --config $(RIG_DIR)/config.toml --bin $(CURDIR)/$(BIN) \
 	  $(foreach img,$(subst $(comma), ,$(BENCH_IMAGES)),--image $(img)) \
 	  --runs $(BENCH_RUNS) $(if $(BENCH_DIRECT),--direct-runs $(BENCH_DIRECT)) $(if $(BENCH_WRAPPER),--wrapper-runs $(BENCH_WRAPPER)) --concurrency $(BENCH_CONCURRENCY) --warm=$(BENCH_WARM) --json $(BIN)/bench.json
@@ -136,6 +137,12 @@ bench: deps build ## benchmark jobs on real VMs against the guest's own boot, co
 	    $(GO) test -tags 'e2e bench' -count=1 -timeout 40m -run '^TestBenchServices$$' ./test/e2e/ >$(BIN)/bench-services.log 2>&1 \
 	    && cat $(BIN)/bench-services.txt || { tail -50 $(BIN)/bench-services.log; exit 1; }; \
 	else echo "[bench] services round skipped (BENCH_SERVICES_RUNS=0, or no gitlab-runner for the tests)"; fi
+	@runner=$(TEST_RUNNER); if [ "$(BENCH_SNAPSHOT_RUNS)" != 0 ] && [ -n "$$runner" ]; then \
+	  ip netns exec $(RIG_NS) env LVE_E2E_CONFIG=$(RIG_DIR)/config.toml LVE_E2E_BIN=$(CURDIR)/$(BIN) LVE_E2E_REQUIRED=1 LVE_E2E_GITLAB_RUNNER=$$runner \
+	    LVE_BENCH_SNAPSHOT_RUNS=$(BENCH_SNAPSHOT_RUNS) LVE_BENCH_SNAPSHOT_OUT=$(CURDIR)/$(BIN)/bench-snapshot.txt LVE_BENCH_SNAPSHOT_JSON=$(CURDIR)/$(BIN)/bench-snapshot.json \
+	    $(GO) test -tags 'e2e bench' -count=1 -timeout 40m -run '^TestBenchSnapshot$$' ./test/e2e/ >$(BIN)/bench-snapshot.log 2>&1 \
+	    && cat $(BIN)/bench-snapshot.txt || { tail -50 $(BIN)/bench-snapshot.log; exit 1; }; \
+	else echo "[bench] snapshot round skipped (BENCH_SNAPSHOT_RUNS=0, or no gitlab-runner for the tests)"; fi
 
 rig-up: ## start the private libvirt rig (network namespace, libvirtd, network, pool, images)
 	@deploy/rig/start.sh
