@@ -45,6 +45,9 @@ type provision struct {
 	filtered bool
 	client   *sshexec.Client // waitSSH
 	timings  Timings
+	// snap is the snapshot the machine was restored from (create), nil
+	// for a cold boot.
+	snap *vm.Snapshot
 }
 
 // newProvision prepares the steps of one Provision call.
@@ -114,7 +117,16 @@ func (p *provision) run(ctx context.Context) error {
 		}
 	}))
 	if err == nil {
+		if p.snap != nil {
+			SnapshotsOf(p.m).noteRestore(ctx, p.req.Image.Name, *p.snap, nil)
+		}
 		return nil
+	}
+	if p.snap != nil && ctx.Err() == nil {
+		// A clone that got its lease but never answered SSH (or failed
+		// the check) counts against its snapshot like a refused restore:
+		// after a few in a row the snapshot is not used (and remade).
+		SnapshotsOf(p.m).noteRestore(ctx, p.req.Image.Name, *p.snap, err)
 	}
 	if len(consoleTail) > 0 {
 		p.m.say("Last lines of the guest console:\n%s", consoleTail)
@@ -215,10 +227,11 @@ func (p *provision) create(ctx context.Context) error {
 		rctx, cancel := context.WithTimeout(ctx, snapshotRestoreLimit)
 		err := p.restore(rctx, spec, *snap)
 		cancel()
-		if err == nil || snapshotsFault(err) {
+		if err != nil && snapshotsFault(err) {
 			snaps.noteRestore(ctx, img.Name, *snap, err)
 		}
 		if err == nil {
+			p.snap = snap
 			p.startBootDeadline(ctx)
 			return nil
 		}
@@ -277,8 +290,12 @@ var snapshotRestoreLimit = time.Minute
 // plug, its guest's lease, a lost connection) does not count against the
 // snapshot.
 func snapshotsFault(err error) bool {
-	return errors.Is(err, vm.ErrSaveImage) || errors.Is(err, vm.ErrRestore)
+	return errors.Is(err, vm.ErrSaveImage) || errors.Is(err, vm.ErrRestore) || errors.Is(err, errCloneSilent)
 }
+
+// errCloneSilent: a restored clone's guest took no lease (it did not go
+// on from its wait, or powered itself off).
+var errCloneSilent = errors.New("the restored guest took no address")
 
 // restore starts the machine of spec as a clone of snap (vm.Engine.Restore)
 // with a credentials disk of its own (its keys, the host's clock and 64
@@ -310,9 +327,9 @@ func (p *provision) restore(ctx context.Context, spec vm.Spec, snap vm.Snapshot)
 		rctx, rcancel := detachctx.WithTimeout(ctx, p.m.Cfg.Timeouts.Cleanup.D())
 		defer rcancel()
 		if rerr := p.remove(rctx); rerr != nil {
-			return errors.Join(fmt.Errorf("the restored guest took no address within %s: %w", snapshotLeaseWait, err), rerr)
+			return errors.Join(fmt.Errorf("%w within %s: %w", errCloneSilent, snapshotLeaseWait, err), rerr)
 		}
-		return fmt.Errorf("the restored guest took no address within %s: %w", snapshotLeaseWait, err)
+		return fmt.Errorf("%w within %s: %w", errCloneSilent, snapshotLeaseWait, err)
 	}
 	p.mac = mach.MAC
 	p.timings.Started = time.Now()

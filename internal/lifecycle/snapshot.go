@@ -482,9 +482,11 @@ func (s Snapshots) usable(ctx context.Context, req request, domainType string) (
 	return &vm.Snapshot{Template: rec.Template, DiskPath: rec.DiskPath, DiskBytes: rec.DiskBytes}, ""
 }
 
-// noteRestore counts a restore from snap for img's snapshot: failed only
-// for the snapshot's own sake (a save file refused, libvirt refusing the
-// restore); a failure of the job's own (ctx ended) is not counted.
+// noteRestore counts a start from snap for img's snapshot: err is a
+// failure for the snapshot's own sake (a save file refused, libvirt
+// refusing the restore, a clone that did not go on or never answered
+// SSH), nil a machine that became ready; a failure once ctx ended (the
+// job's own) is not counted.
 func (s Snapshots) noteRestore(ctx context.Context, img string, snap vm.Snapshot, err error) {
 	m := s.m
 	failed := err != nil

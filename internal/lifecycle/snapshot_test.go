@@ -338,3 +338,36 @@ func TestSnapshotNotUsedAfterFailedRestores(t *testing.T) {
 	require.Contains(t, why, "restores failed")
 	require.Contains(t, say.Args(), "libvirt refused the restore")
 }
+
+// Failures in a row: a machine that becomes ready from the snapshot clears
+// the count; a clone that does not go on adds to it.
+func TestSnapshotFailuresInARow(t *testing.T) {
+	old := snapshotLeaseWait
+	snapshotLeaseWait = 300 * time.Millisecond
+	defer func() { snapshotLeaseWait = old }()
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, _ := snapshotManager(t, hv, g)
+	ctx := context.Background()
+	_, err := SnapshotsOf(m).Build(ctx, img)
+	require.NoError(t, err)
+	start := func() string {
+		ready, err := m.Provision(ctx, testRequest(img))
+		require.NoError(t, err)
+		_ = ready.Client.Close()
+		require.NoError(t, m.Machine("lve-0123abcd-7").Teardown(ctx))
+		return ready.Timings.Start
+	}
+	failures := func() int {
+		rec, err := m.Store.SnapshotOf("tiny")
+		require.NoError(t, err)
+		return rec.Failures
+	}
+	g.CloneSilent = true
+	require.Equal(t, StartCold, start())
+	require.Equal(t, StartCold, start())
+	require.Equal(t, 2, failures())
+	g.CloneSilent = false
+	require.Equal(t, StartSnapshot, start())
+	require.Equal(t, 0, failures(), "a good start clears the count")
+}
