@@ -255,6 +255,23 @@ func snapshotCheck(cfg *config.Config, img *config.Image, host string, now time.
 	return c
 }
 
+// unusedSnapshotChecks warns of the memory snapshots of images this
+// configuration does not snapshot (no longer configured, or snapshot =
+// false): they hold disk until removed.
+func unusedSnapshotChecks(cfg *config.Config) []Check {
+	recs, _ := state.Store{Dir: cfg.StateDir}.Snapshots()
+	var out []Check
+	for _, r := range recs {
+		if img, ok := cfg.Images[r.Image]; ok && img.Snapshot {
+			continue
+		}
+		out = append(out, Check{Name: "snapshot of image " + r.Image, OK: true, Warn: true,
+			Info: fmt.Sprintf("not used by this configuration (the image is not configured, or snapshot = false); its template %s holds %d MiB", r.Template, r.SaveBytes>>20),
+			Fix:  "libvirt-executor image snapshot --remove " + r.Image + " (unless another configuration of this host uses it)"})
+	}
+	return out
+}
+
 // Doctor checks that the host can run jobs with this configuration; it
 // gives up on libvirt when ctx ends.
 func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Context, string) (*libvirtvm.Conn, error)) []Check {
@@ -431,6 +448,9 @@ func Doctor(ctx context.Context, cfg *config.Config, connect func(context.Contex
 		}
 	}
 
+	for _, c := range unusedSnapshotChecks(cfg) {
+		add(c)
+	}
 	if len(cfg.Garm.Endpoints) > 0 {
 		gw, _ := l.NetworkAddress(ctx, cfg.Network)
 		for _, c := range garmEndpointChecks(ctx, cfg, gw, guardConfPath()) {

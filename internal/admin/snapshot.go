@@ -17,17 +17,19 @@ import (
 // removes it; one line on w says what it did.
 func ImageSnapshot(ctx context.Context, w io.Writer, m *jobvm.Host, name string, remove bool) error {
 	cfg := m.Manager().Cfg
-	img, ok := cfg.Images[name]
-	if !ok {
-		return fmt.Errorf("image %q: not in the configuration (it has %s)", name, strings.Join(cfg.ImageNames(), ", "))
-	}
 	snaps := lifecycle.SnapshotsOf(m.Manager())
 	if remove {
+		// Also for an image no longer configured: its snapshot still
+		// holds disk.
 		if err := snaps.Remove(ctx, name); err != nil {
 			return err
 		}
 		fmt.Fprintf(w, "memory snapshot of image %s removed\n", name)
 		return nil
+	}
+	img, ok := cfg.Images[name]
+	if !ok {
+		return fmt.Errorf("image %q: not in the configuration (it has %s)", name, strings.Join(cfg.ImageNames(), ", "))
 	}
 	t0 := time.Now()
 	rec, err := snaps.Build(ctx, img)

@@ -48,6 +48,13 @@ snapshot = true
 	require.True(t, c.OK && !c.Warn, "%+v", c)
 	require.Contains(t, c.Info, "made 1m0s ago")
 
+	require.Empty(t, unusedSnapshotChecks(cfg))
+	img.Snapshot = false
+	u := unusedSnapshotChecks(cfg)
+	require.Len(t, u, 1)
+	require.Contains(t, u[0].Fix, "image snapshot --remove tiny")
+	img.Snapshot = true
+
 	later := now.Add(time.Hour)
 	require.NoError(t, os.Chtimes(kernel, later, later))
 	c = snapshotCheck(cfg, img, host, now)

@@ -221,6 +221,9 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 			if s := d.Devices.Consoles[i].Source; s != nil && s.File != nil {
 				s.File.Path = id.ConsoleLog
 			}
+			if l := d.Devices.Consoles[i].Log; l != nil {
+				l.File = id.ConsoleLog
+			}
 		}
 	}
 	return d.Marshal()
