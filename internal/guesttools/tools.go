@@ -774,6 +774,9 @@ func Sweep(ctx context.Context, m *lifecycle.Manager, rep *lifecycle.SweepReport
 	}
 	inUse := map[string]bool{}
 	for _, n := range names {
+		if m.Machine(n).IsSnapshotTemplate() {
+			continue // no tools disk (a clone gets the tools of its own prepare)
+		}
 		rec, err := m.Store.Record(n)
 		if err != nil || rec == nil {
 			return nil // a machine still booting (or unreadable): keep them all

@@ -48,6 +48,8 @@ type provision struct {
 	// snap is the snapshot the machine was restored from (create), nil
 	// for a cold boot.
 	snap *vm.Snapshot
+	// failedStep is the step that failed (run), "" for none.
+	failedStep string
 }
 
 // newProvision prepares the steps of one Provision call.
@@ -101,7 +103,12 @@ func (p *provision) run(ctx context.Context) error {
 				p.req.OnStep(name, took, nil)
 			}
 		},
-		OnFailed: p.req.OnStep,
+		OnFailed: func(name string, took time.Duration, err error) {
+			p.failedStep = name
+			if p.req.OnStep != nil {
+				p.req.OnStep(name, took, err)
+			}
+		},
 		OnUndo: func(name string, err error) {
 			if err != nil {
 				p.m.say("Undo %s failed: %v", name, err)
@@ -122,10 +129,11 @@ func (p *provision) run(ctx context.Context) error {
 		}
 		return nil
 	}
-	if p.snap != nil && ctx.Err() == nil {
-		// A clone that got its lease but never answered SSH (or failed
-		// the check) counts against its snapshot like a refused restore:
-		// after a few in a row the snapshot is not used (and remade).
+	if p.snap != nil && ctx.Err() == nil && (p.failedStep == "address" || p.failedStep == "ssh") {
+		// A clone that got its lease but never answered SSH counts
+		// against its snapshot like a refused restore: after a few in a
+		// row the snapshot is not used (and remade). The check and the
+		// record are the job's and the host's: a cold boot fails them too.
 		SnapshotsOf(p.m).noteRestore(ctx, p.req.Image.Name, *p.snap, err)
 	}
 	if len(consoleTail) > 0 {
@@ -290,6 +298,9 @@ var snapshotRestoreLimit = time.Minute
 // plug, its guest's lease, a lost connection) does not count against the
 // snapshot.
 func snapshotsFault(err error) bool {
+	if errors.Is(err, vm.ErrConnectionLost) || errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) && !errors.Is(err, errCloneSilent) {
+		return false // the stream or libvirt's connection, not the file
+	}
 	return errors.Is(err, vm.ErrSaveImage) || errors.Is(err, vm.ErrRestore) || errors.Is(err, errCloneSilent)
 }
 
@@ -319,6 +330,9 @@ func (p *provision) restore(ctx context.Context, spec vm.Spec, snap vm.Snapshot)
 	restored := time.Since(t0)
 	lctx, cancel := context.WithTimeout(ctx, snapshotLeaseWait)
 	_, err = p.eng.WaitAddress(lctx, p.req.Name, mach.MAC, vm.SourceLease)
+	// The guest's own silence only when the wait had its whole time (a
+	// restore that took most of its bound is the host's slowness).
+	silent := ctx.Err() == nil
 	cancel()
 	if err != nil {
 		if t := tail(p.consoleLog, 25); len(t) > 0 {
@@ -326,10 +340,14 @@ func (p *provision) restore(ctx context.Context, spec vm.Spec, snap vm.Snapshot)
 		}
 		rctx, rcancel := detachctx.WithTimeout(ctx, p.m.Cfg.Timeouts.Cleanup.D())
 		defer rcancel()
-		if rerr := p.remove(rctx); rerr != nil {
-			return errors.Join(fmt.Errorf("%w within %s: %w", errCloneSilent, snapshotLeaseWait, err), rerr)
+		why := fmt.Errorf("the restored guest took no address within %s: %w", snapshotLeaseWait, err)
+		if silent {
+			why = fmt.Errorf("%w within %s: %w", errCloneSilent, snapshotLeaseWait, err)
 		}
-		return fmt.Errorf("%w within %s: %w", errCloneSilent, snapshotLeaseWait, err)
+		if rerr := p.remove(rctx); rerr != nil {
+			return errors.Join(why, rerr)
+		}
+		return why
 	}
 	p.mac = mach.MAC
 	p.timings.Started = time.Now()

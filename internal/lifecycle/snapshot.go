@@ -142,8 +142,9 @@ func Support(img *config.Image) error {
 }
 
 // Build makes a fresh snapshot of img and records it as the image's, in
-// place of the one it had (whose template goes once no clone's disk is
-// over its frozen one; else a later sweep removes it). The template boots
+// place of the one it had (whose template the sweep removes once it is
+// no longer needed: judgeTemplate). Only the replaced template gets the
+// grace: one replaced twice within replacedGrace may go at once. The template boots
 // at the image's default size with no network interface and no secret,
 // and is saved when its guest says it waits for its credentials disk
 // (within timeouts.boot). It is admitted as a machine while it boots
@@ -162,7 +163,7 @@ func (s Snapshots) Build(ctx context.Context, img *config.Image) (*state.Snapsho
 		return nil, err
 	}
 	// One build per image at a time ('_': no machine name starts so).
-	unlockImage, err := m.Store.Lock(ctx, "_snapshot-"+img.Name)
+	unlockImage, err := m.Store.Lock(ctx, "_snapbuild-"+img.Name)
 	if err != nil {
 		return nil, err
 	}

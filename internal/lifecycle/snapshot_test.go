@@ -3,6 +3,7 @@ package lifecycle
 import (
 	"bytes"
 	"context"
+	"fmt"
 	"os"
 	"path/filepath"
 	"strings"
@@ -370,4 +371,17 @@ func TestSnapshotFailuresInARow(t *testing.T) {
 	g.CloneSilent = false
 	require.Equal(t, StartSnapshot, start())
 	require.Equal(t, 0, failures(), "a good start clears the count")
+}
+
+// Which failures count against a snapshot: the file's, libvirt's refusal
+// and a silent clone; not a lost connection or a cancelled job.
+func TestSnapshotsFault(t *testing.T) {
+	require.True(t, snapshotsFault(fmt.Errorf("x: %w", vm.ErrSaveImage)))
+	require.True(t, snapshotsFault(fmt.Errorf("x: %w: y", vm.ErrRestore)))
+	require.True(t, snapshotsFault(fmt.Errorf("%w within 30s: %w", errCloneSilent, context.DeadlineExceeded)))
+	require.False(t, snapshotsFault(fmt.Errorf("%w: header: %w", vm.ErrSaveImage, fmt.Errorf("stream: %w", vm.ErrConnectionLost))),
+		"a stream cut by a lost connection is not the file's fault")
+	require.False(t, snapshotsFault(fmt.Errorf("restore: %w", context.DeadlineExceeded)))
+	require.False(t, snapshotsFault(fmt.Errorf("restore: %w", context.Canceled)))
+	require.False(t, snapshotsFault(errString("attach the network interface: no")))
 }

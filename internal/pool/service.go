@@ -321,7 +321,21 @@ func (s *Service) keepSnapshots(ctx context.Context, now time.Time) {
 		if rec != nil {
 			continue
 		}
-		s.snapshot(ctx, img, why)
+		failed := false
+		if old, err := s.M.Manager().Store.SnapshotOf(name); err == nil && old != nil && old.Failures >= state.MaxSnapshotFailures {
+			// Remade because its restores failed: a cause that lasts (a
+			// libvirt that cannot restore from a pipe, a guest that never
+			// reseeds) would otherwise cost a template boot every few
+			// jobs; each such rebuild waits longer (1 min doubling to 1 h).
+			failed = true
+			s.mu.Lock()
+			fb := s.backoff[snapshotKey(name)+" failed"]
+			s.mu.Unlock()
+			if now.Before(fb.until) {
+				continue
+			}
+		}
+		s.snapshot(ctx, img, why, failed)
 	}
 }
 
@@ -334,7 +348,7 @@ func snapshotKey(image string) string { return "\x00snapshot " + image }
 
 // snapshot makes img's memory snapshot in the background (why: what is
 // wrong with the one it has).
-func (s *Service) snapshot(ctx context.Context, img *config.Image, why string) {
+func (s *Service) snapshot(ctx context.Context, img *config.Image, why string, afterFailures bool) {
 	bctx, cancel := context.WithCancel(ctx)
 	s.mu.Lock()
 	s.snapping[img.Name] = true
@@ -378,6 +392,17 @@ func (s *Service) snapshot(ctx context.Context, img *config.Image, why string) {
 			return
 		}
 		delete(s.backoff, key)
+		if afterFailures {
+			// Kept apart, and not cleared by a good build: the next
+			// rebuild for failed restores waits longer.
+			fk := key + " failed"
+			fb := s.backoff[fk]
+			fb.failures++
+			wait := min(time.Minute<<min(fb.failures-1, 6), time.Hour)
+			fb.until = time.Now().Add(wait)
+			s.backoff[fk] = fb
+			s.Log.Warn("memory snapshot made again after its restores failed; the next such rebuild waits", "image", img.Name, "template", rec.Template, "wait", wait.String())
+		}
 		s.Log.Info("memory snapshot made", "image", img.Name, "template", rec.Template, "took", vm.Round(time.Since(t0)).String())
 	}()
 }

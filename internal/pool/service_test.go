@@ -806,5 +806,25 @@ func TestTickKeepsSnapshots(t *testing.T) {
 	require.NotEqual(t, rec.Template, rec2.Template)
 	require.Equal(t, rec.Template, rec2.Previous, "the old template is the sweep's, after a grace")
 	require.Empty(t, e.domains(), "a saved template is undefined")
+
+	// Its restores fail: it is made again once, then such rebuilds wait.
+	fail := func() {
+		for range state.MaxSnapshotFailures {
+			require.NoError(t, e.m.Manager().Store.NoteSnapshotRestore(context.Background(), "tiny", rec2.Template, true))
+		}
+	}
+	fail()
+	e.s.snapsLooked = time.Time{}
+	e.tick()
+	rec3, why := snaps.Current(context.Background(), e.img)
+	require.NotNil(t, rec3, why)
+	require.NotEqual(t, rec2.Template, rec3.Template)
+	require.Contains(t, e.log.String(), "made again after its restores failed")
+	rec2 = rec3
+	fail()
+	e.s.snapsLooked = time.Time{}
+	e.tick()
+	_, why = snaps.Current(context.Background(), e.img)
+	require.Contains(t, why, "restores failed", "the next rebuild for failures waits")
 	require.NotContains(t, e.log.String(), "level=ERROR")
 }

@@ -86,7 +86,7 @@ func (s Store) lockSnapshot(ctx context.Context, image string) (func(), error) {
 	if !snapshotImage.MatchString(image) {
 		return nil, fmt.Errorf("snapshot record of image %q: not an image name (letters, digits, '.', '_', '-', 1-64)", image)
 	}
-	return s.Lock(ctx, "_snapshot-record-"+image)
+	return s.Lock(ctx, "_snaprec-"+image)
 }
 
 func (s Store) putSnapshot(sn Snapshot) error {

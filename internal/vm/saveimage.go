@@ -59,7 +59,7 @@ type SaveHead struct {
 func ReadSaveHead(r io.Reader) (*SaveHead, error) {
 	var h SaveHead
 	if _, err := io.ReadFull(r, h.header[:]); err != nil {
-		return nil, fmt.Errorf("%w: header: %v", ErrSaveImage, err)
+		return nil, fmt.Errorf("%w: header: %w", ErrSaveImage, err)
 	}
 	switch string(h.header[:16]) {
 	case saveMagic:
@@ -85,7 +85,7 @@ func ReadSaveHead(r io.Reader) (*SaveHead, error) {
 	}
 	data := make([]byte, dataLen)
 	if _, err := io.ReadFull(r, data); err != nil {
-		return nil, fmt.Errorf("%w: XML block: %v", ErrSaveImage, err)
+		return nil, fmt.Errorf("%w: XML block: %w", ErrSaveImage, err)
 	}
 	xmlPart := data
 	if cookieOff != 0 {

@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"os"
+	"path/filepath"
 	"regexp"
 	"strconv"
 	"strings"
@@ -48,8 +49,11 @@ func (r *rig) makeSnapshot(t *testing.T, image string) *state.Snapshot {
 	t.Cleanup(func() {
 		out, err := r.admin("image", "snapshot", "--remove", image).CombinedOutput()
 		require.NoError(t, err, "%s", out)
-		_, err = r.conn.LookupDomainByName(rec.Template)
-		require.Error(t, err, "the removed snapshot's template is gone")
+		_, err = os.Stat(filepath.Join(r.cfg.StateDir, "machines", rec.Template))
+		require.True(t, os.IsNotExist(err), "the removed snapshot's template has no state left: %v", err)
+		for _, v := range r.poolVolumes(t) {
+			require.False(t, strings.HasPrefix(v, rec.Template), "the removed snapshot's volume %s is gone", v)
+		}
 	})
 	return rec
 }
@@ -80,7 +84,7 @@ var (
 // snapshots; two tiny jobs at once start from it (the job log says so),
 // each on its own address with its own pinned host key and its own random
 // state, and a Debian job starts from Debian's; then, with the tiny save
-// file cut short, a job falls back to a cold boot and its log says why;
+// file's head corrupt, a job falls back to a cold boot and its log says why;
 // and nothing is left once the snapshots are removed.
 func TestSnapshotRealRunnerJobs(t *testing.T) {
 	rr := newRealRunner(t)
@@ -136,15 +140,24 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	require.Regexp(t, `Machine ready in [0-9.]+m?s \(snapshot\)`, res[0].Trace)
 	t.Logf("debian job: %s; %s", firstLine(res[0].Trace, "Restored "), firstLine(res[0].Trace, "Machine ready in"))
 
-	// A save file cut short: the job boots cold, and its log says why.
+	// A corrupt save file of the same size (its head overwritten): the
+	// restore refuses it, what it made is removed, the job boots cold, and
+	// its log says why; the failure counts against the snapshot.
 	path := rr.r.saveVolumePath(t, rec.Template)
-	require.NoError(t, os.Truncate(path, 4096))
-	res = rr.runJobs(t, jobapi.Job{Name: "snap-cut", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: []string{"echo COLD-OK"}})
+	f, err := os.OpenFile(path, os.O_WRONLY, 0)
+	require.NoError(t, err)
+	_, err = f.WriteAt([]byte("NotASaveFileHead"), 0)
+	require.NoError(t, err)
+	require.NoError(t, f.Close())
+	res = rr.runJobs(t, jobapi.Job{Name: "snap-corrupt", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: []string{"echo COLD-OK"}})
 	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
 	require.Contains(t, res[0].Trace, "COLD-OK")
-	require.Regexp(t, `Memory snapshot of image tiny not used: .*; booting cold`, res[0].Trace)
+	require.Regexp(t, `Memory snapshot of image tiny not used: .*not a libvirt save file.*; booting cold`, res[0].Trace)
 	require.NotContains(t, res[0].Trace, "(snapshot)")
-	t.Logf("cut save file: %s", firstLine(res[0].Trace, "Memory snapshot of image tiny not used"))
+	after, err := state.Store{Dir: rr.r.cfg.StateDir}.SnapshotOf("tiny")
+	require.NoError(t, err)
+	require.Equal(t, 1, after.Failures, "the refused restore counts against the snapshot")
+	t.Logf("corrupt save file: %s", firstLine(res[0].Trace, "Memory snapshot of image tiny not used"))
 }
 
 // requireHostClock: the job's guest printed its clock ("CLOCK SECONDS"),
