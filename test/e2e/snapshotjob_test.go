@@ -8,6 +8,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -38,15 +39,36 @@ func (r *rig) withSnapshot(t *testing.T, images ...string) *rig {
 // and checks that its template is gone.
 func (r *rig) makeSnapshot(t *testing.T, image string) *state.Snapshot {
 	t.Helper()
+	return r.startSnapshot(t, image)()
+}
+
+// startSnapshot runs `libvirt-executor image snapshot IMAGE` in the
+// background; wait returns the image's record once it is made. The
+// test's cleanup (registered now, so that it runs whenever the test ends)
+// waits for the command, removes the snapshot and checks that nothing of
+// its template is left.
+func (r *rig) startSnapshot(t *testing.T, image string) (wait func() *state.Snapshot) {
+	t.Helper()
+	type made struct {
+		out []byte
+		err error
+		in  time.Duration
+	}
+	done := make(chan made, 1)
 	t0 := time.Now()
-	out, err := r.admin("image", "snapshot", image).CombinedOutput()
-	require.NoError(t, err, "%s", out)
-	t.Logf("image snapshot %s in %s: %s", image, time.Since(t0).Round(time.Millisecond), strings.TrimSpace(string(out)))
-	rec, err := state.Store{Dir: r.cfg.StateDir}.SnapshotOf(image)
-	require.NoError(t, err)
-	require.NotNil(t, rec)
-	require.True(t, rec.Ready())
+	go func() {
+		out, err := r.admin("image", "snapshot", image).CombinedOutput()
+		done <- made{out, err, time.Since(t0)}
+	}()
+	var once sync.Once
+	var res made
+	get := func() made { once.Do(func() { res = <-done }); return res }
 	t.Cleanup(func() {
+		get()
+		rec, _ := state.Store{Dir: r.cfg.StateDir}.SnapshotOf(image)
+		if rec == nil {
+			return // none made: nothing to remove
+		}
 		out, err := r.admin("image", "snapshot", "--remove", image).CombinedOutput()
 		require.NoError(t, err, "%s", out)
 		_, err = os.Stat(filepath.Join(r.cfg.StateDir, "machines", rec.Template))
@@ -55,7 +77,17 @@ func (r *rig) makeSnapshot(t *testing.T, image string) *state.Snapshot {
 			require.False(t, strings.HasPrefix(v, rec.Template), "the removed snapshot's volume %s is gone", v)
 		}
 	})
-	return rec
+	return func() *state.Snapshot {
+		t.Helper()
+		m := get()
+		require.NoError(t, m.err, "%s", m.out)
+		t.Logf("image snapshot %s in %s: %s", image, m.in.Round(time.Millisecond), strings.TrimSpace(string(m.out)))
+		rec, err := state.Store{Dir: r.cfg.StateDir}.SnapshotOf(image)
+		require.NoError(t, err)
+		require.NotNil(t, rec)
+		require.True(t, rec.Ready())
+		return rec
+	}
 }
 
 // saveVolumePath is the path of a template's save volume.
@@ -91,7 +123,8 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	rs := rr.r.withSnapshot(t, "tiny", "debian")
 	rr.cfgPath = rs.cfgPath
 	rec := rs.makeSnapshot(t, "tiny")
-	rs.makeSnapshot(t, "debian")
+	// Debian's template boots while the tiny jobs run.
+	debianMade := rs.startSnapshot(t, "debian")
 	require.True(t, strings.HasPrefix(rec.Template, lifecycle.MachinePrefix(rs.cfg.NamePrefix, rr.r.controller(t))), rec.Template)
 
 	script := []string{
@@ -121,25 +154,6 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	require.Len(t, keys, 2, "no two clones share a host key")
 	require.Len(t, randoms, 2, "no two clones share their random state")
 
-	// Debian (systemd) from its snapshot: the kernel's random generator
-	// reseeded from the host's entropy (the cloud kernel has no vmgenid
-	// driver; the guest reseeds itself, docs/pool.md).
-	res = rr.runJobs(t, jobapi.Job{Name: "snap-debian", GitURL: rr.repo, SHA: rr.sha, Image: "debian",
-		Script: []string{"test -f README.md && echo CLONED", "if dmesg | grep -q 'lve: crng reseeded'; then echo RESEEDED; fi",
-			`echo "CLOCK $(date +%s)"`,
-			// The wait ran (the kernel option's condition held), and its
-			// ordering before networkd, the keys, the tools disk and sshd
-			// made no cycle systemd had to break.
-			`echo "WAIT $(systemctl is-active libvirt-executor-snapshot.service) CYCLES $(journalctl -b -q --no-pager | grep -ci 'ordering cycle')"`}})
-	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
-	require.Contains(t, res[0].Trace, "CLONED")
-	require.Regexp(t, `(?m)^RESEEDED`, res[0].Trace, "the clone's random generator was reseeded")
-	require.Regexp(t, `(?m)^WAIT active CYCLES 0`, res[0].Trace)
-	requireHostClock(t, res[0].Trace)
-	require.Contains(t, res[0].Trace, "from the memory snapshot of image debian")
-	require.Regexp(t, `Machine ready in [0-9.]+m?s \(snapshot\)`, res[0].Trace)
-	t.Logf("debian job: %s; %s", firstLine(res[0].Trace, "Restored "), firstLine(res[0].Trace, "Machine ready in"))
-
 	// A corrupt save file of the same size (its head overwritten): the
 	// restore refuses it, what it made is removed, the job boots cold, and
 	// its log says why; the failure counts against the snapshot.
@@ -149,15 +163,40 @@ func TestSnapshotRealRunnerJobs(t *testing.T) {
 	_, err = f.WriteAt([]byte("NotASaveFileHead"), 0)
 	require.NoError(t, err)
 	require.NoError(t, f.Close())
-	res = rr.runJobs(t, jobapi.Job{Name: "snap-corrupt", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: []string{"echo COLD-OK"}})
-	require.Equal(t, jobapi.StateSuccess, res[0].State, res[0].Trace)
-	require.Contains(t, res[0].Trace, "COLD-OK")
-	require.Regexp(t, `Memory snapshot of image tiny not used: .*not a libvirt save file.*; booting cold`, res[0].Trace)
-	require.NotContains(t, res[0].Trace, "(snapshot)")
+	debianMade()
+
+	// At the same time: Debian (systemd) from its snapshot, its kernel's
+	// random generator reseeded from the host's entropy (the cloud kernel
+	// has no vmgenid driver; the guest reseeds itself, docs/pool.md), and
+	// the tiny job on the corrupt save file.
+	res = rr.runJobsAtOnce(t,
+		jobapi.Job{Name: "snap-debian", GitURL: rr.repo, SHA: rr.sha, Image: "debian",
+			Script: []string{"test -f README.md && echo CLONED", "if dmesg | grep -q 'lve: crng reseeded'; then echo RESEEDED; fi",
+				`echo "CLOCK $(date +%s)"`,
+				// The wait ran (the kernel option's condition held), and its
+				// ordering before networkd, the keys, the tools disk and sshd
+				// made no cycle systemd had to break.
+				`echo "WAIT $(systemctl is-active libvirt-executor-snapshot.service) CYCLES $(journalctl -b -q --no-pager | grep -ci 'ordering cycle')"`}},
+		jobapi.Job{Name: "snap-corrupt", GitURL: rr.repo, SHA: rr.sha, Image: "tiny", Script: []string{"echo COLD-OK"}},
+	)
+	deb, cold := res[0], res[1]
+	require.Equal(t, jobapi.StateSuccess, deb.State, deb.Trace)
+	require.Contains(t, deb.Trace, "CLONED")
+	require.Regexp(t, `(?m)^RESEEDED`, deb.Trace, "the clone's random generator was reseeded")
+	require.Regexp(t, `(?m)^WAIT active CYCLES 0`, deb.Trace)
+	requireHostClock(t, deb.Trace)
+	require.Contains(t, deb.Trace, "from the memory snapshot of image debian")
+	require.Regexp(t, `Machine ready in [0-9.]+m?s \(snapshot\)`, deb.Trace)
+	t.Logf("debian job: %s; %s", firstLine(deb.Trace, "Restored "), firstLine(deb.Trace, "Machine ready in"))
+
+	require.Equal(t, jobapi.StateSuccess, cold.State, cold.Trace)
+	require.Contains(t, cold.Trace, "COLD-OK")
+	require.Regexp(t, `Memory snapshot of image tiny not used: .*not a libvirt save file.*; booting cold`, cold.Trace)
+	require.NotContains(t, cold.Trace, "(snapshot)")
 	after, err := state.Store{Dir: rr.r.cfg.StateDir}.SnapshotOf("tiny")
 	require.NoError(t, err)
 	require.Equal(t, 1, after.Failures, "the refused restore counts against the snapshot")
-	t.Logf("corrupt save file: %s", firstLine(res[0].Trace, "Memory snapshot of image tiny not used"))
+	t.Logf("corrupt save file: %s", firstLine(cold.Trace, "Memory snapshot of image tiny not used"))
 }
 
 // requireHostClock: the job's guest printed its clock ("CLOCK SECONDS"),
