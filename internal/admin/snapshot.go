@@ -21,8 +21,13 @@ func ImageSnapshot(ctx context.Context, w io.Writer, m *jobvm.Host, name string,
 	if remove {
 		// Also for an image no longer configured: its snapshot still
 		// holds disk.
-		if err := snaps.Remove(ctx, name); err != nil {
+		kept, err := snaps.Remove(ctx, name)
+		if err != nil {
 			return err
+		}
+		if kept != "" {
+			fmt.Fprintf(w, "memory snapshot of image %s removed: no job starts from it; its template stays until a sweep can remove it (%s; libvirt-executor gc)\n", name, kept)
+			return nil
 		}
 		fmt.Fprintf(w, "memory snapshot of image %s removed\n", name)
 		return nil

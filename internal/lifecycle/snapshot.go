@@ -315,42 +315,44 @@ func (s Snapshots) checkSave(ctx context.Context, name, diskPath string) (uint64
 // Remove removes the image's snapshot: its record, then its template
 // (unless a clone's disk is still over its frozen one: then a later sweep
 // does).
-func (s Snapshots) Remove(ctx context.Context, image string) error {
+func (s Snapshots) Remove(ctx context.Context, image string) (kept string, err error) {
 	m := s.m
 	rec, err := m.Store.SnapshotOf(image)
 	if err != nil {
-		return err
+		return "", err
 	}
 	if rec == nil {
-		return fmt.Errorf("image %s has no memory snapshot (libvirt-executor image snapshots lists them)", image)
+		return "", fmt.Errorf("image %s has no memory snapshot (libvirt-executor image snapshots lists them)", image)
 	}
 	if err := m.Store.ForgetSnapshot(ctx, image, rec.Template); err != nil {
-		return err
+		return "", err
 	}
-	s.retire(ctx, rec.Template)
-	return nil
+	return s.retire(ctx, rec.Template), nil
 }
 
 // List returns every snapshot record.
 func (s Snapshots) List() ([]state.Snapshot, error) { return s.m.Store.Snapshots() }
 
 // retire removes a template no record names any more, unless a clone's
-// disk is over its frozen one (a sweep removes it once none is).
-func (s Snapshots) retire(ctx context.Context, name string) {
+// disk is over its frozen one (a sweep removes it once none is); it says
+// why it kept it ("" when it removed it).
+func (s Snapshots) retire(ctx context.Context, name string) (kept string) {
 	m := s.m
-	if inUse, err := s.frozenInUse(ctx, name); err != nil || inUse {
-		return
+	if inUse, err := s.frozenInUse(ctx, name); err != nil {
+		return err.Error()
+	} else if inUse {
+		return "a clone's disk is still over its disk (a clone that runs, or one its reaper is removing)"
 	}
 	unlock, err := m.Store.TryLock(name)
 	if err != nil {
-		return
+		return err.Error()
 	}
 	defer unlock()
 	if err := m.teardown(ctx, name); err != nil {
-		m.say("Removing the old snapshot template %s failed: %v (a sweep tries again)", name, err)
-		return
+		return err.Error()
 	}
 	m.Store.RemoveLock(name)
+	return ""
 }
 
 // frozenInUse reports whether a volume of the pool is over the template's
