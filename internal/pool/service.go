@@ -349,29 +349,10 @@ func snapshotKey(image string) string { return "\x00snapshot " + image }
 // snapshot makes img's memory snapshot in the background (why: what is
 // wrong with the one it has).
 func (s *Service) snapshot(ctx context.Context, img *config.Image, why string, afterFailures bool) {
-	bctx, cancel := context.WithCancel(ctx)
 	s.mu.Lock()
 	s.snapping[img.Name] = true
-	s.bootID++
-	id := s.bootID
-	s.boots[id] = cancel
 	s.mu.Unlock()
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		defer func() {
-			s.mu.Lock()
-			delete(s.snapping, img.Name)
-			delete(s.boots, id)
-			s.mu.Unlock()
-			cancel()
-		}()
-		select {
-		case s.sem <- struct{}{}:
-		case <-bctx.Done():
-			return
-		}
-		defer func() { <-s.sem }()
+	s.background(ctx, func() { delete(s.snapping, img.Name) }, func(bctx context.Context) {
 		s.Log.Info("making the memory snapshot", "image", img.Name, "why", why)
 		t0 := time.Now()
 		rec, err := lifecycle.SnapshotsOf(s.M.Manager()).Build(bctx, img)
@@ -404,7 +385,7 @@ func (s *Service) snapshot(ctx context.Context, img *config.Image, why string, a
 			s.Log.Warn("memory snapshot made again after its restores failed; the next such rebuild waits", "image", img.Name, "template", rec.Template, "wait", wait.String())
 		}
 		s.Log.Info("memory snapshot made", "image", img.Name, "template", rec.Template, "took", vm.Round(time.Since(t0)).String())
-	}()
+	})
 }
 
 // baseOf caches one look at an image's base file per tick.
@@ -527,29 +508,10 @@ func (s *Service) forget(seen map[string]bool, now time.Time) {
 // boot starts one boot for img's pool in the background, at most
 // serve.boot_parallelism at once.
 func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int) {
-	bctx, cancel := context.WithCancel(ctx)
 	s.mu.Lock()
 	s.booting[img.Name]++
-	s.bootID++
-	id := s.bootID
-	s.boots[id] = cancel
 	s.mu.Unlock()
-	s.wg.Add(1)
-	go func() {
-		defer s.wg.Done()
-		defer func() {
-			s.mu.Lock()
-			s.booting[img.Name]--
-			delete(s.boots, id)
-			s.mu.Unlock()
-			cancel()
-		}()
-		select {
-		case s.sem <- struct{}{}:
-		case <-bctx.Done():
-			return
-		}
-		defer func() { <-s.sem }()
+	s.background(ctx, func() { s.booting[img.Name]-- }, func(bctx context.Context) {
 		if s.M.Manager().Capacity().UnderPressure() {
 			return // a job began to wait for room meanwhile
 		}
@@ -582,6 +544,37 @@ func (s *Service) boot(ctx context.Context, img *config.Image, idle, target int)
 		_ = ready.Client.Close()
 		delete(s.backoff, img.Name)
 		s.Log.Info("standby VM ready", "vm", ready.Machine.Name, "image", img.Name, "took", vm.Round(time.Since(t0)).String())
+	})
+}
+
+// background runs work in its own goroutine, at most
+// serve.boot_parallelism at once (boots and snapshot builds together),
+// cancelled by cancelBoots and waited for by the service's end; ended
+// runs under s.mu when it is over, whether work ran or not.
+func (s *Service) background(ctx context.Context, ended func(), work func(ctx context.Context)) {
+	bctx, cancel := context.WithCancel(ctx)
+	s.mu.Lock()
+	s.bootID++
+	id := s.bootID
+	s.boots[id] = cancel
+	s.mu.Unlock()
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer func() {
+			s.mu.Lock()
+			ended()
+			delete(s.boots, id)
+			s.mu.Unlock()
+			cancel()
+		}()
+		select {
+		case s.sem <- struct{}{}:
+		case <-bctx.Done():
+			return
+		}
+		defer func() { <-s.sem }()
+		work(bctx)
 	}()
 }
 
