@@ -49,6 +49,34 @@ snapshot = true
 	return m, img, s
 }
 
+// snapEnv is a snapshotManager over a fake hypervisor and guest whose tiny
+// image's snapshot is made (rec).
+type snapEnv struct {
+	hv  *vmtest.Fake
+	g   *fakeGuest
+	m   *Manager
+	img *config.Image
+	say *lifecycletest.Sayings
+	rec *state.Snapshot
+}
+
+func newSnapEnv(t *testing.T) *snapEnv {
+	t.Helper()
+	hv := vmtest.New()
+	g := newGuest(t, hv)
+	m, img, say := snapshotManager(t, hv, g)
+	rec, err := SnapshotsOf(m).Build(context.Background(), img)
+	require.NoError(t, err)
+	return &snapEnv{hv: hv, g: g, m: m, img: img, say: say, rec: rec}
+}
+
+// shortLeaseWait makes a restored clone's lease wait short for the test.
+func shortLeaseWait(t *testing.T) {
+	old := snapshotLeaseWait
+	snapshotLeaseWait = 300 * time.Millisecond
+	t.Cleanup(func() { snapshotLeaseWait = old })
+}
+
 func domainXML(t *testing.T, hv *vmtest.Fake, name string) *libvirtxml.Domain {
 	t.Helper()
 	hv.Lock()
@@ -186,16 +214,11 @@ func TestSnapshotFallsBackToColdBoot(t *testing.T) {
 		}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			old := snapshotLeaseWait
-			snapshotLeaseWait = 300 * time.Millisecond
-			defer func() { snapshotLeaseWait = old }()
-			hv := vmtest.New()
-			g := newGuest(t, hv)
-			m, img, say := snapshotManager(t, hv, g)
+			shortLeaseWait(t)
+			e := newSnapEnv(t)
+			hv, m, img, say := e.hv, e.m, e.img, e.say
 			ctx := context.Background()
-			rec, err := SnapshotsOf(m).Build(ctx, img)
-			require.NoError(t, err)
-			tc.spoil(hv, g, rec)
+			tc.spoil(hv, e.g, e.rec)
 			ready, err := m.Provision(ctx, testRequest(img))
 			require.NoError(t, err)
 			_ = ready.Client.Close()
@@ -220,12 +243,9 @@ func (e errString) Error() string { return string(e) }
 // A snapshot made from other inputs (here: another memory size) is not
 // used; the job boots cold and its log says the snapshot is stale.
 func TestSnapshotStaleNotUsed(t *testing.T) {
-	hv := vmtest.New()
-	g := newGuest(t, hv)
-	m, img, _ := snapshotManager(t, hv, g)
+	e := newSnapEnv(t)
+	hv, g, m := e.hv, e.g, e.m
 	ctx := context.Background()
-	_, err := SnapshotsOf(m).Build(ctx, img)
-	require.NoError(t, err)
 	m2, img2, say := snapshotManager(t, hv, g)
 	m2.Cfg.StateDir, m2.Store = m.Cfg.StateDir, m.Store
 	m2.Cfg.Defaults.DiskGiB++ // the image's size: another snapshot's
@@ -280,12 +300,9 @@ snapshot = true
 // A template no record names (its build was killed after the save, or
 // its record was lost) is removed by the sweep; one a record names is kept.
 func TestSweepRemovesUnrecordedTemplate(t *testing.T) {
-	hv := vmtest.New()
-	g := newGuest(t, hv)
-	m, img, _ := snapshotManager(t, hv, g)
+	e := newSnapEnv(t)
+	hv, m, img, rec := e.hv, e.m, e.img, e.rec
 	ctx := context.Background()
-	rec, err := SnapshotsOf(m).Build(ctx, img)
-	require.NoError(t, err)
 	rep, err := m.Sweep(ctx, time.Now(), false)
 	require.NoError(t, err)
 	require.Empty(t, rep.Removed, "the recorded template stays")
@@ -324,12 +341,9 @@ func TestSweepRemovesUnrecordedTemplate(t *testing.T) {
 // A snapshot whose restores libvirt refuses MaxSnapshotFailures times in a
 // row is no longer used; jobs boot cold meanwhile.
 func TestSnapshotNotUsedAfterFailedRestores(t *testing.T) {
-	hv := vmtest.New()
-	g := newGuest(t, hv)
-	m, img, say := snapshotManager(t, hv, g)
+	e := newSnapEnv(t)
+	hv, m, img, say := e.hv, e.m, e.img, e.say
 	ctx := context.Background()
-	_, err := SnapshotsOf(m).Build(ctx, img)
-	require.NoError(t, err)
 	hv.FailOn["RestoreStream"] = errString("refused by the test")
 	for range state.MaxSnapshotFailures {
 		ready, err := m.Provision(ctx, testRequest(img))
@@ -346,15 +360,10 @@ func TestSnapshotNotUsedAfterFailedRestores(t *testing.T) {
 // Failures in a row: a machine that becomes ready from the snapshot clears
 // the count; a clone that does not go on adds to it.
 func TestSnapshotFailuresInARow(t *testing.T) {
-	old := snapshotLeaseWait
-	snapshotLeaseWait = 300 * time.Millisecond
-	defer func() { snapshotLeaseWait = old }()
-	hv := vmtest.New()
-	g := newGuest(t, hv)
-	m, img, _ := snapshotManager(t, hv, g)
+	shortLeaseWait(t)
+	e := newSnapEnv(t)
+	g, m, img := e.g, e.m, e.img
 	ctx := context.Background()
-	_, err := SnapshotsOf(m).Build(ctx, img)
-	require.NoError(t, err)
 	start := func() string {
 		ready, err := m.Provision(ctx, testRequest(img))
 		require.NoError(t, err)
