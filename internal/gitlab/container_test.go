@@ -35,14 +35,28 @@ exit 125
 // after_script) go to its container through podman exec with the script
 // on stdin, its status kept as the build failure's; the runner's own
 // stages (get_sources here) run on the VM's OS.
+//
+// The job's mapping names the container (prepare's Acquire); a job an
+// earlier version prepared has it in its machine's record (an upgrade
+// between its stages): both are found.
 func TestRunContainerJobStageRouting(t *testing.T) {
+	for _, where := range []string{"mapping", "machine record"} {
+		t.Run(where, func(t *testing.T) { testContainerStageRouting(t, where) })
+	}
+}
+
+func testContainerStageRouting(t *testing.T, where string) {
 	j := preparedJob(t)
 	log := fakePodman(t)
 	store := state.Store{Dir: j.cfg.StateDir}
-	rec, err := store.Record(j.name)
-	require.NoError(t, err)
-	rec.Container = "lve-job-1000-build"
-	require.NoError(t, store.Save(*rec))
+	if where == "mapping" {
+		require.NoError(t, store.MapJob(j.name, state.JobMachine{Machine: j.name, At: time.Now(), Container: "lve-job-1000-build"}))
+	} else {
+		rec, err := store.Record(j.name)
+		require.NoError(t, err)
+		rec.Container = "lve-job-1000-build"
+		require.NoError(t, store.Save(*rec))
+	}
 
 	stage := func(name string, cmds ...string) error {
 		path := filepath.Join(t.TempDir(), "script.")
@@ -65,7 +79,7 @@ func TestRunContainerJobStageRouting(t *testing.T) {
 	require.True(t, strings.HasPrefix(calls, "exec --interactive lve-job-1000-build sh -c "), calls)
 	require.NotContains(t, calls, "in-the-container", "the script is never on argv")
 
-	err = stage("after_script", "exit 7")
+	err := stage("after_script", "exit 7")
 	code, ok := exitcodes.ScriptCode(err)
 	require.True(t, ok, "%v", err)
 	require.Equal(t, 7, code)

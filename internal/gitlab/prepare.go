@@ -51,14 +51,12 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 	if keepRequested(e.Getenv) && !cfg.Debug.AllowKeepOnFailure {
 		say("Note: %s is set, but this runner does not keep VMs of failed jobs (debug.allow_keep_on_failure = false)", VarKeep)
 	}
-	if err := jobvm.EnsureImage(ctx, cfg, img, e.Pull, e.Refresh, say, j.log); err != nil {
-		return exitcodes.System(err)
-	}
 	if err := j.jobs.Dial(ctx); err != nil {
 		return err
 	}
 	// The image as it is before the clone: what the tool check finds is
-	// remembered for this version of it.
+	// remembered for this version of it (an image pulled by this prepare
+	// has none yet: its version is taken once it is on the host).
 	version := imageVersion(img)
 	if tools, exact := j.jobs.ToolsNow(); j.job.Steps && exact {
 		if err := knownStepRunnerMissing(j.jobs.Memory(), img, version, tools); err != nil {
@@ -66,12 +64,22 @@ func Prepare(ctx context.Context, e Env, cfg *config.Config) error {
 			return err
 		}
 	}
-	// Acquire first records the name the later stages find the machine
-	// by, whatever version runs them (an upgrade in the middle of the job).
+	var container string
+	if plan != nil && plan.Job != nil {
+		container = plan.Job.Name
+	}
+	// Acquire first makes sure the image is on this host (a job on an
+	// image not pulled yet pulls it), then records the name the later
+	// stages find the machine by, whatever version runs them (an upgrade
+	// in the middle of the job).
 	a, err := j.vm.Acquire(ctx, jobvm.AcquireRequest{
 		Request: jobvm.Request{Frontend: Frontend, Job: strconv.FormatInt(j.job.ID, 10), Image: img, Lifetime: j.job.Timeout},
-		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log,
+		Size:    res, Holder: cfg.SSH.HolderEnabled(), Log: j.log, Container: container,
+		Pull: e.Pull, Refresh: e.Refresh,
 		Check: func(ctx context.Context, g jobvm.Guest, tools *jobvm.Tools) error {
+			if version == nil {
+				version = imageVersion(img)
+			}
 			return checkGuestTools(ctx, g, say, j.jobs.Memory(), img, version.withTools(tools), tools, j.job.Steps)
 		},
 		Observe: jobvm.Observer{Step: e.Report.Step, Pool: e.Report.Pool, Machine: e.Report.Machine},

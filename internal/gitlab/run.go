@@ -39,10 +39,11 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	defer sess.Close()
 	var img *config.Image
 	var inContainer *jobvm.MachineRecord // a container job's stage for its container
+	var container string
 	if mach, rerr := j.vm.Record(); rerr == nil {
 		e.Report.Machine(jm.Name, mach.Image)
 		img = cfg.Images[mach.Image]
-		if mach.Container != "" && services.InContainer(stage) {
+		if container, _ = j.vm.Container(); container != "" && services.InContainer(stage) {
 			inContainer = mach
 		}
 		if cfg.Services.Enabled && services.InContainer(stage) && debugServices(e.Getenv) {
@@ -62,7 +63,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	}
 	var span time.Duration
 	if inContainer != nil {
-		err = runInContainer(ctx, e, sess, inContainer, script, &span)
+		err = runInContainer(ctx, e, sess, inContainer, container, script, &span)
 	} else if nativeSteps(cfg, j, stage) {
 		err = runNative(ctx, e, j, sess, &span)
 	} else {

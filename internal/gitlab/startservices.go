@@ -83,24 +83,20 @@ func startServices(ctx context.Context, vm *jobvm.Job, plan *services.Plan, o se
 		return err
 	}
 	started = len(st.Services)
-	if plan.Job != nil {
-		// The later stages run the job's scripts in it (runInContainer).
-		if err := vm.NoteContainer(plan.Job.Name); err != nil {
-			return exitcodes.System(err)
-		}
-	}
+	// A container job's later stages run its scripts in its container
+	// (runInContainer): the job's mapping names it since Acquire.
 	return nil
 }
 
 // runInContainer runs a container job's stage in its container
 // (services.RunStage) over the stage's session into the guest.
-func runInContainer(ctx context.Context, e Env, sess *jobvm.Session, mach *jobvm.MachineRecord, script []byte, span *time.Duration) error {
+func runInContainer(ctx context.Context, e Env, sess *jobvm.Session, mach *jobvm.MachineRecord, container string, script []byte, span *time.Duration) error {
 	_, c, err := sess.Client(ctx)
 	if err != nil {
 		return exitcodes.System(err)
 	}
 	t := time.Now()
-	err = services.RunStage(ctx, c, mach.Container, mach.User != "" && mach.User != "root", script, e.Stdout, e.Stderr)
+	err = services.RunStage(ctx, c, container, mach.User != "" && mach.User != "root", script, e.Stdout, e.Stderr)
 	*span = time.Since(t)
 	return err
 }

@@ -38,6 +38,18 @@ type JobRequest struct {
 	// Holder starts the job's connection holder (one SSH connection for
 	// all its stages) once the machine is the job's.
 	Holder bool
+	// Container is the container the job's scripts will run in (a
+	// container job's, started by the front end once the machine is the
+	// job's): the job's mapping names it for the later stages
+	// (JobMachine.Container).
+	Container string
+	// Pull and Refresh bring an image with a registry source to this host
+	// before anything of the job is made (Job.Acquire, ensureImage): a job
+	// on an image not pulled yet pulls it (nil Pull: such a job fails,
+	// naming the command that pulls it); Refresh starts a background pull
+	// when the registry was last asked a pull interval ago (nil: none).
+	Pull    PullFunc
+	Refresh func(image string) error
 	// Observe, if set, is told what the acquisition did, for the host's
 	// metrics and structured log.
 	Observe Observer
@@ -45,7 +57,8 @@ type JobRequest struct {
 	Log *slog.Logger
 }
 
-// Observer is told what an acquisition does; every field is optional.
+// Observer is told what an acquisition (or a release) does; every field
+// is optional.
 type Observer struct {
 	// Step is each step as it ends: its name, duration and error.
 	Step func(name string, took time.Duration, err error)
@@ -55,22 +68,19 @@ type Observer struct {
 	Machine func(name, image string)
 }
 
-func (o Observer) step(name string, took time.Duration, err error) {
-	if o.Step != nil {
-		o.Step(name, took, err)
+// filled is o with a no-op for each field not set: the acquisition and
+// the release call its fields without asking.
+func (o Observer) filled() Observer {
+	if o.Step == nil {
+		o.Step = func(string, time.Duration, error) {}
 	}
-}
-
-func (o Observer) pool(result, reason string) {
-	if o.Pool != nil {
-		o.Pool(result, reason)
+	if o.Pool == nil {
+		o.Pool = func(string, string) {}
 	}
-}
-
-func (o Observer) machine(name, image string) {
-	if o.Machine != nil {
-		o.Machine(name, image)
+	if o.Machine == nil {
+		o.Machine = func(string, string) {}
 	}
+	return o
 }
 
 // Guest runs a fixed command in the job's guest (sshexec.Client).
@@ -96,6 +106,7 @@ type Acquired struct {
 // the connection holder. The job log says which path it took and why. On
 // failure or cancellation nothing of the job is left.
 func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
+	req.Observe = req.Observe.filled()
 	if name, err := h.RemoveEarlierClaim(ctx, req.Name); err != nil {
 		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err)
 	} else if name != "" {
@@ -128,17 +139,18 @@ func (h *Host) acquireCold(ctx context.Context, req JobRequest) (*Acquired, erro
 		return nil, err
 	}
 	_ = ready.Client.Close()
-	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: req.Name, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: req.Name, At: time.Now().UTC(), Container: req.Container})
 	if err == nil && ctx.Err() != nil {
 		// Stopped just after the machine became ready: a cancelled prepare
 		// leaves nothing behind, whenever the signal came.
 		err = fmt.Errorf("stopped: %w", context.Cause(ctx))
 	}
 	if err != nil {
+		// The machine is the one this path made, under the job's name
+		// (an earlier attempt's claim is gone already: Acquire).
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Name)
-		return nil, errors.Join(err, terr)
+		return nil, errors.Join(err, h.m.Machine(req.Name).Teardown(tctx), h.m.Store.UnmapJob(req.Name))
 	}
 	if !h.startHolder(req, req.Name) && lreq.DeferFilterPin {
 		h.pinNow(ctx, req, ready.Machine.Address)
@@ -186,18 +198,18 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 	c, err := h.Claim(ctx, req)
 	var none *ErrNoStandby
 	if errors.As(err, &none) {
-		req.Observe.pool("miss", none.Code)
+		req.Observe.Pool("miss", none.Code)
 		h.m.Sayf("Cold start: %s", none.Why)
 		return nil, nil
 	}
-	req.Observe.step("claim", time.Since(t0), err)
+	req.Observe.Step("claim", time.Since(t0), err)
 	if err != nil {
-		req.Observe.pool("miss", MissError)
+		req.Observe.Pool("miss", MissError)
 		return nil, fmt.Errorf("claiming a standby VM: %w", err)
 	}
-	req.Observe.pool("hit", "")
+	req.Observe.Pool("hit", "")
 	mach := c.Machine
-	req.Observe.machine(mach.Name, img.Name)
+	req.Observe.Machine(mach.Name, img.Name)
 	h.m.Sayf("Warm start: VM %s (idle for %s, booted with its own fresh keys) claimed in %s", mach.Name, vm.Round(c.Idle), vm.Round(c.Took))
 	for _, s := range c.Skipped {
 		h.m.Sayf("  passed over %s", s)
@@ -224,9 +236,12 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 		err = ctx.Err()
 	}
 	if err != nil || connErr != nil || plugErr != nil {
+		// The claimed machine goes, with the mapping to it (the handle
+		// knows both names: nothing is looked up again). A cold machine
+		// an earlier attempt left under the job's name goes with them.
 		tctx, cancel := detachctx.WithTimeout(ctx, h.m.Cfg.Timeouts.Cleanup.D())
 		defer cancel()
-		_, terr := h.TeardownJob(tctx, req.Name)
+		terr := errors.Join(h.m.Machine(mach.Name).Teardown(tctx), h.m.Machine(req.Name).Teardown(tctx), h.m.Store.UnmapJob(req.Name))
 		switch {
 		case ctx.Err() != nil:
 			err = fmt.Errorf("stopped: %w", context.Cause(ctx))
@@ -235,15 +250,15 @@ func (h *Host) acquireWarm(ctx context.Context, req JobRequest) (*Acquired, erro
 			// the refused plug made is spent. The caller starts its
 			// servers again before it boots cold (SharesRefusedError).
 			h.m.Sayf("The claimed VM %s did not take the job's shared directories (%v); it was removed", mach.Name, plugErr)
-			req.Observe.pool("miss", MissError)
-			req.Observe.machine(req.Name, img.Name)
+			req.Observe.Pool("miss", MissError)
+			req.Observe.Machine(req.Name, img.Name)
 			return nil, &SharesRefusedError{Machine: mach.Name, Err: plugErr}
 		case err == nil && terr == nil:
 			// The claimed VM does not take the SSH connection every stage
 			// needs: it is gone, and the job can still start cold.
 			h.m.Sayf("Cold start: the claimed VM %s does not accept SSH (%v); it was removed", mach.Name, connErr)
-			req.Observe.pool("miss", MissError)
-			req.Observe.machine(req.Name, img.Name)
+			req.Observe.Pool("miss", MissError)
+			req.Observe.Machine(req.Name, img.Name)
 			return nil, nil
 		}
 		return nil, errors.Join(err, plugErr, terr)

@@ -27,14 +27,14 @@ type PullReport struct {
 // answering before a job's log warns that it runs the last verified image.
 const staleChecks = 3
 
-// EnsureImage makes sure an image with a source (oci://) is on this
+// ensureImage makes sure an image with a source (oci://) is on this
 // host (every error it returns is the host's, not the job's): a job on an image not pulled yet pulls it (the first job on a
 // new host, or after a new source was configured), under the store's
 // lock so that jobs at once pull it once. A stored image is used as it
 // is: the pool service follows the tag (registry.pull_interval); when
 // the registry has not answered for a while, the job log says the job
 // runs the last verified image.
-func EnsureImage(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, refresh func(string) error, say func(string, ...any), log *slog.Logger) error {
+func ensureImage(ctx context.Context, cfg *config.Config, img *config.Image, pull PullFunc, refresh func(string) error, say func(string, ...any), log *slog.Logger) error {
 	if img.Source == "" {
 		return nil
 	}

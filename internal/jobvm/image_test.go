@@ -50,7 +50,7 @@ source = "oci://127.0.0.1:1/vm/gone:v1"
 	say := func(f string, a ...any) { lines = append(lines, fmt.Sprintf(f, a...)) }
 	log := slog.New(slog.NewTextHandler(&discard{}, nil))
 	img, _ := cfg.Image("tiny")
-	require.NoError(t, EnsureImage(context.Background(), cfg, img, testPull, nil, say, log))
+	require.NoError(t, ensureImage(context.Background(), cfg, img, testPull, nil, say, log))
 	require.True(t, img.Pulled())
 	require.FileExists(t, img.Base)
 	require.Contains(t, lines[0], "Image tiny is not on this host yet: pulling oci://"+reg.Host+"/vm/tiny:v1")
@@ -62,7 +62,7 @@ source = "oci://127.0.0.1:1/vm/gone:v1"
 	require.NoError(t, err)
 	img, _ = cfg.Image("tiny")
 	lines = nil
-	require.NoError(t, EnsureImage(context.Background(), cfg, img, testPull, nil, say, log))
+	require.NoError(t, ensureImage(context.Background(), cfg, img, testPull, nil, say, log))
 	require.Equal(t, []string{"Image tiny: " + img.Digest + " from " + src.String()}, lines)
 
 	// Not confirmed for three intervals: the job log says so.
@@ -77,7 +77,7 @@ source = "oci://127.0.0.1:1/vm/gone:v1"
 	lines = nil
 	var refreshed []string
 	refresh := func(name string) error { refreshed = append(refreshed, name); return nil }
-	require.NoError(t, EnsureImage(context.Background(), cfg, img, testPull, refresh, say, log))
+	require.NoError(t, ensureImage(context.Background(), cfg, img, testPull, refresh, say, log))
 	require.Len(t, lines, 3)
 	require.Contains(t, lines[1], "Warning: the registry has not confirmed "+src.String()+" for 4m")
 	require.Contains(t, lines[1], "this job runs the last verified image")
@@ -86,18 +86,18 @@ source = "oci://127.0.0.1:1/vm/gone:v1"
 	require.Equal(t, []string{"tiny"}, refreshed)
 	require.Contains(t, lines[2], "asking it again in the background")
 	lines = nil
-	require.NoError(t, EnsureImage(context.Background(), cfg, img, testPull, refresh, say, log))
+	require.NoError(t, ensureImage(context.Background(), cfg, img, testPull, refresh, say, log))
 	require.Equal(t, []string{"tiny"}, refreshed, "not again within the interval")
 	require.Len(t, lines, 2)
 
 	// An executable that does not pull (run, cleanup) says what to do.
 	gone, _ := cfg.Image("gone")
-	err = EnsureImage(context.Background(), cfg, gone, nil, nil, say, log)
+	err = ensureImage(context.Background(), cfg, gone, nil, nil, say, log)
 	require.Error(t, err)
 	require.ErrorContains(t, err, "this executable does not pull: run libvirt-executor image pull gone")
 
 	// Nothing stored and no registry: a system failure naming the source.
-	err = EnsureImage(context.Background(), cfg, gone, testPull, nil, say, log)
+	err = ensureImage(context.Background(), cfg, gone, testPull, nil, say, log)
 	require.Error(t, err)
 	require.ErrorContains(t, err, "image gone: pull oci://127.0.0.1:1/vm/gone:v1")
 	require.False(t, gone.Pulled())

@@ -165,23 +165,19 @@ func (j *Job) Record() (*state.Machine, error) {
 	return j.rec, j.recErr
 }
 
-// NoteContainer records in the job machine's record that the job's
-// scripts run in the named container (state.Machine.Container): prepare's
-// word to the later stages, which run in separate processes.
-func (j *Job) NoteContainer(name string) error {
+// Container is the container the job's scripts run in ("" for none):
+// what its mapping names (JobRequest.Container), else, for a job an
+// earlier version prepared, what the machine's record names.
+func (j *Job) Container() (string, error) {
+	jm, err := j.Machine()
+	if err != nil || jm.Container != "" {
+		return jm.Container, err
+	}
 	rec, err := j.Record()
 	if err != nil {
-		return err
+		return "", err
 	}
-	m := *rec
-	m.Container = name
-	if err := j.js.h.m.Store.Save(m); err != nil {
-		return fmt.Errorf("record the job's container: %w", err)
-	}
-	j.mu.Lock()
-	j.rec = &m
-	j.mu.Unlock()
-	return nil
+	return rec.Container, nil
 }
 
 // MachineDir is the state directory of the job's machine (its keys are
@@ -211,11 +207,18 @@ func (j *Job) Explain(ctx context.Context) string {
 // (JobRequest without the job's name, which the handle knows).
 type AcquireRequest = JobRequest
 
-// Acquire gives the job its machine (Host.Acquire). It first records the
-// job's name for the later stages of any version (an upgrade in the middle
-// of the job finds the machine by it): an error there is ErrNameRecord.
+// Acquire gives the job its machine (Host.Acquire). It first makes sure
+// the job's image is on this host (ensureImage, with the request's Pull
+// and Refresh): an error there is ErrImage, and nothing of the job was
+// made. Then it records the job's name for the later stages of any
+// version (an upgrade in the middle of the job finds the machine by it):
+// an error there is ErrNameRecord.
 func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error) {
-	if err := j.js.h.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
+	m := j.js.h.m
+	if err := ensureImage(ctx, m.Cfg, req.Image, req.Pull, req.Refresh, m.Sayf, j.log); err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrImage, err)
+	}
+	if err := m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
 	}
 	req.Name = j.name
@@ -226,8 +229,12 @@ func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error
 	return a, err
 }
 
-// ErrNameRecord is Acquire's failure to record the job's name.
-var ErrNameRecord = errors.New("record the job's name")
+// ErrNameRecord is Acquire's failure to record the job's name; ErrImage
+// its failure to bring the job's image to this host.
+var (
+	ErrNameRecord = errors.New("record the job's name")
+	ErrImage      = errors.New("the job's image")
+)
 
 // Release ends the job's machine (Host.Release) and, once it did, removes
 // the job's name record (a failure there is only logged: the sweep removes

@@ -14,6 +14,10 @@ import (
 type JobMachine struct {
 	Name string
 	Warm bool
+	// Container is the container the job's scripts run in, as its
+	// mapping names it ("" for none, or a job mapped by an earlier
+	// version: Job.Container looks at the machine's record then).
+	Container string
 }
 
 // MachineOf finds the machine of the job known by name job: a standby
@@ -30,7 +34,7 @@ func (h *Host) MachineOf(job string) (JobMachine, error) {
 	}
 	if jm != nil && jm.Machine != job {
 		if cl, err := h.m.Store.ClaimOf(jm.Machine); err == nil && cl != nil && cl.Job == job && h.m.Machine(jm.Machine).IsStandby() {
-			return JobMachine{Name: jm.Machine, Warm: true}, nil
+			return JobMachine{Name: jm.Machine, Warm: true, Container: jm.Container}, nil
 		}
 	}
 	if jm == nil {
@@ -43,6 +47,9 @@ func (h *Host) MachineOf(job string) (JobMachine, error) {
 				return JobMachine{Name: s.Name, Warm: true}, nil
 			}
 		}
+	}
+	if jm != nil && jm.Machine == job {
+		return JobMachine{Name: job, Container: jm.Container}, nil
 	}
 	return JobMachine{Name: job}, nil
 }

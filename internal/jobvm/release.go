@@ -29,19 +29,20 @@ func (h *Host) Release(ctx context.Context, job string, o Observer, log *slog.Lo
 	if log == nil {
 		log = slog.Default()
 	}
+	o = o.filled()
 	t0 := time.Now()
 	jm, ended, err := h.EndJob(ctx, job)
-	o.step("stop", time.Since(t0), err)
+	o.Step("stop", time.Since(t0), err)
 	if jm.Name != "" {
 		if mach, rerr := h.m.Store.Record(jm.Name); rerr == nil {
-			o.machine(jm.Name, mach.Image)
+			o.Machine(jm.Name, mach.Image)
 		}
 	}
 	r := Released{Machine: jm, Reaper: len(ended) > 0}
 	if r.Reaper {
 		t1 := time.Now()
 		serr := h.StartReaper(ended)
-		o.step("start reaper", time.Since(t1), serr)
+		o.Step("start reaper", time.Since(t1), serr)
 		if serr != nil {
 			log.Warn("no reaper; removing the VM here", "err", serr)
 			r.Reaper = false

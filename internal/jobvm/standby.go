@@ -328,7 +328,7 @@ func (h *Host) claimOne(ctx context.Context, name string, req JobRequest, base s
 	}
 	// From here on the machine is this job's: it never goes back to the
 	// pool. What fails now removes it.
-	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC()})
+	err = h.m.Store.MapJob(req.Name, state.JobMachine{Machine: name, Warm: true, At: time.Now().UTC(), Container: req.Container})
 	if err == nil {
 		deadline := time.Now().Add(req.Lifetime + h.m.Cfg.Timeouts.JobSlack.D()).UTC()
 		err = h.m.Engine().UpdateOwner(ctx, name, func(o *vm.Owner) {

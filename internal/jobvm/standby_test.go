@@ -1300,10 +1300,14 @@ func TestAcquireWarmHotPlugsTheJobsDirs(t *testing.T) {
 	dirs := []vm.SharedDir{{Socket: "/run/lve-hooks/x/fs.sock", Tag: "lve-work"}}
 	req := claimRequest(m, img, "lve-0123abcd-gh-7")
 	req.Dirs = dirs
+	req.Container = "lve-job-42-build"
 	a, err := m.Acquire(ctx, req)
 	require.NoError(t, err)
 	require.True(t, a.Warm)
 	require.Equal(t, name, a.Name)
+	jm, err := m.MachineOf(req.Name)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: name, Warm: true, Container: "lve-job-42-build"}, jm, "the mapping names the job's container")
 	x := domainXML(t, hv, name)
 	require.Contains(t, x, `<source socket="/run/lve-hooks/x/fs.sock"></source>`)
 	require.Contains(t, x, `<target dir="lve-work"></target>`)
@@ -1325,9 +1329,23 @@ func TestAcquireWarmHotPlugsTheJobsDirs(t *testing.T) {
 	require.Equal(t, name, refused.Machine)
 	require.Nil(t, a)
 	requireGone(t, hv, m, name)
-	jm, err := m.Manager().Store.MachineOfJob(req.Name)
+	left, err := m.Manager().Store.MachineOfJob(req.Name)
 	require.NoError(t, err)
-	require.Nil(t, jm, "nothing of the job is left")
+	require.Nil(t, left, "nothing of the job is left")
+
+	// A cold machine's mapping names the job's container too.
+	cold := *img
+	cold.Pool = nil
+	req.Image, req.Name, req.Dirs = &cold, "lve-0123abcd-gh-9", nil
+	a, err = m.Acquire(ctx, req)
+	require.NoError(t, err)
+	require.False(t, a.Warm)
+	jm, err = m.MachineOf(req.Name)
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: req.Name, Container: "lve-job-42-build"}, jm)
+	_, err = m.TeardownJob(ctx, req.Name)
+	require.NoError(t, err)
+	requireGone(t, hv, m, req.Name)
 }
 
 // domainXML is the fake's XML of domain name.

@@ -127,6 +127,10 @@ type JobMachine struct {
 	// Warm says it came from a standby pool.
 	Warm bool      `json:"warm"`
 	At   time.Time `json:"at"`
+	// Container is the container the job's scripts run in (a container
+	// job's, #46), named by prepare when it acquires the machine; "" for
+	// a job whose scripts run in the VM itself.
+	Container string `json:"container,omitempty"`
 }
 
 func (s Store) jobPath(job string) (string, error) {

@@ -46,8 +46,10 @@ type Machine struct {
 	// none.
 	Tools *Tools `json:"tools,omitempty"`
 	// Container is the container a container job's scripts run in
-	// (#46 item 2), set by its prepare once the container runs; "" for a
-	// job whose scripts run on the VM's OS.
+	// (#46 item 2), as the prepare of earlier versions recorded it once the
+	// container ran; the job's mapping (JobMachine.Container) carries it
+	// now. Read for a job such a version prepared (an upgrade between its
+	// stages).
 	Container string `json:"container,omitempty"`
 }
 
