@@ -10,7 +10,6 @@ import (
 	"slices"
 	"strconv"
 	"strings"
-	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
@@ -129,11 +128,13 @@ func runNative(ctx context.Context, e Env, j *job, sess *jobvm.Session, span *ti
 		}
 		fmt.Fprintf(e.Stderr, "libvirt-executor: variables not handed to the steps (a name must be letters, digits and '_'): %s%s\n", strings.Join(names, ", "), more)
 	}
-	g := &stepsGuest{e: e, j: j, sess: sess}
 	e.say("Running the steps natively: step-runner serve in the VM, reached over the job's SSH connection (gitlab.steps = \"native\")")
 	t0 := time.Now()
 	r := &stepsvc.Runner{
-		Stream: g.stream, Out: e.Stdout, Log: j.log,
+		Stream: func(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {
+			return sess.Stream(ctx, cmd, stdin, stdout, e.Stderr)
+		},
+		Out: e.Stdout, Log: j.log,
 		Note: func(format string, args ...any) { fmt.Fprintf(e.Stderr, format+"\n", args...) },
 	}
 	err = r.Run(ctx, req)
@@ -147,57 +148,4 @@ func runNative(ctx context.Context, e Env, j *job, sess *jobvm.Session, span *ti
 		err = exitcodes.System(fmt.Errorf("%w: set [guest_tools] step_runner in the driver configuration, or install step-runner in the image (docs/steps.md)", err))
 	}
 	return err
-}
-
-// stepsGuest runs the service's commands in the guest through the job's
-// session: through the job's connection holder when there is one, else
-// over the session's direct connection (made again when it was lost).
-type stepsGuest struct {
-	e    Env
-	j    *job
-	sess *jobvm.Session
-
-	mu       sync.Mutex
-	noHolder bool
-}
-
-func (g *stepsGuest) stream(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {
-	g.mu.Lock()
-	useHolder := !g.noHolder && g.sess.Holder()
-	g.mu.Unlock()
-	if useHolder {
-		err := g.sess.HeldStream(ctx, cmd, stdin, stdout)
-		if !errors.Is(err, jobvm.ErrHolderUnavailable) {
-			return err
-		}
-		g.mu.Lock()
-		if !g.noHolder {
-			fmt.Fprintf(g.e.Stderr, "libvirt-executor: %v; the steps connect directly\n", err)
-			g.j.log.Warn("steps connect directly", "err", err)
-		}
-		g.noHolder = true
-		g.mu.Unlock()
-	}
-	c, err := g.client(ctx)
-	if err != nil {
-		return err
-	}
-	err = c.Stream(ctx, cmd, stdin, stdout)
-	if errors.Is(err, jobvm.ErrConnectionLost) {
-		g.sess.Forget(c)
-	}
-	return err
-}
-
-// client is the session's direct connection, made (again) if needed. A
-// failed dial is a lost connection: the runner tries again for a while.
-func (g *stepsGuest) client(ctx context.Context) (*jobvm.Client, error) {
-	_, c, err := g.sess.Client(ctx)
-	if errors.Is(err, jobvm.ErrNoMachine) {
-		return nil, exitcodes.System(err)
-	}
-	if err != nil {
-		return nil, exitcodes.System(fmt.Errorf("%w: %w", jobvm.ErrConnectionLost, err))
-	}
-	return c, nil
 }

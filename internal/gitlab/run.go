@@ -10,7 +10,6 @@ import (
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/cachexfer"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/exitcodes"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/services"
@@ -67,11 +66,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	} else if nativeSteps(cfg, j, stage) {
 		err = runNative(ctx, e, j, sess, &span)
 	} else {
-		var held bool
-		held, err = runHeld(ctx, e, j, sess, script, &span)
-		if !held {
-			err = runDirect(ctx, e, j, sess, script, stage, &span)
-		}
+		err = sess.Run(ctx, jobvm.Stage{Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: &span})
 	}
 	e.Report.GuestSpan(span)
 	if op == cacheSave && err == nil {
@@ -103,61 +98,6 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 		j.log.Error("stage failed", "stage", stage, "err", err)
 	}
 	return err
-}
-
-// runHeld runs the stage through the job's connection holder. held is
-// false when the stage did not run there (holders are off, or the holder
-// is gone or could not take it; the job log says which): then nothing of
-// it was started, and the caller connects directly.
-func runHeld(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []byte, span *time.Duration) (held bool, err error) {
-	if !sess.Holder() {
-		return false, nil
-	}
-	mach, err := j.vm.Record()
-	if err != nil {
-		return false, nil // the direct path reports it
-	}
-	tag, err := jobvm.NewTag()
-	if err != nil {
-		return true, exitcodes.System(err)
-	}
-	mid, err := sess.HeldStage(ctx, jobvm.HeldStage{
-		Tag: tag, Shell: mach.Shell, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: span,
-	})
-	if errors.Is(err, jobvm.ErrHolderUnavailable) {
-		fmt.Fprintf(e.Stderr, "libvirt-executor: %v; this stage connects directly\n", err)
-		j.log.Warn("stage connects directly", "err", err)
-		return false, nil
-	}
-	if mid {
-		// The holder ended during the stage: the script may still run in
-		// the guest. Stop it over a connection of our own (bounded), so
-		// that nothing of the stage outlives it.
-		sctx, cancel := detachctx.WithTimeout(ctx, 15*time.Second)
-		defer cancel()
-		_, c, cerr := sess.Client(sctx)
-		if cerr == nil {
-			cerr = c.StopStage(sctx, tag, 5*time.Second)
-			sess.Forget(c)
-		}
-		if cerr != nil {
-			err = fmt.Errorf("%w; stopping the stage in the guest failed: %v", err, cerr)
-		} else {
-			err = fmt.Errorf("%w; the stage was stopped in the guest", err)
-		}
-		err = exitcodes.System(err)
-	}
-	return true, err
-}
-
-// runDirect runs the stage over a connection of its own.
-func runDirect(ctx context.Context, e Env, j *job, sess *jobvm.Session, script []byte, stage string, span *time.Duration) error {
-	mach, client, err := sess.Client(ctx)
-	if err != nil {
-		return exitcodes.System(err)
-	}
-	j.log.Debug("running stage", "stage", stage, "address", mach.Address)
-	return client.Run(ctx, script, jobvm.RunOptions{Shell: mach.Shell, Stdout: e.Stdout, Stderr: e.Stderr, Span: span})
 }
 
 // explained adds to err what libvirt says became of the job's machine

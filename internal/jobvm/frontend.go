@@ -2,7 +2,6 @@ package jobvm
 
 import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/guestinit"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/state"
@@ -10,7 +9,7 @@ import (
 
 // What a front end names of the engine through the job layer: the types
 // and sentinels jobvm's own API takes and returns (OpenJobs, Acquire,
-// Session.HeldStage), named here so that a front end imports jobvm and not
+// Session.Client), named here so that a front end imports jobvm and not
 // lifecycle or holder. They are aliases: the types are still the engine's,
 // and a front end is coupled to them through jobvm's signatures as before.
 type (
@@ -20,9 +19,6 @@ type (
 	Connector = lifecycle.Connector
 	// Request is what a job asks of its machine (AcquireRequest).
 	Request = lifecycle.Request
-	// HeldStage is a stage run through the job's connection holder
-	// (Session.HeldStage).
-	HeldStage = holder.Stage
 	// MachineRecord is the job's machine as recorded (Job.Record,
 	// Session.Client); Tools its guest tools disk (JobRequest.Check);
 	// KeptMachine a machine kept for debugging (Job.Keep).
@@ -30,24 +26,16 @@ type (
 	Tools         = state.Tools
 	KeptMachine   = state.Kept
 	// Client is a direct connection into the job's machine
-	// (Session.Client); RunOptions how it runs a stage's script.
-	Client     = sshexec.Client
-	RunOptions = sshexec.RunOptions
+	// (Session.Client).
+	Client = sshexec.Client
 )
 
 // ErrNoMachine: the job has no prepared machine (Job.Record,
-// Session.Client). ErrConnectionLost: the connection into the guest broke.
-var (
-	ErrNoMachine      = state.ErrNoMachine
-	ErrConnectionLost = sshexec.ErrConnectionLost
-)
+// Session.Client).
+var ErrNoMachine = state.ErrNoMachine
 
-// NewTag names a stage run through the holder (HeldStage.Tag); ShellQuote
-// quotes a word for the guest's shell.
-var (
-	NewTag     = sshexec.NewTag
-	ShellQuote = sshexec.ShellQuote
-)
+// ShellQuote quotes a word for the guest's shell.
+var ShellQuote = sshexec.ShellQuote
 
 // Where the guest tools disk puts things in the guest (front ends name
 // them in what they tell the job's log).
@@ -56,11 +44,6 @@ const (
 	ToolsMountPoint     = guestinit.ToolsMountPoint
 	GuestStepRunnerPath = guestinit.GuestStepRunnerPath
 )
-
-// ErrHolderUnavailable is Session.HeldStage's and HeldStream's error when
-// the holder is off, gone or cannot take the stage: nothing of it started,
-// and the caller connects directly.
-var ErrHolderUnavailable = holder.ErrUnavailable
 
 // InstanceTag is the short tag of a front end's instance (its server URL
 // and runner, say) that the machine names carry (lifecycle.InstanceTag).

@@ -4,14 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"log/slog"
 	"sync"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/buildinfo"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/config"
-	"gitlab.com/libvirt-executor/libvirt-executor/internal/holder"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/hostcache"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/lifecycle"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/sshexec"
@@ -313,110 +311,6 @@ func (j *Job) Keep(ctx context.Context, project string, until time.Time, decide 
 	}
 	j.log.Warn("kept the failed job's VM for debugging", "vm", jm.Name, "until", until.UTC().Format(time.RFC3339))
 	return true
-}
-
-// Session is one way into the job's guest: the job's connection holder
-// when it answers (HeldStage, HeldStream), else a direct SSH connection
-// of the session's own (Client), made on first use and again after
-// Forget. It is the one place a job's guest connections are made.
-type Session struct {
-	j      *Job
-	mu     sync.Mutex
-	direct *sshexec.Client
-}
-
-// Session is a new session into the job's guest; it connects on first
-// use, not here (a stage that goes through the holder never connects).
-// The caller closes it.
-func (j *Job) Session() *Session { return &Session{j: j} }
-
-// Holder says whether the job's stages go through a connection holder
-// ([ssh] connection_holder).
-func (s *Session) Holder() bool { return s.j.js.h.m.Cfg.SSH.HolderEnabled() }
-
-// socket is the job machine's holder's socket.
-func (s *Session) socket() (string, error) {
-	jm, err := s.j.Machine()
-	if err != nil {
-		return "", err
-	}
-	return s.j.js.h.HolderSocket(jm.Name), nil
-}
-
-// HeldStage runs a stage through the job's connection holder
-// (holder.RunStage): holder.ErrUnavailable when the holder is gone or
-// could not take it (nothing of the stage was started).
-func (s *Session) HeldStage(ctx context.Context, st holder.Stage) (mid bool, err error) {
-	sock, err := s.socket()
-	if err != nil {
-		return false, fmt.Errorf("%w: %w", holder.ErrUnavailable, err)
-	}
-	return holder.RunStage(ctx, sock, st)
-}
-
-// HeldStream runs cmd through the job's connection holder with stdin and
-// stdout (holder.RunStream); holder.ErrUnavailable as HeldStage.
-func (s *Session) HeldStream(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {
-	sock, err := s.socket()
-	if err != nil {
-		return fmt.Errorf("%w: %w", holder.ErrUnavailable, err)
-	}
-	return holder.RunStream(ctx, sock, cmd, stdin, stdout)
-}
-
-// Client is the session's direct connection to the job's guest (with the
-// machine's record), made on first use: state.ErrNoMachine when the job
-// has no machine.
-func (s *Session) Client(ctx context.Context) (*state.Machine, *sshexec.Client, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.direct != nil {
-		rec, err := s.j.Record()
-		return rec, s.direct, err
-	}
-	jm, err := s.j.Machine()
-	if err != nil {
-		return nil, nil, err
-	}
-	mach, c, err := s.j.js.h.connect(ctx, jm.Name)
-	if err != nil {
-		return mach, nil, err
-	}
-	s.direct = c
-	return mach, c, nil
-}
-
-// Take is Client whose connection the caller owns from then on (closes
-// it): the session forgets it.
-func (s *Session) Take(ctx context.Context) (*state.Machine, *sshexec.Client, error) {
-	mach, c, err := s.Client(ctx)
-	if err == nil {
-		s.mu.Lock()
-		s.direct = nil
-		s.mu.Unlock()
-	}
-	return mach, c, err
-}
-
-// Forget closes c, the session's direct connection found lost: the next
-// Client makes a new one.
-func (s *Session) Forget(c *sshexec.Client) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.direct == c && c != nil {
-		_ = c.Close()
-		s.direct = nil
-	}
-}
-
-// Close closes the session's direct connection, if it made one.
-func (s *Session) Close() {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.direct != nil {
-		_ = s.direct.Close()
-		s.direct = nil
-	}
 }
 
 // AttachCache is Host.AttachCache: the host cache's restore disk for the
