@@ -10,6 +10,7 @@ import (
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/gitlab"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/jobvm"
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/stagecli"
+	"gitlab.com/libvirt-executor/libvirt-executor/internal/stepsvc"
 )
 
 func main() {
@@ -26,5 +27,15 @@ func main() {
 			return gitlab.Run(ctx, env, cfg, args[0], args[1])
 		},
 		ExplainViaAdminTool: true,
+		Steps:               runSteps,
+	})
+}
+
+// runSteps runs a GitLab Steps job's steps natively (gitlab.steps =
+// "native"): the Step Runner's gRPC client is linked here only.
+func runSteps(ctx context.Context, j gitlab.StepsJob) error {
+	return stepsvc.RunJob(ctx, stepsvc.Job{
+		PayloadPath: j.PayloadPath, Environ: j.Environ, Stream: j.Stream,
+		Stdout: j.Stdout, Stderr: j.Stderr, Log: j.Log, Span: j.Span,
 	})
 }

@@ -48,6 +48,11 @@ type Env struct {
 	// image's source names (a detached `libvirt-executor image pull`):
 	// prepare's, for a host without the pool service to follow the tags.
 	Refresh func(image string) error
+	// Steps, if set, runs a GitLab Steps job's steps natively in the
+	// job's VM (gitlab.steps = "native"): the run stage's executable sets
+	// it (stagecli.Exe.Steps: internal/stepsvc's RunJob), so that only it
+	// links the Step Runner's gRPC client.
+	Steps func(ctx context.Context, j StepsJob) error
 	// Report, if set, is told what the stage did, step by step, for the
 	// host's metrics and structured log (the stage shell records it).
 	Report *obs.Report

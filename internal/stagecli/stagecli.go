@@ -83,6 +83,10 @@ type Exe struct {
 	// it, the stage also refreshes a stale image in the background
 	// (gitlab.Env.Refresh: the admin tool's image pull, detached).
 	Pull jobvm.PullFunc
+	// Steps runs a GitLab Steps job's steps natively (gitlab.Env.Steps):
+	// the run stage's, the one executable that links the Step Runner's
+	// client.
+	Steps func(ctx context.Context, j gitlab.StepsJob) error
 }
 
 // Process is what a stage executable gets from its process: its argv, its
@@ -152,7 +156,7 @@ func Run(p Process, e Exe) int {
 				return err
 			}
 			report := &obs.Report{Stage: strings.TrimPrefix(name, jobvm.AdminExecutable+"-")}
-			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report, Pull: e.Pull}
+			env := gitlab.Env{Getenv: getenv, Stdout: stdout, Stderr: stderr, Log: logger, Report: report, Pull: e.Pull, Steps: e.Steps}
 			if e.Pull != nil {
 				env.Refresh = newAdminTool(cfgPath, logger).refreshImage(cfg.StateDir)
 			}
