@@ -6,8 +6,11 @@
 // or the connection under it drops: the steps go on in the guest, and the
 // log resumes where it was, without a gap or a line twice. Status says how
 // the run ended; Close and the end of the service's session stop what is
-// left. It knows nothing of GitLab's payloads (package gitlab builds the
-// Request) nor of SSH (the caller gives a StreamFunc).
+// left. RunJob is the run stage's way in: it reads the job's run: and
+// variables from the runner's payload (package gitlab only decides that a
+// stage runs its steps natively, and the run stage's executable alone
+// links this package's gRPC client). It knows nothing of SSH (the caller
+// gives a StreamFunc: the job's session).
 package stepsvc
 
 import (
