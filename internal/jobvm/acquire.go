@@ -99,19 +99,14 @@ type Acquired struct {
 	Ready   *lifecycle.Ready
 }
 
-// Acquire gives the job its machine: it removes what an earlier attempt
-// of the same job claimed, claims an idle standby machine of the image's
-// pool if there is one that passes the front end's check, else provisions
-// one cold; it maps the job to the machine (MachineOf finds it) and starts
-// the connection holder. The job log says which path it took and why. On
+// Acquire gives the job its machine (an earlier attempt's claim is gone:
+// Job.Acquire): it claims an idle standby machine of the image's pool if
+// there is one that passes the front end's check, else provisions one
+// cold; it maps the job to the machine (MachineOf finds it) and starts the
+// connection holder. The job log says which path it took and why. On
 // failure or cancellation nothing of the job is left.
 func (h *Host) Acquire(ctx context.Context, req JobRequest) (*Acquired, error) {
 	req.Observe = req.Observe.filled()
-	if name, err := h.RemoveEarlierClaim(ctx, req.Name); err != nil {
-		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", name, err)
-	} else if name != "" {
-		h.m.Sayf("Removed VM %s that an earlier attempt of this job claimed", name)
-	}
 	if req.Image.Pool != nil {
 		a, err := h.acquireWarm(ctx, req)
 		if a != nil || err != nil {

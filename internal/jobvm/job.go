@@ -205,22 +205,35 @@ func (j *Job) Explain(ctx context.Context) string {
 // (JobRequest without the job's name, which the handle knows).
 type AcquireRequest = JobRequest
 
-// Acquire gives the job its machine (Host.Acquire). It first makes sure
-// the job's image is on this host (ensureImage, with the request's Pull
-// and Refresh): an error there is ErrImage, and nothing of the job was
-// made. Then it records the job's name for the later stages of any
-// version (an upgrade in the middle of the job finds the machine by it):
-// an error there is ErrNameRecord.
+// Acquire gives the job its machine (Host.Acquire). First, what is the
+// job's own: it makes sure the job's image is on this host (ensureImage,
+// with the request's Pull and Refresh: an error there is ErrImage, and
+// nothing of the job was made); it records the job's name for the later
+// stages of any version (an upgrade in the middle of the job finds the
+// machine by it: an error there is ErrNameRecord); and it removes the
+// standby machine an earlier attempt of the job claimed (the runner
+// retries a failed prepare), found as the handle resolved the job.
 func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error) {
-	m := j.js.h.m
-	if err := ensureImage(ctx, m.Cfg, req.Image, req.Pull, req.Refresh, m.Sayf, j.log); err != nil {
+	h := j.js.h
+	if err := ensureImage(ctx, h.m.Cfg, req.Image, req.Pull, req.Refresh, h.m.Sayf, j.log); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrImage, err)
 	}
-	if err := m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
+	if err := h.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
 	}
+	jm, err := j.Machine()
+	var earlier string
+	if err == nil {
+		earlier, err = h.removeClaimed(ctx, j.name, jm)
+	}
+	if err != nil {
+		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", earlier, err)
+	}
+	if earlier != "" {
+		h.m.Sayf("Removed VM %s that an earlier attempt of this job claimed", earlier)
+	}
 	req.Name = j.name
-	a, err := j.js.h.Acquire(ctx, req)
+	a, err := h.Acquire(ctx, req)
 	j.mu.Lock()
 	j.jm, j.jmErr, j.recRead = nil, nil, false // mapped anew
 	j.mu.Unlock()

@@ -61,8 +61,17 @@ func (h *Host) MachineOf(job string) (JobMachine, error) {
 // until its deadline.
 func (h *Host) RemoveEarlierClaim(ctx context.Context, job string) (string, error) {
 	jm, err := h.MachineOf(job)
-	if err != nil || !jm.Warm {
+	if err != nil {
 		return "", err
+	}
+	return h.removeClaimed(ctx, job, jm)
+}
+
+// removeClaimed is RemoveEarlierClaim for the job's machine as found
+// (MachineOf): only a claimed standby machine goes.
+func (h *Host) removeClaimed(ctx context.Context, job string, jm JobMachine) (string, error) {
+	if !jm.Warm {
+		return "", nil
 	}
 	if err := h.m.Machine(jm.Name).Teardown(ctx); err != nil {
 		return jm.Name, err

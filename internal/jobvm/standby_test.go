@@ -1357,3 +1357,35 @@ func domainXML(t *testing.T, hv *vmtest.Fake, name string) string {
 	require.True(t, ok, "domain %s", name)
 	return d.XML
 }
+
+// The handle's Acquire removes what an earlier attempt of its job claimed
+// (found as the handle resolved the job), says so, and claims afresh.
+func TestJobAcquireRemovesEarlierClaim(t *testing.T) {
+	hv := vmtest.New()
+	port := bannerServer(t)
+	m, img, says := poolManager(t, hv, port, "")
+	ctx := context.Background()
+	now := time.Now()
+	first := addStandby(t, m, hv, img, "0000000a", now.Add(-2*time.Minute), port)
+	second := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
+	lockService(t, m)
+	j, err := m.Jobs().Job(JobRef{Frontend: "gitlab", Instance: lifecycle.InstanceTag("https://gitlab.example", "runner"), ID: 9}, nil)
+	require.NoError(t, err)
+
+	// The first attempt dies after its claim; the runner retries prepare.
+	c, err := m.Claim(ctx, claimRequest(m, img, j.Name()))
+	require.NoError(t, err)
+	require.Equal(t, first, c.Machine.Name)
+	a, err := j.Acquire(ctx, AcquireRequest{
+		Request: lifecycle.Request{Image: img, Frontend: "gitlab", Job: "9", Lifetime: time.Hour},
+		Size:    m.Manager().Cfg.ImageSize(img),
+	})
+	require.NoError(t, err)
+	require.True(t, a.Warm)
+	require.Equal(t, second, a.Name, "the retry claims afresh")
+	requireGone(t, hv, m, first)
+	require.Contains(t, says.Args(), "Removed VM "+first+" that an earlier attempt of this job claimed", "the job log says so")
+	jm, err := j.Machine()
+	require.NoError(t, err)
+	require.Equal(t, JobMachine{Name: second, Warm: true}, jm, "the handle resolves the new mapping")
+}
