@@ -54,21 +54,11 @@ func (h *Host) MachineOf(job string) (JobMachine, error) {
 	return JobMachine{Name: job}, nil
 }
 
-// RemoveEarlierClaim removes the standby machine that an earlier attempt
-// of the job claimed (the runner retries a failed prepare), with its
-// mapping, and returns its name; "" if there is none. Without this a retried
-// prepare would map the job to a new machine and leave the first running
-// until its deadline.
-func (h *Host) RemoveEarlierClaim(ctx context.Context, job string) (string, error) {
-	jm, err := h.MachineOf(job)
-	if err != nil {
-		return "", err
-	}
-	return h.removeClaimed(ctx, job, jm)
-}
-
-// removeClaimed is RemoveEarlierClaim for the job's machine as found
-// (MachineOf): only a claimed standby machine goes.
+// removeClaimed removes the standby machine that an earlier attempt of
+// the job claimed (the runner retries a failed prepare), jm as MachineOf
+// found it, with its mapping, and returns its name; "" if jm is no claimed
+// standby machine. Without this a retried prepare would map the job to a
+// new machine and leave the first running until its deadline.
 func (h *Host) removeClaimed(ctx context.Context, job string, jm JobMachine) (string, error) {
 	if !jm.Warm {
 		return "", nil

@@ -2,12 +2,14 @@
 // runner's job) on top of internal/lifecycle's one machine. A front end
 // gets Jobs (OpenJobs) and, for each job, its handle Job (Jobs.Job): it
 // resolves the job's name record, mapping and claim once and is their
-// only writer; Acquire (claim an idle standby machine, else provision one
-// cold; map the job; start the connection holder), Release (stop now,
-// remove in a detached reaper), Keep (for debugging), Explain, and
-// Session, the one way into the job's guest (the holder when it answers,
-// else a direct connection; connect is the one place a job's guest
-// connections are made). The standby pool's side is here too: boot,
+// only writer; Acquire (the job's image on the host, its name record, an
+// earlier attempt's claim removed; then claim an idle standby machine,
+// else provision one cold; map the job, with its container; start the
+// connection holder), Release (stop now, remove in a detached reaper),
+// Keep (for debugging), Explain, and Session, the one way into the job's
+// guest (Run and Stream go through the holder when it answers, else a
+// direct connection; connect is the one place a job's guest connections
+// are made). The standby pool's side is here too: boot,
 // claim, retire, and what makes a standby outdated; the pool service
 // (internal/pool) drives it through Host. Open wires lifecycle's hooks for
 // every front end, garm's included: idle standbys make room for jobs,

@@ -1141,7 +1141,8 @@ func TestSweepStandbyMachines(t *testing.T) {
 
 // A retried prepare removes the machine an earlier attempt of the same job
 // claimed, before it claims (or boots) another: the first would otherwise
-// run, unmapped, until its deadline.
+// run, unmapped, until its deadline (removeClaimed, as Job.Acquire finds
+// the job's machine: MachineOf).
 func TestRemoveEarlierClaim(t *testing.T) {
 	hv := vmtest.New()
 	port := bannerServer(t)
@@ -1153,7 +1154,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 	second := addStandby(t, m, hv, img, "0000000b", now.Add(-time.Minute), port)
 	lockService(t, m)
 
-	name, err := m.RemoveEarlierClaim(ctx, job)
+	name, err := removeEarlierClaim(ctx, t, m, job)
 	require.NoError(t, err)
 	require.Empty(t, name, "no earlier attempt: nothing removed")
 
@@ -1161,7 +1162,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, first, c.Machine.Name)
 	// The attempt dies after its claim; the runner retries prepare.
-	name, err = m.RemoveEarlierClaim(ctx, job)
+	name, err = removeEarlierClaim(ctx, t, m, job)
 	require.NoError(t, err)
 	require.Equal(t, first, name)
 	requireGone(t, hv, m, first)
@@ -1174,7 +1175,7 @@ func TestRemoveEarlierClaim(t *testing.T) {
 
 	// Killed between the claim and the mapping: found by the claim alone.
 	require.NoError(t, m.Manager().Store.UnmapJob(job))
-	name, err = m.RemoveEarlierClaim(ctx, job)
+	name, err = removeEarlierClaim(ctx, t, m, job)
 	require.NoError(t, err)
 	require.Equal(t, second, name)
 	requireGone(t, hv, m, second)
@@ -1388,4 +1389,11 @@ func TestJobAcquireRemovesEarlierClaim(t *testing.T) {
 	jm, err := j.Machine()
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: second, Warm: true}, jm, "the handle resolves the new mapping")
+}
+
+func removeEarlierClaim(ctx context.Context, t *testing.T, m *Host, job string) (string, error) {
+	t.Helper()
+	jm, err := m.MachineOf(job)
+	require.NoError(t, err)
+	return m.removeClaimed(ctx, job, jm)
 }

@@ -84,7 +84,7 @@ func (j *JobSample) readNoops(noops []Noop) (missing []string) {
 }
 
 // What the driver says in the job log about the connection holder
-// (internal/gitlab: startHolder in prepare, runHeld in run).
+// (internal/jobvm: startHolder in prepare, Session.Run in run).
 var (
 	holderStartedLine = regexp.MustCompile(`Connection holder (started in |of the standby VM kept)`)
 	directStageLine   = regexp.MustCompile(`this stage connects directly`)
