@@ -222,10 +222,10 @@ func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error
 		return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
 	}
 	jm, err := j.Machine()
-	var earlier string
-	if err == nil {
-		earlier, err = h.removeClaimed(ctx, j.name, jm)
+	if err != nil {
+		return nil, fmt.Errorf("find what an earlier attempt of this job claimed: %w", err)
 	}
+	earlier, err := h.removeClaimed(ctx, j.name, jm)
 	if err != nil {
 		return nil, fmt.Errorf("remove the VM %s an earlier attempt of this job claimed: %w", earlier, err)
 	}
