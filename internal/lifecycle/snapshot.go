@@ -291,21 +291,12 @@ func (s Snapshots) checkSave(ctx context.Context, name, diskPath string) (uint64
 	if err != nil {
 		return 0, err
 	}
-	pr, pw := io.Pipe()
-	sctx, cancel := context.WithCancel(ctx)
-	streamed := make(chan struct{})
-	go func() {
-		defer close(streamed)
-		_ = pw.CloseWithError(m.hv.StreamFromVolume(sctx, m.Cfg.StoragePool, vm.SaveVolume(name), pw))
-	}()
-	head, err := vm.ReadSaveHead(pr)
-	cancel()
-	_ = pr.Close()
-	<-streamed
+	save, err := vm.OpenSave(ctx, m.hv, m.Cfg.StoragePool, name)
 	if err != nil {
 		return 0, fmt.Errorf("the saved template %s: %w", name, err)
 	}
-	if _, err := vm.CloneXML(head.XML, vm.CloneIdentity{Name: name, UUID: "00000000-0000-4000-8000-000000000000",
+	save.Close()
+	if _, err := vm.CloneXML(save.Head.XML, vm.CloneIdentity{Name: name, UUID: "00000000-0000-4000-8000-000000000000",
 		Disks: map[string]string{diskPath: diskPath}}); err != nil {
 		return 0, fmt.Errorf("the saved template %s: %w", name, err)
 	}

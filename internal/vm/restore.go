@@ -152,23 +152,12 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 	if err != nil {
 		return err
 	}
-	pr, pw := io.Pipe()
-	sctx, cancel := context.WithCancel(ctx)
-	streamed := make(chan struct{})
-	go func() {
-		defer close(streamed)
-		// Its error reaches the reader (CloseWithError).
-		_ = pw.CloseWithError(c.e.HV.StreamFromVolume(sctx, s.Pool, SaveVolume(snap.Template), pw))
-	}()
-	defer func() {
-		cancel()
-		_ = pr.Close() // a stream still running ends on its next write
-		<-streamed
-	}()
-	head, err := ReadSaveHead(pr)
+	save, err := OpenSave(ctx, c.e.HV, s.Pool, snap.Template)
 	if err != nil {
 		return err
 	}
+	defer save.Close()
+	head := save.Head
 	x, err := CloneXML(head.XML, CloneIdentity{
 		Name: s.Name, UUID: uuid, Disks: map[string]string{snap.DiskPath: c.m.DiskPath},
 		ConsoleLog: s.ConsoleLog, Owner: owner,
@@ -185,7 +174,7 @@ func (c *creation) restore(ctx context.Context, snap Snapshot) error {
 		return err
 	}
 	// Not repeated on a lost connection: the stream is read once.
-	err = c.e.HV.RestoreStream(ctx, io.MultiReader(&hb, pr), snap.PipeDir)
+	err = c.e.HV.RestoreStream(ctx, io.MultiReader(&hb, save.Rest), snap.PipeDir)
 	if err == nil {
 		err = change(ctx, func(ctx context.Context) error { return c.e.HV.Define(ctx, x) })
 		if err != nil {

@@ -2,6 +2,7 @@ package vm
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -227,4 +228,44 @@ func CloneXML(saved string, id CloneIdentity) (string, error) {
 		}
 	}
 	return d.Marshal()
+}
+
+// SaveStream is a save volume being read through libvirt (the runner's
+// unprivileged user cannot read the pool's files): its head, then the
+// rest of the file in Rest. Close ends the stream and waits for it.
+type SaveStream struct {
+	Head *SaveHead
+	// Rest is the file after its head: QEMU's migration stream.
+	Rest   io.Reader
+	cancel context.CancelFunc
+	pr     *io.PipeReader
+	done   chan struct{}
+}
+
+// Close stops the stream (a stream still running ends on its next write)
+// and waits for it.
+func (s *SaveStream) Close() {
+	s.cancel()
+	_ = s.pr.Close()
+	<-s.done
+}
+
+// OpenSave streams the save volume of template from pool and reads its
+// head (ReadSaveHead); the caller reads the rest or not, and closes it.
+// An error of the stream reaches the reader.
+func OpenSave(ctx context.Context, hv Hypervisor, pool, template string) (*SaveStream, error) {
+	pr, pw := io.Pipe()
+	sctx, cancel := context.WithCancel(ctx)
+	s := &SaveStream{Rest: pr, cancel: cancel, pr: pr, done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		_ = pw.CloseWithError(hv.StreamFromVolume(sctx, pool, SaveVolume(template), pw))
+	}()
+	head, err := ReadSaveHead(pr)
+	if err != nil {
+		s.Close()
+		return nil, err
+	}
+	s.Head = head
+	return s, nil
 }
