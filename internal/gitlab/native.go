@@ -49,6 +49,7 @@ func runNative(ctx context.Context, e Env, j *job, sess *jobvm.Session, span *ti
 	if environ == nil {
 		environ = os.Environ
 	}
+	sess.Who = "the steps"
 	return e.Steps(ctx, StepsJob{
 		PayloadPath: e.Getenv("JOB_RESPONSE_FILE"), Environ: environ(),
 		Stream: func(ctx context.Context, cmd string, stdin io.Reader, stdout io.Writer) error {

@@ -85,6 +85,9 @@ type Job struct {
 	name, key string
 	log       *slog.Logger
 
+	// named: Acquire brought the job's image and recorded its name.
+	named bool
+
 	mu      sync.Mutex
 	jm      *JobMachine
 	jmErr   error
@@ -206,20 +209,25 @@ func (j *Job) Explain(ctx context.Context) string {
 type AcquireRequest = JobRequest
 
 // Acquire gives the job its machine (Host.Acquire). First, what is the
-// job's own: it makes sure the job's image is on this host (ensureImage,
-// with the request's Pull and Refresh: an error there is ErrImage, and
-// nothing of the job was made); it records the job's name for the later
-// stages of any version (an upgrade in the middle of the job finds the
-// machine by it: an error there is ErrNameRecord); and it removes the
-// standby machine an earlier attempt of the job claimed (the runner
-// retries a failed prepare), found as the handle resolved the job.
+// job's own, once per handle (a front end that asks again, for a cold
+// machine after a refused warm one, does not do it twice): it makes sure
+// the job's image is on this host (ensureImage, with the request's Pull
+// and Refresh; nothing of the job is made when that fails), and it records
+// the job's name for the later stages of any version (an upgrade in the
+// middle of the job finds the machine by it: an error there is
+// ErrNameRecord). Then it removes the standby machine an earlier attempt
+// of the job claimed (the runner retries a failed prepare), found as the
+// handle resolved the job.
 func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error) {
 	h := j.js.h
-	if err := ensureImage(ctx, h.m.Cfg, req.Image, req.Pull, req.Refresh, h.m.Sayf, j.log); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrImage, err)
-	}
-	if err := h.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
+	if !j.named {
+		if err := ensureImage(ctx, h.m.Cfg, req.Image, req.Pull, req.Refresh, h.m.Sayf, j.log); err != nil {
+			return nil, err
+		}
+		if err := h.m.Store.NameJob(j.key, state.JobName{Job: j.name, Version: buildinfo.Version, At: time.Now().UTC()}); err != nil {
+			return nil, fmt.Errorf("%w: %w", ErrNameRecord, err)
+		}
+		j.named = true
 	}
 	jm, err := j.Machine()
 	if err != nil {
@@ -237,15 +245,35 @@ func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error
 	j.mu.Lock()
 	j.jm, j.jmErr, j.recRead = nil, nil, false // mapped anew
 	j.mu.Unlock()
+	if err == nil && req.Container != "" {
+		// The job's mapping names its container; the machine's record
+		// names it too, for a run stage of the previous version (a
+		// rollback in the middle of the job), which reads only that.
+		err = j.noteContainer(req.Container)
+	}
 	return a, err
 }
 
-// ErrNameRecord is Acquire's failure to record the job's name; ErrImage
-// its failure to bring the job's image to this host.
-var (
-	ErrNameRecord = errors.New("record the job's name")
-	ErrImage      = errors.New("the job's image")
-)
+// noteContainer writes the job's container into its machine's record
+// (state.Machine.Container: what the previous version's run stage reads).
+func (j *Job) noteContainer(name string) error {
+	rec, err := j.Record()
+	if err != nil {
+		return fmt.Errorf("record the job's container: %w", err)
+	}
+	m := *rec
+	m.Container = name
+	if err := j.js.h.m.Store.Save(m); err != nil {
+		return fmt.Errorf("record the job's container: %w", err)
+	}
+	j.mu.Lock()
+	j.rec = &m
+	j.mu.Unlock()
+	return nil
+}
+
+// ErrNameRecord is Acquire's failure to record the job's name.
+var ErrNameRecord = errors.New("record the job's name")
 
 // Release ends the job's machine (Host.Release) and, once it did, removes
 // the job's name record (a failure there is only logged: the sweep removes

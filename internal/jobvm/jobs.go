@@ -69,8 +69,8 @@ func (h *Host) removeClaimed(ctx context.Context, job string, jm JobMachine) (st
 	return jm.Name, h.m.Store.UnmapJob(job)
 }
 
-// TeardownJob removes the job's machine (MachineOf) and its mapping.
-func (h *Host) TeardownJob(ctx context.Context, job string) (JobMachine, error) {
+// teardownJob removes the job's machine (MachineOf) and its mapping.
+func (h *Host) teardownJob(ctx context.Context, job string) (JobMachine, error) {
 	jm, err := h.MachineOf(job)
 	if err != nil {
 		return jm, err

@@ -1,11 +1,13 @@
 package jobvm
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"gitlab.com/libvirt-executor/libvirt-executor/internal/detachctx"
@@ -22,10 +24,15 @@ import (
 // the front ends do not choose between them. It is the one place a job's
 // guest connections are made.
 type Session struct {
+	// Who names, in the job log's note, what connects directly when the
+	// holder does not take a Stream ("the steps"); "" is "this session's
+	// commands".
+	Who string
+
 	j        *Job
 	mu       sync.Mutex
 	direct   *sshexec.Client
-	noHolder bool // the holder failed to take a stream: Stream connects directly
+	noHolder atomic.Bool // the holder failed to take a stream: Stream connects directly
 }
 
 // Session is a new session into the job's guest; it connects on first
@@ -202,20 +209,14 @@ func (s *Session) runHeld(ctx context.Context, st Stage) (held bool, err error) 
 // failed dial is a lost connection (ErrConnectionLost), so that a caller
 // that retries lost connections retries it.
 func (s *Session) Stream(ctx context.Context, cmd string, stdin io.Reader, stdout, stderr io.Writer) error {
-	s.mu.Lock()
-	useHolder := !s.noHolder && s.Holder()
-	s.mu.Unlock()
-	if useHolder {
+	if !s.noHolder.Load() && s.Holder() {
 		err := s.heldStream(ctx, cmd, stdin, stdout)
 		if !errors.Is(err, holder.ErrUnavailable) {
 			return err
 		}
-		s.mu.Lock()
-		first := !s.noHolder
-		s.noHolder = true
-		s.mu.Unlock()
-		if first {
-			s.direct1(stderr, "its commands connect directly", err)
+		if s.noHolder.CompareAndSwap(false, true) {
+			who := cmp.Or(s.Who, "this session's commands")
+			s.direct1(stderr, who+" connect directly", err)
 		}
 	}
 	_, c, err := s.Client(ctx)

@@ -745,7 +745,7 @@ func TestMachineOf(t *testing.T) {
 	require.Equal(t, JobMachine{Name: "../x"}, got, "a job name with a path has no mapping (Teardown refuses the name)")
 }
 
-// TeardownJob removes the job's claimed machine and a cold machine a retried
+// teardownJob removes the job's claimed machine and a cold machine a retried
 // prepare of the job may have left, and the mapping; other machines stay.
 func TestTeardownJob(t *testing.T) {
 	hv := vmtest.New()
@@ -768,7 +768,7 @@ func TestTeardownJob(t *testing.T) {
 	_, err = m.Manager().Store.Create(job)
 	require.NoError(t, err)
 
-	got, err := m.TeardownJob(ctx, job)
+	got, err := m.teardownJob(ctx, job)
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: sb, Warm: true}, got)
 	requireGone(t, hv, m, sb)
@@ -781,7 +781,7 @@ func TestTeardownJob(t *testing.T) {
 	hv.Unlock()
 
 	// Again: nothing left to do, and no error.
-	got, err = m.TeardownJob(ctx, job)
+	got, err = m.teardownJob(ctx, job)
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: job}, got)
 
@@ -792,7 +792,7 @@ func TestTeardownJob(t *testing.T) {
 	hv.Unlock()
 	_, err = m.Manager().Store.Create(cold)
 	require.NoError(t, err)
-	got, err = m.TeardownJob(ctx, cold)
+	got, err = m.teardownJob(ctx, cold)
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: cold}, got)
 	requireGone(t, hv, m, cold)
@@ -940,7 +940,7 @@ func TestBootStandbyThenClaim(t *testing.T) {
 	require.NoError(t, err)
 	_ = client.Close()
 
-	_, err = m.TeardownJob(ctx, "lve-0123abcd-7")
+	_, err = m.teardownJob(ctx, "lve-0123abcd-7")
 	require.NoError(t, err)
 	requireGone(t, hv, m, name)
 }
@@ -1312,7 +1312,7 @@ func TestAcquireWarmHotPlugsTheJobsDirs(t *testing.T) {
 	x := domainXML(t, hv, name)
 	require.Contains(t, x, `<source socket="/run/lve-hooks/x/fs.sock"></source>`)
 	require.Contains(t, x, `<target dir="lve-work"></target>`)
-	_, err = m.TeardownJob(ctx, req.Name)
+	_, err = m.teardownJob(ctx, req.Name)
 	require.NoError(t, err)
 	requireGone(t, hv, m, name)
 
@@ -1344,7 +1344,7 @@ func TestAcquireWarmHotPlugsTheJobsDirs(t *testing.T) {
 	jm, err = m.MachineOf(req.Name)
 	require.NoError(t, err)
 	require.Equal(t, JobMachine{Name: req.Name, Container: "lve-job-42-build"}, jm)
-	_, err = m.TeardownJob(ctx, req.Name)
+	_, err = m.teardownJob(ctx, req.Name)
 	require.NoError(t, err)
 	requireGone(t, hv, m, req.Name)
 }
