@@ -248,28 +248,15 @@ func (j *Job) Acquire(ctx context.Context, req AcquireRequest) (*Acquired, error
 	if err == nil && req.Container != "" {
 		// The job's mapping names its container; the machine's record
 		// names it too, for a run stage of the previous version (a
-		// rollback in the middle of the job), which reads only that.
-		err = j.noteContainer(req.Container)
+		// rollback in the middle of the job), which reads only that. The
+		// record is the one the acquisition holds: nothing is read again.
+		m := *a.record()
+		m.Container = req.Container
+		if err = h.m.Store.Save(m); err != nil {
+			err = fmt.Errorf("record the job's container: %w", err)
+		}
 	}
 	return a, err
-}
-
-// noteContainer writes the job's container into its machine's record
-// (state.Machine.Container: what the previous version's run stage reads).
-func (j *Job) noteContainer(name string) error {
-	rec, err := j.Record()
-	if err != nil {
-		return fmt.Errorf("record the job's container: %w", err)
-	}
-	m := *rec
-	m.Container = name
-	if err := j.js.h.m.Store.Save(m); err != nil {
-		return fmt.Errorf("record the job's container: %w", err)
-	}
-	j.mu.Lock()
-	j.rec = &m
-	j.mu.Unlock()
-	return nil
 }
 
 // ErrNameRecord is Acquire's failure to record the job's name.

@@ -25,9 +25,17 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 // else the provisioning's (lifecycle.NewTimingRecord).
 func (a *Acquired) Timings(began time.Time) lifecycle.TimingRecord {
 	if a.Warm {
-		return NewClaimRecord(a.Claimed.Machine, a.Claimed, began)
+		return NewClaimRecord(a.record(), a.Claimed, began)
 	}
 	return lifecycle.NewTimingRecord(a.Ready, began)
+}
+
+// record is the machine's record as the acquisition read or wrote it.
+func (a *Acquired) record() *state.Machine {
+	if a.Warm {
+		return a.Claimed.Machine
+	}
+	return a.Ready.Machine
 }
 
 // Start is how the job's machine started: obs.PathWarm (a claimed standby

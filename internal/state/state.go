@@ -46,10 +46,10 @@ type Machine struct {
 	// none.
 	Tools *Tools `json:"tools,omitempty"`
 	// Container is the container a container job's scripts run in
-	// (#46 item 2), as the prepare of earlier versions recorded it once the
-	// container ran; the job's mapping (JobMachine.Container) carries it
-	// now. Read for a job such a version prepared (an upgrade between its
-	// stages).
+	// (#46 item 2). The job's mapping (JobMachine.Container) is where this
+	// version reads it; it is written here too, for a run stage of the
+	// previous version (which reads only this), and read here for a job
+	// that version prepared (an upgrade between its stages).
 	Container string `json:"container,omitempty"`
 }
 
