@@ -655,30 +655,34 @@ pad:
 }
 
 // A journal socket that is gone (closed, then removed) makes Log return
-// an error at once; a journal that does not read makes it return an error
-// within about a second. Neither panics.
+// the kernel's refusal, not a deadline; a journal that does not read makes
+// it return an error once journalTimeout is out. Neither panics.
 func TestStepLogJournaldGone(t *testing.T) {
 	l, path := journalListener(t)
 	sl := openJournal(t, path)
 	require.NoError(t, sl.Log(stepRecord()))
 	receive(t, l)
 
+	// Gone: the send is refused by the kernel, not cut by the deadline.
 	require.NoError(t, l.Close())
-	start := time.Now()
-	require.Error(t, sl.Log(stepRecord()), "closed socket")
+	err := sl.Log(stepRecord())
+	require.ErrorIs(t, err, unix.ECONNREFUSED, "closed socket")
 	require.NoError(t, os.Remove(path))
-	require.Error(t, sl.Log(stepRecord()), "removed socket")
-	require.Less(t, time.Since(start), time.Second)
+	err = sl.Log(stepRecord())
+	require.ErrorIs(t, err, unix.ENOENT, "removed socket")
 
 	// A journal that never reads: its queue fills, then each Log gives up
-	// after journalTimeout.
+	// after journalTimeout. The bound is the timeout with room for a
+	// loaded machine (a CI run under -race took 1.86 s for a 1 s
+	// deadline): it catches a send that waits without a deadline, not one
+	// that is late by a scheduler's tick.
 	_, path2 := journalListener(t)
 	sl2 := openJournal(t, path2)
 	var failed error
 	for i := 0; i < 10000 && failed == nil; i++ {
 		start := time.Now()
 		failed = sl2.Log(stepRecord())
-		require.Less(t, time.Since(start), 1500*time.Millisecond, "Log %d", i)
+		require.Less(t, time.Since(start), journalTimeout+5*time.Second, "Log %d", i)
 	}
 	require.Error(t, failed, "a full journal queue")
 	require.True(t, errors.Is(failed, os.ErrDeadlineExceeded) || errors.Is(failed, unix.EAGAIN), "%v", failed)

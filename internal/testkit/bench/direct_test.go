@@ -250,7 +250,7 @@ func TestWaitGone(t *testing.T) {
 	cancel()
 	t0 = time.Now()
 	g = waitGone(cctx, "lve-z", t0, time.Millisecond, time.Minute, func(context.Context) (bool, bool, error) { return false, false, nil })
-	require.Less(t, time.Since(t0), time.Second)
+	require.Less(t, time.Since(t0), 5*time.Second, "within is a minute")
 	require.Contains(t, g.Error, "its domain is still defined, its state directory is still there")
 	require.Contains(t, g.Error, "stopped")
 }

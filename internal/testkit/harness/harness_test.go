@@ -483,13 +483,13 @@ func writeScript(t *testing.T, body string) string {
 // ssh master) does not hang the harness; the stage is flagged.
 func TestOutputLeftOpenIsFlagged(t *testing.T) {
 	t.Parallel()
-	f := newFake(t, map[string]string{"run:build_script": `sleep 3 & exit 0`})
+	f := newFake(t, map[string]string{"run:build_script": `sleep 8 & exit 0`})
 	opts := f.opts(t)
 	opts.ForceKill = 300 * time.Millisecond
 	start := time.Now()
 	res := run(t, opts, Job{Script: []string{"true"}})
 	assert.Equal(t, StateSuccess, res.State)
-	assert.Less(t, time.Since(start), 2500*time.Millisecond)
+	assert.Less(t, time.Since(start), 6*time.Second, "the stage is flagged after ForceKill, not when the sleep ends")
 	assert.True(t, res.Stage("build_script")[0].OutputLeftOpen)
 	assert.False(t, res.Stage("get_sources")[0].OutputLeftOpen)
 	assert.Contains(t, res.Log, "kept stdout/stderr open")
