@@ -66,7 +66,7 @@ func Run(ctx context.Context, e Env, cfg *config.Config, scriptPath, stage strin
 	} else if nativeSteps(cfg, j, stage) {
 		err = runNative(ctx, e, j, sess, &span)
 	} else {
-		err = sess.Run(ctx, jobvm.Stage{Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: &span})
+		err = sess.Run(ctx, jobvm.Stage{Name: stage, Script: script, Stdout: e.Stdout, Stderr: e.Stderr, Span: &span})
 	}
 	e.Report.GuestSpan(span)
 	if op == cacheSave && err == nil {

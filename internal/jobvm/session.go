@@ -131,6 +131,8 @@ func (s *Session) Close() {
 
 // Stage is a stage's script for Session.Run.
 type Stage struct {
+	// Name is the stage's name for the host's log ("build_script").
+	Name string
 	// Script runs in the machine's shell; Stdout and Stderr get its
 	// output.
 	Script         []byte
@@ -158,7 +160,7 @@ func (s *Session) Run(ctx context.Context, st Stage) error {
 	if err != nil {
 		return exitcodes.System(err)
 	}
-	s.j.log.Debug("running stage", "address", mach.Address)
+	s.j.log.Debug("running stage", "stage", st.Name, "address", mach.Address, "holder", false)
 	return c.Run(ctx, st.Script, sshexec.RunOptions{Shell: mach.Shell, Stdout: st.Stdout, Stderr: st.Stderr, Span: st.Span})
 }
 
