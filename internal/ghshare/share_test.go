@@ -154,7 +154,7 @@ func TestFindWorker(t *testing.T) {
 	require.NoError(t, cmd.Start())
 	t.Cleanup(func() { _ = cmd.Process.Kill(); _, _ = cmd.Process.Wait() })
 	var child int
-	for i := 0; i < 200 && child == 0; i++ {
+	for i := 0; i < 1000 && child == 0; i++ {
 		b, _ := os.ReadFile(filepath.Join("/proc", strconv.Itoa(cmd.Process.Pid), "task", strconv.Itoa(cmd.Process.Pid), "children"))
 		if f := strings.Fields(string(b)); len(f) > 0 {
 			child, _ = strconv.Atoi(f[0])

@@ -67,9 +67,10 @@ func TestUntilFileReplacesTheDeadline(t *testing.T) {
 	}
 
 	// The machine's deadline passes while the job's is later: it serves on.
-	dir, sock, done, cancel := serve(time.Now().Add(300 * time.Millisecond))
+	// The first deadline leaves a loaded machine time to move it.
+	dir, sock, done, cancel := serve(time.Now().Add(1500 * time.Millisecond))
 	require.NoError(t, SetUntil(dir, time.Now().Add(time.Hour)))
-	time.Sleep(500 * time.Millisecond) // past the first deadline: what is asserted is that nothing ends
+	time.Sleep(2 * time.Second) // past the first deadline: what is asserted is that nothing ends
 	require.NoError(t, stage(sock))
 	select {
 	case err := <-done:

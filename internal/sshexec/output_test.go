@@ -60,7 +60,7 @@ func TestOutputFromAGuestThatNeverStopsTalking(t *testing.T) {
 	close(stop)
 	grew := <-peak
 	t.Logf("Output returned after %s; the heap grew by at most %d KiB", took.Round(time.Millisecond), grew>>10)
-	require.Less(t, took, wait+time.Second, "Output returns when its context ends")
+	require.Less(t, took, wait+5*time.Second, "Output returns when its context ends (the heap bound below is what catches keeping it all)")
 	require.Less(t, grew, uint64(64<<20), "the heap grew by %d MiB while the guest talked", grew>>20)
 	require.LessOrEqual(t, len(out), OutputLimit)
 	require.ErrorIs(t, err, context.DeadlineExceeded)

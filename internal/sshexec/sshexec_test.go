@@ -272,7 +272,9 @@ func TestBackgroundServiceServesTheRestOfTheStage(t *testing.T) {
 	ts := sshtest.Start(t)
 	c := dial(t, target(ts))
 	dir := t.TempDir()
-	script := fmt.Sprintf("(while true; do date +%%s%%N > %[1]s/beat; sleep 0.05; done) &\nsleep 0.5\na=$(cat %[1]s/beat); sleep 0.3; b=$(cat %[1]s/beat)\n[ \"$a\" != \"$b\" ] && echo service-alive\n", dir)
+	// The later command looks for a new beat for up to 10 s (a loaded host
+	// may not run the loop for a while).
+	script := fmt.Sprintf("(while true; do date +%%s%%N > %[1]s/beat; sleep 0.05; done) &\nsleep 0.5\na=$(cat %[1]s/beat); i=0\nwhile [ $i -lt 100 ]; do sleep 0.1; b=$(cat %[1]s/beat); [ \"$a\" != \"$b\" ] && break; i=$((i+1)); done\n[ \"$a\" != \"$b\" ] && echo service-alive\n", dir)
 	out, _, err := run(c, context.Background(), script)
 	require.NoError(t, err)
 	require.Contains(t, out, "service-alive")
@@ -525,7 +527,7 @@ func TestWaitReadyRetriesUntilServerUp(t *testing.T) {
 	_ = c.Close()
 
 	tg.Addr = "127.0.0.1:1"
-	ctx2, cancel2 := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	ctx2, cancel2 := context.WithTimeout(context.Background(), time.Second)
 	defer cancel2()
 	_, attempts, err = WaitReady(ctx2, tg, 20*time.Millisecond, time.Second)
 	require.ErrorContains(t, err, "connection refused")

@@ -28,7 +28,7 @@ func TestHelperProcessAlloc(t *testing.T) {
 	for i := 0; i < len(b); i += 4096 {
 		b[i] = 1 // touch every page so it is resident
 	}
-	time.Sleep(300 * time.Millisecond) // long enough to be sampled
+	time.Sleep(time.Second) // long enough to be sampled on a loaded host
 	_, _ = os.Stdout.WriteString("allocated " + strconv.Itoa(len(b)>>20) + " MiB\n")
 	runtime.KeepAlive(b)
 	os.Exit(0)

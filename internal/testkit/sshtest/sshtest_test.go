@@ -134,7 +134,7 @@ func exec(t *testing.T, c *ssh.Client, cmd string) (ssh.Channel, *events, <-chan
 func TestChannelEndsWhenOutputEnds(t *testing.T) {
 	s := sshtest.Start(t)
 	c := mustDial(t, s)
-	_, ev, out := exec(t, c, "(sleep 1; echo late) & echo early")
+	_, ev, out := exec(t, c, "(sleep 2; echo late) & echo early")
 	select {
 	case got := <-out:
 		require.Equal(t, "early\nlate\n", got)
@@ -179,12 +179,13 @@ func TestDropOnSendsWhatPrecedesTheMarkerInOneWrite(t *testing.T) {
 // it was sent. The command outlives the marker by far: a command that
 // exits at once may have its exit status sent before the copy of its
 // output reaches the marker (as sshd sends it when the child exits), and a
-// loaded host made that race visible.
+// loaded host made that race visible. The sleeps keep "DRO" and "P-NOW"
+// in two reads of the server's copy on a loaded host too.
 func TestDropOnClosesTheConnection(t *testing.T) {
 	s := sshtest.Start(t)
 	s.DropOn("DROP-NOW")
 	c := mustDial(t, s)
-	out, err := output(t, c, "echo before; sleep 0.2; printf DRO; sleep 0.2; echo P-NOW; sleep 30; echo after", "")
+	out, err := output(t, c, "echo before; sleep 1; printf DRO; sleep 1; echo P-NOW; sleep 30; echo after", "")
 	require.Error(t, err, "out=%q", out)
 	var ee *ssh.ExitError
 	require.False(t, errors.As(err, &ee), "no exit status after a drop: %v", err)
