@@ -665,11 +665,13 @@ func TestStepLogJournaldGone(t *testing.T) {
 
 	// Gone: the send is refused by the kernel, not cut by the deadline.
 	require.NoError(t, l.Close())
+	start := time.Now()
 	err := sl.Log(stepRecord())
 	require.ErrorIs(t, err, unix.ECONNREFUSED, "closed socket")
 	require.NoError(t, os.Remove(path))
 	err = sl.Log(stepRecord())
 	require.ErrorIs(t, err, unix.ENOENT, "removed socket")
+	require.Less(t, time.Since(start), journalTimeout, "not retried until the deadline")
 
 	// A journal that never reads: its queue fills, then each Log gives up
 	// after journalTimeout. The bound is the timeout with room for a

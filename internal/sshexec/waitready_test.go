@@ -136,7 +136,9 @@ func TestWaitReadyPollsAtAFixedRate(t *testing.T) {
 // configured its address) is abandoned after PollConnectTimeout, not after
 // ConnectTimeout, and the next attempt follows at once. Each attempt's
 // bound is read from the deadline it was given (a loaded machine does not
-// move it); how long it took is only held to well below ConnectTimeout.
+// move it); how long it took is only held to its bound plus 1 s, and at
+// least one attempt must follow the one before it within the interval
+// (sleeping after each abandoned attempt would make every gap an interval).
 func TestWaitReadyAbandonsAHangingConnect(t *testing.T) {
 	hang := func(ctx context.Context) (net.Conn, error) {
 		<-ctx.Done()
@@ -150,7 +152,7 @@ func TestWaitReadyAbandonsAHangingConnect(t *testing.T) {
 	}{
 		{"default per-attempt bound", 5 * time.Second, 0, DefaultPollConnectTimeout, 2, 7},
 		{"shorter connect timeout wins", 100 * time.Millisecond, 0, 100 * time.Millisecond, 2, 15},
-		{"own per-attempt bound", 5 * time.Second, 400 * time.Millisecond, 400 * time.Millisecond, 2, 4},
+		{"own per-attempt bound", 5 * time.Second, 600 * time.Millisecond, 600 * time.Millisecond, 2, 3},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var log attemptLog
@@ -171,6 +173,13 @@ func TestWaitReadyAbandonsAHangingConnect(t *testing.T) {
 				require.Greater(t, bounds[i], tc.want/2, "attempt %d's bound (bounds %v)", i, bounds)
 				require.Less(t, d, tc.want+time.Second, "attempts took %v", took)
 			}
+			log.mu.Lock()
+			gap := time.Hour
+			for i := 1; i < len(log.start); i++ {
+				gap = min(gap, log.start[i].Sub(log.start[i-1].Add(log.took[i-1])))
+			}
+			log.mu.Unlock()
+			require.Less(t, gap, 50*time.Millisecond, "the next attempt follows an abandoned one at once")
 		})
 	}
 }
