@@ -595,13 +595,14 @@ func TestHealthCheckInterval(t *testing.T) {
 func TestBootFailureBacksOff(t *testing.T) {
 	e := newEnv(t, "idle_count = 1\n", "", "")
 	e.hv.FailOn["Define"] = errors.New("injected define failure")
+	t0 := time.Now()
 	e.tick()
 	require.Equal(t, 1, e.calls("Define"))
 	e.s.mu.Lock()
 	bo := e.s.backoff["tiny"]
 	e.s.mu.Unlock()
 	require.Equal(t, 1, bo.failures)
-	require.WithinDuration(t, time.Now().Add(5*time.Second), bo.until, 2*time.Second)
+	requireBackoffUntil(t, t0, 5*time.Second, bo.until)
 	require.Contains(t, e.log.String(), "injected define failure")
 	require.Empty(t, e.standbys(), "the failed boot is undone")
 	locks, err := e.m.Manager().Store.LockNames()
@@ -621,12 +622,13 @@ func TestBootFailureBacksOff(t *testing.T) {
 	bo.until = time.Time{}
 	e.s.backoff["tiny"] = bo
 	e.s.mu.Unlock()
+	t0 = time.Now()
 	e.tick()
 	e.s.mu.Lock()
 	bo = e.s.backoff["tiny"]
 	e.s.mu.Unlock()
 	require.Equal(t, 2, bo.failures)
-	require.WithinDuration(t, time.Now().Add(10*time.Second), bo.until, 2*time.Second)
+	requireBackoffUntil(t, t0, 10*time.Second, bo.until)
 
 	// Once it may try again and succeeds, the backoff is forgotten.
 	delete(e.hv.FailOn, "Define")
@@ -649,13 +651,14 @@ func TestBootOnFullHostBacksOffBriefly(t *testing.T) {
 	unlock, err := e.m.Manager().Store.TryLock("lve-x-job")
 	require.NoError(t, err)
 	defer unlock()
+	t0 := time.Now()
 	e.tick()
 	require.Zero(t, e.calls("Define"))
 	e.s.mu.Lock()
 	bo := e.s.backoff["tiny"]
 	e.s.mu.Unlock()
 	require.Zero(t, bo.failures, "no room is no failure")
-	require.WithinDuration(t, time.Now().Add(5*time.Second), bo.until, 2*time.Second)
+	requireBackoffUntil(t, t0, 5*time.Second, bo.until)
 	require.False(t, e.m.Manager().Capacity().UnderPressure(), "the service's boots are no waiting job")
 	require.NotContains(t, e.log.String(), "level=ERROR")
 	require.DirExists(t, e.m.Manager().Store.MachineDir("lve-x-job"), "the job's machine is not touched")
@@ -827,4 +830,13 @@ func TestTickKeepsSnapshots(t *testing.T) {
 	_, why = snaps.Current(context.Background(), e.img)
 	require.Contains(t, why, "restores failed", "the next rebuild for failures waits")
 	require.NotContains(t, e.log.String(), "level=ERROR")
+}
+
+// requireBackoffUntil requires until to be d after a moment between since
+// (taken before the tick that set it) and now: exact however long the
+// tick took on a loaded host.
+func requireBackoffUntil(t *testing.T, since time.Time, d time.Duration, until time.Time) {
+	t.Helper()
+	require.False(t, until.Before(since.Add(d)), "backoff until %s: before %s after the tick began", until.Format(time.StampMilli), d)
+	require.False(t, until.After(time.Now().Add(d)), "backoff until %s: more than %s from now", until.Format(time.StampMilli), d)
 }
