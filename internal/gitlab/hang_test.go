@@ -128,14 +128,16 @@ func ourGoroutines() []string {
 }
 
 // runsOurCode reports whether a goroutine's stack has a frame of this
-// module's code outside its test files. A frame is a function line followed
+// module's code outside its test files and its test tooling
+// (internal/testkit: an earlier test's SSH test server may still be ending
+// its last command on a loaded host). A frame is a function line followed
 // by its file line.
 func runsOurCode(stack string) bool {
 	const module = "gitlab.com/libvirt-executor/libvirt-executor/internal/"
 	lines := strings.Split(stack, "\n")
 	for i := 0; i+1 < len(lines); i++ {
 		fn := strings.TrimPrefix(lines[i], "created by ")
-		if strings.HasPrefix(fn, module) && !strings.Contains(lines[i+1], "_test.go:") {
+		if strings.HasPrefix(fn, module) && !strings.HasPrefix(fn, module+"testkit/") && !strings.Contains(lines[i+1], "_test.go:") {
 			return true
 		}
 	}
