@@ -81,13 +81,15 @@ const (
 // HTTP answer after a verified TLS handshake will do) with the guest's
 // git, through the CA the runner uses, and prints git's own words
 // between two marker lines. Nothing of it depends on the job: the URL
-// and the CA come as variables. The runner's script runs with errexit: a
-// failing git must not end the job.
+// and the CA come as variables. The runner's script runs with errexit and
+// pipefail: a failing git must not end the job, and its words are cut to
+// 2000 bytes by printf's precision (a pipe into head would fail the
+// writer once head had enough).
 var probeScript = []string{
 	`if command -v git >/dev/null 2>&1; then ` +
 		`if [ -n "${LVE_SELFTEST_GITLAB_CA:-}" ]; then export GIT_SSL_CAINFO="$LVE_SELFTEST_GITLAB_CA"; fi; ` +
 		`st=0; o=$(GIT_TERMINAL_PROMPT=0 GIT_ASKPASS=true timeout 30 git ls-remote "$LVE_SELFTEST_GITLAB_URL/libvirt-executor-selftest/probe.git" 2>&1) || st=$?; ` +
-		`echo ` + probeBegin + `; printf '%s\n' "$o" | head -c 2000; echo; echo "probe-status=$st"; echo ` + probeEnd + `; ` +
+		`echo ` + probeBegin + `; printf '%.2000s\n' "$o"; echo; echo "probe-status=$st"; echo ` + probeEnd + `; ` +
 		`else echo ` + probeBegin + `; echo "no git in the guest"; echo ` + probeEnd + `; fi`,
 }
 

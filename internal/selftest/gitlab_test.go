@@ -84,4 +84,18 @@ func TestProbeScriptSurvivesErrexit(t *testing.T) {
 	require.True(t, ok, "%s", b)
 	require.Contains(t, out, "probe-status=128")
 	require.Equal(t, ProbeDNS, ClassifyProbe(out, "https://g.example"))
+
+	// A git that says far more than a pipe holds: its words are cut to
+	// 2000 bytes, and the cut does not end the script (a pipe into head
+	// would fail the writer under pipefail).
+	loud := "#!/bin/sh\nhead -c 200000 /dev/zero | tr '\\0' x\nexit 128\n"
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "git"), []byte(loud), 0o755))
+	cmd = exec.Command("bash", "-c", script)
+	cmd.Env = []string{"PATH=" + dir + ":/usr/bin:/bin", "LVE_SELFTEST_GITLAB_URL=https://g.example"}
+	b, err = cmd.CombinedOutput()
+	require.NoError(t, err, "%.3000s", b)
+	require.Contains(t, string(b), "AFTER-THE-PROBE")
+	out, ok = probeOutput(string(b))
+	require.True(t, ok)
+	require.Equal(t, strings.Repeat("x", 2000)+"\n\nprobe-status=128", out)
 }

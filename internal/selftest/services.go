@@ -29,7 +29,10 @@ func servicesJob(o Options) jobapi.Job {
 		// not on every image).
 		// Each marker is echoed in two words: the runner's echo of the
 		// command then never reads as the marker itself.
-		fmt.Sprintf(`line=$(getent hosts %[1]s 2>/dev/null || grep -w %[1]s /etc/hosts | head -n 1); `+
+		// The runner's script runs with errexit and pipefail: an alias
+		// found nowhere must not end it before it says so (`|| true`),
+		// and no pipe into head, whose early exit would fail the writer.
+		fmt.Sprintf(`line=$(getent hosts %[1]s 2>/dev/null || grep -m 1 -w %[1]s /etc/hosts || true); `+
 			`if [ -z "$line" ]; then echo "selftest: %[1]s does not" "resolve in the guest"; exit 1; fi; echo "selftest: service" "resolves as $line"`, ServiceAlias),
 	}
 	if o.ServicePort > 0 {

@@ -24,8 +24,9 @@ func TestServicesJobScript(t *testing.T) {
 	for _, marker := range []string{svcResolved, svcAnswered, ServiceAlias + " does not resolve in the guest"} {
 		require.NotContains(t, text, marker, "the echoed script would read as its own marker")
 	}
-	// Here the alias resolves nowhere: the script says so and fails.
-	out, err := exec.Command("bash", "-c", job.Script[0]).CombinedOutput()
+	// Here the alias resolves nowhere: the script says so and fails, also
+	// with errexit and pipefail on, as in the runner's script.
+	out, err := exec.Command("bash", "-c", "set -eo pipefail\n"+job.Script[0]).CombinedOutput()
 	require.Error(t, err)
 	require.Contains(t, string(out), ServiceAlias+" does not resolve in the guest")
 	require.NotContains(t, string(out), svcResolved)
