@@ -110,6 +110,13 @@ func linesScript(n int) string {
 	return fmt.Sprintf(`for i in $(seq 1 %d); do echo "line $i"; echo; sleep 0.2; done`, n)
 }
 
+// gatedLinesScript is linesScript that, after "line at", waits until the
+// guest file flag exists: what a test does there happens mid-step however
+// slow the guest or the host is.
+func gatedLinesScript(n, at int, flag string) string {
+	return fmt.Sprintf(`for i in $(seq 1 %d); do echo "line $i"; echo; if [ "$i" = %d ]; then while [ ! -e %s ]; do sleep 0.2; done; fi; sleep 0.2; done`, n, at, flag)
+}
+
 // requireLinesOnce checks that out has "line 1".."line n", each once, in
 // order.
 func requireLinesOnce(t *testing.T, out string, n int) {
@@ -138,8 +145,8 @@ func TestFaultNativeSteps(t *testing.T) {
 	r := setup(t)
 	requireGuestStepRunner(t, r)
 	r = r.withConfig(t, withNativeSteps)
-	const n = 40
-	s := nativeStage(t, r, linesScript(n))
+	const n, gate, flag = 40, 20, "/tmp/lve-e2e-go-on"
+	s := nativeStage(t, r, gatedLinesScript(n, gate, flag))
 	require.Equal(t, 0, s.run(t, "config").code)
 	require.Equal(t, 0, s.run(t, "prepare").code)
 	script := filepath.Join(s.dir, "script.")
@@ -147,7 +154,9 @@ func TestFaultNativeSteps(t *testing.T) {
 
 	// One step, two drops: every SSH connection killed at line 5 (the
 	// stream comes back through the holder, which connects again), then
-	// the holder SIGKILLed at line 20 (it comes back directly).
+	// the holder SIGKILLed at line 20 (it comes back directly). The step
+	// waits after line 20 until the test lets it go on, so that both
+	// drops come mid-step on a host of any speed.
 	t.Run("SSH connections and then the holder killed", func(t *testing.T) {
 		rn := s.start(t, "run", script, "build_script")
 		waitFor(t, 2*time.Minute, "line 5 in the stage's output", func() bool { return strings.Contains(rn.out.String(), "line 5\n") })
@@ -161,8 +170,17 @@ func TestFaultNativeSteps(t *testing.T) {
 			}
 			return strings.Count(rn.err.String(), "re-attached, the log goes on") == 1
 		})
-		waitFor(t, time.Minute, "line 20 in the stage's output", func() bool { return strings.Contains(rn.out.String(), "line 20\n") })
+		waitFor(t, time.Minute, "line 20 in the stage's output", func() bool { return strings.Contains(rn.out.String(), fmt.Sprintf("line %d\n", gate)) })
 		killHolder(t, holderPID)
+		waitFor(t, time.Minute, "the second re-attach", func() bool {
+			if rn.ended() {
+				t.Fatalf("the stage ended before its second re-attach:\n%s", rn.err.String())
+			}
+			return strings.Count(rn.err.String(), "re-attached, the log goes on") == 2
+		})
+		require.NotContains(t, rn.out.String(), fmt.Sprintf("line %d\n", gate+1), "the step waits for the test")
+		goOn := s.runScript(t, "prepare_script", "touch "+flag+"\n")
+		require.Equal(t, 0, goOn.code, goOn.stderr)
 		res := rn.wait(t, 3*time.Minute)
 		require.Equal(t, 0, res.code, res.stderr)
 		require.Equal(t, 2, strings.Count(res.stderr, "re-attached, the log goes on"), res.stderr)

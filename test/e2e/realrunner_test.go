@@ -287,12 +287,14 @@ func TestRealRunnerCancel(t *testing.T) {
 }
 
 // TestRealRunnerJobTimeout: a job that outlives its timeout fails as
-// job_execution_timeout, at the timeout. (25 s: a tiny guest's prepare
-// takes 6-9 s here, so the timeout comes during the script, with room
-// for a loaded host.)
+// job_execution_timeout, at the timeout. (35 s: a tiny guest's prepare
+// takes 6-9 s here and up to 17 s beside other work, and the runner's
+// stages before the script 1-2 s each under emulation; the timeout, which
+// counts from the job's start, comes during the script, with room for a
+// loaded host.)
 func TestRealRunnerJobTimeout(t *testing.T) {
 	rr := newRealRunner(t)
-	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 25, Script: []string{"echo sleeping", "sleep 600"}})[0]
+	res := rr.runJobs(t, jobapi.Job{Name: "slow", TimeoutSeconds: 35, Script: []string{"echo sleeping", "sleep 600"}})[0]
 	require.Equal(t, jobapi.StateFailed, res.State, res.Trace)
 	require.Equal(t, "job_execution_timeout", res.FailureReason)
 	require.Regexp(t, `(?m)^sleeping\r?$`, res.Trace, "the timeout ended the script, not prepare")
