@@ -104,15 +104,10 @@ func nativeStage(t *testing.T, r *rig, script string) *stageRunner {
 	return s
 }
 
-// linesScript prints "line 1".."line n", each followed by an empty line,
-// one every 200 ms.
-func linesScript(n int) string {
-	return fmt.Sprintf(`for i in $(seq 1 %d); do echo "line $i"; echo; sleep 0.2; done`, n)
-}
-
-// gatedLinesScript is linesScript that, after "line at", waits until the
-// guest file flag exists: what a test does there happens mid-step however
-// slow the guest or the host is.
+// gatedLinesScript prints "line 1".."line n", each followed by an empty
+// line, one every 200 ms, and after "line at" waits until the guest file
+// flag exists: what a test does there happens mid-step however slow the
+// guest or the host is.
 func gatedLinesScript(n, at int, flag string) string {
 	return fmt.Sprintf(`for i in $(seq 1 %d); do echo "line $i"; echo; if [ "$i" = %d ]; then while [ ! -e %s ]; do sleep 0.2; done; fi; sleep 0.2; done`, n, at, flag)
 }
