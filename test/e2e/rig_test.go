@@ -3,6 +3,13 @@
 // Package e2e runs GitLab-shaped jobs through the four real executables, driven
 // by the runner-faithful harness, against real libvirtd + QEMU guests in the
 // private rig (deploy/rig). Run with `make test-e2e` (root).
+//
+// Job scripts run as the runner runs them, with errexit and pipefail: a
+// check in a guest never pipes into a reader that may leave early (`grep
+// -q`, `head`), whose leaving fails the writer and so the pipeline; read
+// the whole output first (CI failed once on `dmesg | grep -q`). What a test
+// must do mid-stage it does while the guest waits for it (a file the test
+// makes), not while the guest sleeps.
 package e2e
 
 import (
