@@ -158,21 +158,21 @@ func TestFaultNativeSteps(t *testing.T) {
 		holderPID := s.holderPID(t)
 		// Every sshd serving a connection in the guest (the stage's own
 		// and this one's included); the service runs in its own session.
+		// reattached waits for the stage's k-th re-attach, failing at once
+		// if the stage ends first.
+		reattached := func(k int) {
+			waitFor(t, time.Minute, fmt.Sprintf("re-attach %d", k), func() bool {
+				if rn.ended() {
+					t.Fatalf("the stage ended before its re-attach %d:\n%s", k, rn.err.String())
+				}
+				return strings.Count(rn.err.String(), "re-attached, the log goes on") == k
+			})
+		}
 		s.runScript(t, "prepare_script", guestProcs("sshd*@notty*", "kill -KILL $p")+"true\n")
-		waitFor(t, time.Minute, "the first re-attach", func() bool {
-			if rn.ended() {
-				t.Fatalf("the stage ended before its first re-attach:\n%s", rn.err.String())
-			}
-			return strings.Count(rn.err.String(), "re-attached, the log goes on") == 1
-		})
+		reattached(1)
 		waitFor(t, time.Minute, "line 20 in the stage's output", func() bool { return strings.Contains(rn.out.String(), fmt.Sprintf("line %d\n", gate)) })
 		killHolder(t, holderPID)
-		waitFor(t, time.Minute, "the second re-attach", func() bool {
-			if rn.ended() {
-				t.Fatalf("the stage ended before its second re-attach:\n%s", rn.err.String())
-			}
-			return strings.Count(rn.err.String(), "re-attached, the log goes on") == 2
-		})
+		reattached(2)
 		require.NotContains(t, rn.out.String(), fmt.Sprintf("line %d\n", gate+1), "the step waits for the test")
 		goOn := s.runScript(t, "prepare_script", "touch "+flag+"\n")
 		require.Equal(t, 0, goOn.code, goOn.stderr)
